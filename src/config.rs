@@ -1,0 +1,228 @@
+//! Settings: where the broker listens, which gateway it talks to, with what
+//! credential, and every limit it enforces.
+//!
+//! Every bound the broker enforces is a named field of [`Limits`] with its
+//! default and what happens at the limit written next to it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::protocol::{ErrorShape, StudioCode};
+
+/// The default gateway URL (the gateway's default port on loopback).
+pub const DEFAULT_GATEWAY_URL: &str = "ws://localhost:18789";
+
+/// A secret (token or password). It cannot be printed by accident: `Debug`
+/// and `Display` show `<redacted>`; only [`Secret::expose`] reveals it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    /// The secret itself, for the one place that must send it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// Per-client and broker-wide bounds.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// A local client must send its `connect` within this time after the
+    /// WebSocket opens, else it is closed `1008 connect timeout`. Default 10 s.
+    pub connect_timeout: Duration,
+    /// How long a local `connect` waits for the upstream session to become
+    /// ready before it is answered with the upstream's last error. Default 10 s.
+    pub connect_wait: Duration,
+    /// A request without an answer after this long is answered
+    /// `studio.request_timeout` (and its late answer discarded). Default 30 s.
+    pub request_timeout: Duration,
+    /// An `agent` request that was `accepted` waits this long for its final
+    /// answer, since runs last longer than ordinary requests. Default 10 min.
+    pub run_timeout: Duration,
+    /// Largest frame accepted before `connect` (the gateway's pre-auth cap);
+    /// larger closes `1009 frame too large`. Default 64 KiB.
+    pub preconnect_max_bytes: usize,
+    /// Largest frame accepted after `connect`; also advertised as
+    /// `policy.maxPayload` (never above the gateway's). Larger closes
+    /// `1009 frame too large`. Default 25 MiB.
+    pub max_frame_bytes: usize,
+    /// Queue bytes above which droppable events (`tick`, `presence`,
+    /// `heartbeat`, chat deltas) are dropped for that client, consuming a seq.
+    /// Default 1 MiB.
+    pub queue_soft_bytes: usize,
+    /// Queue bytes at which the client is closed `1008 slow consumer`. Default 8 MiB.
+    pub queue_hard_bytes: usize,
+    /// A client over the soft limit for longer than this is closed
+    /// `1008 slow consumer`. Default 10 s.
+    pub slow_grace: Duration,
+    /// Connected local clients at most; one more gets `studio.too_many_clients`
+    /// and close 1013. Default 1024.
+    pub max_clients: usize,
+    /// Requests in flight per client at most; one more is answered
+    /// `studio.too_many_requests`. Default 256.
+    pub max_inflight: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            connect_timeout: Duration::from_secs(10),
+            connect_wait: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
+            run_timeout: Duration::from_secs(600),
+            preconnect_max_bytes: 64 * 1024,
+            max_frame_bytes: 25 * 1024 * 1024,
+            queue_soft_bytes: 1024 * 1024,
+            queue_hard_bytes: 8 * 1024 * 1024,
+            slow_grace: Duration::from_secs(10),
+            max_clients: 1024,
+            max_inflight: 256,
+        }
+    }
+}
+
+/// How the one upstream connection is opened and re-opened.
+#[derive(Debug, Clone)]
+pub struct UpstreamOptions {
+    /// Time allowed from opening the socket to `hello-ok`; past it the
+    /// attempt fails `studio.upstream_timeout`. Default 10 s.
+    pub handshake_timeout: Duration,
+    /// First reconnect delay, doubled per failure. Default 1 s.
+    pub backoff_initial: Duration,
+    /// Reconnect delay ceiling; also the delay after a rejected connect
+    /// (auth, pairing), so a wrong token never becomes a tight loop. Default 30 s.
+    pub backoff_max: Duration,
+}
+
+impl Default for UpstreamOptions {
+    fn default() -> Self {
+        UpstreamOptions {
+            handshake_timeout: Duration::from_secs(10),
+            backoff_initial: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Everything `serve` needs, resolved from flags and environment.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The unix socket the broker listens on.
+    pub socket_path: PathBuf,
+    /// The gateway WebSocket URL (validated when the connector starts, so a
+    /// bad value becomes `studio.gateway_url_*` for clients, not a crash).
+    pub gateway_url: String,
+    /// The host credential injected into the upstream `connect`.
+    pub token: Option<Secret>,
+    pub limits: Limits,
+    pub upstream: UpstreamOptions,
+}
+
+impl Settings {
+    /// Settings with defaults for everything but the socket path.
+    pub fn new(socket_path: impl Into<PathBuf>) -> Self {
+        Settings {
+            socket_path: socket_path.into(),
+            gateway_url: DEFAULT_GATEWAY_URL.into(),
+            token: None,
+            limits: Limits::default(),
+            upstream: UpstreamOptions::default(),
+        }
+    }
+}
+
+/// Checks a gateway URL: empty → `studio.gateway_url_missing`, not a
+/// `ws://`/`wss://` URL with a host → `studio.gateway_url_invalid`.
+pub fn validate_gateway_url(url: &str) -> Result<(), ErrorShape> {
+    let url = url.trim();
+    if url.is_empty() {
+        return Err(ErrorShape::studio(
+            StudioCode::GatewayUrlMissing,
+            "the gateway URL is empty: set --gateway-url or CLAWMUX_GATEWAY_URL (e.g. ws://localhost:18789)",
+        ));
+    }
+    let rest = url
+        .strip_prefix("ws://")
+        .or_else(|| url.strip_prefix("wss://"));
+    let host_ok = rest.is_some_and(|r| {
+        let authority = r.split(['/', '?', '#']).next().unwrap_or("");
+        !authority.is_empty() && !authority.contains(char::is_whitespace)
+    });
+    if !host_ok {
+        return Err(ErrorShape::studio(
+            StudioCode::GatewayUrlInvalid,
+            format!(
+                "the gateway URL {url:?} is not a ws:// or wss:// URL: set --gateway-url or CLAWMUX_GATEWAY_URL to e.g. ws://localhost:18789"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The default socket path: `$XDG_RUNTIME_DIR/clawmux.sock`, else
+/// `<tmp>/clawmux-<uid>/clawmux.sock` (that directory is created 0700).
+pub fn default_socket_path() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if !dir.is_empty() && Path::new(&dir).is_absolute() => {
+            PathBuf::from(dir).join("clawmux.sock")
+        }
+        _ => std::env::temp_dir()
+            .join(format!("clawmux-{}", rustix::process::getuid().as_raw()))
+            .join("clawmux.sock"),
+    }
+}
+
+/// Reads a token file: trimmed, non-empty. The error names the file, never its contents.
+pub fn read_token_file(path: &Path) -> Result<Secret, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read token file {}: {e}", path.display()))?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(format!("token file {} is empty", path.display()));
+    }
+    Ok(Secret::new(token))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_never_print() {
+        let s = Secret::new("hunter2");
+        assert_eq!(format!("{s:?} {s}"), "<redacted> <redacted>");
+        let settings = Settings {
+            token: Some(s),
+            ..Settings::new("/tmp/x.sock")
+        };
+        assert!(!format!("{settings:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn gateway_urls() {
+        assert!(validate_gateway_url("ws://localhost:18789").is_ok());
+        assert!(validate_gateway_url("wss://gw.example/ws").is_ok());
+        let code = |u: &str| validate_gateway_url(u).unwrap_err().code;
+        assert_eq!(code(""), "studio.gateway_url_missing");
+        assert_eq!(code("  "), "studio.gateway_url_missing");
+        assert_eq!(code("http://localhost:18789"), "studio.gateway_url_invalid");
+        assert_eq!(code("ws://"), "studio.gateway_url_invalid");
+        assert_eq!(code("localhost:18789"), "studio.gateway_url_invalid");
+    }
+}

@@ -1,0 +1,317 @@
+//! Fan-out: the registry of connected local clients and the gateway snapshot
+//! they are greeted with.
+//!
+//! An upstream event is encoded once ([`EventHead`]) and the same bytes are
+//! queued for every client; only the per-client `seq` differs. Admitting a
+//! client (building its `hello-ok` from the snapshot) and publishing an event
+//! (which may update the snapshot) happen under one lock, so a new client
+//! sees every event after its snapshot and none before it.
+
+pub mod client;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+pub use client::{Client, Outgoing, Pushed, QueueLimits};
+
+use crate::protocol::EventHead;
+
+/// Counters for `/healthz`, logs and (later) metrics.
+#[derive(Debug, Default)]
+pub struct HubStats {
+    /// Events published to clients.
+    pub events: AtomicU64,
+    /// Event deliveries dropped at a client's soft limit.
+    pub drops: AtomicU64,
+    /// Clients closed as slow consumers.
+    pub slow_closes: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct HubInner {
+    clients: HashMap<u64, Arc<Client>>,
+    /// The current gateway snapshot (`hello-ok.snapshot`, kept fresh from
+    /// `presence` and `health` events); `Null` until the first upstream hello.
+    snapshot: Value,
+}
+
+/// The client registry and event fan-out.
+#[derive(Debug)]
+pub struct Hub {
+    inner: Mutex<HubInner>,
+    next_client_id: AtomicU64,
+    queue_limits: QueueLimits,
+    max_clients: usize,
+    pub stats: HubStats,
+}
+
+/// The broker is at its client limit.
+#[derive(Debug, thiserror::Error)]
+#[error("too many clients (limit {0})")]
+pub struct TooManyClients(pub usize);
+
+/// Events a slow client may miss: periodic or superseded by the next one
+/// (design §5; gateway-protocol.md §3.5).
+fn is_droppable(name: &str, payload: Option<&RawValue>) -> bool {
+    match name {
+        "tick" | "presence" | "heartbeat" => true,
+        "chat" => {
+            #[derive(serde::Deserialize)]
+            struct State<'a> {
+                #[serde(borrow, default)]
+                state: Option<std::borrow::Cow<'a, str>>,
+            }
+            payload
+                .and_then(|p| serde_json::from_str::<State>(p.get()).ok())
+                .and_then(|s| s.state)
+                .is_some_and(|s| s == "delta")
+        }
+        _ => false,
+    }
+}
+
+impl Hub {
+    pub fn new(queue_limits: QueueLimits, max_clients: usize) -> Self {
+        Hub {
+            inner: Mutex::new(HubInner::default()),
+            next_client_id: AtomicU64::new(1),
+            queue_limits,
+            max_clients,
+            stats: HubStats::default(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HubInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A new client, not yet receiving events (it is still handshaking).
+    pub fn new_client(&self) -> Arc<Client> {
+        let id = self.next_client_id.fetch_add(1, Ordering::Relaxed);
+        Arc::new(Client::new(id, self.queue_limits))
+    }
+
+    /// Starts delivering events to `client`. `hello` builds the client's
+    /// `hello-ok` from the current snapshot; it is queued before any event.
+    pub fn admit(
+        &self,
+        client: &Arc<Client>,
+        hello: impl FnOnce(&Value) -> Bytes,
+    ) -> Result<(), TooManyClients> {
+        let mut inner = self.lock();
+        if inner.clients.len() >= self.max_clients {
+            return Err(TooManyClients(self.max_clients));
+        }
+        client.push_frame(hello(&inner.snapshot));
+        inner.clients.insert(client.id, Arc::clone(client));
+        Ok(())
+    }
+
+    /// Stops delivering events to a client (it disconnected).
+    pub fn remove(&self, client_id: u64) {
+        self.lock().clients.remove(&client_id);
+    }
+
+    pub fn client_count(&self) -> usize {
+        self.lock().clients.len()
+    }
+
+    pub fn clients(&self) -> Vec<Arc<Client>> {
+        self.lock().clients.values().cloned().collect()
+    }
+
+    /// Replaces the snapshot after a new upstream `hello-ok`.
+    pub fn reset_snapshot(&self, snapshot: Value) {
+        self.lock().snapshot = snapshot;
+    }
+
+    /// The current gateway snapshot.
+    pub fn snapshot(&self) -> Value {
+        self.lock().snapshot.clone()
+    }
+
+    /// Publishes a gateway event to every admitted client.
+    pub fn publish(
+        &self,
+        name: &str,
+        payload: Option<&RawValue>,
+        state_version: Option<&RawValue>,
+    ) {
+        let head = EventHead::encode(name, payload, state_version);
+        let droppable = is_droppable(name, payload);
+        let mut inner = self.lock();
+        if matches!(name, "presence" | "health") {
+            apply_to_snapshot(&mut inner.snapshot, name, payload, state_version);
+        }
+        self.deliver(&inner, &head, droppable);
+    }
+
+    /// Publishes an event the broker itself originates (e.g. `clawmux.upstream`).
+    pub fn publish_local(&self, name: &str, payload: &Value) {
+        let head = EventHead::from_value(name, payload);
+        let inner = self.lock();
+        self.deliver(&inner, &head, false);
+    }
+
+    fn deliver(&self, inner: &HubInner, head: &EventHead, droppable: bool) {
+        self.stats.events.fetch_add(1, Ordering::Relaxed);
+        for client in inner.clients.values() {
+            match client.push_event(head, droppable) {
+                Pushed::Queued | Pushed::Closed => {}
+                Pushed::Dropped => {
+                    self.stats.drops.fetch_add(1, Ordering::Relaxed);
+                }
+                Pushed::SlowConsumer => {
+                    self.stats.slow_closes.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Makes every client see a gap (a skipped `seq`): after an upstream gap
+    /// or reconnect, so unmodified clients resync.
+    pub fn gap(&self) {
+        let inner = self.lock();
+        for client in inner.clients.values() {
+            client.skip_seq();
+        }
+    }
+}
+
+/// Applies a `presence` or `health` event to the snapshot, only if its
+/// `stateVersion` is newer than the one held (gateway-protocol.md §3.4).
+fn apply_to_snapshot(
+    snapshot: &mut Value,
+    name: &str,
+    payload: Option<&RawValue>,
+    state_version: Option<&RawValue>,
+) {
+    let Value::Object(snap) = snapshot else {
+        return;
+    };
+    let Some(payload) = payload.and_then(|p| serde_json::from_str::<Value>(p.get()).ok()) else {
+        return;
+    };
+    let new_sv = state_version.and_then(|s| serde_json::from_str::<Value>(s.get()).ok());
+    let held = |key: &str| {
+        snap.get("stateVersion")
+            .and_then(|sv| sv.get(key))
+            .and_then(Value::as_u64)
+    };
+    if let (Some(new), Some(old)) = (
+        new_sv
+            .as_ref()
+            .and_then(|sv| sv.get(name))
+            .and_then(Value::as_u64),
+        held(name),
+    ) {
+        if new <= old {
+            return;
+        }
+    }
+    match name {
+        "presence" => {
+            if let Some(list) = payload.get("presence") {
+                snap.insert("presence".into(), list.clone());
+            }
+        }
+        _ => {
+            snap.insert("health".into(), payload);
+        }
+    }
+    if let Some(Value::Object(new_sv)) = new_sv {
+        let entry = snap
+            .entry("stateVersion")
+            .or_insert_with(|| Value::Object(Default::default()));
+        if let Value::Object(sv) = entry {
+            if let Some(v) = new_sv.get(name) {
+                sv.insert(name.into(), v.clone());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use std::time::Duration;
+
+    fn raw(v: Value) -> Box<RawValue> {
+        serde_json::value::to_raw_value(&v).unwrap()
+    }
+
+    fn hub() -> Hub {
+        Hub::new(
+            QueueLimits {
+                soft_bytes: 1 << 20,
+                hard_bytes: 8 << 20,
+                grace: Duration::from_secs(10),
+            },
+            2,
+        )
+    }
+
+    #[test]
+    fn droppable_events() {
+        assert!(is_droppable("tick", None));
+        assert!(is_droppable("chat", Some(&raw(json!({"state":"delta"})))));
+        assert!(!is_droppable("chat", Some(&raw(json!({"state":"final"})))));
+        assert!(!is_droppable("health", None));
+        assert!(!is_droppable("agent", None));
+    }
+
+    #[test]
+    fn snapshot_applies_only_newer_versions() {
+        let mut snap = json!({"presence":[],"health":{},"stateVersion":{"presence":5,"health":3}});
+        apply_to_snapshot(
+            &mut snap,
+            "presence",
+            Some(&raw(json!({"presence":[{"host":"a"}]}))),
+            Some(&raw(json!({"presence":6,"health":3}))),
+        );
+        assert_eq!(snap["presence"][0]["host"], "a");
+        assert_eq!(snap["stateVersion"]["presence"], 6);
+        apply_to_snapshot(
+            &mut snap,
+            "presence",
+            Some(&raw(json!({"presence":[]}))),
+            Some(&raw(json!({"presence":4,"health":3}))),
+        );
+        assert_eq!(snap["presence"][0]["host"], "a", "older version ignored");
+        apply_to_snapshot(
+            &mut snap,
+            "health",
+            Some(&raw(json!({"ok":true}))),
+            Some(&raw(json!({"presence":6,"health":4}))),
+        );
+        assert_eq!(snap["health"]["ok"], true);
+        assert_eq!(snap["stateVersion"], json!({"presence":6,"health":4}));
+    }
+
+    #[tokio::test]
+    async fn admitted_clients_get_hello_first_then_events() {
+        let hub = hub();
+        hub.reset_snapshot(json!({"presence":[]}));
+        let a = hub.new_client();
+        hub.admit(&a, |snap| Bytes::from(snap.to_string())).unwrap();
+        hub.publish("tick", Some(&raw(json!({"ts":1}))), None);
+        hub.gap();
+        hub.publish("tick", Some(&raw(json!({"ts":2}))), None);
+        let batch = a.next_batch().await;
+        assert!(matches!(&batch[0], Outgoing::Frame(b) if &b[..] == br#"{"presence":[]}"#));
+        assert!(matches!(&batch[1], Outgoing::Event(_, 1)));
+        assert!(matches!(&batch[2], Outgoing::Event(_, 3)));
+        let b = hub.new_client();
+        hub.admit(&b, |_| Bytes::new()).unwrap();
+        let c = hub.new_client();
+        assert!(hub.admit(&c, |_| Bytes::new()).is_err());
+        hub.remove(a.id);
+        assert_eq!(hub.client_count(), 1);
+    }
+}

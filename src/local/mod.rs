@@ -1,0 +1,70 @@
+//! The local side: the unix listener, peer-credential check, HTTP routes and
+//! WebSocket sessions.
+
+pub mod http;
+pub mod socket;
+pub mod ws;
+
+use std::sync::Arc;
+
+use hyper::server::conn::http1;
+use hyper_util::rt::TokioIo;
+use tokio::net::UnixListener;
+
+use crate::broker::Ctx;
+
+/// Accepts connections until shutdown. Each connection is served by its own
+/// task; its errors are logged and never reach the listener.
+pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>) {
+    let me = rustix::process::getuid().as_raw();
+    loop {
+        let stream = tokio::select! {
+            _ = ctx.cancel.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // EMFILE and friends: log, back off a little, keep serving.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        // Peer credentials come from the kernel, not from anything the peer says.
+        match stream.peer_cred() {
+            Ok(cred) if cred.uid() == me || ctx.allowed_uids.contains(&cred.uid()) => {}
+            Ok(cred) => {
+                tracing::warn!(
+                    peer_uid = cred.uid(),
+                    "refused a connection from another user"
+                );
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!("cannot read peer credentials, refusing: {e}");
+                continue;
+            }
+        }
+        let ctx = Arc::clone(&ctx);
+        let tracker = ctx.tracker.clone();
+        tracker.spawn(async move {
+            let cancel = ctx.cancel.clone();
+            let service = hyper::service::service_fn(move |req| http::route(req, Arc::clone(&ctx)));
+            let conn = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .with_upgrades();
+            tokio::pin!(conn);
+            tokio::select! {
+                res = conn.as_mut() => {
+                    if let Err(e) = res {
+                        tracing::debug!("local HTTP connection ended: {e}");
+                    }
+                }
+                _ = cancel.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,350 @@
+//! One local WebSocket client: connect enforcement, the synthesized
+//! `hello-ok`, request forwarding, and its writer task.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use futures_util::stream::{SplitSink, SplitStream};
+use futures_util::{SinkExt, StreamExt};
+use hyper::upgrade::Upgraded;
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
+use tokio_tungstenite::WebSocketStream;
+
+use crate::broker::Ctx;
+use crate::hub::{Client, Outgoing};
+use crate::protocol::frames::{
+    encode_req, encode_res_error, encode_res_ok, ClientFrameError, ConnectParams,
+};
+use crate::protocol::{now_ms, ClientFrame, ConnectRequest, ErrorShape, EventHead, StudioCode};
+use crate::upstream::UpstreamHello;
+
+type Ws = WebSocketStream<TokioIo<Upgraded>>;
+
+/// How long a closing client may take to acknowledge our close frame.
+const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// What the reader got from the socket.
+enum Incoming {
+    Text(Utf8Bytes),
+    TooLarge,
+    Closed,
+}
+
+async fn next_incoming(stream: &mut SplitStream<Ws>) -> Incoming {
+    loop {
+        match stream.next().await {
+            Some(Ok(Message::Text(t))) => return Incoming::Text(t),
+            Some(Ok(Message::Binary(b))) => match Utf8Bytes::try_from(b) {
+                Ok(t) => return Incoming::Text(t),
+                // Not text: treated like unparseable JSON.
+                Err(_) => return Incoming::Text(Utf8Bytes::from_static("\u{0}")),
+            },
+            Some(Ok(Message::Close(_))) | None => return Incoming::Closed,
+            Some(Ok(_)) => {}
+            Some(Err(WsError::Capacity(_))) => return Incoming::TooLarge,
+            Some(Err(e)) => {
+                tracing::debug!("local client read error: {e}");
+                return Incoming::Closed;
+            }
+        }
+    }
+}
+
+/// Runs one local client to completion.
+pub async fn run(ws: Ws, ctx: Arc<Ctx>) {
+    let (sink, mut stream) = ws.split();
+    let client = ctx.hub.new_client();
+    let mut writer = tokio::spawn(write_loop(sink, Arc::clone(&client)));
+    let client_id = client.id;
+    tracing::debug!(client_id, "local client opened");
+
+    let challenge = EventHead::from_value(
+        "connect.challenge",
+        &json!({"nonce": uuid::Uuid::new_v4().to_string(), "ts": now_ms()}),
+    );
+    client.push_frame(challenge.without_seq());
+
+    let admitted = tokio::select! {
+        admitted = handshake(&mut stream, &client, &ctx) => admitted,
+        _ = ctx.cancel.cancelled() => {
+            client.close(1001, "going away");
+            false
+        }
+    };
+    if admitted {
+        tracing::info!(client_id, conn_id = %client.conn_id, "local client connected");
+        serve_requests(&mut stream, &client, &ctx, &mut writer).await;
+    }
+    ctx.hub.remove(client_id);
+    ctx.router.forget_client(client_id);
+    // Let the writer deliver what is queued (the close frame included), but
+    // never wait on a client that does not read.
+    if tokio::time::timeout(CLOSE_LINGER, &mut writer)
+        .await
+        .is_err()
+    {
+        writer.abort();
+    }
+    tracing::info!(client_id, "local client disconnected");
+}
+
+/// Connect enforcement (design §2). Returns true once the client is admitted.
+async fn handshake(stream: &mut SplitStream<Ws>, client: &Arc<Client>, ctx: &Arc<Ctx>) -> bool {
+    let limits = &ctx.settings.limits;
+    let first = match tokio::time::timeout(limits.connect_timeout, next_incoming(stream)).await {
+        Err(_) => {
+            client.close(1008, "connect timeout");
+            return false;
+        }
+        Ok(Incoming::Closed) => return false,
+        Ok(Incoming::TooLarge) => {
+            client.close(1009, "frame too large");
+            return false;
+        }
+        Ok(Incoming::Text(t)) => t,
+    };
+    if first.len() > limits.preconnect_max_bytes {
+        client.close(1009, "frame too large");
+        return false;
+    }
+    let req = match ConnectRequest::parse_first(first.as_str()) {
+        Ok(req) => req,
+        Err(e) => {
+            client.close(e.close_code(), &e.to_string());
+            return false;
+        }
+    };
+    let params = match req.validate() {
+        Ok(p) => p,
+        Err(message) => {
+            client.push_frame(encode_res_error(
+                &req.id,
+                &ErrorShape::invalid_request(message.clone()),
+            ));
+            client.close(1008, truncate_reason(&message));
+            return false;
+        }
+    };
+    let deadline = Instant::now() + limits.connect_wait;
+    let hello = match ctx.upstream.wait_ready(deadline).await {
+        Ok(h) => h,
+        Err(error) => {
+            tracing::info!(client_id = client.id, code = %error.code, "local connect failed");
+            client.push_frame(encode_res_error(&req.id, &error));
+            client.close(1011, "connect failed");
+            return false;
+        }
+    };
+    if !(params.min_protocol..=params.max_protocol).contains(&hello.protocol) {
+        let error = ErrorShape::invalid_request("protocol mismatch").with_details(json!({
+            "code": "PROTOCOL_MISMATCH",
+            "expectedProtocol": hello.protocol,
+            "clientMinProtocol": params.min_protocol,
+            "clientMaxProtocol": params.max_protocol,
+        }));
+        client.push_frame(encode_res_error(&req.id, &error));
+        client.close(1002, "protocol mismatch");
+        return false;
+    }
+    client
+        .tool_events
+        .store(params.tool_events, std::sync::atomic::Ordering::Relaxed);
+    let max_frame = ctx.settings.limits.max_frame_bytes as u64;
+    let admitted = ctx.hub.admit(client, |snapshot| {
+        encode_res_ok(
+            &req.id,
+            &synthesize_hello(&hello, snapshot, &client.conn_id, max_frame, &params),
+        )
+    });
+    if let Err(e) = admitted {
+        let error = ErrorShape::studio(
+            StudioCode::TooManyClients,
+            format!("{e}; close another client or raise max_clients"),
+        );
+        client.push_frame(encode_res_error(&req.id, &error));
+        client.close(1013, "too many clients");
+        return false;
+    }
+    true
+}
+
+/// The `hello-ok` a local client gets: the gateway's own, with this client's
+/// `connId`, the current snapshot, a `maxPayload` no larger than either side
+/// accepts, and the broker's effective auth (never its device token).
+fn synthesize_hello(
+    up: &UpstreamHello,
+    snapshot: &Value,
+    conn_id: &str,
+    max_frame: u64,
+    _params: &ConnectParams,
+) -> Value {
+    let mut hello = up.payload.clone();
+    if !hello.is_object() {
+        hello = json!({});
+    }
+    hello["type"] = json!("hello-ok");
+    hello["protocol"] = json!(up.protocol);
+    let mut server = hello
+        .get("server")
+        .cloned()
+        .filter(Value::is_object)
+        .unwrap_or_else(|| json!({}));
+    server["connId"] = json!(conn_id);
+    server["version"] = json!(up.server_version);
+    hello["server"] = server;
+    if !snapshot.is_null() {
+        hello["snapshot"] = snapshot.clone();
+    }
+    let mut policy = hello
+        .get("policy")
+        .cloned()
+        .filter(Value::is_object)
+        .unwrap_or_else(|| json!({}));
+    let max_payload = up.max_payload.map_or(max_frame, |m| m.min(max_frame));
+    policy["maxPayload"] = json!(max_payload);
+    hello["policy"] = policy;
+    hello["auth"] = json!({"role": "operator", "scopes": up.scopes});
+    hello
+}
+
+/// Serves requests after the handshake until the client leaves, the broker
+/// stops, or the writer ends (slow consumer, write error).
+async fn serve_requests(
+    stream: &mut SplitStream<Ws>,
+    client: &Arc<Client>,
+    ctx: &Arc<Ctx>,
+    writer: &mut tokio::task::JoinHandle<()>,
+) {
+    loop {
+        let incoming = tokio::select! {
+            i = next_incoming(stream) => i,
+            _ = ctx.cancel.cancelled() => {
+                client.close(1001, "going away");
+                return;
+            }
+            _ = &mut *writer => return,
+        };
+        let text = match incoming {
+            Incoming::Text(t) => t,
+            Incoming::TooLarge => {
+                client.close(1009, "frame too large");
+                return;
+            }
+            Incoming::Closed => return,
+        };
+        match ClientFrame::parse(text.as_str()) {
+            Ok(frame) if frame.method == "connect" => {
+                client.push_frame(encode_res_error(
+                    &frame.id,
+                    &ErrorShape::invalid_request("connect is only valid as the first request"),
+                ));
+            }
+            Ok(frame) => {
+                if let Err(error) = forward(ctx, client, &frame).await {
+                    client.push_frame(encode_res_error(&frame.id, &error));
+                }
+            }
+            Err(ClientFrameError::InvalidJson) => {
+                // The gateway logs and ignores these; so do we (nothing to answer to).
+                tracing::debug!(client_id = client.id, "ignoring a frame that is not JSON");
+            }
+            Err(ClientFrameError::InvalidFrame { id, message }) => {
+                client.push_frame(encode_res_error(&id, &ErrorShape::invalid_request(message)));
+            }
+        }
+    }
+}
+
+/// Sends one request upstream under a broker-unique id.
+async fn forward(
+    ctx: &Arc<Ctx>,
+    client: &Arc<Client>,
+    frame: &ClientFrame<'_>,
+) -> Result<(), ErrorShape> {
+    let Some(epoch) = ctx.upstream.ready_epoch() else {
+        return Err(ctx.upstream.status().not_ready_error());
+    };
+    let upstream_id = ctx
+        .router
+        .register(client, &frame.id, &frame.method, epoch)?;
+    let text = encode_req(&upstream_id, &frame.method, frame.params);
+    let sent = ctx.upstream.send(epoch, text).await;
+    // If the session ended meanwhile, the request may never be written; fail it
+    // now rather than at its deadline (a no-op if it was failed already).
+    if sent.is_err() || ctx.upstream.ready_epoch() != Some(epoch) {
+        ctx.router
+            .fail(&upstream_id, &ctx.upstream.status().not_ready_error());
+    }
+    Ok(())
+}
+
+/// Close reasons are limited to 123 bytes by the WebSocket spec; cut on a
+/// character boundary.
+fn truncate_reason(reason: &str) -> &str {
+    let mut end = reason.len().min(120);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason[..end]
+}
+
+/// Drains the client's queue into the socket, several frames per flush.
+async fn write_loop(mut sink: SplitSink<Ws, Message>, client: Arc<Client>) {
+    loop {
+        let batch = tokio::select! {
+            batch = client.next_batch() => batch,
+            _ = client.killed.cancelled() => client.next_batch().await,
+        };
+        for item in batch {
+            let msg = match item {
+                Outgoing::Event(head, seq) => text_message(head.with_seq(seq)),
+                Outgoing::Frame(bytes) => text_message(bytes),
+                Outgoing::Close(code, reason) => {
+                    let frame = CloseFrame {
+                        code: CloseCode::from(code),
+                        reason: Utf8Bytes::from(truncate_reason(&reason)),
+                    };
+                    let _ = sink.send(Message::Close(Some(frame))).await;
+                    return;
+                }
+            };
+            let fed = tokio::select! {
+                r = sink.feed(msg) => r.is_ok(),
+                _ = client.killed.cancelled() => false,
+            };
+            if !fed {
+                return send_slow_consumer_close(sink, &client).await;
+            }
+        }
+        let flushed = tokio::select! {
+            r = sink.flush() => r.is_ok(),
+            _ = client.killed.cancelled() => false,
+        };
+        if !flushed {
+            return send_slow_consumer_close(sink, &client).await;
+        }
+    }
+}
+
+/// After a write was abandoned: if the client was killed as a slow consumer,
+/// queue the close frame behind what the socket already holds, briefly.
+async fn send_slow_consumer_close(mut sink: SplitSink<Ws, Message>, client: &Client) {
+    if client.killed.is_cancelled() {
+        let (code, reason) = crate::hub::client::SLOW_CONSUMER_CLOSE;
+        let frame = CloseFrame {
+            code: CloseCode::from(code),
+            reason: Utf8Bytes::from_static(reason),
+        };
+        let _ = tokio::time::timeout(CLOSE_LINGER, sink.send(Message::Close(Some(frame)))).await;
+    }
+}
+
+fn text_message(bytes: Bytes) -> Message {
+    // Frames are built only from valid UTF-8 (JSON) pieces.
+    Message::Text(Utf8Bytes::try_from(bytes).unwrap_or_else(|_| Utf8Bytes::from_static("{}")))
+}

@@ -1,0 +1,552 @@
+//! Frame parsing and encoding (gateway-protocol.md §1).
+//!
+//! Parsing borrows from the input and keeps payloads as raw JSON; encoding
+//! splices those raw slices into new frames. Nothing in here touches a socket.
+
+use std::borrow::Cow;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+use super::ErrorShape;
+
+/// Lowest protocol version the broker speaks upstream (gateway-protocol.md §2.2).
+pub const PROTOCOL_MIN: u64 = 3;
+/// Highest protocol version the broker speaks upstream.
+pub const PROTOCOL_MAX: u64 = 4;
+
+/// Why a local client's first frame was refused; each maps to one close code
+/// (the Claw3D proxy's table, gateway-protocol.md §7.3).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FirstFrameError {
+    #[error("invalid json")]
+    InvalidJson,
+    #[error("connect required")]
+    ConnectRequired,
+    #[error("connect id required")]
+    ConnectIdRequired,
+}
+
+impl FirstFrameError {
+    /// The WebSocket close code for this refusal.
+    pub fn close_code(&self) -> u16 {
+        match self {
+            FirstFrameError::InvalidJson => 1003,
+            FirstFrameError::ConnectRequired | FirstFrameError::ConnectIdRequired => 1008,
+        }
+    }
+}
+
+/// A local client's `connect` request, checked only for what the broker needs.
+///
+/// The broker answers `connect` itself, so it is deliberately more lenient
+/// than the gateway's closed `ConnectParams` schema: anything the gateway
+/// accepts is accepted here too.
+#[derive(Debug, Clone)]
+pub struct ConnectRequest {
+    pub id: String,
+    pub params: Value,
+}
+
+/// What the broker reads from `connect` params.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConnectParams {
+    pub min_protocol: u64,
+    pub max_protocol: u64,
+    /// The client asked for `agent` tool-stream events (`caps:["tool-events"]`).
+    pub tool_events: bool,
+    /// The client's `client.id`, for logs and `/v1/state`.
+    pub client_name: Option<String>,
+    /// The client's own `auth` object, if any (never logged).
+    pub auth: Option<Value>,
+}
+
+impl ConnectRequest {
+    /// Parses a local client's first frame (design §2, local side).
+    pub fn parse_first(text: &str) -> Result<ConnectRequest, FirstFrameError> {
+        let value: Value = serde_json::from_str(text).map_err(|_| FirstFrameError::InvalidJson)?;
+        let Value::Object(mut obj) = value else {
+            return Err(FirstFrameError::InvalidJson);
+        };
+        let is_connect = obj.get("type").and_then(Value::as_str) == Some("req")
+            && obj.get("method").and_then(Value::as_str) == Some("connect");
+        if !is_connect {
+            return Err(FirstFrameError::ConnectRequired);
+        }
+        let id = match obj.get("id").and_then(Value::as_str) {
+            Some(id) if !id.is_empty() => id.to_owned(),
+            _ => return Err(FirstFrameError::ConnectIdRequired),
+        };
+        let params = obj.remove("params").unwrap_or(Value::Null);
+        Ok(ConnectRequest { id, params })
+    }
+
+    /// Checks the params the broker relies on; the error text follows the
+    /// gateway's "invalid connect params: …" wording.
+    pub fn validate(&self) -> Result<ConnectParams, String> {
+        let Value::Object(p) = &self.params else {
+            return Err("invalid connect params: params must be an object".into());
+        };
+        let proto = |key: &str| -> Result<u64, String> {
+            match p.get(key).and_then(Value::as_u64) {
+                Some(v) if v >= 1 => Ok(v),
+                _ => Err(format!(
+                    "invalid connect params: {key} must be an integer >= 1"
+                )),
+            }
+        };
+        let min_protocol = proto("minProtocol")?;
+        let max_protocol = proto("maxProtocol")?;
+        match p.get("role") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(r)) if r == "operator" => {}
+            Some(Value::String(r)) if r == "node" => {
+                return Err("invalid role: node connections need their own gateway session".into())
+            }
+            Some(_) => return Err("invalid role".into()),
+        }
+        let tool_events = p
+            .get("caps")
+            .and_then(Value::as_array)
+            .is_some_and(|caps| caps.iter().any(|c| c.as_str() == Some("tool-events")));
+        let client_name = p
+            .get("client")
+            .and_then(|c| c.get("id"))
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        let auth = p.get("auth").filter(|a| a.is_object()).cloned();
+        Ok(ConnectParams {
+            min_protocol,
+            max_protocol,
+            tool_events,
+            client_name,
+            auth,
+        })
+    }
+}
+
+/// A request frame as the gateway's closed `req` schema defines it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StrictReq<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    #[serde(borrow)]
+    id: Cow<'a, str>,
+    #[serde(borrow)]
+    method: Cow<'a, str>,
+    #[serde(borrow, default)]
+    params: Option<&'a RawValue>,
+}
+
+/// Just enough of a frame to echo its id in an error.
+#[derive(Deserialize)]
+struct IdOnly<'a> {
+    #[serde(borrow, default)]
+    id: Option<Cow<'a, str>>,
+}
+
+/// A request from a local client after its handshake.
+#[derive(Debug)]
+pub struct ClientFrame<'a> {
+    pub id: Cow<'a, str>,
+    pub method: Cow<'a, str>,
+    pub params: Option<&'a RawValue>,
+}
+
+/// Why a post-handshake client frame was refused.
+#[derive(Debug, PartialEq)]
+pub enum ClientFrameError {
+    /// Not JSON at all: the gateway logs and ignores these.
+    InvalidJson,
+    /// JSON, but not a valid `req` frame: answered with `INVALID_REQUEST`
+    /// under the frame's id (or `"invalid"`), socket stays open.
+    InvalidFrame { id: String, message: String },
+}
+
+impl<'a> ClientFrame<'a> {
+    pub fn parse(text: &'a str) -> Result<ClientFrame<'a>, ClientFrameError> {
+        match serde_json::from_str::<StrictReq<'a>>(text) {
+            Ok(req) if req.kind == "req" && !req.id.is_empty() && !req.method.is_empty() => {
+                Ok(ClientFrame {
+                    id: req.id,
+                    method: req.method,
+                    params: req.params,
+                })
+            }
+            Ok(req) => Err(ClientFrameError::InvalidFrame {
+                id: if req.id.is_empty() {
+                    "invalid".into()
+                } else {
+                    req.id.into_owned()
+                },
+                message:
+                    "invalid request frame: type must be \"req\" with a non-empty id and method"
+                        .into(),
+            }),
+            Err(err) => {
+                if serde_json::from_str::<&RawValue>(text).is_err() {
+                    return Err(ClientFrameError::InvalidJson);
+                }
+                let id = serde_json::from_str::<IdOnly>(text)
+                    .ok()
+                    .and_then(|f| f.id)
+                    .filter(|id| !id.is_empty())
+                    .map(Cow::into_owned)
+                    .unwrap_or_else(|| "invalid".into());
+                Err(ClientFrameError::InvalidFrame {
+                    id,
+                    message: format!("invalid request frame: {err}"),
+                })
+            }
+        }
+    }
+}
+
+/// A frame from the gateway. Unknown fields are tolerated everywhere.
+#[derive(Debug, Deserialize)]
+struct RawUpstream<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    #[serde(borrow, default)]
+    id: Option<Cow<'a, str>>,
+    #[serde(default)]
+    ok: Option<bool>,
+    #[serde(borrow, default)]
+    payload: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    error: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    event: Option<Cow<'a, str>>,
+    #[serde(default)]
+    seq: Option<u64>,
+    #[serde(rename = "stateVersion", borrow, default)]
+    state_version: Option<&'a RawValue>,
+}
+
+/// A parsed gateway frame, borrowing from the text it came from.
+#[derive(Debug)]
+pub enum UpstreamFrame<'a> {
+    Event {
+        name: Cow<'a, str>,
+        payload: Option<&'a RawValue>,
+        seq: Option<u64>,
+        state_version: Option<&'a RawValue>,
+    },
+    Res {
+        id: Cow<'a, str>,
+        ok: bool,
+        payload: Option<&'a RawValue>,
+        error: Option<&'a RawValue>,
+    },
+}
+
+impl<'a> UpstreamFrame<'a> {
+    /// Parses a gateway frame; `None` for anything that is not a well-formed
+    /// `event` or `res` (the caller logs and ignores it, as gateway clients do).
+    pub fn parse(text: &'a str) -> Option<UpstreamFrame<'a>> {
+        let raw: RawUpstream<'a> = serde_json::from_str(text).ok()?;
+        match raw.kind.as_ref() {
+            "event" => Some(UpstreamFrame::Event {
+                name: raw.event.filter(|e| !e.is_empty())?,
+                payload: raw.payload,
+                seq: raw.seq,
+                state_version: raw.state_version,
+            }),
+            "res" => Some(UpstreamFrame::Res {
+                id: raw.id?,
+                ok: raw.ok?,
+                payload: raw.payload,
+                error: raw.error,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// An event frame encoded once, without its `seq`, shared by every client
+/// queue. [`EventHead::with_seq`] adds the per-client `seq` and the closing brace.
+#[derive(Debug, Clone)]
+pub struct EventHead {
+    bytes: Bytes,
+}
+
+impl EventHead {
+    pub fn encode(
+        name: &str,
+        payload: Option<&RawValue>,
+        state_version: Option<&RawValue>,
+    ) -> Self {
+        let mut buf = Vec::with_capacity(
+            48 + name.len()
+                + payload.map_or(0, |p| p.get().len())
+                + state_version.map_or(0, |s| s.get().len()),
+        );
+        buf.extend_from_slice(br#"{"type":"event","event":"#);
+        write_json_str(&mut buf, name);
+        if let Some(p) = payload {
+            buf.extend_from_slice(br#","payload":"#);
+            buf.extend_from_slice(p.get().as_bytes());
+        }
+        if let Some(sv) = state_version {
+            buf.extend_from_slice(br#","stateVersion":"#);
+            buf.extend_from_slice(sv.get().as_bytes());
+        }
+        EventHead { bytes: buf.into() }
+    }
+
+    /// Encodes an event whose payload is a [`Value`] the broker built itself.
+    pub fn from_value(name: &str, payload: &Value) -> Self {
+        let raw = serde_json::value::to_raw_value(payload).ok();
+        Self::encode(name, raw.as_deref(), None)
+    }
+
+    /// The whole frame with this client's `seq`.
+    pub fn with_seq(&self, seq: u64) -> Bytes {
+        let mut buf = BytesMut::with_capacity(self.bytes.len() + 28);
+        buf.put_slice(&self.bytes);
+        buf.put_slice(br#","seq":"#);
+        buf.put_slice(itoa_u64(seq).as_bytes());
+        buf.put_u8(b'}');
+        buf.freeze()
+    }
+
+    /// The whole frame without a `seq` (only `connect.challenge` is sent so).
+    pub fn without_seq(&self) -> Bytes {
+        let mut buf = BytesMut::with_capacity(self.bytes.len() + 1);
+        buf.put_slice(&self.bytes);
+        buf.put_u8(b'}');
+        buf.freeze()
+    }
+
+    /// Encoded size in bytes (used for queue accounting).
+    pub fn len(&self) -> usize {
+        self.bytes.len() + 16
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+}
+
+fn itoa_u64(n: u64) -> String {
+    n.to_string()
+}
+
+fn write_json_str(buf: &mut Vec<u8>, s: &str) {
+    // Writing a &str to a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *buf, s);
+}
+
+/// `{"type":"req","id":…,"method":…,"params":…}` with the params spliced in raw.
+pub fn encode_req(id: &str, method: &str, params: Option<&RawValue>) -> String {
+    let mut buf =
+        Vec::with_capacity(48 + id.len() + method.len() + params.map_or(0, |p| p.get().len()));
+    buf.extend_from_slice(br#"{"type":"req","id":"#);
+    write_json_str(&mut buf, id);
+    buf.extend_from_slice(br#","method":"#);
+    write_json_str(&mut buf, method);
+    if let Some(p) = params {
+        buf.extend_from_slice(br#","params":"#);
+        buf.extend_from_slice(p.get().as_bytes());
+    }
+    buf.push(b'}');
+    // Built only from valid UTF-8 pieces.
+    String::from_utf8(buf).unwrap_or_default()
+}
+
+/// A `res` frame with raw payload/error spliced in (used to re-address upstream answers).
+pub fn encode_res(
+    id: &str,
+    ok: bool,
+    payload: Option<&RawValue>,
+    error: Option<&RawValue>,
+) -> Bytes {
+    let mut buf = Vec::with_capacity(
+        40 + id.len() + payload.map_or(0, |p| p.get().len()) + error.map_or(0, |e| e.get().len()),
+    );
+    buf.extend_from_slice(br#"{"type":"res","id":"#);
+    write_json_str(&mut buf, id);
+    buf.extend_from_slice(if ok {
+        br#","ok":true"#
+    } else {
+        br#","ok":false"#
+    });
+    if let Some(p) = payload {
+        buf.extend_from_slice(br#","payload":"#);
+        buf.extend_from_slice(p.get().as_bytes());
+    }
+    if let Some(e) = error {
+        buf.extend_from_slice(br#","error":"#);
+        buf.extend_from_slice(e.get().as_bytes());
+    }
+    buf.push(b'}');
+    buf.into()
+}
+
+/// A successful `res` frame with a payload the broker built.
+pub fn encode_res_ok(id: &str, payload: &Value) -> Bytes {
+    let raw = serde_json::value::to_raw_value(payload).ok();
+    encode_res(id, true, raw.as_deref(), None)
+}
+
+/// A failed `res` frame.
+pub fn encode_res_error(id: &str, error: &ErrorShape) -> Bytes {
+    let raw = serde_json::value::to_raw_value(error).ok();
+    encode_res(id, false, None, raw.as_deref())
+}
+
+/// Reads `payload.status` of a response without parsing the rest
+/// (`agent` answers `status:"accepted"` before its final answer).
+pub fn payload_status(payload: Option<&RawValue>) -> Option<String> {
+    #[derive(Deserialize)]
+    struct StatusOnly {
+        #[serde(default)]
+        status: Option<String>,
+    }
+    let p = payload?;
+    serde_json::from_str::<StatusOnly>(p.get()).ok()?.status
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_frame_classification() {
+        assert_eq!(
+            ConnectRequest::parse_first("{nope").unwrap_err(),
+            FirstFrameError::InvalidJson
+        );
+        assert_eq!(
+            ConnectRequest::parse_first("[1,2]").unwrap_err(),
+            FirstFrameError::InvalidJson
+        );
+        assert_eq!(
+            ConnectRequest::parse_first(r#"{"type":"req","id":"1","method":"health"}"#)
+                .unwrap_err(),
+            FirstFrameError::ConnectRequired
+        );
+        assert_eq!(
+            ConnectRequest::parse_first(r#"{"type":"req","id":"","method":"connect"}"#)
+                .unwrap_err(),
+            FirstFrameError::ConnectIdRequired
+        );
+        assert_eq!(
+            ConnectRequest::parse_first(r#"{"type":"req","id":7,"method":"connect"}"#).unwrap_err(),
+            FirstFrameError::ConnectIdRequired
+        );
+        let c = ConnectRequest::parse_first(
+            r#"{"type":"req","id":"c1","method":"connect","params":{"minProtocol":3,"maxProtocol":4,"caps":["tool-events"]}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.id, "c1");
+        let p = c.validate().unwrap();
+        assert_eq!(
+            (p.min_protocol, p.max_protocol, p.tool_events),
+            (3, 4, true)
+        );
+    }
+
+    #[test]
+    fn connect_params_need_protocol_range_and_operator_role() {
+        let parse = |s: &str| ConnectRequest::parse_first(s).unwrap().validate();
+        assert!(parse(r#"{"type":"req","id":"c","method":"connect"}"#).is_err());
+        assert!(
+            parse(r#"{"type":"req","id":"c","method":"connect","params":{"minProtocol":3}}"#)
+                .unwrap_err()
+                .contains("maxProtocol")
+        );
+        assert_eq!(
+            parse(r#"{"type":"req","id":"c","method":"connect","params":{"minProtocol":3,"maxProtocol":4,"role":"admin"}}"#)
+                .unwrap_err(),
+            "invalid role"
+        );
+    }
+
+    #[test]
+    fn client_frames_follow_the_closed_schema() {
+        let f =
+            ClientFrame::parse(r#"{"type":"req","id":"a","method":"health","params":{"x":[1]}}"#)
+                .unwrap();
+        assert_eq!((f.id.as_ref(), f.method.as_ref()), ("a", "health"));
+        assert_eq!(f.params.unwrap().get(), r#"{"x":[1]}"#);
+        assert_eq!(
+            ClientFrame::parse("{oops").unwrap_err(),
+            ClientFrameError::InvalidJson
+        );
+        match ClientFrame::parse(r#"{"type":"req","id":"z","method":"health","extra":1}"#)
+            .unwrap_err()
+        {
+            ClientFrameError::InvalidFrame { id, message } => {
+                assert_eq!(id, "z");
+                assert!(message.starts_with("invalid request frame: "), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        match ClientFrame::parse(r#"{"type":"event","event":"x"}"#).unwrap_err() {
+            ClientFrameError::InvalidFrame { id, .. } => assert_eq!(id, "invalid"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn event_head_splices_seq_once_encoded() {
+        let text = r#"{"type":"event","event":"chat","payload":{"a":"é\"x"},"seq":9,"stateVersion":{"presence":1,"health":2},"extra":true}"#;
+        let UpstreamFrame::Event {
+            name,
+            payload,
+            seq,
+            state_version,
+        } = UpstreamFrame::parse(text).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(seq, Some(9));
+        let head = EventHead::encode(&name, payload, state_version);
+        let framed = head.with_seq(42);
+        let v: Value = serde_json::from_slice(&framed).unwrap();
+        assert_eq!(v["seq"], 42);
+        assert_eq!(v["payload"]["a"], "é\"x");
+        assert_eq!(v["stateVersion"]["health"], 2);
+        assert!(v.get("extra").is_none());
+        let bare: Value = serde_json::from_slice(&head.without_seq()).unwrap();
+        assert!(bare.get("seq").is_none());
+    }
+
+    #[test]
+    fn responses_are_readdressed_verbatim() {
+        let text =
+            r#"{"type":"res","id":"up-1","ok":true,"payload":{"runId":"r","status":"accepted"}}"#;
+        let UpstreamFrame::Res {
+            id,
+            ok,
+            payload,
+            error,
+        } = UpstreamFrame::parse(text).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(id, "up-1");
+        assert_eq!(payload_status(payload).as_deref(), Some("accepted"));
+        let out = encode_res("local \"1\"", ok, payload, error);
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["id"], "local \"1\"");
+        assert_eq!(v["payload"]["runId"], "r");
+        let req: Value = serde_json::from_str(&encode_req("u1", "chat.send", None)).unwrap();
+        assert_eq!(
+            req,
+            serde_json::json!({"type":"req","id":"u1","method":"chat.send"})
+        );
+    }
+
+    #[test]
+    fn garbage_upstream_frames_are_ignored() {
+        assert!(UpstreamFrame::parse("nope").is_none());
+        assert!(UpstreamFrame::parse(r#"{"type":"event"}"#).is_none());
+        assert!(UpstreamFrame::parse(r#"{"type":"res","id":"x"}"#).is_none());
+        assert!(UpstreamFrame::parse(r#"{"type":"hello"}"#).is_none());
+    }
+}

@@ -1,0 +1,278 @@
+//! Request routing: every local request gets a broker-unique upstream id;
+//! the pending table maps the answer back to the client and its own id.
+//!
+//! The table is keyed by upstream id. An entry lives until the final answer
+//! (`agent` answers twice), its deadline, the loss of the upstream session it
+//! was sent on (its *epoch*), or its client's disconnect — whichever is first.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use serde_json::value::RawValue;
+
+use crate::hub::Client;
+use crate::protocol::frames::{encode_res, encode_res_error, payload_status};
+use crate::protocol::{ErrorShape, StudioCode};
+
+/// One request waiting for its upstream answer.
+#[derive(Debug)]
+struct Pending {
+    client: Arc<Client>,
+    local_id: String,
+    method: String,
+    /// The upstream session the request was sent on.
+    epoch: u64,
+    deadline: Instant,
+}
+
+/// The pending-request table.
+#[derive(Debug)]
+pub struct Router {
+    pending: DashMap<String, Pending>,
+    next_id: AtomicU64,
+    request_timeout: Duration,
+    run_timeout: Duration,
+    max_inflight: usize,
+}
+
+impl Router {
+    pub fn new(request_timeout: Duration, run_timeout: Duration, max_inflight: usize) -> Self {
+        Router {
+            pending: DashMap::new(),
+            next_id: AtomicU64::new(1),
+            request_timeout,
+            run_timeout,
+            max_inflight,
+        }
+    }
+
+    /// Records a request and returns the id to send upstream, or the error
+    /// to answer the client with (too many requests in flight).
+    pub fn register(
+        &self,
+        client: &Arc<Client>,
+        local_id: &str,
+        method: &str,
+        epoch: u64,
+    ) -> Result<String, ErrorShape> {
+        let inflight = client.inflight.fetch_add(1, Ordering::AcqRel);
+        if inflight >= self.max_inflight {
+            client.inflight.fetch_sub(1, Ordering::AcqRel);
+            return Err(ErrorShape::studio(
+                StudioCode::TooManyRequests,
+                format!(
+                    "this client already has {} requests in flight; wait for answers before sending more",
+                    self.max_inflight
+                ),
+            ));
+        }
+        let upstream_id = format!("cm-{}", self.next_id.fetch_add(1, Ordering::Relaxed));
+        self.pending.insert(
+            upstream_id.clone(),
+            Pending {
+                client: Arc::clone(client),
+                local_id: local_id.to_owned(),
+                method: method.to_owned(),
+                epoch,
+                deadline: Instant::now() + self.request_timeout,
+            },
+        );
+        Ok(upstream_id)
+    }
+
+    /// Delivers an upstream answer to its client under the client's own id.
+    /// Returns false for an id the table does not know (late or foreign).
+    pub fn complete(
+        &self,
+        upstream_id: &str,
+        ok: bool,
+        payload: Option<&RawValue>,
+        error: Option<&RawValue>,
+    ) -> bool {
+        let interim = ok && payload_status(payload).as_deref() == Some("accepted");
+        if interim {
+            // `agent` answers `accepted` first; keep the entry for the final answer.
+            let Some(mut entry) = self.pending.get_mut(upstream_id) else {
+                return false;
+            };
+            if entry.method == "agent" {
+                entry.deadline = Instant::now() + self.run_timeout;
+                entry
+                    .client
+                    .push_frame(encode_res(&entry.local_id, ok, payload, error));
+                return true;
+            }
+        }
+        let Some((_, p)) = self.pending.remove(upstream_id) else {
+            return false;
+        };
+        p.client.inflight.fetch_sub(1, Ordering::AcqRel);
+        p.client
+            .push_frame(encode_res(&p.local_id, ok, payload, error));
+        true
+    }
+
+    /// Fails one request (e.g. it could not be sent) with `error`.
+    pub fn fail(&self, upstream_id: &str, error: &ErrorShape) {
+        if let Some((_, p)) = self.pending.remove(upstream_id) {
+            Self::answer_error(p, error);
+        }
+    }
+
+    /// Fails every request sent on upstream session `epoch` (it is gone).
+    pub fn fail_epoch(&self, epoch: u64, error: &ErrorShape) -> usize {
+        self.fail_where(|p| p.epoch == epoch, |_| error.clone())
+    }
+
+    /// Answers every request past its deadline with `studio.request_timeout`.
+    pub fn expire(&self, now: Instant) -> usize {
+        self.fail_where(
+            |p| p.deadline <= now,
+            |p| {
+                ErrorShape::studio(
+                    StudioCode::RequestTimeout,
+                    format!("the gateway did not answer {} in time", p.method),
+                )
+            },
+        )
+    }
+
+    /// Drops every entry of a disconnected client (their answers are discarded).
+    pub fn forget_client(&self, client_id: u64) {
+        self.pending.retain(|_, p| p.client.id != client_id);
+    }
+
+    /// Requests waiting for an answer, broker-wide.
+    pub fn pending_count(&self) -> usize {
+        self.pending.len()
+    }
+
+    fn fail_where(
+        &self,
+        matches: impl Fn(&Pending) -> bool,
+        error: impl Fn(&Pending) -> ErrorShape,
+    ) -> usize {
+        let ids: Vec<String> = self
+            .pending
+            .iter()
+            .filter(|e| matches(e.value()))
+            .map(|e| e.key().clone())
+            .collect();
+        let mut n = 0;
+        for id in ids {
+            if let Some((_, p)) = self.pending.remove(&id) {
+                let e = error(&p);
+                Self::answer_error(p, &e);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    fn answer_error(p: Pending, error: &ErrorShape) {
+        p.client.inflight.fetch_sub(1, Ordering::AcqRel);
+        p.client.push_frame(encode_res_error(&p.local_id, error));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::{Outgoing, QueueLimits};
+    use serde_json::Value;
+
+    fn client(id: u64) -> Arc<Client> {
+        Arc::new(Client::new(
+            id,
+            QueueLimits {
+                soft_bytes: 1 << 20,
+                hard_bytes: 1 << 22,
+                grace: Duration::from_secs(10),
+            },
+        ))
+    }
+
+    async fn frames(c: &Client) -> Vec<Value> {
+        c.next_batch()
+            .await
+            .into_iter()
+            .map(|o| match o {
+                Outgoing::Frame(b) => serde_json::from_slice(&b).unwrap(),
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    }
+
+    fn raw(s: &str) -> Box<RawValue> {
+        RawValue::from_string(s.to_owned()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn same_local_id_from_two_clients_is_kept_apart() {
+        let r = Router::new(Duration::from_secs(5), Duration::from_secs(60), 8);
+        let (a, b) = (client(1), client(2));
+        let ua = r.register(&a, "1", "health", 1).unwrap();
+        let ub = r.register(&b, "1", "health", 1).unwrap();
+        assert_ne!(ua, ub);
+        assert!(r.complete(&ub, true, Some(&raw(r#"{"who":"b"}"#)), None));
+        assert!(r.complete(&ua, true, Some(&raw(r#"{"who":"a"}"#)), None));
+        assert!(!r.complete(&ua, true, None, None), "answered once");
+        assert_eq!(frames(&a).await[0]["payload"]["who"], "a");
+        let fb = frames(&b).await;
+        assert_eq!(
+            (fb[0]["id"].as_str(), fb[0]["payload"]["who"].as_str()),
+            (Some("1"), Some("b"))
+        );
+        assert_eq!(a.inflight.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test]
+    async fn agent_answers_twice() {
+        let r = Router::new(Duration::from_secs(5), Duration::from_secs(60), 8);
+        let a = client(1);
+        let u = r.register(&a, "x", "agent", 1).unwrap();
+        assert!(r.complete(
+            &u,
+            true,
+            Some(&raw(r#"{"runId":"r","status":"accepted"}"#)),
+            None
+        ));
+        assert_eq!(r.pending_count(), 1);
+        assert!(r.complete(&u, true, Some(&raw(r#"{"runId":"r","status":"ok"}"#)), None));
+        assert_eq!(r.pending_count(), 0);
+        let f = frames(&a).await;
+        assert_eq!(f.len(), 2);
+        assert_eq!(f[1]["payload"]["status"], "ok");
+    }
+
+    #[tokio::test]
+    async fn epoch_loss_deadline_and_disconnect() {
+        let r = Router::new(Duration::from_millis(0), Duration::from_secs(60), 8);
+        let a = client(1);
+        let u1 = r.register(&a, "1", "status", 1).unwrap();
+        let _u2 = r.register(&a, "2", "status", 2).unwrap();
+        let closed = ErrorShape::studio(StudioCode::UpstreamClosed, "gone");
+        assert_eq!(r.fail_epoch(1, &closed), 1);
+        assert!(!r.complete(&u1, true, None, None));
+        assert_eq!(r.expire(Instant::now()), 1);
+        let f = frames(&a).await;
+        assert_eq!(f[0]["error"]["code"], "studio.upstream_closed");
+        assert_eq!(f[1]["error"]["code"], "studio.request_timeout");
+        let b = client(2);
+        r.register(&b, "1", "status", 3).unwrap();
+        r.forget_client(2);
+        assert_eq!(r.pending_count(), 0);
+    }
+
+    #[test]
+    fn inflight_cap() {
+        let r = Router::new(Duration::from_secs(5), Duration::from_secs(60), 2);
+        let a = client(1);
+        r.register(&a, "1", "status", 1).unwrap();
+        r.register(&a, "2", "status", 1).unwrap();
+        let e = r.register(&a, "3", "status", 1).unwrap_err();
+        assert_eq!(e.code, "studio.too_many_requests");
+    }
+}

@@ -1,0 +1,260 @@
+//! The one upstream session: a connector task that owns the gateway
+//! WebSocket, and a cheap [`Upstream`] handle the rest of the broker uses to
+//! see its phase and to send requests on it.
+//!
+//! Each successful handshake starts a new *epoch*. Requests are tagged with
+//! the epoch they were sent on, so a request meant for a session that has
+//! since died is never replayed on the next one.
+
+mod connector;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Settings;
+use crate::hub::Hub;
+use crate::protocol::{ErrorShape, StudioCode};
+use crate::router::Router;
+
+/// The operator scopes the broker asks for (the full set, so that local
+/// clients can do whatever a direct operator connection could).
+pub const REQUESTED_SCOPES: [&str; 5] = [
+    "operator.admin",
+    "operator.read",
+    "operator.write",
+    "operator.approvals",
+    "operator.pairing",
+];
+
+/// Where the upstream session is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Opening the TCP/WebSocket connection.
+    Connecting,
+    /// Socket open; waiting for the challenge or the `hello-ok`.
+    Handshaking,
+    /// `hello-ok` received; requests and events flow.
+    Ready,
+    /// The last attempt failed or the session dropped; retrying at `retry_at`.
+    Backoff,
+    /// The settings cannot work as they are (bad URL, no credential), or the
+    /// gateway refused the broker (auth, pairing, protocol). Local connects
+    /// fail at once; a refused connect is retried only every `backoff_max`.
+    Rejected,
+    /// The broker is shutting down.
+    Stopped,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Connecting => "connecting",
+            Phase::Handshaking => "handshaking",
+            Phase::Ready => "ready",
+            Phase::Backoff => "backoff",
+            Phase::Rejected => "rejected",
+            Phase::Stopped => "stopped",
+        }
+    }
+}
+
+/// What the gateway said in its `hello-ok`, as the broker uses it.
+#[derive(Debug, Clone)]
+pub struct UpstreamHello {
+    /// The whole `hello-ok` payload (without the device token).
+    pub payload: Value,
+    /// The gateway's protocol version.
+    pub protocol: u64,
+    pub server_version: String,
+    /// The scopes the gateway granted (`auth.scopes`), or the requested ones
+    /// when an older gateway does not say.
+    pub scopes: Vec<String>,
+    /// Requested scopes the gateway did not grant.
+    pub lost_scopes: Vec<String>,
+    /// `policy.maxPayload`, if the gateway sent one.
+    pub max_payload: Option<u64>,
+}
+
+/// A snapshot of the connector's state.
+#[derive(Debug, Clone)]
+pub struct Status {
+    pub phase: Phase,
+    /// Increments with every successful handshake.
+    pub epoch: u64,
+    pub hello: Option<Arc<UpstreamHello>>,
+    /// Why the last attempt or session ended (already in `studio.*` form).
+    pub last_error: Option<ErrorShape>,
+    /// When the next attempt starts (in `Backoff`).
+    pub retry_at: Option<Instant>,
+    /// Successful handshakes after the first.
+    pub reconnects: u64,
+}
+
+impl Status {
+    fn initial() -> Self {
+        Status {
+            phase: Phase::Connecting,
+            epoch: 0,
+            hello: None,
+            last_error: None,
+            retry_at: None,
+            reconnects: 0,
+        }
+    }
+
+    /// Milliseconds until the next attempt, if one is scheduled.
+    pub fn retry_after_ms(&self) -> Option<u64> {
+        self.retry_at
+            .map(|at| at.saturating_duration_since(Instant::now()).as_millis() as u64)
+    }
+
+    /// The error a request or connect gets while the session is not ready.
+    pub fn not_ready_error(&self) -> ErrorShape {
+        let retry = self.retry_after_ms();
+        match (&self.last_error, self.phase) {
+            (Some(e), _) => e.clone().with_retry_after_ms(retry.or(e.retry_after_ms)),
+            (None, Phase::Stopped) => {
+                ErrorShape::studio(StudioCode::UpstreamClosed, "the broker is shutting down")
+            }
+            (None, _) => ErrorShape::studio(
+                StudioCode::UpstreamClosed,
+                "the gateway session is not open yet; try again shortly",
+            )
+            .with_retry_after_ms(retry),
+        }
+    }
+}
+
+/// A request on its way upstream, tagged with its session epoch.
+#[derive(Debug)]
+pub struct Outbound {
+    pub epoch: u64,
+    pub text: String,
+}
+
+/// The handle to the upstream session.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    status: watch::Receiver<Status>,
+    tx: mpsc::Sender<Outbound>,
+}
+
+impl Upstream {
+    /// Starts the connector task.
+    pub fn spawn(
+        settings: &Settings,
+        hub: Arc<Hub>,
+        router: Arc<Router>,
+        cancel: CancellationToken,
+    ) -> (Upstream, tokio::task::JoinHandle<()>) {
+        let (status_tx, status_rx) = watch::channel(Status::initial());
+        let (tx, rx) = mpsc::channel(1024);
+        let connector = connector::Connector::new(settings, hub, router, status_tx, rx, cancel);
+        let task = tokio::spawn(connector.run());
+        (
+            Upstream {
+                status: status_rx,
+                tx,
+            },
+            task,
+        )
+    }
+
+    pub fn status(&self) -> Status {
+        self.status.borrow().clone()
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.status.borrow().phase
+    }
+
+    /// The epoch of the ready session, if one is ready.
+    pub fn ready_epoch(&self) -> Option<u64> {
+        let s = self.status.borrow();
+        (s.phase == Phase::Ready).then_some(s.epoch)
+    }
+
+    /// Waits until the session is ready, or fails with the reason it is not.
+    ///
+    /// Fails early, without waiting for `deadline`, when waiting cannot help:
+    /// the settings are rejected, or the next attempt is scheduled after the
+    /// deadline. A local `connect` uses this (design §2, issue: connect wait).
+    pub async fn wait_ready(&self, deadline: Instant) -> Result<Arc<UpstreamHello>, ErrorShape> {
+        let mut rx = self.status.clone();
+        loop {
+            {
+                let s = rx.borrow_and_update();
+                match s.phase {
+                    Phase::Ready => {
+                        if let Some(h) = &s.hello {
+                            return Ok(Arc::clone(h));
+                        }
+                    }
+                    Phase::Rejected | Phase::Stopped => return Err(s.not_ready_error()),
+                    Phase::Backoff if s.retry_at.is_some_and(|at| at > deadline) => {
+                        return Err(s.not_ready_error())
+                    }
+                    _ => {}
+                }
+            }
+            tokio::select! {
+                changed = rx.changed() => {
+                    if changed.is_err() {
+                        return Err(ErrorShape::studio(StudioCode::UpstreamClosed, "the broker is shutting down"));
+                    }
+                }
+                _ = tokio::time::sleep_until(deadline.into()) => {
+                    let s = rx.borrow();
+                    return Err(match &s.last_error {
+                        Some(_) => s.not_ready_error(),
+                        None => ErrorShape::studio(
+                            StudioCode::UpstreamTimeout,
+                            "the gateway did not complete its handshake in time; is it running? (openclaw gateway)",
+                        ),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Queues a request for the session of `epoch`. Fails when the connector
+    /// is gone. A request for a session that has ended is dropped by the
+    /// connector; its pending entry has been failed already.
+    pub async fn send(&self, epoch: u64, text: String) -> Result<(), ()> {
+        self.tx.send(Outbound { epoch, text }).await.map_err(|_| ())
+    }
+}
+
+/// The backoff delay after `failures` consecutive failures: initial × 2^(n-1),
+/// capped, with up to 20 % jitter taken off so many brokers do not retry in step.
+pub fn backoff_delay(initial: Duration, max: Duration, failures: u32) -> Duration {
+    let exp = failures.saturating_sub(1).min(20);
+    let base = initial.saturating_mul(1u32 << exp).min(max);
+    let jitter = rand::random::<f64>() * 0.2;
+    base.mul_f64(1.0 - jitter)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_the_cap_with_bounded_jitter() {
+        let (i, m) = (Duration::from_secs(1), Duration::from_secs(30));
+        for (n, want) in [
+            (1, 1.0),
+            (2, 2.0),
+            (3, 4.0),
+            (5, 16.0),
+            (6, 30.0),
+            (40, 30.0),
+        ] {
+            let d = backoff_delay(i, m, n).as_secs_f64();
+            assert!(d <= want && d >= want * 0.8, "failures={n}: {d}");
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! The real binary: `serve` against `mock-gateway`, `--help`, SIGTERM.
+
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use support::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
+
+struct Killer(Child);
+
+impl Drop for Killer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn sigterm(child: &Child) {
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("signal");
+}
+
+async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "process did not exit in time"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[test]
+fn help_explains_itself() {
+    let out = Command::new(BIN).arg("--help").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        text.contains("serve") && text.contains("mock-gateway"),
+        "{text}"
+    );
+    let out = Command::new(BIN)
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--socket",
+        "--gateway-url",
+        "--token-file",
+        "--demo",
+        "CLAWMUX_SOCKET",
+    ] {
+        assert!(text.contains(flag), "serve --help mentions {flag}: {text}");
+    }
+}
+
+#[tokio::test]
+async fn serve_binary_against_mock_gateway_binary() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let mut gw = Killer(
+        Command::new(BIN)
+            .args([
+                "mock-gateway",
+                "--port",
+                &port.to_string(),
+                "--token",
+                "bin-token",
+            ])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let mut broker = Killer(
+        Command::new(BIN)
+            .arg("serve")
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--gateway-url", &format!("ws://127.0.0.1:{port}")])
+            .env("CLAWMUX_GATEWAY_TOKEN", "bin-token")
+            .env("CLAWMUX_LOG", "trace")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("socket exists", || socket.exists()).await;
+    // The double may still be binding: the broker retries until connect_wait.
+    let mut c = WsClient::open(&socket, "/ws").await;
+    let hello = c.handshake().await;
+    assert_eq!(hello["type"], "hello-ok");
+    assert_eq!(c.request("health", serde_json::json!({})).await["ok"], true);
+    sigterm(&broker.0);
+    assert_eq!(
+        c.expect_close().await.0,
+        1001,
+        "clients are told the broker is going away"
+    );
+    let status = wait_exit(&mut broker.0).await;
+    assert!(status.success(), "clean exit on SIGTERM: {status:?}");
+    assert!(!socket.exists(), "socket removed");
+    let mut log = String::new();
+    use std::io::Read;
+    broker
+        .0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    assert!(log.contains("upstream session ready"), "{log}");
+    assert!(
+        !log.contains("bin-token"),
+        "the token never reaches the log, even at trace level"
+    );
+    sigterm(&gw.0);
+    assert!(wait_exit(&mut gw.0).await.success());
+}

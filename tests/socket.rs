@@ -1,0 +1,103 @@
+//! The local socket: permissions, stale and live sockets, peer uid (design §8).
+
+mod support;
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+use support::*;
+
+#[tokio::test]
+async fn socket_is_0600_in_a_new_0700_dir_and_removed_on_shutdown() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = test_settings(dir.path(), &gw.url(), Some("test-token"));
+    settings.socket_path = dir.path().join("nested/run/clawmux.sock");
+    let broker = RunningBroker::start(settings.clone()).await.unwrap();
+    let meta = std::fs::metadata(&settings.socket_path).unwrap();
+    assert_eq!(meta.mode() & 0o777, 0o600);
+    let dmeta = std::fs::metadata(settings.socket_path.parent().unwrap()).unwrap();
+    assert_eq!(dmeta.mode() & 0o777, 0o700);
+    broker.shutdown(std::time::Duration::from_secs(2)).await;
+    assert!(!settings.socket_path.exists());
+}
+
+#[tokio::test]
+async fn a_second_broker_on_a_live_socket_refuses_to_start() {
+    let h = start().await;
+    let mut settings = test_settings(h.dir.path(), &h.gw.url(), Some("test-token"));
+    settings.socket_path = h.socket();
+    let err = RunningBroker::start(settings)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("another clawmux"), "{err}");
+    assert!(
+        err.contains(&h.socket().display().to_string()),
+        "names the path: {err}"
+    );
+    // The first broker is untouched.
+    h.connected().await;
+}
+
+#[tokio::test]
+async fn a_stale_socket_file_is_replaced() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let settings = test_settings(dir.path(), &gw.url(), Some("test-token"));
+    // A crashed broker leaves its socket file behind with nobody listening.
+    drop(std::os::unix::net::UnixListener::bind(&settings.socket_path).unwrap());
+    assert!(settings.socket_path.exists());
+    let broker = RunningBroker::start(settings)
+        .await
+        .expect("stale socket replaced");
+    let mut c = WsClient::open(broker.socket_path(), "/ws").await;
+    c.handshake().await;
+}
+
+#[tokio::test]
+async fn a_regular_file_at_the_path_is_never_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let settings = test_settings(dir.path(), "ws://127.0.0.1:9", Some("t"));
+    std::fs::write(&settings.socket_path, b"precious").unwrap();
+    let err = RunningBroker::start(settings.clone())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not a socket"), "{err}");
+    assert_eq!(std::fs::read(&settings.socket_path).unwrap(), b"precious");
+}
+
+/// Another user is refused before any byte is read, even if the file mode
+/// would let them in. Needs root (to act as another uid); skipped otherwise.
+#[tokio::test]
+async fn another_uid_is_refused_by_peer_credentials() {
+    use std::os::unix::process::CommandExt;
+    if rustix::process::getuid().as_raw() != 0 || !std::path::Path::new("/usr/bin/curl").exists() {
+        eprintln!("skipped: needs root and curl to connect as another uid");
+        return;
+    }
+    let h = start().await;
+    // Open the door on purpose: the peer-uid check must still hold.
+    std::fs::set_permissions(h.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(h.socket(), std::fs::Permissions::from_mode(0o666)).unwrap();
+    let socket = h.socket();
+    let curl = move |uid: Option<u32>| {
+        let mut cmd = std::process::Command::new("/usr/bin/curl");
+        cmd.args(["-s", "-m", "5", "--unix-socket"])
+            .arg(&socket)
+            .arg("http://localhost/healthz");
+        if let Some(uid) = uid {
+            cmd.uid(uid).gid(uid);
+        }
+        cmd.output().expect("curl runs")
+    };
+    let (mine, theirs) = tokio::task::spawn_blocking(move || (curl(None), curl(Some(65534))))
+        .await
+        .unwrap();
+    assert!(mine.status.success(), "owner gets an answer");
+    assert!(String::from_utf8_lossy(&mine.stdout).contains("\"ok\":true"));
+    assert!(!theirs.status.success(), "another uid gets nothing");
+    assert!(theirs.stdout.is_empty());
+}

@@ -1,0 +1,266 @@
+//! Shared test support: the gateway double (from the library, so tests,
+//! `clawmux mock-gateway` and `--demo` share one faithful implementation),
+//! a broker started on a temporary socket, and a WebSocket client over that
+//! socket. Every wait is bounded.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::net::UnixStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::WebSocketStream;
+
+pub use clawmux::mock::{Faults, MockConfig, MockGateway};
+pub use clawmux::{RunningBroker, Settings};
+
+/// Patience for anything a test waits on.
+pub const PATIENCE: Duration = Duration::from_secs(5);
+
+/// A broker on a temp socket in front of a gateway double.
+pub struct Harness {
+    pub gw: MockGateway,
+    pub broker: RunningBroker,
+    pub dir: tempfile::TempDir,
+}
+
+impl Harness {
+    pub fn socket(&self) -> PathBuf {
+        self.broker.socket_path().to_owned()
+    }
+
+    pub async fn client(&self) -> WsClient {
+        WsClient::open(&self.socket(), "/ws").await
+    }
+
+    /// A client that has completed the handshake, and its hello-ok payload.
+    pub async fn connected(&self) -> (WsClient, Value) {
+        let mut c = self.client().await;
+        let hello = c.handshake().await;
+        (c, hello)
+    }
+}
+
+pub fn mock_config() -> MockConfig {
+    MockConfig {
+        token: Some("test-token".into()),
+        ..MockConfig::default()
+    }
+}
+
+/// Settings tuned for tests: a temp socket, fast retries, short waits.
+pub fn test_settings(dir: &Path, gateway_url: &str, token: Option<&str>) -> Settings {
+    let mut s = Settings::new(dir.join("clawmux.sock"));
+    s.gateway_url = gateway_url.into();
+    s.token = token.map(clawmux::config::Secret::new);
+    s.upstream.backoff_initial = Duration::from_millis(20);
+    s.upstream.backoff_max = Duration::from_millis(200);
+    s.upstream.handshake_timeout = Duration::from_secs(2);
+    s.limits.connect_wait = Duration::from_secs(3);
+    s
+}
+
+pub async fn start_with(cfg: MockConfig, tweak: impl FnOnce(&mut Settings)) -> Harness {
+    start_faulty(cfg, Faults::default(), tweak).await
+}
+
+/// Like [`start_with`], with the double's faults set before the broker connects.
+pub async fn start_faulty(
+    cfg: MockConfig,
+    faults: Faults,
+    tweak: impl FnOnce(&mut Settings),
+) -> Harness {
+    let gw = MockGateway::start(cfg)
+        .await
+        .expect("gateway double starts");
+    gw.set_faults(faults);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut settings = test_settings(dir.path(), &gw.url(), Some("test-token"));
+    tweak(&mut settings);
+    let broker = RunningBroker::start(settings).await.expect("broker starts");
+    Harness { gw, broker, dir }
+}
+
+pub async fn start() -> Harness {
+    start_with(mock_config(), |_| {}).await
+}
+
+/// Starts a broker without a gateway double (for settings errors).
+pub async fn broker_only(tweak: impl FnOnce(&mut Settings)) -> (RunningBroker, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut settings = test_settings(dir.path(), "ws://127.0.0.1:9", Some("test-token"));
+    tweak(&mut settings);
+    let broker = RunningBroker::start(settings).await.expect("broker starts");
+    (broker, dir)
+}
+
+/// What a client read from the socket.
+#[derive(Debug)]
+pub enum Got {
+    Json(Value),
+    Close(u16, String),
+    Eof,
+}
+
+/// A WebSocket client over the broker's unix socket.
+pub struct WsClient {
+    ws: WebSocketStream<UnixStream>,
+    /// Events read while waiting for something else, in order.
+    pub events: Vec<Value>,
+    next_id: u64,
+}
+
+pub fn connect_frame(id: &str) -> Value {
+    json!({"type":"req","id":id,"method":"connect","params":{
+        "minProtocol":3,"maxProtocol":4,
+        "client":{"id":"cli","version":"test","platform":"linux","mode":"cli"},
+        "role":"operator","scopes":["operator.read","operator.write"],"caps":["tool-events"]}})
+}
+
+impl WsClient {
+    pub async fn open(socket: &Path, path: &str) -> WsClient {
+        let stream = tokio::time::timeout(PATIENCE, UnixStream::connect(socket))
+            .await
+            .expect("connect in time")
+            .expect("socket accepts");
+        let (ws, _) = tokio::time::timeout(
+            PATIENCE,
+            tokio_tungstenite::client_async(format!("ws://localhost{path}"), stream),
+        )
+        .await
+        .expect("upgrade in time")
+        .expect("upgrade succeeds");
+        WsClient {
+            ws,
+            events: Vec::new(),
+            next_id: 0,
+        }
+    }
+
+    pub async fn send_text(&mut self, text: &str) {
+        self.ws.send(Message::text(text)).await.expect("send");
+    }
+
+    pub async fn send_json(&mut self, v: &Value) {
+        self.send_text(&v.to_string()).await;
+    }
+
+    pub async fn recv(&mut self) -> Got {
+        loop {
+            let msg = tokio::time::timeout(PATIENCE, self.ws.next())
+                .await
+                .expect("a frame within the patience window");
+            return match msg {
+                Some(Ok(Message::Text(t))) => {
+                    Got::Json(serde_json::from_str(t.as_str()).expect("broker sends JSON"))
+                }
+                Some(Ok(Message::Close(f))) => match f {
+                    Some(f) => Got::Close(u16::from(f.code), f.reason.as_str().to_owned()),
+                    None => Got::Close(1005, String::new()),
+                },
+                Some(Ok(_)) => continue,
+                Some(Err(_)) | None => Got::Eof,
+            };
+        }
+    }
+
+    pub async fn recv_json(&mut self) -> Value {
+        match self.recv().await {
+            Got::Json(v) => v,
+            other => panic!("expected a frame, got {other:?}"),
+        }
+    }
+
+    /// Reads until the close frame, skipping other frames; returns (code, reason).
+    pub async fn expect_close(&mut self) -> (u16, String) {
+        loop {
+            match self.recv().await {
+                Got::Json(v) => self.events.push(v),
+                Got::Close(c, r) => return (c, r),
+                Got::Eof => panic!("connection ended without a close frame"),
+            }
+        }
+    }
+
+    /// Reads the challenge, sends `connect`, returns the hello-ok payload.
+    pub async fn handshake(&mut self) -> Value {
+        let challenge = self.recv_json().await;
+        assert_eq!(challenge["event"], "connect.challenge", "{challenge}");
+        self.send_json(&connect_frame("connect-1")).await;
+        let res = self.response("connect-1").await;
+        assert_eq!(res["ok"], true, "connect failed: {res}");
+        res["payload"].clone()
+    }
+
+    /// Reads until the `res` with `id`, keeping events aside.
+    pub async fn response(&mut self, id: &str) -> Value {
+        loop {
+            let v = self.recv_json().await;
+            if v["type"] == "res" && v["id"] == id {
+                return v;
+            }
+            self.events.push(v);
+        }
+    }
+
+    /// Sends a request with a fresh id and returns its response frame.
+    pub async fn request(&mut self, method: &str, params: Value) -> Value {
+        self.next_id += 1;
+        let id = format!("r{}", self.next_id);
+        self.send_json(&json!({"type":"req","id":id,"method":method,"params":params}))
+            .await;
+        self.response(&id).await
+    }
+
+    /// Waits for an event named `name` (looking at kept-aside events first).
+    pub async fn event(&mut self, name: &str) -> Value {
+        if let Some(i) = self.events.iter().position(|e| e["event"] == name) {
+            return self.events.remove(i);
+        }
+        loop {
+            let v = self.recv_json().await;
+            if v["type"] == "event" && v["event"] == name {
+                return v;
+            }
+            self.events.push(v);
+        }
+    }
+}
+
+/// Polls a condition until true or the patience runs out (for state that has
+/// no event to await, like a connection count the double updates).
+pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A plain HTTP GET over the unix socket: (status, body as JSON).
+pub async fn http_get(socket: &Path, path: &str) -> (u16, Value) {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::rt::TokioIo;
+    let stream = UnixStream::connect(socket).await.expect("socket accepts");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("http handshake");
+    tokio::spawn(conn);
+    let req = http::Request::get(path)
+        .header("host", "localhost")
+        .body(Empty::<bytes::Bytes>::new())
+        .expect("request");
+    let resp = tokio::time::timeout(PATIENCE, sender.send_request(req))
+        .await
+        .expect("answer in time")
+        .expect("http response");
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
