@@ -9,6 +9,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Settings;
+use crate::driver::Driver;
 use crate::hub::{Hub, QueueLimits};
 use crate::local::socket::{self, SocketError, SocketGuard};
 use crate::router::Router;
@@ -20,6 +21,7 @@ pub struct Ctx {
     pub settings: Settings,
     pub hub: Arc<Hub>,
     pub router: Arc<Router>,
+    pub driver: Arc<Driver>,
     pub upstream: Upstream,
     /// Other uids (besides the broker's own) allowed to connect.
     pub allowed_uids: Vec<u32>,
@@ -73,16 +75,19 @@ impl RunningBroker {
             limits.max_inflight,
         ));
         let cancel = CancellationToken::new();
+        let driver = Arc::new(Driver::new());
         let (upstream, upstream_task) = Upstream::spawn(
             &settings,
             Arc::clone(&hub),
             Arc::clone(&router),
+            Arc::clone(&driver),
             cancel.child_token(),
         );
         let ctx = Arc::new(Ctx {
             settings,
             hub,
             router,
+            driver,
             upstream,
             allowed_uids: Vec::new(),
             cancel,

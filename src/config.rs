@@ -77,6 +77,12 @@ pub struct Limits {
     /// Requests in flight per client at most; one more is answered
     /// `studio.too_many_requests`. Default 256.
     pub max_inflight: usize,
+    /// Frames per second a client may send on average; a frame beyond the
+    /// rate (after the burst) is answered `studio.too_many_requests` with
+    /// `retryAfterMs` and not forwarded. Default 10,000.
+    pub request_rate: u32,
+    /// Frames a client may send at once above the rate. Default 20,000.
+    pub request_burst: u32,
 }
 
 impl Default for Limits {
@@ -93,6 +99,8 @@ impl Default for Limits {
             slow_grace: Duration::from_secs(10),
             max_clients: 1024,
             max_inflight: 256,
+            request_rate: 10_000,
+            request_burst: 20_000,
         }
     }
 }

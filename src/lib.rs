@@ -19,6 +19,9 @@
 //!   queues decide drops and slow-consumer closes.
 //! - [`router`]: request-id rewriting and the pending table (deadlines, `agent`'s
 //!   two answers, failing everything when a session is lost).
+//! - [`driver`]: what the broker decides itself because gateway state is
+//!   per connection: reference-counted subscriptions, targeted events, run
+//!   ownership (tool events, `chat.abort`), node-only refusals.
 //! - [`local`]: the unix listener (peer uid check), HTTP routes, and WebSocket
 //!   sessions with connect enforcement and the synthesized `hello-ok`.
 //! - [`broker`]: assembly and shutdown.
@@ -27,6 +30,7 @@
 
 pub mod broker;
 pub mod config;
+pub mod driver;
 pub mod hub;
 pub mod local;
 pub mod mock;

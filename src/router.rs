@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 use serde_json::value::RawValue;
 
+use crate::driver::Rollback;
 use crate::hub::Client;
 use crate::protocol::frames::{encode_res, encode_res_error, payload_status};
 use crate::protocol::{ErrorShape, StudioCode};
 
 /// One request waiting for its upstream answer.
-#[derive(Debug)]
 struct Pending {
     client: Arc<Client>,
     local_id: String,
@@ -25,6 +25,31 @@ struct Pending {
     /// The upstream session the request was sent on.
     epoch: u64,
     deadline: Instant,
+    /// Undoes what the driver recorded if the request does not succeed.
+    rollback: Option<Rollback>,
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending")
+            .field("client", &self.client.id)
+            .field("local_id", &self.local_id)
+            .field("method", &self.method)
+            .field("epoch", &self.epoch)
+            .finish()
+    }
+}
+
+impl Pending {
+    fn settle(mut self, ok: bool) -> Self {
+        if !ok {
+            if let Some(undo) = self.rollback.take() {
+                undo();
+            }
+        }
+        self.client.inflight.fetch_sub(1, Ordering::AcqRel);
+        self
+    }
 }
 
 /// The pending-request table.
@@ -56,10 +81,14 @@ impl Router {
         local_id: &str,
         method: &str,
         epoch: u64,
+        rollback: Option<Rollback>,
     ) -> Result<String, ErrorShape> {
         let inflight = client.inflight.fetch_add(1, Ordering::AcqRel);
         if inflight >= self.max_inflight {
             client.inflight.fetch_sub(1, Ordering::AcqRel);
+            if let Some(undo) = rollback {
+                undo();
+            }
             return Err(ErrorShape::studio(
                 StudioCode::TooManyRequests,
                 format!(
@@ -77,6 +106,7 @@ impl Router {
                 method: method.to_owned(),
                 epoch,
                 deadline: Instant::now() + self.request_timeout,
+                rollback,
             },
         );
         Ok(upstream_id)
@@ -108,7 +138,7 @@ impl Router {
         let Some((_, p)) = self.pending.remove(upstream_id) else {
             return false;
         };
-        p.client.inflight.fetch_sub(1, Ordering::AcqRel);
+        let p = p.settle(ok);
         p.client
             .push_frame(encode_res(&p.local_id, ok, payload, error));
         true
@@ -141,7 +171,13 @@ impl Router {
 
     /// Drops every entry of a disconnected client (their answers are discarded).
     pub fn forget_client(&self, client_id: u64) {
-        self.pending.retain(|_, p| p.client.id != client_id);
+        self.pending.retain(|_, p| {
+            let keep = p.client.id != client_id;
+            if !keep {
+                p.client.inflight.fetch_sub(1, Ordering::AcqRel);
+            }
+            keep
+        });
     }
 
     /// Requests waiting for an answer, broker-wide.
@@ -172,7 +208,7 @@ impl Router {
     }
 
     fn answer_error(p: Pending, error: &ErrorShape) {
-        p.client.inflight.fetch_sub(1, Ordering::AcqRel);
+        let p = p.settle(false);
         p.client.push_frame(encode_res_error(&p.local_id, error));
     }
 }
@@ -213,8 +249,8 @@ mod tests {
     async fn same_local_id_from_two_clients_is_kept_apart() {
         let r = Router::new(Duration::from_secs(5), Duration::from_secs(60), 8);
         let (a, b) = (client(1), client(2));
-        let ua = r.register(&a, "1", "health", 1).unwrap();
-        let ub = r.register(&b, "1", "health", 1).unwrap();
+        let ua = r.register(&a, "1", "health", 1, None).unwrap();
+        let ub = r.register(&b, "1", "health", 1, None).unwrap();
         assert_ne!(ua, ub);
         assert!(r.complete(&ub, true, Some(&raw(r#"{"who":"b"}"#)), None));
         assert!(r.complete(&ua, true, Some(&raw(r#"{"who":"a"}"#)), None));
@@ -232,7 +268,7 @@ mod tests {
     async fn agent_answers_twice() {
         let r = Router::new(Duration::from_secs(5), Duration::from_secs(60), 8);
         let a = client(1);
-        let u = r.register(&a, "x", "agent", 1).unwrap();
+        let u = r.register(&a, "x", "agent", 1, None).unwrap();
         assert!(r.complete(
             &u,
             true,
@@ -251,8 +287,8 @@ mod tests {
     async fn epoch_loss_deadline_and_disconnect() {
         let r = Router::new(Duration::from_millis(0), Duration::from_secs(60), 8);
         let a = client(1);
-        let u1 = r.register(&a, "1", "status", 1).unwrap();
-        let _u2 = r.register(&a, "2", "status", 2).unwrap();
+        let u1 = r.register(&a, "1", "status", 1, None).unwrap();
+        let _u2 = r.register(&a, "2", "status", 2, None).unwrap();
         let closed = ErrorShape::studio(StudioCode::UpstreamClosed, "gone");
         assert_eq!(r.fail_epoch(1, &closed), 1);
         assert!(!r.complete(&u1, true, None, None));
@@ -261,7 +297,7 @@ mod tests {
         assert_eq!(f[0]["error"]["code"], "studio.upstream_closed");
         assert_eq!(f[1]["error"]["code"], "studio.request_timeout");
         let b = client(2);
-        r.register(&b, "1", "status", 3).unwrap();
+        r.register(&b, "1", "status", 3, None).unwrap();
         r.forget_client(2);
         assert_eq!(r.pending_count(), 0);
     }
@@ -270,9 +306,9 @@ mod tests {
     fn inflight_cap() {
         let r = Router::new(Duration::from_secs(5), Duration::from_secs(60), 2);
         let a = client(1);
-        r.register(&a, "1", "status", 1).unwrap();
-        r.register(&a, "2", "status", 1).unwrap();
-        let e = r.register(&a, "3", "status", 1).unwrap_err();
+        r.register(&a, "1", "status", 1, None).unwrap();
+        r.register(&a, "2", "status", 1, None).unwrap();
+        let e = r.register(&a, "3", "status", 1, None).unwrap_err();
         assert_eq!(e.code, "studio.too_many_requests");
     }
 }

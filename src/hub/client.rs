@@ -75,6 +75,8 @@ pub struct Client {
     pub conn_id: String,
     /// The client asked for tool-stream events at connect.
     pub tool_events: AtomicBool,
+    /// The client connected with `operator.admin` (and the broker has it).
+    pub admin: AtomicBool,
     /// Requests forwarded upstream and not yet answered.
     pub inflight: AtomicUsize,
     /// Events dropped for this client (soft limit).
@@ -93,6 +95,7 @@ impl Client {
             id,
             conn_id: uuid::Uuid::new_v4().to_string(),
             tool_events: AtomicBool::new(false),
+            admin: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
             dropped: AtomicU64::new(0),
             killed: tokio_util::sync::CancellationToken::new(),

@@ -19,6 +19,7 @@ use serde_json::Value;
 
 pub use client::{Client, Outgoing, Pushed, QueueLimits};
 
+use crate::driver::Audience;
 use crate::protocol::EventHead;
 
 /// Counters for `/healthz`, logs and (later) metrics.
@@ -141,6 +142,7 @@ impl Hub {
         name: &str,
         payload: Option<&RawValue>,
         state_version: Option<&RawValue>,
+        audience: &Audience,
     ) {
         let head = EventHead::encode(name, payload, state_version);
         let droppable = is_droppable(name, payload);
@@ -148,19 +150,30 @@ impl Hub {
         if matches!(name, "presence" | "health") {
             apply_to_snapshot(&mut inner.snapshot, name, payload, state_version);
         }
-        self.deliver(&inner, &head, droppable);
+        match audience {
+            Audience::All => self.deliver(inner.clients.values(), &head, droppable),
+            Audience::Only(ids) => {
+                let clients = ids.iter().filter_map(|id| inner.clients.get(id));
+                self.deliver(clients, &head, droppable)
+            }
+        }
     }
 
     /// Publishes an event the broker itself originates (e.g. `clawmux.upstream`).
     pub fn publish_local(&self, name: &str, payload: &Value) {
         let head = EventHead::from_value(name, payload);
         let inner = self.lock();
-        self.deliver(&inner, &head, false);
+        self.deliver(inner.clients.values(), &head, false);
     }
 
-    fn deliver(&self, inner: &HubInner, head: &EventHead, droppable: bool) {
+    fn deliver<'a>(
+        &self,
+        clients: impl Iterator<Item = &'a Arc<Client>>,
+        head: &EventHead,
+        droppable: bool,
+    ) {
         self.stats.events.fetch_add(1, Ordering::Relaxed);
-        for client in inner.clients.values() {
+        for client in clients {
             match client.push_event(head, droppable) {
                 Pushed::Queued | Pushed::Closed => {}
                 Pushed::Dropped => {
@@ -300,13 +313,30 @@ mod tests {
         hub.reset_snapshot(json!({"presence":[]}));
         let a = hub.new_client();
         hub.admit(&a, |snap| Bytes::from(snap.to_string())).unwrap();
-        hub.publish("tick", Some(&raw(json!({"ts":1}))), None);
+        hub.publish("tick", Some(&raw(json!({"ts":1}))), None, &Audience::All);
         hub.gap();
-        hub.publish("tick", Some(&raw(json!({"ts":2}))), None);
+        hub.publish(
+            "tick",
+            Some(&raw(json!({"ts":2}))),
+            None,
+            &Audience::Only(vec![a.id]),
+        );
+        hub.publish(
+            "tick",
+            Some(&raw(json!({"ts":3}))),
+            None,
+            &Audience::Only(vec![]),
+        );
+        hub.publish("tick", Some(&raw(json!({"ts":4}))), None, &Audience::All);
         let batch = a.next_batch().await;
         assert!(matches!(&batch[0], Outgoing::Frame(b) if &b[..] == br#"{"presence":[]}"#));
         assert!(matches!(&batch[1], Outgoing::Event(_, 1)));
         assert!(matches!(&batch[2], Outgoing::Event(_, 3)));
+        assert!(
+            matches!(&batch[3], Outgoing::Event(_, 4)),
+            "not addressed: no seq used"
+        );
+        assert_eq!(batch.len(), 4);
         let b = hub.new_client();
         hub.admit(&b, |_| Bytes::new()).unwrap();
         let c = hub.new_client();

@@ -2,6 +2,7 @@
 //! WebSocket sessions.
 
 pub mod http;
+pub mod rate;
 pub mod socket;
 pub mod ws;
 

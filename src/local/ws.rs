@@ -15,7 +15,9 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 
+use super::rate::TokenBucket;
 use crate::broker::Ctx;
+use crate::driver::Decision;
 use crate::hub::{Client, Outgoing};
 use crate::protocol::frames::{
     encode_req, encode_res_error, encode_res_ok, ClientFrameError, ConnectParams,
@@ -82,6 +84,7 @@ pub async fn run(ws: Ws, ctx: Arc<Ctx>) {
     }
     ctx.hub.remove(client_id);
     ctx.router.forget_client(client_id);
+    release_subscriptions(&ctx, client_id).await;
     // Let the writer deliver what is queued (the close frame included), but
     // never wait on a client that does not read.
     if tokio::time::timeout(CLOSE_LINGER, &mut writer)
@@ -154,6 +157,11 @@ async fn handshake(stream: &mut SplitStream<Ws>, client: &Arc<Client>, ctx: &Arc
     client
         .tool_events
         .store(params.tool_events, std::sync::atomic::Ordering::Relaxed);
+    let admin = |scopes: &[String]| scopes.iter().any(|s| s == "operator.admin");
+    client.admin.store(
+        admin(&params.scopes) && admin(&hello.scopes),
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let max_frame = ctx.settings.limits.max_frame_bytes as u64;
     let admitted = ctx.hub.admit(client, |snapshot| {
         encode_res_ok(
@@ -220,6 +228,8 @@ async fn serve_requests(
     ctx: &Arc<Ctx>,
     writer: &mut tokio::task::JoinHandle<()>,
 ) {
+    let limits = &ctx.settings.limits;
+    let mut bucket = TokenBucket::new(limits.request_rate, limits.request_burst);
     loop {
         let incoming = tokio::select! {
             i = next_incoming(stream) => i,
@@ -237,6 +247,10 @@ async fn serve_requests(
             }
             Incoming::Closed => return,
         };
+        if let Err(wait) = bucket.take(Instant::now()) {
+            refuse_over_rate(client, text.as_str(), wait, limits.request_rate);
+            continue;
+        }
         match ClientFrame::parse(text.as_str()) {
             Ok(frame) if frame.method == "connect" => {
                 client.push_frame(encode_res_error(
@@ -269,9 +283,17 @@ async fn forward(
     let Some(epoch) = ctx.upstream.ready_epoch() else {
         return Err(ctx.upstream.status().not_ready_error());
     };
+    let rollback = match ctx.driver.decide(client, &frame.method, frame.params) {
+        Decision::Forward(rollback) => rollback,
+        Decision::Answer(payload) => {
+            client.push_frame(encode_res_ok(&frame.id, &payload));
+            return Ok(());
+        }
+        Decision::Refuse(error) => return Err(error),
+    };
     let upstream_id = ctx
         .router
-        .register(client, &frame.id, &frame.method, epoch)?;
+        .register(client, &frame.id, &frame.method, epoch, rollback)?;
     let text = encode_req(&upstream_id, &frame.method, frame.params);
     let sent = ctx.upstream.send(epoch, text).await;
     // If the session ended meanwhile, the request may never be written; fail it
@@ -281,6 +303,38 @@ async fn forward(
             .fail(&upstream_id, &ctx.upstream.status().not_ready_error());
     }
     Ok(())
+}
+
+/// Answers a frame over the client's rate with `studio.too_many_requests`.
+fn refuse_over_rate(client: &Client, text: &str, wait: std::time::Duration, rate: u32) {
+    let id = match ClientFrame::parse(text) {
+        Ok(frame) => frame.id.into_owned(),
+        Err(ClientFrameError::InvalidFrame { id, .. }) => id,
+        Err(ClientFrameError::InvalidJson) => return,
+    };
+    let error = ErrorShape::studio(
+        StudioCode::TooManyRequests,
+        format!("more than {rate} frames per second from this client; slow down"),
+    )
+    .with_retry_after_ms(Some(wait.as_millis() as u64 + 1));
+    client.push_frame(encode_res_error(&id, &error));
+}
+
+/// Sends upstream the unsubscribes of subscriptions this client held last.
+/// Their answers go to nobody (the router does not know the ids).
+async fn release_subscriptions(ctx: &Arc<Ctx>, client_id: u64) {
+    let releases = ctx.driver.forget_client(client_id);
+    let Some(epoch) = ctx.upstream.ready_epoch() else {
+        return;
+    };
+    for (i, (method, params)) in releases.into_iter().enumerate() {
+        let raw = serde_json::value::to_raw_value(&params).ok();
+        let id = format!("clawmux-release-{client_id}-{i}");
+        let _ = ctx
+            .upstream
+            .send(epoch, encode_req(&id, method, raw.as_deref()))
+            .await;
+    }
 }
 
 /// Close reasons are limited to 123 bytes by the WebSocket spec; cut on a

@@ -24,7 +24,9 @@ use tokio_tungstenite::WebSocketStream;
 
 use super::handshake::{self, AdmissionInput, Admitted, ConnectError, PREAUTH_MAX_BYTES};
 use super::methods::{self, GATEWAY_EVENTS, IMPLEMENTED_METHODS};
-use super::state::{lock, now_ms, ConnCtl, ConnEntry, EncodedEvent, Inner, Outbound, Session};
+use super::state::{
+    lock, now_ms, res_frame, ConnCtl, ConnEntry, EncodedEvent, Inner, Outbound, Session,
+};
 
 /// How long a closing connection waits for the peer's close reply before the
 /// socket is dropped (the real server's `ws` library waits 30 s).
@@ -97,9 +99,9 @@ pub(crate) async fn serve(inner: Arc<Inner>, tcp: TcpStream) {
     };
     let nonce = uuid::Uuid::new_v4().to_string();
     if !inner.faults().no_challenge {
-        let challenge = json!({ "type": "event", "event": "connect.challenge",
-                                "payload": { "nonce": nonce, "ts": now_ms() } })
-        .to_string();
+        let payload = json!({ "nonce": nonce, "ts": now_ms() });
+        let challenge =
+            format!("{{\"type\":\"event\",\"event\":\"connect.challenge\",\"payload\":{payload}}}");
         let len = challenge.len();
         entry.send(Outbound::Frame(challenge), len);
     }
@@ -187,10 +189,6 @@ impl Reader {
             .get_or_insert(Instant::now() + CLOSE_GRACE);
     }
 
-    fn send_frame(&self, frame: Value) {
-        self.inner.send_frame(self.index, frame.to_string());
-    }
-
     async fn on_message(&mut self, message: Message) -> Flow {
         // The real server decodes binary frames as text too (`rawDataToString`).
         let text = match message {
@@ -209,7 +207,9 @@ impl Reader {
     /// A frame before hello-ok: must be a valid `connect` (§2.7).
     async fn on_preauth_frame(&mut self, text: &str) -> Flow {
         if text.len() > PREAUTH_MAX_BYTES {
-            self.close(1009, "preauth payload too large");
+            // The docs name the reason "preauth payload too large", but a real
+            // 2026.9.6 gateway's `ws` limit fires first: 1009, empty reason.
+            self.close(1009, "");
             return Flow::Continue;
         }
         let Ok(parsed) = serde_json::from_str::<Value>(text) else {
@@ -293,7 +293,8 @@ impl Reader {
     /// Sends the error `res`, then the close frame.
     fn reject(&mut self, id: &Value, e: ConnectError) {
         tracing::debug!(conn = self.index, error = %e.error, "mock gateway: connect rejected");
-        self.send_frame(json!({ "type": "res", "id": id, "ok": false, "error": e.error }));
+        self.inner
+            .send_frame(self.index, res_frame(id, Err(&e.error)));
         self.close(e.close_code, &e.close_reason);
     }
 
@@ -324,7 +325,8 @@ impl Reader {
                 presence[key] = v.clone();
             }
         }
-        let mut auth = json!({ "role": admitted.role, "scopes": admitted.scopes });
+        let mut auth = json!({ "method": admitted.auth_method, "role": admitted.role,
+                               "scopes": admitted.scopes });
         if let Some(device_id) = &admitted.device_id {
             presence["deviceId"] = json!(device_id);
             presence["instanceId"] = json!(device_id);
@@ -344,19 +346,16 @@ impl Reader {
         let state_version = self.inner.bump_presence();
         {
             let mut conns = lock(&self.inner.conns);
-            let mut rows: Vec<(u64, Value)> = conns
-                .values()
-                .filter_map(|c| c.session.as_ref().map(|s| (c.index, s.presence.clone())))
-                .collect();
-            rows.push((self.index, presence));
-            rows.sort_by_key(|(i, _)| *i);
+            let presence_rows = self
+                .inner
+                .presence_rows(&conns, Some((self.index, &presence)));
             let hello = json!({
                 "type": "hello-ok",
                 "protocol": cfg.protocol,
                 "server": { "version": cfg.server_version, "connId": self.conn_id },
                 "features": { "methods": IMPLEMENTED_METHODS, "events": GATEWAY_EVENTS },
                 "snapshot": {
-                    "presence": rows.into_iter().map(|(_, v)| v).collect::<Vec<_>>(),
+                    "presence": presence_rows,
                     "health": health,
                     "stateVersion": state_version.to_json(),
                     "uptimeMs": self.inner.started.elapsed().as_millis() as u64,
@@ -371,8 +370,7 @@ impl Reader {
             let Some(entry) = conns.get_mut(&self.index) else {
                 return;
             };
-            let frame =
-                json!({ "type": "res", "id": id, "ok": true, "payload": hello }).to_string();
+            let frame = res_frame(id, Ok(&hello));
             let len = frame.len();
             // Queue hello-ok before the connection becomes visible to
             // broadcasts, so no event can overtake it.

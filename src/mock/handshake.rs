@@ -18,7 +18,7 @@ use super::faults::Rejection;
 pub(crate) use super::schema::{validate_connect_params, validate_request_frame};
 
 /// Pre-connect frames above this size close the socket with 1009
-/// "preauth payload too large" (`server-constants.ts`).
+/// (`server-constants.ts`; see `connection.rs` for the reason text).
 pub(crate) const PREAUTH_MAX_BYTES: usize = 64 * 1024;
 
 /// The server truncates close reasons to this many bytes (`close-reason.ts`).
@@ -121,6 +121,8 @@ pub(crate) struct Admitted {
     pub caps: Vec<String>,
     /// The verified (or, with verification off, claimed) device id.
     pub device_id: Option<String>,
+    /// hello-ok `auth.method`: `token`, `device-token` or `none`.
+    pub auth_method: &'static str,
 }
 
 fn str_at<'a>(v: &'a Value, pointer: &str) -> Option<&'a str> {
@@ -174,6 +176,11 @@ pub(crate) fn admit(input: &AdmissionInput<'_>) -> Result<Admitted, ConnectError
     let token = str_at(p, "/auth/token").filter(|t| !t.is_empty());
     let password = str_at(p, "/auth/password").filter(|t| !t.is_empty());
     let has_shared = token.is_some() || password.is_some();
+    let mut auth_method = if input.expected_token.is_some() {
+        "token"
+    } else {
+        "none"
+    };
     let (mut auth_ok, shared_ok, mut reason) = match input.expected_token {
         None => (true, true, ""),
         Some(expected) => match token {
@@ -227,6 +234,7 @@ pub(crate) fn admit(input: &AdmissionInput<'_>) -> Result<Admitted, ConnectError
                 .is_some_and(|owner| *owner == id);
             if minted_for_this_device {
                 auth_ok = true;
+                auth_method = "device-token";
             } else if provided_device_token.is_some() {
                 reason = "device_token_mismatch";
             }
@@ -251,6 +259,7 @@ pub(crate) fn admit(input: &AdmissionInput<'_>) -> Result<Admitted, ConnectError
         },
         caps: string_list(p.get("caps")),
         device_id,
+        auth_method,
     })
 }
 
@@ -261,7 +270,7 @@ fn unauthorized(reason: &str, params: &Value, has_device: bool) -> ConnectError 
     let mode = str_at(params, "/client/mode").unwrap_or_default();
     let is_browser = matches!(client_id, "openclaw-control-ui" | "webchat-ui") || mode == "webchat";
     let hint = if mode == "cli" {
-        "set gateway.remote.token to match gateway.auth.token"
+        "use this gateway's gateway.auth.token or pair the device"
     } else if is_browser {
         "open the dashboard URL and paste the token in Control UI settings"
     } else {

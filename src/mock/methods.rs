@@ -11,7 +11,7 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use super::runs::{self, RunKind, RunRecord, RunScript};
-use super::state::{lock, now_ms, Inner, Session};
+use super::state::{lock, now_ms, res_frame, Inner, Session};
 
 /// Methods this double answers, advertised in `hello-ok.features.methods`.
 pub(crate) const IMPLEMENTED_METHODS: &[&str] = &[
@@ -159,10 +159,14 @@ fn authorize(method: &str, session: &Session) -> Result<(), Value> {
         other => session.has_scope(other),
     };
     if satisfied {
-        Ok(())
-    } else {
-        Err(invalid(format!("missing scope: {needed}")))
+        return Ok(());
     }
+    // The [new] shape, as a 2026.9.6 gateway sends it (v3.24 used
+    // INVALID_REQUEST without details).
+    let mut e = error("FORBIDDEN", format!("missing scope: {needed}"));
+    e["details"] =
+        json!({ "code": "MISSING_SCOPE", "missingScope": needed, "requiredScopes": [needed] });
+    Err(e)
 }
 
 /// Queues a `res` for `conn` (nothing while the `silent` fault is on).
@@ -170,11 +174,7 @@ pub(crate) fn respond(inner: &Inner, conn: u64, id: &Value, result: Result<Value
     if inner.faults().silent {
         return;
     }
-    let frame = match result {
-        Ok(payload) => json!({ "type": "res", "id": id, "ok": true, "payload": payload }),
-        Err(error) => json!({ "type": "res", "id": id, "ok": false, "error": error }),
-    };
-    inner.send_frame(conn, frame.to_string());
+    inner.send_frame(conn, res_frame(id, result.as_ref()));
 }
 
 /// Ajv-style check that `params` is an object carrying string `fields`.
@@ -299,14 +299,15 @@ fn chat_history(req: &Request<'_>) -> Result<Value, Value> {
         .unwrap_or(200)
         .min(1000) as usize;
     let chats = lock(&req.inner.chats);
+    let canonical = runs::canonical_session_key(key);
     let all = chats
         .history
-        .get(key)
+        .get(&canonical)
         .map(Vec::as_slice)
         .unwrap_or_default();
     let messages = &all[all.len().saturating_sub(limit)..];
     Ok(
-        json!({ "sessionKey": key, "sessionId": format!("mock-{key}"), "messages": messages,
+        json!({ "sessionKey": key, "sessionId": format!("mock-{canonical}"), "messages": messages,
                "thinkingLevel": "off" }),
     )
 }
@@ -325,14 +326,14 @@ fn start_run(req: &Request<'_>, kind: RunStart) {
         RunStart::Agent => ("agent", &["message", "idempotencyKey"]),
     };
     let (message, idem, session_key) = match require_strings(method, req.params, fields) {
-        Ok(v) if kind == RunStart::ChatSend => (v[1], v[2], v[0].to_string()),
+        Ok(v) if kind == RunStart::ChatSend => (v[1], v[2], runs::canonical_session_key(v[0])),
         Ok(v) => {
             let key = req
                 .params
                 .get("sessionKey")
                 .and_then(Value::as_str)
-                .unwrap_or("agent:main:main");
-            (v[0], v[1], key.to_string())
+                .unwrap_or("main");
+            (v[0], v[1], runs::canonical_session_key(key))
         }
         Err(e) => return respond(req.inner, req.conn, req.id, Err(e)),
     };
@@ -365,7 +366,9 @@ fn start_run(req: &Request<'_>, kind: RunStart) {
     }
     let ack = match kind {
         RunStart::ChatSend => json!({ "runId": idem, "status": "started" }),
-        RunStart::Agent => json!({ "runId": idem, "status": "accepted", "acceptedAt": now_ms() }),
+        RunStart::Agent => {
+            json!({ "runId": idem, "agentId": "main", "status": "accepted", "acceptedAt": now_ms() })
+        }
     };
     respond(req.inner, req.conn, req.id, Ok(ack));
     runs::record_user_message(req.inner, &session_key, message);
@@ -385,7 +388,7 @@ fn chat_abort(req: &Request<'_>) -> Result<Value, Value> {
     let run_id = req.params.get("runId").and_then(Value::as_str);
     let aborted = runs::abort_runs(
         req.inner,
-        key,
+        &runs::canonical_session_key(key),
         run_id,
         req.conn,
         req.session.device_id.as_deref(),
@@ -397,18 +400,15 @@ fn chat_abort(req: &Request<'_>) -> Result<Value, Value> {
 /// `chat.inject` (admin): append an assistant message without a run.
 fn chat_inject(req: &Request<'_>) -> Result<Value, Value> {
     let fields = require_strings("chat.inject", req.params, &["sessionKey", "message"])?;
-    let (key, text) = (fields[0], fields[1]);
+    let (key, text) = (runs::canonical_session_key(fields[0]), fields[1]);
     let message = runs::text_message("assistant", text);
     lock(&req.inner.chats)
         .history
-        .entry(key.to_string())
+        .entry(key.clone())
         .or_default()
         .push(message.clone());
-    runs::emit_session_message(
-        req.inner,
-        key,
-        &json!({ "sessionKey": key, "message": message }),
-    );
+    let payload = runs::session_message_payload(&key, &message);
+    runs::emit_session_message(req.inner, &key, &payload);
     Ok(json!({ "ok": true, "messageId": uuid::Uuid::new_v4().to_string() }))
 }
 
@@ -441,11 +441,13 @@ fn sessions_list(inner: &Inner) -> Value {
 fn message_subscription(req: &Request<'_>, method: &str) -> Result<Value, Value> {
     let key = require_strings(method, req.params, &["key"])?[0];
     let on = method == "sessions.messages.subscribe";
+    // Subscriptions are keyed by the canonical session key (§4.2).
+    let canonical = runs::canonical_session_key(key);
     if let Some(entry) = lock(&req.inner.conns).get_mut(&req.conn) {
         if on {
-            entry.message_keys.insert(key.to_string());
+            entry.message_keys.insert(canonical);
         } else {
-            entry.message_keys.remove(key);
+            entry.message_keys.remove(&canonical);
         }
     }
     Ok(json!({ "subscribed": on, "key": key }))

@@ -393,11 +393,13 @@ impl MockGateway {
         )
     }
 
-    /// The transcript of `session_key` as `chat.history` would return it.
+    /// The transcript of `session_key` (canonicalized, `main` →
+    /// `agent:main:main`) as `chat.history` would return it.
     pub fn chat_history(&self, session_key: &str) -> Vec<Value> {
+        let key = runs::canonical_session_key(session_key);
         lock(&self.inner.chats)
             .history
-            .get(session_key)
+            .get(&key)
             .cloned()
             .unwrap_or_default()
     }

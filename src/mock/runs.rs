@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::state::{lock, now_ms, until_shutdown, Inner};
+use super::state::{lock, now_ms, res_frame, until_shutdown, Inner};
 
 /// Who started a run and what it answers when done.
 #[derive(Clone, Debug)]
@@ -74,27 +74,46 @@ pub(crate) struct RunScript {
     pub step_delay: Duration,
 }
 
-/// A transcript message in the shape the gateway uses for chat content.
+/// The canonical form of a session key, as the gateway uses it in events,
+/// transcripts and subscriptions: `main` → `agent:main:main`, any other
+/// key without an `agent:` prefix → `agent:main:<key>`.
+pub(crate) fn canonical_session_key(key: &str) -> String {
+    if key.starts_with("agent:") {
+        key.to_string()
+    } else {
+        format!("agent:main:{key}")
+    }
+}
+
+/// An assistant transcript message in the shape of chat events (§9).
 pub(crate) fn text_message(role: &str, text: &str) -> Value {
     json!({ "role": role, "content": [{ "type": "text", "text": text }], "timestamp": now_ms() })
 }
 
-/// Records a user message and tells `session.message` subscribers.
+/// The `session.message` payload for a transcript message.
+pub(crate) fn session_message_payload(session_key: &str, message: &Value) -> Value {
+    json!({ "sessionKey": session_key, "agentId": "main", "message": message })
+}
+
+/// Records a user message (plain-string content, as the gateway stores it)
+/// and tells `session.message` subscribers. `session_key` is canonical.
 pub(crate) fn record_user_message(inner: &Inner, session_key: &str, text: &str) {
     let mut chats = lock(&inner.chats);
-    let message = chats.append(session_key, text_message("user", text));
+    let user = json!({ "role": "user", "content": text, "timestamp": now_ms() });
+    let message = chats.append(session_key, user);
     emit_session_message(
         inner,
         session_key,
-        &json!({ "sessionKey": session_key, "message": message }),
+        &session_message_payload(session_key, &message),
     );
 }
 
 /// Sends `session.message` to `sessions.subscribe` subscribers and to the
 /// `sessions.messages.subscribe` subscribers of `key` (`server.impl.ts`).
 pub(crate) fn emit_session_message(inner: &Inner, key: &str, payload: &Value) {
+    let key = canonical_session_key(key);
     inner.broadcast_filtered("session.message", payload, None, false, |c| {
-        c.sessions_subscribed || c.message_keys.contains(key)
+        c.sessions_subscribed || c.message_keys.contains(&key)
     });
 }
 
@@ -108,7 +127,7 @@ fn chunks(reply: &str) -> Vec<String> {
 fn agent_event(run: &RunScript, seq: u64, stream: &str, data: Value) -> Value {
     json!({
         "runId": run.run_id, "seq": seq, "stream": stream, "ts": now_ms(),
-        "sessionKey": run.session_key, "data": data,
+        "sessionKey": run.session_key, "agentId": "main", "data": data,
     })
 }
 
@@ -195,7 +214,7 @@ async fn play_run(inner: Arc<Inner>, run_key: String, run: RunScript) {
             json!({ "text": text, "delta": chunk }),
         );
         let delta = json!({
-            "runId": run.run_id, "sessionKey": run.session_key, "seq": seq, "state": "delta",
+            "runId": run.run_id, "sessionKey": run.session_key, "agentId": "main", "seq": seq, "state": "delta",
             "deltaText": chunk, "message": text_message("assistant", &text),
         });
         let sent = step(&inner, &run_key, |i, _| {
@@ -218,14 +237,14 @@ async fn play_run(inner: Arc<Inner>, run_key: String, run: RunScript) {
     let finished = step(&inner, &run_key, |i, chats| {
         let message = chats.append(&run.session_key, text_message("assistant", &text));
         let final_event = json!({
-            "runId": run.run_id, "sessionKey": run.session_key, "seq": final_seq,
+            "runId": run.run_id, "sessionKey": run.session_key, "agentId": "main", "seq": final_seq,
             "state": "final", "message": message,
         });
         i.broadcast("chat", &final_event, None, false);
         emit_session_message(
             i,
             &run.session_key,
-            &json!({ "sessionKey": run.session_key, "message": message }),
+            &session_message_payload(&run.session_key, &message),
         );
         i.broadcast("agent", &end, None, false);
         if let Some(r) = chats.runs.get_mut(&run_key) {
@@ -248,11 +267,10 @@ fn send_final_agent_response(inner: &Inner, conn: u64, request_id: &Value, paylo
     if inner.faults().silent {
         return;
     }
-    let frame = json!({ "type": "res", "id": request_id, "ok": true, "payload": payload });
-    inner.send_frame(conn, frame.to_string());
+    inner.send_frame(conn, res_frame(request_id, Ok(&payload)));
 }
 
-/// Aborts the active runs of `session_key` (optionally only `run_id`) that
+/// Aborts the active runs of (canonical) `session_key` (optionally only `run_id`) that
 /// the requester may abort: its own runs (same connection or device) or any
 /// run for an admin. Returns the aborted run ids.
 pub(crate) fn abort_runs(
@@ -276,11 +294,11 @@ pub(crate) fn abort_runs(
             continue;
         }
         record.active = false;
-        let chat = json!({ "runId": record.run_id, "sessionKey": session_key, "state": "aborted",
-            "stopReason": "user" });
+        let chat = json!({ "runId": record.run_id, "sessionKey": session_key, "agentId": "main",
+            "state": "aborted", "stopReason": "user" });
         inner.broadcast("chat", &chat, None, false);
         let end = json!({ "runId": record.run_id, "stream": "lifecycle", "ts": now_ms(),
-            "sessionKey": session_key, "data": { "phase": "end", "aborted": true } });
+            "sessionKey": session_key, "agentId": "main", "data": { "phase": "end", "aborted": true } });
         inner.broadcast("agent", &end, None, false);
         if let RunKind::Agent { conn, request_id } = &record.kind {
             let payload =
@@ -299,6 +317,7 @@ pub(crate) fn simulate_run(
     reply: &str,
     step_delay: Duration,
 ) -> String {
+    let session_key = &canonical_session_key(session_key);
     let run_id = uuid::Uuid::new_v4().to_string();
     let record = RunRecord {
         run_id: run_id.clone(),

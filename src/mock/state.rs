@@ -37,6 +37,16 @@ pub(crate) fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
+/// A `res` frame with `type` first, as the real server orders its keys.
+pub(crate) fn res_frame(id: &Value, result: Result<&Value, &Value>) -> String {
+    match result {
+        Ok(payload) => {
+            format!("{{\"type\":\"res\",\"id\":{id},\"ok\":true,\"payload\":{payload}}}")
+        }
+        Err(error) => format!("{{\"type\":\"res\",\"id\":{id},\"ok\":false,\"error\":{error}}}"),
+    }
+}
+
 /// An event serialized once and shared by every recipient; each writer adds
 /// its own `seq` when it frames it.
 #[derive(Debug)]
@@ -243,10 +253,19 @@ pub(crate) struct Inner {
     pub shutdown: watch::Sender<bool>,
     /// Numbers demo runs.
     pub demo_runs: AtomicU64,
+    /// The gateway's own presence row (`reason:"self"`), always listed first.
+    pub self_presence: Value,
 }
 
 impl Inner {
     pub(crate) fn new(cfg: MockConfig) -> Arc<Self> {
+        let version = cfg.server_version.clone();
+        let self_presence = json!({
+            "host": "mock-gateway", "version": version, "platform": std::env::consts::OS,
+            "mode": "gateway", "reason": "self", "instanceId": uuid::Uuid::new_v4().to_string(),
+            "text": format!("Gateway: mock-gateway · app {version} · mode gateway · reason self"),
+            "ts": now_ms(),
+        });
         Arc::new(Self {
             cfg,
             started: Instant::now(),
@@ -265,6 +284,7 @@ impl Inner {
             changed: watch::channel(0).0,
             shutdown: watch::channel(false).0,
             demo_runs: AtomicU64::new(0),
+            self_presence,
         })
     }
 
@@ -295,15 +315,28 @@ impl Inner {
         *sv
     }
 
-    /// Presence rows of every ready connection, in connection order.
+    /// The presence list: the gateway's own row, then every ready
+    /// connection's row in connection order.
     pub(crate) fn presence_list(&self) -> Vec<Value> {
-        let conns = lock(&self.conns);
-        let mut rows: Vec<(u64, Value)> = conns
+        self.presence_rows(&lock(&self.conns), None)
+    }
+
+    /// [`presence_list`](Self::presence_list) over an already locked
+    /// registry, optionally with a connection that is becoming ready.
+    pub(crate) fn presence_rows(
+        &self,
+        conns: &HashMap<u64, ConnEntry>,
+        joining: Option<(u64, &Value)>,
+    ) -> Vec<Value> {
+        let mut rows: Vec<(u64, &Value)> = conns
             .values()
-            .filter_map(|c| c.session.as_ref().map(|s| (c.index, s.presence.clone())))
+            .filter_map(|c| c.session.as_ref().map(|s| (c.index, &s.presence)))
+            .chain(joining)
             .collect();
         rows.sort_by_key(|(i, _)| *i);
-        rows.into_iter().map(|(_, v)| v).collect()
+        std::iter::once(self.self_presence.clone())
+            .chain(rows.into_iter().map(|(_, v)| v.clone()))
+            .collect()
     }
 
     /// Queues an event for one ready connection, applying the scope guard and

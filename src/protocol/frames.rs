@@ -61,6 +61,8 @@ pub struct ConnectParams {
     pub client_name: Option<String>,
     /// The client's own `auth` object, if any (never logged).
     pub auth: Option<Value>,
+    /// The scopes the client asked for (default-deny: none if absent).
+    pub scopes: Vec<String>,
 }
 
 impl ConnectRequest {
@@ -117,7 +119,18 @@ impl ConnectRequest {
             .and_then(Value::as_str)
             .map(str::to_owned);
         let auth = p.get("auth").filter(|a| a.is_object()).cloned();
+        let scopes = p
+            .get("scopes")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
         Ok(ConnectParams {
+            scopes,
             min_protocol,
             max_protocol,
             tool_events,

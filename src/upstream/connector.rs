@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{backoff_delay, Outbound, Phase, Status, UpstreamHello, REQUESTED_SCOPES};
 use crate::config::{validate_gateway_url, Secret, Settings, UpstreamOptions};
+use crate::driver::Driver;
 use crate::hub::Hub;
 use crate::protocol::frames::encode_req;
 use crate::protocol::{ErrorShape, StudioCode, UpstreamFrame, PROTOCOL_MAX, PROTOCOL_MIN};
@@ -56,6 +57,7 @@ pub(super) struct Connector {
     opts: UpstreamOptions,
     hub: Arc<Hub>,
     router: Arc<Router>,
+    driver: Arc<Driver>,
     status: watch::Sender<Status>,
     rx: mpsc::Receiver<Outbound>,
     cancel: CancellationToken,
@@ -68,6 +70,7 @@ impl Connector {
         settings: &Settings,
         hub: Arc<Hub>,
         router: Arc<Router>,
+        driver: Arc<Driver>,
         status: watch::Sender<Status>,
         rx: mpsc::Receiver<Outbound>,
         cancel: CancellationToken,
@@ -78,6 +81,7 @@ impl Connector {
             opts: settings.upstream.clone(),
             hub,
             router,
+            driver,
             status,
             rx,
             cancel,
@@ -348,6 +352,15 @@ impl Connector {
             self.on_frame(text, &mut last_seq, &mut restart_expected);
         }
         let (mut sink, mut stream) = ws.split();
+        // Connection-scoped subscriptions died with the old session.
+        for (i, (method, params)) in self.driver.resubscribe().into_iter().enumerate() {
+            let raw = serde_json::value::to_raw_value(&params).ok();
+            let id = format!("clawmux-resubscribe-{epoch}-{i}");
+            let _ = sink
+                .feed(Message::text(encode_req(&id, method, raw.as_deref())))
+                .await;
+        }
+        let _ = sink.flush().await;
         let mut last_rx = Instant::now();
         let end_reason: String;
         let mut cancelled = false;
@@ -488,7 +501,8 @@ impl Connector {
                         .and_then(|p| p.get("restartExpectedMs").and_then(Value::as_u64))
                         .map(Duration::from_millis);
                 }
-                self.hub.publish(&name, payload, state_version);
+                let audience = self.driver.audience(&name, payload);
+                self.hub.publish(&name, payload, state_version, &audience);
             }
             Some(UpstreamFrame::Res {
                 id,

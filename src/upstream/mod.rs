@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
+use crate::driver::Driver;
 use crate::hub::Hub;
 use crate::protocol::{ErrorShape, StudioCode};
 use crate::router::Router;
@@ -149,11 +150,13 @@ impl Upstream {
         settings: &Settings,
         hub: Arc<Hub>,
         router: Arc<Router>,
+        driver: Arc<Driver>,
         cancel: CancellationToken,
     ) -> (Upstream, tokio::task::JoinHandle<()>) {
         let (status_tx, status_rx) = watch::channel(Status::initial());
         let (tx, rx) = mpsc::channel(1024);
-        let connector = connector::Connector::new(settings, hub, router, status_tx, rx, cancel);
+        let connector =
+            connector::Connector::new(settings, hub, router, driver, status_tx, rx, cancel);
         let task = tokio::spawn(connector.run());
         (
             Upstream {

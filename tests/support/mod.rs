@@ -97,6 +97,16 @@ pub async fn broker_only(tweak: impl FnOnce(&mut Settings)) -> (RunningBroker, t
     (broker, dir)
 }
 
+/// `CLAWMUX_TEST_LOG=debug cargo test …` shows the broker's log for a failing test.
+pub fn init_test_log() {
+    if let Ok(filter) = std::env::var("CLAWMUX_TEST_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_test_writer()
+            .try_init();
+    }
+}
+
 /// What a client read from the socket.
 #[derive(Debug)]
 pub enum Got {
@@ -195,8 +205,16 @@ impl WsClient {
         res["payload"].clone()
     }
 
-    /// Reads until the `res` with `id`, keeping events aside.
+    /// Reads until the `res` with `id`, keeping other frames aside (and
+    /// looking among those first).
     pub async fn response(&mut self, id: &str) -> Value {
+        if let Some(i) = self
+            .events
+            .iter()
+            .position(|v| v["type"] == "res" && v["id"] == id)
+        {
+            return self.events.remove(i);
+        }
         loop {
             let v = self.recv_json().await;
             if v["type"] == "res" && v["id"] == id {
@@ -213,6 +231,20 @@ impl WsClient {
         self.send_json(&json!({"type":"req","id":id,"method":method,"params":params}))
             .await;
         self.response(&id).await
+    }
+
+    /// The next event of any name (kept-aside events first).
+    pub async fn event_any(&mut self) -> Value {
+        if let Some(i) = self.events.iter().position(|e| e["type"] == "event") {
+            return self.events.remove(i);
+        }
+        loop {
+            let v = self.recv_json().await;
+            if v["type"] == "event" {
+                return v;
+            }
+            self.events.push(v);
+        }
     }
 
     /// Waits for an event named `name` (looking at kept-aside events first).
@@ -263,4 +295,14 @@ pub async fn http_get(socket: &Path, path: &str) -> (u16, Value) {
     let status = resp.status().as_u16();
     let body = resp.into_body().collect().await.expect("body").to_bytes();
     (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+/// Kills a child process when dropped, so a failing test leaves nothing running.
+pub struct ChildGuard(pub std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

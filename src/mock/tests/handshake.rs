@@ -38,8 +38,14 @@ async fn full_handshake_returns_complete_hello_ok() {
         .expect("events")
         .contains(&json!("tick")));
     let snapshot = &hello["snapshot"];
-    assert_eq!(snapshot["presence"].as_array().expect("presence").len(), 1);
-    assert_eq!(snapshot["presence"][0]["host"], "clawmux-test");
+    let presence = snapshot["presence"].as_array().expect("presence");
+    assert_eq!(
+        presence.len(),
+        2,
+        "the gateway's own row, then this connection"
+    );
+    assert_eq!(presence[0]["reason"], "self");
+    assert_eq!(presence[1]["host"], "clawmux-test");
     assert_eq!(snapshot["health"], json!({}));
     assert!(
         snapshot["stateVersion"]["presence"]
@@ -58,6 +64,7 @@ async fn full_handshake_returns_complete_hello_ok() {
         hello["policy"],
         json!({"maxPayload": 26214400, "maxBufferedBytes": 52428800, "tickIntervalMs": 30000})
     );
+    assert_eq!(hello["auth"]["method"], "token");
     assert_eq!(hello["auth"]["role"], "operator");
     assert_eq!(hello["auth"]["scopes"], json!(ALL_SCOPES));
     assert!(hello["auth"].get("deviceToken").is_none());
@@ -163,7 +170,8 @@ async fn bad_frames_before_connect_close_without_response() {
     c.send_text(&"x".repeat(70 * 1024)).await;
     assert_eq!(
         c.expect_close().await,
-        (1009, "preauth payload too large".into())
+        (1009, String::new()),
+        "the ws limit fires first on a real 2026.9.6 gateway"
     );
     assert!(gw.wait_no_connections(WAIT).await);
 }
@@ -245,7 +253,12 @@ async fn deviceless_clients_lose_scopes_unless_backend_or_cli() {
     let (mut c, hello) = ready_client(&gw, p).await;
     assert_eq!(hello["payload"]["auth"]["scopes"], json!([]));
     let res = c.request("status", json!({})).await;
-    assert_eq!(res["error"]["message"], "missing scope: operator.read");
+    assert_eq!(
+        res["error"],
+        json!({"code": "FORBIDDEN", "message": "missing scope: operator.read",
+               "details": {"code": "MISSING_SCOPE", "missingScope": "operator.read",
+                           "requiredScopes": ["operator.read"]}})
+    );
     assert_eq!(c.request("health", json!({})).await["ok"], true);
 
     gw.set_faults(Faults {
@@ -304,7 +317,7 @@ async fn device_signatures_are_verified_and_mint_a_device_token() {
         .to_string();
     assert!(auth["issuedAtMs"].is_i64());
     assert_eq!(
-        res["payload"]["snapshot"]["presence"][0]["deviceId"],
+        res["payload"]["snapshot"]["presence"][1]["deviceId"],
         json!(device.id())
     );
 
@@ -313,6 +326,7 @@ async fn device_signatures_are_verified_and_mint_a_device_token() {
     p2["auth"] = json!({ "deviceToken": device_token });
     let (_c, res) = device_connect(&gw, &device, p2, |_, _| {}).await;
     assert_eq!(res["ok"], true, "{res}");
+    assert_eq!(res["payload"]["auth"]["method"], "device-token");
 
     let cases: [(&str, Tamper); 4] = [
         ("device signature invalid", |p, _| {

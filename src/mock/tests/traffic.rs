@@ -149,8 +149,9 @@ async fn chat_send_acks_then_streams_events_to_everyone() {
         }
     }
     let history = watcher
-        .request("chat.history", json!({"sessionKey": "agent:main:main"}))
+        .request("chat.history", json!({"sessionKey": "main"}))
         .await;
+    assert_eq!(history["payload"]["sessionKey"], "main", "echoed as sent");
     let messages = history["payload"]["messages"].as_array().expect("messages");
     assert_eq!(messages.len(), 2);
     assert_eq!(
@@ -204,6 +205,10 @@ async fn chat_abort_stops_a_run() {
     );
     let aborted = c.event("chat").await;
     assert_eq!(aborted["payload"]["state"], "aborted");
+    assert_eq!(
+        aborted["payload"]["sessionKey"], "agent:main:s",
+        "canonical key in events"
+    );
     let again = c
         .request("chat.abort", json!({"sessionKey": "s", "runId": "r"}))
         .await;

@@ -1,0 +1,351 @@
+//! The driver: what the broker decides or answers itself, because the
+//! gateway's connection-scoped state (gateway-protocol.md §4.2) would be
+//! wrong if it were simply shared by every local client.
+//!
+//! - **Subscriptions** (`sessions.subscribe`, `sessions.messages.subscribe{key}`)
+//!   are reference-counted: the first subscriber's request goes upstream, the
+//!   others are answered here; the last unsubscribe (or disconnect) goes
+//!   upstream. Targeted events reach only local subscribers.
+//! - **Runs**: the client that started a run (`chat.send`/`agent` with its
+//!   `idempotencyKey`, which becomes the `runId`) owns it: tool-stream `agent`
+//!   events go to it alone (if it asked for `tool-events`), and other clients
+//!   may not `chat.abort` it without `operator.admin`.
+//! - **Node-only methods** are refused here: every refusal upstream would count
+//!   toward the gateway's shared "repeated unauthorized calls" close.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use dashmap::DashMap;
+use serde_json::value::RawValue;
+use serde_json::{json, Value};
+
+use crate::hub::Client;
+use crate::protocol::{ErrorShape, StudioCode};
+
+/// Who receives an event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Audience {
+    /// Every connected client (broadcast events).
+    All,
+    /// Only these clients (targeted events).
+    Only(Vec<u64>),
+}
+
+/// Runs when a forwarded request's final answer is an error (or it fails),
+/// undoing what the driver recorded for it.
+pub type Rollback = Box<dyn FnOnce() + Send + Sync>;
+
+/// What to do with a local request.
+pub enum Decision {
+    /// Send it upstream.
+    Forward(Option<Rollback>),
+    /// Answer it here with this payload (`ok:true`).
+    Answer(Value),
+    /// Answer it here with this error.
+    Refuse(ErrorShape),
+}
+
+impl std::fmt::Debug for Decision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Decision::Forward(r) => write!(f, "Forward(rollback: {})", r.is_some()),
+            Decision::Answer(v) => write!(f, "Answer({v})"),
+            Decision::Refuse(e) => write!(f, "Refuse({e})"),
+        }
+    }
+}
+
+/// Methods only a `role:"node"` connection may call.
+fn is_node_only(method: &str) -> bool {
+    matches!(method, "node.invoke.result" | "node.event" | "skills.bins")
+        || method.starts_with("node.pending.")
+}
+
+#[derive(Debug, Clone)]
+struct RunOwner {
+    client_id: u64,
+    session_key: Option<String>,
+    tool_events: bool,
+}
+
+#[derive(Debug, Default)]
+struct Subscriptions {
+    /// Clients subscribed with `sessions.subscribe`.
+    sessions: HashSet<u64>,
+    /// Clients subscribed with `sessions.messages.subscribe`, by key.
+    messages: HashMap<String, HashSet<u64>>,
+}
+
+/// The driver's state; shared by every session and the connector.
+#[derive(Debug, Default)]
+pub struct Driver {
+    subs: Mutex<Subscriptions>,
+    runs: DashMap<String, RunOwner>,
+}
+
+fn param_str<'a>(params: &'a Value, key: &str) -> Option<&'a str> {
+    params
+        .get(key)
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+}
+
+impl Driver {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn subs(&self) -> std::sync::MutexGuard<'_, Subscriptions> {
+        self.subs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Decides what happens to `method` from `client`.
+    pub fn decide(
+        self: &Arc<Self>,
+        client: &Client,
+        method: &str,
+        params: Option<&RawValue>,
+    ) -> Decision {
+        if is_node_only(method) {
+            return Decision::Refuse(ErrorShape::invalid_request("unauthorized role: operator"));
+        }
+        let interesting = matches!(
+            method,
+            "sessions.subscribe"
+                | "sessions.unsubscribe"
+                | "sessions.messages.subscribe"
+                | "sessions.messages.unsubscribe"
+                | "chat.send"
+                | "agent"
+                | "chat.abort"
+        );
+        if !interesting {
+            return Decision::Forward(None);
+        }
+        let params: Value = params
+            .and_then(|p| serde_json::from_str(p.get()).ok())
+            .unwrap_or(Value::Null);
+        let id = client.id;
+        match method {
+            "sessions.subscribe" => {
+                let mut subs = self.subs();
+                let first = subs.sessions.is_empty();
+                if !subs.sessions.insert(id) || !first {
+                    return Decision::Answer(json!({"subscribed": true}));
+                }
+                let me = Arc::clone(self);
+                Decision::Forward(Some(Box::new(move || {
+                    me.subs().sessions.remove(&id);
+                })))
+            }
+            "sessions.unsubscribe" => {
+                let mut subs = self.subs();
+                if subs.sessions.remove(&id) && subs.sessions.is_empty() {
+                    Decision::Forward(None)
+                } else {
+                    Decision::Answer(json!({"subscribed": false}))
+                }
+            }
+            "sessions.messages.subscribe" | "sessions.messages.unsubscribe" => {
+                let Some(key) = param_str(&params, "key").map(str::to_owned) else {
+                    // Let the gateway word the schema error.
+                    return Decision::Forward(None);
+                };
+                let mut subs = self.subs();
+                if method == "sessions.messages.subscribe" {
+                    let set = subs.messages.entry(key.clone()).or_default();
+                    let first = set.is_empty();
+                    if !set.insert(id) || !first {
+                        return Decision::Answer(json!({"subscribed": true, "key": key}));
+                    }
+                    let me = Arc::clone(self);
+                    Decision::Forward(Some(Box::new(move || {
+                        me.remove_message_sub(&key, id);
+                    })))
+                } else {
+                    let removed = subs
+                        .messages
+                        .get_mut(&key)
+                        .is_some_and(|set| set.remove(&id));
+                    let now_empty = subs.messages.get(&key).is_none_or(HashSet::is_empty);
+                    if now_empty {
+                        subs.messages.remove(&key);
+                    }
+                    if removed && now_empty {
+                        Decision::Forward(None)
+                    } else {
+                        Decision::Answer(json!({"subscribed": false, "key": key}))
+                    }
+                }
+            }
+            "chat.send" | "agent" => {
+                let Some(run_id) = param_str(&params, "idempotencyKey").map(str::to_owned) else {
+                    return Decision::Forward(None);
+                };
+                if self.runs.contains_key(&run_id) {
+                    // A duplicate key: the gateway answers it (in_flight / cached).
+                    return Decision::Forward(None);
+                }
+                self.runs.insert(
+                    run_id.clone(),
+                    RunOwner {
+                        client_id: id,
+                        session_key: param_str(&params, "sessionKey").map(str::to_owned),
+                        tool_events: client
+                            .tool_events
+                            .load(std::sync::atomic::Ordering::Relaxed),
+                    },
+                );
+                let me = Arc::clone(self);
+                Decision::Forward(Some(Box::new(move || {
+                    me.runs.remove_if(&run_id, |_, o| o.client_id == id);
+                })))
+            }
+            "chat.abort" => {
+                if client.admin.load(std::sync::atomic::Ordering::Relaxed) {
+                    return Decision::Forward(None);
+                }
+                let foreign = match param_str(&params, "runId") {
+                    Some(run_id) => self.runs.get(run_id).is_some_and(|o| o.client_id != id),
+                    None => {
+                        let key = param_str(&params, "sessionKey");
+                        self.runs
+                            .iter()
+                            .any(|o| o.client_id != id && o.session_key.as_deref() == key)
+                    }
+                };
+                if foreign {
+                    Decision::Refuse(ErrorShape::studio(
+                        StudioCode::Forbidden,
+                        "this run was started by another local client; only that client or one connected with operator.admin may abort it",
+                    ))
+                } else {
+                    Decision::Forward(None)
+                }
+            }
+            _ => Decision::Forward(None),
+        }
+    }
+
+    fn remove_message_sub(&self, key: &str, id: u64) {
+        let mut subs = self.subs();
+        if let Some(set) = subs.messages.get_mut(key) {
+            set.remove(&id);
+            if set.is_empty() {
+                subs.messages.remove(key);
+            }
+        }
+    }
+
+    /// Who should receive this upstream event.
+    pub fn audience(&self, name: &str, payload: Option<&RawValue>) -> Audience {
+        match name {
+            "session.tool" | "sessions.changed" => {
+                Audience::Only(self.subs().sessions.iter().copied().collect())
+            }
+            "session.message" => {
+                let key = payload
+                    .and_then(|p| serde_json::from_str::<Value>(p.get()).ok())
+                    .and_then(|p| {
+                        p.get("sessionKey")
+                            .and_then(Value::as_str)
+                            .map(str::to_owned)
+                    });
+                let subs = self.subs();
+                let mut ids: HashSet<u64> = subs.sessions.clone();
+                if let Some(set) = key.and_then(|k| subs.messages.get(&k)) {
+                    ids.extend(set.iter().copied());
+                }
+                Audience::Only(ids.into_iter().collect())
+            }
+            "agent" => self.agent_audience(payload),
+            _ => Audience::All,
+        }
+    }
+
+    /// Tool-stream `agent` events go to the run's owner alone (if it asked
+    /// for them); the others are broadcast. A run's ownership ends with its
+    /// lifecycle `end`/`error` event.
+    fn agent_audience(&self, payload: Option<&RawValue>) -> Audience {
+        #[derive(serde::Deserialize)]
+        struct AgentHead {
+            #[serde(rename = "runId", default)]
+            run_id: Option<String>,
+            #[serde(default)]
+            stream: Option<String>,
+            #[serde(default)]
+            data: Option<Value>,
+        }
+        let Some(head) = payload.and_then(|p| serde_json::from_str::<AgentHead>(p.get()).ok())
+        else {
+            return Audience::All;
+        };
+        match (head.stream.as_deref(), head.run_id) {
+            (Some("tool"), Some(run_id)) => match self.runs.get(&run_id) {
+                Some(o) if o.tool_events => Audience::Only(vec![o.client_id]),
+                _ => Audience::Only(Vec::new()),
+            },
+            (Some("tool"), None) => Audience::Only(Vec::new()),
+            (Some("lifecycle"), Some(run_id)) => {
+                let phase = head
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get("phase"))
+                    .and_then(Value::as_str);
+                if matches!(phase, Some("end" | "error")) {
+                    self.runs.remove(&run_id);
+                }
+                Audience::All
+            }
+            _ => Audience::All,
+        }
+    }
+
+    /// Forgets a disconnected client; returns the unsubscribes to send
+    /// upstream for subscriptions it was the last holder of.
+    pub fn forget_client(&self, id: u64) -> Vec<(&'static str, Value)> {
+        self.runs.retain(|_, o| o.client_id != id);
+        let mut subs = self.subs();
+        let mut upstream = Vec::new();
+        if subs.sessions.remove(&id) && subs.sessions.is_empty() {
+            upstream.push(("sessions.unsubscribe", json!({})));
+        }
+        let mut emptied = Vec::new();
+        for (key, set) in subs.messages.iter_mut() {
+            if set.remove(&id) && set.is_empty() {
+                emptied.push(key.clone());
+            }
+        }
+        for key in emptied {
+            subs.messages.remove(&key);
+            upstream.push(("sessions.messages.unsubscribe", json!({"key": key})));
+        }
+        upstream
+    }
+
+    /// The subscriptions to re-issue on a new upstream session.
+    pub fn resubscribe(&self) -> Vec<(&'static str, Value)> {
+        let subs = self.subs();
+        let mut out = Vec::new();
+        if !subs.sessions.is_empty() {
+            out.push(("sessions.subscribe", json!({})));
+        }
+        for key in subs.messages.keys() {
+            out.push(("sessions.messages.subscribe", json!({"key": key})));
+        }
+        out
+    }
+
+    /// Local subscription counts, for state reporting and tests.
+    pub fn subscription_counts(&self) -> (usize, HashMap<String, usize>) {
+        let subs = self.subs();
+        (
+            subs.sessions.len(),
+            subs.messages
+                .iter()
+                .map(|(k, v)| (k.clone(), v.len()))
+                .collect(),
+        )
+    }
+}

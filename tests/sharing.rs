@@ -1,0 +1,330 @@
+//! What sharing one session changes, and what the broker does so clients do
+//! not notice: subscriptions, targeted events, run ownership, refusals, caps.
+
+mod support;
+
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use support::*;
+
+fn upstream_methods(h: &Harness, method: &str) -> usize {
+    h.gw.requests()
+        .iter()
+        .filter(|(_, r)| r["method"] == method)
+        .count()
+}
+
+/// Whether the double's view of the broker connection is "subscribed":
+/// the last sessions.(un)subscribe it saw.
+fn upstream_subscribed(h: &Harness) -> bool {
+    h.gw.requests()
+        .iter()
+        .rev()
+        .find(|(_, r)| r["method"] == "sessions.subscribe" || r["method"] == "sessions.unsubscribe")
+        .is_some_and(|(_, r)| r["method"] == "sessions.subscribe")
+}
+
+#[tokio::test]
+async fn subscriptions_are_reference_counted() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    let (mut b, _) = h.connected().await;
+    assert_eq!(
+        a.request("sessions.subscribe", json!({})).await["payload"]["subscribed"],
+        true
+    );
+    assert_eq!(
+        b.request("sessions.subscribe", json!({})).await["payload"]["subscribed"],
+        true
+    );
+    assert_eq!(
+        upstream_methods(&h, "sessions.subscribe"),
+        1,
+        "only the first goes upstream"
+    );
+    assert_eq!(
+        a.request("sessions.unsubscribe", json!({})).await["payload"]["subscribed"],
+        false
+    );
+    assert_eq!(
+        upstream_methods(&h, "sessions.unsubscribe"),
+        0,
+        "b still holds it"
+    );
+    drop(b); // the last holder disconnects
+    eventually("release sent upstream", || {
+        upstream_methods(&h, "sessions.unsubscribe") == 1
+    })
+    .await;
+    // Per-key message subscriptions, likewise.
+    let key = json!({"key": "agent:main:main"});
+    let (mut c, _) = h.connected().await;
+    assert_eq!(
+        a.request("sessions.messages.subscribe", key.clone()).await["payload"]["key"],
+        "agent:main:main"
+    );
+    c.request("sessions.messages.subscribe", key.clone()).await;
+    assert_eq!(upstream_methods(&h, "sessions.messages.subscribe"), 1);
+    a.request("sessions.messages.unsubscribe", key.clone())
+        .await;
+    c.request("sessions.messages.unsubscribe", key.clone())
+        .await;
+    assert_eq!(upstream_methods(&h, "sessions.messages.unsubscribe"), 1);
+}
+
+/// Random orders of subscribe/unsubscribe/disconnect by three clients: the
+/// gateway is subscribed exactly when at least one local client is.
+#[tokio::test]
+async fn subscription_refcounts_hold_in_any_order() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
+    for round in 0..12 {
+        let h = start().await;
+        let mut clients: Vec<Option<WsClient>> = Vec::new();
+        for _ in 0..3 {
+            clients.push(Some(h.connected().await.0));
+        }
+        let mut local = [false; 3];
+        for step in 0..8 {
+            let who = rng.random_range(0..3);
+            let op = rng.random_range(0..3);
+            match (op, clients[who].as_mut()) {
+                (0, Some(c)) => {
+                    c.request("sessions.subscribe", json!({})).await;
+                    local[who] = true;
+                }
+                (1, Some(c)) => {
+                    c.request("sessions.unsubscribe", json!({})).await;
+                    local[who] = false;
+                }
+                (2, Some(_)) => {
+                    clients[who] = None;
+                    local[who] = false;
+                }
+                _ => continue,
+            }
+            let want = local.iter().any(|s| *s);
+            let what = format!("round {round} step {step}: upstream subscribed == {want}");
+            eventually(&what, || upstream_subscribed(&h) == want).await;
+            // Exactly as many upstream requests as transitions: never a duplicate.
+            let subs = upstream_methods(&h, "sessions.subscribe");
+            let unsubs = upstream_methods(&h, "sessions.unsubscribe");
+            assert!(
+                subs == unsubs || subs == unsubs + 1,
+                "{what}: {subs} subscribes, {unsubs} unsubscribes"
+            );
+        }
+    }
+}
+
+/// Waits for `marker` and returns every event name seen before it.
+async fn events_until_marker(c: &mut WsClient) -> Vec<String> {
+    let mut names = Vec::new();
+    loop {
+        let e = c.event_any().await;
+        let name = e["event"].as_str().unwrap_or_default().to_owned();
+        if name == "test.marker" {
+            return names;
+        }
+        names.push(name);
+    }
+}
+
+#[tokio::test]
+async fn targeted_events_reach_only_subscribers() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await; // sessions.subscribe
+    let (mut b, _) = h.connected().await; // messages of one key
+    let (mut c, _) = h.connected().await; // nothing
+    a.request("sessions.subscribe", json!({})).await;
+    b.request(
+        "sessions.messages.subscribe",
+        json!({"key": "agent:main:main"}),
+    )
+    .await;
+    h.gw.emit_sessions_changed(json!({"sessionKey": "agent:main:main"}));
+    h.gw.emit_session_message(
+        "agent:main:main",
+        json!({"sessionKey": "agent:main:main", "message": {"role": "user"}}),
+    );
+    h.gw.emit_session_message(
+        "agent:other:main",
+        json!({"sessionKey": "agent:other:main", "message": {"role": "user"}}),
+    );
+    h.gw.broadcast("test.marker", json!({}));
+    let seen_a = events_until_marker(&mut a).await;
+    let seen_b = events_until_marker(&mut b).await;
+    let seen_c = events_until_marker(&mut c).await;
+    let count = |v: &[String], n: &str| v.iter().filter(|e| *e == n).count();
+    assert_eq!(count(&seen_a, "sessions.changed"), 1);
+    assert_eq!(count(&seen_a, "session.message"), 2);
+    assert_eq!(count(&seen_b, "sessions.changed"), 0);
+    assert_eq!(count(&seen_b, "session.message"), 1, "only its key");
+    assert_eq!(
+        count(&seen_c, "session.message") + count(&seen_c, "sessions.changed"),
+        0
+    );
+}
+
+#[tokio::test]
+async fn tool_events_go_to_the_client_that_started_the_run() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    let (mut b, _) = h.connected().await;
+    let key = uuid::Uuid::new_v4().to_string();
+    a.request(
+        "chat.send",
+        json!({"sessionKey": "agent:main:main", "message": "run a tool", "idempotencyKey": key}),
+    )
+    .await;
+    let mut a_tools = 0;
+    loop {
+        let e = a.event("agent").await;
+        if e["payload"]["stream"] == "tool" {
+            a_tools += 1;
+        }
+        if e["payload"]["stream"] == "lifecycle" && e["payload"]["data"]["phase"] == "end" {
+            break;
+        }
+    }
+    assert!(a_tools > 0, "the starter gets its tool stream");
+    loop {
+        let e = b.event("agent").await;
+        assert_ne!(
+            e["payload"]["stream"], "tool",
+            "another client never gets it"
+        );
+        if e["payload"]["stream"] == "lifecycle" && e["payload"]["data"]["phase"] == "end" {
+            break;
+        }
+    }
+}
+
+#[tokio::test]
+async fn chat_abort_of_another_clients_run_is_forbidden_unless_admin() {
+    let cfg = MockConfig {
+        run_step_delay: Duration::from_secs(30),
+        ..mock_config()
+    };
+    let h = start_with(cfg, |_| {}).await;
+    let (mut owner, _) = h.connected().await;
+    let (mut other, _) = h.connected().await;
+    let mut admin = h.client().await;
+    admin.recv_json().await;
+    let mut frame = connect_frame("c-admin");
+    frame["params"]["scopes"] = json!(["operator.admin"]);
+    admin.send_json(&frame).await;
+    assert_eq!(admin.response("c-admin").await["ok"], true);
+    let key = uuid::Uuid::new_v4().to_string();
+    let session = "agent:main:main";
+    owner
+        .request(
+            "chat.send",
+            json!({"sessionKey": session, "message": "long", "idempotencyKey": key}),
+        )
+        .await;
+    let refused = other
+        .request("chat.abort", json!({"sessionKey": session, "runId": key}))
+        .await;
+    assert_eq!(refused["error"]["code"], "studio.forbidden", "{refused}");
+    let refused = other
+        .request("chat.abort", json!({"sessionKey": session}))
+        .await;
+    assert_eq!(
+        refused["error"]["code"], "studio.forbidden",
+        "a session-wide abort would hit it too"
+    );
+    assert_eq!(upstream_methods(&h, "chat.abort"), 0, "refused locally");
+    let by_admin = admin
+        .request("chat.abort", json!({"sessionKey": session, "runId": key}))
+        .await;
+    assert_eq!(by_admin["ok"], true, "{by_admin}");
+    let key2 = uuid::Uuid::new_v4().to_string();
+    owner
+        .request(
+            "chat.send",
+            json!({"sessionKey": session, "message": "again", "idempotencyKey": key2}),
+        )
+        .await;
+    let own = owner
+        .request("chat.abort", json!({"sessionKey": session, "runId": key2}))
+        .await;
+    assert_eq!(own["ok"], true, "{own}");
+}
+
+#[tokio::test]
+async fn node_only_methods_are_refused_locally() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    for method in [
+        "node.invoke.result",
+        "node.event",
+        "node.pending.pull",
+        "skills.bins",
+    ] {
+        let res = a.request(method, json!({})).await;
+        assert_eq!(res["error"]["code"], "INVALID_REQUEST");
+        assert_eq!(res["error"]["message"], "unauthorized role: operator");
+    }
+    assert!(
+        h.gw.requests().is_empty(),
+        "nothing reached the gateway's unauthorized-flood guard"
+    );
+}
+
+#[tokio::test]
+async fn in_flight_cap() {
+    let h = start_with(mock_config(), |s| s.limits.max_inflight = 2).await;
+    let (mut a, _) = h.connected().await;
+    h.gw.set_faults(Faults {
+        hold_methods: vec!["status".into()],
+        ..Faults::default()
+    });
+    for id in ["s1", "s2"] {
+        a.send_json(&json!({"type":"req","id":id,"method":"status"}))
+            .await;
+    }
+    let res = a.request("status", json!({})).await;
+    assert_eq!(res["error"]["code"], "studio.too_many_requests", "{res}");
+    let (mut b, _) = h.connected().await;
+    assert_eq!(
+        b.request("health", json!({})).await["ok"],
+        true,
+        "the cap is per client"
+    );
+}
+
+#[tokio::test]
+async fn frame_rate_cap_answers_with_retry_after() {
+    let h = start_with(mock_config(), |s| {
+        s.limits.request_rate = 1;
+        s.limits.request_burst = 2;
+    })
+    .await;
+    let (mut a, _) = h.connected().await;
+    for id in ["r1", "r2", "r3"] {
+        a.send_json(&json!({"type":"req","id":id,"method":"health"}))
+            .await;
+    }
+    let r1 = a.response("r1").await;
+    assert_eq!(r1["ok"], true, "{r1} {:?}", a.events);
+    assert_eq!(a.response("r2").await["ok"], true);
+    let r3 = a.response("r3").await;
+    assert_eq!(r3["error"]["code"], "studio.too_many_requests", "{r3}");
+    assert!(r3["error"]["retryAfterMs"].as_u64().unwrap() > 0);
+    assert_eq!(upstream_methods(&h, "health"), 2);
+}
+
+#[tokio::test]
+async fn client_cap_refuses_with_1013() {
+    let h = start_with(mock_config(), |s| s.limits.max_clients = 2).await;
+    let _a = h.connected().await;
+    let _b = h.connected().await;
+    let mut c = h.client().await;
+    c.recv_json().await;
+    c.send_json(&connect_frame("c3")).await;
+    let res: Value = c.response("c3").await;
+    assert_eq!(res["error"]["code"], "studio.too_many_clients", "{res}");
+    assert_eq!(c.expect_close().await, (1013, "too many clients".into()));
+}
