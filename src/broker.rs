@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Settings;
-use crate::hub::{Hub, QueueLimits};
+use crate::hub::{Hub, QueueLimits, ReplayLimits};
 use crate::local::socket::{self, SocketError, SocketGuard};
 use crate::router::Router;
 use crate::upstream::Upstream;
@@ -66,7 +66,11 @@ impl RunningBroker {
                 grace: limits.slow_grace,
             },
             limits.max_clients,
-        ));
+        )
+        .with_replay_limits(ReplayLimits {
+            max_events: limits.replay_max_events,
+            max_bytes: limits.replay_max_bytes,
+        }));
         let router = Arc::new(Router::new(
             limits.request_timeout,
             limits.run_timeout,

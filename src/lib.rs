@@ -21,14 +21,19 @@
 //!   two answers, failing everything when a session is lost).
 //! - [`local`]: the unix listener (peer uid check), HTTP routes, and WebSocket
 //!   sessions with connect enforcement and the synthesized `hello-ok`.
+//! - [`metrics`]: request accounting and the Prometheus text for `/metrics`.
 //! - [`broker`]: assembly and shutdown.
+//! - [`cli`]: the everyday commands (`status`, `tail`, `call`), which talk to a
+//!   running broker over its socket like any other client.
 //! - [`mock`]: a faithful gateway test double on loopback TCP, used by the
 //!   tests, `clawmux mock-gateway` and `clawmux serve --demo`.
 
 pub mod broker;
+pub mod cli;
 pub mod config;
 pub mod hub;
 pub mod local;
+pub mod metrics;
 pub mod mock;
 pub mod protocol;
 pub mod router;

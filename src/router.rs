@@ -13,6 +13,7 @@ use dashmap::DashMap;
 use serde_json::value::RawValue;
 
 use crate::hub::Client;
+use crate::metrics::{Outcome, RequestMetrics};
 use crate::protocol::frames::{encode_res, encode_res_error, payload_status};
 use crate::protocol::{ErrorShape, StudioCode};
 
@@ -25,6 +26,8 @@ struct Pending {
     /// The upstream session the request was sent on.
     epoch: u64,
     deadline: Instant,
+    /// When it was registered, for the latency histogram.
+    started: Instant,
 }
 
 /// The pending-request table.
@@ -35,6 +38,8 @@ pub struct Router {
     request_timeout: Duration,
     run_timeout: Duration,
     max_inflight: usize,
+    /// Requests by method and outcome, and their latency (for `/metrics`).
+    pub metrics: RequestMetrics,
 }
 
 impl Router {
@@ -45,6 +50,7 @@ impl Router {
             request_timeout,
             run_timeout,
             max_inflight,
+            metrics: RequestMetrics::default(),
         }
     }
 
@@ -60,6 +66,7 @@ impl Router {
         let inflight = client.inflight.fetch_add(1, Ordering::AcqRel);
         if inflight >= self.max_inflight {
             client.inflight.fetch_sub(1, Ordering::AcqRel);
+            self.metrics.record(method, Outcome::Rejected, None);
             return Err(ErrorShape::studio(
                 StudioCode::TooManyRequests,
                 format!(
@@ -77,6 +84,7 @@ impl Router {
                 method: method.to_owned(),
                 epoch,
                 deadline: Instant::now() + self.request_timeout,
+                started: Instant::now(),
             },
         );
         Ok(upstream_id)
@@ -109,6 +117,9 @@ impl Router {
             return false;
         };
         p.client.inflight.fetch_sub(1, Ordering::AcqRel);
+        let outcome = if ok { Outcome::Ok } else { Outcome::Error };
+        self.metrics
+            .record(&p.method, outcome, Some(p.started.elapsed()));
         p.client
             .push_frame(encode_res(&p.local_id, ok, payload, error));
         true
@@ -117,7 +128,7 @@ impl Router {
     /// Fails one request (e.g. it could not be sent) with `error`.
     pub fn fail(&self, upstream_id: &str, error: &ErrorShape) {
         if let Some((_, p)) = self.pending.remove(upstream_id) {
-            Self::answer_error(p, error);
+            self.answer_error(p, error);
         }
     }
 
@@ -164,15 +175,18 @@ impl Router {
         for id in ids {
             if let Some((_, p)) = self.pending.remove(&id) {
                 let e = error(&p);
-                Self::answer_error(p, &e);
+                self.answer_error(p, &e);
                 n += 1;
             }
         }
         n
     }
 
-    fn answer_error(p: Pending, error: &ErrorShape) {
+    fn answer_error(&self, p: Pending, error: &ErrorShape) {
         p.client.inflight.fetch_sub(1, Ordering::AcqRel);
+        let outcome = Outcome::of_studio_code(&error.code);
+        self.metrics
+            .record(&p.method, outcome, Some(p.started.elapsed()));
         p.client.push_frame(encode_res_error(&p.local_id, error));
     }
 }
@@ -264,6 +278,32 @@ mod tests {
         r.register(&b, "1", "status", 3).unwrap();
         r.forget_client(2);
         assert_eq!(r.pending_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn outcomes_are_counted_by_method() {
+        let r = Router::new(Duration::from_millis(0), Duration::from_secs(60), 8);
+        let a = client(1);
+        let ok = r.register(&a, "1", "health", 1).unwrap();
+        let err = r.register(&a, "2", "status", 1).unwrap();
+        r.register(&a, "3", "status", 1).unwrap();
+        r.complete(&ok, true, None, None);
+        r.complete(&err, false, None, Some(&raw(r#"{"code":"X","message":"m"}"#)));
+        r.expire(Instant::now());
+        let counts: Vec<(String, &str, u64)> = r
+            .metrics
+            .counts()
+            .into_iter()
+            .map(|(m, o, n)| (m, o.as_str(), n))
+            .collect();
+        assert_eq!(
+            counts,
+            vec![
+                ("health".into(), "ok", 1),
+                ("status".into(), "error", 1),
+                ("status".into(), "timeout", 1)
+            ]
+        );
     }
 
     #[test]
