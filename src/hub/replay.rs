@@ -177,14 +177,15 @@ impl Hub {
     }
 
     /// Starts delivering live events to `client` and returns the logged
-    /// events after `cursor` to send first; with no cursor, from now on.
-    /// One lock covers both, so the backlog and the live events meet exactly.
+    /// events after `cursor` to send first (with no cursor: none, live from
+    /// now on), and the window at that moment. One lock covers both, so the
+    /// backlog and the live events meet exactly.
     pub fn admit_at_cursor(
         &self,
         client: &Arc<Client>,
         cursor: Option<u64>,
         epoch: Option<&str>,
-    ) -> Result<Vec<EventHead>, SubscribeError> {
+    ) -> Result<(Vec<EventHead>, ReplayWindow), SubscribeError> {
         let mut inner = self.lock();
         let backlog = match cursor {
             Some(cursor) => inner
@@ -203,7 +204,7 @@ impl Hub {
             return Err(TooManyClients(self.max_clients).into());
         }
         inner.clients.insert(client.id, Arc::clone(client));
-        Ok(backlog)
+        Ok((backlog, inner.replay.window()))
     }
 }
 

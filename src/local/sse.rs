@@ -33,6 +33,10 @@ use crate::protocol::{EventHead, StudioCode};
 
 /// Response header naming the broker life the stream's cursors belong to.
 pub const EPOCH_HEADER: &str = "clawmux-epoch";
+/// Response header with the cursor the stream starts after (the requested
+/// one, or the newest at the moment a stream "from now" was admitted), so a
+/// client can resume exactly even before it has seen an event.
+pub const AFTER_SEQ_HEADER: &str = "clawmux-after-seq";
 
 /// How long a stream killed as a slow consumer (or at shutdown) may take to
 /// end on its own before its connection is cut.
@@ -100,21 +104,30 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         Err(message) => return error_response(StatusCode::BAD_REQUEST, "INVALID_REQUEST", message),
     };
     let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
-    let backlog = match ctx
+    let (backlog, window) = match ctx
         .hub
         .admit_at_cursor(&client, wanted.cursor, wanted.epoch.as_deref())
     {
-        Ok(backlog) => backlog,
+        Ok(admitted) => admitted,
         Err(SubscribeError::ReplayUnavailable(w)) => {
+            let why = match &wanted.epoch {
+                Some(e) if **e != *w.epoch => format!(
+                    "the cursor is from another broker life (epoch {e}; this broker is epoch {})",
+                    w.epoch
+                ),
+                _ => format!(
+                    "this broker (epoch {}) holds events {}..={}",
+                    w.epoch, w.oldest_seq, w.newest_seq
+                ),
+            };
             return json_response(
                 StatusCode::GONE,
                 json!({
                     "ok": false,
                     "code": StudioCode::ReplayUnavailable.as_str(),
                     "message": format!(
-                        "cannot resume after {}: this broker (epoch {}) holds events {}..={}; reload /v1/state and stream after its newest_seq",
+                        "cannot resume after {}: {why}; reload /v1/state and stream after its newest_seq",
                         wanted.cursor.map_or("now".to_owned(), |c| c.to_string()),
-                        w.epoch, w.oldest_seq, w.newest_seq
                     ),
                     "retryable": false,
                     "oldest_seq": w.oldest_seq,
@@ -131,7 +144,8 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             );
         }
     };
-    let epoch = ctx.hub.replay_window().epoch;
+    let epoch = window.epoch;
+    let after = wanted.cursor.unwrap_or(window.newest_seq);
     tracing::info!(client_id = client.id, cursor = ?wanted.cursor, backlog = backlog.len(), "event stream opened");
     let done = CancellationToken::new();
     if let Some(kill) = req.extensions().get::<ConnectionKill>() {
@@ -156,7 +170,7 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             done,
         },
     };
-    let first = Bytes::from(format!(": clawmux events, epoch {epoch}\nretry: 1000\n\n"));
+    let first = Bytes::from(format!(": clawmux events, epoch {epoch}\n\nretry: 1000\n\n"));
     let chunks = futures_util::stream::once(async move { first }).chain(
         futures_util::stream::unfold(stream, |mut s| async move {
             let chunk = s.next_chunk().await?;
@@ -171,9 +185,13 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         HeaderValue::from_static("text/event-stream"),
     );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    // A stream ends only when the broker ends it (slow consumer, shutdown):
+    // then the connection goes too, so a reader blocked on it sees EOF.
+    headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
     if let Ok(v) = HeaderValue::from_str(&epoch) {
         headers.insert(EPOCH_HEADER, v);
     }
+    headers.insert(AFTER_SEQ_HEADER, HeaderValue::from(after));
     resp
 }
 
