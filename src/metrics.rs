@@ -122,6 +122,12 @@ impl RequestMetrics {
         }
     }
 
+    /// Counts a request failed at once because the upstream session was
+    /// not ready (it never reached the router's table).
+    pub fn record_refused(&self, method: &str) {
+        self.record(method, Outcome::UpstreamClosed, None);
+    }
+
     /// `(method, outcome, count)`, sorted for a stable scrape.
     pub fn counts(&self) -> Vec<(String, Outcome, u64)> {
         let counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
@@ -142,7 +148,11 @@ impl RequestMetrics {
         let bucket_name = format!("{name}_bucket");
         for (i, le) in LATENCY_BUCKETS.iter().enumerate() {
             cumulative += self.buckets[i].load(Ordering::Relaxed);
-            out.sample(&bucket_name, &[("le", &le.to_string())], cumulative.min(count));
+            out.sample(
+                &bucket_name,
+                &[("le", &le.to_string())],
+                cumulative.min(count),
+            );
         }
         out.sample(&bucket_name, &[("le", "+Inf")], count);
         let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
@@ -217,7 +227,11 @@ pub fn render(ctx: &Ctx) -> String {
             .filter(|c| c.kind == kind)
             .map(|c| c.queued_bytes())
             .sum();
-        out.sample("clawmux_client_queue_bytes", &[("kind", kind.as_str())], bytes);
+        out.sample(
+            "clawmux_client_queue_bytes",
+            &[("kind", kind.as_str())],
+            bytes,
+        );
     }
     let stats = &ctx.hub.stats;
     let counters = [
@@ -275,7 +289,11 @@ pub fn render(ctx: &Ctx) -> String {
     );
     for phase in Phase::ALL {
         let current = u8::from(phase == status.phase);
-        out.sample("clawmux_upstream_phase", &[("phase", phase.as_str())], current);
+        out.sample(
+            "clawmux_upstream_phase",
+            &[("phase", phase.as_str())],
+            current,
+        );
     }
     out.family(
         "clawmux_upstream_reconnects_total",
@@ -313,7 +331,9 @@ mod tests {
         let counts = m.counts();
         let other = counts.iter().find(|(name, ..)| name == "other").unwrap();
         assert_eq!(other.2, 5);
-        assert!(counts.iter().any(|(n, o, c)| n == "m0" && *o == Outcome::Error && *c == 1));
+        assert!(counts
+            .iter()
+            .any(|(n, o, c)| n == "m0" && *o == Outcome::Error && *c == 1));
         let mut out = Exposition::default();
         out.sample("x", &[("method", "a\"b\\c\nd")], 1);
         assert_eq!(out.finish(), "x{method=\"a\\\"b\\\\c\\nd\"} 1\n");

@@ -288,7 +288,12 @@ mod tests {
         let err = r.register(&a, "2", "status", 1).unwrap();
         r.register(&a, "3", "status", 1).unwrap();
         r.complete(&ok, true, None, None);
-        r.complete(&err, false, None, Some(&raw(r#"{"code":"X","message":"m"}"#)));
+        r.complete(
+            &err,
+            false,
+            None,
+            Some(&raw(r#"{"code":"X","message":"m"}"#)),
+        );
         r.expire(Instant::now());
         let counts: Vec<(String, &str, u64)> = r
             .metrics

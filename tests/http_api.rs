@@ -1,9 +1,9 @@
 //! The plain-HTTP API on the socket: `/v1/state`, `/v1/rpc`, `/metrics`,
 //! and the answers for wrong methods and paths.
 
-mod support;
 #[path = "support/http_api.rs"]
 mod http_api;
+mod support;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -21,7 +21,10 @@ async fn state_is_one_document_with_upstream_snapshot_clients_and_cursor() {
     let (status, _, text) = request_text(&h.socket(), "GET", "/v1/state", b"").await;
     assert_eq!(status, 200);
     assert!(!text.contains("test-token"), "never the token: {text}");
-    assert!(!text.contains("deviceToken"), "never the device token: {text}");
+    assert!(
+        !text.contains("deviceToken"),
+        "never the device token: {text}"
+    );
     let s: Value = serde_json::from_str(&text).unwrap();
     assert!(s["epoch"].as_str().is_some_and(|e| !e.is_empty()));
     assert!(s["newest_seq"].is_u64() && s["oldest_seq"].is_u64(), "{s}");
@@ -30,7 +33,11 @@ async fn state_is_one_document_with_upstream_snapshot_clients_and_cursor() {
     assert_eq!(up["server_version"], "2026.9.6-mock");
     assert_eq!(up["protocol"], 4);
     assert_eq!(up["lost_scopes"], json!([]));
-    assert!(up["scopes"].as_array().unwrap().iter().any(|x| x == "operator.admin"));
+    assert!(up["scopes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|x| x == "operator.admin"));
     assert_eq!(up["last_error"], Value::Null);
     assert_eq!(up["url"], h.gw.url().as_str());
     assert_eq!(
@@ -82,10 +89,16 @@ async fn rpc_answers_with_the_gateway_res_frame() {
     until_ready(&h.socket()).await;
     let (status, res) = rpc(&h.socket(), r#"{"method":"health","params":{}}"#).await;
     assert_eq!(status, 200);
-    assert_eq!((&res["type"], &res["id"], &res["ok"]), (&json!("res"), &json!("http"), &json!(true)));
+    assert_eq!(
+        (&res["type"], &res["id"], &res["ok"]),
+        (&json!("res"), &json!("http"), &json!(true))
+    );
     assert!(res["payload"].is_object(), "{res}");
     let (status, res) = rpc(&h.socket(), r#"{"method":"no.such.method","id":"mine"}"#).await;
-    assert_eq!(status, 200, "the gateway answered: the request itself went through");
+    assert_eq!(
+        status, 200,
+        "the gateway answered: the request itself went through"
+    );
     assert_eq!((&res["id"], &res["ok"]), (&json!("mine"), &json!(false)));
     assert_eq!(res["error"]["code"], "INVALID_REQUEST");
     // agent answers twice: the first answer by default, the final one on request.
@@ -101,7 +114,11 @@ async fn rpc_answers_with_the_gateway_res_frame() {
     )
     .await;
     assert_eq!(last["payload"]["status"], "ok", "{last}");
-    assert_eq!(h.broker.ctx().router.pending_count(), 0, "nothing left behind");
+    assert_eq!(
+        h.broker.ctx().router.pending_count(),
+        0,
+        "nothing left behind"
+    );
 }
 
 #[tokio::test]
@@ -111,9 +128,17 @@ async fn rpc_refuses_bad_input_with_a_clear_error() {
     let cases: [(&str, u16, &str); 6] = [
         ("{not json", 400, "invalid JSON body"),
         (r#"{"params":{}}"#, 400, "missing field `method`"),
-        (r#"{"method":"health","parms":{}}"#, 400, "unknown field `parms`"),
+        (
+            r#"{"method":"health","parms":{}}"#,
+            400,
+            "unknown field `parms`",
+        ),
         (r#"{"method":""}"#, 400, "method must be a non-empty string"),
-        (r#"{"method":"connect","params":{}}"#, 400, "connect is handled by the broker"),
+        (
+            r#"{"method":"connect","params":{}}"#,
+            400,
+            "connect is handled by the broker",
+        ),
         (r#"[1,2]"#, 400, "invalid JSON body"),
     ];
     for (body, want_status, want_text) in cases {
@@ -124,13 +149,23 @@ async fn rpc_refuses_bad_input_with_a_clear_error() {
         let message = res["error"]["message"].as_str().unwrap();
         assert!(message.contains(want_text), "{body}: {message}");
     }
-    let big = format!(r#"{{"method":"health","params":{{"pad":"{}"}}}}"#, "x".repeat(2000));
+    let big = format!(
+        r#"{{"method":"health","params":{{"pad":"{}"}}}}"#,
+        "x".repeat(2000)
+    );
     let (status, res) = rpc(&h.socket(), &big).await;
     assert_eq!(status, 413, "{res}");
-    assert!(res["error"]["message"].as_str().unwrap().contains("1024 bytes"));
+    assert!(res["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("1024 bytes"));
     assert_eq!(h.gw.stats().requests, 0, "nothing bad reached the gateway");
     let (status, res) = rpc(&h.socket(), r#"{"method":"health"}"#).await;
-    assert_eq!((status, &res["ok"]), (200, &json!(true)), "the broker is fine");
+    assert_eq!(
+        (status, &res["ok"]),
+        (200, &json!(true)),
+        "the broker is fine"
+    );
 }
 
 #[tokio::test]
@@ -138,8 +173,20 @@ async fn rpc_while_the_upstream_is_down_or_lost_is_503() {
     let (broker, _dir) = broker_only(|s| s.limits.connect_wait = Duration::from_millis(50)).await;
     let (status, res) = rpc(broker.socket_path(), r#"{"method":"health"}"#).await;
     assert_eq!(status, 503, "{res}");
-    assert!(res["error"]["code"].as_str().unwrap().starts_with("studio.upstream_"), "{res}");
+    assert!(
+        res["error"]["code"]
+            .as_str()
+            .unwrap()
+            .starts_with("studio.upstream_"),
+        "{res}"
+    );
     assert_eq!(res["error"]["retryable"], true);
+    let (_, _, metrics) = request_text(broker.socket_path(), "GET", "/metrics", b"").await;
+    assert!(
+        metrics
+            .contains("clawmux_requests_total{method=\"health\",outcome=\"upstream_closed\"} 1\n"),
+        "refusals are counted: {metrics}"
+    );
 
     let faults = Faults {
         hold_methods: vec!["status".into()],
@@ -149,7 +196,9 @@ async fn rpc_while_the_upstream_is_down_or_lost_is_503() {
     until_ready(&h.socket()).await;
     let socket = h.socket();
     let call = tokio::spawn(async move { rpc(&socket, r#"{"method":"status"}"#).await });
-    h.gw.wait_request("status", PATIENCE).await.expect("forwarded");
+    h.gw.wait_request("status", PATIENCE)
+        .await
+        .expect("forwarded");
     h.gw.drop_all();
     let (status, res) = call.await.unwrap();
     assert_eq!(status, 503, "{res}");
@@ -193,7 +242,9 @@ async fn wrong_methods_and_paths_are_explained() {
 fn parse_prometheus(text: &str) -> HashMap<String, f64> {
     fn valid_name(n: &str) -> bool {
         let mut chars = n.chars();
-        chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
+        chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
             && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
     }
     let mut types: HashMap<String, String> = HashMap::new();
@@ -211,20 +262,31 @@ fn parse_prometheus(text: &str) -> HashMap<String, f64> {
                 ["counter", "gauge", "histogram", "summary", "untyped"].contains(&kind),
                 "{line}"
             );
-            assert!(types.insert(name.into(), kind.into()).is_none(), "declared once: {line}");
+            assert!(
+                types.insert(name.into(), kind.into()).is_none(),
+                "declared once: {line}"
+            );
             continue;
         }
-        assert!(!line.starts_with('#') && !line.is_empty(), "unexpected line {line:?}");
+        assert!(
+            !line.starts_with('#') && !line.is_empty(),
+            "unexpected line {line:?}"
+        );
         let (series, value) = line.rsplit_once(' ').expect(line);
         let value: f64 = match value {
             "+Inf" => f64::INFINITY,
             "-Inf" => f64::NEG_INFINITY,
-            v => v.parse().unwrap_or_else(|_| panic!("numeric value: {line}")),
+            v => v
+                .parse()
+                .unwrap_or_else(|_| panic!("numeric value: {line}")),
         };
         let name = series.split('{').next().unwrap();
         assert!(valid_name(name), "{line}");
         if let Some(labels) = series.strip_prefix(name).filter(|l| !l.is_empty()) {
-            let inner = labels.strip_prefix('{').and_then(|l| l.strip_suffix('}')).expect(line);
+            let inner = labels
+                .strip_prefix('{')
+                .and_then(|l| l.strip_suffix('}'))
+                .expect(line);
             let mut rest = inner;
             while !rest.is_empty() {
                 let (key, after) = rest.split_once("=\"").expect(line);
@@ -239,28 +301,51 @@ fn parse_prometheus(text: &str) -> HashMap<String, f64> {
                     })
                     .expect(line)
                     .0;
-                rest = after[end + 1..].strip_prefix(',').unwrap_or(&after[end + 1..]);
+                rest = after[end + 1..]
+                    .strip_prefix(',')
+                    .unwrap_or(&after[end + 1..]);
             }
         }
         let family = ["_bucket", "_sum", "_count"]
             .iter()
-            .find_map(|s| name.strip_suffix(s).filter(|f| types.get(*f).is_some_and(|t| t == "histogram")))
+            .find_map(|s| {
+                name.strip_suffix(s)
+                    .filter(|f| types.get(*f).is_some_and(|t| t == "histogram"))
+            })
             .unwrap_or(name);
-        assert!(types.contains_key(family), "sample before its # TYPE: {line}");
+        assert!(
+            types.contains_key(family),
+            "sample before its # TYPE: {line}"
+        );
         samples.insert(series.to_owned(), value);
     }
     for (family, _) in types.iter().filter(|(_, t)| *t == "histogram") {
         let mut buckets: Vec<(f64, f64)> = samples
             .iter()
             .filter_map(|(k, v)| {
-                let le = k.strip_prefix(&format!("{family}_bucket{{le=\""))?.strip_suffix("\"}")?;
-                Some((if le == "+Inf" { f64::INFINITY } else { le.parse().unwrap() }, *v))
+                let le = k
+                    .strip_prefix(&format!("{family}_bucket{{le=\""))?
+                    .strip_suffix("\"}")?;
+                Some((
+                    if le == "+Inf" {
+                        f64::INFINITY
+                    } else {
+                        le.parse().unwrap()
+                    },
+                    *v,
+                ))
             })
             .collect();
         buckets.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
-        assert!(buckets.windows(2).all(|w| w[0].1 <= w[1].1), "cumulative: {buckets:?}");
+        assert!(
+            buckets.windows(2).all(|w| w[0].1 <= w[1].1),
+            "cumulative: {buckets:?}"
+        );
         assert_eq!(buckets.last().unwrap().0, f64::INFINITY);
-        assert_eq!(Some(&buckets.last().unwrap().1), samples.get(&format!("{family}_count")));
+        assert_eq!(
+            Some(&buckets.last().unwrap().1),
+            samples.get(&format!("{family}_count"))
+        );
     }
     samples
 }
@@ -278,20 +363,35 @@ async fn metrics_are_valid_prometheus_text_with_the_promised_series() {
     until_ready(&h.socket()).await;
     let (mut ws, _) = h.connected().await;
     assert_eq!(ws.request("health", json!({})).await["ok"], true);
-    assert_eq!(ws.request("status", json!({})).await["error"]["code"], "studio.request_timeout");
+    assert_eq!(
+        ws.request("status", json!({})).await["error"]["code"],
+        "studio.request_timeout"
+    );
     rpc(&h.socket(), r#"{"method":"health"}"#).await;
     rpc(&h.socket(), r#"{"method":"we\"ird"}"#).await;
     let _sse = open_events(&h.socket(), "/v1/events", &[]).await.unwrap();
     let (status, headers, text) = request_text(&h.socket(), "GET", "/metrics", b"").await;
     assert_eq!(status, 200);
-    assert!(headers["content-type"].to_str().unwrap().starts_with("text/plain; version=0.0.4"));
+    assert!(headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain; version=0.0.4"));
     let m = parse_prometheus(&text);
     let get = |k: &str| *m.get(k).unwrap_or_else(|| panic!("{k} in\n{text}"));
     assert_eq!(get(r#"clawmux_clients{kind="ws"}"#), 1.0);
     assert_eq!(get(r#"clawmux_clients{kind="sse"}"#), 1.0);
-    assert_eq!(get(r#"clawmux_requests_total{method="health",outcome="ok"}"#), 2.0);
-    assert_eq!(get(r#"clawmux_requests_total{method="status",outcome="timeout"}"#), 1.0);
-    assert_eq!(get(r#"clawmux_requests_total{method="we\"ird",outcome="error"}"#), 1.0);
+    assert_eq!(
+        get(r#"clawmux_requests_total{method="health",outcome="ok"}"#),
+        2.0
+    );
+    assert_eq!(
+        get(r#"clawmux_requests_total{method="status",outcome="timeout"}"#),
+        1.0
+    );
+    assert_eq!(
+        get(r#"clawmux_requests_total{method="we\"ird",outcome="error"}"#),
+        1.0
+    );
     assert_eq!(get("clawmux_request_duration_seconds_count"), 4.0);
     assert_eq!(get(r#"clawmux_upstream_phase{phase="ready"}"#), 1.0);
     assert_eq!(get(r#"clawmux_upstream_phase{phase="backoff"}"#), 0.0);
@@ -308,7 +408,13 @@ async fn metrics_are_valid_prometheus_text_with_the_promised_series() {
         get(k);
     }
     h.gw.drop_all();
-    eventually("reconnected", || h.broker.ctx().upstream.status().reconnects == 1).await;
+    eventually("reconnected", || {
+        h.broker.ctx().upstream.status().reconnects == 1
+    })
+    .await;
     let (_, _, text) = request_text(&h.socket(), "GET", "/metrics", b"").await;
-    assert_eq!(parse_prometheus(&text)["clawmux_upstream_reconnects_total"], 1.0);
+    assert_eq!(
+        parse_prometheus(&text)["clawmux_upstream_reconnects_total"],
+        1.0
+    );
 }

@@ -1,8 +1,8 @@
 //! Snapshot, cursor and replay (design §6): `/v1/state` + `/v1/events`.
 
-mod support;
 #[path = "support/http_api.rs"]
 mod http_api;
+mod support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -13,7 +13,9 @@ use support::*;
 
 /// Broadcasts `n` custom events and waits until the broker has logged them.
 async fn publish(h: &Harness, n: usize) -> u64 {
-    let before = until_ready(&h.socket()).await["newest_seq"].as_u64().unwrap();
+    let before = until_ready(&h.socket()).await["newest_seq"]
+        .as_u64()
+        .unwrap();
     for i in 0..n {
         h.gw.broadcast("test.event", json!({ "i": i }));
     }
@@ -27,9 +29,16 @@ async fn resuming_from_every_cursor_in_the_window_loses_and_repeats_nothing() {
     let h = start_with(mock_config(), |s| s.limits.replay_max_events = 20).await;
     let newest = publish(&h, 35).await;
     let s = state(&h.socket()).await;
-    let (oldest, epoch) = (s["oldest_seq"].as_u64().unwrap(), s["epoch"].as_str().unwrap());
+    let (oldest, epoch) = (
+        s["oldest_seq"].as_u64().unwrap(),
+        s["epoch"].as_str().unwrap(),
+    );
     assert_eq!(s["newest_seq"], newest);
-    assert_eq!(newest - oldest + 1, 20, "the window holds replay_max_events");
+    assert_eq!(
+        newest - oldest + 1,
+        20,
+        "the window holds replay_max_events"
+    );
     for cursor in oldest - 1..newest {
         let mut sse = open_events(
             &h.socket(),
@@ -39,9 +48,21 @@ async fn resuming_from_every_cursor_in_the_window_loses_and_repeats_nothing() {
         .await
         .unwrap_or_else(|e| panic!("cursor {cursor}: {e:?}"));
         assert_eq!(sse.headers["clawmux-epoch"], epoch);
-        assert_eq!(sse.headers["clawmux-after-seq"], cursor.to_string().as_str());
-        let ids: Vec<u64> = sse.events_through(newest).await.iter().map(|e| e.0).collect();
-        assert_eq!(ids, (cursor + 1..=newest).collect::<Vec<_>>(), "cursor {cursor}");
+        assert_eq!(
+            sse.headers["clawmux-after-seq"],
+            cursor.to_string().as_str()
+        );
+        let ids: Vec<u64> = sse
+            .events_through(newest)
+            .await
+            .iter()
+            .map(|e| e.0)
+            .collect();
+        assert_eq!(
+            ids,
+            (cursor + 1..=newest).collect::<Vec<_>>(),
+            "cursor {cursor}"
+        );
     }
     // Resuming at the newest cursor: nothing replayed, the next live event is next.
     let mut sse = open_events(&h.socket(), &format!("/v1/events?after_seq={newest}"), &[])
@@ -51,7 +72,11 @@ async fn resuming_from_every_cursor_in_the_window_loses_and_repeats_nothing() {
     let (id, name, data) = sse.next_event().await;
     assert_eq!((id, name.as_str()), (newest + 1, "test.event"));
     assert_eq!(data["payload"]["i"], "live");
-    assert_eq!(data["seq"], newest + 1, "the data frame's seq is the cursor");
+    assert_eq!(
+        data["seq"],
+        newest + 1,
+        "the data frame's seq is the cursor"
+    );
 }
 
 #[tokio::test]
@@ -77,7 +102,11 @@ async fn last_event_id_wins_over_after_seq_and_filters_apply_to_replay() {
     let name = "test.event".to_owned();
     assert_eq!(
         got,
-        vec![(newest - 1, name.clone()), (newest, name.clone()), (newest + 2, name)],
+        vec![
+            (newest - 1, name.clone()),
+            (newest, name.clone()),
+            (newest + 2, name)
+        ],
         "other.event ({}) is filtered out",
         newest + 1
     );
@@ -86,11 +115,21 @@ async fn last_event_id_wins_over_after_seq_and_filters_apply_to_replay() {
         .err()
         .unwrap();
     assert_eq!(status, 400);
-    assert!(body["error"]["message"].as_str().unwrap().contains("after_seq"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("after_seq"),
+        "{body}"
+    );
     let bad_header = open_events(&h.socket(), "/v1/events", &[("last-event-id", "abc")]).await;
     assert_eq!(bad_header.err().unwrap().0, 400);
     let unknown = open_events(&h.socket(), "/v1/events?after=3", &[]).await;
-    assert_eq!(unknown.err().unwrap().0, 400, "unknown query parameters are refused");
+    assert_eq!(
+        unknown.err().unwrap().0,
+        400,
+        "unknown query parameters are refused"
+    );
 }
 
 #[tokio::test]
@@ -123,11 +162,21 @@ async fn old_cursor_future_cursor_and_other_epoch_get_410() {
         assert_eq!(body["oldest_seq"], oldest, "{path}");
         assert_eq!(body["newest_seq"], newest, "{path}");
         assert_eq!(body["epoch"], epoch.as_str(), "{path}");
-        assert!(body["message"].as_str().unwrap().contains("/v1/state"), "{body}");
+        assert!(
+            body["message"].as_str().unwrap().contains("/v1/state"),
+            "{body}"
+        );
     }
-    assert!(open_events(&h.socket(), &format!("/v1/events?after_seq={}", oldest - 1), &[])
+    assert!(
+        open_events(
+            &h.socket(),
+            &format!("/v1/events?after_seq={}", oldest - 1),
+            &[]
+        )
         .await
-        .is_ok(), "the oldest resumable cursor is oldest_seq - 1");
+        .is_ok(),
+        "the oldest resumable cursor is oldest_seq - 1"
+    );
 
     // A broker restart is a new epoch: the old cursor is refused even though
     // the new broker's numbers overlap it.
@@ -140,7 +189,13 @@ async fn old_cursor_future_cursor_and_other_epoch_get_410() {
     let (status, body) = gone(format!("/v1/events?after_seq=1&epoch={epoch}")).await;
     assert_eq!(status, 410);
     assert_ne!(body["epoch"], epoch.as_str());
-    assert!(body["message"].as_str().unwrap().contains("another broker life"), "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap()
+            .contains("another broker life"),
+        "{body}"
+    );
 }
 
 /// The promise of `/v1/state`: streaming after its `newest_seq` continues
@@ -155,8 +210,7 @@ async fn snapshot_then_stream_neither_misses_nor_repeats_under_concurrent_events
     let broadcaster = async {
         let mut sent = 0u32;
         while !stop.load(Ordering::Relaxed) && sent < 50_000 {
-            h.gw
-                .broadcast_with_state_version("presence", json!({"presence": [{"n": sent}]}));
+            h.gw.broadcast_with_state_version("presence", json!({"presence": [{"n": sent}]}));
             sent += 1;
             tokio::time::sleep(Duration::from_micros(200)).await;
         }
@@ -170,15 +224,15 @@ async fn snapshot_then_stream_neither_misses_nor_repeats_under_concurrent_events
                 &h.socket(),
                 &format!(
                     "/v1/events?after_seq={}&epoch={}&events=presence",
-                    s["newest_seq"], s["epoch"].as_str().unwrap()
+                    s["newest_seq"],
+                    s["epoch"].as_str().unwrap()
                 ),
                 &[],
             )
             .await
             .unwrap();
-            let mut expected = held + 1;
             let mut last_id = s["newest_seq"].as_u64().unwrap();
-            for _ in 0..3 {
+            for expected in held + 1..=held + 3 {
                 let (id, _, data) = sse.next_event().await;
                 assert!(id > last_id, "round {round}: cursors increase");
                 last_id = id;
@@ -186,7 +240,6 @@ async fn snapshot_then_stream_neither_misses_nor_repeats_under_concurrent_events
                     data["stateVersion"]["presence"], expected,
                     "round {round}: snapshot held presence v{held}"
                 );
-                expected += 1;
             }
         }
         stop.store(true, Ordering::Relaxed);
@@ -242,14 +295,22 @@ async fn a_stuck_sse_reader_is_closed_as_a_slow_consumer() {
         .await
         .unwrap();
     eventually("the stream is admitted", || {
-        h.broker.ctx().hub.clients().iter().any(|c| c.kind == clawmux::hub::ClientKind::Sse)
+        h.broker
+            .ctx()
+            .hub
+            .clients()
+            .iter()
+            .any(|c| c.kind == clawmux::hub::ClientKind::Sse)
     })
     .await;
     let stats = &h.broker.ctx().hub.stats;
     let pad = "x".repeat(8 * 1024);
     let mut sent = 0;
     while stats.slow_closes.load(Ordering::Relaxed) == 0 {
-        assert!(sent < 4000, "no slow-consumer close after {sent} events of 8 KiB");
+        assert!(
+            sent < 4000,
+            "no slow-consumer close after {sent} events of 8 KiB"
+        );
         for _ in 0..16 {
             h.gw.broadcast("test.big", json!({ "pad": pad }));
         }
@@ -271,7 +332,11 @@ async fn a_stuck_sse_reader_is_closed_as_a_slow_consumer() {
     assert!(!sink.is_empty());
     let s = state(&h.socket()).await;
     assert_eq!(s["upstream"]["phase"], "ready");
-    assert_eq!(h.gw.total_connections(), 1, "the upstream session never noticed");
+    assert_eq!(
+        h.gw.total_connections(),
+        1,
+        "the upstream session never noticed"
+    );
     let (status, res) = rpc(&h.socket(), r#"{"method":"health"}"#).await;
     assert_eq!((status, &res["ok"]), (200, &json!(true)));
 }

@@ -167,11 +167,23 @@ mod tests {
             "requests_pending": 0,
         });
         let text = render(&state);
-        assert!(text.contains("upstream   backoff ws://localhost:18789"), "{text}");
+        assert!(
+            text.contains("upstream   backoff ws://localhost:18789"),
+            "{text}"
+        );
         assert!(text.contains("NOT granted: operator.admin"), "{text}");
-        assert!(text.contains("studio.upstream_error: refused (next try in 1.5 s)"), "{text}");
+        assert!(
+            text.contains("studio.upstream_error: refused (next try in 1.5 s)"),
+            "{text}"
+        );
         assert!(text.contains("2 presence entries"), "{text}");
-        assert!(text.contains("1 ws, 1 sse; 10 bytes queued, 2 events dropped"), "{text}");
-        assert!(text.contains("newest seq 42, replay holds 1..=42, epoch abc"), "{text}");
+        assert!(
+            text.contains("1 ws, 1 sse; 10 bytes queued, 2 events dropped"),
+            "{text}"
+        );
+        assert!(
+            text.contains("newest seq 42, replay holds 1..=42, epoch abc"),
+            "{text}"
+        );
     }
 }

@@ -162,7 +162,10 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
                 let frame: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
                 format_line(seq, &event.event, &frame, crate::protocol::now_ms())
             };
-            if writeln!(stdout, "{line}").and_then(|()| stdout.flush()).is_err() {
+            if writeln!(stdout, "{line}")
+                .and_then(|()| stdout.flush())
+                .is_err()
+            {
                 return Ok(0); // stdout closed (e.g. piped into `head`)
             }
         }
@@ -251,10 +254,7 @@ fn describe(name: &str, p: &Value) -> String {
             parts.extend(detail);
             parts.join(" ")
         }
-        "presence" => format!(
-            "{} entries",
-            p["presence"].as_array().map_or(0, Vec::len)
-        ),
+        "presence" => format!("{} entries", p["presence"].as_array().map_or(0, Vec::len)),
         "tick" => String::new(),
         "clawmux.upstream" => format!(
             "phase={} {}",
@@ -323,7 +323,9 @@ mod tests {
             "deltaText":"Hello\nthere","message":{"content":[{"type":"text","text":"Hello"}],"timestamp":0}}});
         let line = format_line(45, "chat", &chat, 0);
         assert!(
-            line.ends_with(r#"45 chat             run=7d7b1f2c session=agent:main:main delta "Hello there""#),
+            line.ends_with(
+                r#"45 chat             run=7d7b1f2c session=agent:main:main delta "Hello there""#
+            ),
             "{line}"
         );
         let agent = json!({"payload":{"runId":"r1","stream":"assistant","ts":1,"data":{"text":"x".repeat(100)}}});
@@ -336,7 +338,9 @@ mod tests {
     #[test]
     fn other_events_are_compact() {
         let up = json!({"payload":{"phase":"backoff","reason":"gateway closed"}});
-        assert!(format_line(1, "clawmux.upstream", &up, 0).ends_with("phase=backoff gateway closed"));
+        assert!(
+            format_line(1, "clawmux.upstream", &up, 0).ends_with("phase=backoff gateway closed")
+        );
         let p = json!({"payload":{"presence":[1,2,3]}});
         assert!(format_line(2, "presence", &p, 0).ends_with("presence         3 entries"));
         let other = json!({"payload":{"a":1}});

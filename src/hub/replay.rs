@@ -269,7 +269,10 @@ mod tests {
         none.append(event(1));
         let w = none.window();
         assert_eq!((w.oldest_seq, w.newest_seq), (2, 1));
-        assert!(none.after(1, None).unwrap().is_empty(), "resume at newest works");
+        assert!(
+            none.after(1, None).unwrap().is_empty(),
+            "resume at newest works"
+        );
         assert!(none.after(0, None).is_err());
     }
 }

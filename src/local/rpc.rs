@@ -53,7 +53,9 @@ enum BadRpc {
     BadJson(String),
     #[error("method must be a non-empty string")]
     NoMethod,
-    #[error("connect is handled by the broker, which owns the gateway session; send other methods")]
+    #[error(
+        "connect is handled by the broker, which owns the gateway session; send other methods"
+    )]
     Connect,
 }
 
@@ -128,6 +130,7 @@ impl Drop for Forget<'_> {
 /// Sends the request upstream and waits for its (final) answer frame.
 async fn call(ctx: &Arc<Ctx>, rpc: &RpcRequest, id: &str) -> Result<Bytes, ErrorShape> {
     let Some(epoch) = ctx.upstream.ready_epoch() else {
+        ctx.router.metrics.record_refused(&rpc.method);
         return Err(ctx.upstream.status().not_ready_error());
     };
     let client = ctx.hub.new_client_of_kind(ClientKind::Rpc);
@@ -210,7 +213,10 @@ mod tests {
 
     #[test]
     fn statuses() {
-        assert_eq!(status_of(br#"{"type":"res","id":"h","ok":true}"#), StatusCode::OK);
+        assert_eq!(
+            status_of(br#"{"type":"res","id":"h","ok":true}"#),
+            StatusCode::OK
+        );
         assert_eq!(
             status_of(br#"{"type":"res","id":"h","ok":false,"error":{"code":"INVALID_REQUEST","message":"x"}}"#),
             StatusCode::OK
@@ -219,8 +225,13 @@ mod tests {
             status_of(br#"{"ok":false,"error":{"code":"studio.upstream_closed","message":"x"}}"#),
             StatusCode::SERVICE_UNAVAILABLE
         );
-        assert_eq!(status_of_code("studio.request_timeout"), StatusCode::GATEWAY_TIMEOUT);
-        assert!(is_interim(br#"{"ok":true,"payload":{"status":"accepted"}}"#));
+        assert_eq!(
+            status_of_code("studio.request_timeout"),
+            StatusCode::GATEWAY_TIMEOUT
+        );
+        assert!(is_interim(
+            br#"{"ok":true,"payload":{"status":"accepted"}}"#
+        ));
         assert!(!is_interim(br#"{"ok":true,"payload":{"status":"ok"}}"#));
     }
 }

@@ -67,8 +67,8 @@ struct StreamRequest {
 }
 
 fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
-    let query: EventsQuery = serde_urlencoded::from_str(req.uri().query().unwrap_or(""))
-        .map_err(|e| {
+    let query: EventsQuery =
+        serde_urlencoded::from_str(req.uri().query().unwrap_or("")).map_err(|e| {
             format!("bad query: {e}; expected after_seq=<number>, epoch=<id>, events=<name,name>")
         })?;
     // A reconnecting EventSource repeats its original URL and adds the last
@@ -104,10 +104,11 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         Err(message) => return error_response(StatusCode::BAD_REQUEST, "INVALID_REQUEST", message),
     };
     let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
-    let (backlog, window) = match ctx
-        .hub
-        .admit_at_cursor(&client, wanted.cursor, wanted.epoch.as_deref())
-    {
+    let (backlog, window) = match ctx.hub.admit_at_cursor(
+        &client,
+        wanted.cursor,
+        wanted.epoch.as_deref(),
+    ) {
         Ok(admitted) => admitted,
         Err(SubscribeError::ReplayUnavailable(w)) => {
             let why = match &wanted.epoch {
@@ -170,7 +171,9 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             done,
         },
     };
-    let first = Bytes::from(format!(": clawmux events, epoch {epoch}\n\nretry: 1000\n\n"));
+    let first = Bytes::from(format!(
+        ": clawmux events, epoch {epoch}\n\nretry: 1000\n\n"
+    ));
     let chunks = futures_util::stream::once(async move { first }).chain(
         futures_util::stream::unfold(stream, |mut s| async move {
             let chunk = s.next_chunk().await?;

@@ -267,6 +267,7 @@ async fn forward(
     frame: &ClientFrame<'_>,
 ) -> Result<(), ErrorShape> {
     let Some(epoch) = ctx.upstream.ready_epoch() else {
+        ctx.router.metrics.record_refused(&frame.method);
         return Err(ctx.upstream.status().not_ready_error());
     };
     let upstream_id = ctx

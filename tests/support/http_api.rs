@@ -60,7 +60,11 @@ pub async fn request_text(
         .expect("body in time")
         .expect("body")
         .to_bytes();
-    (status, headers, String::from_utf8_lossy(&bytes).into_owned())
+    (
+        status,
+        headers,
+        String::from_utf8_lossy(&bytes).into_owned(),
+    )
 }
 
 /// `POST /v1/rpc` with `body`: (status, answer as JSON).
@@ -81,7 +85,11 @@ pub async fn state(socket: &Path) -> Value {
 #[derive(Debug, Clone)]
 pub enum Item {
     Comment(String),
-    Event { id: u64, name: String, data: Value },
+    Event {
+        id: u64,
+        name: String,
+        data: Value,
+    },
     /// Anything else (e.g. `retry:`, or the broker's `clawmux.close`).
     Other(String),
 }
@@ -102,7 +110,10 @@ pub async fn open_events(
     let (status, hdrs, resp) = request(socket, "GET", path, headers, b"").await;
     if status != 200 {
         let bytes = resp.into_body().collect().await.expect("body").to_bytes();
-        return Err((status, serde_json::from_slice(&bytes).unwrap_or(Value::Null)));
+        return Err((
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        ));
     }
     assert_eq!(hdrs["content-type"], "text/event-stream");
     Ok(Sse {
@@ -126,7 +137,8 @@ impl Sse {
                 .expect("the stream is still open")
                 .expect("body frame");
             if let Ok(data) = frame.into_data() {
-                self.buf.push_str(std::str::from_utf8(&data).expect("UTF-8"));
+                self.buf
+                    .push_str(std::str::from_utf8(&data).expect("UTF-8"));
             }
         }
     }
