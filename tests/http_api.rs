@@ -418,3 +418,23 @@ async fn metrics_are_valid_prometheus_text_with_the_promised_series() {
         1.0
     );
 }
+
+#[tokio::test]
+async fn streams_count_against_the_client_limit_and_rpc_against_inflight() {
+    let h = start_with(mock_config(), |s| {
+        s.limits.max_clients = 1;
+        s.limits.max_inflight = 0;
+    })
+    .await;
+    until_ready(&h.socket()).await;
+    let _first = open_events(&h.socket(), "/v1/events", &[]).await.unwrap();
+    let (status, body) = open_events(&h.socket(), "/v1/events", &[])
+        .await
+        .err()
+        .expect("no room for a second client");
+    assert_eq!(status, 503);
+    assert_eq!(body["error"]["code"], "studio.too_many_clients");
+    let (status, res) = rpc(&h.socket(), r#"{"method":"health"}"#).await;
+    assert_eq!(status, 429, "{res}");
+    assert_eq!(res["error"]["code"], "studio.too_many_requests");
+}
