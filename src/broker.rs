@@ -59,20 +59,18 @@ impl RunningBroker {
         guard: SocketGuard,
     ) -> RunningBroker {
         let limits = &settings.limits;
-        let hub = Arc::new(
-            Hub::new(
-                QueueLimits {
-                    soft_bytes: limits.queue_soft_bytes,
-                    hard_bytes: limits.queue_hard_bytes,
-                    grace: limits.slow_grace,
-                },
-                limits.max_clients,
-            )
-            .with_replay_limits(ReplayLimits {
-                max_events: limits.replay_max_events,
-                max_bytes: limits.replay_max_bytes,
-            }),
-        );
+        let hub = Arc::new(Hub::new(
+            QueueLimits {
+                soft_bytes: limits.queue_soft_bytes,
+                hard_bytes: limits.queue_hard_bytes,
+                grace: limits.slow_grace,
+            },
+            limits.max_clients,
+        ));
+        hub.set_replay_limits(ReplayLimits {
+            max_events: limits.replay_max_events,
+            max_bytes: limits.replay_max_bytes,
+        });
         let router = Arc::new(Router::new(
             limits.request_timeout,
             limits.run_timeout,

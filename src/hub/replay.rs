@@ -146,10 +146,10 @@ impl ReplayLog {
 /// The hub's HTTP-facing side: snapshots with a cursor and streams that start
 /// at one, both under the lock that publishing takes.
 impl Hub {
-    /// Sets how much history the replay log keeps (at startup, before events).
-    pub fn with_replay_limits(self, limits: ReplayLimits) -> Self {
+    /// Sets how much history the replay log keeps (at startup, before any
+    /// event: it starts a new, empty log).
+    pub fn set_replay_limits(&self, limits: ReplayLimits) {
         self.lock().replay = ReplayLog::new(limits);
-        self
     }
 
     /// A new client of `kind`, not yet receiving events.
