@@ -10,7 +10,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Settings;
 use crate::driver::Driver;
-use crate::hub::{Hub, QueueLimits};
+use crate::hub::{Hub, QueueLimits, ReplayLimits};
 use crate::local::socket::{self, SocketError, SocketGuard};
 use crate::router::Router;
 use crate::upstream::Upstream;
@@ -69,6 +69,10 @@ impl RunningBroker {
             },
             limits.max_clients,
         ));
+        hub.set_replay_limits(ReplayLimits {
+            max_events: limits.replay_max_events,
+            max_bytes: limits.replay_max_bytes,
+        });
         let router = Arc::new(Router::new(
             limits.request_timeout,
             limits.run_timeout,

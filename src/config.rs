@@ -83,6 +83,16 @@ pub struct Limits {
     pub request_rate: u32,
     /// Frames a client may send at once above the rate. Default 20,000.
     pub request_burst: u32,
+    /// Events the replay log keeps for `/v1/events` resumption; a cursor
+    /// older than the oldest kept event gets `410 studio.replay_unavailable`
+    /// (the client reloads `/v1/state`). Default 10,000.
+    pub replay_max_events: usize,
+    /// Encoded bytes the replay log keeps at most (the oldest events are
+    /// evicted first, same answer as above). Default 16 MiB.
+    pub replay_max_bytes: usize,
+    /// An idle `/v1/events` stream gets a `: keep-alive` comment this often,
+    /// so proxies and client timeouts do not cut it. Default 15 s.
+    pub sse_keepalive: Duration,
 }
 
 impl Default for Limits {
@@ -101,6 +111,9 @@ impl Default for Limits {
             max_inflight: 256,
             request_rate: 10_000,
             request_burst: 20_000,
+            replay_max_events: 10_000,
+            replay_max_bytes: 16 * 1024 * 1024,
+            sse_keepalive: Duration::from_secs(15),
         }
     }
 }

@@ -16,23 +16,31 @@
 //!   session *epoch* they were sent on.
 //! - [`hub`]: the client registry and fan-out; an event is encoded once and its
 //!   bytes shared, only the per-client `seq` differs; per-client byte-counted
-//!   queues decide drops and slow-consumer closes.
+//!   queues decide drops and slow-consumer closes; the replay ring gives every
+//!   event a broker-wide cursor for HTTP clients to resume from.
 //! - [`router`]: request-id rewriting and the pending table (deadlines, `agent`'s
 //!   two answers, failing everything when a session is lost).
 //! - [`driver`]: what the broker decides itself because gateway state is
 //!   per connection: reference-counted subscriptions, targeted events, run
 //!   ownership (tool events, `chat.abort`), node-only refusals.
 //! - [`local`]: the unix listener (peer uid check), HTTP routes, and WebSocket
-//!   sessions with connect enforcement and the synthesized `hello-ok`.
+//!   sessions with connect enforcement and the synthesized `hello-ok`; the
+//!   HTTP API: `/v1/state` (snapshot + cursor), `/v1/events` (SSE replay
+//!   stream), `/v1/rpc`, `/metrics`.
+//! - [`metrics`]: request accounting and the Prometheus text for `/metrics`.
 //! - [`broker`]: assembly and shutdown.
+//! - [`cli`]: the everyday commands (`status`, `tail`, `call`), which talk to a
+//!   running broker over its socket like any other client.
 //! - [`mock`]: a faithful gateway test double on loopback TCP, used by the
 //!   tests, `clawmux mock-gateway` and `clawmux serve --demo`.
 
 pub mod broker;
+pub mod cli;
 pub mod config;
 pub mod driver;
 pub mod hub;
 pub mod local;
+pub mod metrics;
 pub mod mock;
 pub mod protocol;
 pub mod router;

@@ -31,6 +31,8 @@ enum Command {
     Serve(ServeArgs),
     /// Run the gateway test double on loopback (for trying clients and the broker without a real gateway).
     MockGateway(MockArgs),
+    #[command(flatten)]
+    Client(clawmux::cli::ClientCommand),
 }
 
 #[derive(Args, Debug)]
@@ -100,12 +102,13 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => serve(args).await,
-            Command::MockGateway(args) => mock_gateway(args).await,
+            Command::Serve(args) => serve(args).await.map(|()| ExitCode::SUCCESS),
+            Command::MockGateway(args) => mock_gateway(args).await.map(|()| ExitCode::SUCCESS),
+            Command::Client(command) => Ok(clawmux::cli::run(command).await),
         }
     });
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("clawmux: {e:#}");
             ExitCode::from(1)

@@ -14,6 +14,7 @@ use serde_json::value::RawValue;
 
 use crate::driver::Rollback;
 use crate::hub::Client;
+use crate::metrics::{Outcome, RequestMetrics};
 use crate::protocol::frames::{encode_res, encode_res_error, payload_status};
 use crate::protocol::{ErrorShape, StudioCode};
 
@@ -27,6 +28,8 @@ struct Pending {
     deadline: Instant,
     /// Undoes what the driver recorded if the request does not succeed.
     rollback: Option<Rollback>,
+    /// When it was registered, for the latency histogram.
+    started: Instant,
 }
 
 impl std::fmt::Debug for Pending {
@@ -41,6 +44,8 @@ impl std::fmt::Debug for Pending {
 }
 
 impl Pending {
+    /// Releases the client's in-flight slot, undoing the driver's record if
+    /// the request did not succeed.
     fn settle(mut self, ok: bool) -> Self {
         if !ok {
             if let Some(undo) = self.rollback.take() {
@@ -60,6 +65,8 @@ pub struct Router {
     request_timeout: Duration,
     run_timeout: Duration,
     max_inflight: usize,
+    /// Requests by method and outcome, and their latency (for `/metrics`).
+    pub metrics: RequestMetrics,
 }
 
 impl Router {
@@ -70,6 +77,7 @@ impl Router {
             request_timeout,
             run_timeout,
             max_inflight,
+            metrics: RequestMetrics::default(),
         }
     }
 
@@ -89,6 +97,7 @@ impl Router {
             if let Some(undo) = rollback {
                 undo();
             }
+            self.metrics.record(method, Outcome::Rejected, None);
             return Err(ErrorShape::studio(
                 StudioCode::TooManyRequests,
                 format!(
@@ -107,6 +116,7 @@ impl Router {
                 epoch,
                 deadline: Instant::now() + self.request_timeout,
                 rollback,
+                started: Instant::now(),
             },
         );
         Ok(upstream_id)
@@ -139,6 +149,9 @@ impl Router {
             return false;
         };
         let p = p.settle(ok);
+        let outcome = if ok { Outcome::Ok } else { Outcome::Error };
+        self.metrics
+            .record(&p.method, outcome, Some(p.started.elapsed()));
         p.client
             .push_frame(encode_res(&p.local_id, ok, payload, error));
         true
@@ -147,7 +160,7 @@ impl Router {
     /// Fails one request (e.g. it could not be sent) with `error`.
     pub fn fail(&self, upstream_id: &str, error: &ErrorShape) {
         if let Some((_, p)) = self.pending.remove(upstream_id) {
-            Self::answer_error(p, error);
+            self.answer_error(p, error);
         }
     }
 
@@ -200,15 +213,18 @@ impl Router {
         for id in ids {
             if let Some((_, p)) = self.pending.remove(&id) {
                 let e = error(&p);
-                Self::answer_error(p, &e);
+                self.answer_error(p, &e);
                 n += 1;
             }
         }
         n
     }
 
-    fn answer_error(p: Pending, error: &ErrorShape) {
+    fn answer_error(&self, p: Pending, error: &ErrorShape) {
         let p = p.settle(false);
+        let outcome = Outcome::of_studio_code(&error.code);
+        self.metrics
+            .record(&p.method, outcome, Some(p.started.elapsed()));
         p.client.push_frame(encode_res_error(&p.local_id, error));
     }
 }
@@ -300,6 +316,37 @@ mod tests {
         r.register(&b, "1", "status", 3, None).unwrap();
         r.forget_client(2);
         assert_eq!(r.pending_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn outcomes_are_counted_by_method() {
+        let r = Router::new(Duration::from_millis(0), Duration::from_secs(60), 8);
+        let a = client(1);
+        let ok = r.register(&a, "1", "health", 1, None).unwrap();
+        let err = r.register(&a, "2", "status", 1, None).unwrap();
+        r.register(&a, "3", "status", 1, None).unwrap();
+        r.complete(&ok, true, None, None);
+        r.complete(
+            &err,
+            false,
+            None,
+            Some(&raw(r#"{"code":"X","message":"m"}"#)),
+        );
+        r.expire(Instant::now());
+        let counts: Vec<(String, &str, u64)> = r
+            .metrics
+            .counts()
+            .into_iter()
+            .map(|(m, o, n)| (m, o.as_str(), n))
+            .collect();
+        assert_eq!(
+            counts,
+            vec![
+                ("health".into(), "ok", 1),
+                ("status".into(), "error", 1),
+                ("status".into(), "timeout", 1)
+            ]
+        );
     }
 
     #[test]

@@ -50,6 +50,28 @@ pub enum Pushed {
     SlowConsumer,
 }
 
+/// How a client reaches the broker; its writer formats queued items for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ClientKind {
+    /// A WebSocket session speaking the gateway protocol.
+    Ws,
+    /// A `/v1/events` Server-Sent Events stream (events only, `id:` is the
+    /// broker cursor instead of the per-client `seq`).
+    Sse,
+    /// One `/v1/rpc` request: never admitted to the hub, only answered.
+    Rpc,
+}
+
+impl ClientKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClientKind::Ws => "ws",
+            ClientKind::Sse => "sse",
+            ClientKind::Rpc => "rpc",
+        }
+    }
+}
+
 /// Queue bounds for one client (from [`crate::config::Limits`]).
 #[derive(Debug, Clone, Copy)]
 pub struct QueueLimits {
@@ -71,6 +93,7 @@ struct Queue {
 #[derive(Debug)]
 pub struct Client {
     pub id: u64,
+    pub kind: ClientKind,
     /// The `server.connId` this client was given in its `hello-ok`.
     pub conn_id: String,
     /// The client asked for tool-stream events at connect.
@@ -93,6 +116,7 @@ impl Client {
     pub fn new(id: u64, limits: QueueLimits) -> Self {
         Client {
             id,
+            kind: ClientKind::Ws,
             conn_id: uuid::Uuid::new_v4().to_string(),
             tool_events: AtomicBool::new(false),
             admin: AtomicBool::new(false),
@@ -106,6 +130,12 @@ impl Client {
             }),
             wake: Notify::new(),
         }
+    }
+
+    /// The same client, reached another way (set before it is shared).
+    pub fn with_kind(mut self, kind: ClientKind) -> Self {
+        self.kind = kind;
+        self
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {

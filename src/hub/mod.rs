@@ -8,6 +8,7 @@
 //! sees every event after its snapshot and none before it.
 
 pub mod client;
+pub mod replay;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +18,8 @@ use bytes::Bytes;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
-pub use client::{Client, Outgoing, Pushed, QueueLimits};
+pub use client::{Client, ClientKind, Outgoing, Pushed, QueueLimits};
+pub use replay::{ReplayLimits, ReplayWindow, SubscribeError};
 
 use crate::driver::Audience;
 use crate::protocol::EventHead;
@@ -39,6 +41,8 @@ struct HubInner {
     /// The current gateway snapshot (`hello-ok.snapshot`, kept fresh from
     /// `presence` and `health` events); `Null` until the first upstream hello.
     snapshot: Value,
+    /// Recent events with their broker-wide cursors, for `/v1/events`.
+    replay: replay::ReplayLog,
 }
 
 /// The client registry and event fan-out.
@@ -150,6 +154,7 @@ impl Hub {
         if matches!(name, "presence" | "health") {
             apply_to_snapshot(&mut inner.snapshot, name, payload, state_version);
         }
+        let head = inner.replay.append(head);
         match audience {
             Audience::All => self.deliver(inner.clients.values(), &head, droppable),
             Audience::Only(ids) => {
@@ -162,7 +167,8 @@ impl Hub {
     /// Publishes an event the broker itself originates (e.g. `clawmux.upstream`).
     pub fn publish_local(&self, name: &str, payload: &Value) {
         let head = EventHead::from_value(name, payload);
-        let inner = self.lock();
+        let mut inner = self.lock();
+        let head = inner.replay.append(head);
         self.deliver(inner.clients.values(), &head, false);
     }
 

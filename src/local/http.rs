@@ -1,10 +1,12 @@
 //! HTTP routes on the local socket.
 
+use std::convert::Infallible;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{header, Method, Request, Response, StatusCode};
-use http_body_util::Full;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde_json::json;
@@ -14,17 +16,29 @@ use tokio_tungstenite::WebSocketStream;
 
 use crate::broker::Ctx;
 
-pub type Body = Full<Bytes>;
+/// Every response body: whole (JSON documents) or streamed (`/v1/events`).
+pub type Body = UnsyncBoxBody<Bytes, Infallible>;
 
-fn json_response(status: StatusCode, body: serde_json::Value) -> Response<Body> {
-    Response::builder()
-        .status(status)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap_or_default()
+/// A body sent in one piece.
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into()).boxed_unsync()
 }
 
-fn error_response(status: StatusCode, code: &str, message: String) -> Response<Body> {
+/// A response with a body in one piece.
+pub fn bytes_response(status: StatusCode, content_type: &str, body: Bytes) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, content_type)
+        .header(header::CACHE_CONTROL, "no-store")
+        .body(full(body))
+        .unwrap_or_else(|_| Response::new(full(Bytes::new())))
+}
+
+pub fn json_response(status: StatusCode, body: serde_json::Value) -> Response<Body> {
+    bytes_response(status, "application/json", Bytes::from(body.to_string()))
+}
+
+pub fn error_response(status: StatusCode, code: &str, message: String) -> Response<Body> {
     json_response(
         status,
         json!({"ok": false, "error": {"code": code, "message": message}}),
@@ -37,13 +51,27 @@ fn is_ws_path(path: &str) -> bool {
     matches!(path, "/" | "/ws" | "/api/gateway/ws")
 }
 
-pub async fn route(
-    req: Request<Incoming>,
-    ctx: Arc<Ctx>,
-) -> Result<Response<Body>, std::convert::Infallible> {
+/// The plain-HTTP endpoints and the one method each answers.
+const HTTP_ENDPOINTS: [(&str, Method); 5] = [
+    ("/healthz", Method::GET),
+    ("/v1/state", Method::GET),
+    ("/v1/events", Method::GET),
+    ("/v1/rpc", Method::POST),
+    ("/metrics", Method::GET),
+];
+
+pub async fn route(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_owned();
     let resp = match (req.method(), path.as_str()) {
         (&Method::GET, p) if is_ws_path(p) => upgrade(req, ctx),
+        (&Method::GET, "/v1/state") => super::state::respond(&ctx),
+        (&Method::GET, "/v1/events") => super::sse::open(&req, &ctx),
+        (&Method::POST, "/v1/rpc") => super::rpc::respond(req, &ctx).await,
+        (&Method::GET, "/metrics") => bytes_response(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            Bytes::from(crate::metrics::render(&ctx)),
+        ),
         (&Method::GET, "/healthz") => {
             let status = ctx.upstream.status();
             json_response(
@@ -57,11 +85,26 @@ pub async fn route(
                 }),
             )
         }
-        (m, p) => error_response(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("no route for {m} {p}; WebSocket: GET /ws, health: GET /healthz"),
-        ),
+        (m, p) => match HTTP_ENDPOINTS.iter().find(|(path, _)| *path == p) {
+            Some((_, allowed)) => {
+                let mut resp = error_response(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "method_not_allowed",
+                    format!("{p} answers {allowed}, not {m}"),
+                );
+                if let Ok(v) = header::HeaderValue::from_str(allowed.as_str()) {
+                    resp.headers_mut().insert(header::ALLOW, v);
+                }
+                resp
+            }
+            None => error_response(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!(
+                    "no route for {m} {p}; try GET /ws (WebSocket), /healthz, /v1/state, /v1/events, /metrics, or POST /v1/rpc"
+                ),
+            ),
+        },
     };
     Ok(resp)
 }
@@ -126,6 +169,6 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
         .header(header::CONNECTION, "Upgrade")
         .header(header::UPGRADE, "websocket")
         .header(header::SEC_WEBSOCKET_ACCEPT, accept)
-        .body(Full::new(Bytes::new()))
-        .unwrap_or_default()
+        .body(full(Bytes::new()))
+        .unwrap_or_else(|_| Response::new(full(Bytes::new())))
 }

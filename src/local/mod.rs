@@ -1,9 +1,12 @@
-//! The local side: the unix listener, peer-credential check, HTTP routes and
-//! WebSocket sessions.
+//! The local side: the unix listener, peer-credential check, HTTP routes,
+//! WebSocket sessions, and the HTTP API (`/v1/state`, `/v1/events`, `/v1/rpc`).
 
 pub mod http;
 pub mod rate;
+pub mod rpc;
 pub mod socket;
+pub mod sse;
+pub mod state;
 pub mod ws;
 
 use std::sync::Arc;
@@ -13,6 +16,12 @@ use hyper_util::rt::TokioIo;
 use tokio::net::UnixListener;
 
 use crate::broker::Ctx;
+
+/// Cancelling it drops one HTTP connection at once: for a response stream
+/// stuck behind a reader that does not read (hyper will not poll its body
+/// again until the socket drains). Handlers find it in the request extensions.
+#[derive(Debug, Clone)]
+pub struct ConnectionKill(pub tokio_util::sync::CancellationToken);
 
 /// Accepts connections until shutdown. Each connection is served by its own
 /// task; its errors are logged and never reach the listener.
@@ -50,7 +59,12 @@ pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>) {
         let tracker = ctx.tracker.clone();
         tracker.spawn(async move {
             let cancel = ctx.cancel.clone();
-            let service = hyper::service::service_fn(move |req| http::route(req, Arc::clone(&ctx)));
+            let kill = tokio_util::sync::CancellationToken::new();
+            let kill_handle = ConnectionKill(kill.clone());
+            let service = hyper::service::service_fn(move |mut req: hyper::Request<_>| {
+                req.extensions_mut().insert(kill_handle.clone());
+                http::route(req, Arc::clone(&ctx))
+            });
             let conn = http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
                 .with_upgrades();
@@ -61,9 +75,13 @@ pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>) {
                         tracing::debug!("local HTTP connection ended: {e}");
                     }
                 }
+                _ = kill.cancelled() => {}
                 _ = cancel.cancelled() => {
                     conn.as_mut().graceful_shutdown();
-                    let _ = conn.await;
+                    tokio::select! {
+                        _ = conn => {}
+                        _ = kill.cancelled() => {}
+                    }
                 }
             }
         });

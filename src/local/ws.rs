@@ -281,6 +281,7 @@ async fn forward(
     frame: &ClientFrame<'_>,
 ) -> Result<(), ErrorShape> {
     let Some(epoch) = ctx.upstream.ready_epoch() else {
+        ctx.router.metrics.record_refused(&frame.method);
         return Err(ctx.upstream.status().not_ready_error());
     };
     let rollback = match ctx.driver.decide(client, &frame.method, frame.params) {

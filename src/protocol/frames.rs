@@ -284,7 +284,13 @@ impl<'a> UpstreamFrame<'a> {
 #[derive(Debug, Clone)]
 pub struct EventHead {
     bytes: Bytes,
+    /// The broker-wide event cursor (`event_seq`) the replay log gave this
+    /// event; 0 until it is logged. HTTP streams use it as the SSE `id:`.
+    cursor: u64,
 }
+
+/// How every encoded event starts; the event name follows as a JSON string.
+const EVENT_PREFIX: &[u8] = br#"{"type":"event","event":"#;
 
 impl EventHead {
     pub fn encode(
@@ -297,7 +303,7 @@ impl EventHead {
                 + payload.map_or(0, |p| p.get().len())
                 + state_version.map_or(0, |s| s.get().len()),
         );
-        buf.extend_from_slice(br#"{"type":"event","event":"#);
+        buf.extend_from_slice(EVENT_PREFIX);
         write_json_str(&mut buf, name);
         if let Some(p) = payload {
             buf.extend_from_slice(br#","payload":"#);
@@ -307,7 +313,10 @@ impl EventHead {
             buf.extend_from_slice(br#","stateVersion":"#);
             buf.extend_from_slice(sv.get().as_bytes());
         }
-        EventHead { bytes: buf.into() }
+        EventHead {
+            bytes: buf.into(),
+            cursor: 0,
+        }
     }
 
     /// Encodes an event whose payload is a [`Value`] the broker built itself.
@@ -332,6 +341,32 @@ impl EventHead {
         buf.put_slice(&self.bytes);
         buf.put_u8(b'}');
         buf.freeze()
+    }
+
+    /// The same event, tagged with its broker-wide cursor (`event_seq`).
+    pub fn with_cursor(mut self, cursor: u64) -> Self {
+        self.cursor = cursor;
+        self
+    }
+
+    /// The broker-wide cursor (`event_seq`); 0 if the event was never logged.
+    pub fn cursor(&self) -> u64 {
+        self.cursor
+    }
+
+    /// The event name, read back from the encoded bytes (borrowed unless
+    /// the name needed JSON escapes), so it need not be stored twice.
+    pub fn name(&self) -> Cow<'_, str> {
+        let rest = self.bytes.get(EVENT_PREFIX.len()..).unwrap_or_default();
+        let mut de = serde_json::Deserializer::from_slice(rest);
+        // Deserializing one value without `end()` ignores what follows it.
+        match <&str as Deserialize>::deserialize(&mut de) {
+            Ok(name) => Cow::Borrowed(name),
+            Err(_) => {
+                let mut de = serde_json::Deserializer::from_slice(rest);
+                Cow::Owned(String::deserialize(&mut de).unwrap_or_default())
+            }
+        }
     }
 
     /// Encoded size in bytes (used for queue accounting).
@@ -527,6 +562,17 @@ mod tests {
         assert!(v.get("extra").is_none());
         let bare: Value = serde_json::from_slice(&head.without_seq()).unwrap();
         assert!(bare.get("seq").is_none());
+        assert_eq!(head.name(), "chat");
+        assert_eq!(head.cursor(), 0);
+        assert_eq!(head.with_cursor(7).cursor(), 7);
+    }
+
+    #[test]
+    fn event_names_read_back_even_with_escapes() {
+        let head = EventHead::from_value("odd \"name\"\n", &serde_json::json!({}));
+        assert_eq!(head.name(), "odd \"name\"\n");
+        let plain = EventHead::encode("session.message", None, None);
+        assert!(matches!(plain.name(), Cow::Borrowed("session.message")));
     }
 
     #[test]

@@ -51,6 +51,16 @@ pub enum Phase {
 }
 
 impl Phase {
+    /// Every phase, for metrics that list them all.
+    pub const ALL: [Phase; 6] = [
+        Phase::Connecting,
+        Phase::Handshaking,
+        Phase::Ready,
+        Phase::Backoff,
+        Phase::Rejected,
+        Phase::Stopped,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Phase::Connecting => "connecting",

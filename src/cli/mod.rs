@@ -1,0 +1,102 @@
+//! The everyday commands: `clawmux status`, `clawmux tail`, `clawmux call`.
+//!
+//! Each talks to a running broker over its unix socket with plain HTTP
+//! (`/v1/state`, `/v1/events`, `/v1/rpc`), exactly as `curl --unix-socket`
+//! would. Exit codes are shared by all of them:
+//!
+//! | code | meaning |
+//! |---|---|
+//! | 0 | success (`status`: the upstream session is ready) |
+//! | 1 | an error answer (`call`: `ok:false`; `status`: the broker runs but the upstream session is not ready) |
+//! | 2 | usage or bad input (bad flags, `PARAMS_JSON` not JSON, a request the broker refused as malformed) |
+//! | 3 | the broker is not reachable on its socket |
+
+pub mod call;
+pub mod client;
+pub mod status;
+pub mod tail;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand};
+
+pub use client::BrokerClient;
+
+/// Exit code: the request failed with an error answer.
+pub const EXIT_ERROR_ANSWER: u8 = 1;
+/// Exit code: usage error or bad input (clap uses 2 for bad flags too).
+pub const EXIT_USAGE: u8 = 2;
+/// Exit code: no broker answered on the socket.
+pub const EXIT_UNREACHABLE: u8 = 3;
+
+/// The commands that talk to a running broker.
+#[derive(Subcommand, Debug)]
+pub enum ClientCommand {
+    /// Show what the broker is doing: upstream session, gateway snapshot, clients, event cursor.
+    Status(status::StatusArgs),
+    /// Follow gateway events as they happen, one line each; resumes after disconnects and broker restarts.
+    Tail(tail::TailArgs),
+    /// Send one gateway request (e.g. `clawmux call health`) and print its answer.
+    Call(call::CallArgs),
+}
+
+/// Where to find the broker.
+#[derive(Args, Debug, Clone)]
+pub struct BrokerArgs {
+    /// The broker's unix socket [default: $XDG_RUNTIME_DIR/clawmux.sock, else <tmp>/clawmux-<uid>/clawmux.sock].
+    #[arg(long, env = "CLAWMUX_SOCKET")]
+    pub socket: Option<PathBuf>,
+}
+
+impl BrokerArgs {
+    pub fn client(&self) -> BrokerClient {
+        BrokerClient::new(
+            self.socket
+                .clone()
+                .unwrap_or_else(crate::config::default_socket_path),
+        )
+    }
+}
+
+/// Why a command failed; each cause has its exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Nothing answered on the socket.
+    #[error(
+        "cannot reach the broker at {socket}: {cause}; start it with `clawmux serve` (or `systemctl --user start clawmux.socket`), or point --socket / CLAWMUX_SOCKET at its socket"
+    )]
+    Unreachable { socket: String, cause: String },
+    /// Bad flags or input, found before or by the broker.
+    #[error("{0}")]
+    Usage(String),
+    /// The broker answered, with an error or something unexpected.
+    #[error("{0}")]
+    Answer(String),
+}
+
+impl CliError {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Unreachable { .. } => EXIT_UNREACHABLE,
+            CliError::Usage(_) => EXIT_USAGE,
+            CliError::Answer(_) => EXIT_ERROR_ANSWER,
+        }
+    }
+}
+
+/// Runs one command; prints its error as one line on stderr.
+pub async fn run(command: ClientCommand) -> ExitCode {
+    let (name, result) = match command {
+        ClientCommand::Status(args) => ("status", status::run(args).await),
+        ClientCommand::Tail(args) => ("tail", tail::run(args).await),
+        ClientCommand::Call(args) => ("call", call::run(args).await),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("clawmux {name}: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! `clawmux status`: a human summary of `/v1/state` (`--json` for the document).
+
+use clap::Args;
+use http::Method;
+use serde_json::Value;
+
+use super::{BrokerArgs, CliError, EXIT_ERROR_ANSWER};
+
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// Print the raw `/v1/state` JSON document instead of the summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Exit 0 when the upstream session is ready, 1 when the broker runs but
+/// the session is not (so `clawmux status && …` waits for a usable broker).
+pub async fn run(args: StatusArgs) -> Result<u8, CliError> {
+    let (status, state) = args
+        .broker
+        .client()
+        .json(Method::GET, "/v1/state", None)
+        .await?;
+    if !status.is_success() {
+        return Err(CliError::Answer(format!(
+            "the broker answered {status}: {state}"
+        )));
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&state).unwrap_or_default()
+        );
+    } else {
+        print!("{}", render(&state));
+    }
+    Ok(if state["upstream"]["phase"] == "ready" {
+        0
+    } else {
+        EXIT_ERROR_ANSWER
+    })
+}
+
+fn text(v: &Value) -> &str {
+    v.as_str().unwrap_or("?")
+}
+
+fn list(v: &Value) -> String {
+    v.as_array()
+        .map(|a| a.iter().map(text).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// The summary, one labelled line per topic.
+pub fn render(state: &Value) -> String {
+    let mut out = String::new();
+    let mut line = |label: &str, value: String| {
+        out.push_str(&format!("{label:<10} {value}\n"));
+    };
+    let b = &state["broker"];
+    line(
+        "broker",
+        format!(
+            "clawmux {} (pid {}) on {}",
+            text(&b["version"]),
+            b["pid"],
+            text(&b["socket"])
+        ),
+    );
+    let up = &state["upstream"];
+    let mut upstream = format!("{} {}", text(&up["phase"]), text(&up["url"]));
+    if let Some(version) = up["server_version"].as_str() {
+        upstream.push_str(&format!(
+            ", gateway {version} (protocol {})",
+            up["protocol"]
+        ));
+    }
+    upstream.push_str(&format!(
+        ", session {}, {} reconnects",
+        up["session"], up["reconnects"]
+    ));
+    line("upstream", upstream);
+    if up["scopes"].is_array() {
+        let mut scopes = list(&up["scopes"]);
+        if up["lost_scopes"].as_array().is_some_and(|l| !l.is_empty()) {
+            scopes.push_str(&format!(
+                "  (NOT granted: {}; some methods will fail)",
+                list(&up["lost_scopes"])
+            ));
+        }
+        line("scopes", scopes);
+    }
+    if up["last_error"].is_object() {
+        let e = &up["last_error"];
+        let mut err = format!("{}: {}", text(&e["code"]), text(&e["message"]));
+        if let Some(ms) = up["retry_after_ms"].as_u64() {
+            err.push_str(&format!(" (next try in {:.1} s)", ms as f64 / 1000.0));
+        }
+        line("error", err);
+    }
+    let snap = &state["snapshot"];
+    if snap.is_object() {
+        let presence = snap["presence"].as_array().map_or(0, Vec::len);
+        let sv = &snap["stateVersion"];
+        let mut gw = format!(
+            "{presence} presence entries, stateVersion presence {} health {}",
+            sv["presence"], sv["health"]
+        );
+        if let Some(agent) = snap["sessionDefaults"]["defaultAgentId"].as_str() {
+            gw.push_str(&format!(", default agent {agent}"));
+        }
+        if let Some(key) = snap["sessionDefaults"]["mainSessionKey"].as_str() {
+            gw.push_str(&format!(", main session {key}"));
+        }
+        line("gateway", gw);
+    }
+    let clients = state["clients"].as_array().cloned().unwrap_or_default();
+    let count = |kind: &str| clients.iter().filter(|c| c["kind"] == kind).count();
+    let sum = |key: &str| clients.iter().filter_map(|c| c[key].as_u64()).sum::<u64>();
+    line(
+        "clients",
+        format!(
+            "{} ws, {} sse; {} bytes queued, {} events dropped; {} requests pending",
+            count("ws"),
+            count("sse"),
+            sum("queue_bytes"),
+            sum("drops"),
+            state["requests_pending"]
+        ),
+    );
+    let (oldest, newest) = (state["oldest_seq"].as_u64(), state["newest_seq"].as_u64());
+    let held = match (oldest, newest) {
+        (Some(o), Some(n)) if o <= n => format!("replay holds {o}..={n}"),
+        _ => "replay holds nothing yet".to_owned(),
+    };
+    line(
+        "events",
+        format!(
+            "newest seq {}, {held}, epoch {}",
+            state["newest_seq"],
+            text(&state["epoch"])
+        ),
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn summary_names_phase_scopes_errors_and_cursor() {
+        let state = json!({
+            "epoch": "abc", "newest_seq": 42, "oldest_seq": 1,
+            "broker": {"version": "0.1.0", "pid": 7, "socket": "/run/c.sock"},
+            "upstream": {"phase": "backoff", "url": "ws://localhost:18789", "session": 2,
+                "server_version": null, "protocol": null, "scopes": ["operator.read"],
+                "lost_scopes": ["operator.admin"], "reconnects": 1,
+                "last_error": {"code": "studio.upstream_error", "message": "refused"},
+                "retry_after_ms": 1500},
+            "snapshot": {"presence": [{}, {}], "stateVersion": {"presence": 3, "health": 4},
+                "sessionDefaults": {"defaultAgentId": "main"}},
+            "clients": [{"kind": "ws", "queue_bytes": 10, "drops": 2}, {"kind": "sse", "queue_bytes": 0, "drops": 0}],
+            "requests_pending": 0,
+        });
+        let text = render(&state);
+        assert!(
+            text.contains("upstream   backoff ws://localhost:18789"),
+            "{text}"
+        );
+        assert!(text.contains("NOT granted: operator.admin"), "{text}");
+        assert!(
+            text.contains("studio.upstream_error: refused (next try in 1.5 s)"),
+            "{text}"
+        );
+        assert!(text.contains("2 presence entries"), "{text}");
+        assert!(
+            text.contains("1 ws, 1 sse; 10 bytes queued, 2 events dropped"),
+            "{text}"
+        );
+        assert!(
+            text.contains("newest seq 42, replay holds 1..=42, epoch abc"),
+            "{text}"
+        );
+    }
+}

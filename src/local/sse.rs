@@ -1,0 +1,358 @@
+//! `GET /v1/events`: gateway events as Server-Sent Events, resumable by cursor.
+//!
+//! An SSE stream is a hub [`Client`] of kind [`ClientKind::Sse`]: it gets the
+//! same byte-counted queue, drops and slow-consumer close as a WebSocket
+//! client; only its writer differs. Instead of a task writing to a socket,
+//! the response body *is* the writer: hyper polls it for the next chunk, and
+//! it formats what the queue holds as `id:`/`event:`/`data:` records, with
+//! the broker cursor (`event_seq`) as `id:`. Events after the requested
+//! cursor come from the replay log first; the hub admits the client in the
+//! same lock, so backlog and live events meet with no hole and no overlap.
+//!
+//! Server-Sent Events are formatted by hand: the format is three kinds of
+//! line, and hyper (without a framework) has no helper for it.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use futures_util::StreamExt;
+use http::{header, HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use serde::Deserialize;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use super::http::{error_response, json_response, Body};
+use super::ConnectionKill;
+use crate::broker::Ctx;
+use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
+use crate::protocol::{EventHead, StudioCode};
+
+/// Response header naming the broker life the stream's cursors belong to.
+pub const EPOCH_HEADER: &str = "clawmux-epoch";
+/// Response header with the cursor the stream starts after (the requested
+/// one, or the newest at the moment a stream "from now" was admitted), so a
+/// client can resume exactly even before it has seen an event.
+pub const AFTER_SEQ_HEADER: &str = "clawmux-after-seq";
+
+/// How long a stream killed as a slow consumer (or at shutdown) may take to
+/// end on its own before its connection is cut.
+const CLOSE_LINGER: Duration = Duration::from_secs(2);
+
+/// Backlog is sent in chunks of about this size, so a long replay reaches
+/// the client steadily instead of as one huge write.
+const CHUNK_BYTES: usize = 64 * 1024;
+
+/// The query string of `/v1/events`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EventsQuery {
+    /// Resume after this cursor (exclusive).
+    after_seq: Option<u64>,
+    /// The broker life the cursor is from; another one gets 410.
+    epoch: Option<String>,
+    /// Comma-separated event names to keep; all when absent.
+    events: Option<String>,
+}
+
+/// What a stream asked for, checked.
+#[derive(Debug)]
+struct StreamRequest {
+    cursor: Option<u64>,
+    epoch: Option<String>,
+    filter: Option<HashSet<String>>,
+}
+
+fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
+    let query: EventsQuery =
+        serde_urlencoded::from_str(req.uri().query().unwrap_or("")).map_err(|e| {
+            format!("bad query: {e}; expected after_seq=<number>, epoch=<id>, events=<name,name>")
+        })?;
+    // A reconnecting EventSource repeats its original URL and adds the last
+    // id it saw: the header is the more recent cursor.
+    let last_event_id = match req.headers().get("last-event-id") {
+        Some(v) => {
+            let text = v.to_str().unwrap_or("").trim();
+            Some(text.parse::<u64>().map_err(|_| {
+                format!("bad Last-Event-ID {text:?}: expected an event cursor (a number)")
+            })?)
+        }
+        None => None,
+    };
+    let filter = query.events.map(|list| {
+        list.split(',')
+            .map(str::trim)
+            .filter(|name| !name.is_empty())
+            .map(str::to_owned)
+            .collect::<HashSet<_>>()
+    });
+    Ok(StreamRequest {
+        cursor: last_event_id.or(query.after_seq),
+        epoch: query.epoch.filter(|e| !e.is_empty()),
+        filter: filter.filter(|f| !f.is_empty()),
+    })
+}
+
+/// Answers `/v1/events`: 200 with a stream, 400 for a bad query, 410 for a
+/// cursor the log cannot serve, 503 at the client limit.
+pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
+    let wanted = match parse_request(req) {
+        Ok(w) => w,
+        Err(message) => return error_response(StatusCode::BAD_REQUEST, "INVALID_REQUEST", message),
+    };
+    let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
+    let (backlog, window) = match ctx.hub.admit_at_cursor(
+        &client,
+        wanted.cursor,
+        wanted.epoch.as_deref(),
+    ) {
+        Ok(admitted) => admitted,
+        Err(SubscribeError::ReplayUnavailable(w)) => {
+            let why = match &wanted.epoch {
+                Some(e) if **e != *w.epoch => format!(
+                    "the cursor is from another broker life (epoch {e}; this broker is epoch {})",
+                    w.epoch
+                ),
+                _ => format!(
+                    "this broker (epoch {}) holds events {}..={}",
+                    w.epoch, w.oldest_seq, w.newest_seq
+                ),
+            };
+            return json_response(
+                StatusCode::GONE,
+                json!({
+                    "ok": false,
+                    "code": StudioCode::ReplayUnavailable.as_str(),
+                    "message": format!(
+                        "cannot resume after {}: {why}; reload /v1/state and stream after its newest_seq",
+                        wanted.cursor.map_or("now".to_owned(), |c| c.to_string()),
+                    ),
+                    "retryable": false,
+                    "oldest_seq": w.oldest_seq,
+                    "newest_seq": w.newest_seq,
+                    "epoch": &*w.epoch,
+                }),
+            );
+        }
+        Err(SubscribeError::TooManyClients(e)) => {
+            return error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                StudioCode::TooManyClients.as_str(),
+                format!("{e}; close another client or raise max_clients"),
+            );
+        }
+    };
+    let epoch = window.epoch;
+    let after = wanted.cursor.unwrap_or(window.newest_seq);
+    tracing::info!(client_id = client.id, cursor = ?wanted.cursor, backlog = backlog.len(), "event stream opened");
+    let done = CancellationToken::new();
+    if let Some(kill) = req.extensions().get::<ConnectionKill>() {
+        ctx.tracker.spawn(cut_when_stuck(
+            Arc::clone(&client),
+            ctx.cancel.clone(),
+            done.clone(),
+            kill.0.clone(),
+        ));
+    }
+    let stream = EventStream {
+        client: Arc::clone(&client),
+        backlog: backlog.into_iter(),
+        filter: wanted.filter,
+        keepalive: ctx.settings.limits.sse_keepalive,
+        last_write: Instant::now(),
+        cancel: ctx.cancel.clone(),
+        finished: false,
+        _registration: Registration {
+            ctx: Arc::clone(ctx),
+            client_id: client.id,
+            done,
+        },
+    };
+    let first = Bytes::from(format!(
+        ": clawmux events, epoch {epoch}\n\nretry: 1000\n\n"
+    ));
+    let chunks = futures_util::stream::once(async move { first }).chain(
+        futures_util::stream::unfold(stream, |mut s| async move {
+            let chunk = s.next_chunk().await?;
+            Some((chunk, s))
+        }),
+    );
+    let body = StreamBody::new(chunks.map(|chunk| Ok(Frame::data(chunk)))).boxed_unsync();
+    let mut resp = Response::new(body);
+    let headers = resp.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    // A stream ends only when the broker ends it (slow consumer, shutdown):
+    // then the connection goes too, so a reader blocked on it sees EOF.
+    headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    if let Ok(v) = HeaderValue::from_str(&epoch) {
+        headers.insert(EPOCH_HEADER, v);
+    }
+    headers.insert(AFTER_SEQ_HEADER, HeaderValue::from(after));
+    resp
+}
+
+/// Leaves the hub when the stream is dropped (the reader went away or the
+/// stream ended), whichever way that happens.
+struct Registration {
+    ctx: Arc<Ctx>,
+    client_id: u64,
+    done: CancellationToken,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.ctx.hub.remove(self.client_id);
+        self.done.cancel();
+        tracing::info!(client_id = self.client_id, "event stream closed");
+    }
+}
+
+/// hyper stops polling a body while the socket is full, so a stream stuck
+/// on a reader that does not read cannot notice its own slow-consumer close
+/// or the broker's shutdown. After a short grace, cut its connection.
+async fn cut_when_stuck(
+    client: Arc<Client>,
+    shutdown: CancellationToken,
+    done: CancellationToken,
+    kill: CancellationToken,
+) {
+    tokio::select! {
+        _ = done.cancelled() => return,
+        _ = client.killed.cancelled() => {}
+        _ = shutdown.cancelled() => {}
+    }
+    tokio::select! {
+        _ = done.cancelled() => {}
+        _ = tokio::time::sleep(CLOSE_LINGER) => {
+            tracing::info!(client_id = client.id, "cutting an event stream that does not drain");
+            kill.cancel();
+        }
+    }
+}
+
+/// The writer of one SSE client, driven by hyper polling the body.
+struct EventStream {
+    client: Arc<Client>,
+    backlog: std::vec::IntoIter<EventHead>,
+    filter: Option<HashSet<String>>,
+    keepalive: Duration,
+    last_write: Instant,
+    cancel: CancellationToken,
+    finished: bool,
+    _registration: Registration,
+}
+
+impl EventStream {
+    /// The next piece of the body; `None` ends the response.
+    async fn next_chunk(&mut self) -> Option<Bytes> {
+        if self.finished {
+            return None;
+        }
+        let mut out = BytesMut::new();
+        while out.len() < CHUNK_BYTES {
+            let Some(head) = self.backlog.next() else {
+                break;
+            };
+            self.write_event(&mut out, &head);
+        }
+        if !out.is_empty() {
+            return Some(self.sent(out));
+        }
+        loop {
+            let idle_until = self.last_write + self.keepalive;
+            let batch = tokio::select! {
+                batch = self.client.next_batch() => batch,
+                _ = tokio::time::sleep_until(idle_until.into()) => {
+                    return Some(self.sent(BytesMut::from(&b": keep-alive\n\n"[..])));
+                }
+                _ = self.cancel.cancelled() => {
+                    write_close(&mut out, 1001, "going away");
+                    self.finished = true;
+                    return Some(self.sent(out));
+                }
+            };
+            for item in batch {
+                match item {
+                    Outgoing::Event(head, _) => self.write_event(&mut out, &head),
+                    // Responses and greetings are for WebSocket clients only.
+                    Outgoing::Frame(_) => {}
+                    Outgoing::Close(code, reason) => {
+                        write_close(&mut out, code, &reason);
+                        self.finished = true;
+                        break;
+                    }
+                }
+            }
+            if !out.is_empty() {
+                return Some(self.sent(out));
+            }
+        }
+    }
+
+    fn sent(&mut self, out: BytesMut) -> Bytes {
+        self.last_write = Instant::now();
+        out.freeze()
+    }
+
+    fn write_event(&self, out: &mut BytesMut, head: &EventHead) {
+        let name = head.name();
+        if self.filter.as_ref().is_some_and(|f| !f.contains(&*name)) {
+            return;
+        }
+        write_record(out, head.cursor(), &name, &head.with_seq(head.cursor()));
+    }
+}
+
+/// One SSE record. `data` is a JSON frame: a raw newline can only be
+/// insignificant whitespace in JSON, so it becomes a space and the frame
+/// stays one `data:` line.
+fn write_record(out: &mut BytesMut, id: u64, name: &str, data: &[u8]) {
+    out.put_slice(b"id: ");
+    out.put_slice(id.to_string().as_bytes());
+    out.put_slice(b"\nevent: ");
+    // Event names come from the gateway; keep the record intact whatever they hold.
+    out.put_slice(name.replace(['\n', '\r'], " ").as_bytes());
+    out.put_slice(b"\ndata: ");
+    if data.contains(&b'\n') || data.contains(&b'\r') {
+        out.extend(
+            data.iter()
+                .map(|&b| if b == b'\n' || b == b'\r' { b' ' } else { b }),
+        );
+    } else {
+        out.put_slice(data);
+    }
+    out.put_slice(b"\n\n");
+}
+
+/// The last record of a stream the broker ends (slow consumer, shutdown).
+fn write_close(out: &mut BytesMut, code: u16, reason: &str) {
+    let data = json!({"code": code, "reason": reason}).to_string();
+    out.put_slice(b"event: clawmux.close\ndata: ");
+    out.put_slice(data.as_bytes());
+    out.put_slice(b"\n\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_stay_on_one_data_line() {
+        let mut out = BytesMut::new();
+        write_record(&mut out, 7, "chat", b"{\"a\":\n 1}");
+        assert_eq!(&out[..], b"id: 7\nevent: chat\ndata: {\"a\":  1}\n\n");
+        let mut out = BytesMut::new();
+        write_close(&mut out, 1008, "slow consumer");
+        assert_eq!(
+            &out[..],
+            b"event: clawmux.close\ndata: {\"code\":1008,\"reason\":\"slow consumer\"}\n\n"
+        );
+    }
+}

@@ -1,0 +1,118 @@
+//! `GET /v1/state`: one self-consistent document of what the broker knows.
+//!
+//! The gateway snapshot and the replay cursor are taken under the hub's one
+//! lock, so a client that streams `/v1/events?after_seq=<newest_seq>` next
+//! sees exactly the events the snapshot does not include. Nothing secret is
+//! in it: no token, no device token (the upstream `hello-ok` is not copied
+//! whole), and the gateway URL without user info or query.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use http::{Response, StatusCode};
+use serde_json::{json, Value};
+
+use super::http::{json_response, Body};
+use crate::broker::Ctx;
+use crate::config::Limits;
+
+pub fn respond(ctx: &Arc<Ctx>) -> Response<Body> {
+    json_response(StatusCode::OK, document(ctx))
+}
+
+/// The `/v1/state` document.
+pub fn document(ctx: &Ctx) -> Value {
+    let (snapshot, window) = ctx.hub.snapshot_with_window();
+    let status = ctx.upstream.status();
+    let hello = status.hello.as_deref();
+    let clients: Vec<Value> = ctx
+        .hub
+        .clients()
+        .iter()
+        .map(|c| {
+            json!({
+                "id": c.id,
+                "kind": c.kind.as_str(),
+                "conn_id": c.conn_id,
+                "queue_bytes": c.queued_bytes(),
+                "drops": c.dropped.load(Ordering::Relaxed),
+                "inflight": c.inflight.load(Ordering::Relaxed),
+            })
+        })
+        .collect();
+    json!({
+        "epoch": &*window.epoch,
+        "newest_seq": window.newest_seq,
+        "oldest_seq": window.oldest_seq,
+        "broker": {
+            "version": env!("CARGO_PKG_VERSION"),
+            "pid": std::process::id(),
+            "socket": ctx.settings.socket_path.display().to_string(),
+        },
+        "upstream": {
+            "phase": status.phase.as_str(),
+            "url": redact_url(&ctx.settings.gateway_url),
+            "session": status.epoch,
+            "server_version": hello.map(|h| h.server_version.as_str()),
+            "protocol": hello.map(|h| h.protocol),
+            "scopes": hello.map(|h| &h.scopes),
+            "lost_scopes": hello.map(|h| &h.lost_scopes),
+            "last_error": status.last_error.as_ref().map(|e| e.to_json()),
+            "retry_after_ms": status.retry_after_ms(),
+            "reconnects": status.reconnects,
+        },
+        "snapshot": snapshot,
+        "clients": clients,
+        "requests_pending": ctx.router.pending_count(),
+        "limits": limits_json(&ctx.settings.limits),
+    })
+}
+
+fn limits_json(l: &Limits) -> Value {
+    let ms = |d: std::time::Duration| d.as_millis() as u64;
+    json!({
+        "connect_timeout_ms": ms(l.connect_timeout),
+        "connect_wait_ms": ms(l.connect_wait),
+        "request_timeout_ms": ms(l.request_timeout),
+        "run_timeout_ms": ms(l.run_timeout),
+        "preconnect_max_bytes": l.preconnect_max_bytes,
+        "max_frame_bytes": l.max_frame_bytes,
+        "queue_soft_bytes": l.queue_soft_bytes,
+        "queue_hard_bytes": l.queue_hard_bytes,
+        "slow_grace_ms": ms(l.slow_grace),
+        "max_clients": l.max_clients,
+        "max_inflight": l.max_inflight,
+        "replay_max_events": l.replay_max_events,
+        "replay_max_bytes": l.replay_max_bytes,
+        "sse_keepalive_ms": ms(l.sse_keepalive),
+    })
+}
+
+/// The gateway URL without `user:password@` or a query (either may carry a
+/// credential).
+fn redact_url(url: &str) -> String {
+    let url = url.split(['?', '#']).next().unwrap_or_default();
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+            let host = authority.rsplit('@').next().unwrap_or_default();
+            format!("{scheme}://{host}{path}")
+        }
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn urls_lose_credentials() {
+        assert_eq!(redact_url("ws://localhost:18789"), "ws://localhost:18789");
+        assert_eq!(
+            redact_url("wss://u:secret@gw.example/ws?token=abc#x"),
+            "wss://gw.example/ws"
+        );
+        assert_eq!(redact_url("ws://a@b@host/p"), "ws://host/p");
+    }
+}
