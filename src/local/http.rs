@@ -54,6 +54,7 @@ pub async fn route(
                     "clients": ctx.hub.client_count(),
                     "lastError": status.last_error.as_ref().map(|e| &e.code),
                     "lostScopes": status.hello.as_ref().map(|h| &h.lost_scopes),
+                    "deviceId": status.device_id,
                 }),
             )
         }

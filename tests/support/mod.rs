@@ -60,6 +60,8 @@ pub fn test_settings(dir: &Path, gateway_url: &str, token: Option<&str>) -> Sett
     s.upstream.backoff_max = Duration::from_millis(200);
     s.upstream.handshake_timeout = Duration::from_secs(2);
     s.limits.connect_wait = Duration::from_secs(3);
+    // Never the real home: the device key and tokens live in the test's dir.
+    s.upstream.device_identity = Some(dir.join("state"));
     s
 }
 
