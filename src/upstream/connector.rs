@@ -364,10 +364,11 @@ impl Connector {
             // Everything that happened while we were away is unknown to the
             // clients: a gap makes them resync, the event says why.
             self.hub.gap();
-            self.hub.publish_local(
-                "clawmux.upstream",
-                &json!({"phase": "ready", "serverVersion": hello.server_version, "reason": "reconnected"}),
-            );
+            let mut event = json!({"phase": "ready", "serverVersion": hello.server_version, "reason": "reconnected"});
+            if !hello.lost_scopes.is_empty() {
+                event["lostScopes"] = json!(hello.lost_scopes);
+            }
+            self.hub.publish_local("clawmux.upstream", &event);
         }
         let mut last_seq: Option<u64> = None;
         let mut restart_expected = None;

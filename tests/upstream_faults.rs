@@ -1,0 +1,428 @@
+//! The upstream session survives what gateways do over weeks: restarts,
+//! crashes, slow starts, silence, refused credentials (design §4, §10 of
+//! gateway-protocol.md). Local clients stay connected and get honest signals.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clawmux::mock::Rejection;
+use serde_json::{json, Value};
+use support::*;
+
+/// Polls `/healthz` until the upstream phase is `phase`; returns the body.
+async fn wait_phase(socket: &std::path::Path, phase: &str) -> Value {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let (_, body) = http_get(socket, "/healthz").await;
+        if body["upstream"] == phase {
+            return body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "upstream never reached {phase}: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn seq(ev: &Value) -> u64 {
+    ev["seq"].as_u64().expect("event has a seq")
+}
+
+/// A restart announced by the gateway: `shutdown` with `restartExpectedMs`,
+/// close 1012. Clients stay, see the event and a gap, and the broker waits
+/// the announced time before reconnecting.
+#[tokio::test]
+async fn announced_restart_is_ridden_through_after_restart_expected_ms() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    let (mut b, _) = h.connected().await;
+    h.gw.restart_notice(Some(400)).await;
+    for c in [&mut a, &mut b] {
+        let shutdown = c.event("shutdown").await;
+        assert_eq!(shutdown["payload"]["restartExpectedMs"], 400);
+        let lost = c.event("clawmux.upstream").await;
+        assert_eq!(lost["payload"]["phase"], "backoff", "{lost}");
+        assert!(
+            lost["payload"]["reason"].as_str().unwrap().contains("1012"),
+            "{lost}"
+        );
+        assert_eq!(seq(&lost), seq(&shutdown) + 1);
+    }
+    let lost_at = Instant::now();
+    let back = a.event("clawmux.upstream").await;
+    let waited = lost_at.elapsed();
+    assert_eq!(back["payload"]["phase"], "ready", "{back}");
+    assert_eq!(back["payload"]["reason"], "reconnected");
+    assert!(
+        waited >= Duration::from_millis(350),
+        "reconnected after {waited:?}, before the announced 400 ms"
+    );
+    let back_b = b.event("clawmux.upstream").await;
+    assert!(seq(&back_b) > 1, "{back_b}");
+    assert_eq!(a.request("status", json!({})).await["ok"], true);
+    assert_eq!(b.request("health", json!({})).await["ok"], true);
+    assert_eq!(h.gw.total_connections(), 2, "one reconnect, no hammering");
+}
+
+/// A crash (sockets dropped without a close frame): clients stay, see a gap
+/// and both events, and requests work again.
+#[tokio::test]
+async fn crash_is_ridden_through_with_a_gap() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    h.gw.broadcast("tick", json!({"ts": 1}));
+    let before = a.event("tick").await;
+    h.gw.drop_all();
+    let lost = a.event("clawmux.upstream").await;
+    assert_eq!(lost["payload"]["phase"], "backoff");
+    assert_eq!(seq(&lost), seq(&before) + 1);
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["phase"], "ready");
+    assert!(
+        seq(&back) > seq(&lost) + 1,
+        "a skipped seq tells gap-detecting clients to resync: {lost} then {back}"
+    );
+    assert_eq!(a.request("sessions.list", json!({})).await["ok"], true);
+    let body = wait_phase(&h.socket(), "ready").await;
+    assert_eq!(body["lastError"], Value::Null);
+}
+
+/// While the gateway starts it answers `UNAVAILABLE` + `retryAfterMs:500`
+/// and closes 1013. The broker waits that long each time (no hammering) and
+/// a local connect made meanwhile simply succeeds once the gateway is up.
+#[tokio::test]
+async fn slow_start_waits_retry_after_ms_between_attempts() {
+    let faults = Faults {
+        unavailable_connects: 2,
+        ..Faults::default()
+    };
+    let t0 = Instant::now();
+    let h = start_faulty(mock_config(), faults, |_| {}).await;
+    let (mut c, hello) = h.connected().await;
+    let elapsed = t0.elapsed();
+    assert_eq!(hello["type"], "hello-ok");
+    assert_eq!(
+        h.gw.total_connections(),
+        3,
+        "two refused attempts, then one"
+    );
+    assert!(
+        elapsed >= Duration::from_millis(950),
+        "two retryAfterMs waits of 500 ms, got {elapsed:?}"
+    );
+    assert_eq!(c.request("health", json!({})).await["ok"], true);
+}
+
+/// A wedged gateway sends nothing: after 2 × tickIntervalMs of silence the
+/// broker closes (4000 "tick timeout") and reconnects. Ticks keep it alive.
+#[tokio::test]
+async fn silence_trips_the_watchdog_and_the_broker_reconnects() {
+    let cfg = MockConfig {
+        tick_interval_ms: 100,
+        ..mock_config()
+    };
+    let h = start_with(cfg, |_| {}).await;
+    let (mut a, _) = h.connected().await;
+    for _ in 0..4 {
+        a.event("tick").await;
+    }
+    assert_eq!(
+        h.gw.total_connections(),
+        1,
+        "ticks every 100 ms keep the 200 ms watchdog quiet"
+    );
+    h.gw.set_faults(Faults {
+        silent: true,
+        ..Faults::default()
+    });
+    let lost = a.event("clawmux.upstream").await;
+    assert_eq!(lost["payload"]["phase"], "backoff");
+    let reason = lost["payload"]["reason"].as_str().unwrap();
+    assert!(reason.contains("2 x tickIntervalMs"), "{reason}");
+    h.gw.set_faults(Faults::default());
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["phase"], "ready");
+    assert_eq!(a.request("health", json!({})).await["ok"], true);
+}
+
+/// A refused connect (wrong token, pairing) is retried only every
+/// `backoff_max`, never in a tight loop; once the gateway accepts again the
+/// broker recovers by itself.
+#[tokio::test]
+async fn rejected_connects_are_retried_only_every_backoff_max() {
+    let faults = Faults {
+        reject_connect: Some(Rejection::token_mismatch()),
+        ..Faults::default()
+    };
+    let t0 = Instant::now();
+    let h = start_faulty(mock_config(), faults, |s| {
+        s.upstream.backoff_initial = Duration::from_millis(1);
+        s.upstream.backoff_max = Duration::from_millis(100);
+    })
+    .await;
+    let body = wait_phase(&h.socket(), "rejected").await;
+    assert_eq!(body["lastError"], "studio.upstream_rejected");
+    eventually("four attempts", || h.gw.total_connections() >= 4).await;
+    let elapsed = t0.elapsed();
+    let attempts = h.gw.total_connections();
+    assert!(
+        elapsed >= Duration::from_millis(300),
+        "{attempts} attempts in {elapsed:?}: retries must be ≥ 100 ms apart"
+    );
+    assert!(
+        attempts as u128 <= elapsed.as_millis() / 100 + 1,
+        "{attempts} attempts in {elapsed:?}"
+    );
+    // A local connect meanwhile fails at once with the gateway's reason.
+    let mut c = h.client().await;
+    c.recv_json().await;
+    c.send_json(&connect_frame("c1")).await;
+    let res = c.response("c1").await;
+    assert_eq!(res["error"]["code"], "studio.upstream_rejected");
+    assert_eq!(
+        res["error"]["details"]["details"]["code"],
+        "AUTH_TOKEN_MISMATCH"
+    );
+    h.gw.set_faults(Faults::default());
+    wait_phase(&h.socket(), "ready").await;
+    let (mut c, _) = h.connected().await;
+    assert_eq!(c.request("health", json!({})).await["ok"], true);
+}
+
+/// Requests pending on a session that ends fail at once, with the restart
+/// delay the gateway announced; they are never replayed on the next session.
+#[tokio::test]
+async fn pending_requests_fail_on_loss_and_are_never_replayed() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    h.gw.set_faults(Faults {
+        hold_methods: vec!["status".into()],
+        ..Faults::default()
+    });
+    a.send_json(&json!({"type":"req","id":"held","method":"status","params":{}}))
+        .await;
+    h.gw.wait_request("status", PATIENCE)
+        .await
+        .expect("the double saw the request");
+    h.gw.set_faults(Faults::default());
+    h.gw.restart_notice(Some(250)).await;
+    let res = a.response("held").await;
+    assert_eq!(res["ok"], false);
+    assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
+    assert_eq!(res["error"]["retryable"], true);
+    assert_eq!(res["error"]["retryAfterMs"], 250, "{res}");
+    a.event("clawmux.upstream").await;
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["phase"], "ready");
+    assert_eq!(a.request("status", json!({})).await["ok"], true);
+    let statuses: Vec<u64> =
+        h.gw.requests()
+            .iter()
+            .filter(|(_, r)| r["method"] == "status")
+            .map(|(conn, _)| *conn)
+            .collect();
+    assert_eq!(
+        statuses,
+        vec![0, 1],
+        "one status per session: the held one was not replayed"
+    );
+}
+
+/// Requests while the session is down fail fast with `retryAfterMs`, and
+/// `/healthz` shows the phase and the reason.
+#[tokio::test]
+async fn requests_while_down_fail_fast_with_retry_after() {
+    let h = start_with(mock_config(), |s| {
+        s.upstream.backoff_initial = Duration::from_millis(500)
+    })
+    .await;
+    let (mut a, _) = h.connected().await;
+    h.gw.set_faults(Faults {
+        unavailable_connects: 1_000_000,
+        ..Faults::default()
+    });
+    h.gw.drop_all();
+    a.event("clawmux.upstream").await;
+    let t = Instant::now();
+    let res = a.request("health", json!({})).await;
+    assert!(t.elapsed() < Duration::from_millis(400), "fails fast");
+    assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
+    assert_eq!(res["error"]["retryable"], true);
+    let retry = res["error"]["retryAfterMs"].as_u64().expect("retryAfterMs");
+    assert!(retry <= 500, "{res}");
+    let body = wait_phase(&h.socket(), "backoff").await;
+    assert_eq!(body["lastError"], "studio.upstream_closed");
+}
+
+/// Every phase is visible on `/healthz`: connecting (TCP open, no upgrade
+/// answer), handshaking (no `hello-ok` yet), ready, and stopped at shutdown.
+#[tokio::test]
+async fn phases_are_reported_on_healthz() {
+    // A loopback listener that accepts and never answers the upgrade.
+    let mute = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("ws://{}", mute.local_addr().unwrap());
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let keep = Arc::clone(&held);
+    let acceptor = tokio::spawn(async move {
+        while let Ok((s, _)) = mute.accept().await {
+            keep.lock().unwrap().push(s);
+        }
+    });
+    let (b, _d) = broker_only(|s| {
+        s.gateway_url = url;
+        s.upstream.handshake_timeout = Duration::from_millis(300);
+    })
+    .await;
+    wait_phase(b.socket_path(), "connecting").await;
+    let body = wait_phase(b.socket_path(), "backoff").await;
+    assert_eq!(body["lastError"], "studio.upstream_timeout");
+    acceptor.abort();
+    b.shutdown(PATIENCE).await;
+
+    let faults = Faults {
+        hello_delay: Some(Duration::from_millis(300)),
+        ..Faults::default()
+    };
+    let h = start_faulty(mock_config(), faults, |_| {}).await;
+    wait_phase(&h.socket(), "handshaking").await;
+    let body = wait_phase(&h.socket(), "ready").await;
+    assert!(body["deviceId"].is_string(), "{body}");
+    let ctx = Arc::clone(h.broker.ctx());
+    h.broker.shutdown(PATIENCE).await;
+    assert_eq!(ctx.upstream.phase().as_str(), "stopped");
+}
+
+/// The broker signs the challenge with its device key; a gateway that
+/// verifies signatures and requires a device accepts it. The minted device
+/// token is kept and, with no shared token configured, used on later connects.
+#[tokio::test]
+async fn device_signature_is_accepted_and_the_device_token_reused() {
+    let cfg = MockConfig {
+        require_device: true,
+        verify_device: true,
+        ..mock_config()
+    };
+    let h = start_with(cfg, |_| {}).await;
+    let (mut a, _) = h.connected().await;
+    assert_eq!(a.request("status", json!({})).await["ok"], true);
+    let first = &h.gw.connects()[0];
+    let device_id = first["device"]["id"].as_str().expect("device block sent");
+    assert_eq!(device_id.len(), 64);
+    assert_eq!(
+        first["auth"],
+        json!({"token": "test-token"}),
+        "the shared token wins"
+    );
+    let state = h.dir.path().join("state");
+    let tokens: Value =
+        serde_json::from_slice(&std::fs::read(state.join("device-tokens.json")).unwrap()).unwrap();
+    let minted = tokens["gateways"][h.gw.url()]["token"]
+        .as_str()
+        .expect("the minted device token is kept")
+        .to_owned();
+    // The same key on the next session.
+    h.gw.drop_all();
+    a.event("clawmux.upstream").await;
+    a.event("clawmux.upstream").await;
+    assert_eq!(h.gw.connects()[1]["device"]["id"], device_id);
+    assert_eq!(
+        h.gw.connects()[1]["auth"],
+        json!({"token": "test-token"}),
+        "a stored device token is not sent while a shared token is configured"
+    );
+
+    // A broker with the same state dir and no shared token: the device token.
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = test_settings(dir.path(), &h.gw.url(), None);
+    s.upstream.device_identity = Some(state);
+    let second = RunningBroker::start(s).await.unwrap();
+    let mut c = WsClient::open(second.socket_path(), "/ws").await;
+    c.handshake().await;
+    assert_eq!(c.request("status", json!({})).await["ok"], true);
+    let last = h.gw.connects().last().cloned().unwrap();
+    assert_eq!(last["auth"], json!({"deviceToken": minted}));
+    assert_eq!(last["device"]["id"], device_id);
+}
+
+/// A state dir that cannot be used does not stop the broker: it connects
+/// with the token alone and `/healthz` shows no device.
+#[tokio::test]
+async fn unusable_state_dir_falls_back_to_token_only() {
+    let blocker = tempfile::NamedTempFile::new().unwrap();
+    let h = start_with(mock_config(), |s| {
+        s.upstream.device_identity = Some(blocker.path().join("clawmux"))
+    })
+    .await;
+    let (mut a, _) = h.connected().await;
+    assert_eq!(a.request("health", json!({})).await["ok"], true);
+    assert!(h.gw.connects()[0].get("device").is_none());
+    let (_, body) = http_get(&h.socket(), "/healthz").await;
+    assert_eq!(body["deviceId"], Value::Null);
+}
+
+/// Device identity off (`--no-device-identity`): no device block, no files.
+#[tokio::test]
+async fn device_identity_can_be_turned_off() {
+    let h = start_with(mock_config(), |s| s.upstream.device_identity = None).await;
+    h.connected().await;
+    assert!(h.gw.connects()[0].get("device").is_none());
+    assert!(!h.dir.path().join("state").exists());
+}
+
+#[derive(Clone, Default)]
+struct LogBuf(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogBuf {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogBuf {
+    type Writer = LogBuf;
+    fn make_writer(&'a self) -> LogBuf {
+        self.clone()
+    }
+}
+
+/// Scopes the gateway did not grant are reported loudly: a warning naming
+/// them and the fix, `/healthz` `lostScopes`, the clients' `hello-ok`
+/// `auth.scopes`, and the `clawmux.upstream` event after a reconnect.
+/// (A current-thread test: the log capture covers the broker's tasks.)
+#[tokio::test]
+async fn lost_scopes_are_reported_loudly() {
+    let logs = LogBuf::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let faults = Faults {
+        grant_scopes: Some(vec!["operator.read".into()]),
+        ..Faults::default()
+    };
+    let h = start_faulty(mock_config(), faults, |_| {}).await;
+    let (mut a, hello) = h.connected().await;
+    assert_eq!(hello["auth"]["scopes"], json!(["operator.read"]));
+    let (_, body) = http_get(&h.socket(), "/healthz").await;
+    let lost = body["lostScopes"].as_array().expect("lostScopes listed");
+    assert_eq!(lost.len(), 4, "{body}");
+    assert!(lost.contains(&json!("operator.admin")));
+    let log = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    assert!(log.contains("WARN"), "{log}");
+    assert!(log.contains("SCOPES LOST"), "{log}");
+    assert!(log.contains("operator.admin"), "{log}");
+    assert!(log.contains("fix:"), "{log}");
+    h.gw.drop_all();
+    a.event("clawmux.upstream").await;
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["lostScopes"].as_array().unwrap().len(), 4);
+}
