@@ -192,6 +192,98 @@ async fn rejected_connects_are_retried_only_every_backoff_max() {
     assert_eq!(c.request("health", json!({})).await["ok"], true);
 }
 
+/// Failures that are neither refusals nor timed by the gateway back off
+/// exponentially from `backoff_initial`, capped at `backoff_max`. The
+/// "gateway" here accepts TCP and never answers the upgrade, so every
+/// attempt ends at the handshake timeout; the test times the accepts.
+#[tokio::test]
+async fn failures_back_off_exponentially_up_to_the_cap() {
+    let mute = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("ws://{}", mute.local_addr().unwrap());
+    let (timeout, initial, max) = (30u64, 40u64, 150u64);
+    let (_b, _d) = broker_only(|s| {
+        s.gateway_url = url;
+        s.upstream.handshake_timeout = Duration::from_millis(timeout);
+        s.upstream.backoff_initial = Duration::from_millis(initial);
+        s.upstream.backoff_max = Duration::from_millis(max);
+    })
+    .await;
+    let mut accepted = Vec::new();
+    let mut held = Vec::new();
+    while accepted.len() < 7 {
+        let (s, _) = tokio::time::timeout(PATIENCE, mute.accept())
+            .await
+            .expect("the broker keeps retrying")
+            .unwrap();
+        accepted.push(Instant::now());
+        held.push(s);
+    }
+    for (k, pair) in accepted.windows(2).enumerate() {
+        let gap = pair[1] - pair[0];
+        let backoff = (initial << k).min(max);
+        // Jitter takes off at most 20 %; the timeout comes on top.
+        let least = Duration::from_millis(timeout + backoff * 8 / 10);
+        assert!(gap >= least, "gap {k}: {gap:?} < {least:?}");
+        if k >= 4 {
+            // Uncapped it would be 640 ms and more.
+            assert!(
+                gap < Duration::from_millis(600),
+                "gap {k}: {gap:?} is not capped"
+            );
+        }
+    }
+}
+
+/// The gateway rotates its shared token: it closes every session 4001
+/// "gateway auth changed", and the old token is refused from then on. The
+/// clients learn why, and the broker settles in `rejected` (retrying only
+/// every `backoff_max`) until its token is updated.
+#[tokio::test]
+async fn token_rotation_ends_in_rejected_with_the_reason() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    h.gw.set_faults(Faults {
+        reject_connect: Some(Rejection::token_mismatch()),
+        ..Faults::default()
+    });
+    h.gw.close_all(4001, "gateway auth changed").await;
+    let lost = a.event("clawmux.upstream").await;
+    assert_eq!(lost["payload"]["phase"], "backoff");
+    let reason = lost["payload"]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("4001") && reason.contains("gateway auth changed"),
+        "{reason}"
+    );
+    let body = wait_phase(&h.socket(), "rejected").await;
+    assert_eq!(body["lastError"], "studio.upstream_rejected");
+    let res = a.request("health", json!({})).await;
+    assert_eq!(res["error"]["code"], "studio.upstream_rejected", "{res}");
+    assert_eq!(
+        res["error"]["details"]["details"]["code"],
+        "AUTH_TOKEN_MISMATCH"
+    );
+}
+
+/// The gateway's own slow-consumer close (1008 mid-session) is a lost
+/// session, not a refusal: the broker reconnects at once.
+#[tokio::test]
+async fn gateway_slow_consumer_close_is_a_reconnect_not_a_rejection() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    h.gw.slow_consumer_close().await;
+    let lost = a.event("clawmux.upstream").await;
+    assert!(
+        lost["payload"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("slow consumer"),
+        "{lost}"
+    );
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["phase"], "ready");
+    assert_eq!(a.request("health", json!({})).await["ok"], true);
+}
+
 /// Requests pending on a session that ends fail at once, with the restart
 /// delay the gateway announced; they are never replayed on the next session.
 #[tokio::test]
