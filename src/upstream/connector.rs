@@ -56,7 +56,8 @@ impl Connector {
         rx: mpsc::Receiver<Outbound>,
         cancel: CancellationToken,
     ) -> Self {
-        let identity = load_identity(&settings.upstream);
+        let identity =
+            DeviceIdentity::load_configured(settings.upstream.device_identity.as_deref());
         let device_id = identity.as_ref().map(|i| i.device_id().to_owned());
         status.send_modify(|s| s.device_id = device_id);
         Connector {
@@ -332,7 +333,7 @@ impl Connector {
     ) -> SessionEnd {
         let hello = Arc::new(hello);
         if !hello.lost_scopes.is_empty() {
-            warn_lost_scopes(&hello, self.identity.is_some());
+            super::handshake::warn_lost_scopes(&hello, self.identity.is_some());
         }
         let tick = hello
             .payload
@@ -531,41 +532,4 @@ impl Connector {
             None => tracing::debug!("ignoring a malformed frame from the gateway"),
         }
     }
-}
-
-/// Loads (or makes) the device identity when it is on. A state dir that
-/// cannot be used does not stop the broker (a token-only connect still
-/// works on loopback), but it is logged as an error with the fix.
-fn load_identity(opts: &UpstreamOptions) -> Option<DeviceIdentity> {
-    let Some(dir) = &opts.device_identity else {
-        tracing::info!("device identity is off: the gateway sees a token-only backend client");
-        return None;
-    };
-    match DeviceIdentity::load_or_create(dir) {
-        Ok(identity) => {
-            tracing::info!(device_id = identity.device_id(), state_dir = %dir.display(), "device identity loaded");
-            Some(identity)
-        }
-        Err(e) => {
-            tracing::error!("device identity unavailable, connecting without it: {e}");
-            None
-        }
-    }
-}
-
-/// The gateway granted fewer scopes than the broker asked for: every local
-/// client will get "missing scope" errors for the methods behind them. Said
-/// loudly, with the likely fix; `/healthz` also lists them (`lostScopes`).
-fn warn_lost_scopes(hello: &UpstreamHello, has_device: bool) {
-    let fix = if has_device {
-        "approve the broker's scope upgrade on the gateway (openclaw devices list / approve)"
-    } else {
-        "turn device identity on (drop --no-device-identity) or connect over loopback"
-    };
-    tracing::warn!(
-        lost_scopes = %hello.lost_scopes.join(","),
-        granted = %hello.scopes.join(","),
-        "SCOPES LOST: the gateway granted fewer scopes than the broker requested; local clients will get \"missing scope\" errors for {}; fix: {fix}",
-        hello.lost_scopes.join(", ")
-    );
 }

@@ -310,6 +310,23 @@ pub(super) fn parse_hello(mut payload: Value) -> (UpstreamHello, Option<MintedTo
     (hello, minted)
 }
 
+/// The gateway granted fewer scopes than the broker asked for: every local
+/// client will get "missing scope" errors for the methods behind them. Said
+/// loudly, with the likely fix; `/healthz` also lists them (`lostScopes`).
+pub(super) fn warn_lost_scopes(hello: &UpstreamHello, has_device: bool) {
+    let fix = if has_device {
+        "approve the broker's scope upgrade on the gateway (openclaw devices list / approve)"
+    } else {
+        "turn device identity on (drop --no-device-identity) or connect over loopback"
+    };
+    tracing::warn!(
+        lost_scopes = %hello.lost_scopes.join(","),
+        granted = %hello.scopes.join(","),
+        "SCOPES LOST: the gateway granted fewer scopes than the broker requested; local clients will get \"missing scope\" errors for {}; fix: {fix}",
+        hello.lost_scopes.join(", ")
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -168,6 +168,26 @@ impl DeviceIdentity {
         }
     }
 
+    /// The identity for `dir` when device identity is on (`Some`). A state
+    /// dir that cannot be used does not stop the broker (a token-only
+    /// connect still works on loopback), but it is logged as an error.
+    pub(super) fn load_configured(dir: Option<&Path>) -> Option<DeviceIdentity> {
+        let Some(dir) = dir else {
+            tracing::info!("device identity is off: the gateway sees a token-only backend client");
+            return None;
+        };
+        match DeviceIdentity::load_or_create(dir) {
+            Ok(identity) => {
+                tracing::info!(device_id = identity.device_id(), state_dir = %dir.display(), "device identity loaded");
+                Some(identity)
+            }
+            Err(e) => {
+                tracing::error!("device identity unavailable, connecting without it: {e}");
+                None
+            }
+        }
+    }
+
     fn from_key(dir: &Path, key: SigningKey) -> DeviceIdentity {
         let public = key.verifying_key().to_bytes();
         DeviceIdentity {
