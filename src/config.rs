@@ -129,6 +129,11 @@ pub struct UpstreamOptions {
     /// Reconnect delay ceiling; also the delay after a rejected connect
     /// (auth, pairing), so a wrong token never becomes a tight loop. Default 30 s.
     pub backoff_max: Duration,
+    /// The state dir holding the broker's device key and the device tokens
+    /// gateways minted for it (created 0700, files 0600). `None` turns
+    /// device identity off (`--no-device-identity`): the broker connects
+    /// with its token alone. Default: [`default_state_dir`].
+    pub device_identity: Option<PathBuf>,
 }
 
 impl Default for UpstreamOptions {
@@ -137,6 +142,7 @@ impl Default for UpstreamOptions {
             handshake_timeout: Duration::from_secs(10),
             backoff_initial: Duration::from_secs(1),
             backoff_max: Duration::from_secs(30),
+            device_identity: default_state_dir(),
         }
     }
 }
@@ -207,6 +213,19 @@ pub fn default_socket_path() -> PathBuf {
             .join(format!("clawmux-{}", rustix::process::getuid().as_raw()))
             .join("clawmux.sock"),
     }
+}
+
+/// The broker's state dir: `$XDG_STATE_HOME/clawmux`, else
+/// `~/.local/state/clawmux`; `None` when neither variable gives an absolute path.
+pub fn default_state_dir() -> Option<PathBuf> {
+    let absolute = |var: &str| {
+        std::env::var_os(var)
+            .map(PathBuf::from)
+            .filter(|p| p.is_absolute())
+    };
+    absolute("XDG_STATE_HOME")
+        .map(|d| d.join("clawmux"))
+        .or_else(|| absolute("HOME").map(|h| h.join(".local/state/clawmux")))
 }
 
 /// Reads a token file: trimmed, non-empty. The error names the file, never its contents.

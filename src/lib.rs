@@ -12,8 +12,9 @@
 //! - [`protocol`]: pure frame parsing/encoding (payloads kept as raw JSON) and
 //!   the `studio.*` error vocabulary. No I/O.
 //! - [`upstream`]: the one gateway session — connect, challenge, token
-//!   injection, phases, reconnect with backoff; requests are tagged with the
-//!   session *epoch* they were sent on.
+//!   injection, the broker's signed device identity (key and device tokens in
+//!   a private state dir), phases, reconnect with backoff and a silence
+//!   watchdog; requests are tagged with the session *epoch* they were sent on.
 //! - [`hub`]: the client registry and fan-out; an event is encoded once and its
 //!   bytes shared, only the per-client `seq` differs; per-client byte-counted
 //!   queues decide drops and slow-consumer closes; the replay ring gives every

@@ -52,6 +52,12 @@ struct ServeArgs {
     /// Start an in-process gateway double with scripted agent activity and connect to it (try clawmux without a gateway).
     #[arg(long)]
     demo: bool,
+    /// Connect with the token alone, without the broker's signed device identity.
+    #[arg(long)]
+    no_device_identity: bool,
+    /// Directory for the broker's device key and device tokens [default: $XDG_STATE_HOME/clawmux, else ~/.local/state/clawmux].
+    #[arg(long, env = "CLAWMUX_STATE_DIR", value_name = "DIR")]
+    state_dir: Option<PathBuf>,
     /// Seconds a local connect waits for the gateway session before failing.
     #[arg(long, value_name = "SECS", default_value_t = 10)]
     connect_wait: u64,
@@ -126,6 +132,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     settings.limits.connect_wait = Duration::from_secs(args.connect_wait);
     settings.limits.request_timeout = Duration::from_secs(args.request_timeout);
+    settings.upstream.device_identity = match (args.no_device_identity, args.state_dir) {
+        (true, _) => None,
+        (false, Some(dir)) => Some(dir),
+        // The demo's throwaway gateway must not leave device tokens in your state dir.
+        (false, None) if args.demo => None,
+        (false, None) => settings.upstream.device_identity,
+    };
     let _demo = if args.demo {
         let token = uuid::Uuid::new_v4().simple().to_string();
         let mock = MockGateway::start(MockConfig {

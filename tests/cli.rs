@@ -56,6 +56,8 @@ fn help_explains_itself() {
         "--gateway-url",
         "--token-file",
         "--demo",
+        "--no-device-identity",
+        "--state-dir",
         "CLAWMUX_SOCKET",
     ] {
         assert!(text.contains(flag), "serve --help mentions {flag}: {text}");
@@ -90,6 +92,7 @@ async fn serve_binary_against_mock_gateway_binary() {
             .arg(&socket)
             .args(["--gateway-url", &format!("ws://127.0.0.1:{port}")])
             .env("CLAWMUX_GATEWAY_TOKEN", "bin-token")
+            .env("XDG_STATE_HOME", dir.path().join("state"))
             .env("CLAWMUX_LOG", "trace")
             .stderr(Stdio::piped())
             .spawn()
@@ -123,6 +126,23 @@ async fn serve_binary_against_mock_gateway_binary() {
     assert!(
         !log.contains("bin-token"),
         "the token never reaches the log, even at trace level"
+    );
+    // Device identity is on by default, in $XDG_STATE_HOME/clawmux, private.
+    use std::os::unix::fs::MetadataExt;
+    let state = dir.path().join("state/clawmux");
+    assert_eq!(std::fs::metadata(&state).unwrap().mode() & 0o777, 0o700);
+    for file in ["device.json", "device-tokens.json"] {
+        let meta = std::fs::metadata(state.join(file)).expect("state file written");
+        assert_eq!(meta.mode() & 0o777, 0o600, "{file}");
+    }
+    let tokens: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(state.join("device-tokens.json")).unwrap()).unwrap();
+    let minted = tokens["gateways"][format!("ws://127.0.0.1:{port}")]["token"]
+        .as_str()
+        .expect("the minted device token is kept");
+    assert!(
+        !log.contains(minted),
+        "the device token never reaches the log either"
     );
     sigterm(&gw.0);
     assert!(wait_exit(&mut gw.0).await.success());

@@ -112,9 +112,11 @@ async fn upstream_rejected_for_pairing() {
         require_device: true,
         ..mock_config()
     };
-    let h = start_with(cfg, |_| {}).await;
+    // A gateway that wants a device, and a broker with device identity off.
+    let h = start_with(cfg, |s| s.upstream.device_identity = None).await;
     let e = refused_connect(&h.socket()).await;
     assert_eq!(e["code"], "studio.upstream_rejected", "{e}");
+    assert!(e["message"].as_str().unwrap().contains("approve"), "{e}");
     assert_eq!(e["details"]["code"], "NOT_PAIRED");
     assert_eq!(e["details"]["details"]["code"], "PAIRING_REQUIRED");
 }

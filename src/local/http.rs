@@ -82,6 +82,7 @@ pub async fn route(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<Bod
                     "clients": ctx.hub.client_count(),
                     "lastError": status.last_error.as_ref().map(|e| &e.code),
                     "lostScopes": status.hello.as_ref().map(|h| &h.lost_scopes),
+                    "deviceId": status.device_id,
                 }),
             )
         }

@@ -6,43 +6,24 @@ use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
 use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 use tokio_util::sync::CancellationToken;
 
-use super::{backoff_delay, Outbound, Phase, Status, UpstreamHello, REQUESTED_SCOPES};
+use super::handshake::{
+    connect_params, next_text, parse_hello, rejection, AttemptError, Challenge, Credentials,
+    MintedToken, Ws,
+};
+use super::identity::DeviceIdentity;
+use super::{backoff_delay, Outbound, Phase, Status, UpstreamHello};
 use crate::config::{validate_gateway_url, Secret, Settings, UpstreamOptions};
 use crate::driver::Driver;
 use crate::hub::Hub;
 use crate::protocol::frames::encode_req;
-use crate::protocol::{ErrorShape, StudioCode, UpstreamFrame, PROTOCOL_MAX, PROTOCOL_MIN};
+use crate::protocol::{ErrorShape, StudioCode, UpstreamFrame};
 use crate::router::Router;
-
-type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
-
-/// Why one connection attempt failed.
-struct AttemptError {
-    error: ErrorShape,
-    /// The gateway refused us for a reason retrying will not fix (auth,
-    /// pairing, protocol): back off to the maximum.
-    rejected: bool,
-    /// The gateway said when to retry (`retryAfterMs`).
-    retry_after: Option<Duration>,
-}
-
-impl AttemptError {
-    fn new(code: StudioCode, message: String) -> Self {
-        AttemptError {
-            error: ErrorShape::studio(code, message),
-            rejected: false,
-            retry_after: None,
-        }
-    }
-}
 
 /// How a ready session ended.
 struct SessionEnd {
@@ -63,6 +44,9 @@ pub(super) struct Connector {
     cancel: CancellationToken,
     instance_id: String,
     next_connect_id: u64,
+    /// The broker's device key; `None` when device identity is off or the
+    /// state dir cannot be used (logged at start).
+    identity: Option<DeviceIdentity>,
 }
 
 impl Connector {
@@ -75,7 +59,12 @@ impl Connector {
         rx: mpsc::Receiver<Outbound>,
         cancel: CancellationToken,
     ) -> Self {
+        let identity =
+            DeviceIdentity::load_configured(settings.upstream.device_identity.as_deref());
+        let device_id = identity.as_ref().map(|i| i.device_id().to_owned());
+        status.send_modify(|s| s.device_id = device_id);
         Connector {
+            identity,
             url: settings.gateway_url.trim().to_owned(),
             token: settings.token.clone(),
             opts: settings.upstream.clone(),
@@ -115,7 +104,11 @@ impl Connector {
             self.set_phase(Phase::Stopped);
             return;
         }
-        if self.token.is_none() {
+        let stored_device_token = self
+            .identity
+            .as_ref()
+            .and_then(|i| i.stored_token(&self.url));
+        if self.token.is_none() && stored_device_token.is_none() {
             let e = ErrorShape::studio(
                 StudioCode::GatewayTokenMissing,
                 "no gateway token: set --token, --token-file or CLAWMUX_GATEWAY_TOKEN (the gateway's gateway.auth.token)",
@@ -218,20 +211,49 @@ impl Connector {
                 )
             })?;
         self.set_phase(Phase::Handshaking);
-        let nonce = loop {
+        let challenge = loop {
             let text = next_text(&mut ws).await?;
             if let Some(UpstreamFrame::Event { name, payload, .. }) = UpstreamFrame::parse(&text) {
                 if name == "connect.challenge" {
-                    break payload
-                        .and_then(|p| serde_json::from_str::<Value>(p.get()).ok())
-                        .and_then(|p| p.get("nonce").and_then(Value::as_str).map(str::to_owned));
+                    break Challenge::parse(payload);
                 }
             }
         };
-        tracing::debug!(has_nonce = nonce.is_some(), "upstream challenge received");
+        if challenge.nonce.is_none() && self.identity.is_some() {
+            tracing::warn!(
+                "the gateway's challenge has no nonce: connecting without the device identity"
+            );
+        }
         self.next_connect_id += 1;
         let connect_id = format!("clawmux-connect-{}", self.next_connect_id);
-        let params = self.connect_params();
+        // The stored device token is read per attempt (only needed when no
+        // shared token is configured), so a token another broker sharing
+        // the state dir just received is used.
+        let device_token = match (&self.token, &self.identity) {
+            (None, Some(identity)) => identity.stored_token(&self.url),
+            _ => None,
+        };
+        let credentials = Credentials {
+            token: self.token.as_ref(),
+            device_token: device_token.as_ref(),
+        };
+        let params = connect_params(
+            &self.instance_id,
+            credentials,
+            self.identity.as_ref(),
+            &challenge,
+        );
+        tracing::debug!(
+            device = params.get("device").is_some(),
+            auth = if self.token.is_some() {
+                "token"
+            } else if device_token.is_some() {
+                "deviceToken"
+            } else {
+                "none"
+            },
+            "sending the upstream connect"
+        );
         let raw = serde_json::value::to_raw_value(&params).map_err(|e| {
             AttemptError::new(
                 StudioCode::UpstreamError,
@@ -264,7 +286,11 @@ impl Connector {
                         let payload: Value = payload
                             .and_then(|p| serde_json::from_str(p.get()).ok())
                             .unwrap_or(Value::Null);
-                        return Ok((ws, parse_hello(payload), early));
+                        let (hello, minted) = parse_hello(payload);
+                        if let Some(minted) = minted {
+                            self.keep_device_token(&minted, &hello.scopes);
+                        }
+                        return Ok((ws, hello, early));
                     }
                     let error: Value = error
                         .and_then(|e| serde_json::from_str(e.get()).ok())
@@ -277,27 +303,29 @@ impl Connector {
         }
     }
 
-    fn connect_params(&self) -> Value {
-        let mut params = json!({
-            "minProtocol": PROTOCOL_MIN,
-            "maxProtocol": PROTOCOL_MAX,
-            "client": {
-                "id": "gateway-client",
-                "displayName": "clawmux",
-                "version": env!("CARGO_PKG_VERSION"),
-                "platform": std::env::consts::OS,
-                "mode": "backend",
-                "instanceId": self.instance_id,
-            },
-            "role": "operator",
-            "scopes": REQUESTED_SCOPES,
-            "caps": ["tool-events"],
-            "userAgent": concat!("clawmux/", env!("CARGO_PKG_VERSION")),
-        });
-        if let Some(token) = &self.token {
-            params["auth"] = json!({ "token": token.expose() });
+    /// Persists the device token the gateway minted, so a later connect
+    /// without a shared token can still authenticate.
+    fn keep_device_token(&self, minted: &MintedToken, scopes: &[String]) {
+        let Some(identity) = &self.identity else {
+            return;
+        };
+        match identity.store_token(
+            &self.url,
+            &minted.role,
+            &minted.token,
+            scopes,
+            minted.issued_at_ms,
+        ) {
+            Ok(true) => tracing::info!(
+                device_id = identity.device_id(),
+                "stored the device token the gateway issued"
+            ),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(
+                device_id = identity.device_id(),
+                "cannot store the device token: {e}"
+            ),
         }
-        params
     }
 
     async fn run_session(
@@ -309,7 +337,7 @@ impl Connector {
     ) -> SessionEnd {
         let hello = Arc::new(hello);
         if !hello.lost_scopes.is_empty() {
-            tracing::warn!(lost = ?hello.lost_scopes, "the gateway granted fewer scopes than requested; some methods will fail");
+            super::handshake::warn_lost_scopes(&hello, self.identity.is_some());
         }
         let tick = hello
             .payload
@@ -341,10 +369,11 @@ impl Connector {
             // Everything that happened while we were away is unknown to the
             // clients: a gap makes them resync, the event says why.
             self.hub.gap();
-            self.hub.publish_local(
-                "clawmux.upstream",
-                &json!({"phase": "ready", "serverVersion": hello.server_version, "reason": "reconnected"}),
-            );
+            let mut event = json!({"phase": "ready", "serverVersion": hello.server_version, "reason": "reconnected"});
+            if !hello.lost_scopes.is_empty() {
+                event["lostScopes"] = json!(hello.lost_scopes);
+            }
+            self.hub.publish_local("clawmux.upstream", &event);
         }
         let mut last_seq: Option<u64> = None;
         let mut restart_expected = None;
@@ -516,181 +545,5 @@ impl Connector {
             }
             None => tracing::debug!("ignoring a malformed frame from the gateway"),
         }
-    }
-}
-
-/// Reads the next text frame during the handshake; a close or error becomes
-/// the matching `studio.*` failure.
-async fn next_text(ws: &mut Ws) -> Result<String, AttemptError> {
-    loop {
-        match ws.next().await {
-            Some(Ok(Message::Text(t))) => return Ok(t.as_str().to_owned()),
-            Some(Ok(Message::Close(frame))) => {
-                let (code, reason) = frame
-                    .map(|f| (u16::from(f.code), f.reason.as_str().to_owned()))
-                    .unwrap_or((1005, String::new()));
-                return Err(if code == 1008 {
-                    AttemptError {
-                        error: ErrorShape::studio(
-                            StudioCode::UpstreamRejected,
-                            format!("Upstream gateway rejected connect (1008): {reason}"),
-                        )
-                        .with_details(json!({"closeCode": code, "closeReason": reason})),
-                        rejected: true,
-                        retry_after: None,
-                    }
-                } else {
-                    AttemptError::new(
-                        StudioCode::UpstreamClosed,
-                        format!("Upstream gateway closed ({code}): {reason}"),
-                    )
-                });
-            }
-            Some(Ok(_)) => {}
-            Some(Err(e)) => {
-                return Err(AttemptError::new(
-                    StudioCode::UpstreamClosed,
-                    format!("the gateway connection failed during the handshake: {e}"),
-                ))
-            }
-            None => {
-                return Err(AttemptError::new(
-                    StudioCode::UpstreamClosed,
-                    "the gateway closed the connection during the handshake".into(),
-                ))
-            }
-        }
-    }
-}
-
-/// Maps a gateway `connect` error to the broker's failure. A retryable error
-/// (`UNAVAILABLE` while the gateway starts) is transient; anything else is a
-/// rejection that needs a fix. The gateway's error is kept whole in `details`.
-fn rejection(error: Value) -> AttemptError {
-    let message = error
-        .get("message")
-        .and_then(Value::as_str)
-        .unwrap_or("connect refused");
-    let retryable = error.get("retryable").and_then(Value::as_bool) == Some(true);
-    let retry_after = error
-        .get("retryAfterMs")
-        .and_then(Value::as_u64)
-        .map(Duration::from_millis);
-    if retryable {
-        return AttemptError {
-            error: ErrorShape::studio(
-                StudioCode::UpstreamClosed,
-                format!("the gateway is not ready yet: {message}"),
-            )
-            .with_details(error.clone()),
-            rejected: false,
-            retry_after,
-        };
-    }
-    let detail_code = error
-        .pointer("/details/code")
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    let hint = match detail_code {
-        c if c.starts_with("AUTH_") => {
-            "; check the token (gateway.auth.token in the gateway's openclaw.json)"
-        }
-        "PAIRING_REQUIRED" | "DEVICE_IDENTITY_REQUIRED" => {
-            "; approve this device on the gateway (openclaw devices approve)"
-        }
-        "PROTOCOL_MISMATCH" => {
-            "; the gateway speaks a protocol this clawmux does not: upgrade one of them"
-        }
-        _ => "",
-    };
-    AttemptError {
-        error: ErrorShape::studio(
-            StudioCode::UpstreamRejected,
-            format!("the gateway refused the broker's connect: {message}{hint}"),
-        )
-        .with_details(error.clone()),
-        rejected: true,
-        retry_after: None,
-    }
-}
-
-/// Reads what the broker needs from a `hello-ok` payload.
-fn parse_hello(mut payload: Value) -> UpstreamHello {
-    // The device token is the broker's own credential: never shown to clients.
-    if let Some(auth) = payload.get_mut("auth").and_then(Value::as_object_mut) {
-        auth.remove("deviceToken");
-        auth.remove("deviceTokens");
-    }
-    let protocol = payload
-        .get("protocol")
-        .and_then(Value::as_u64)
-        .unwrap_or(PROTOCOL_MAX);
-    let server_version = payload
-        .pointer("/server/version")
-        .and_then(Value::as_str)
-        .unwrap_or("unknown")
-        .to_owned();
-    let granted: Option<Vec<String>> = payload
-        .pointer("/auth/scopes")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_str)
-                .map(str::to_owned)
-                .collect()
-        });
-    let scopes =
-        granted.unwrap_or_else(|| REQUESTED_SCOPES.iter().map(|s| s.to_string()).collect());
-    let lost_scopes = REQUESTED_SCOPES
-        .iter()
-        .filter(|s| !scopes.iter().any(|g| g == *s))
-        .map(|s| s.to_string())
-        .collect();
-    let max_payload = payload
-        .pointer("/policy/maxPayload")
-        .and_then(Value::as_u64);
-    UpstreamHello {
-        payload,
-        protocol,
-        server_version,
-        scopes,
-        lost_scopes,
-        max_payload,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hello_parsing_detects_lost_scopes_and_hides_device_token() {
-        let h = parse_hello(json!({
-            "protocol": 4, "server": {"version": "v"},
-            "auth": {"role": "operator", "scopes": ["operator.read"], "deviceToken": "dt"},
-            "policy": {"maxPayload": 100}
-        }));
-        assert_eq!(h.protocol, 4);
-        assert_eq!(h.max_payload, Some(100));
-        assert!(h.lost_scopes.contains(&"operator.admin".to_string()));
-        assert!(h.payload.pointer("/auth/deviceToken").is_none());
-    }
-
-    #[test]
-    fn rejections_keep_the_gateway_error() {
-        let e = rejection(
-            json!({"code":"INVALID_REQUEST","message":"unauthorized: gateway token mismatch","details":{"code":"AUTH_TOKEN_MISMATCH"}}),
-        );
-        assert!(e.rejected);
-        assert_eq!(e.error.code, "studio.upstream_rejected");
-        assert_eq!(
-            e.error.details.as_ref().unwrap()["details"]["code"],
-            "AUTH_TOKEN_MISMATCH"
-        );
-        let e = rejection(
-            json!({"code":"UNAVAILABLE","message":"gateway starting; retry shortly","retryable":true,"retryAfterMs":500}),
-        );
-        assert!(!e.rejected);
-        assert_eq!(e.retry_after, Some(Duration::from_millis(500)));
     }
 }

@@ -5,8 +5,16 @@
 //! Each successful handshake starts a new *epoch*. Requests are tagged with
 //! the epoch they were sent on, so a request meant for a session that has
 //! since died is never replayed on the next one.
+//!
+//! - `connector`: the task, its reconnect loop, the session and its watchdog.
+//! - `handshake`: the `connect` the broker sends and how answers map to `studio.*`.
+//! - [`identity`]: the device key, the v3 signature, stored device tokens.
+//! - `private_files`: the 0700/0600 state dir they live in.
 
 mod connector;
+mod handshake;
+pub mod identity;
+mod private_files;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -103,6 +111,8 @@ pub struct Status {
     pub retry_at: Option<Instant>,
     /// Successful handshakes after the first.
     pub reconnects: u64,
+    /// The broker's device id, when device identity is on and usable.
+    pub device_id: Option<String>,
 }
 
 impl Status {
@@ -114,6 +124,7 @@ impl Status {
             last_error: None,
             retry_at: None,
             reconnects: 0,
+            device_id: None,
         }
     }
 

@@ -60,6 +60,8 @@ pub fn test_settings(dir: &Path, gateway_url: &str, token: Option<&str>) -> Sett
     s.upstream.backoff_max = Duration::from_millis(200);
     s.upstream.handshake_timeout = Duration::from_secs(2);
     s.limits.connect_wait = Duration::from_secs(3);
+    // Never the real home: the device key and tokens live in the test's dir.
+    s.upstream.device_identity = Some(dir.join("state"));
     s
 }
 
@@ -174,6 +176,42 @@ impl WsClient {
                 Some(Ok(_)) => continue,
                 Some(Err(_)) | None => Got::Eof,
             };
+        }
+    }
+
+    /// Like [`recv`](Self::recv) with a chosen patience; `None` when
+    /// nothing arrived in time (for waits longer than [`PATIENCE`], such as
+    /// a real gateway's 30 s ticks).
+    pub async fn recv_within(&mut self, wait: Duration) -> Option<Got> {
+        loop {
+            let msg = tokio::time::timeout(wait, self.ws.next()).await.ok()?;
+            return Some(match msg {
+                Some(Ok(Message::Text(t))) => {
+                    Got::Json(serde_json::from_str(t.as_str()).expect("broker sends JSON"))
+                }
+                Some(Ok(Message::Close(f))) => match f {
+                    Some(f) => Got::Close(u16::from(f.code), f.reason.as_str().to_owned()),
+                    None => Got::Close(1005, String::new()),
+                },
+                Some(Ok(_)) => continue,
+                Some(Err(_)) | None => Got::Eof,
+            });
+        }
+    }
+
+    /// Waits up to `wait` for an event named `name` (kept-aside events first).
+    pub async fn event_within(&mut self, name: &str, wait: Duration) -> Value {
+        if let Some(i) = self.events.iter().position(|e| e["event"] == name) {
+            return self.events.remove(i);
+        }
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match self.recv_within(left).await {
+                Some(Got::Json(v)) if v["type"] == "event" && v["event"] == name => return v,
+                Some(Got::Json(v)) => self.events.push(v),
+                other => panic!("no {name} event within {wait:?}: {other:?}"),
+            }
         }
     }
 

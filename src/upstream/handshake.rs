@@ -1,0 +1,406 @@
+//! The broker's side of the gateway handshake, apart from the socket: the
+//! `connect` it sends (credentials, device proof), reading the challenge
+//! and the `hello-ok`, and mapping every failure to a `studio.*` error.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+use super::identity::{ConnectProof, DeviceIdentity};
+use super::{UpstreamHello, REQUESTED_SCOPES};
+use crate::config::Secret;
+use crate::protocol::{now_ms, ErrorShape, StudioCode, PROTOCOL_MAX, PROTOCOL_MIN};
+
+pub(super) type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
+
+/// The broker's `client` identity upstream (gateway-protocol.md §2.5: the
+/// one that keeps its scopes on loopback with a token alone).
+const CLIENT_ID: &str = "gateway-client";
+const CLIENT_MODE: &str = "backend";
+const ROLE: &str = "operator";
+
+/// Why one connection attempt failed.
+#[derive(Debug)]
+pub(super) struct AttemptError {
+    pub error: ErrorShape,
+    /// The gateway refused us for a reason retrying will not fix (auth,
+    /// pairing, protocol): retry only every `backoff_max`.
+    pub rejected: bool,
+    /// The gateway said when to retry (`retryAfterMs`).
+    pub retry_after: Option<Duration>,
+}
+
+impl AttemptError {
+    pub(super) fn new(code: StudioCode, message: String) -> Self {
+        AttemptError {
+            error: ErrorShape::studio(code, message),
+            rejected: false,
+            retry_after: None,
+        }
+    }
+}
+
+/// What the `connect.challenge` carried.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub(super) struct Challenge {
+    pub nonce: Option<String>,
+    /// The gateway's clock when it sent the challenge (`ts`).
+    pub ts: Option<u64>,
+}
+
+impl Challenge {
+    pub(super) fn parse(payload: Option<&serde_json::value::RawValue>) -> Challenge {
+        let payload: Value = payload
+            .and_then(|p| serde_json::from_str(p.get()).ok())
+            .unwrap_or(Value::Null);
+        Challenge {
+            nonce: payload
+                .get("nonce")
+                .and_then(Value::as_str)
+                .filter(|n| !n.trim().is_empty())
+                .map(str::to_owned),
+            ts: payload.get("ts").and_then(Value::as_u64),
+        }
+    }
+}
+
+/// The credentials of one `connect`.
+///
+/// The shared token wins when there is one, and the stored device token is
+/// then not sent at all: the gateway ignores a device token once the shared
+/// token matched, and when the shared token is wrong a (possibly stale)
+/// device token would either hide that (the connect succeeds on a token the
+/// operator believes revoked) or replace `AUTH_TOKEN_MISMATCH` by a device
+/// token error that points at the wrong fix. This is also the Node
+/// reference client's choice (`selectGatewayConnectAuth`). The device token
+/// is used only when no shared token is configured.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Credentials<'a> {
+    pub token: Option<&'a Secret>,
+    pub device_token: Option<&'a Secret>,
+}
+
+/// The broker's `connect` params. The device block is added when there is
+/// an identity and the challenge carried a nonce to sign.
+pub(super) fn connect_params(
+    instance_id: &str,
+    credentials: Credentials<'_>,
+    identity: Option<&DeviceIdentity>,
+    challenge: &Challenge,
+) -> Value {
+    let platform = std::env::consts::OS;
+    let mut params = json!({
+        "minProtocol": PROTOCOL_MIN,
+        "maxProtocol": PROTOCOL_MAX,
+        "client": {
+            "id": CLIENT_ID,
+            "displayName": "clawmux",
+            "version": env!("CARGO_PKG_VERSION"),
+            "platform": platform,
+            "mode": CLIENT_MODE,
+            "instanceId": instance_id,
+        },
+        "role": ROLE,
+        "scopes": REQUESTED_SCOPES,
+        "caps": ["tool-events"],
+        "userAgent": concat!("clawmux/", env!("CARGO_PKG_VERSION")),
+    });
+    let (signed_token, auth) = match (credentials.token, credentials.device_token) {
+        (Some(token), _) => (token.expose(), Some(json!({ "token": token.expose() }))),
+        (None, Some(dt)) if identity.is_some() => {
+            (dt.expose(), Some(json!({ "deviceToken": dt.expose() })))
+        }
+        _ => ("", None),
+    };
+    if let Some(auth) = auth {
+        params["auth"] = auth;
+    }
+    if let (Some(identity), Some(nonce)) = (identity, challenge.nonce.as_deref()) {
+        // The gateway's own clock (the challenge `ts`) keeps the signature
+        // inside its ±2 min window even when this host's clock is off, as
+        // the Node reference client does.
+        let proof = ConnectProof {
+            client_id: CLIENT_ID,
+            client_mode: CLIENT_MODE,
+            role: ROLE,
+            scopes: &REQUESTED_SCOPES,
+            signed_at_ms: challenge.ts.unwrap_or_else(now_ms),
+            token: signed_token,
+            nonce,
+            platform,
+            device_family: "",
+        };
+        params["device"] = identity.sign_connect(&proof);
+    }
+    params
+}
+
+/// Reads the next text frame during the handshake; a close or error becomes
+/// the matching `studio.*` failure.
+pub(super) async fn next_text(ws: &mut Ws) -> Result<String, AttemptError> {
+    loop {
+        match ws.next().await {
+            Some(Ok(Message::Text(t))) => return Ok(t.as_str().to_owned()),
+            Some(Ok(Message::Close(frame))) => {
+                let (code, reason) = frame
+                    .map(|f| (u16::from(f.code), f.reason.as_str().to_owned()))
+                    .unwrap_or((1005, String::new()));
+                return Err(if code == 1008 {
+                    AttemptError {
+                        error: ErrorShape::studio(
+                            StudioCode::UpstreamRejected,
+                            format!("Upstream gateway rejected connect (1008): {reason}"),
+                        )
+                        .with_details(json!({"closeCode": code, "closeReason": reason})),
+                        rejected: true,
+                        retry_after: None,
+                    }
+                } else {
+                    AttemptError::new(
+                        StudioCode::UpstreamClosed,
+                        format!("Upstream gateway closed ({code}): {reason}"),
+                    )
+                });
+            }
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                return Err(AttemptError::new(
+                    StudioCode::UpstreamClosed,
+                    format!("the gateway connection failed during the handshake: {e}"),
+                ))
+            }
+            None => {
+                return Err(AttemptError::new(
+                    StudioCode::UpstreamClosed,
+                    "the gateway closed the connection during the handshake".into(),
+                ))
+            }
+        }
+    }
+}
+
+/// Maps a gateway `connect` error to the broker's failure. A retryable error
+/// (`UNAVAILABLE` while the gateway starts, auth rate limiting) is
+/// transient; anything else is a rejection that needs a fix. The gateway's
+/// error is kept whole in `details`.
+pub(super) fn rejection(error: Value) -> AttemptError {
+    let message = error
+        .get("message")
+        .and_then(Value::as_str)
+        .unwrap_or("connect refused");
+    let retryable = error.get("retryable").and_then(Value::as_bool) == Some(true);
+    let retry_after = error
+        .get("retryAfterMs")
+        .and_then(Value::as_u64)
+        .map(Duration::from_millis);
+    if retryable {
+        return AttemptError {
+            error: ErrorShape::studio(
+                StudioCode::UpstreamClosed,
+                format!("the gateway is not ready yet: {message}"),
+            )
+            .with_details(error.clone()),
+            rejected: false,
+            retry_after,
+        };
+    }
+    let detail_code = error
+        .pointer("/details/code")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let hint = match detail_code {
+        "AUTH_DEVICE_TOKEN_MISMATCH" => {
+            "; the stored device token is no longer valid: configure the gateway token (--token-file)"
+        }
+        c if c.starts_with("AUTH_") => {
+            "; check the token (gateway.auth.token in the gateway's openclaw.json)"
+        }
+        "PAIRING_REQUIRED" | "DEVICE_IDENTITY_REQUIRED" => {
+            "; approve this device on the gateway (openclaw devices approve), and keep device identity on"
+        }
+        c if c.starts_with("DEVICE_AUTH_") => {
+            "; the gateway refused the broker's device proof (is this host's clock right?)"
+        }
+        "PROTOCOL_MISMATCH" => {
+            "; the gateway speaks a protocol this clawmux does not: upgrade one of them"
+        }
+        _ => "",
+    };
+    AttemptError {
+        error: ErrorShape::studio(
+            StudioCode::UpstreamRejected,
+            format!("the gateway refused the broker's connect: {message}{hint}"),
+        )
+        .with_details(error.clone()),
+        rejected: true,
+        retry_after: None,
+    }
+}
+
+/// A device token from `hello-ok.auth`: the broker's own credential, kept
+/// in the state dir and never shown to local clients.
+#[derive(Debug, Clone)]
+pub(super) struct MintedToken {
+    pub token: Secret,
+    pub role: String,
+    pub issued_at_ms: Option<u64>,
+}
+
+/// Reads what the broker needs from a `hello-ok` payload, and takes the
+/// device token out of it.
+pub(super) fn parse_hello(mut payload: Value) -> (UpstreamHello, Option<MintedToken>) {
+    let mut minted = None;
+    if let Some(auth) = payload.get_mut("auth").and_then(Value::as_object_mut) {
+        let token = auth.remove("deviceToken");
+        auth.remove("deviceTokens");
+        minted = token
+            .as_ref()
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty())
+            .map(|t| MintedToken {
+                token: Secret::new(t),
+                role: auth
+                    .get("role")
+                    .and_then(Value::as_str)
+                    .unwrap_or(ROLE)
+                    .to_owned(),
+                issued_at_ms: auth.get("issuedAtMs").and_then(Value::as_u64),
+            });
+    }
+    let protocol = payload
+        .get("protocol")
+        .and_then(Value::as_u64)
+        .unwrap_or(PROTOCOL_MAX);
+    let server_version = payload
+        .pointer("/server/version")
+        .and_then(Value::as_str)
+        .unwrap_or("unknown")
+        .to_owned();
+    let granted: Option<Vec<String>> = payload
+        .pointer("/auth/scopes")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect()
+        });
+    let scopes =
+        granted.unwrap_or_else(|| REQUESTED_SCOPES.iter().map(|s| s.to_string()).collect());
+    let lost_scopes = REQUESTED_SCOPES
+        .iter()
+        .filter(|s| !scopes.iter().any(|g| g == *s))
+        .map(|s| s.to_string())
+        .collect();
+    let max_payload = payload
+        .pointer("/policy/maxPayload")
+        .and_then(Value::as_u64);
+    let hello = UpstreamHello {
+        payload,
+        protocol,
+        server_version,
+        scopes,
+        lost_scopes,
+        max_payload,
+    };
+    (hello, minted)
+}
+
+/// The gateway granted fewer scopes than the broker asked for: every local
+/// client will get "missing scope" errors for the methods behind them. Said
+/// loudly, with the likely fix; `/healthz` also lists them (`lostScopes`).
+pub(super) fn warn_lost_scopes(hello: &UpstreamHello, has_device: bool) {
+    let fix = if has_device {
+        "approve the broker's scope upgrade on the gateway (openclaw devices list / approve)"
+    } else {
+        "turn device identity on (drop --no-device-identity) or connect over loopback"
+    };
+    tracing::warn!(
+        lost_scopes = %hello.lost_scopes.join(","),
+        granted = %hello.scopes.join(","),
+        "SCOPES LOST: the gateway granted fewer scopes than the broker requested; local clients will get \"missing scope\" errors for {}; fix: {fix}",
+        hello.lost_scopes.join(", ")
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_parsing_detects_lost_scopes_and_takes_the_device_token() {
+        let (h, minted) = parse_hello(json!({
+            "protocol": 4, "server": {"version": "v"},
+            "auth": {"role": "operator", "scopes": ["operator.read"], "deviceToken": "dt", "issuedAtMs": 7},
+            "policy": {"maxPayload": 100}
+        }));
+        assert_eq!(h.protocol, 4);
+        assert_eq!(h.max_payload, Some(100));
+        assert!(h.lost_scopes.contains(&"operator.admin".to_string()));
+        assert!(h.payload.pointer("/auth/deviceToken").is_none());
+        let minted = minted.expect("device token taken");
+        assert_eq!(minted.token.expose(), "dt");
+        assert_eq!(minted.issued_at_ms, Some(7));
+        // Without `auth` (v3.24 without a device token) nothing is lost.
+        let (h, minted) = parse_hello(json!({"protocol": 3}));
+        assert!(h.lost_scopes.is_empty() && minted.is_none());
+    }
+
+    #[test]
+    fn rejections_keep_the_gateway_error() {
+        let e = rejection(
+            json!({"code":"INVALID_REQUEST","message":"unauthorized: gateway token mismatch","details":{"code":"AUTH_TOKEN_MISMATCH"}}),
+        );
+        assert!(e.rejected);
+        assert_eq!(e.error.code, "studio.upstream_rejected");
+        assert_eq!(
+            e.error.details.as_ref().unwrap()["details"]["code"],
+            "AUTH_TOKEN_MISMATCH"
+        );
+        let e = rejection(
+            json!({"code":"UNAVAILABLE","message":"gateway starting; retry shortly","retryable":true,"retryAfterMs":500}),
+        );
+        assert!(!e.rejected);
+        assert_eq!(e.retry_after, Some(Duration::from_millis(500)));
+    }
+
+    #[test]
+    fn the_shared_token_wins_over_the_device_token() {
+        let tmp = tempfile::tempdir().unwrap();
+        let id = DeviceIdentity::load_or_create(tmp.path()).unwrap();
+        let (token, dt) = (Secret::new("shared"), Secret::new("dt_1"));
+        let challenge = Challenge {
+            nonce: Some("n-1".into()),
+            ts: Some(1234),
+        };
+        let both = Credentials {
+            token: Some(&token),
+            device_token: Some(&dt),
+        };
+        let p = connect_params("i", both, Some(&id), &challenge);
+        assert_eq!(p["auth"], json!({"token": "shared"}));
+        assert_eq!(p["device"]["nonce"], "n-1");
+        assert_eq!(
+            p["device"]["signedAt"], 1234,
+            "signed on the gateway's clock"
+        );
+        let only_dt = Credentials {
+            token: None,
+            device_token: Some(&dt),
+        };
+        let p = connect_params("i", only_dt, Some(&id), &challenge);
+        assert_eq!(p["auth"], json!({"deviceToken": "dt_1"}));
+        // No identity: no device block, and a device token alone is useless.
+        let p = connect_params("i", only_dt, None, &challenge);
+        assert!(p.get("device").is_none() && p.get("auth").is_none());
+        // No nonce to sign: no device block.
+        let p = connect_params("i", both, Some(&id), &Challenge::default());
+        assert!(p.get("device").is_none());
+        assert_eq!(p["client"]["id"], "gateway-client");
+        assert_eq!(p["client"]["mode"], "backend");
+    }
+}

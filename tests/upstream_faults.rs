@@ -1,0 +1,388 @@
+//! The upstream session survives what gateways do over weeks: restarts,
+//! crashes, slow starts, silence, refused credentials (design §4, §10 of
+//! gateway-protocol.md). Local clients stay connected and get honest signals.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clawmux::mock::Rejection;
+use serde_json::{json, Value};
+use support::*;
+
+/// Polls `/healthz` until the upstream phase is `phase`; returns the body.
+async fn wait_phase(socket: &std::path::Path, phase: &str) -> Value {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let (_, body) = http_get(socket, "/healthz").await;
+        if body["upstream"] == phase {
+            return body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "upstream never reached {phase}: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn seq(ev: &Value) -> u64 {
+    ev["seq"].as_u64().expect("event has a seq")
+}
+
+/// A restart announced by the gateway: `shutdown` with `restartExpectedMs`,
+/// close 1012. Clients stay, see the event and a gap, and the broker waits
+/// the announced time before reconnecting.
+#[tokio::test]
+async fn announced_restart_is_ridden_through_after_restart_expected_ms() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    let (mut b, _) = h.connected().await;
+    h.gw.restart_notice(Some(400)).await;
+    for c in [&mut a, &mut b] {
+        let shutdown = c.event("shutdown").await;
+        assert_eq!(shutdown["payload"]["restartExpectedMs"], 400);
+        let lost = c.event("clawmux.upstream").await;
+        assert_eq!(lost["payload"]["phase"], "backoff", "{lost}");
+        assert!(
+            lost["payload"]["reason"].as_str().unwrap().contains("1012"),
+            "{lost}"
+        );
+        assert_eq!(seq(&lost), seq(&shutdown) + 1);
+    }
+    let lost_at = Instant::now();
+    let back = a.event("clawmux.upstream").await;
+    let waited = lost_at.elapsed();
+    assert_eq!(back["payload"]["phase"], "ready", "{back}");
+    assert_eq!(back["payload"]["reason"], "reconnected");
+    assert!(
+        waited >= Duration::from_millis(350),
+        "reconnected after {waited:?}, before the announced 400 ms"
+    );
+    let back_b = b.event("clawmux.upstream").await;
+    assert!(seq(&back_b) > 1, "{back_b}");
+    assert_eq!(a.request("status", json!({})).await["ok"], true);
+    assert_eq!(b.request("health", json!({})).await["ok"], true);
+    assert_eq!(h.gw.total_connections(), 2, "one reconnect, no hammering");
+}
+
+/// A crash (sockets dropped without a close frame): clients stay, see a gap
+/// and both events, and requests work again.
+#[tokio::test]
+async fn crash_is_ridden_through_with_a_gap() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    h.gw.broadcast("tick", json!({"ts": 1}));
+    let before = a.event("tick").await;
+    h.gw.drop_all();
+    let lost = a.event("clawmux.upstream").await;
+    assert_eq!(lost["payload"]["phase"], "backoff");
+    assert_eq!(seq(&lost), seq(&before) + 1);
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["phase"], "ready");
+    assert!(
+        seq(&back) > seq(&lost) + 1,
+        "a skipped seq tells gap-detecting clients to resync: {lost} then {back}"
+    );
+    assert_eq!(a.request("sessions.list", json!({})).await["ok"], true);
+    let body = wait_phase(&h.socket(), "ready").await;
+    assert_eq!(body["lastError"], Value::Null);
+}
+
+/// While the gateway starts it answers `UNAVAILABLE` + `retryAfterMs:500`
+/// and closes 1013. The broker waits that long each time (no hammering) and
+/// a local connect made meanwhile simply succeeds once the gateway is up.
+#[tokio::test]
+async fn slow_start_waits_retry_after_ms_between_attempts() {
+    let faults = Faults {
+        unavailable_connects: 2,
+        ..Faults::default()
+    };
+    let t0 = Instant::now();
+    let h = start_faulty(mock_config(), faults, |_| {}).await;
+    let (mut c, hello) = h.connected().await;
+    let elapsed = t0.elapsed();
+    assert_eq!(hello["type"], "hello-ok");
+    assert_eq!(
+        h.gw.total_connections(),
+        3,
+        "two refused attempts, then one"
+    );
+    assert!(
+        elapsed >= Duration::from_millis(950),
+        "two retryAfterMs waits of 500 ms, got {elapsed:?}"
+    );
+    assert_eq!(c.request("health", json!({})).await["ok"], true);
+}
+
+/// A wedged gateway sends nothing: after 2 × tickIntervalMs of silence the
+/// broker closes (4000 "tick timeout") and reconnects. Ticks keep it alive.
+#[tokio::test]
+async fn silence_trips_the_watchdog_and_the_broker_reconnects() {
+    let cfg = MockConfig {
+        tick_interval_ms: 100,
+        ..mock_config()
+    };
+    let h = start_with(cfg, |_| {}).await;
+    let (mut a, _) = h.connected().await;
+    for _ in 0..4 {
+        a.event("tick").await;
+    }
+    assert_eq!(
+        h.gw.total_connections(),
+        1,
+        "ticks every 100 ms keep the 200 ms watchdog quiet"
+    );
+    h.gw.set_faults(Faults {
+        silent: true,
+        ..Faults::default()
+    });
+    let lost = a.event("clawmux.upstream").await;
+    assert_eq!(lost["payload"]["phase"], "backoff");
+    let reason = lost["payload"]["reason"].as_str().unwrap();
+    assert!(reason.contains("2 x tickIntervalMs"), "{reason}");
+    h.gw.set_faults(Faults::default());
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["phase"], "ready");
+    assert_eq!(a.request("health", json!({})).await["ok"], true);
+}
+
+/// A refused connect (wrong token, pairing) is retried only every
+/// `backoff_max`, never in a tight loop; once the gateway accepts again the
+/// broker recovers by itself.
+#[tokio::test]
+async fn rejected_connects_are_retried_only_every_backoff_max() {
+    let faults = Faults {
+        reject_connect: Some(Rejection::token_mismatch()),
+        ..Faults::default()
+    };
+    let t0 = Instant::now();
+    let h = start_faulty(mock_config(), faults, |s| {
+        s.upstream.backoff_initial = Duration::from_millis(1);
+        s.upstream.backoff_max = Duration::from_millis(100);
+    })
+    .await;
+    let body = wait_phase(&h.socket(), "rejected").await;
+    assert_eq!(body["lastError"], "studio.upstream_rejected");
+    eventually("four attempts", || h.gw.total_connections() >= 4).await;
+    let elapsed = t0.elapsed();
+    let attempts = h.gw.total_connections();
+    assert!(
+        elapsed >= Duration::from_millis(300),
+        "{attempts} attempts in {elapsed:?}: retries must be ≥ 100 ms apart"
+    );
+    assert!(
+        attempts as u128 <= elapsed.as_millis() / 100 + 1,
+        "{attempts} attempts in {elapsed:?}"
+    );
+    // A local connect meanwhile fails at once with the gateway's reason.
+    let mut c = h.client().await;
+    c.recv_json().await;
+    c.send_json(&connect_frame("c1")).await;
+    let res = c.response("c1").await;
+    assert_eq!(res["error"]["code"], "studio.upstream_rejected");
+    assert_eq!(
+        res["error"]["details"]["details"]["code"],
+        "AUTH_TOKEN_MISMATCH"
+    );
+    h.gw.set_faults(Faults::default());
+    wait_phase(&h.socket(), "ready").await;
+    let (mut c, _) = h.connected().await;
+    assert_eq!(c.request("health", json!({})).await["ok"], true);
+}
+
+/// Failures that are neither refusals nor timed by the gateway back off
+/// exponentially from `backoff_initial`, capped at `backoff_max`. The
+/// "gateway" here accepts TCP and never answers the upgrade, so every
+/// attempt ends at the handshake timeout; the test times the accepts.
+#[tokio::test]
+async fn failures_back_off_exponentially_up_to_the_cap() {
+    let mute = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("ws://{}", mute.local_addr().unwrap());
+    let (timeout, initial, max) = (30u64, 40u64, 150u64);
+    let (_b, _d) = broker_only(|s| {
+        s.gateway_url = url;
+        s.upstream.handshake_timeout = Duration::from_millis(timeout);
+        s.upstream.backoff_initial = Duration::from_millis(initial);
+        s.upstream.backoff_max = Duration::from_millis(max);
+    })
+    .await;
+    let mut accepted = Vec::new();
+    let mut held = Vec::new();
+    while accepted.len() < 7 {
+        let (s, _) = tokio::time::timeout(PATIENCE, mute.accept())
+            .await
+            .expect("the broker keeps retrying")
+            .unwrap();
+        accepted.push(Instant::now());
+        held.push(s);
+    }
+    for (k, pair) in accepted.windows(2).enumerate() {
+        let gap = pair[1] - pair[0];
+        let backoff = (initial << k).min(max);
+        // Jitter takes off at most 20 %; the timeout comes on top.
+        let least = Duration::from_millis(timeout + backoff * 8 / 10);
+        assert!(gap >= least, "gap {k}: {gap:?} < {least:?}");
+        if k >= 4 {
+            // Uncapped it would be 640 ms and more.
+            assert!(
+                gap < Duration::from_millis(600),
+                "gap {k}: {gap:?} is not capped"
+            );
+        }
+    }
+}
+
+/// The gateway rotates its shared token: it closes every session 4001
+/// "gateway auth changed", and the old token is refused from then on. The
+/// clients learn why, and the broker settles in `rejected` (retrying only
+/// every `backoff_max`) until its token is updated.
+#[tokio::test]
+async fn token_rotation_ends_in_rejected_with_the_reason() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    h.gw.set_faults(Faults {
+        reject_connect: Some(Rejection::token_mismatch()),
+        ..Faults::default()
+    });
+    h.gw.close_all(4001, "gateway auth changed").await;
+    let lost = a.event("clawmux.upstream").await;
+    assert_eq!(lost["payload"]["phase"], "backoff");
+    let reason = lost["payload"]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("4001") && reason.contains("gateway auth changed"),
+        "{reason}"
+    );
+    let body = wait_phase(&h.socket(), "rejected").await;
+    assert_eq!(body["lastError"], "studio.upstream_rejected");
+    let res = a.request("health", json!({})).await;
+    assert_eq!(res["error"]["code"], "studio.upstream_rejected", "{res}");
+    assert_eq!(
+        res["error"]["details"]["details"]["code"],
+        "AUTH_TOKEN_MISMATCH"
+    );
+}
+
+/// The gateway's own slow-consumer close (1008 mid-session) is a lost
+/// session, not a refusal: the broker reconnects at once.
+#[tokio::test]
+async fn gateway_slow_consumer_close_is_a_reconnect_not_a_rejection() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    h.gw.slow_consumer_close().await;
+    let lost = a.event("clawmux.upstream").await;
+    assert!(
+        lost["payload"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("slow consumer"),
+        "{lost}"
+    );
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["phase"], "ready");
+    assert_eq!(a.request("health", json!({})).await["ok"], true);
+}
+
+/// Requests pending on a session that ends fail at once, with the restart
+/// delay the gateway announced; they are never replayed on the next session.
+#[tokio::test]
+async fn pending_requests_fail_on_loss_and_are_never_replayed() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    h.gw.set_faults(Faults {
+        hold_methods: vec!["status".into()],
+        ..Faults::default()
+    });
+    a.send_json(&json!({"type":"req","id":"held","method":"status","params":{}}))
+        .await;
+    h.gw.wait_request("status", PATIENCE)
+        .await
+        .expect("the double saw the request");
+    h.gw.set_faults(Faults::default());
+    h.gw.restart_notice(Some(250)).await;
+    let res = a.response("held").await;
+    assert_eq!(res["ok"], false);
+    assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
+    assert_eq!(res["error"]["retryable"], true);
+    assert_eq!(res["error"]["retryAfterMs"], 250, "{res}");
+    a.event("clawmux.upstream").await;
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["phase"], "ready");
+    assert_eq!(a.request("status", json!({})).await["ok"], true);
+    let statuses: Vec<u64> =
+        h.gw.requests()
+            .iter()
+            .filter(|(_, r)| r["method"] == "status")
+            .map(|(conn, _)| *conn)
+            .collect();
+    assert_eq!(
+        statuses,
+        vec![0, 1],
+        "one status per session: the held one was not replayed"
+    );
+}
+
+/// Requests while the session is down fail fast with `retryAfterMs`, and
+/// `/healthz` shows the phase and the reason.
+#[tokio::test]
+async fn requests_while_down_fail_fast_with_retry_after() {
+    let h = start_with(mock_config(), |s| {
+        s.upstream.backoff_initial = Duration::from_millis(500)
+    })
+    .await;
+    let (mut a, _) = h.connected().await;
+    h.gw.set_faults(Faults {
+        unavailable_connects: 1_000_000,
+        ..Faults::default()
+    });
+    h.gw.drop_all();
+    a.event("clawmux.upstream").await;
+    let t = Instant::now();
+    let res = a.request("health", json!({})).await;
+    assert!(t.elapsed() < Duration::from_millis(400), "fails fast");
+    assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
+    assert_eq!(res["error"]["retryable"], true);
+    let retry = res["error"]["retryAfterMs"].as_u64().expect("retryAfterMs");
+    assert!(retry <= 500, "{res}");
+    let body = wait_phase(&h.socket(), "backoff").await;
+    assert_eq!(body["lastError"], "studio.upstream_closed");
+}
+
+/// Every phase is visible on `/healthz`: connecting (TCP open, no upgrade
+/// answer), handshaking (no `hello-ok` yet), ready, and stopped at shutdown.
+#[tokio::test]
+async fn phases_are_reported_on_healthz() {
+    // A loopback listener that accepts and never answers the upgrade.
+    let mute = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("ws://{}", mute.local_addr().unwrap());
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let keep = Arc::clone(&held);
+    let acceptor = tokio::spawn(async move {
+        while let Ok((s, _)) = mute.accept().await {
+            keep.lock().unwrap().push(s);
+        }
+    });
+    let (b, _d) = broker_only(|s| {
+        s.gateway_url = url;
+        s.upstream.handshake_timeout = Duration::from_millis(300);
+    })
+    .await;
+    wait_phase(b.socket_path(), "connecting").await;
+    let body = wait_phase(b.socket_path(), "backoff").await;
+    assert_eq!(body["lastError"], "studio.upstream_timeout");
+    acceptor.abort();
+    b.shutdown(PATIENCE).await;
+
+    let faults = Faults {
+        hello_delay: Some(Duration::from_millis(300)),
+        ..Faults::default()
+    };
+    let h = start_faulty(mock_config(), faults, |_| {}).await;
+    wait_phase(&h.socket(), "handshaking").await;
+    let body = wait_phase(&h.socket(), "ready").await;
+    assert!(body["deviceId"].is_string(), "{body}");
+    let ctx = Arc::clone(h.broker.ctx());
+    h.broker.shutdown(PATIENCE).await;
+    assert_eq!(ctx.upstream.phase().as_str(), "stopped");
+}
