@@ -159,6 +159,9 @@ pub struct Settings {
     pub token: Option<Secret>,
     pub limits: Limits,
     pub upstream: UpstreamOptions,
+    /// The settings could not be loaded: the broker serves, and every local
+    /// connect is answered with this `studio.settings_load_failed`.
+    pub load_error: Option<ErrorShape>,
 }
 
 impl Settings {
@@ -170,6 +173,7 @@ impl Settings {
             token: None,
             limits: Limits::default(),
             upstream: UpstreamOptions::default(),
+            load_error: None,
         }
     }
 }

@@ -45,6 +45,7 @@ pub mod metrics;
 pub mod mock;
 pub mod protocol;
 pub mod router;
+pub mod settings;
 pub mod upstream;
 
 pub use broker::RunningBroker;

@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use clawmux::config::{self, Secret, Settings};
 use clawmux::mock::{MockConfig, MockGateway};
+use clawmux::settings::{self, Env, Overrides, Resolved};
 use clawmux::RunningBroker;
 use tracing_subscriber::EnvFilter;
 
@@ -29,41 +30,112 @@ struct Cli {
 enum Command {
     /// Run the broker: listen on the unix socket and hold the gateway session.
     Serve(ServeArgs),
+    /// Show where each setting comes from and try the gateway handshake once (exit 1 on failure).
+    Doctor(DoctorArgs),
     /// Run the gateway test double on loopback (for trying clients and the broker without a real gateway).
     MockGateway(MockArgs),
     #[command(flatten)]
     Client(clawmux::cli::ClientCommand),
 }
 
-#[derive(Args, Debug)]
-struct ServeArgs {
-    /// Unix socket to listen on [default: $XDG_RUNTIME_DIR/clawmux.sock, else <tmp>/clawmux-<uid>/clawmux.sock].
-    #[arg(long, env = "CLAWMUX_SOCKET")]
+/// Where the broker finds the gateway and its limits. Each flag wins over its
+/// environment variable, which wins over the config file, which wins over
+/// Claw3D's and OpenClaw's own settings (see README "Configuration").
+#[derive(Args, Debug, Clone)]
+struct SettingsArgs {
+    /// Unix socket to listen on (env CLAWMUX_SOCKET) [default: $XDG_RUNTIME_DIR/clawmux.sock, else <tmp>/clawmux-<uid>/clawmux.sock].
+    #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
-    /// Gateway WebSocket URL.
-    #[arg(long, env = "CLAWMUX_GATEWAY_URL", default_value = config::DEFAULT_GATEWAY_URL)]
-    gateway_url: String,
-    /// Gateway token (prefer --token-file or the environment: command lines are visible to other users).
-    #[arg(long, env = "CLAWMUX_GATEWAY_TOKEN", hide_env_values = true)]
+    /// Gateway WebSocket URL (env CLAWMUX_GATEWAY_URL) [default: from config files, else ws://localhost:18789].
+    #[arg(long, value_name = "URL")]
+    gateway_url: Option<String>,
+    /// Gateway token (env CLAWMUX_GATEWAY_TOKEN); prefer --token-file: command lines are visible to other users.
+    #[arg(long, value_name = "TOKEN")]
     token: Option<String>,
-    /// File holding the gateway token.
-    #[arg(long, env = "CLAWMUX_GATEWAY_TOKEN_FILE", conflicts_with = "token")]
+    /// File holding the gateway token (env CLAWMUX_GATEWAY_TOKEN_FILE; also $CREDENTIALS_DIRECTORY/gateway-token).
+    #[arg(long, value_name = "PATH", conflicts_with = "token")]
     token_file: Option<PathBuf>,
-    /// Start an in-process gateway double with scripted agent activity and connect to it (try clawmux without a gateway).
-    #[arg(long)]
-    demo: bool,
+    /// Config file (env CLAWMUX_CONFIG) [default: $XDG_CONFIG_HOME/clawmux/config.toml].
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
     /// Connect with the token alone, without the broker's signed device identity.
     #[arg(long)]
     no_device_identity: bool,
-    /// Directory for the broker's device key and device tokens [default: $XDG_STATE_HOME/clawmux, else ~/.local/state/clawmux].
-    #[arg(long, env = "CLAWMUX_STATE_DIR", value_name = "DIR")]
+    /// Directory for the broker's device key and device tokens (env CLAWMUX_STATE_DIR) [default: $XDG_STATE_HOME/clawmux, else ~/.local/state/clawmux].
+    #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
-    /// Seconds a local connect waits for the gateway session before failing.
-    #[arg(long, value_name = "SECS", default_value_t = 10)]
-    connect_wait: u64,
-    /// Seconds a request waits for the gateway's answer (studio.request_timeout after).
-    #[arg(long, value_name = "SECS", default_value_t = 30)]
-    request_timeout: u64,
+    /// Seconds a local connect waits for the gateway session before failing [default: 10].
+    #[arg(long, value_name = "SECS")]
+    connect_wait: Option<u64>,
+    /// Seconds a request waits for the gateway's answer (studio.request_timeout after) [default: 30].
+    #[arg(long, value_name = "SECS")]
+    request_timeout: Option<u64>,
+}
+
+impl SettingsArgs {
+    fn overrides(&self) -> Overrides {
+        Overrides {
+            socket: self.socket.clone(),
+            gateway_url: self.gateway_url.clone(),
+            token: self
+                .token
+                .as_deref()
+                .map(str::trim)
+                .filter(|t| !t.is_empty())
+                .map(Secret::new),
+            token_file: self.token_file.clone(),
+            config: self.config.clone(),
+            state_dir: self.state_dir.clone(),
+            no_device_identity: self.no_device_identity,
+        }
+    }
+
+    /// Resolves the settings; flags for limits are applied on top.
+    fn resolve(&self) -> Result<Resolved, clawmux::protocol::ErrorShape> {
+        let mut resolved = settings::resolve(&self.overrides(), &Env::from_process())?;
+        if let Some(secs) = self.connect_wait {
+            resolved.settings.limits.connect_wait = Duration::from_secs(secs);
+        }
+        if let Some(secs) = self.request_timeout {
+            resolved.settings.limits.request_timeout = Duration::from_secs(secs);
+        }
+        Ok(resolved)
+    }
+
+    /// Settings to serve with: resolved ones, or — when a settings file is
+    /// broken — defaults that answer every connect with the load error, so
+    /// the broker still runs and clients learn what to fix.
+    fn serve_settings(&self) -> Settings {
+        match self.resolve() {
+            Ok(r) => r.settings,
+            Err(e) => {
+                tracing::error!(code = %e.code, "{}", e.message);
+                let socket = self
+                    .socket
+                    .clone()
+                    .or_else(|| std::env::var_os("CLAWMUX_SOCKET").map(PathBuf::from))
+                    .unwrap_or_else(config::default_socket_path);
+                let mut s = Settings::new(socket);
+                s.load_error = Some(e);
+                s
+            }
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    #[command(flatten)]
+    settings: SettingsArgs,
+    /// Start an in-process gateway double with scripted agent activity and connect to it (try clawmux without a gateway).
+    #[arg(long)]
+    demo: bool,
+}
+
+#[derive(Args, Debug)]
+struct DoctorArgs {
+    #[command(flatten)]
+    settings: SettingsArgs,
 }
 
 #[derive(Args, Debug)]
@@ -111,6 +183,7 @@ fn main() -> ExitCode {
             Command::Serve(args) => serve(args).await.map(|()| ExitCode::SUCCESS),
             Command::MockGateway(args) => mock_gateway(args).await.map(|()| ExitCode::SUCCESS),
             Command::Client(command) => Ok(clawmux::cli::run(command).await),
+            Command::Doctor(args) => Ok(clawmux::cli::doctor::run(args.settings.resolve()).await),
         }
     });
     match result {
@@ -123,22 +196,11 @@ fn main() -> ExitCode {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let mut settings = Settings::new(args.socket.unwrap_or_else(config::default_socket_path));
-    settings.gateway_url = args.gateway_url;
-    settings.token = match (args.token, args.token_file) {
-        (Some(t), _) if !t.trim().is_empty() => Some(Secret::new(t.trim())),
-        (_, Some(path)) => Some(config::read_token_file(&path).map_err(anyhow::Error::msg)?),
-        _ => None,
-    };
-    settings.limits.connect_wait = Duration::from_secs(args.connect_wait);
-    settings.limits.request_timeout = Duration::from_secs(args.request_timeout);
-    settings.upstream.device_identity = match (args.no_device_identity, args.state_dir) {
-        (true, _) => None,
-        (false, Some(dir)) => Some(dir),
+    let mut settings = args.settings.serve_settings();
+    if args.demo && args.settings.state_dir.is_none() {
         // The demo's throwaway gateway must not leave device tokens in your state dir.
-        (false, None) if args.demo => None,
-        (false, None) => settings.upstream.device_identity,
-    };
+        settings.upstream.device_identity = None;
+    }
     let _demo = if args.demo {
         let token = uuid::Uuid::new_v4().simple().to_string();
         let mock = MockGateway::start(MockConfig {
@@ -164,9 +226,40 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         broker.socket_path().display(),
         broker.socket_path().display()
     );
-    wait_for_stop_signal().await?;
+    let reload_args = (!args.demo).then(|| args.settings.clone());
+    tokio::select! {
+        r = wait_for_stop_signal() => r?,
+        r = reload_on_sighup(&broker, reload_args) => r?,
+    }
     broker.shutdown(Duration::from_secs(5)).await;
     Ok(())
+}
+
+/// `SIGHUP` re-reads the settings: a changed URL or token re-opens the
+/// upstream session; a broken file keeps the old settings running.
+async fn reload_on_sighup(
+    broker: &RunningBroker,
+    args: Option<SettingsArgs>,
+) -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hup = signal(SignalKind::hangup())?;
+    loop {
+        hup.recv().await;
+        let Some(args) = &args else {
+            tracing::info!("SIGHUP ignored in demo mode");
+            continue;
+        };
+        match args.resolve() {
+            Ok(resolved) => {
+                let target = clawmux::upstream::Target::from_settings(&resolved.settings);
+                let changed = broker.ctx().upstream.retarget(target);
+                tracing::info!(changed, "settings reloaded");
+            }
+            Err(e) => {
+                tracing::error!(code = %e.code, "settings reload failed, keeping the old settings: {}", e.message)
+            }
+        }
+    }
 }
 
 async fn mock_gateway(args: MockArgs) -> anyhow::Result<()> {

@@ -13,6 +13,7 @@
 
 pub mod call;
 pub mod client;
+pub mod doctor;
 pub mod status;
 pub mod tail;
 

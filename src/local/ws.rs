@@ -134,7 +134,11 @@ async fn handshake(stream: &mut SplitStream<Ws>, client: &Arc<Client>, ctx: &Arc
         }
     };
     let deadline = Instant::now() + limits.connect_wait;
-    let hello = match ctx.upstream.wait_ready(deadline).await {
+    let hello = match ctx
+        .upstream
+        .wait_ready_with_auth(deadline, params.auth.as_ref())
+        .await
+    {
         Ok(h) => h,
         Err(error) => {
             tracing::info!(client_id = client.id, code = %error.code, "local connect failed");

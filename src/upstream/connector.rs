@@ -17,7 +17,7 @@ use super::handshake::{
     MintedToken, Ws,
 };
 use super::identity::DeviceIdentity;
-use super::{backoff_delay, Outbound, Phase, Status, UpstreamHello};
+use super::{backoff_delay, ClientCredential, Outbound, Phase, Status, Target, UpstreamHello};
 use crate::config::{validate_gateway_url, Secret, Settings, UpstreamOptions};
 use crate::driver::Driver;
 use crate::hub::Hub;
@@ -30,11 +30,40 @@ struct SessionEnd {
     /// The gateway announced a restart (`shutdown` with `restartExpectedMs`).
     restart_expected: Option<Duration>,
     cancelled: bool,
+    /// The settings changed: reconnect at once with the new ones.
+    retargeted: bool,
+}
+
+/// The channels between the connector and the [`super::Upstream`] handle.
+pub(super) struct Channels {
+    pub status: watch::Sender<Status>,
+    pub rx: mpsc::Receiver<Outbound>,
+    pub target: watch::Receiver<Target>,
+    pub offers: mpsc::Receiver<ClientCredential>,
+}
+
+/// The parts of the broker the connector feeds.
+pub(super) struct Shared {
+    pub hub: Arc<Hub>,
+    pub router: Arc<Router>,
+    pub driver: Arc<Driver>,
+}
+
+/// How waiting for settings ended.
+enum Parked {
+    Cancelled,
+    Retargeted,
+    Offered,
 }
 
 pub(super) struct Connector {
     url: String,
     token: Option<Secret>,
+    /// A credential a local client supplied when the host has none
+    /// (design §2); kept in memory only, dropped if the gateway refuses it.
+    offered: Option<ClientCredential>,
+    target: watch::Receiver<Target>,
+    offers: mpsc::Receiver<ClientCredential>,
     opts: UpstreamOptions,
     hub: Arc<Hub>,
     router: Arc<Router>,
@@ -52,13 +81,21 @@ pub(super) struct Connector {
 impl Connector {
     pub(super) fn new(
         settings: &Settings,
-        hub: Arc<Hub>,
-        router: Arc<Router>,
-        driver: Arc<Driver>,
-        status: watch::Sender<Status>,
-        rx: mpsc::Receiver<Outbound>,
+        shared: Shared,
+        channels: Channels,
         cancel: CancellationToken,
     ) -> Self {
+        let Channels {
+            status,
+            rx,
+            target,
+            offers,
+        } = channels;
+        let Shared {
+            hub,
+            router,
+            driver,
+        } = shared;
         let identity =
             DeviceIdentity::load_configured(settings.upstream.device_identity.as_deref());
         let device_id = identity.as_ref().map(|i| i.device_id().to_owned());
@@ -67,6 +104,9 @@ impl Connector {
             identity,
             url: settings.gateway_url.trim().to_owned(),
             token: settings.token.clone(),
+            offered: None,
+            target,
+            offers,
             opts: settings.upstream.clone(),
             hub,
             router,
@@ -82,44 +122,78 @@ impl Connector {
     fn set_phase(&self, phase: Phase) {
         self.status.send_modify(|s| {
             s.phase = phase;
+            s.awaiting_credential = false;
             if phase != Phase::Backoff {
                 s.retry_at = None;
             }
         });
     }
 
-    /// Settings that cannot work: stay `Rejected` until shutdown.
-    async fn reject_settings(&self, error: ErrorShape) {
+    /// Settings that cannot work: stay `Rejected` until they change (SIGHUP),
+    /// a local client offers a credential (when `accept_offer`), or shutdown.
+    async fn park(&mut self, error: ErrorShape, accept_offer: bool) -> Parked {
         tracing::error!(code = %error.code, "{}", error.message);
         self.status.send_modify(|s| {
             s.phase = Phase::Rejected;
+            s.retry_at = None;
             s.last_error = Some(error);
+            s.awaiting_credential = accept_offer;
         });
-        self.cancel.cancelled().await;
+        loop {
+            tokio::select! {
+                _ = self.cancel.cancelled() => return Parked::Cancelled,
+                changed = self.target.changed() => {
+                    return if changed.is_ok() { Parked::Retargeted } else { Parked::Cancelled };
+                }
+                offer = self.offers.recv(), if accept_offer => match offer {
+                    Some(credential) => {
+                        self.offered = Some(credential);
+                        return Parked::Offered;
+                    }
+                    None => return Parked::Cancelled,
+                },
+            }
+        }
     }
 
-    pub(super) async fn run(mut self) {
-        if let Err(e) = validate_gateway_url(&self.url) {
-            self.reject_settings(e).await;
-            self.set_phase(Phase::Stopped);
-            return;
+    /// Takes the current settings; returns the reason they cannot work, if any.
+    fn take_target(&mut self) -> Option<(ErrorShape, bool)> {
+        let target = self.target.borrow_and_update().clone();
+        self.url = target.url.trim().to_owned();
+        self.token = target.token.clone();
+        if let Some(e) = target.load_error {
+            return Some((e, false));
         }
-        let stored_device_token = self
+        if let Err(e) = validate_gateway_url(&self.url) {
+            return Some((e, false));
+        }
+        let stored = self
             .identity
             .as_ref()
             .and_then(|i| i.stored_token(&self.url));
-        if self.token.is_none() && stored_device_token.is_none() {
+        if self.token.is_none() && self.offered.is_none() && stored.is_none() {
             let e = ErrorShape::studio(
                 StudioCode::GatewayTokenMissing,
-                "no gateway token: set --token, --token-file or CLAWMUX_GATEWAY_TOKEN (the gateway's gateway.auth.token)",
+                "no gateway token: set gateway.token in ~/.config/clawmux/config.toml, --token-file, or CLAWMUX_GATEWAY_TOKEN (the gateway's gateway.auth.token), or connect with your own auth",
             );
-            self.reject_settings(e).await;
-            self.set_phase(Phase::Stopped);
-            return;
+            return Some((e, true));
         }
+        None
+    }
+
+    pub(super) async fn run(mut self) {
         let mut failures: u32 = 0;
         let mut had_session = false;
-        loop {
+        'attempts: loop {
+            if let Some((error, accept_offer)) = self.take_target() {
+                match self.park(error, accept_offer).await {
+                    Parked::Cancelled => break,
+                    Parked::Retargeted | Parked::Offered => {
+                        failures = 0;
+                        continue;
+                    }
+                }
+            }
             self.set_phase(Phase::Connecting);
             let cancel = self.cancel.clone();
             let attempt = tokio::select! {
@@ -130,16 +204,29 @@ impl Connector {
             let delay = match attempt {
                 Ok(Ok((ws, hello, early))) => {
                     failures = 0;
+                    // A credential that worked is kept for reconnects; later offers are moot.
+                    while self.offers.try_recv().is_ok() {}
                     let end = self.run_session(ws, hello, early, had_session).await;
                     had_session = true;
                     if end.cancelled {
                         break;
+                    }
+                    if end.retargeted {
+                        continue 'attempts;
                     }
                     end.restart_expected.unwrap_or(self.opts.backoff_initial)
                 }
                 Ok(Err(e)) => {
                     failures += 1;
                     tracing::warn!(code = %e.error.code, failures, "upstream connect failed: {}", e.error.message);
+                    if e.rejected && self.token.is_none() && self.offered.take().is_some() {
+                        // The client's own credential was refused: do not keep
+                        // retrying it; wait for settings or another client's.
+                        match self.park(e.error, true).await {
+                            Parked::Cancelled => break,
+                            _ => continue 'attempts,
+                        }
+                    }
                     let delay = if e.rejected {
                         phase_after = Phase::Rejected;
                         tracing::error!(
@@ -188,6 +275,13 @@ impl Connector {
             tokio::select! {
                 _ = self.cancel.cancelled() => break,
                 _ = tokio::time::sleep(delay) => {}
+                changed = self.target.changed() => {
+                    if changed.is_err() {
+                        break;
+                    }
+                    tracing::info!("settings changed: reconnecting now");
+                    failures = 0;
+                }
             }
         }
         self.set_phase(Phase::Stopped);
@@ -233,9 +327,14 @@ impl Connector {
             (None, Some(identity)) => identity.stored_token(&self.url),
             _ => None,
         };
+        let offered = self.offered.as_ref();
         let credentials = Credentials {
-            token: self.token.as_ref(),
+            token: self
+                .token
+                .as_ref()
+                .or(offered.and_then(|o| o.token.as_ref())),
             device_token: device_token.as_ref(),
+            password: offered.and_then(|o| o.password.as_ref()),
         };
         let params = connect_params(
             &self.instance_id,
@@ -393,6 +492,7 @@ impl Connector {
         let mut last_rx = Instant::now();
         let end_reason: String;
         let mut cancelled = false;
+        let mut retargeted = false;
         loop {
             let watchdog = tokio::time::sleep_until((last_rx + silence_limit).into());
             tokio::select! {
@@ -436,6 +536,14 @@ impl Connector {
                     let _ = sink.send(Message::Close(Some(CloseFrame { code: CloseCode::from(4000), reason: "tick timeout".into() }))).await;
                     break;
                 }
+                changed = self.target.changed(), if !retargeted => {
+                    if changed.is_ok() {
+                        retargeted = true;
+                        end_reason = "settings reloaded".into();
+                        let _ = sink.send(Message::Close(Some(CloseFrame { code: CloseCode::Normal, reason: "settings reloaded".into() }))).await;
+                        break;
+                    }
+                }
                 _ = self.cancel.cancelled() => {
                     end_reason = "broker stopping".into();
                     cancelled = true;
@@ -478,6 +586,7 @@ impl Connector {
         SessionEnd {
             restart_expected,
             cancelled,
+            retargeted,
         }
     }
 

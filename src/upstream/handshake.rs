@@ -82,6 +82,8 @@ impl Challenge {
 pub(super) struct Credentials<'a> {
     pub token: Option<&'a Secret>,
     pub device_token: Option<&'a Secret>,
+    /// A password a local client supplied (the host has no token).
+    pub password: Option<&'a Secret>,
 }
 
 /// The broker's `connect` params. The device block is added when there is
@@ -114,7 +116,10 @@ pub(super) fn connect_params(
         (None, Some(dt)) if identity.is_some() => {
             (dt.expose(), Some(json!({ "deviceToken": dt.expose() })))
         }
-        _ => ("", None),
+        _ => match credentials.password {
+            Some(pw) => ("", Some(json!({ "password": pw.expose() }))),
+            None => ("", None),
+        },
     };
     if let Some(auth) = auth {
         params["auth"] = auth;
@@ -380,6 +385,7 @@ mod tests {
         let both = Credentials {
             token: Some(&token),
             device_token: Some(&dt),
+            password: None,
         };
         let p = connect_params("i", both, Some(&id), &challenge);
         assert_eq!(p["auth"], json!({"token": "shared"}));
@@ -391,6 +397,7 @@ mod tests {
         let only_dt = Credentials {
             token: None,
             device_token: Some(&dt),
+            password: None,
         };
         let p = connect_params("i", only_dt, Some(&id), &challenge);
         assert_eq!(p["auth"], json!({"deviceToken": "dt_1"}));

@@ -23,7 +23,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Settings;
+use crate::config::{Secret, Settings};
 use crate::driver::Driver;
 use crate::hub::Hub;
 use crate::protocol::{ErrorShape, StudioCode};
@@ -111,6 +111,9 @@ pub struct Status {
     pub retry_at: Option<Instant>,
     /// Successful handshakes after the first.
     pub reconnects: u64,
+    /// The host has no credential (or the one a client offered was
+    /// refused): a local client's own `auth` may open the session.
+    pub awaiting_credential: bool,
     /// The broker's device id, when device identity is on and usable.
     pub device_id: Option<String>,
 }
@@ -124,6 +127,7 @@ impl Status {
             last_error: None,
             retry_at: None,
             reconnects: 0,
+            awaiting_credential: false,
             device_id: None,
         }
     }
@@ -151,6 +155,50 @@ impl Status {
     }
 }
 
+/// What the connector connects to; changed by a settings reload.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub url: String,
+    pub token: Option<Secret>,
+    /// The settings could not be loaded (`studio.settings_load_failed`).
+    pub load_error: Option<ErrorShape>,
+}
+
+impl Target {
+    pub fn from_settings(settings: &Settings) -> Self {
+        Target {
+            url: settings.gateway_url.clone(),
+            token: settings.token.clone(),
+            load_error: settings.load_error.clone(),
+        }
+    }
+}
+
+/// A local client's own `auth`, offered when the host has no credential.
+#[derive(Debug, Clone)]
+pub struct ClientCredential {
+    pub token: Option<Secret>,
+    pub password: Option<Secret>,
+}
+
+impl ClientCredential {
+    /// Reads `auth.token` / `auth.password` from a client's connect params.
+    pub fn from_auth(auth: &Value) -> Option<Self> {
+        let secret = |key: &str| {
+            auth.get(key)
+                .and_then(Value::as_str)
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(Secret::new)
+        };
+        let c = ClientCredential {
+            token: secret("token"),
+            password: secret("password"),
+        };
+        (c.token.is_some() || c.password.is_some()).then_some(c)
+    }
+}
+
 /// A request on its way upstream, tagged with its session epoch.
 #[derive(Debug)]
 pub struct Outbound {
@@ -163,6 +211,8 @@ pub struct Outbound {
 pub struct Upstream {
     status: watch::Receiver<Status>,
     tx: mpsc::Sender<Outbound>,
+    target: Arc<watch::Sender<Target>>,
+    offers: mpsc::Sender<ClientCredential>,
 }
 
 impl Upstream {
@@ -176,16 +226,98 @@ impl Upstream {
     ) -> (Upstream, tokio::task::JoinHandle<()>) {
         let (status_tx, status_rx) = watch::channel(Status::initial());
         let (tx, rx) = mpsc::channel(1024);
-        let connector =
-            connector::Connector::new(settings, hub, router, driver, status_tx, rx, cancel);
+        let (target_tx, target_rx) = watch::channel(Target::from_settings(settings));
+        let (offer_tx, offer_rx) = mpsc::channel(16);
+        let connector = connector::Connector::new(
+            settings,
+            connector::Shared {
+                hub,
+                router,
+                driver,
+            },
+            connector::Channels {
+                status: status_tx,
+                rx,
+                target: target_rx,
+                offers: offer_rx,
+            },
+            cancel,
+        );
         let task = tokio::spawn(connector.run());
         (
             Upstream {
                 status: status_rx,
                 tx,
+                target: Arc::new(target_tx),
+                offers: offer_tx,
             },
             task,
         )
+    }
+
+    /// Points the connector at new settings (SIGHUP). Returns whether
+    /// anything changed; if so, the session is re-opened with them.
+    pub fn retarget(&self, target: Target) -> bool {
+        self.target.send_if_modified(|current| {
+            let changed = current.url != target.url
+                || current.token != target.token
+                || current.load_error != target.load_error;
+            if changed {
+                *current = target;
+            }
+            changed
+        })
+    }
+
+    /// Like [`Upstream::wait_ready`], but when the host has no credential
+    /// and this client brought its own `auth`, offers it to open the shared
+    /// session first (design §2).
+    pub async fn wait_ready_with_auth(
+        &self,
+        deadline: Instant,
+        auth: Option<&Value>,
+    ) -> Result<Arc<UpstreamHello>, ErrorShape> {
+        let mut rx = self.status.clone();
+        let needs_credential = {
+            let s = rx.borrow_and_update();
+            s.phase == Phase::Rejected && s.awaiting_credential
+        };
+        if let (true, Some(credential)) =
+            (needs_credential, auth.and_then(ClientCredential::from_auth))
+        {
+            if self.offers.try_send(credential).is_ok() {
+                // Wait until the connector picked it up (its phase moves on).
+                let _ = tokio::time::timeout_at(deadline.into(), rx.changed()).await;
+            }
+        }
+        self.wait_ready(deadline).await
+    }
+
+    /// Waits for the outcome of the first connection attempt: the session,
+    /// or the error of that one attempt (for `clawmux doctor`).
+    pub async fn wait_first_attempt(
+        &self,
+        deadline: Instant,
+    ) -> Result<Arc<UpstreamHello>, ErrorShape> {
+        let mut rx = self.status.clone();
+        loop {
+            {
+                let s = rx.borrow_and_update();
+                match (s.phase, &s.hello, &s.last_error) {
+                    (Phase::Ready, Some(h), _) => return Ok(Arc::clone(h)),
+                    (Phase::Backoff | Phase::Rejected | Phase::Stopped, _, Some(e)) => {
+                        return Err(e.clone())
+                    }
+                    _ => {}
+                }
+            }
+            if tokio::time::timeout_at(deadline.into(), rx.changed())
+                .await
+                .is_err()
+            {
+                return Err(self.status().not_ready_error());
+            }
+        }
     }
 
     pub fn status(&self) -> Status {
