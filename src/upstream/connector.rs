@@ -139,20 +139,18 @@ impl Connector {
             s.last_error = Some(error);
             s.awaiting_credential = accept_offer;
         });
-        loop {
-            tokio::select! {
-                _ = self.cancel.cancelled() => return Parked::Cancelled,
-                changed = self.target.changed() => {
-                    return if changed.is_ok() { Parked::Retargeted } else { Parked::Cancelled };
-                }
-                offer = self.offers.recv(), if accept_offer => match offer {
-                    Some(credential) => {
-                        self.offered = Some(credential);
-                        return Parked::Offered;
-                    }
-                    None => return Parked::Cancelled,
-                },
+        tokio::select! {
+            _ = self.cancel.cancelled() => Parked::Cancelled,
+            changed = self.target.changed() => {
+                if changed.is_ok() { Parked::Retargeted } else { Parked::Cancelled }
             }
+            offer = self.offers.recv(), if accept_offer => match offer {
+                Some(credential) => {
+                    self.offered = Some(credential);
+                    Parked::Offered
+                }
+                None => Parked::Cancelled,
+            },
         }
     }
 
