@@ -21,17 +21,25 @@
 //!   two answers, failing everything when a session is lost).
 //! - [`local`]: the unix listener (peer uid check), HTTP routes, and WebSocket
 //!   sessions with connect enforcement and the synthesized `hello-ok`.
-//! - [`broker`]: assembly and shutdown.
+//! - [`broker`]: assembly and shutdown (stop accepting, `shutdown` event,
+//!   `1001 going away`, upstream close, all within a deadline).
+//! - [`systemd`]: socket activation (`LISTEN_FDS`), `READY=1`/`STATUS=`/
+//!   `WATCHDOG=1`/`STOPPING=1`, the token from `LoadCredential=`; no-ops
+//!   outside systemd. [`lifecycle`] runs `serve` from ready to exit (signals,
+//!   hard deadline, exit codes); [`install`] writes the user units.
 //! - [`mock`]: a faithful gateway test double on loopback TCP, used by the
 //!   tests, `clawmux mock-gateway` and `clawmux serve --demo`.
 
 pub mod broker;
 pub mod config;
 pub mod hub;
+pub mod install;
+pub mod lifecycle;
 pub mod local;
 pub mod mock;
 pub mod protocol;
 pub mod router;
+pub mod systemd;
 pub mod upstream;
 
 pub use broker::RunningBroker;

@@ -31,6 +31,18 @@ enum Command {
     Serve(ServeArgs),
     /// Run the gateway test double on loopback (for trying clients and the broker without a real gateway).
     MockGateway(MockArgs),
+    /// Install the systemd user units (clawmux.socket, clawmux.service) for this binary.
+    InstallService(InstallArgs),
+}
+
+#[derive(Args, Debug)]
+struct InstallArgs {
+    /// Show what would be written, write nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Replace unit files that differ from what would be written.
+    #[arg(long)]
+    force: bool,
 }
 
 #[derive(Args, Debug)]
@@ -56,6 +68,9 @@ struct ServeArgs {
     /// Seconds a request waits for the gateway's answer (studio.request_timeout after).
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     request_timeout: u64,
+    /// Seconds a stop (SIGTERM/SIGINT) may take: clients get a `shutdown` event and `1001 going away`; any still open after this are cut off.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
+    shutdown_timeout: f64,
 }
 
 #[derive(Args, Debug)]
@@ -80,6 +95,9 @@ struct MockArgs {
 }
 
 fn main() -> ExitCode {
+    // SAFETY: first thing in main, before anything opens a file descriptor, so
+    // the descriptors systemd passed are owned by nothing else (see its docs).
+    let activated = unsafe { clawmux::systemd::take_activated_listener() };
     let cli = Cli::parse();
     // The WebSocket library logs whole frames at trace level, and frames carry
     // the token during the handshake: keep it at info whatever the filter says.
@@ -90,6 +108,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -100,10 +119,19 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => serve(args).await,
+            Command::Serve(args) => serve(args, activated).await,
             Command::MockGateway(args) => mock_gateway(args).await,
+            Command::InstallService(a) => Ok(clawmux::install::install_service(
+                clawmux::install::InstallOptions {
+                    dry_run: a.dry_run,
+                    force: a.force,
+                },
+                &mut std::io::stdout(),
+            )?),
         }
     });
+    // Tasks cut off at the shutdown deadline are dropped, not waited for.
+    runtime.shutdown_timeout(Duration::from_millis(100));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -113,14 +141,19 @@ fn main() -> ExitCode {
     }
 }
 
-async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+async fn serve(
+    args: ServeArgs,
+    activated: Result<Option<clawmux::systemd::ActivatedSocket>, clawmux::systemd::ActivationError>,
+) -> anyhow::Result<()> {
     let mut settings = Settings::new(args.socket.unwrap_or_else(config::default_socket_path));
     settings.gateway_url = args.gateway_url;
     settings.token = match (args.token, args.token_file) {
         (Some(t), _) if !t.trim().is_empty() => Some(Secret::new(t.trim())),
         (_, Some(path)) => Some(config::read_token_file(&path).map_err(anyhow::Error::msg)?),
-        _ => None,
+        _ => clawmux::systemd::credential_token().map_err(anyhow::Error::msg)?,
     };
+    let shutdown_timeout = Duration::try_from_secs_f64(args.shutdown_timeout)
+        .map_err(|e| anyhow::anyhow!("--shutdown-timeout {}: {e}", args.shutdown_timeout))?;
     settings.limits.connect_wait = Duration::from_secs(args.connect_wait);
     settings.limits.request_timeout = Duration::from_secs(args.request_timeout);
     let _demo = if args.demo {
@@ -142,14 +175,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         None
     };
-    let broker = RunningBroker::start(settings).await?;
+    let broker = match activated? {
+        Some(socket) => RunningBroker::start_with_activated(settings, socket.listener)?,
+        None => RunningBroker::start(settings).await?,
+    };
     eprintln!(
-        "clawmux: serving on {} (try: curl --unix-socket {} http://localhost/healthz)",
+        "clawmux: serving on {}{} (try: curl --unix-socket {} http://localhost/healthz)",
         broker.socket_path().display(),
+        if broker.is_socket_activated() {
+            " (from systemd)"
+        } else {
+            ""
+        },
         broker.socket_path().display()
     );
-    wait_for_stop_signal().await?;
-    broker.shutdown(Duration::from_secs(5)).await;
+    clawmux::lifecycle::serve_until_stopped(broker, shutdown_timeout).await?;
     Ok(())
 }
 
