@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Makes sure tests/systemd.rs has systemd-analyze (unit file checks) and
-# systemd-socket-activate (activation by the real tool), both from Debian's
+# Makes sure the tests have systemd-analyze (tests/install_service.rs) and
+# systemd-socket-activate (tests/systemd.rs), both from Debian's
 # systemd package. Best effort: without them those two tests print a note and
 # skip; socket activation is still covered by the fd-passing test in Rust.
 set -u
