@@ -34,12 +34,18 @@ pub struct Ctx {
 /// How often pending requests are checked against their deadlines.
 const SWEEP_INTERVAL: Duration = Duration::from_millis(100);
 
+/// The `reason` of the `shutdown` event local clients get when the broker stops.
+pub const SHUTDOWN_REASON: &str = "clawmux stopping";
+
 /// A broker serving on its socket.
 #[derive(Debug)]
 pub struct RunningBroker {
     ctx: Arc<Ctx>,
     guard: SocketGuard,
     upstream_task: tokio::task::JoinHandle<()>,
+    /// Cancelled first at shutdown: stop accepting before clients are told.
+    accept_stop: CancellationToken,
+    accept_task: tokio::task::JoinHandle<()>,
 }
 
 impl RunningBroker {
@@ -52,6 +58,31 @@ impl RunningBroker {
                 path: settings.socket_path.clone(),
                 source,
             })?;
+        Ok(Self::start_with_listener(settings, listener, guard))
+    }
+
+    /// Starts serving on a listener systemd passed in (socket activation,
+    /// see [`crate::systemd::take_activated_listener`]). The socket file
+    /// belongs to systemd and is never unlinked; `settings.socket_path` is
+    /// replaced by the listener's own path so logs and tools show the truth.
+    pub fn start_with_activated(
+        mut settings: Settings,
+        listener: std::os::unix::net::UnixListener,
+    ) -> Result<RunningBroker, SocketError> {
+        if let Some(path) = listener
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_pathname().map(PathBuf::from))
+        {
+            settings.socket_path = path;
+        }
+        let io = |source| SocketError::Io {
+            path: settings.socket_path.clone(),
+            source,
+        };
+        listener.set_nonblocking(true).map_err(io)?;
+        let listener = tokio::net::UnixListener::from_std(listener).map_err(io)?;
+        let guard = SocketGuard::activated(settings.socket_path.clone());
         Ok(Self::start_with_listener(settings, listener, guard))
     }
 
@@ -98,13 +129,24 @@ impl RunningBroker {
             tracker: TaskTracker::new(),
         });
         ctx.tracker.spawn(sweep_deadlines(Arc::clone(&ctx)));
-        ctx.tracker
-            .spawn(crate::local::accept_loop(listener, Arc::clone(&ctx)));
-        tracing::info!(socket = %guard.path().display(), gateway = %ctx.settings.gateway_url, "clawmux listening");
+        let accept_stop = ctx.cancel.child_token();
+        let accept_task = ctx.tracker.spawn(crate::local::accept_loop(
+            listener,
+            Arc::clone(&ctx),
+            accept_stop.clone(),
+        ));
+        tracing::info!(
+            socket = %guard.path().display(),
+            activated = guard.is_activated(),
+            gateway = %ctx.settings.gateway_url,
+            "clawmux listening"
+        );
         RunningBroker {
             ctx,
             guard,
             upstream_task,
+            accept_stop,
+            accept_task,
         }
     }
 
@@ -116,21 +158,54 @@ impl RunningBroker {
         &self.ctx
     }
 
-    /// Stops accepting, closes every client `1001 going away`, closes the
-    /// upstream session, and waits for tasks up to `deadline`.
-    pub async fn shutdown(self, deadline: Duration) {
-        tracing::info!("clawmux shutting down");
+    /// Whether the listener came from systemd.
+    pub fn is_socket_activated(&self) -> bool {
+        self.guard.is_activated()
+    }
+
+    /// Stops in order, never taking longer than `deadline`:
+    /// 1. stop accepting (a socket-activated listener keeps queueing new
+    ///    connections in systemd for the next start);
+    /// 2. queue the gateway's own `shutdown` event (`{reason}`, with each
+    ///    client's next `seq`) for every connected client;
+    /// 3. close every client `1001 going away` after what is queued, and the
+    ///    upstream session with a normal close;
+    /// 4. wait for all of it until the deadline; a client that does not read
+    ///    is cut off (its writer is abandoned), so it cannot hold the exit.
+    ///
+    /// Returns false when the deadline cut something off.
+    pub async fn shutdown(mut self, deadline: Duration) -> bool {
+        tracing::info!(
+            clients = self.ctx.hub.client_count(),
+            deadline_ms = deadline.as_millis() as u64,
+            "clawmux shutting down"
+        );
+        let until = tokio::time::Instant::now() + deadline;
+        self.accept_stop.cancel();
+        let _ = tokio::time::timeout_at(until, &mut self.accept_task).await;
+        self.ctx.hub.publish_local(
+            "shutdown",
+            &serde_json::json!({ "reason": SHUTDOWN_REASON }),
+        );
         self.ctx.cancel.cancel();
         self.ctx.tracker.close();
-        let until = Instant::now() + deadline;
-        if tokio::time::timeout_at(until.into(), self.ctx.tracker.wait())
+        let mut clean = true;
+        if tokio::time::timeout_at(until, self.ctx.tracker.wait())
             .await
             .is_err()
         {
             tracing::warn!("some connections did not finish before the shutdown deadline");
+            clean = false;
         }
-        let _ = tokio::time::timeout_at(until.into(), self.upstream_task).await;
-        drop(self.guard);
+        if tokio::time::timeout_at(until, &mut self.upstream_task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("the gateway connection did not close before the shutdown deadline");
+            self.upstream_task.abort();
+            clean = false;
+        }
+        clean
     }
 }
 

@@ -32,6 +32,12 @@
 //! - [`broker`]: assembly and shutdown.
 //! - [`cli`]: the everyday commands (`status`, `tail`, `call`), which talk to a
 //!   running broker over its socket like any other client.
+//! - [`systemd`]: socket activation (`LISTEN_FDS`), `READY=1`/`STATUS=`/
+//!   `WATCHDOG=1`/`STOPPING=1`; no-ops outside systemd. [`lifecycle`] runs
+//!   `serve` from ready to exit (signals, hard deadline, exit codes);
+//!   [`install`] writes the user units.
+//! - [`settings`]: where each setting comes from (flags, environment,
+//!   config.toml, Claw3D's and OpenClaw's own files) for `serve` and `doctor`.
 //! - [`mock`]: a faithful gateway test double on loopback TCP, used by the
 //!   tests, `clawmux mock-gateway` and `clawmux serve --demo`.
 
@@ -40,12 +46,15 @@ pub mod cli;
 pub mod config;
 pub mod driver;
 pub mod hub;
+pub mod install;
+pub mod lifecycle;
 pub mod local;
 pub mod metrics;
 pub mod mock;
 pub mod protocol;
 pub mod router;
 pub mod settings;
+pub mod systemd;
 pub mod upstream;
 
 pub use broker::RunningBroker;

@@ -34,8 +34,20 @@ enum Command {
     Doctor(DoctorArgs),
     /// Run the gateway test double on loopback (for trying clients and the broker without a real gateway).
     MockGateway(MockArgs),
+    /// Install the systemd user units (clawmux.socket, clawmux.service) for this binary.
+    InstallService(InstallArgs),
     #[command(flatten)]
     Client(clawmux::cli::ClientCommand),
+}
+
+#[derive(Args, Debug)]
+struct InstallArgs {
+    /// Show what would be written, write nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Replace unit files that differ from what would be written.
+    #[arg(long)]
+    force: bool,
 }
 
 /// Where the broker finds the gateway and its limits. Each flag wins over its
@@ -130,6 +142,9 @@ struct ServeArgs {
     /// Start an in-process gateway double with scripted agent activity and connect to it (try clawmux without a gateway).
     #[arg(long)]
     demo: bool,
+    /// Seconds a stop (SIGTERM/SIGINT) may take: clients get a `shutdown` event and `1001 going away`; any still open after this are cut off.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
+    shutdown_timeout: f64,
 }
 
 #[derive(Args, Debug)]
@@ -160,6 +175,9 @@ struct MockArgs {
 }
 
 fn main() -> ExitCode {
+    // SAFETY: first thing in main, before anything opens a file descriptor, so
+    // the descriptors systemd passed are owned by nothing else (see its docs).
+    let activated = unsafe { clawmux::systemd::take_activated_listener() };
     let cli = Cli::parse();
     // The WebSocket library logs whole frames at trace level, and frames carry
     // the token during the handshake: keep it at info whatever the filter says.
@@ -170,6 +188,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -180,12 +199,23 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => serve(args).await.map(|()| ExitCode::SUCCESS),
+            Command::Serve(args) => serve(args, activated).await.map(|()| ExitCode::SUCCESS),
             Command::MockGateway(args) => mock_gateway(args).await.map(|()| ExitCode::SUCCESS),
             Command::Client(command) => Ok(clawmux::cli::run(command).await),
             Command::Doctor(args) => Ok(clawmux::cli::doctor::run(args.settings.resolve()).await),
+            Command::InstallService(a) => clawmux::install::install_service(
+                clawmux::install::InstallOptions {
+                    dry_run: a.dry_run,
+                    force: a.force,
+                },
+                &mut std::io::stdout(),
+            )
+            .map(|()| ExitCode::SUCCESS)
+            .map_err(anyhow::Error::from),
         }
     });
+    // Tasks cut off at the shutdown deadline are dropped, not waited for.
+    runtime.shutdown_timeout(Duration::from_millis(100));
     match result {
         Ok(code) => code,
         Err(e) => {
@@ -195,8 +225,13 @@ fn main() -> ExitCode {
     }
 }
 
-async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+async fn serve(
+    args: ServeArgs,
+    activated: Result<Option<clawmux::systemd::ActivatedSocket>, clawmux::systemd::ActivationError>,
+) -> anyhow::Result<()> {
     let mut settings = args.settings.serve_settings();
+    let shutdown_timeout = Duration::try_from_secs_f64(args.shutdown_timeout)
+        .map_err(|e| anyhow::anyhow!("--shutdown-timeout {}: {e}", args.shutdown_timeout))?;
     if args.demo && args.settings.state_dir.is_none() {
         // The demo's throwaway gateway must not leave device tokens in your state dir.
         settings.upstream.device_identity = None;
@@ -220,25 +255,33 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         None
     };
-    let broker = RunningBroker::start(settings).await?;
+    let broker = match activated? {
+        Some(socket) => RunningBroker::start_with_activated(settings, socket.listener)?,
+        None => RunningBroker::start(settings).await?,
+    };
     eprintln!(
-        "clawmux: serving on {} (try: curl --unix-socket {} http://localhost/healthz)",
+        "clawmux: serving on {}{} (try: curl --unix-socket {} http://localhost/healthz)",
         broker.socket_path().display(),
+        if broker.is_socket_activated() {
+            " (from systemd)"
+        } else {
+            ""
+        },
         broker.socket_path().display()
     );
     let reload_args = (!args.demo).then(|| args.settings.clone());
+    let ctx = std::sync::Arc::clone(broker.ctx());
     tokio::select! {
-        r = wait_for_stop_signal() => r?,
-        r = reload_on_sighup(&broker, reload_args) => r?,
+        r = clawmux::lifecycle::serve_until_stopped(broker, shutdown_timeout) => r?,
+        r = reload_on_sighup(&ctx, reload_args) => r?,
     }
-    broker.shutdown(Duration::from_secs(5)).await;
     Ok(())
 }
 
 /// `SIGHUP` re-reads the settings: a changed URL or token re-opens the
 /// upstream session; a broken file keeps the old settings running.
 async fn reload_on_sighup(
-    broker: &RunningBroker,
+    ctx: &clawmux::broker::Ctx,
     args: Option<SettingsArgs>,
 ) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
@@ -252,7 +295,7 @@ async fn reload_on_sighup(
         match args.resolve() {
             Ok(resolved) => {
                 let target = clawmux::upstream::Target::from_settings(&resolved.settings);
-                let changed = broker.ctx().upstream.retarget(target);
+                let changed = ctx.upstream.retarget(target);
                 tracing::info!(changed, "settings reloaded");
             }
             Err(e) => {

@@ -52,6 +52,8 @@ pub struct Hub {
     next_client_id: AtomicU64,
     queue_limits: QueueLimits,
     max_clients: usize,
+    /// The number of admitted clients, for watchers (the systemd `STATUS=` line).
+    client_count: tokio::sync::watch::Sender<usize>,
     pub stats: HubStats,
 }
 
@@ -87,6 +89,7 @@ impl Hub {
             next_client_id: AtomicU64::new(1),
             queue_limits,
             max_clients,
+            client_count: tokio::sync::watch::Sender::new(0),
             stats: HubStats::default(),
         }
     }
@@ -114,12 +117,21 @@ impl Hub {
         }
         client.push_frame(hello(&inner.snapshot));
         inner.clients.insert(client.id, Arc::clone(client));
+        self.client_count.send_replace(inner.clients.len());
         Ok(())
     }
 
     /// Stops delivering events to a client (it disconnected).
     pub fn remove(&self, client_id: u64) {
-        self.lock().clients.remove(&client_id);
+        let mut inner = self.lock();
+        if inner.clients.remove(&client_id).is_some() {
+            self.client_count.send_replace(inner.clients.len());
+        }
+    }
+
+    /// Follows the number of admitted clients as it changes.
+    pub fn watch_client_count(&self) -> tokio::sync::watch::Receiver<usize> {
+        self.client_count.subscribe()
     }
 
     pub fn client_count(&self) -> usize {

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use hyper::server::conn::http1;
 use hyper_util::rt::TokioIo;
 use tokio::net::UnixListener;
+use tokio_util::sync::CancellationToken;
 
 use crate::broker::Ctx;
 
@@ -23,13 +24,14 @@ use crate::broker::Ctx;
 #[derive(Debug, Clone)]
 pub struct ConnectionKill(pub tokio_util::sync::CancellationToken);
 
-/// Accepts connections until shutdown. Each connection is served by its own
-/// task; its errors are logged and never reach the listener.
-pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>) {
+/// Accepts connections until `stop` (cancelled first at shutdown, before the
+/// sessions are told to end) and then drops the listener. Each connection is
+/// served by its own task; its errors are logged and never reach the listener.
+pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>, stop: CancellationToken) {
     let me = rustix::process::getuid().as_raw();
     loop {
         let stream = tokio::select! {
-            _ = ctx.cancel.cancelled() => break,
+            _ = stop.cancelled() => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(e) => {

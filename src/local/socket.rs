@@ -32,29 +32,55 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SocketError + '_ {
 }
 
 /// Owns the socket path while the broker runs: removes the socket (if it is
-/// still ours) and releases the lock on drop.
+/// still ours) and releases the lock on drop. A socket handed over by systemd
+/// ([`SocketGuard::activated`]) is never removed: systemd keeps listening on
+/// it after the broker exits and starts the broker again on the next connection.
 #[derive(Debug)]
 pub struct SocketGuard {
     path: PathBuf,
+    /// `None` for a socket systemd owns.
+    owned: Option<OwnedSocketFile>,
+}
+
+/// The socket file this broker created, and the lock that says so.
+#[derive(Debug)]
+struct OwnedSocketFile {
     ino: Option<(u64, u64)>,
     lock_path: PathBuf,
     _lock: File,
 }
 
 impl SocketGuard {
+    /// A guard for a listener inherited through socket activation: the path
+    /// is only shown, never unlinked.
+    pub fn activated(path: impl Into<PathBuf>) -> Self {
+        SocketGuard {
+            path: path.into(),
+            owned: None,
+        }
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Whether the listener came from systemd (socket activation).
+    pub fn is_activated(&self) -> bool {
+        self.owned.is_none()
     }
 }
 
 impl Drop for SocketGuard {
     fn drop(&mut self) {
+        let Some(owned) = &self.owned else {
+            return;
+        };
         if let Ok(meta) = fs::symlink_metadata(&self.path) {
-            if Some((meta.dev(), meta.ino())) == self.ino {
+            if Some((meta.dev(), meta.ino())) == owned.ino {
                 let _ = fs::remove_file(&self.path);
             }
         }
-        let _ = fs::remove_file(&self.lock_path);
+        let _ = fs::remove_file(&owned.lock_path);
     }
 }
 
@@ -154,9 +180,11 @@ pub fn bind(path: &Path) -> Result<(std::os::unix::net::UnixListener, SocketGuar
         listener,
         SocketGuard {
             path: path.to_owned(),
-            ino,
-            lock_path,
-            _lock: lock,
+            owned: Some(OwnedSocketFile {
+                ino,
+                lock_path,
+                _lock: lock,
+            }),
         },
     ))
 }
@@ -189,6 +217,17 @@ mod tests {
         );
         drop(guard);
         assert!(!path.exists(), "socket removed on drop");
+    }
+
+    #[test]
+    fn activated_guard_never_removes_the_socket() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("systemd.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let guard = SocketGuard::activated(&path);
+        assert!(guard.is_activated());
+        drop(guard);
+        assert!(path.exists(), "a socket systemd owns stays");
     }
 
     #[test]

@@ -324,6 +324,11 @@ impl Upstream {
         self.status.borrow().clone()
     }
 
+    /// Follows the session's status as it changes (phase, epoch, last error).
+    pub fn subscribe(&self) -> watch::Receiver<Status> {
+        self.status.clone()
+    }
+
     pub fn phase(&self) -> Phase {
         self.status.borrow().phase
     }

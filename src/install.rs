@@ -1,0 +1,278 @@
+//! `clawmux install-service`: writes the systemd user units (kept in
+//! `systemd/` and embedded here) into the user's unit directory, with the
+//! running binary's path in `ExecStart=`, and says how to enable them.
+//!
+//! It is idempotent (identical files are left alone) and never overwrites a
+//! unit that differs from what it would write — edited by hand, or installed
+//! from another binary — unless told to with `--force`.
+
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+/// The socket unit, as shipped.
+pub const SOCKET_UNIT: &str = include_str!("../systemd/clawmux.socket");
+/// The service unit template; [`render_service`] puts the binary path in.
+pub const SERVICE_UNIT: &str = include_str!("../systemd/clawmux.service");
+
+/// The `ExecStart=` program in the template (where `cargo install` puts
+/// clawmux), replaced by the path of the binary that runs `install-service`.
+const TEMPLATE_PROGRAM: &str = "ExecStart=%h/.cargo/bin/clawmux ";
+
+/// Why installing failed; each message says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    #[error("cannot find the user unit directory: set XDG_CONFIG_HOME or HOME")]
+    NoConfigDir,
+    #[error("cannot tell where the clawmux binary is: {0}")]
+    CurrentExe(io::Error),
+    #[error("the binary path {0:?} cannot be written into a unit file (it is not UTF-8 or contains a quote, backslash, '$' or control character); move the binary, e.g. cargo install --path .")]
+    UnsupportedPath(PathBuf),
+    #[error("{} already exist(s) and differ(s) from what install-service writes (edited by hand, or installed from another binary path); rerun with --force to replace, and keep local changes in a drop-in (systemctl --user edit clawmux.service)", list(.0))]
+    Changed(Vec<PathBuf>),
+    #[error("cannot write {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+fn list(paths: &[PathBuf]) -> String {
+    let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    names.join(", ")
+}
+
+/// What the command was asked to do.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InstallOptions {
+    /// Show what would be written; write nothing.
+    pub dry_run: bool,
+    /// Replace units that differ.
+    pub force: bool,
+}
+
+/// One unit file and how it compares with what is on disk.
+#[derive(Debug)]
+pub struct UnitFile {
+    pub path: PathBuf,
+    pub contents: String,
+    pub state: UnitState,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnitState {
+    Missing,
+    Unchanged,
+    Differs,
+}
+
+/// `$XDG_CONFIG_HOME` (if set and absolute, as the XDG spec requires), else `~/.config`.
+pub fn config_home() -> Result<PathBuf, InstallError> {
+    match std::env::var_os("XDG_CONFIG_HOME") {
+        Some(dir) if Path::new(&dir).is_absolute() => Ok(PathBuf::from(dir)),
+        _ => match std::env::var_os("HOME") {
+            Some(home) if Path::new(&home).is_absolute() => Ok(Path::new(&home).join(".config")),
+            _ => Err(InstallError::NoConfigDir),
+        },
+    }
+}
+
+/// Where the service's `LoadCredential=` reads the token (`%E/clawmux/gateway-token`).
+pub fn token_path(config_home: &Path) -> PathBuf {
+    config_home
+        .join("clawmux")
+        .join(crate::systemd::TOKEN_CREDENTIAL)
+}
+
+/// The service unit with `binary` as the program. Unit-file syntax: `%` is a
+/// specifier (doubled), a path with spaces is quoted; characters that would
+/// need escaping beyond that are refused rather than risked.
+pub fn render_service(binary: &Path) -> Result<String, InstallError> {
+    let unsupported = || InstallError::UnsupportedPath(binary.to_owned());
+    let text = binary.to_str().ok_or_else(unsupported)?;
+    if !binary.is_absolute()
+        || text
+            .chars()
+            .any(|c| c.is_control() || matches!(c, '"' | '\'' | '\\' | '$'))
+    {
+        return Err(unsupported());
+    }
+    let escaped = text.replace('%', "%%");
+    let program = if escaped.contains(char::is_whitespace) {
+        format!("\"{escaped}\"")
+    } else {
+        escaped
+    };
+    debug_assert_eq!(SERVICE_UNIT.matches(TEMPLATE_PROGRAM).count(), 1);
+    Ok(SERVICE_UNIT.replacen(TEMPLATE_PROGRAM, &format!("ExecStart={program} "), 1))
+}
+
+/// The two units for `binary` in `dir`, compared with what is there.
+pub fn plan(dir: &Path, binary: &Path) -> Result<Vec<UnitFile>, InstallError> {
+    let wanted = [
+        ("clawmux.socket", SOCKET_UNIT.to_owned()),
+        ("clawmux.service", render_service(binary)?),
+    ];
+    wanted
+        .into_iter()
+        .map(|(name, contents)| {
+            let path = dir.join(name);
+            let state = match fs::read(&path) {
+                Ok(bytes) if bytes == contents.as_bytes() => UnitState::Unchanged,
+                Ok(_) => UnitState::Differs,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => UnitState::Missing,
+                Err(source) => return Err(InstallError::Io { path, source }),
+            };
+            Ok(UnitFile {
+                path,
+                contents,
+                state,
+            })
+        })
+        .collect()
+}
+
+/// Writes `contents` next to `path` and renames it into place, so systemd
+/// never reads a half-written unit.
+fn write_atomically(path: &Path, contents: &str) -> Result<(), InstallError> {
+    let io_err = |source| InstallError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(io_err)?;
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        path.file_name().unwrap_or_default().to_string_lossy(),
+        std::process::id()
+    ));
+    let written = fs::write(&tmp, contents).and_then(|()| fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    written.map_err(io_err)
+}
+
+/// The whole command: plan, refuse or write, and print what happened and
+/// what to run next to `out`.
+pub fn install_service(opts: InstallOptions, out: &mut impl Write) -> Result<(), InstallError> {
+    let config = config_home()?;
+    let dir = config.join("systemd").join("user");
+    let binary = std::env::current_exe().map_err(InstallError::CurrentExe)?;
+    let units = plan(&dir, &binary)?;
+    let differing: Vec<PathBuf> = units
+        .iter()
+        .filter(|u| u.state == UnitState::Differs)
+        .map(|u| u.path.clone())
+        .collect();
+    if !differing.is_empty() && !opts.force {
+        return Err(InstallError::Changed(differing));
+    }
+    let print = |out: &mut dyn Write, text: String| {
+        let _ = writeln!(out, "{text}");
+    };
+    let verb = if opts.dry_run { "would be " } else { "" };
+    for unit in &units {
+        let what = match unit.state {
+            UnitState::Unchanged => "unchanged".to_owned(),
+            UnitState::Missing => format!("{verb}written"),
+            UnitState::Differs => format!("{verb}replaced (--force)"),
+        };
+        print(out, format!("{}: {what}", unit.path.display()));
+        if unit.state != UnitState::Unchanged {
+            if opts.dry_run {
+                print(out, format!("----\n{}----", unit.contents));
+            } else {
+                write_atomically(&unit.path, &unit.contents)?;
+            }
+        }
+    }
+    print(out, format!("ExecStart runs {}", binary.display()));
+    if binary.components().any(|c| c.as_os_str() == "target") {
+        print(
+            out,
+            "note: this binary is in a cargo build tree; `cargo install --path .` and rerunning \
+             install-service from ~/.cargo/bin keeps the service working after a cargo clean"
+                .into(),
+        );
+    }
+    let token = token_path(&config);
+    if !token.exists() {
+        print(
+            out,
+            format!(
+                "\nThe service reads the gateway token from {} (LoadCredential=), which does not exist yet;\n\
+                 it will not start without it. Create it (mode 0600) with the gateway's token:\n  \
+                 install -d -m 700 {dir}\n  \
+                 (umask 077; printf '%s' \"$TOKEN\" > {file})",
+                token.display(),
+                dir = token.parent().unwrap_or(&config).display(),
+                file = token.display(),
+            ),
+        );
+    }
+    let prefix = if opts.dry_run {
+        "Then (not done: --dry-run):"
+    } else {
+        "Next:"
+    };
+    print(
+        out,
+        format!(
+            "\n{prefix}\n  systemctl --user daemon-reload\n  systemctl --user enable --now clawmux.socket\n\
+             Check: systemctl --user status clawmux.socket clawmux.service"
+        ),
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_template_has_one_program_to_replace() {
+        assert_eq!(SERVICE_UNIT.matches(TEMPLATE_PROGRAM).count(), 1);
+        let unit = render_service(Path::new("/opt/claw mux/bin/clawmux%1")).unwrap();
+        assert!(
+            unit.contains("\nExecStart=\"/opt/claw mux/bin/clawmux%%1\" serve "),
+            "{unit}"
+        );
+        assert_eq!(unit.lines().count(), SERVICE_UNIT.lines().count());
+    }
+
+    #[test]
+    fn unwritable_paths_are_refused() {
+        for bad in [
+            "relative/clawmux",
+            "/a\"b/clawmux",
+            "/a$HOME/clawmux",
+            "/a\nb",
+        ] {
+            assert!(
+                matches!(
+                    render_service(Path::new(bad)),
+                    Err(InstallError::UnsupportedPath(_))
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn plan_tells_missing_unchanged_and_differing_apart() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = Path::new("/usr/local/bin/clawmux");
+        let states = |d: &Path| -> Vec<UnitState> {
+            plan(d, bin).unwrap().into_iter().map(|u| u.state).collect()
+        };
+        assert_eq!(states(dir.path()), [UnitState::Missing, UnitState::Missing]);
+        for unit in plan(dir.path(), bin).unwrap() {
+            write_atomically(&unit.path, &unit.contents).unwrap();
+        }
+        assert_eq!(
+            states(dir.path()),
+            [UnitState::Unchanged, UnitState::Unchanged]
+        );
+        let other = plan(dir.path(), Path::new("/elsewhere/clawmux")).unwrap();
+        assert_eq!(other[1].state, UnitState::Differs);
+        assert_eq!(other[0].state, UnitState::Unchanged);
+    }
+}
