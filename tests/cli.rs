@@ -2,40 +2,11 @@
 
 mod support;
 
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::process::{Command, Stdio};
 
 use support::*;
 
 const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
-
-struct Killer(Child);
-
-impl Drop for Killer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn sigterm(child: &Child) {
-    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("pid");
-    rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("signal");
-}
-
-async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "process did not exit in time"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
 
 #[test]
 fn help_explains_itself() {
@@ -70,7 +41,7 @@ async fn serve_binary_against_mock_gateway_binary() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let mut gw = Killer(
+    let mut gw = ChildGuard(
         Command::new(BIN)
             .args([
                 "mock-gateway",
@@ -85,7 +56,7 @@ async fn serve_binary_against_mock_gateway_binary() {
     );
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("c.sock");
-    let mut broker = Killer(
+    let mut broker = ChildGuard(
         Command::new(BIN)
             .arg("serve")
             .arg("--socket")

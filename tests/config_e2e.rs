@@ -37,8 +37,7 @@ impl OutputAsync for Command {
 }
 
 fn sighup(child: &std::process::Child) {
-    let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
-    rustix::process::kill_process(pid, rustix::process::Signal::HUP).unwrap();
+    signal(child, rustix::process::Signal::HUP);
 }
 
 async fn refused(socket: &Path) -> serde_json::Value {

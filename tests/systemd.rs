@@ -9,46 +9,13 @@ mod support;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 use support::*;
 
 const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
-
-/// Kills the child if a test fails before it exits.
-struct Killer(Child);
-
-impl Drop for Killer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn signal(child: &Child, sig: rustix::process::Signal) {
-    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("pid");
-    rustix::process::kill_process(pid, sig).expect("signal");
-}
-
-fn sigterm(child: &Child) {
-    signal(child, rustix::process::Signal::TERM);
-}
-
-async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "process did not exit in time"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
 
 /// The binary with none of the test runner's own systemd variables (the
 /// runner itself might run under systemd).
@@ -176,7 +143,7 @@ async fn socket_activation_serves_on_the_passed_socket_and_never_unlinks_it() {
     let mut notify = NotifySocket::bind(dir.path());
     let unused = dir.path().join("unused.sock");
     let url = gw.url();
-    let mut broker = Killer(
+    let mut broker = ChildGuard(
         activated_command(
             listener.as_raw_fd(),
             &["--gateway-url", &url, "--shutdown-timeout", "3"],
@@ -227,7 +194,7 @@ async fn systemd_socket_activate_starts_the_broker_on_first_connection() {
         // The tool passes the child only a few variables, plus these.
         .arg("--setenv=CLAWMUX_GATEWAY_TOKEN=test-token")
         .args([BIN, "serve", "--gateway-url", &gw.url()]);
-    let mut broker = Killer(cmd.spawn().unwrap());
+    let mut broker = ChildGuard(cmd.spawn().unwrap());
     eventually("systemd-socket-activate listens", || socket.exists()).await;
     // The first connection makes the tool exec clawmux with the socket.
     let mut c = WsClient::open(&socket, "/ws").await;
@@ -261,7 +228,7 @@ async fn notify_protocol_ready_status_watchdog_stopping() {
         .env("CLAWMUX_GATEWAY_TOKEN", "test-token")
         .env(notify.env().0, notify.env().1)
         .env("WATCHDOG_USEC", "200000");
-    let mut broker = Killer(cmd.spawn().unwrap());
+    let mut broker = ChildGuard(cmd.spawn().unwrap());
     notify.wait_for("READY=1", |l| l == "READY=1").await;
     assert_eq!(notify.lines[0], "READY=1", "READY=1 comes first");
     assert!(
@@ -311,7 +278,7 @@ async fn ready_does_not_wait_for_the_gateway() {
         .args(["--gateway-url", &url])
         .env("CLAWMUX_GATEWAY_TOKEN", "test-token")
         .env(notify.env().0, notify.env().1);
-    let mut broker = Killer(cmd.spawn().unwrap());
+    let mut broker = ChildGuard(cmd.spawn().unwrap());
     notify.wait_for("READY=1", |l| l == "READY=1").await;
     let status = notify
         .lines
@@ -359,7 +326,7 @@ async fn sigterm_with_a_client_that_never_reads_exits_within_the_deadline() {
         .env("CLAWMUX_GATEWAY_TOKEN", "test-token")
         .env(notify.env().0, notify.env().1)
         .stderr(Stdio::piped());
-    let mut broker = Killer(cmd.spawn().unwrap());
+    let mut broker = ChildGuard(cmd.spawn().unwrap());
     notify.wait_for("READY=1", |l| l == "READY=1").await;
     let (mut reader, _) = {
         let mut c = WsClient::open(&socket, "/ws").await;
@@ -413,7 +380,7 @@ async fn a_second_signal_during_shutdown_forces_exit_3() {
         .args(["--gateway-url", &gw.url(), "--shutdown-timeout", "60"])
         .env("CLAWMUX_GATEWAY_TOKEN", "test-token")
         .env(notify.env().0, notify.env().1);
-    let mut broker = Killer(cmd.spawn().unwrap());
+    let mut broker = ChildGuard(cmd.spawn().unwrap());
     notify.wait_for("READY=1", |l| l == "READY=1").await;
     let mut reader = WsClient::open(&socket, "/ws").await;
     reader.handshake().await;
@@ -477,7 +444,7 @@ async fn the_token_comes_from_the_load_credential_directory() {
         .args(["--gateway-url", &gw.url()])
         .env("CREDENTIALS_DIRECTORY", &creds)
         .env(notify.env().0, notify.env().1);
-    let mut broker = Killer(cmd.spawn().unwrap());
+    let mut broker = ChildGuard(cmd.spawn().unwrap());
     notify.wait_for("READY=1", |l| l == "READY=1").await;
     let mut c = WsClient::open(&socket, "/ws").await;
     assert_eq!(c.handshake().await["type"], "hello-ok");
@@ -496,7 +463,7 @@ async fn the_token_comes_from_the_load_credential_directory() {
         .arg(&socket)
         .env("CREDENTIALS_DIRECTORY", &creds)
         .env(notify.env().0, notify.env().1);
-    let mut broker = Killer(cmd.spawn().unwrap());
+    let mut broker = ChildGuard(cmd.spawn().unwrap());
     notify.wait_for("READY=1", |l| l == "READY=1").await;
     let mut c = WsClient::open(&socket, "/ws").await;
     c.recv_json().await;

@@ -344,3 +344,28 @@ impl Drop for ChildGuard {
         let _ = self.0.wait();
     }
 }
+
+/// Sends `sig` to a child process.
+pub fn signal(child: &std::process::Child, sig: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("pid");
+    rustix::process::kill_process(pid, sig).expect("signal");
+}
+
+pub fn sigterm(child: &std::process::Child) {
+    signal(child, rustix::process::Signal::TERM);
+}
+
+/// Waits (bounded) for a child process to exit.
+pub async fn wait_exit(child: &mut std::process::Child) -> std::process::ExitStatus {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "process did not exit in time"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
