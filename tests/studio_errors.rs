@@ -62,6 +62,10 @@ async fn upstream_error_when_nothing_listens() {
     assert_eq!(e["code"], "studio.upstream_error");
     assert_eq!(e["retryable"], true);
     assert!(
+        e["retryAfterMs"].is_u64(),
+        "the broker retries by itself and says when: {e}"
+    );
+    assert!(
         e["message"].as_str().unwrap().contains("openclaw gateway"),
         "{e}"
     );
@@ -85,6 +89,7 @@ async fn upstream_timeout_when_the_handshake_stalls() {
     let e = refused_connect(&h.socket()).await;
     assert_eq!(e["code"], "studio.upstream_timeout", "{e}");
     assert_eq!(e["retryable"], true);
+    assert!(e["retryAfterMs"].is_u64(), "{e}");
 }
 
 #[tokio::test]

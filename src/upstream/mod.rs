@@ -140,9 +140,17 @@ impl Status {
 
     /// The error a request or connect gets while the session is not ready.
     pub fn not_ready_error(&self) -> ErrorShape {
-        let retry = self.retry_after_ms();
+        // While an attempt is under way its outcome is not known yet: a short
+        // hint, since the broker retries by itself either way.
+        let in_progress = matches!(self.phase, Phase::Connecting | Phase::Handshaking);
+        let retry = self
+            .retry_after_ms()
+            .or(in_progress.then_some(ATTEMPT_IN_PROGRESS_RETRY_MS));
         match (&self.last_error, self.phase) {
-            (Some(e), _) => e.clone().with_retry_after_ms(retry.or(e.retry_after_ms)),
+            (Some(e), _) if e.retryable == Some(true) => {
+                e.clone().with_retry_after_ms(retry.or(e.retry_after_ms))
+            }
+            (Some(e), _) => e.clone().with_retry_after_ms(self.retry_after_ms()),
             (None, Phase::Stopped) => {
                 ErrorShape::studio(StudioCode::UpstreamClosed, "the broker is shutting down")
             }
@@ -154,6 +162,9 @@ impl Status {
         }
     }
 }
+
+/// The `retryAfterMs` hint given while a connection attempt is in progress.
+const ATTEMPT_IN_PROGRESS_RETRY_MS: u64 = 1000;
 
 /// What the connector connects to; changed by a settings reload.
 #[derive(Debug, Clone)]
