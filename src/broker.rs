@@ -138,7 +138,7 @@ impl RunningBroker {
         tracing::info!(
             socket = %guard.path().display(),
             activated = guard.is_activated(),
-            gateway = %ctx.settings.gateway_url,
+            gateway = %crate::config::redact_url(&ctx.settings.gateway_url),
             "clawmux listening"
         );
         RunningBroker {

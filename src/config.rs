@@ -199,11 +199,26 @@ pub fn validate_gateway_url(url: &str) -> Result<(), ErrorShape> {
         return Err(ErrorShape::studio(
             StudioCode::GatewayUrlInvalid,
             format!(
-                "the gateway URL {url:?} is not a ws:// or wss:// URL: set --gateway-url or CLAWMUX_GATEWAY_URL to e.g. ws://localhost:18789"
+                "the gateway URL {:?} is not a ws:// or wss:// URL: set --gateway-url or CLAWMUX_GATEWAY_URL to e.g. ws://localhost:18789",
+                redact_url(url)
             ),
         ));
     }
     Ok(())
+}
+
+/// The gateway URL without `user:password@` or a query (either may carry a
+/// credential).
+pub fn redact_url(url: &str) -> String {
+    let url = url.split(['?', '#']).next().unwrap_or_default();
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+            let host = authority.rsplit('@').next().unwrap_or_default();
+            format!("{scheme}://{host}{path}")
+        }
+        None => url.to_owned(),
+    }
 }
 
 /// The default socket path: `$XDG_RUNTIME_DIR/clawmux.sock`, else

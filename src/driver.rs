@@ -260,6 +260,10 @@ impl Driver {
                 Audience::Only(ids.into_iter().collect())
             }
             "agent" => self.agent_audience(payload),
+            "chat" => {
+                self.end_run_on_terminal_chat(payload);
+                Audience::All
+            }
             _ => Audience::All,
         }
     }
@@ -300,6 +304,33 @@ impl Driver {
             }
             _ => Audience::All,
         }
+    }
+
+    /// A run's ownership also ends with its terminal `chat` state, so a run
+    /// whose lifecycle end the broker never sees does not linger.
+    fn end_run_on_terminal_chat(&self, payload: Option<&RawValue>) {
+        #[derive(serde::Deserialize)]
+        struct ChatHead {
+            #[serde(rename = "runId", default)]
+            run_id: Option<String>,
+            #[serde(default)]
+            state: Option<String>,
+        }
+        let Some(head) = payload.and_then(|p| serde_json::from_str::<ChatHead>(p.get()).ok())
+        else {
+            return;
+        };
+        if let (Some(run_id), Some("final" | "aborted" | "error")) =
+            (head.run_id, head.state.as_deref())
+        {
+            self.runs.remove(&run_id);
+        }
+    }
+
+    /// Forgets every run: the upstream session they were started on is gone
+    /// (its tool-event registrations with it), and their ends may be missed.
+    pub fn forget_runs(&self) {
+        self.runs.clear();
     }
 
     /// Forgets a disconnected client; returns the unsubscribes to send

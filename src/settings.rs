@@ -241,6 +241,33 @@ fn parse_json_like(path: &Path, text: &str, json5: bool) -> Result<Value, ErrorS
     }
 }
 
+/// Whether a `ws://`/`wss://` URL points at this machine.
+fn is_loopback_url(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let host_port = authority.rsplit('@').next().unwrap_or_default();
+    let host = if let Some(v6) = host_port.strip_prefix('[') {
+        v6.split(']').next().unwrap_or_default()
+    } else {
+        host_port.split(':').next().unwrap_or_default()
+    };
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// A token found in Claw3D's or OpenClaw's files belongs to the gateway those
+/// files describe: it is used only when the URL came from the same file, or
+/// points at this machine (never sent to a remote gateway set elsewhere).
+fn file_token_allowed(url: &Option<(String, Source)>, file: &Path) -> bool {
+    match url {
+        None => true,
+        Some((_, Source::File(p))) if p == file => true,
+        Some((u, _)) => is_loopback_url(u),
+    }
+}
+
 fn str_at<'a>(v: &'a Value, pointer: &str) -> Option<&'a str> {
     v.pointer(pointer).and_then(Value::as_str).map(str::trim)
 }
@@ -394,7 +421,7 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
                     url = Some((u.to_owned(), Source::File(path.clone())));
                 }
             }
-            if token.is_none() {
+            if token.is_none() && file_token_allowed(&url, &path) {
                 if let Some(t) = str_at(&v, "/gateway/token").filter(|t| !t.is_empty()) {
                     check_secret_file(&path, &mut warnings);
                     token = Some((Secret::new(t), Source::File(path.clone())));
@@ -433,7 +460,7 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
                 url = Some((format!("ws://localhost:{port}"), source));
             }
         }
-        if token.is_none() {
+        if token.is_none() && file_token_allowed(&url, &path) {
             if let Some(t) = env.get("OPENCLAW_GATEWAY_TOKEN") {
                 token = Some((Secret::new(t), Source::Env("OPENCLAW_GATEWAY_TOKEN")));
             } else if let Some(t) = str_at(&v, "/gateway/auth/token").filter(|t| !t.is_empty()) {
@@ -533,6 +560,25 @@ mod tests {
             scrub(r#"invalid type: string "s3cret", expected u64"#),
             r#"invalid type: string "…", expected u64"#
         );
+    }
+
+    #[test]
+    fn loopback_urls() {
+        for u in [
+            "ws://localhost:18789",
+            "ws://127.0.0.1:1/x",
+            "wss://[::1]:2",
+            "ws://u:p@LOCALHOST",
+        ] {
+            assert!(is_loopback_url(u), "{u}");
+        }
+        for u in [
+            "wss://gw.example",
+            "ws://10.0.0.2:18789",
+            "ws://localhost.evil.example",
+        ] {
+            assert!(!is_loopback_url(u), "{u}");
+        }
     }
 
     #[test]

@@ -179,3 +179,19 @@ fn late_client_drops(h: &Harness) -> u64 {
         .map(|c| c.dropped.load(std::sync::atomic::Ordering::Relaxed))
         .sum()
 }
+
+/// One event larger than the hard limit still reaches a client that is
+/// keeping up: the limit is about falling behind, not about event size.
+#[tokio::test]
+async fn one_large_event_is_not_a_slow_consumer() {
+    let h = start_with(mock_config(), |s| s.limits.queue_hard_bytes = 64 * 1024).await;
+    let (mut a, _) = h.connected().await;
+    h.gw.broadcast("test.big", json!({"pad": "z".repeat(200 * 1024)}));
+    let e = a.event("test.big").await;
+    assert_eq!(e["payload"]["pad"].as_str().unwrap().len(), 200 * 1024);
+    assert_eq!(
+        a.request("health", json!({})).await["ok"],
+        true,
+        "still connected"
+    );
+}

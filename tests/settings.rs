@@ -370,3 +370,25 @@ fn explicitly_empty_url_is_kept_for_the_missing_url_error() {
         "studio.gateway_url_missing"
     );
 }
+
+#[test]
+fn a_local_gateways_token_is_never_sent_to_a_remote_url() {
+    let home = Home::new();
+    home.write(
+        ".openclaw/openclaw.json",
+        r#"{ gateway: { port: 1111, auth: { token: "local-secret" } } }"#,
+    );
+    home.write(
+        ".openclaw/claw3d/settings.json",
+        r#"{"gateway":{"token":"c3-secret"}}"#,
+    );
+    let remote = [("CLAWMUX_GATEWAY_URL", "wss://gw.example/ws")];
+    let r = resolve(&Overrides::default(), &home.env(&remote)).unwrap();
+    assert!(
+        r.settings.token.is_none(),
+        "no token for a remote URL from local files"
+    );
+    let local = [("CLAWMUX_GATEWAY_URL", "ws://127.0.0.1:1111")];
+    let r = resolve(&Overrides::default(), &home.env(&local)).unwrap();
+    assert_eq!(token_of(&r).as_deref(), Some("c3-secret"));
+}

@@ -32,7 +32,8 @@ pub async fn run(resolved: Result<Resolved, crate::protocol::ErrorShape>) -> Exi
     );
     println!(
         "  gateway url  {}  (from {})",
-        s.gateway_url, resolved.url_source
+        crate::config::redact_url(&s.gateway_url),
+        resolved.url_source
     );
     match (&s.token, &resolved.token_source) {
         (Some(t), Some(src)) => println!("  token        {}  (from {src})", fingerprint(t)),

@@ -170,7 +170,9 @@ impl Client {
             q.over_soft_since = None;
         }
         let item = Outgoing::Event(head.clone(), seq);
-        if q.bytes + item.cost() > self.limits.hard_bytes {
+        // A single event larger than the hard limit still goes to an idle
+        // client: the limit is about a client falling behind, not event size.
+        if !q.items.is_empty() && q.bytes + item.cost() > self.limits.hard_bytes {
             self.close_slow(&mut q);
             return Pushed::SlowConsumer;
         }

@@ -166,7 +166,12 @@ impl Hub {
         if matches!(name, "presence" | "health") {
             apply_to_snapshot(&mut inner.snapshot, name, payload, state_version);
         }
-        let head = inner.replay.append(head);
+        // Only broadcast events are replayable: a targeted one (tool stream,
+        // session messages) belongs to its recipients, never to a later reader.
+        let head = match audience {
+            Audience::All => inner.replay.append(head),
+            Audience::Only(_) => head,
+        };
         match audience {
             Audience::All => self.deliver(inner.clients.values(), &head, droppable),
             Audience::Only(ids) => {

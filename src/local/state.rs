@@ -51,7 +51,7 @@ pub fn document(ctx: &Ctx) -> Value {
         },
         "upstream": {
             "phase": status.phase.as_str(),
-            "url": redact_url(&ctx.settings.gateway_url),
+            "url": crate::config::redact_url(&ctx.upstream.target_url()),
             "session": status.epoch,
             "server_version": hello.map(|h| h.server_version.as_str()),
             "protocol": hello.map(|h| h.protocol),
@@ -88,23 +88,9 @@ fn limits_json(l: &Limits) -> Value {
     })
 }
 
-/// The gateway URL without `user:password@` or a query (either may carry a
-/// credential).
-fn redact_url(url: &str) -> String {
-    let url = url.split(['?', '#']).next().unwrap_or_default();
-    match url.split_once("://") {
-        Some((scheme, rest)) => {
-            let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-            let host = authority.rsplit('@').next().unwrap_or_default();
-            format!("{scheme}://{host}{path}")
-        }
-        None => url.to_owned(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::redact_url;
+    use crate::config::redact_url;
 
     #[test]
     fn urls_lose_credentials() {

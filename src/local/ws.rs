@@ -82,6 +82,10 @@ pub async fn run(ws: Ws, ctx: Arc<Ctx>) {
         tracing::info!(client_id, conn_id = %client.conn_id, "local client connected");
         serve_requests(&mut stream, &client, &ctx, &mut writer).await;
     }
+    // Answer a peer's close (tungstenite only writes the reply on the next
+    // write or flush) so the client sees a clean close; a no-op when the
+    // broker already queued its own close.
+    client.close(1000, "");
     ctx.hub.remove(client_id);
     ctx.router.forget_client(client_id);
     release_subscriptions(&ctx, client_id).await;

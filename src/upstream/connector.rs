@@ -18,7 +18,7 @@ use super::handshake::{
 };
 use super::identity::DeviceIdentity;
 use super::{backoff_delay, ClientCredential, Outbound, Phase, Status, Target, UpstreamHello};
-use crate::config::{validate_gateway_url, Secret, Settings, UpstreamOptions};
+use crate::config::{redact_url, validate_gateway_url, Secret, Settings, UpstreamOptions};
 use crate::driver::Driver;
 use crate::hub::Hub;
 use crate::protocol::frames::encode_req;
@@ -251,7 +251,7 @@ impl Connector {
                         StudioCode::UpstreamTimeout,
                         format!(
                             "the gateway at {} did not complete its handshake within {} ms",
-                            self.url,
+                            redact_url(&self.url),
                             self.opts.handshake_timeout.as_millis()
                         ),
                     );
@@ -298,7 +298,7 @@ impl Connector {
                     StudioCode::UpstreamError,
                     format!(
                         "cannot open the gateway connection to {}: {e}; is the gateway running? (start it: openclaw gateway)",
-                        self.url
+                        redact_url(&self.url)
                     ),
                 )
             })?;
@@ -572,6 +572,7 @@ impl Connector {
             ));
         });
         let failed = self.router.fail_epoch(epoch, &error);
+        self.driver.forget_runs();
         if failed > 0 {
             tracing::info!(epoch, failed, "failed pending requests of the lost session");
         }

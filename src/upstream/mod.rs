@@ -331,6 +331,11 @@ impl Upstream {
         }
     }
 
+    /// The gateway URL the connector is pointed at now (after any reload).
+    pub fn target_url(&self) -> String {
+        self.target.borrow().url.clone()
+    }
+
     pub fn status(&self) -> Status {
         self.status.borrow().clone()
     }

@@ -152,6 +152,11 @@ impl WsClient {
         }
     }
 
+    /// Starts a clean close from the client side.
+    pub async fn close(&mut self) {
+        self.ws.close(None).await.expect("close");
+    }
+
     pub async fn send_text(&mut self, text: &str) {
         self.ws.send(Message::text(text)).await.expect("send");
     }
