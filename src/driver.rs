@@ -32,14 +32,14 @@ pub enum Audience {
     Only(Vec<u64>),
 }
 
-/// Runs when a forwarded request's final answer is an error (or it fails),
-/// undoing what the driver recorded for it.
-pub type Rollback = Box<dyn FnOnce() + Send + Sync>;
+/// Runs once with a forwarded request's outcome (`true`: its final answer
+/// was `ok`), so the driver can confirm or undo what it recorded for it.
+pub type Settle = Box<dyn FnOnce(bool) + Send + Sync>;
 
 /// What to do with a local request.
 pub enum Decision {
     /// Send it upstream.
-    Forward(Option<Rollback>),
+    Forward(Option<Settle>),
     /// Answer it here with this payload (`ok:true`).
     Answer(Value),
     /// Answer it here with this error.
@@ -49,7 +49,7 @@ pub enum Decision {
 impl std::fmt::Debug for Decision {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Decision::Forward(r) => write!(f, "Forward(rollback: {})", r.is_some()),
+            Decision::Forward(r) => write!(f, "Forward(settle: {})", r.is_some()),
             Decision::Answer(v) => write!(f, "Answer({v})"),
             Decision::Refuse(e) => write!(f, "Refuse({e})"),
         }
@@ -73,8 +73,15 @@ struct RunOwner {
 struct Subscriptions {
     /// Clients subscribed with `sessions.subscribe`.
     sessions: HashSet<u64>,
-    /// Clients subscribed with `sessions.messages.subscribe`, by key.
+    /// The gateway answered a `sessions.subscribe` `ok` on this session.
+    /// Until then every subscribe is forwarded (the gateway's set is
+    /// idempotent), so one failed upstream subscribe cannot leave others
+    /// believing they are subscribed.
+    sessions_confirmed: bool,
+    /// Clients subscribed with `sessions.messages.subscribe`, by canonical key.
     messages: HashMap<String, HashSet<u64>>,
+    /// Keys the gateway confirmed (as above).
+    messages_confirmed: HashSet<String>,
 }
 
 /// The driver's state; shared by every session and the connector.
@@ -82,6 +89,60 @@ struct Subscriptions {
 pub struct Driver {
     subs: Mutex<Subscriptions>,
     runs: DashMap<String, RunOwner>,
+    defaults: Mutex<SessionDefaults>,
+}
+
+/// The gateway's `snapshot.sessionDefaults`, to write session keys the way
+/// the gateway does before comparing them (it canonicalizes `main` to
+/// `agent:main:main`, and events always carry the canonical key).
+#[derive(Debug, Clone)]
+pub struct SessionDefaults {
+    pub default_agent_id: String,
+    pub main_key: String,
+    pub main_session_key: String,
+}
+
+impl Default for SessionDefaults {
+    fn default() -> Self {
+        SessionDefaults {
+            default_agent_id: "main".into(),
+            main_key: "main".into(),
+            main_session_key: "agent:main:main".into(),
+        }
+    }
+}
+
+impl SessionDefaults {
+    /// Reads `sessionDefaults` from a `hello-ok` snapshot, keeping the
+    /// defaults for anything missing.
+    pub fn from_snapshot(snapshot: &Value) -> Self {
+        let d = SessionDefaults::default();
+        let get = |k: &str, fallback: String| {
+            snapshot
+                .pointer(&format!("/sessionDefaults/{k}"))
+                .and_then(Value::as_str)
+                .filter(|v| !v.is_empty())
+                .map_or(fallback, str::to_owned)
+        };
+        SessionDefaults {
+            default_agent_id: get("defaultAgentId", d.default_agent_id),
+            main_key: get("mainKey", d.main_key),
+            main_session_key: get("mainSessionKey", d.main_session_key),
+        }
+    }
+
+    /// `main` → the main session key; `x` → `agent:<default agent>:x`;
+    /// `agent:…` keys are already canonical.
+    pub fn canonical(&self, key: &str) -> String {
+        let key = key.trim();
+        if key == self.main_key {
+            self.main_session_key.clone()
+        } else if key.starts_with("agent:") {
+            key.to_owned()
+        } else {
+            format!("agent:{}:{key}", self.default_agent_id)
+        }
+    }
 }
 
 fn param_str<'a>(params: &'a Value, key: &str) -> Option<&'a str> {
@@ -94,6 +155,18 @@ fn param_str<'a>(params: &'a Value, key: &str) -> Option<&'a str> {
 impl Driver {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Takes the gateway's session defaults from a new `hello-ok` snapshot.
+    pub fn set_session_defaults(&self, defaults: SessionDefaults) {
+        *self.defaults.lock().unwrap_or_else(|p| p.into_inner()) = defaults;
+    }
+
+    fn canonical(&self, key: &str) -> String {
+        self.defaults
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .canonical(key)
     }
 
     fn subs(&self) -> std::sync::MutexGuard<'_, Subscriptions> {
@@ -130,38 +203,52 @@ impl Driver {
         match method {
             "sessions.subscribe" => {
                 let mut subs = self.subs();
-                let first = subs.sessions.is_empty();
-                if !subs.sessions.insert(id) || !first {
+                subs.sessions.insert(id);
+                if subs.sessions_confirmed {
                     return Decision::Answer(json!({"subscribed": true}));
                 }
                 let me = Arc::clone(self);
-                Decision::Forward(Some(Box::new(move || {
-                    me.subs().sessions.remove(&id);
+                Decision::Forward(Some(Box::new(move |ok| {
+                    let mut subs = me.subs();
+                    if ok {
+                        subs.sessions_confirmed = !subs.sessions.is_empty();
+                    } else {
+                        subs.sessions.remove(&id);
+                    }
                 })))
             }
             "sessions.unsubscribe" => {
                 let mut subs = self.subs();
                 if subs.sessions.remove(&id) && subs.sessions.is_empty() {
+                    subs.sessions_confirmed = false;
                     Decision::Forward(None)
                 } else {
                     Decision::Answer(json!({"subscribed": false}))
                 }
             }
             "sessions.messages.subscribe" | "sessions.messages.unsubscribe" => {
-                let Some(key) = param_str(&params, "key").map(str::to_owned) else {
+                let Some(asked) = param_str(&params, "key").map(str::to_owned) else {
                     // Let the gateway word the schema error.
                     return Decision::Forward(None);
                 };
+                // Counted by canonical key; answered with the key as asked.
+                let key = self.canonical(&asked);
                 let mut subs = self.subs();
                 if method == "sessions.messages.subscribe" {
-                    let set = subs.messages.entry(key.clone()).or_default();
-                    let first = set.is_empty();
-                    if !set.insert(id) || !first {
-                        return Decision::Answer(json!({"subscribed": true, "key": key}));
+                    subs.messages.entry(key.clone()).or_default().insert(id);
+                    if subs.messages_confirmed.contains(&key) {
+                        return Decision::Answer(json!({"subscribed": true, "key": asked}));
                     }
                     let me = Arc::clone(self);
-                    Decision::Forward(Some(Box::new(move || {
-                        me.remove_message_sub(&key, id);
+                    Decision::Forward(Some(Box::new(move |ok| {
+                        if ok {
+                            let mut subs = me.subs();
+                            if subs.messages.contains_key(&key) {
+                                subs.messages_confirmed.insert(key);
+                            }
+                        } else {
+                            me.remove_message_sub(&key, id);
+                        }
                     })))
                 } else {
                     let removed = subs
@@ -171,11 +258,12 @@ impl Driver {
                     let now_empty = subs.messages.get(&key).is_none_or(HashSet::is_empty);
                     if now_empty {
                         subs.messages.remove(&key);
+                        subs.messages_confirmed.remove(&key);
                     }
                     if removed && now_empty {
                         Decision::Forward(None)
                     } else {
-                        Decision::Answer(json!({"subscribed": false, "key": key}))
+                        Decision::Answer(json!({"subscribed": false, "key": asked}))
                     }
                 }
             }
@@ -191,15 +279,17 @@ impl Driver {
                     run_id.clone(),
                     RunOwner {
                         client_id: id,
-                        session_key: param_str(&params, "sessionKey").map(str::to_owned),
+                        session_key: param_str(&params, "sessionKey").map(|k| self.canonical(k)),
                         tool_events: client
                             .tool_events
                             .load(std::sync::atomic::Ordering::Relaxed),
                     },
                 );
                 let me = Arc::clone(self);
-                Decision::Forward(Some(Box::new(move || {
-                    me.runs.remove_if(&run_id, |_, o| o.client_id == id);
+                Decision::Forward(Some(Box::new(move |ok| {
+                    if !ok {
+                        me.runs.remove_if(&run_id, |_, o| o.client_id == id);
+                    }
                 })))
             }
             "chat.abort" => {
@@ -209,10 +299,10 @@ impl Driver {
                 let foreign = match param_str(&params, "runId") {
                     Some(run_id) => self.runs.get(run_id).is_some_and(|o| o.client_id != id),
                     None => {
-                        let key = param_str(&params, "sessionKey");
+                        let key = param_str(&params, "sessionKey").map(|k| self.canonical(k));
                         self.runs
                             .iter()
-                            .any(|o| o.client_id != id && o.session_key.as_deref() == key)
+                            .any(|o| o.client_id != id && o.session_key == key)
                     }
                 };
                 if foreign {
@@ -234,6 +324,7 @@ impl Driver {
             set.remove(&id);
             if set.is_empty() {
                 subs.messages.remove(key);
+                subs.messages_confirmed.remove(key);
             }
         }
     }
@@ -340,6 +431,7 @@ impl Driver {
         let mut subs = self.subs();
         let mut upstream = Vec::new();
         if subs.sessions.remove(&id) && subs.sessions.is_empty() {
+            subs.sessions_confirmed = false;
             upstream.push(("sessions.unsubscribe", json!({})));
         }
         let mut emptied = Vec::new();
@@ -350,6 +442,7 @@ impl Driver {
         }
         for key in emptied {
             subs.messages.remove(&key);
+            subs.messages_confirmed.remove(&key);
             upstream.push(("sessions.messages.unsubscribe", json!({"key": key})));
         }
         upstream
@@ -357,7 +450,11 @@ impl Driver {
 
     /// The subscriptions to re-issue on a new upstream session.
     pub fn resubscribe(&self) -> Vec<(&'static str, Value)> {
-        let subs = self.subs();
+        let mut subs = self.subs();
+        // Their answers go to nobody; until a client's own subscribe is
+        // answered `ok` again, subscribes are forwarded (idempotent upstream).
+        subs.sessions_confirmed = false;
+        subs.messages_confirmed.clear();
         let mut out = Vec::new();
         if !subs.sessions.is_empty() {
             out.push(("sessions.subscribe", json!({})));

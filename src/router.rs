@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 use serde_json::value::RawValue;
 
-use crate::driver::Rollback;
+use crate::driver::Settle;
 use crate::hub::Client;
 use crate::metrics::{Outcome, RequestMetrics};
 use crate::protocol::frames::{encode_res, encode_res_error, payload_status};
@@ -27,7 +27,7 @@ struct Pending {
     epoch: u64,
     deadline: Instant,
     /// Undoes what the driver recorded if the request does not succeed.
-    rollback: Option<Rollback>,
+    settle: Option<Settle>,
     /// When it was registered, for the latency histogram.
     started: Instant,
 }
@@ -44,13 +44,11 @@ impl std::fmt::Debug for Pending {
 }
 
 impl Pending {
-    /// Releases the client's in-flight slot, undoing the driver's record if
-    /// the request did not succeed.
+    /// Releases the client's in-flight slot and tells the driver whether
+    /// the request succeeded (it confirms or undoes what it recorded).
     fn settle(mut self, ok: bool) -> Self {
-        if !ok {
-            if let Some(undo) = self.rollback.take() {
-                undo();
-            }
+        if let Some(settle) = self.settle.take() {
+            settle(ok);
         }
         self.client.inflight.fetch_sub(1, Ordering::AcqRel);
         self
@@ -89,13 +87,13 @@ impl Router {
         local_id: &str,
         method: &str,
         epoch: u64,
-        rollback: Option<Rollback>,
+        settle: Option<Settle>,
     ) -> Result<String, ErrorShape> {
         let inflight = client.inflight.fetch_add(1, Ordering::AcqRel);
         if inflight >= self.max_inflight {
             client.inflight.fetch_sub(1, Ordering::AcqRel);
-            if let Some(undo) = rollback {
-                undo();
+            if let Some(settle) = settle {
+                settle(false);
             }
             self.metrics.record(method, Outcome::Rejected, None);
             return Err(ErrorShape::studio(
@@ -115,7 +113,7 @@ impl Router {
                 method: method.to_owned(),
                 epoch,
                 deadline: Instant::now() + self.request_timeout,
-                rollback,
+                settle,
                 started: Instant::now(),
             },
         );

@@ -328,3 +328,97 @@ async fn client_cap_refuses_with_1013() {
     assert_eq!(res["error"]["code"], "studio.too_many_clients", "{res}");
     assert_eq!(c.expect_close().await, (1013, "too many clients".into()));
 }
+
+/// Session keys are compared the way the gateway writes them: `main` and
+/// `agent:main:main` are one session.
+#[tokio::test]
+async fn session_keys_are_compared_in_canonical_form() {
+    let cfg = MockConfig {
+        run_step_delay: Duration::from_secs(30),
+        ..mock_config()
+    };
+    let h = start_with(cfg, |_| {}).await;
+    let (mut a, _) = h.connected().await;
+    let (mut b, _) = h.connected().await;
+    let ra = a
+        .request("sessions.messages.subscribe", json!({"key": "main"}))
+        .await;
+    assert_eq!(
+        ra["payload"]["key"], "main",
+        "answered with the key as asked"
+    );
+    b.request(
+        "sessions.messages.subscribe",
+        json!({"key": "agent:main:main"}),
+    )
+    .await;
+    assert_eq!(upstream_methods(&h, "sessions.messages.subscribe"), 1);
+    h.gw.emit_session_message(
+        "agent:main:main",
+        json!({"sessionKey": "agent:main:main", "message": {"role": "user"}}),
+    );
+    a.event("session.message").await;
+    b.event("session.message").await;
+    a.request("sessions.messages.unsubscribe", json!({"key": "main"}))
+        .await;
+    assert_eq!(
+        upstream_methods(&h, "sessions.messages.unsubscribe"),
+        0,
+        "b still holds it"
+    );
+    // A session-wide abort written with the short key still protects b's run.
+    let key = uuid::Uuid::new_v4().to_string();
+    b.request(
+        "chat.send",
+        json!({"sessionKey": "agent:main:main", "message": "long", "idempotencyKey": key}),
+    )
+    .await;
+    let refused = a.request("chat.abort", json!({"sessionKey": "main"})).await;
+    assert_eq!(refused["error"]["code"], "studio.forbidden", "{refused}");
+}
+
+/// Until the gateway confirms a subscription, every subscribe goes upstream:
+/// a failed first subscribe never leaves others believing they are subscribed.
+#[tokio::test]
+async fn unconfirmed_subscriptions_are_forwarded_until_the_gateway_says_ok() {
+    let h = start_with(mock_config(), |s| {
+        s.limits.request_timeout = Duration::from_millis(300)
+    })
+    .await;
+    let (mut a, _) = h.connected().await;
+    let (mut b, _) = h.connected().await;
+    h.gw.set_faults(Faults {
+        hold_methods: vec!["sessions.subscribe".into()],
+        ..Faults::default()
+    });
+    a.send_json(&json!({"type":"req","id":"sa","method":"sessions.subscribe","params":{}}))
+        .await;
+    b.send_json(&json!({"type":"req","id":"sb","method":"sessions.subscribe","params":{}}))
+        .await;
+    eventually("both forwarded", || {
+        upstream_methods(&h, "sessions.subscribe") == 2
+    })
+    .await;
+    for (c, id) in [(&mut a, "sa"), (&mut b, "sb")] {
+        assert_eq!(
+            c.response(id).await["error"]["code"],
+            "studio.request_timeout"
+        );
+    }
+    assert_eq!(
+        h.broker.ctx().driver.subscription_counts().0,
+        0,
+        "both undone"
+    );
+    h.gw.set_faults(Faults::default());
+    let (mut c, _) = h.connected().await;
+    assert_eq!(c.request("sessions.subscribe", json!({})).await["ok"], true);
+    assert_eq!(upstream_methods(&h, "sessions.subscribe"), 3);
+    let (mut d, _) = h.connected().await;
+    d.request("sessions.subscribe", json!({})).await;
+    assert_eq!(
+        upstream_methods(&h, "sessions.subscribe"),
+        3,
+        "confirmed: answered here"
+    );
+}

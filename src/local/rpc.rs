@@ -147,17 +147,17 @@ async fn call(ctx: &Arc<Ctx>, rpc: &RpcRequest, id: &str) -> Result<Bytes, Error
             "subscriptions belong to a connection: use the WebSocket (/ws) or /v1/events",
         ));
     }
-    let rollback = match ctx
+    let settle = match ctx
         .driver
         .decide(&client, &rpc.method, rpc.params.as_deref())
     {
-        Decision::Forward(rollback) => rollback,
+        Decision::Forward(settle) => settle,
         Decision::Answer(payload) => return Ok(encode_res_ok(id, &payload)),
         Decision::Refuse(error) => return Err(error),
     };
     let upstream_id = ctx
         .router
-        .register(&client, id, &rpc.method, epoch, rollback)?;
+        .register(&client, id, &rpc.method, epoch, settle)?;
     let text = encode_req(&upstream_id, &rpc.method, rpc.params.as_deref());
     let sent = ctx.upstream.send(epoch, text).await;
     if sent.is_err() || ctx.upstream.ready_epoch() != Some(epoch) {

@@ -294,8 +294,8 @@ async fn forward(
         ctx.router.metrics.record_refused(&frame.method);
         return Err(ctx.upstream.status().not_ready_error());
     };
-    let rollback = match ctx.driver.decide(client, &frame.method, frame.params) {
-        Decision::Forward(rollback) => rollback,
+    let settle = match ctx.driver.decide(client, &frame.method, frame.params) {
+        Decision::Forward(settle) => settle,
         Decision::Answer(payload) => {
             client.push_frame(encode_res_ok(&frame.id, &payload));
             return Ok(());
@@ -304,7 +304,7 @@ async fn forward(
     };
     let upstream_id = ctx
         .router
-        .register(client, &frame.id, &frame.method, epoch, rollback)?;
+        .register(client, &frame.id, &frame.method, epoch, settle)?;
     let text = encode_req(&upstream_id, &frame.method, frame.params);
     let sent = ctx.upstream.send(epoch, text).await;
     // If the session ended meanwhile, the request may never be written; fail it

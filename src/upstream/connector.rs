@@ -442,6 +442,10 @@ impl Connector {
             .and_then(Value::as_u64)
             .unwrap_or(30_000);
         let silence_limit = Duration::from_millis(tick.saturating_mul(2).max(1));
+        self.driver
+            .set_session_defaults(crate::driver::SessionDefaults::from_snapshot(
+                hello.payload.get("snapshot").unwrap_or(&Value::Null),
+            ));
         self.hub.reset_snapshot(
             hello
                 .payload
