@@ -86,10 +86,13 @@ pub async fn run(ws: Ws, ctx: Arc<Ctx>) {
     ctx.router.forget_client(client_id);
     release_subscriptions(&ctx, client_id).await;
     // Let the writer deliver what is queued (the close frame included), but
-    // never wait on a client that does not read.
-    if tokio::time::timeout(CLOSE_LINGER, &mut writer)
-        .await
-        .is_err()
+    // never wait on a client that does not read. A writer that already ended
+    // (slow consumer, socket error) may have been awaited by
+    // `serve_requests`, and a JoinHandle must not be polled again after that.
+    if !writer.is_finished()
+        && tokio::time::timeout(CLOSE_LINGER, &mut writer)
+            .await
+            .is_err()
     {
         writer.abort();
     }
