@@ -84,7 +84,14 @@ pub async fn measure(
     })
 }
 
-/// A path under test, with its max-rate and (later) half-rate figures.
+/// One path's figures at every offered rate, in the order of the rates.
+pub struct PathPhases {
+    pub name: &'static str,
+    pub upstream_connections: usize,
+    pub phases: Vec<Phase>,
+}
+
+/// A path under test: its source, readers and (for the broker) the broker.
 pub struct PathRun {
     source: Source,
     receivers: Receivers,

@@ -190,34 +190,58 @@ async fn run(
         let double = double::broadcast_rate(&cfg).await?;
         let mut broker = fanout::broker(&cfg, broker_rt.clone()).await?;
         let broker_max = broker.measure(None, &cfg).await?;
+        // Offered rates (events/s per client): max, half of the broker's max,
+        // and design §10's latency point, half of the 1,000,000 deliveries/s budget.
         let half = broker_max.per_second() / cfg.clients as f64 / 2.0;
-        let broker_half = broker.measure(Some(half), &cfg).await?;
+        let design = if cfg.smoke {
+            half / 2.0
+        } else {
+            500_000.0 / cfg.clients as f64
+        };
+        let rates = [
+            ("max".to_owned(), None),
+            (format!("½ max: {} ev/s", report::count(half)), Some(half)),
+            (
+                format!("design: {} ev/s", report::count(design)),
+                Some(design),
+            ),
+        ];
+        let mut broker_phases = vec![broker_max];
+        for (_, rate) in &rates[1..] {
+            broker_phases.push(broker.measure(*rate, &cfg).await?);
+        }
         let broker_conns = broker.upstream_connections;
         broker.stop().await;
-        let mut rows = vec![("broker", broker_conns, broker_max, broker_half)];
+        let mut paths = Vec::new();
         let mut ceiling = fanout::ceiling(&cfg, broker_rt.clone())?;
-        let (max, at_half) = (
-            ceiling.measure(None, &cfg).await?,
-            ceiling.measure(Some(half), &cfg).await?,
-        );
-        rows.insert(
-            0,
-            (
-                "ceiling (raw unix)",
-                ceiling.upstream_connections,
-                max,
-                at_half,
-            ),
-        );
+        let mut phases = Vec::new();
+        for (_, rate) in &rates {
+            phases.push(ceiling.measure(*rate, &cfg).await?);
+        }
+        paths.push(fanout::PathPhases {
+            name: "ceiling (raw unix)",
+            upstream_connections: ceiling.upstream_connections,
+            phases,
+        });
         ceiling.stop().await;
+        paths.push(fanout::PathPhases {
+            name: "broker",
+            upstream_connections: broker_conns,
+            phases: broker_phases,
+        });
         let mut direct = fanout::direct(&cfg, broker_rt.clone()).await?;
-        let (max, at_half) = (
-            direct.measure(None, &cfg).await?,
-            direct.measure(Some(half), &cfg).await?,
-        );
-        rows.push(("direct (TCP)", direct.upstream_connections, max, at_half));
+        let mut phases = Vec::new();
+        for (_, rate) in &rates {
+            phases.push(direct.measure(*rate, &cfg).await?);
+        }
+        paths.push(fanout::PathPhases {
+            name: "direct (TCP)",
+            upstream_connections: direct.upstream_connections,
+            phases,
+        });
         direct.stop().await;
-        report.fanout(&rows, half, &double)?;
+        let labels: Vec<String> = rates.iter().map(|(l, _)| l.clone()).collect();
+        report.fanout(&labels, &paths, &double)?;
     }
     if scenarios.contains(&Scenario::Requests) {
         let through = double::requests(&cfg, broker_rt.clone(), true).await?;
