@@ -66,7 +66,7 @@ fn stat_cpu(stat: &str) -> Option<Duration> {
     let fields: Vec<&str> = after_comm.split_whitespace().collect();
     // after_comm starts at field 3 (state), so field N is fields[N - 3].
     let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    Some(Duration::from_millis(ticks * 10))
+    Some(TICK * ticks as u32)
 }
 
 /// CPU time (user + system) of another process, e.g. the `clawmux serve` child.
@@ -87,4 +87,59 @@ pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "unknown".into())
+}
+
+/// Machine-wide busy CPU time and this process's own (with its waited-for
+/// children), to tell how much CPU other programs used during a run.
+#[derive(Debug, Clone, Copy)]
+pub struct MachineCpu {
+    busy: Duration,
+    own: Duration,
+    at: std::time::Instant,
+}
+
+impl MachineCpu {
+    pub fn take() -> MachineCpu {
+        MachineCpu {
+            busy: machine_busy().unwrap_or_default(),
+            own: own_cpu_with_children().unwrap_or_default(),
+            at: std::time::Instant::now(),
+        }
+    }
+
+    /// Cores' worth of CPU that other processes used on average since `earlier`.
+    pub fn others_since(&self, earlier: &MachineCpu) -> f64 {
+        let busy = self.busy.saturating_sub(earlier.busy);
+        let own = self.own.saturating_sub(earlier.own);
+        busy.saturating_sub(own).as_secs_f64() / self.at.duration_since(earlier.at).as_secs_f64()
+    }
+}
+
+/// Clock ticks per second of /proc/stat and /proc/<pid>/stat (USER_HZ).
+const TICK: Duration = Duration::from_millis(10);
+
+/// Non-idle time of all cores: user+nice+system+irq+softirq+steal of the `cpu` line.
+fn machine_busy() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let f: Vec<u64> = cpu
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let ticks = f.first()? + f.get(1)? + f.get(2)? + f.get(5)? + f.get(6)? + f.get(7)?;
+    Some(TICK * ticks as u32)
+}
+
+/// utime+stime+cutime+cstime of this process.
+fn own_cpu_with_children() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let after_comm = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<u64> = after_comm
+        .split_whitespace()
+        .skip(11)
+        .take(4)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    Some(TICK * f.iter().sum::<u64>() as u32)
 }

@@ -19,6 +19,7 @@ pub struct Report {
     command: String,
     /// (target, budget, measured, met)
     targets: Vec<(String, String, String, bool)>,
+    started: procfs::MachineCpu,
 }
 
 fn micros(ns: u64) -> String {
@@ -70,6 +71,7 @@ impl Report {
             cfg: cfg.clone(),
             command,
             targets: Vec::new(),
+            started: procfs::MachineCpu::take(),
         }
     }
 
@@ -378,18 +380,21 @@ impl Report {
     }
 
     pub fn print_targets(&self) {
-        if self.targets.is_empty() {
-            return;
-        }
-        println!("\n## Design §10 targets\n");
-        println!("| target | budget | measured | |");
-        println!("|---|---|---:|---|");
-        for (what, budget, measured, met) in &self.targets {
-            println!(
-                "| {what} | {budget} | {measured} | {} |",
-                if *met { "met" } else { "**missed**" }
-            );
+        if !self.targets.is_empty() {
+            println!("\n## Design §10 targets\n");
+            println!("| target | budget | measured | |");
+            println!("|---|---|---:|---|");
+            for (what, budget, measured, met) in &self.targets {
+                println!(
+                    "| {what} | {budget} | {measured} | {} |",
+                    if *met { "met" } else { "**missed**" }
+                );
+            }
         }
         println!("\n- load average at the end: {}", procfs::load_average());
+        println!(
+            "- other processes on the machine used {:.2} cores on average during the run",
+            procfs::MachineCpu::take().others_since(&self.started)
+        );
     }
 }
