@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clients::{self, Receivers, Ws};
 use crate::fanout::{self, Phase, BENCH_TOKEN};
-use crate::procfs::{CpuSnapshot, BROKER_THREAD, CLIENTS_THREAD, GATEWAY_THREAD};
+use crate::procfs::{CpuSnapshot, MachineCpu, BROKER_THREAD, CLIENTS_THREAD, GATEWAY_THREAD};
 use crate::source::{now_ns, FrameEncoder, EVENT_NAME};
 use crate::Config;
 
@@ -144,11 +144,13 @@ async fn sample_window(receivers: &Receivers, cfg: &Config) -> Phase {
     tokio::time::sleep(cfg.warmup).await;
     let (n0, b0) = receivers.healthy_totals();
     let cpu0 = CpuSnapshot::take();
+    let machine0 = MachineCpu::take();
     let t0 = Instant::now();
     receivers.open_window();
     tokio::time::sleep(cfg.measure).await;
     let (n1, b1) = receivers.healthy_totals();
     let cpu1 = CpuSnapshot::take();
+    let others = MachineCpu::take().others_since(&machine0);
     let window = t0.elapsed();
     Phase {
         window,
@@ -158,6 +160,7 @@ async fn sample_window(receivers: &Receivers, cfg: &Config) -> Phase {
         gateway_cpu: cpu1.since(&cpu0, GATEWAY_THREAD),
         broker_cpu: cpu1.since(&cpu0, BROKER_THREAD),
         clients_cpu: cpu1.since(&cpu0, CLIENTS_THREAD),
+        others,
     }
 }
 

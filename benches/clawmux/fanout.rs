@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::clients::{self, Receivers};
-use crate::procfs::{CpuSnapshot, BROKER_THREAD, CLIENTS_THREAD, GATEWAY_THREAD};
+use crate::procfs::{CpuSnapshot, MachineCpu, BROKER_THREAD, CLIENTS_THREAD, GATEWAY_THREAD};
 use crate::source::{Offer, Source};
 use crate::Config;
 
@@ -34,6 +34,9 @@ pub struct Phase {
     pub gateway_cpu: Duration,
     pub broker_cpu: Duration,
     pub clients_cpu: Duration,
+    /// Cores' worth of CPU other processes on the machine used in the window
+    /// (a phase disturbed by someone else's build shows here).
+    pub others: f64,
 }
 
 impl Phase {
@@ -65,11 +68,13 @@ pub async fn measure(
     tokio::time::sleep(cfg.warmup).await;
     let (n0, b0) = receivers.healthy_totals();
     let cpu0 = CpuSnapshot::take();
+    let machine0 = MachineCpu::take();
     let t0 = Instant::now();
     receivers.open_window();
     tokio::time::sleep(cfg.measure).await;
     let (n1, b1) = receivers.healthy_totals();
     let cpu1 = CpuSnapshot::take();
+    let others = MachineCpu::take().others_since(&machine0);
     let window = t0.elapsed();
     let latency = receivers.close_window();
     source.finish().await.map_err(|e| format!("source: {e}"))?;
@@ -81,6 +86,7 @@ pub async fn measure(
         gateway_cpu: cpu1.since(&cpu0, GATEWAY_THREAD),
         broker_cpu: cpu1.since(&cpu0, BROKER_THREAD),
         clients_cpu: cpu1.since(&cpu0, CLIENTS_THREAD),
+        others,
     })
 }
 
@@ -99,6 +105,7 @@ pub struct PathRun {
     broker: Option<RunningBroker>,
     broker_rt: Handle,
     _dir: Option<tempfile::TempDir>,
+    pub name: &'static str,
     pub upstream_connections: usize,
 }
 
@@ -148,6 +155,7 @@ pub fn ceiling(cfg: &Config, broker_rt: Handle) -> Result<PathRun, String> {
         broker: None,
         broker_rt,
         _dir: None,
+        name: "ceiling (raw unix)",
         upstream_connections: 0,
     })
 }
@@ -235,6 +243,7 @@ pub async fn broker(cfg: &Config, broker_rt: Handle) -> Result<PathRun, String> 
         broker: Some(broker),
         broker_rt,
         _dir: Some(dir),
+        name: "broker",
         upstream_connections: 1,
     })
 }
@@ -265,6 +274,7 @@ pub async fn direct(cfg: &Config, broker_rt: Handle) -> Result<PathRun, String> 
         broker: None,
         broker_rt,
         _dir: None,
+        name: "direct (TCP)",
         upstream_connections: cfg.clients,
     })
 }

@@ -188,59 +188,46 @@ async fn run(
     report.print_header();
     if scenarios.contains(&Scenario::Fanout) {
         let double = double::broadcast_rate(&cfg).await?;
-        let mut broker = fanout::broker(&cfg, broker_rt.clone()).await?;
-        let broker_max = broker.measure(None, &cfg).await?;
-        // Offered rates (events/s per client): max, half of the broker's max,
-        // and design §10's latency point, half of the 1,000,000 deliveries/s budget.
-        let half = broker_max.per_second() / cfg.clients as f64 / 2.0;
+        // All three paths are set up at once and measured in turn at each
+        // rate, so the figures compared in a ratio are seconds apart.
+        let mut runs = vec![
+            fanout::broker(&cfg, broker_rt.clone()).await?,
+            fanout::ceiling(&cfg, broker_rt.clone())?,
+            fanout::direct(&cfg, broker_rt.clone()).await?,
+        ];
+        let mut phases: Vec<Vec<fanout::Phase>> = vec![Vec::new(); runs.len()];
+        for (run, phases) in runs.iter_mut().zip(&mut phases) {
+            phases.push(run.measure(None, &cfg).await?);
+        }
+        // Offered rates (events/s per client) after the max: half of the
+        // broker's max, and design §10's latency point, half of the budget
+        // of 1,000,000 deliveries/s.
+        let half = phases[0][0].per_second() / cfg.clients as f64 / 2.0;
         let design = if cfg.smoke {
             half / 2.0
         } else {
             500_000.0 / cfg.clients as f64
         };
-        let rates = [
-            ("max".to_owned(), None),
-            (format!("½ max: {} ev/s", report::count(half)), Some(half)),
-            (
-                format!("design: {} ev/s", report::count(design)),
-                Some(design),
-            ),
+        let labels = vec![
+            "max".to_owned(),
+            format!("½ max: {} ev/s", report::count(half)),
+            format!("design: {} ev/s", report::count(design)),
         ];
-        let mut broker_phases = vec![broker_max];
-        for (_, rate) in &rates[1..] {
-            broker_phases.push(broker.measure(*rate, &cfg).await?);
+        for rate in [half, design] {
+            for (run, phases) in runs.iter_mut().zip(&mut phases) {
+                phases.push(run.measure(Some(rate), &cfg).await?);
+            }
         }
-        let broker_conns = broker.upstream_connections;
-        broker.stop().await;
         let mut paths = Vec::new();
-        let mut ceiling = fanout::ceiling(&cfg, broker_rt.clone())?;
-        let mut phases = Vec::new();
-        for (_, rate) in &rates {
-            phases.push(ceiling.measure(*rate, &cfg).await?);
+        for (run, phases) in runs.into_iter().zip(phases) {
+            paths.push(fanout::PathPhases {
+                name: run.name,
+                upstream_connections: run.upstream_connections,
+                phases,
+            });
+            run.stop().await;
         }
-        paths.push(fanout::PathPhases {
-            name: "ceiling (raw unix)",
-            upstream_connections: ceiling.upstream_connections,
-            phases,
-        });
-        ceiling.stop().await;
-        paths.push(fanout::PathPhases {
-            name: "broker",
-            upstream_connections: broker_conns,
-            phases: broker_phases,
-        });
-        let mut direct = fanout::direct(&cfg, broker_rt.clone()).await?;
-        let mut phases = Vec::new();
-        for (_, rate) in &rates {
-            phases.push(direct.measure(*rate, &cfg).await?);
-        }
-        paths.push(fanout::PathPhases {
-            name: "direct (TCP)",
-            upstream_connections: direct.upstream_connections,
-            phases,
-        });
-        direct.stop().await;
-        let labels: Vec<String> = rates.iter().map(|(l, _)| l.clone()).collect();
+        paths.swap(0, 1); // shown as ceiling, broker, direct
         report.fanout(&labels, &paths, &double)?;
     }
     if scenarios.contains(&Scenario::Requests) {

@@ -142,14 +142,14 @@ impl Report {
             "\n## Fan-out: 1 source → {} WebSocket clients, {}-byte events\n",
             self.cfg.clients, self.cfg.frame_bytes
         );
-        println!("| path | offered | deliveries/s | MB/s | latency p50 | p99 | upstream conns | source CPU | broker CPU | clients CPU |");
-        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("| path | offered | deliveries/s | MB/s | latency p50 | p99 | upstream conns | source CPU | broker CPU | clients CPU | others |");
+        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for (j, label) in labels.iter().enumerate() {
             for path in paths {
                 let p = &path.phases[j];
                 self.check_moved(path.name, p)?;
                 println!(
-                    "| {} | {label} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {label} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {:.2} |",
                     path.name,
                     count(p.per_second()),
                     p.mb_per_second(),
@@ -166,6 +166,7 @@ impl Report {
                         "–".into()
                     },
                     share(p, p.clients_cpu),
+                    p.others,
                 );
             }
         }
@@ -251,7 +252,7 @@ impl Report {
             }
             let p = &r.phase;
             println!(
-                "| {path} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {path} | {} | {} | {} | {} | {} | {} | {} | {:.2} |",
                 count(p.per_second()),
                 micros(pct(&p.latency, 0.5)),
                 micros(pct(&p.latency, 0.99)),
@@ -262,7 +263,8 @@ impl Report {
                     "–".into()
                 },
                 share(p, p.clients_cpu),
-                r.errors
+                r.errors,
+                p.others
             );
         }
         let added50 =
