@@ -242,9 +242,9 @@ impl Report {
             self.cfg.request_clients
         );
         println!(
-            "| path | round trips/s | p50 | p99 | double CPU | broker CPU | clients CPU | errors |"
+            "| path | round trips/s | p50 | p99 | double CPU | broker CPU | clients CPU | errors | others |"
         );
-        println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
         for (path, r) in [("broker", through), ("direct (TCP)", direct)] {
             self.check_moved(path, &r.phase)?;
             if self.cfg.smoke && r.errors > 0 {
