@@ -359,12 +359,13 @@ async fn write_loop(mut sink: SplitSink<Ws, Message>, client: Arc<Client>) {
             batch = client.next_batch() => batch,
             _ = client.killed.cancelled() => client.next_batch().await,
         };
-        // One cancellation check per batch, not per frame: watching the
-        // token costs a lock, and a batch holds up to thousands of frames.
+        // The kill token is watched once per batch, not per frame, and only
+        // once the write has to wait for the socket (polled second): watching
+        // it takes a lock, and most batches are written at once.
         let written = tokio::select! {
             biased;
-            _ = client.killed.cancelled() => return send_slow_consumer_close(sink, &client).await,
             written = write_batch(&mut sink, batch) => written,
+            _ = client.killed.cancelled() => return send_slow_consumer_close(sink, &client).await,
         };
         match written {
             BatchWritten::Flushed => {}
