@@ -208,13 +208,13 @@ async fn run(
             phases.push(run.measure(None, &cfg).await?);
         }
         // Offered rates (events/s per client) after the max: half of the
-        // broker's max, and design §10's latency point, half of the budget
-        // of 1,000,000 deliveries/s.
+        // broker's max, and the latency point (design §10: half of the
+        // budget of 1,000,000 deliveries/s).
         let half = phases[0][0].per_second() / cfg.clients as f64 / 2.0;
         let design = if cfg.smoke {
             half / 2.0
         } else {
-            500_000.0 / cfg.clients as f64
+            cfg.latency_point / cfg.clients as f64
         };
         let labels = vec![
             "max".to_owned(),
