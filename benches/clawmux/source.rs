@@ -5,10 +5,11 @@
 //!
 //! Why not `MockGateway::broadcast`: the double serializes a `serde_json::Value`
 //! per event, stamps each connection's frame with `format!`, and queues it on
-//! an unbounded channel with no backpressure, so at these rates the double
-//! (not the path under test) would set the figures, and nothing would stop it
-//! from outrunning its reader. The harness measures the double's own rate
-//! anyway ("double → 1 client" in the table) so the choice is visible.
+//! an unbounded channel. It can feed the broker's one connection, but for the
+//! direct baseline (100 connections) its own per-connection cost would be
+//! what the baseline measures. Every fan-out path uses this source instead,
+//! so they differ only by the path; the harness still measures the double's
+//! rate to one reader in the same run (the "gateway double itself" line).
 //!
 //! The writer is one thread doing blocking writes: what it costs is read
 //! from that thread's CPU time, and a reader that falls behind slows it
