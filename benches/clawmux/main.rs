@@ -148,10 +148,8 @@ fn main() -> ExitCode {
     let (cfg, scenarios, command) = if full {
         match Args::try_parse() {
             Ok(args) => (args.config(), args.scenarios.clone(), args.command()),
-            Err(e) => {
-                let _ = e.print();
-                return ExitCode::from(2);
-            }
+            // --help exits 0, a bad option 2.
+            Err(e) => e.exit(),
         }
     } else {
         // Under `cargo test`, arguments meant for libtest may be passed: ignored.
