@@ -16,6 +16,8 @@ async fn a_client_that_never_reads_is_closed_and_nobody_else_notices() {
     let gw = MockGateway::start(mock_config()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("c.sock");
+    let config = dir.path().join("clawmux.toml");
+    std::fs::write(&config, "[limits]\nreplay_max_bytes = 1048576\n").unwrap();
     let broker = ChildGuard(
         std::process::Command::new(env!("CARGO_BIN_EXE_clawmux"))
             .arg("serve")
@@ -28,6 +30,10 @@ async fn a_client_that_never_reads_is_closed_and_nobody_else_notices() {
                 "test-token",
                 "--no-device-identity",
             ])
+            // The replay ring (16 MiB by default, for /v1/events) is not what
+            // this test bounds: keep it small so the figure is the queues'.
+            .arg("--config")
+            .arg(&config)
             .env("HOME", dir.path())
             .stderr(std::process::Stdio::null())
             .spawn()

@@ -184,3 +184,22 @@ async fn agent_answers_twice_through_the_broker() {
     assert_eq!(second["ok"], true);
     assert_eq!(second["payload"]["status"], "ok", "{second}");
 }
+
+/// The broker reads local frames through an 8 KiB buffer (so idle clients
+/// stay small); a frame many times larger must still arrive whole.
+#[tokio::test]
+async fn a_request_larger_than_the_read_buffer_arrives_whole() {
+    let h = start().await;
+    let (mut c, _) = h.connected().await;
+    let pad = "x".repeat(300 * 1024);
+    let answer = c.request("health", json!({ "pad": pad })).await;
+    assert_eq!(answer["ok"], true, "{answer}");
+    let forwarded =
+        h.gw.wait_request("health", PATIENCE)
+            .await
+            .expect("the request reached the gateway");
+    assert_eq!(
+        forwarded["params"]["pad"].as_str().map(str::len),
+        Some(300 * 1024)
+    );
+}

@@ -119,6 +119,14 @@ fn header_has(req: &Request<Incoming>, name: header::HeaderName, token: &str) ->
         .any(|v| v.trim().eq_ignore_ascii_case(token))
 }
 
+/// The read buffer of a local WebSocket. tungstenite's default (128 KiB) is
+/// zero-filled on the first read, so it is resident for every connected
+/// client, idle or not: with 1,000 clients that is 128 MiB for buffers that
+/// carry small requests. A larger frame still arrives whole (the buffer
+/// grows to the frame's length, up to `max_frame_bytes`); it only takes more
+/// reads. Measured by `cargo bench --bench clawmux` (BENCHMARKS.md).
+const LOCAL_READ_BUFFER_BYTES: usize = 8 * 1024;
+
 /// Answers the WebSocket upgrade and spawns the session once hyper hands
 /// over the connection.
 fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
@@ -152,6 +160,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
         match on_upgrade.await {
             Ok(upgraded) => {
                 let config = WebSocketConfig::default()
+                    .read_buffer_size(LOCAL_READ_BUFFER_BYTES)
                     .max_message_size(Some(ctx.settings.limits.max_frame_bytes))
                     .max_frame_size(Some(ctx.settings.limits.max_frame_bytes));
                 let ws = WebSocketStream::from_raw_socket(

@@ -362,37 +362,56 @@ fn truncate_reason(reason: &str) -> &str {
 async fn write_loop(mut sink: SplitSink<Ws, Message>, client: Arc<Client>) {
     loop {
         let batch = tokio::select! {
+            biased;
             batch = client.next_batch() => batch,
             _ = client.killed.cancelled() => client.next_batch().await,
         };
-        for item in batch {
-            let msg = match item {
-                Outgoing::Event(head, seq) => text_message(head.with_seq(seq)),
-                Outgoing::Frame(bytes) => text_message(bytes),
-                Outgoing::Close(code, reason) => {
-                    let frame = CloseFrame {
-                        code: CloseCode::from(code),
-                        reason: Utf8Bytes::from(truncate_reason(&reason)),
-                    };
-                    let _ = sink.send(Message::Close(Some(frame))).await;
-                    return;
-                }
-            };
-            let fed = tokio::select! {
-                r = sink.feed(msg) => r.is_ok(),
-                _ = client.killed.cancelled() => false,
-            };
-            if !fed {
-                return send_slow_consumer_close(sink, &client).await;
-            }
-        }
-        let flushed = tokio::select! {
-            r = sink.flush() => r.is_ok(),
-            _ = client.killed.cancelled() => false,
+        // The kill token is watched once per batch, not per frame, and only
+        // once the write has to wait for the socket (polled second): watching
+        // it takes a lock, and most batches are written at once.
+        let written = tokio::select! {
+            biased;
+            written = write_batch(&mut sink, batch) => written,
+            _ = client.killed.cancelled() => return send_slow_consumer_close(sink, &client).await,
         };
-        if !flushed {
-            return send_slow_consumer_close(sink, &client).await;
+        match written {
+            BatchWritten::Flushed => {}
+            BatchWritten::Closed => return,
+            BatchWritten::Failed => return send_slow_consumer_close(sink, &client).await,
         }
+    }
+}
+
+/// How writing one batch ended.
+enum BatchWritten {
+    Flushed,
+    /// A close frame was written: nothing may follow it.
+    Closed,
+    /// The socket failed.
+    Failed,
+}
+
+async fn write_batch(sink: &mut SplitSink<Ws, Message>, batch: Vec<Outgoing>) -> BatchWritten {
+    for item in batch {
+        let msg = match item {
+            Outgoing::Event(head, seq) => text_message(head.with_seq(seq)),
+            Outgoing::Frame(bytes) => text_message(bytes),
+            Outgoing::Close(code, reason) => {
+                let frame = CloseFrame {
+                    code: CloseCode::from(code),
+                    reason: Utf8Bytes::from(truncate_reason(&reason)),
+                };
+                let _ = sink.send(Message::Close(Some(frame))).await;
+                return BatchWritten::Closed;
+            }
+        };
+        if sink.feed(msg).await.is_err() {
+            return BatchWritten::Failed;
+        }
+    }
+    match sink.flush().await {
+        Ok(()) => BatchWritten::Flushed,
+        Err(_) => BatchWritten::Failed,
     }
 }
 

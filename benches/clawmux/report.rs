@@ -1,0 +1,402 @@
+//! Prints the run as Markdown tables (ready to paste into BENCHMARKS.md),
+//! the ratios, and the design §10 targets next to what was measured.
+//!
+//! Nothing here asserts a timing. The smoke variant only checks that every
+//! scenario moved data at all (a harness that measures nothing is broken).
+
+use hdrhistogram::Histogram;
+
+use crate::double::Requests;
+use crate::fanout::{PathPhases, Phase};
+use crate::memory::Memory;
+use crate::procfs;
+use crate::Config;
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+pub struct Report {
+    cfg: Config,
+    command: String,
+    /// (target, budget, measured, met)
+    targets: Vec<(String, String, String, bool)>,
+    started: procfs::MachineCpu,
+}
+
+fn micros(ns: u64) -> String {
+    if ns >= 10_000_000 {
+        format!("{:.0} ms", ns as f64 / 1e6)
+    } else if ns >= 1_000_000 {
+        format!("{:.2} ms", ns as f64 / 1e6)
+    } else {
+        format!("{:.0} µs", ns as f64 / 1e3)
+    }
+}
+
+fn pct(h: &Histogram<u64>, q: f64) -> u64 {
+    if h.is_empty() {
+        0
+    } else {
+        h.value_at_quantile(q)
+    }
+}
+
+fn share(p: &Phase, cpu: std::time::Duration) -> String {
+    format!("{:.0} %", p.core_share(cpu) * 100.0)
+}
+
+fn signed_micros(ns: i64) -> String {
+    if ns < 0 {
+        format!("−{}", micros(ns.unsigned_abs()))
+    } else {
+        format!("+{}", micros(ns as u64))
+    }
+}
+
+pub fn count(n: f64) -> String {
+    let n = n.round() as u64;
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+impl Report {
+    pub fn new(cfg: &Config, command: String) -> Report {
+        Report {
+            cfg: cfg.clone(),
+            command,
+            targets: Vec::new(),
+            started: procfs::MachineCpu::take(),
+        }
+    }
+
+    pub fn print_header(&self) {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|t| {
+                t.lines()
+                    .find_map(|l| l.strip_prefix("model name"))
+                    .map(|m| m.trim_start_matches([' ', '\t', ':']).to_owned())
+            })
+            .unwrap_or_else(|| "unknown CPU".into());
+        let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        let commit = std::process::Command::new("git")
+            .args(["rev-parse", "--short", "HEAD"])
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .filter(|c| !c.is_empty())
+            .unwrap_or_else(|| "unknown".into());
+        println!(
+            "# clawmux benchmark{}\n",
+            if self.cfg.smoke {
+                " (smoke variant: tiny, figures meaningless)"
+            } else {
+                ""
+            }
+        );
+        println!("- command: `{}`", self.command);
+        println!(
+            "- date: {}, commit {commit}, {}",
+            chrono::Local::now().format("%Y-%m-%d %H:%M %Z"),
+            if cfg!(debug_assertions) {
+                "debug build"
+            } else {
+                "release build"
+            }
+        );
+        println!("- machine: {cores} cores ({cpu}), Linux {}", kernel.trim());
+        println!("- load average at start: {}", procfs::load_average());
+        println!(
+            "- {} clients, {}-byte events, {:.1} s windows after {:.1} s warmup, window {} events",
+            self.cfg.clients,
+            self.cfg.frame_bytes,
+            self.cfg.measure.as_secs_f64(),
+            self.cfg.warmup.as_secs_f64(),
+            self.cfg.window
+        );
+    }
+
+    fn check_moved(&self, what: &str, phase: &Phase) -> Result<(), String> {
+        if phase.deliveries == 0 {
+            return Err(format!("{what}: nothing was delivered in the window"));
+        }
+        Ok(())
+    }
+
+    /// `paths[i].phases[j]` is path i at offered rate `labels[j]`; the
+    /// first label is the max rate, the last design §10's latency point.
+    pub fn fanout(
+        &mut self,
+        labels: &[String],
+        paths: &[PathPhases],
+        double: &Phase,
+    ) -> Result<(), String> {
+        println!(
+            "\n## Fan-out: 1 source → {} WebSocket clients, {}-byte events\n",
+            self.cfg.clients, self.cfg.frame_bytes
+        );
+        println!("| path | offered | deliveries/s | MB/s | latency p50 | p99 | upstream conns | source CPU | broker CPU | clients CPU | others |");
+        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for (j, label) in labels.iter().enumerate() {
+            for path in paths {
+                let p = &path.phases[j];
+                self.check_moved(path.name, p)?;
+                println!(
+                    "| {} | {label} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {:.2} |",
+                    path.name,
+                    count(p.per_second()),
+                    p.mb_per_second(),
+                    micros(pct(&p.latency, 0.5)),
+                    micros(pct(&p.latency, 0.99)),
+                    match path.upstream_connections {
+                        0 => "–".to_owned(),
+                        n => n.to_string(),
+                    },
+                    share(p, p.gateway_cpu),
+                    if path.name == "broker" {
+                        share(p, p.broker_cpu)
+                    } else {
+                        "–".into()
+                    },
+                    share(p, p.clients_cpu),
+                    p.others,
+                );
+            }
+        }
+        let find = |name: &str| paths.iter().find(|p| p.name.starts_with(name));
+        let (Some(ceiling), Some(broker), Some(direct)) =
+            (find("ceiling"), find("broker"), find("direct"))
+        else {
+            return Ok(());
+        };
+        let clients = self.cfg.clients as f64;
+        // Every path delivers each event to every client: events = deliveries / clients.
+        let source_ns_per_event =
+            |p: &Phase| p.gateway_cpu.as_nanos() as f64 / (p.deliveries as f64 / clients);
+        let (bmax, cmax, dmax) = (&broker.phases[0], &ceiling.phases[0], &direct.phases[0]);
+        println!();
+        println!(
+            "- max rate: broker / ceiling **{:.2}**, broker / direct **{:.2}**",
+            bmax.per_second() / cmax.per_second(),
+            bmax.per_second() / dmax.per_second()
+        );
+        println!(
+            "- source (gateway) CPU per event at max rate: {:.1} µs behind the broker (1 connection), {:.1} µs direct ({} connections): **{:.0}×** less",
+            source_ns_per_event(bmax) / 1e3,
+            source_ns_per_event(dmax) / 1e3,
+            direct.upstream_connections,
+            source_ns_per_event(dmax) / source_ns_per_event(bmax)
+        );
+        println!(
+            "- broker CPU per delivery at max rate: {:.0} ns ({:.0} % of one core for {} deliveries/s)",
+            bmax.broker_cpu.as_nanos() as f64 / bmax.deliveries as f64,
+            bmax.core_share(bmax.broker_cpu) * 100.0,
+            count(bmax.per_second())
+        );
+        for (j, label) in labels.iter().enumerate().skip(1) {
+            let (b, d) = (&broker.phases[j].latency, &direct.phases[j].latency);
+            println!(
+                "- at {label}: latency added by the broker over direct: p50 {}, p99 {}",
+                signed_micros(pct(b, 0.5) as i64 - pct(d, 0.5) as i64),
+                signed_micros(pct(b, 0.99) as i64 - pct(d, 0.99) as i64),
+            );
+        }
+        println!(
+            "- the gateway double itself (`MockGateway::broadcast` → one direct reader): {} events/s at {} of its thread; the broker row at max rate needed {} events/s",
+            count(double.per_second()),
+            share(double, double.gateway_cpu),
+            count(bmax.per_second() / clients),
+        );
+        self.target(
+            "fan-out deliveries/s at 100 clients",
+            "≥ 1,000,000",
+            count(bmax.per_second()),
+            bmax.per_second() >= 1e6,
+        );
+        let last = labels.len() - 1;
+        let (b, d) = (&broker.phases[last].latency, &direct.phases[last].latency);
+        let added99 = pct(b, 0.99) as i64 - pct(d, 0.99) as i64;
+        self.target(
+            &format!("fan-out p99 added over direct at {}", labels[last]),
+            "≤ 2 ms",
+            format!(
+                "{} (source → client p99 {})",
+                signed_micros(added99),
+                micros(pct(b, 0.99))
+            ),
+            added99 <= 2_000_000,
+        );
+        Ok(())
+    }
+
+    pub fn requests(&mut self, through: &Requests, direct: &Requests) -> Result<(), String> {
+        println!(
+            "\n## Requests: {} clients, one `health` in flight each (closed loop), gateway double\n",
+            self.cfg.request_clients
+        );
+        println!(
+            "| path | round trips/s | p50 | p99 | double CPU | broker CPU | clients CPU | errors | others |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for (path, r) in [("broker", through), ("direct (TCP)", direct)] {
+            self.check_moved(path, &r.phase)?;
+            if self.cfg.smoke && r.errors > 0 {
+                return Err(format!("{path}: {} requests failed", r.errors));
+            }
+            let p = &r.phase;
+            println!(
+                "| {path} | {} | {} | {} | {} | {} | {} | {} | {:.2} |",
+                count(p.per_second()),
+                micros(pct(&p.latency, 0.5)),
+                micros(pct(&p.latency, 0.99)),
+                share(p, p.gateway_cpu),
+                if path == "broker" {
+                    share(p, p.broker_cpu)
+                } else {
+                    "–".into()
+                },
+                share(p, p.clients_cpu),
+                r.errors,
+                p.others
+            );
+        }
+        let added50 =
+            pct(&through.phase.latency, 0.5).saturating_sub(pct(&direct.phase.latency, 0.5));
+        let added99 =
+            pct(&through.phase.latency, 0.99).saturating_sub(pct(&direct.phase.latency, 0.99));
+        println!(
+            "\n- broker / direct round trips/s: **{:.2}**; added latency p50 {}, p99 {}",
+            through.phase.per_second() / direct.phase.per_second(),
+            micros(added50),
+            micros(added99)
+        );
+        self.target(
+            "round trips/s through the broker, 10 clients",
+            "≥ 50,000",
+            count(through.phase.per_second()),
+            through.phase.per_second() >= 50_000.0,
+        );
+        self.target(
+            "added p50 per request",
+            "≤ 100 µs",
+            micros(added50),
+            added50 <= 100_000,
+        );
+        Ok(())
+    }
+
+    pub fn memory(&mut self, m: &Memory) -> Result<(), String> {
+        println!("\n## Memory (`clawmux serve` as a child process) and slow-client isolation\n");
+        println!("| measure | value |");
+        println!("|---|---:|");
+        println!(
+            "| idle broker RSS (upstream ready, no clients) | {:.1} MiB |",
+            m.idle_rss as f64 / MIB
+        );
+        println!(
+            "| RSS with {} idle clients | {:.1} MiB |",
+            m.idle_clients,
+            m.rss_with_idle_clients as f64 / MIB
+        );
+        println!(
+            "| per idle client | {:.1} KiB |",
+            m.per_idle_client() / 1024.0
+        );
+        println!(
+            "| RSS after they left | {:.1} MiB |",
+            m.rss_after_clients_left as f64 / MIB
+        );
+        let healthy = self.cfg.clients.saturating_sub(1).max(1);
+        for (what, w) in [
+            (format!("{healthy} readers"), &m.reference),
+            (
+                format!("{healthy} readers + 1 that never reads"),
+                &m.stalled,
+            ),
+        ] {
+            self.check_moved(&what, &w.phase)?;
+            println!(
+                "| full fan-out, {what}: RSS max | {:.1} MiB |",
+                w.max_rss as f64 / MIB
+            );
+            println!(
+                "| full fan-out, {what}: healthy deliveries/s (broker CPU) | {} ({:.0} %) |",
+                count(w.phase.per_second()),
+                w.broker_core_share * 100.0
+            );
+        }
+        match m.stalled.first_close_after {
+            Some(t) => println!(
+                "| the reader that never reads: closed `1008 slow consumer` after | {:.1} s |",
+                t.as_secs_f64()
+            ),
+            None => println!("| the reader that never reads: closed | not within the phase |"),
+        }
+        let ratio = m.stalled.phase.per_second() / m.reference.phase.per_second();
+        println!("\n- isolation: healthy readers' throughput with / without the stalled client, whole window: **{ratio:.2}**");
+        let attached = m
+            .stalled
+            .rate_while_attached
+            .map(|r| r / m.reference.phase.per_second());
+        if let Some(a) = attached {
+            println!("- the same while the stalled client was still attached (before its close): **{a:.2}**");
+        }
+        self.target(
+            "idle broker RSS",
+            "≤ 16 MiB",
+            format!("{:.1} MiB", m.idle_rss as f64 / MIB),
+            m.idle_rss as f64 <= 16.0 * MIB,
+        );
+        self.target(
+            "RSS per idle client",
+            "≤ 64 KiB",
+            format!("{:.1} KiB", m.per_idle_client() / 1024.0),
+            m.per_idle_client() <= 64.0 * 1024.0,
+        );
+        let worst = attached.map_or(ratio, |a| a.min(ratio));
+        self.target(
+            "isolation: throughput with / without a stalled client",
+            "≥ 0.95",
+            format!("{worst:.2}"),
+            worst >= 0.95,
+        );
+        self.target(
+            "RSS with a stalled client under full fan-out",
+            "bounded",
+            format!("{:.1} MiB max", m.stalled.max_rss as f64 / MIB),
+            m.stalled.slow_closes > 0 || m.stalled.max_rss < m.reference.max_rss + (16 << 20),
+        );
+        Ok(())
+    }
+
+    fn target(&mut self, what: &str, budget: &str, measured: String, met: bool) {
+        self.targets
+            .push((what.to_owned(), budget.to_owned(), measured, met));
+    }
+
+    pub fn print_targets(&self) {
+        if !self.targets.is_empty() {
+            println!("\n## Design §10 targets\n");
+            println!("| target | budget | measured | |");
+            println!("|---|---|---:|---|");
+            for (what, budget, measured, met) in &self.targets {
+                println!(
+                    "| {what} | {budget} | {measured} | {} |",
+                    if *met { "met" } else { "**missed**" }
+                );
+            }
+        }
+        println!("\n- load average at the end: {}", procfs::load_average());
+        println!(
+            "- other processes on the machine used {:.2} cores on average during the run",
+            procfs::MachineCpu::take().others_since(&self.started)
+        );
+    }
+}
