@@ -387,7 +387,7 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
     } else if let Some(p) = env.get("CLAWMUX_GATEWAY_TOKEN_FILE").map(|p| env.expand(p)) {
         token = Some((token_from_file(&p, &mut warnings)?, Source::File(p)));
     } else if let Some(dir) = env.get("CREDENTIALS_DIRECTORY") {
-        let p = Path::new(dir).join("gateway-token");
+        let p = Path::new(dir).join(crate::systemd::TOKEN_CREDENTIAL);
         if p.exists() {
             token = Some((token_from_file(&p, &mut warnings)?, Source::File(p)));
         }

@@ -9,7 +9,6 @@
 
 use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,7 +17,6 @@ use sd_notify::NotifyState;
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::Ctx;
-use crate::config::{self, Secret};
 use crate::upstream::{Phase, Status};
 
 /// The `LoadCredential=` name the unit uses for the gateway token; clawmux
@@ -141,20 +139,6 @@ fn check_unix_listener(fd: impl AsFd) -> Result<(), String> {
         return Err("not listening (Accept=yes passes connections, not the listener)".into());
     }
     Ok(())
-}
-
-/// The gateway token from `$CREDENTIALS_DIRECTORY/gateway-token`
-/// (`LoadCredential=gateway-token:…` in the unit), if systemd provided one.
-/// The error names the file, never its contents.
-pub fn credential_token() -> Result<Option<Secret>, String> {
-    let Some(dir) = std::env::var_os("CREDENTIALS_DIRECTORY") else {
-        return Ok(None);
-    };
-    let path = Path::new(&dir).join(TOKEN_CREDENTIAL);
-    match std::fs::symlink_metadata(&path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        _ => config::read_token_file(&path).map(Some),
-    }
 }
 
 /// The `STATUS=` line: the upstream phase (with the error code or the server
@@ -298,12 +282,7 @@ mod tests {
         Status {
             phase,
             epoch: 1,
-            hello: None,
-            last_error: None,
-            retry_at: None,
-            reconnects: 0,
-            awaiting_credential: false,
-            device_id: None,
+            ..Status::initial()
         }
     }
 

@@ -134,6 +134,23 @@ fn private_dir() -> tempfile::TempDir {
     dir
 }
 
+/// `clawmux serve --socket SOCKET` reporting to `notify`.
+fn serve_command(socket: &Path, notify: &NotifySocket) -> Command {
+    let mut cmd = clawmux_command(BIN);
+    cmd.arg("serve")
+        .arg("--socket")
+        .arg(socket)
+        .env(notify.env().0, notify.env().1);
+    cmd
+}
+
+/// Spawns the broker and waits for its `READY=1`.
+async fn spawn_ready(cmd: &mut Command, notify: &mut NotifySocket) -> ChildGuard {
+    let broker = ChildGuard(cmd.spawn().unwrap());
+    notify.wait_for("READY=1", |l| l == "READY=1").await;
+    broker
+}
+
 #[tokio::test]
 async fn socket_activation_serves_on_the_passed_socket_and_never_unlinks_it() {
     let gw = MockGateway::start(mock_config()).await.unwrap();
@@ -220,16 +237,11 @@ async fn notify_protocol_ready_status_watchdog_stopping() {
     let dir = private_dir();
     let socket = dir.path().join("c.sock");
     let mut notify = NotifySocket::bind(dir.path());
-    let mut cmd = clawmux_command(BIN);
-    cmd.arg("serve")
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--gateway-url", &gw.url()])
+    let mut cmd = serve_command(&socket, &notify);
+    cmd.args(["--gateway-url", &gw.url()])
         .env("CLAWMUX_GATEWAY_TOKEN", "test-token")
-        .env(notify.env().0, notify.env().1)
         .env("WATCHDOG_USEC", "200000");
-    let mut broker = ChildGuard(cmd.spawn().unwrap());
-    notify.wait_for("READY=1", |l| l == "READY=1").await;
+    let mut broker = spawn_ready(&mut cmd, &mut notify).await;
     assert_eq!(notify.lines[0], "READY=1", "READY=1 comes first");
     assert!(
         notify.lines.iter().any(|l| l.starts_with("STATUS=")),
@@ -271,15 +283,10 @@ async fn ready_does_not_wait_for_the_gateway() {
     let dir = private_dir();
     let socket = dir.path().join("c.sock");
     let mut notify = NotifySocket::bind(dir.path());
-    let mut cmd = clawmux_command(BIN);
-    cmd.arg("serve")
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--gateway-url", &url])
-        .env("CLAWMUX_GATEWAY_TOKEN", "test-token")
-        .env(notify.env().0, notify.env().1);
-    let mut broker = ChildGuard(cmd.spawn().unwrap());
-    notify.wait_for("READY=1", |l| l == "READY=1").await;
+    let mut cmd = serve_command(&socket, &notify);
+    cmd.args(["--gateway-url", &url])
+        .env("CLAWMUX_GATEWAY_TOKEN", "test-token");
+    let mut broker = spawn_ready(&mut cmd, &mut notify).await;
     let status = notify
         .lines
         .iter()
@@ -318,16 +325,11 @@ async fn sigterm_with_a_client_that_never_reads_exits_within_the_deadline() {
     let dir = private_dir();
     let socket = dir.path().join("c.sock");
     let mut notify = NotifySocket::bind(dir.path());
-    let mut cmd = clawmux_command(BIN);
-    cmd.arg("serve")
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--gateway-url", &gw.url(), "--shutdown-timeout", "1"])
+    let mut cmd = serve_command(&socket, &notify);
+    cmd.args(["--gateway-url", &gw.url(), "--shutdown-timeout", "1"])
         .env("CLAWMUX_GATEWAY_TOKEN", "test-token")
-        .env(notify.env().0, notify.env().1)
         .stderr(Stdio::piped());
-    let mut broker = ChildGuard(cmd.spawn().unwrap());
-    notify.wait_for("READY=1", |l| l == "READY=1").await;
+    let mut broker = spawn_ready(&mut cmd, &mut notify).await;
     let (mut reader, _) = {
         let mut c = WsClient::open(&socket, "/ws").await;
         let hello = c.handshake().await;
@@ -373,15 +375,10 @@ async fn a_second_signal_during_shutdown_forces_exit_3() {
     let dir = private_dir();
     let socket = dir.path().join("c.sock");
     let mut notify = NotifySocket::bind(dir.path());
-    let mut cmd = clawmux_command(BIN);
-    cmd.arg("serve")
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--gateway-url", &gw.url(), "--shutdown-timeout", "60"])
-        .env("CLAWMUX_GATEWAY_TOKEN", "test-token")
-        .env(notify.env().0, notify.env().1);
-    let mut broker = ChildGuard(cmd.spawn().unwrap());
-    notify.wait_for("READY=1", |l| l == "READY=1").await;
+    let mut cmd = serve_command(&socket, &notify);
+    cmd.args(["--gateway-url", &gw.url(), "--shutdown-timeout", "60"])
+        .env("CLAWMUX_GATEWAY_TOKEN", "test-token");
+    let mut broker = spawn_ready(&mut cmd, &mut notify).await;
     let mut reader = WsClient::open(&socket, "/ws").await;
     reader.handshake().await;
     let mut stuck = WsClient::open(&socket, "/ws").await;
@@ -437,15 +434,10 @@ async fn the_token_comes_from_the_load_credential_directory() {
     std::fs::write(creds.join("gateway-token"), "test-token\n").unwrap();
     let socket = dir.path().join("c.sock");
     let mut notify = NotifySocket::bind(dir.path());
-    let mut cmd = clawmux_command(BIN);
-    cmd.arg("serve")
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--gateway-url", &gw.url()])
-        .env("CREDENTIALS_DIRECTORY", &creds)
-        .env(notify.env().0, notify.env().1);
-    let mut broker = ChildGuard(cmd.spawn().unwrap());
-    notify.wait_for("READY=1", |l| l == "READY=1").await;
+    let mut cmd = serve_command(&socket, &notify);
+    cmd.args(["--gateway-url", &gw.url()])
+        .env("CREDENTIALS_DIRECTORY", &creds);
+    let mut broker = spawn_ready(&mut cmd, &mut notify).await;
     let mut c = WsClient::open(&socket, "/ws").await;
     assert_eq!(c.handshake().await["type"], "hello-ok");
     sigterm(&broker.0);
@@ -457,14 +449,9 @@ async fn the_token_comes_from_the_load_credential_directory() {
     drop(notify);
     let _ = std::fs::remove_file(dir.path().join("notify"));
     let mut notify = NotifySocket::bind(dir.path());
-    let mut cmd = clawmux_command(BIN);
-    cmd.arg("serve")
-        .arg("--socket")
-        .arg(&socket)
-        .env("CREDENTIALS_DIRECTORY", &creds)
-        .env(notify.env().0, notify.env().1);
-    let mut broker = ChildGuard(cmd.spawn().unwrap());
-    notify.wait_for("READY=1", |l| l == "READY=1").await;
+    let mut cmd = serve_command(&socket, &notify);
+    cmd.env("CREDENTIALS_DIRECTORY", &creds);
+    let mut broker = spawn_ready(&mut cmd, &mut notify).await;
     let mut c = WsClient::open(&socket, "/ws").await;
     c.recv_json().await;
     c.send_json(&connect_frame("c1")).await;

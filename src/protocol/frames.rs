@@ -119,16 +119,7 @@ impl ConnectRequest {
             .and_then(Value::as_str)
             .map(str::to_owned);
         let auth = p.get("auth").filter(|a| a.is_object()).cloned();
-        let scopes = p
-            .get("scopes")
-            .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .filter_map(Value::as_str)
-                    .map(str::to_owned)
-                    .collect()
-            })
-            .unwrap_or_default();
+        let scopes = string_array(p.get("scopes")).unwrap_or_default();
         Ok(ConnectParams {
             scopes,
             min_protocol,
@@ -138,6 +129,18 @@ impl ConnectRequest {
             auth,
         })
     }
+}
+
+/// The strings of a JSON array (e.g. `scopes`); `None` when it is not an array.
+pub fn string_array(value: Option<&Value>) -> Option<Vec<String>> {
+    let items = value?.as_array()?;
+    Some(
+        items
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::to_owned)
+            .collect(),
+    )
 }
 
 /// A request frame as the gateway's closed `req` schema defines it.

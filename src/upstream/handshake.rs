@@ -13,6 +13,7 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 use super::identity::{ConnectProof, DeviceIdentity};
 use super::{UpstreamHello, REQUESTED_SCOPES};
 use crate::config::Secret;
+use crate::protocol::frames::string_array;
 use crate::protocol::{now_ms, ErrorShape, StudioCode, PROTOCOL_MAX, PROTOCOL_MIN};
 
 pub(super) type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
@@ -285,15 +286,7 @@ pub(super) fn parse_hello(mut payload: Value) -> (UpstreamHello, Option<MintedTo
         .and_then(Value::as_str)
         .unwrap_or("unknown")
         .to_owned();
-    let granted: Option<Vec<String>> = payload
-        .pointer("/auth/scopes")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_str)
-                .map(str::to_owned)
-                .collect()
-        });
+    let granted = string_array(payload.pointer("/auth/scopes"));
     let scopes =
         granted.unwrap_or_else(|| REQUESTED_SCOPES.iter().map(|s| s.to_string()).collect());
     let lost_scopes = REQUESTED_SCOPES

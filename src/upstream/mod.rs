@@ -119,7 +119,8 @@ pub struct Status {
 }
 
 impl Status {
-    fn initial() -> Self {
+    /// The status before the first attempt.
+    pub(crate) fn initial() -> Self {
         Status {
             phase: Phase::Connecting,
             epoch: 0,

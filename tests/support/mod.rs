@@ -166,22 +166,9 @@ impl WsClient {
     }
 
     pub async fn recv(&mut self) -> Got {
-        loop {
-            let msg = tokio::time::timeout(PATIENCE, self.ws.next())
-                .await
-                .expect("a frame within the patience window");
-            return match msg {
-                Some(Ok(Message::Text(t))) => {
-                    Got::Json(serde_json::from_str(t.as_str()).expect("broker sends JSON"))
-                }
-                Some(Ok(Message::Close(f))) => match f {
-                    Some(f) => Got::Close(u16::from(f.code), f.reason.as_str().to_owned()),
-                    None => Got::Close(1005, String::new()),
-                },
-                Some(Ok(_)) => continue,
-                Some(Err(_)) | None => Got::Eof,
-            };
-        }
+        self.recv_within(PATIENCE)
+            .await
+            .expect("a frame within the patience window")
     }
 
     /// Like [`recv`](Self::recv) with a chosen patience; `None` when
