@@ -224,8 +224,3 @@ async fn sweep_deadlines(ctx: Arc<Ctx>) {
         }
     }
 }
-
-/// The socket path for tests and tools that did not choose one.
-pub fn socket_path_or_default(path: Option<PathBuf>) -> PathBuf {
-    path.unwrap_or_else(crate::config::default_socket_path)
-}
