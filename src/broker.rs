@@ -9,10 +9,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Settings;
-use crate::driver::Driver;
+use crate::dispatch::Dispatcher;
 use crate::hub::{Hub, QueueLimits, ReplayLimits};
 use crate::local::socket::{self, SocketError, SocketGuard};
 use crate::router::Router;
+use crate::sharing::Sharing;
 use crate::upstream::Upstream;
 
 /// What every task of a running broker shares.
@@ -21,14 +22,84 @@ pub struct Ctx {
     pub settings: Settings,
     pub hub: Arc<Hub>,
     pub router: Arc<Router>,
-    pub driver: Arc<Driver>,
+    pub sharing: Arc<Sharing>,
+    /// The one path every request takes upstream.
+    pub dispatcher: Arc<Dispatcher>,
     pub upstream: Upstream,
+    /// Local WebSocket clients still before their `connect` is answered; a
+    /// client over [`MAX_HANDSHAKES`] is closed `1013` at once.
+    pub handshakes: Arc<tokio::sync::Semaphore>,
     /// Other uids (besides the broker's own) allowed to connect.
     pub allowed_uids: Vec<u32>,
     /// Cancelled at shutdown: every task reaches a safe point and ends.
     pub cancel: CancellationToken,
     /// Every connection and session task, so shutdown can wait for them.
     pub tracker: TaskTracker,
+}
+
+/// Local WebSocket clients that may be in their handshake (before `hello-ok`)
+/// at once; one more is closed `1013 try again later` at once. A handshake
+/// holds a task and up to `preconnect_max_bytes` for up to `connect_timeout`
+/// (plus `connect_wait`), so this bounds what unauthenticated-protocol
+/// clients (all of the broker's own uid) can hold.
+pub const MAX_HANDSHAKES: usize = 128;
+
+/// The broker's core: everything between the local side and the gateway.
+pub struct Core {
+    pub hub: Arc<Hub>,
+    pub router: Arc<Router>,
+    pub sharing: Arc<Sharing>,
+    pub dispatcher: Arc<Dispatcher>,
+    pub upstream: Upstream,
+    pub upstream_task: tokio::task::JoinHandle<()>,
+}
+
+impl Core {
+    /// Builds the core and starts the connector (it stops at `cancel`).
+    pub fn start(settings: &Settings, cancel: CancellationToken) -> Core {
+        let limits = &settings.limits;
+        let hub = Arc::new(Hub::new(
+            QueueLimits {
+                soft_bytes: limits.queue_soft_bytes,
+                hard_bytes: limits.queue_hard_bytes,
+                grace: limits.slow_grace,
+            },
+            limits.max_clients,
+        ));
+        hub.set_replay_limits(ReplayLimits {
+            max_events: limits.replay_max_events,
+            max_bytes: limits.replay_max_bytes,
+        });
+        let router = Arc::new(Router::new(
+            limits.request_timeout,
+            limits.run_timeout,
+            limits.max_inflight,
+        ));
+        let sharing = Arc::new(Sharing::new());
+        let (upstream, seed) = Upstream::new(settings);
+        let dispatcher = Arc::new(Dispatcher::new(
+            Arc::clone(&hub),
+            Arc::clone(&router),
+            Arc::clone(&sharing),
+            upstream.clone(),
+        ));
+        let upstream_task = seed.spawn(
+            settings,
+            Arc::clone(&hub),
+            Arc::clone(&router),
+            Arc::clone(&sharing),
+            Arc::clone(&dispatcher),
+            cancel,
+        );
+        Core {
+            hub,
+            router,
+            sharing,
+            dispatcher,
+            upstream,
+            upstream_task,
+        }
+    }
 }
 
 /// How often pending requests are checked against their deadlines.
@@ -91,43 +162,29 @@ impl RunningBroker {
         listener: tokio::net::UnixListener,
         guard: SocketGuard,
     ) -> RunningBroker {
-        let limits = &settings.limits;
-        let hub = Arc::new(Hub::new(
-            QueueLimits {
-                soft_bytes: limits.queue_soft_bytes,
-                hard_bytes: limits.queue_hard_bytes,
-                grace: limits.slow_grace,
-            },
-            limits.max_clients,
-        ));
-        hub.set_replay_limits(ReplayLimits {
-            max_events: limits.replay_max_events,
-            max_bytes: limits.replay_max_bytes,
-        });
-        let router = Arc::new(Router::new(
-            limits.request_timeout,
-            limits.run_timeout,
-            limits.max_inflight,
-        ));
         let cancel = CancellationToken::new();
-        let driver = Arc::new(Driver::new());
-        let (upstream, upstream_task) = Upstream::spawn(
-            &settings,
-            Arc::clone(&hub),
-            Arc::clone(&router),
-            Arc::clone(&driver),
-            cancel.child_token(),
-        );
+        let Core {
+            hub,
+            router,
+            sharing,
+            dispatcher,
+            upstream,
+            upstream_task,
+        } = Core::start(&settings, cancel.child_token());
         let ctx = Arc::new(Ctx {
             settings,
             hub,
             router,
-            driver,
+            sharing,
+            dispatcher,
             upstream,
+            handshakes: Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES)),
             allowed_uids: Vec::new(),
             cancel,
             tracker: TaskTracker::new(),
         });
+        ctx.tracker
+            .spawn(Arc::clone(&ctx.dispatcher).drain_own_answers(ctx.cancel.clone()));
         ctx.tracker.spawn(sweep_deadlines(Arc::clone(&ctx)));
         let accept_stop = ctx.cancel.child_token();
         let accept_task = ctx.tracker.spawn(crate::local::accept_loop(

@@ -129,6 +129,14 @@ pub struct UpstreamOptions {
     /// Reconnect delay ceiling; also the delay after a rejected connect
     /// (auth, pairing), so a wrong token never becomes a tight loop. Default 30 s.
     pub backoff_max: Duration,
+    /// A write to the gateway that does not complete within this ends the
+    /// session (the broker reconnects): a gateway that stops reading must not
+    /// freeze the broker. Default 10 s.
+    pub write_timeout: Duration,
+    /// Largest frame accepted from the gateway; a larger one ends the session
+    /// (reconnect). Default 50 MiB: twice the gateway's own `maxPayload`
+    /// (25 MiB), since an event wraps a payload that was itself that large.
+    pub max_frame_bytes: usize,
     /// The state dir holding the broker's device key and the device tokens
     /// gateways minted for it (created 0700, files 0600). `None` turns
     /// device identity off (`--no-device-identity`): the broker connects
@@ -142,6 +150,8 @@ impl Default for UpstreamOptions {
             handshake_timeout: Duration::from_secs(10),
             backoff_initial: Duration::from_secs(1),
             backoff_max: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(10),
+            max_frame_bytes: 50 * 1024 * 1024,
             device_identity: default_state_dir(),
         }
     }

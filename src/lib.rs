@@ -14,16 +14,23 @@
 //! - [`upstream`]: the one gateway session — connect, challenge, token
 //!   injection, the broker's signed device identity (key and device tokens in
 //!   a private state dir), phases, reconnect with backoff and a silence
-//!   watchdog; requests are tagged with the session *epoch* they were sent on.
+//!   watchdog; a reader and a separate writer, so a gateway that stops
+//!   reading cannot freeze the broker; requests are tagged with the session
+//!   *generation* they were sent on.
 //! - [`hub`]: the client registry and fan-out; an event is encoded once and its
 //!   bytes shared, only the per-client `seq` differs; per-client byte-counted
 //!   queues decide drops and slow-consumer closes; the replay ring gives every
 //!   event a broker-wide cursor for HTTP clients to resume from.
+//! - [`dispatch`]: the one path every request takes upstream (WebSocket
+//!   clients, `/v1/rpc`, the broker's own requests), with the same caps and
+//!   metrics; a client's [`dispatch::Registration`] owns its lifecycle and
+//!   releases everything it holds at once.
 //! - [`router`]: request-id rewriting and the pending table (deadlines, `agent`'s
 //!   two answers, failing everything when a session is lost).
-//! - [`driver`]: what the broker decides itself because gateway state is
-//!   per connection: reference-counted subscriptions, targeted events, run
-//!   ownership (tool events, `chat.abort`), node-only refusals.
+//! - [`sharing`]: the gateway's per-connection state shared by many clients:
+//!   reference-counted subscriptions (changes decided and queued in one
+//!   ordered place), run ownership (tool events, `chat.abort`), who receives
+//!   each event.
 //! - [`local`]: the unix listener (peer uid check), HTTP routes, and WebSocket
 //!   sessions with connect enforcement and the synthesized `hello-ok`; the
 //!   HTTP API: `/v1/state` (snapshot + cursor), `/v1/events` (SSE replay
@@ -44,7 +51,7 @@
 pub mod broker;
 pub mod cli;
 pub mod config;
-pub mod driver;
+pub mod dispatch;
 pub mod hub;
 pub mod install;
 pub mod lifecycle;
@@ -54,6 +61,7 @@ pub mod mock;
 pub mod protocol;
 pub mod router;
 pub mod settings;
+pub mod sharing;
 pub mod systemd;
 pub mod upstream;
 

@@ -3,7 +3,9 @@
 //!
 //! The table is keyed by upstream id. An entry lives until the final answer
 //! (`agent` answers twice), its deadline, the loss of the upstream session it
-//! was sent on (its *epoch*), or its client's disconnect — whichever is first.
+//! was sent on (its *generation*), or its requester's departure — whichever
+//! is first. Each [`Member`] lists its own pending ids, so a departure costs
+//! what that requester holds, not a scan of the table.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -12,19 +14,30 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 use serde_json::value::RawValue;
 
-use crate::driver::Settle;
-use crate::hub::Client;
+use crate::dispatch::Member;
 use crate::metrics::{Outcome, RequestMetrics};
 use crate::protocol::frames::{encode_res, encode_res_error, payload_status};
 use crate::protocol::{ErrorShape, StudioCode};
 
+/// Runs once with a forwarded request's outcome (`true`: its final answer
+/// was `ok`), so what was recorded for it can be confirmed or undone.
+pub type Settle = Box<dyn FnOnce(bool) + Send + Sync>;
+
+/// `now + d`, or a far-off instant when that does not fit (an absurd
+/// configured timeout must not panic a task).
+pub fn deadline_after(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
 /// One request waiting for its upstream answer.
 struct Pending {
-    client: Arc<Client>,
+    member: Arc<Member>,
     local_id: String,
     method: String,
-    /// The upstream session the request was sent on.
-    epoch: u64,
+    /// The upstream session generation the request was sent on.
+    generation: u64,
     deadline: Instant,
     /// Undoes what the driver recorded if the request does not succeed.
     settle: Option<Settle>,
@@ -35,10 +48,10 @@ struct Pending {
 impl std::fmt::Debug for Pending {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pending")
-            .field("client", &self.client.id)
+            .field("client", &self.member.client.id)
             .field("local_id", &self.local_id)
             .field("method", &self.method)
-            .field("epoch", &self.epoch)
+            .field("generation", &self.generation)
             .finish()
     }
 }
@@ -46,11 +59,11 @@ impl std::fmt::Debug for Pending {
 impl Pending {
     /// Releases the client's in-flight slot and tells the driver whether
     /// the request succeeded (it confirms or undoes what it recorded).
-    fn settle(mut self, ok: bool) -> Self {
+    fn settle(mut self, upstream_id: &str, ok: bool) -> Self {
         if let Some(settle) = self.settle.take() {
             settle(ok);
         }
-        self.client.inflight.fetch_sub(1, Ordering::AcqRel);
+        self.member.release_slot(upstream_id);
         self
     }
 }
@@ -80,39 +93,39 @@ impl Router {
     }
 
     /// Records a request and returns the id to send upstream, or the error
-    /// to answer the client with (too many requests in flight).
+    /// to answer the client with (too many requests in flight; `settle` is
+    /// then dropped without running).
     pub fn register(
         &self,
-        client: &Arc<Client>,
+        member: &Arc<Member>,
         local_id: &str,
         method: &str,
-        epoch: u64,
+        generation: u64,
         settle: Option<Settle>,
     ) -> Result<String, ErrorShape> {
-        let inflight = client.inflight.fetch_add(1, Ordering::AcqRel);
-        if inflight >= self.max_inflight {
-            client.inflight.fetch_sub(1, Ordering::AcqRel);
-            if let Some(settle) = settle {
-                settle(false);
-            }
+        let upstream_id = format!("cm-{}", self.next_id.fetch_add(1, Ordering::Relaxed));
+        if !member.take_slot(&upstream_id, self.max_inflight) {
+            // Never registered: the caller undoes what it recorded (it may
+            // hold a lock the settle would take).
+            drop(settle);
             self.metrics.record(method, Outcome::Rejected, None);
             return Err(ErrorShape::studio(
                 StudioCode::TooManyRequests,
                 format!(
-                    "this client already has {} requests in flight; wait for answers before sending more",
+                    "{} already has {} requests in flight; wait for answers before sending more",
+                    member.budget_name(),
                     self.max_inflight
                 ),
             ));
         }
-        let upstream_id = format!("cm-{}", self.next_id.fetch_add(1, Ordering::Relaxed));
         self.pending.insert(
             upstream_id.clone(),
             Pending {
-                client: Arc::clone(client),
+                member: Arc::clone(member),
                 local_id: local_id.to_owned(),
                 method: method.to_owned(),
-                epoch,
-                deadline: Instant::now() + self.request_timeout,
+                generation,
+                deadline: deadline_after(self.request_timeout),
                 settle,
                 started: Instant::now(),
             },
@@ -136,8 +149,9 @@ impl Router {
                 return false;
             };
             if entry.method == "agent" {
-                entry.deadline = Instant::now() + self.run_timeout;
+                entry.deadline = deadline_after(self.run_timeout);
                 entry
+                    .member
                     .client
                     .push_frame(encode_res(&entry.local_id, ok, payload, error));
                 return true;
@@ -146,11 +160,12 @@ impl Router {
         let Some((_, p)) = self.pending.remove(upstream_id) else {
             return false;
         };
-        let p = p.settle(ok);
+        let p = p.settle(upstream_id, ok);
         let outcome = if ok { Outcome::Ok } else { Outcome::Error };
         self.metrics
             .record(&p.method, outcome, Some(p.started.elapsed()));
-        p.client
+        p.member
+            .client
             .push_frame(encode_res(&p.local_id, ok, payload, error));
         true
     }
@@ -158,13 +173,13 @@ impl Router {
     /// Fails one request (e.g. it could not be sent) with `error`.
     pub fn fail(&self, upstream_id: &str, error: &ErrorShape) {
         if let Some((_, p)) = self.pending.remove(upstream_id) {
-            self.answer_error(p, error);
+            self.answer_error(upstream_id, p, error);
         }
     }
 
-    /// Fails every request sent on upstream session `epoch` (it is gone).
-    pub fn fail_epoch(&self, epoch: u64, error: &ErrorShape) -> usize {
-        self.fail_where(|p| p.epoch == epoch, |_| error.clone())
+    /// Fails every request sent on upstream session `generation` (it is gone).
+    pub fn fail_generation(&self, generation: u64, error: &ErrorShape) -> usize {
+        self.fail_where(|p| p.generation == generation, |_| error.clone())
     }
 
     /// Answers every request past its deadline with `studio.request_timeout`.
@@ -180,15 +195,14 @@ impl Router {
         )
     }
 
-    /// Drops every entry of a disconnected client (their answers are discarded).
-    pub fn forget_client(&self, client_id: u64) {
-        self.pending.retain(|_, p| {
-            let keep = p.client.id != client_id;
-            if !keep {
-                p.client.inflight.fetch_sub(1, Ordering::AcqRel);
+    /// Drops every entry of a requester that left (their answers are
+    /// discarded, what was recorded for them undone). Costs what it holds.
+    pub fn forget(&self, member: &Member) {
+        for id in member.pending_ids() {
+            if let Some((_, p)) = self.pending.remove(&id) {
+                let _ = p.settle(&id, false);
             }
-            keep
-        });
+        }
     }
 
     /// Requests waiting for an answer, broker-wide.
@@ -211,41 +225,44 @@ impl Router {
         for id in ids {
             if let Some((_, p)) = self.pending.remove(&id) {
                 let e = error(&p);
-                self.answer_error(p, &e);
+                self.answer_error(&id, p, &e);
                 n += 1;
             }
         }
         n
     }
 
-    fn answer_error(&self, p: Pending, error: &ErrorShape) {
-        let p = p.settle(false);
+    fn answer_error(&self, upstream_id: &str, p: Pending, error: &ErrorShape) {
+        let p = p.settle(upstream_id, false);
         let outcome = Outcome::of_studio_code(&error.code);
         self.metrics
             .record(&p.method, outcome, Some(p.started.elapsed()));
-        p.client.push_frame(encode_res_error(&p.local_id, error));
+        p.member
+            .client
+            .push_frame(encode_res_error(&p.local_id, error));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hub::{Outgoing, QueueLimits};
+    use crate::hub::{Client, Outgoing, QueueLimits};
     use serde_json::Value;
 
-    fn client(id: u64) -> Arc<Client> {
-        Arc::new(Client::new(
+    fn client(id: u64) -> Arc<Member> {
+        Arc::new(Member::new(Arc::new(Client::new(
             id,
             QueueLimits {
                 soft_bytes: 1 << 20,
                 hard_bytes: 1 << 22,
                 grace: Duration::from_secs(10),
             },
-        ))
+        ))))
     }
 
-    async fn frames(c: &Client) -> Vec<Value> {
-        c.next_batch()
+    async fn frames(m: &Member) -> Vec<Value> {
+        m.client
+            .next_batch()
             .await
             .into_iter()
             .map(|o| match o {
@@ -275,7 +292,7 @@ mod tests {
             (fb[0]["id"].as_str(), fb[0]["payload"]["who"].as_str()),
             (Some("1"), Some("b"))
         );
-        assert_eq!(a.inflight.load(Ordering::Relaxed), 0);
+        assert_eq!(a.inflight(), 0);
     }
 
     #[tokio::test]
@@ -298,13 +315,13 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn epoch_loss_deadline_and_disconnect() {
+    async fn session_loss_deadline_and_departure() {
         let r = Router::new(Duration::from_millis(0), Duration::from_secs(60), 8);
         let a = client(1);
         let u1 = r.register(&a, "1", "status", 1, None).unwrap();
         let _u2 = r.register(&a, "2", "status", 2, None).unwrap();
         let closed = ErrorShape::studio(StudioCode::UpstreamClosed, "gone");
-        assert_eq!(r.fail_epoch(1, &closed), 1);
+        assert_eq!(r.fail_generation(1, &closed), 1);
         assert!(!r.complete(&u1, true, None, None));
         assert_eq!(r.expire(Instant::now()), 1);
         let f = frames(&a).await;
@@ -312,8 +329,11 @@ mod tests {
         assert_eq!(f[1]["error"]["code"], "studio.request_timeout");
         let b = client(2);
         r.register(&b, "1", "status", 3, None).unwrap();
-        r.forget_client(2);
+        r.register(&b, "2", "status", 3, None).unwrap();
+        assert_eq!(b.inflight(), 2);
+        r.forget(&b);
         assert_eq!(r.pending_count(), 0);
+        assert_eq!(b.inflight(), 0, "a departure gives its slots back");
     }
 
     #[tokio::test]

@@ -281,7 +281,7 @@ mod tests {
     fn status(phase: Phase) -> Status {
         Status {
             phase,
-            epoch: 1,
+            generation: 1,
             ..Status::initial()
         }
     }

@@ -406,7 +406,7 @@ async fn unconfirmed_subscriptions_are_forwarded_until_the_gateway_says_ok() {
         );
     }
     assert_eq!(
-        h.broker.ctx().driver.subscription_counts().0,
+        h.broker.ctx().sharing.subscriptions.counts().0,
         0,
         "both undone"
     );

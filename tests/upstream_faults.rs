@@ -27,6 +27,15 @@ async fn wait_phase(socket: &std::path::Path, phase: &str) -> Value {
     }
 }
 
+/// A broker whose `backoff_max` (the cap on any delay the gateway asks
+/// for) is above the hints these tests send.
+async fn start_honouring_hints() -> Harness {
+    start_with(mock_config(), |s| {
+        s.upstream.backoff_max = Duration::from_secs(2);
+    })
+    .await
+}
+
 fn seq(ev: &Value) -> u64 {
     ev["seq"].as_u64().expect("event has a seq")
 }
@@ -36,7 +45,7 @@ fn seq(ev: &Value) -> u64 {
 /// the announced time before reconnecting.
 #[tokio::test]
 async fn announced_restart_is_ridden_through_after_restart_expected_ms() {
-    let h = start().await;
+    let h = start_honouring_hints().await;
     let (mut a, _) = h.connected().await;
     let (mut b, _) = h.connected().await;
     h.gw.restart_notice(Some(400)).await;
@@ -100,7 +109,10 @@ async fn slow_start_waits_retry_after_ms_between_attempts() {
         ..Faults::default()
     };
     let t0 = Instant::now();
-    let h = start_faulty(mock_config(), faults, |_| {}).await;
+    let h = start_faulty(mock_config(), faults, |s| {
+        s.upstream.backoff_max = Duration::from_secs(2);
+    })
+    .await;
     let (mut c, hello) = h.connected().await;
     let elapsed = t0.elapsed();
     assert_eq!(hello["type"], "hello-ok");
@@ -288,7 +300,7 @@ async fn gateway_slow_consumer_close_is_a_reconnect_not_a_rejection() {
 /// delay the gateway announced; they are never replayed on the next session.
 #[tokio::test]
 async fn pending_requests_fail_on_loss_and_are_never_replayed() {
-    let h = start().await;
+    let h = start_honouring_hints().await;
     let (mut a, _) = h.connected().await;
     h.gw.set_faults(Faults {
         hold_methods: vec!["status".into()],

@@ -1,16 +1,11 @@
 //! `clawmux doctor`: where each setting comes from, and one real handshake.
 
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::driver::Driver;
-use crate::hub::{Hub, QueueLimits};
-use crate::router::Router;
 use crate::settings::{fingerprint, Resolved};
-use crate::upstream::Upstream;
 
 /// Prints the resolved settings (secrets only as fingerprints) and tries the
 /// upstream handshake once. Exit 0 when the gateway accepted the broker.
@@ -53,20 +48,8 @@ pub async fn run(resolved: Result<Resolved, crate::protocol::ErrorShape>) -> Exi
     }
     println!("gateway:");
     let cancel = CancellationToken::new();
-    let hub = Arc::new(Hub::new(
-        QueueLimits {
-            soft_bytes: 1 << 20,
-            hard_bytes: 1 << 23,
-            grace: Duration::from_secs(10),
-        },
-        1,
-    ));
-    let router = Arc::new(Router::new(
-        Duration::from_secs(5),
-        Duration::from_secs(5),
-        1,
-    ));
-    let (upstream, task) = Upstream::spawn(s, hub, router, Arc::new(Driver::new()), cancel.clone());
+    let core = crate::broker::Core::start(s, cancel.clone());
+    let (upstream, task) = (core.upstream, core.upstream_task);
     let deadline = Instant::now() + s.upstream.handshake_timeout + Duration::from_secs(1);
     let result = upstream.wait_first_attempt(deadline).await;
     cancel.cancel();

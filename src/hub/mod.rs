@@ -21,8 +21,8 @@ use serde_json::Value;
 pub use client::{Client, ClientKind, Outgoing, Pushed, QueueLimits};
 pub use replay::{ReplayLimits, ReplayWindow, SubscribeError};
 
-use crate::driver::Audience;
 use crate::protocol::EventHead;
+use crate::sharing::Audience;
 
 /// Counters for `/healthz`, logs and (later) metrics.
 #[derive(Debug, Default)]

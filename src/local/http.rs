@@ -163,13 +163,12 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
                     .read_buffer_size(LOCAL_READ_BUFFER_BYTES)
                     .max_message_size(Some(ctx.settings.limits.max_frame_bytes))
                     .max_frame_size(Some(ctx.settings.limits.max_frame_bytes));
-                let ws = WebSocketStream::from_raw_socket(
-                    TokioIo::new(upgraded),
-                    Role::Server,
-                    Some(config),
-                )
-                .await;
-                super::ws::run(ws, ctx).await;
+                let budget = super::preconnect::PreconnectBudget::new(
+                    ctx.settings.limits.preconnect_max_bytes as u64,
+                );
+                let io = super::preconnect::Limited::new(TokioIo::new(upgraded), budget.clone());
+                let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
+                super::ws::run(ws, budget, ctx).await;
             }
             Err(e) => tracing::debug!("WebSocket upgrade failed: {e}"),
         }

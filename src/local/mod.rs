@@ -2,6 +2,7 @@
 //! WebSocket sessions, and the HTTP API (`/v1/state`, `/v1/events`, `/v1/rpc`).
 
 pub mod http;
+pub mod preconnect;
 pub mod rate;
 pub mod rpc;
 pub mod socket;

@@ -1,9 +1,12 @@
 //! `POST /v1/rpc`: one gateway request over plain HTTP, for curl and scripts.
 //!
 //! The HTTP request becomes a throwaway hub [`Client`](crate::hub::Client)
-//! of kind `rpc`: the router registers it like any WebSocket requester, and
-//! the answer lands in its queue. It is never admitted to the hub, so it gets
-//! no events. The body of every answer is a gateway `res` frame.
+//! of kind `rpc`, registered with the dispatcher like any WebSocket
+//! requester, and the answer lands in its queue. It is never admitted to the
+//! hub, so it gets no events. Every `/v1/rpc` request spends one in-flight
+//! budget shared by all of them (`max_inflight`), so opening more HTTP
+//! requests cannot bypass the cap. The body of every answer is a gateway
+//! `res` frame.
 //!
 //! Status codes: 200 whenever the gateway answered (`ok` true or false: the
 //! request itself went through); 400 bad input (not JSON, unknown fields,
@@ -22,9 +25,8 @@ use serde_json::value::RawValue;
 
 use super::http::{bytes_response, Body};
 use crate::broker::Ctx;
-use crate::driver::Decision;
-use crate::hub::{Client, ClientKind, Outgoing};
-use crate::protocol::frames::{encode_req, encode_res_error, encode_res_ok, payload_status};
+use crate::hub::{ClientKind, Outgoing};
+use crate::protocol::frames::{encode_res_error, payload_status};
 use crate::protocol::{ErrorShape, StudioCode};
 
 /// The request body.
@@ -115,55 +117,25 @@ async fn read_request(req: Request<Incoming>, max_bytes: usize) -> Result<RpcReq
     Ok(rpc)
 }
 
-/// Forgets the request's pending entry however the handler ends (answered,
-/// or dropped because the HTTP client went away).
-struct Forget<'a> {
-    ctx: &'a Ctx,
-    client: &'a Client,
-}
-
-impl Drop for Forget<'_> {
-    fn drop(&mut self) {
-        self.ctx.router.forget_client(self.client.id);
-        // An RPC caller holds no subscriptions (refused below), so there is
-        // nothing to release upstream; this only ends its run ownership.
-        let _ = self.ctx.driver.forget_client(self.client.id);
-    }
-}
-
-/// Sends the request upstream and waits for its (final) answer frame.
+/// Sends the request upstream and waits for its (final) answer frame. The
+/// registration releases what the request held however this ends
+/// (answered, or dropped because the HTTP client went away).
 async fn call(ctx: &Arc<Ctx>, rpc: &RpcRequest, id: &str) -> Result<Bytes, ErrorShape> {
-    let Some(epoch) = ctx.upstream.ready_epoch() else {
-        ctx.router.metrics.record_refused(&rpc.method);
-        return Err(ctx.upstream.status().not_ready_error());
-    };
-    let client = ctx.hub.new_client_of_kind(ClientKind::Rpc);
-    let _forget = Forget {
-        ctx,
-        client: &client,
-    };
     if rpc.method.starts_with("sessions.") && rpc.method.ends_with("subscribe") {
         return Err(ErrorShape::invalid_request(
             "subscriptions belong to a connection: use the WebSocket (/ws) or /v1/events",
         ));
     }
-    let settle = match ctx
-        .driver
-        .decide(&client, &rpc.method, rpc.params.as_deref())
-    {
-        Decision::Forward(settle) => settle,
-        Decision::Answer(payload) => return Ok(encode_res_ok(id, &payload)),
-        Decision::Refuse(error) => return Err(error),
-    };
-    let upstream_id = ctx
-        .router
-        .register(&client, id, &rpc.method, epoch, settle)?;
-    let text = encode_req(&upstream_id, &rpc.method, rpc.params.as_deref());
-    let sent = ctx.upstream.send(epoch, text).await;
-    if sent.is_err() || ctx.upstream.ready_epoch() != Some(epoch) {
-        ctx.router
-            .fail(&upstream_id, &ctx.upstream.status().not_ready_error());
-    }
+    let registration = ctx
+        .dispatcher
+        .register_rpc(ctx.hub.new_client_of_kind(ClientKind::Rpc));
+    ctx.dispatcher.dispatch(
+        registration.member(),
+        id,
+        &rpc.method,
+        rpc.params.as_deref(),
+    )?;
+    let client = registration.client();
     loop {
         let batch = tokio::select! {
             batch = client.next_batch() => batch,

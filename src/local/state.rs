@@ -52,7 +52,7 @@ pub fn document(ctx: &Ctx) -> Value {
         "upstream": {
             "phase": status.phase.as_str(),
             "url": crate::config::redact_url(&ctx.upstream.target_url()),
-            "session": status.epoch,
+            "session": status.generation,
             "server_version": hello.map(|h| h.server_version.as_str()),
             "protocol": hello.map(|h| h.protocol),
             "scopes": hello.map(|h| &h.scopes),
@@ -64,8 +64,17 @@ pub fn document(ctx: &Ctx) -> Value {
         "snapshot": snapshot,
         "clients": clients,
         "requests_pending": ctx.router.pending_count(),
+        "rpc_inflight": ctx.dispatcher.rpc_inflight(),
+        "subscriptions": subscriptions_json(ctx),
+        "broker_requests": ctx.dispatcher.own_requests(),
         "limits": limits_json(&ctx.settings.limits),
     })
+}
+
+/// Local subscriptions as the broker holds them upstream.
+fn subscriptions_json(ctx: &Ctx) -> Value {
+    let (sessions, messages) = ctx.sharing.subscriptions.counts();
+    json!({"sessions": sessions, "messages": messages})
 }
 
 fn limits_json(l: &Limits) -> Value {

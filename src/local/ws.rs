@@ -15,17 +15,17 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 
+use super::preconnect::{Limited, PreconnectBudget, OVER_BUDGET};
 use super::rate::TokenBucket;
 use crate::broker::Ctx;
-use crate::driver::Decision;
+use crate::dispatch::{Member, Registration};
 use crate::hub::{Client, Outgoing};
-use crate::protocol::frames::{
-    encode_req, encode_res_error, encode_res_ok, ClientFrameError, ConnectParams,
-};
+use crate::protocol::frames::{encode_res_error, encode_res_ok, ClientFrameError, ConnectParams};
 use crate::protocol::{now_ms, ClientFrame, ConnectRequest, ErrorShape, EventHead, StudioCode};
 use crate::upstream::UpstreamHello;
 
-type Ws = WebSocketStream<TokioIo<Upgraded>>;
+/// A local WebSocket, its reads limited until `connect` ([`super::preconnect`]).
+pub type Ws = WebSocketStream<Limited<TokioIo<Upgraded>>>;
 
 /// How long a closing client may take to acknowledge our close frame.
 const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(2);
@@ -34,6 +34,9 @@ const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 enum Incoming {
     Text(Utf8Bytes),
     TooLarge,
+    /// The peer broke the protocol: close with this code and reason
+    /// (RFC 6455 §7.4.1: 1007 for invalid UTF-8, 1002 for a protocol error).
+    Invalid(u16, &'static str),
     Closed,
 }
 
@@ -49,6 +52,12 @@ async fn next_incoming(stream: &mut SplitStream<Ws>) -> Incoming {
             Some(Ok(Message::Close(_))) | None => return Incoming::Closed,
             Some(Ok(_)) => {}
             Some(Err(WsError::Capacity(_))) => return Incoming::TooLarge,
+            Some(Err(WsError::Io(e))) if e.to_string() == OVER_BUDGET => return Incoming::TooLarge,
+            Some(Err(WsError::Utf8(_))) => return Incoming::Invalid(1007, "invalid utf-8"),
+            Some(Err(WsError::Protocol(e))) => {
+                tracing::debug!("local client broke the WebSocket protocol: {e}");
+                return Incoming::Invalid(1002, "protocol error");
+            }
             Some(Err(e)) => {
                 tracing::debug!("local client read error: {e}");
                 return Incoming::Closed;
@@ -57,38 +66,51 @@ async fn next_incoming(stream: &mut SplitStream<Ws>) -> Incoming {
     }
 }
 
-/// Runs one local client to completion.
-pub async fn run(ws: Ws, ctx: Arc<Ctx>) {
+/// Runs one local client to completion. `budget` is lifted once it is admitted.
+pub async fn run(ws: Ws, budget: PreconnectBudget, ctx: Arc<Ctx>) {
     let (sink, mut stream) = ws.split();
-    let client = ctx.hub.new_client();
+    let registration = ctx.dispatcher.register(ctx.hub.new_client());
+    let client = Arc::clone(registration.client());
     let mut writer = tokio::spawn(write_loop(sink, Arc::clone(&client)));
     let client_id = client.id;
     tracing::debug!(client_id, "local client opened");
 
-    let challenge = EventHead::from_value(
-        "connect.challenge",
-        &json!({"nonce": uuid::Uuid::new_v4().to_string(), "ts": now_ms()}),
-    );
-    client.push_frame(challenge.without_seq());
-
-    let admitted = tokio::select! {
-        admitted = handshake(&mut stream, &client, &ctx) => admitted,
-        _ = ctx.cancel.cancelled() => {
-            client.close(1001, "going away");
+    let admitted = match Arc::clone(&ctx.handshakes).try_acquire_owned() {
+        Err(_) => {
+            tracing::warn!(
+                client_id,
+                limit = crate::broker::MAX_HANDSHAKES,
+                "too many clients in their handshake; refusing one"
+            );
+            client.close(1013, "too many connecting clients; try again later");
             false
+        }
+        Ok(_permit) => {
+            let challenge = EventHead::from_value(
+                "connect.challenge",
+                &json!({"nonce": uuid::Uuid::new_v4().to_string(), "ts": now_ms()}),
+            );
+            client.push_frame(challenge.without_seq());
+            tokio::select! {
+                admitted = handshake(&mut stream, &client, &ctx) => admitted,
+                _ = ctx.cancel.cancelled() => {
+                    client.close(1001, "going away");
+                    false
+                }
+            }
         }
     };
     if admitted {
+        budget.lift();
         tracing::info!(client_id, conn_id = %client.conn_id, "local client connected");
-        serve_requests(&mut stream, &client, &ctx, &mut writer).await;
+        serve_requests(&mut stream, &registration, &ctx, &mut writer).await;
     }
     // Answer a peer's close (tungstenite only writes the reply on the next
     // write or flush) so the client sees a clean close; a no-op when the
     // broker already queued its own close.
     client.close(1000, "");
-    ctx.hub.remove(client_id);
-    ctx.router.forget_client(client_id);
-    release_subscriptions(&ctx, client_id).await;
+    // Everything the client held goes with its registration, at once.
+    drop(registration);
     // Let the writer deliver what is queued (the close frame included), but
     // never wait on a client that does not read. (A writer that already
     // ended was awaited by `serve_requests`; it must not be polled again.)
@@ -115,6 +137,10 @@ async fn handshake(stream: &mut SplitStream<Ws>, client: &Arc<Client>, ctx: &Arc
             client.close(1009, "frame too large");
             return false;
         }
+        Ok(Incoming::Invalid(code, reason)) => {
+            client.close(code, reason);
+            return false;
+        }
         Ok(Incoming::Text(t)) => t,
     };
     if first.len() > limits.preconnect_max_bytes {
@@ -139,7 +165,7 @@ async fn handshake(stream: &mut SplitStream<Ws>, client: &Arc<Client>, ctx: &Arc
             return false;
         }
     };
-    let deadline = Instant::now() + limits.connect_wait;
+    let deadline = crate::router::deadline_after(limits.connect_wait);
     let hello = match ctx
         .upstream
         .wait_ready_with_auth(deadline, params.auth.as_ref())
@@ -234,11 +260,13 @@ fn synthesize_hello(
 /// stops, or the writer ends (slow consumer, write error).
 async fn serve_requests(
     stream: &mut SplitStream<Ws>,
-    client: &Arc<Client>,
+    registration: &Registration,
     ctx: &Arc<Ctx>,
     writer: &mut tokio::task::JoinHandle<()>,
 ) {
     let limits = &ctx.settings.limits;
+    let member: &Arc<Member> = registration.member();
+    let client = &member.client;
     let mut bucket = TokenBucket::new(limits.request_rate, limits.request_burst);
     loop {
         let incoming = tokio::select! {
@@ -255,6 +283,10 @@ async fn serve_requests(
                 client.close(1009, "frame too large");
                 return;
             }
+            Incoming::Invalid(code, reason) => {
+                client.close(code, reason);
+                return;
+            }
             Incoming::Closed => return,
         };
         if let Err(wait) = bucket.take(Instant::now()) {
@@ -269,7 +301,10 @@ async fn serve_requests(
                 ));
             }
             Ok(frame) => {
-                if let Err(error) = forward(ctx, client, &frame).await {
+                if let Err(error) =
+                    ctx.dispatcher
+                        .dispatch(member, &frame.id, &frame.method, frame.params)
+                {
                     client.push_frame(encode_res_error(&frame.id, &error));
                 }
             }
@@ -282,38 +317,6 @@ async fn serve_requests(
             }
         }
     }
-}
-
-/// Sends one request upstream under a broker-unique id.
-async fn forward(
-    ctx: &Arc<Ctx>,
-    client: &Arc<Client>,
-    frame: &ClientFrame<'_>,
-) -> Result<(), ErrorShape> {
-    let Some(epoch) = ctx.upstream.ready_epoch() else {
-        ctx.router.metrics.record_refused(&frame.method);
-        return Err(ctx.upstream.status().not_ready_error());
-    };
-    let settle = match ctx.driver.decide(client, &frame.method, frame.params) {
-        Decision::Forward(settle) => settle,
-        Decision::Answer(payload) => {
-            client.push_frame(encode_res_ok(&frame.id, &payload));
-            return Ok(());
-        }
-        Decision::Refuse(error) => return Err(error),
-    };
-    let upstream_id = ctx
-        .router
-        .register(client, &frame.id, &frame.method, epoch, settle)?;
-    let text = encode_req(&upstream_id, &frame.method, frame.params);
-    let sent = ctx.upstream.send(epoch, text).await;
-    // If the session ended meanwhile, the request may never be written; fail it
-    // now rather than at its deadline (a no-op if it was failed already).
-    if sent.is_err() || ctx.upstream.ready_epoch() != Some(epoch) {
-        ctx.router
-            .fail(&upstream_id, &ctx.upstream.status().not_ready_error());
-    }
-    Ok(())
 }
 
 /// Answers a frame over the client's rate with `studio.too_many_requests`.
@@ -329,23 +332,6 @@ fn refuse_over_rate(client: &Client, text: &str, wait: std::time::Duration, rate
     )
     .with_retry_after_ms(Some(wait.as_millis() as u64 + 1));
     client.push_frame(encode_res_error(&id, &error));
-}
-
-/// Sends upstream the unsubscribes of subscriptions this client held last.
-/// Their answers go to nobody (the router does not know the ids).
-async fn release_subscriptions(ctx: &Arc<Ctx>, client_id: u64) {
-    let releases = ctx.driver.forget_client(client_id);
-    let Some(epoch) = ctx.upstream.ready_epoch() else {
-        return;
-    };
-    for (i, (method, params)) in releases.into_iter().enumerate() {
-        let raw = serde_json::value::to_raw_value(&params).ok();
-        let id = format!("clawmux-release-{client_id}-{i}");
-        let _ = ctx
-            .upstream
-            .send(epoch, encode_req(&id, method, raw.as_deref()))
-            .await;
-    }
 }
 
 /// Close reasons are limited to 123 bytes by the WebSocket spec; cut on a

@@ -23,6 +23,9 @@ pub const PROTOCOL_MAX: u64 = 4;
 pub enum FirstFrameError {
     #[error("invalid json")]
     InvalidJson,
+    /// Valid JSON nested deeper than the parser's limit (128 levels).
+    #[error("too deeply nested")]
+    TooDeep,
     #[error("connect required")]
     ConnectRequired,
     #[error("connect id required")]
@@ -33,7 +36,7 @@ impl FirstFrameError {
     /// The WebSocket close code for this refusal.
     pub fn close_code(&self) -> u16 {
         match self {
-            FirstFrameError::InvalidJson => 1003,
+            FirstFrameError::InvalidJson | FirstFrameError::TooDeep => 1003,
             FirstFrameError::ConnectRequired | FirstFrameError::ConnectIdRequired => 1008,
         }
     }
@@ -68,7 +71,13 @@ pub struct ConnectParams {
 impl ConnectRequest {
     /// Parses a local client's first frame (design §2, local side).
     pub fn parse_first(text: &str) -> Result<ConnectRequest, FirstFrameError> {
-        let value: Value = serde_json::from_str(text).map_err(|_| FirstFrameError::InvalidJson)?;
+        let value: Value = serde_json::from_str(text).map_err(|e| {
+            if is_too_deep(&e) {
+                FirstFrameError::TooDeep
+            } else {
+                FirstFrameError::InvalidJson
+            }
+        })?;
         let Value::Object(mut obj) = value else {
             return Err(FirstFrameError::InvalidJson);
         };
@@ -203,7 +212,13 @@ impl<'a> ClientFrame<'a> {
                         .into(),
             }),
             Err(err) => {
-                if serde_json::from_str::<&RawValue>(text).is_err() {
+                if let Err(e) = serde_json::from_str::<&RawValue>(text) {
+                    if is_too_deep(&e) {
+                        return Err(ClientFrameError::InvalidFrame {
+                            id: "invalid".into(),
+                            message: format!("invalid request frame: too deeply nested (more than {MAX_JSON_DEPTH} levels)"),
+                        });
+                    }
                     return Err(ClientFrameError::InvalidJson);
                 }
                 let id = serde_json::from_str::<IdOnly>(text)
@@ -236,10 +251,40 @@ struct RawUpstream<'a> {
     error: Option<&'a RawValue>,
     #[serde(borrow, default)]
     event: Option<Cow<'a, str>>,
-    #[serde(default)]
-    seq: Option<u64>,
+    #[serde(borrow, default)]
+    seq: Option<&'a RawValue>,
     #[serde(rename = "stateVersion", borrow, default)]
     state_version: Option<&'a RawValue>,
+}
+
+/// The `seq` of a gateway event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventSeq {
+    /// No `seq` (targeted events carry none).
+    Absent,
+    Valid(u64),
+    /// Present but not a non-negative integer (negative, a float, a
+    /// string…): the event is still delivered; the anomaly is counted and logged.
+    Invalid,
+}
+
+impl EventSeq {
+    fn of(raw: Option<&RawValue>) -> EventSeq {
+        match raw.map(RawValue::get) {
+            None | Some("null") => EventSeq::Absent,
+            Some(text) => text
+                .parse::<u64>()
+                .map_or(EventSeq::Invalid, EventSeq::Valid),
+        }
+    }
+}
+
+/// serde_json's nesting limit, which every parse here is subject to.
+pub const MAX_JSON_DEPTH: usize = 128;
+
+/// Whether a parse failed only because the JSON nests too deeply.
+fn is_too_deep(e: &serde_json::Error) -> bool {
+    e.to_string().starts_with("recursion limit exceeded")
 }
 
 /// A parsed gateway frame, borrowing from the text it came from.
@@ -248,7 +293,7 @@ pub enum UpstreamFrame<'a> {
     Event {
         name: Cow<'a, str>,
         payload: Option<&'a RawValue>,
-        seq: Option<u64>,
+        seq: EventSeq,
         state_version: Option<&'a RawValue>,
     },
     Res {
@@ -268,7 +313,7 @@ impl<'a> UpstreamFrame<'a> {
             "event" => Some(UpstreamFrame::Event {
                 name: raw.event.filter(|e| !e.is_empty())?,
                 payload: raw.payload,
-                seq: raw.seq,
+                seq: EventSeq::of(raw.seq),
                 state_version: raw.state_version,
             }),
             "res" => Some(UpstreamFrame::Res {
@@ -555,7 +600,7 @@ mod tests {
         else {
             panic!()
         };
-        assert_eq!(seq, Some(9));
+        assert_eq!(seq, EventSeq::Valid(9));
         let head = EventHead::encode(&name, payload, state_version);
         let framed = head.with_seq(42);
         let v: Value = serde_json::from_slice(&framed).unwrap();
@@ -610,5 +655,44 @@ mod tests {
         assert!(UpstreamFrame::parse(r#"{"type":"event"}"#).is_none());
         assert!(UpstreamFrame::parse(r#"{"type":"res","id":"x"}"#).is_none());
         assert!(UpstreamFrame::parse(r#"{"type":"hello"}"#).is_none());
+    }
+
+    #[test]
+    fn anomalous_seqs_are_kept_apart_from_absent_ones() {
+        let seq_of = |frame: &str| match UpstreamFrame::parse(frame) {
+            Some(UpstreamFrame::Event { seq, .. }) => seq,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(seq_of(r#"{"type":"event","event":"x"}"#), EventSeq::Absent);
+        assert_eq!(
+            seq_of(r#"{"type":"event","event":"x","seq":7}"#),
+            EventSeq::Valid(7)
+        );
+        for bad in ["-1", "1.5", "\"3\"", "true"] {
+            let frame = format!(r#"{{"type":"event","event":"x","seq":{bad}}}"#);
+            assert_eq!(seq_of(&frame), EventSeq::Invalid, "{bad}");
+        }
+    }
+
+    #[test]
+    fn deep_nesting_is_named() {
+        let deep = format!(
+            r#"{{"type":"req","id":"c","method":"connect","params":{{"x":{}1{}}}}}"#,
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        assert_eq!(
+            ConnectRequest::parse_first(&deep).unwrap_err(),
+            FirstFrameError::TooDeep
+        );
+        assert_eq!(FirstFrameError::TooDeep.to_string(), "too deeply nested");
+        let after = format!(
+            r#"{{"type":"req","id":"r","method":"x","params":{}1{}}}"#,
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        // After connect, params pass through as raw JSON, however deep (as
+        // the gateway's own parser takes them).
+        assert!(ClientFrame::parse(&after).is_ok());
     }
 }

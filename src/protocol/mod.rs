@@ -10,7 +10,7 @@ pub mod frames;
 
 pub use errors::{ErrorShape, StudioCode};
 pub use frames::{
-    ClientFrame, ConnectRequest, EventHead, FirstFrameError, UpstreamFrame, PROTOCOL_MAX,
+    ClientFrame, ConnectRequest, EventHead, EventSeq, FirstFrameError, UpstreamFrame, PROTOCOL_MAX,
     PROTOCOL_MIN,
 };
 

@@ -2,9 +2,13 @@
 //! WebSocket, and a cheap [`Upstream`] handle the rest of the broker uses to
 //! see its phase and to send requests on it.
 //!
-//! Each successful handshake starts a new *epoch*. Requests are tagged with
-//! the epoch they were sent on, so a request meant for a session that has
-//! since died is never replayed on the next one.
+//! Each successful handshake starts a new session *generation*. Requests are
+//! tagged with the generation they were sent on, so a request meant for a
+//! session that has since died is never replayed on the next one. (The
+//! broker-life id of `/v1/events` is a different thing: the replay *epoch*.)
+//!
+//! The queue to the session is bounded ([`UPSTREAM_QUEUE_FRAMES`]) and never
+//! waited on: a full queue fails the request at once with a retryable error.
 //!
 //! - `connector`: the task, its reconnect loop, the session and its watchdog.
 //! - `handshake`: the `connect` the broker sends and how answers map to `studio.*`.
@@ -24,10 +28,16 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Secret, Settings};
-use crate::driver::Driver;
+use crate::dispatch::Dispatcher;
 use crate::hub::Hub;
 use crate::protocol::{ErrorShape, StudioCode};
 use crate::router::Router;
+use crate::sharing::Sharing;
+
+/// Requests queued for the gateway at most. One more is answered
+/// `studio.too_many_requests` (retryable) at once: the gateway is not
+/// reading as fast as clients send, and waiting would stall every client.
+pub const UPSTREAM_QUEUE_FRAMES: usize = 1024;
 
 /// The operator scopes the broker asks for (the full set, so that local
 /// clients can do whatever a direct operator connection could).
@@ -102,8 +112,8 @@ pub struct UpstreamHello {
 #[derive(Debug, Clone)]
 pub struct Status {
     pub phase: Phase,
-    /// Increments with every successful handshake.
-    pub epoch: u64,
+    /// The session generation: increments with every successful handshake.
+    pub generation: u64,
     pub hello: Option<Arc<UpstreamHello>>,
     /// Why the last attempt or session ended (already in `studio.*` form).
     pub last_error: Option<ErrorShape>,
@@ -123,7 +133,7 @@ impl Status {
     pub(crate) fn initial() -> Self {
         Status {
             phase: Phase::Connecting,
-            epoch: 0,
+            generation: 0,
             hello: None,
             last_error: None,
             retry_at: None,
@@ -211,11 +221,51 @@ impl ClientCredential {
     }
 }
 
-/// A request on its way upstream, tagged with its session epoch.
+/// A request on its way upstream, tagged with its session generation.
 #[derive(Debug)]
 pub struct Outbound {
-    pub epoch: u64,
+    pub generation: u64,
     pub text: String,
+}
+
+/// The connector, built but not started: it needs the dispatcher, which
+/// needs the [`Upstream`] handle.
+pub struct ConnectorSeed {
+    status: watch::Sender<Status>,
+    rx: mpsc::Receiver<Outbound>,
+    target: watch::Receiver<Target>,
+    offers: mpsc::Receiver<ClientCredential>,
+}
+
+impl ConnectorSeed {
+    /// Starts the connector task.
+    pub fn spawn(
+        self,
+        settings: &Settings,
+        hub: Arc<Hub>,
+        router: Arc<Router>,
+        sharing: Arc<Sharing>,
+        dispatcher: Arc<Dispatcher>,
+        cancel: CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        let connector = connector::Connector::new(
+            settings,
+            connector::Shared {
+                hub,
+                router,
+                sharing,
+                dispatcher,
+            },
+            connector::Channels {
+                status: self.status,
+                rx: self.rx,
+                target: self.target,
+                offers: self.offers,
+            },
+            cancel,
+        );
+        tokio::spawn(connector.run())
+    }
 }
 
 /// The handle to the upstream session.
@@ -228,34 +278,12 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    /// Starts the connector task.
-    pub fn spawn(
-        settings: &Settings,
-        hub: Arc<Hub>,
-        router: Arc<Router>,
-        driver: Arc<Driver>,
-        cancel: CancellationToken,
-    ) -> (Upstream, tokio::task::JoinHandle<()>) {
+    /// The handle, and the connector to start once the dispatcher exists.
+    pub fn new(settings: &Settings) -> (Upstream, ConnectorSeed) {
         let (status_tx, status_rx) = watch::channel(Status::initial());
-        let (tx, rx) = mpsc::channel(1024);
+        let (tx, rx) = mpsc::channel(UPSTREAM_QUEUE_FRAMES);
         let (target_tx, target_rx) = watch::channel(Target::from_settings(settings));
         let (offer_tx, offer_rx) = mpsc::channel(16);
-        let connector = connector::Connector::new(
-            settings,
-            connector::Shared {
-                hub,
-                router,
-                driver,
-            },
-            connector::Channels {
-                status: status_tx,
-                rx,
-                target: target_rx,
-                offers: offer_rx,
-            },
-            cancel,
-        );
-        let task = tokio::spawn(connector.run());
         (
             Upstream {
                 status: status_rx,
@@ -263,7 +291,12 @@ impl Upstream {
                 target: Arc::new(target_tx),
                 offers: offer_tx,
             },
-            task,
+            ConnectorSeed {
+                status: status_tx,
+                rx,
+                target: target_rx,
+                offers: offer_rx,
+            },
         )
     }
 
@@ -350,10 +383,10 @@ impl Upstream {
         self.status.borrow().phase
     }
 
-    /// The epoch of the ready session, if one is ready.
-    pub fn ready_epoch(&self) -> Option<u64> {
+    /// The generation of the ready session, if one is ready.
+    pub fn ready_generation(&self) -> Option<u64> {
         let s = self.status.borrow();
-        (s.phase == Phase::Ready).then_some(s.epoch)
+        (s.phase == Phase::Ready).then_some(s.generation)
     }
 
     /// Waits until the session is ready, or fails with the reason it is not.
@@ -399,12 +432,51 @@ impl Upstream {
         }
     }
 
-    /// Queues a request for the session of `epoch`. Fails when the connector
-    /// is gone. A request for a session that has ended is dropped by the
-    /// connector; its pending entry has been failed already.
-    pub async fn send(&self, epoch: u64, text: String) -> Result<(), ()> {
-        self.tx.send(Outbound { epoch, text }).await.map_err(|_| ())
+    /// Queues a request for the session of `generation`, never waiting. A
+    /// full queue is `studio.too_many_requests` (retryable); a request for a
+    /// session that has ended is dropped by the connector (its pending entry
+    /// is failed by whoever ended it).
+    pub fn try_send(&self, generation: u64, text: String) -> Result<(), ErrorShape> {
+        match self.tx.try_send(Outbound { generation, text }) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(_)) => Err(ErrorShape::studio(
+                StudioCode::TooManyRequests,
+                format!(
+                    "{UPSTREAM_QUEUE_FRAMES} requests are already waiting to be written to the gateway (it is not reading fast enough); try again shortly"
+                ),
+            )
+            .with_retry_after_ms(Some(QUEUE_FULL_RETRY_MS))),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(ErrorShape::studio(
+                StudioCode::UpstreamClosed,
+                "the broker is shutting down",
+            )),
+        }
     }
+}
+
+/// The `retryAfterMs` hint when the upstream queue is full.
+const QUEUE_FULL_RETRY_MS: u64 = 100;
+
+/// The least delay taken from a gateway's hint (`shutdown.restartExpectedMs`,
+/// an error's `retryAfterMs`): a hint of 0 must not become a reconnect loop.
+pub const RETRY_HINT_FLOOR: Duration = Duration::from_millis(250);
+
+/// A session that ends sooner than this counts as a failed attempt, so a
+/// gateway that closes right after `hello-ok` is retried with growing
+/// delays, not at a fixed rate forever.
+pub const STABLE_SESSION: Duration = Duration::from_secs(10);
+
+/// A gateway-supplied delay, bounded: never above `max` (`backoff_max`: a
+/// hint of a day must not park the broker), never below a floor that starts
+/// at [`RETRY_HINT_FLOOR`] and doubles with consecutive failures up to
+/// `max(initial, RETRY_HINT_FLOOR)` (and never above `max`).
+pub fn clamp_hint(hint: Duration, initial: Duration, max: Duration, failures: u32) -> Duration {
+    let exp = failures.saturating_sub(1).min(10);
+    let floor = RETRY_HINT_FLOOR
+        .saturating_mul(1u32 << exp)
+        .min(initial.max(RETRY_HINT_FLOOR))
+        .min(max);
+    hint.clamp(floor, max)
 }
 
 /// The backoff delay after `failures` consecutive failures: initial × 2^(n-1),
@@ -419,6 +491,28 @@ pub fn backoff_delay(initial: Duration, max: Duration, failures: u32) -> Duratio
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gateway_hints_are_clamped() {
+        let (i, m) = (Duration::from_secs(1), Duration::from_secs(30));
+        let ms = |n| Duration::from_millis(n);
+        assert_eq!(clamp_hint(ms(0), i, m, 1), ms(250));
+        assert_eq!(clamp_hint(ms(0), i, m, 2), ms(500));
+        assert_eq!(
+            clamp_hint(ms(0), i, m, 9),
+            ms(1000),
+            "the floor stops at backoff_initial"
+        );
+        assert_eq!(
+            clamp_hint(ms(86_400_000), i, m, 1),
+            m,
+            "a day becomes backoff_max"
+        );
+        assert_eq!(clamp_hint(Duration::MAX, i, m, 1), m);
+        assert_eq!(clamp_hint(ms(5000), i, m, 1), ms(5000));
+        // A backoff_max below the floor wins (tests use 200 ms).
+        assert_eq!(clamp_hint(ms(0), ms(20), ms(200), 1), ms(200));
+    }
 
     #[test]
     fn backoff_doubles_to_the_cap_with_bounded_jitter() {

@@ -19,13 +19,45 @@ use super::handshake::{
     MintedToken, Ws,
 };
 use super::identity::DeviceIdentity;
-use super::{backoff_delay, ClientCredential, Outbound, Phase, Status, Target, UpstreamHello};
+use super::{
+    backoff_delay, clamp_hint, ClientCredential, Outbound, Phase, Status, Target, UpstreamHello,
+    STABLE_SESSION,
+};
 use crate::config::{redact_url, validate_gateway_url, Secret, Settings, UpstreamOptions};
-use crate::driver::Driver;
+use crate::dispatch::Dispatcher;
 use crate::hub::Hub;
 use crate::protocol::frames::encode_req;
 use crate::protocol::{ErrorShape, StudioCode, UpstreamFrame};
 use crate::router::Router;
+use crate::sharing::Sharing;
+
+/// Events the gateway sends between `connect` and `hello-ok` that are kept
+/// to publish after it; beyond this count (or [`EARLY_EVENTS_MAX_BYTES`])
+/// they are dropped and clients see a gap instead.
+const EARLY_EVENTS_MAX: usize = 256;
+/// Bytes of early events kept at most (see [`EARLY_EVENTS_MAX`]).
+const EARLY_EVENTS_MAX_BYTES: usize = 1024 * 1024;
+
+/// Events that arrived before `hello-ok`, bounded.
+#[derive(Debug, Default)]
+struct EarlyEvents {
+    frames: Vec<String>,
+    bytes: usize,
+    /// Some were dropped: clients must see a gap.
+    overflowed: bool,
+}
+
+impl EarlyEvents {
+    fn push(&mut self, text: String) {
+        if self.frames.len() >= EARLY_EVENTS_MAX || self.bytes + text.len() > EARLY_EVENTS_MAX_BYTES
+        {
+            self.overflowed = true;
+            return;
+        }
+        self.bytes += text.len();
+        self.frames.push(text);
+    }
+}
 
 /// How a ready session ended.
 struct SessionEnd {
@@ -48,7 +80,8 @@ pub(super) struct Channels {
 pub(super) struct Shared {
     pub hub: Arc<Hub>,
     pub router: Arc<Router>,
-    pub driver: Arc<Driver>,
+    pub sharing: Arc<Sharing>,
+    pub dispatcher: Arc<Dispatcher>,
 }
 
 /// How waiting for settings ended.
@@ -69,9 +102,13 @@ pub(super) struct Connector {
     opts: UpstreamOptions,
     hub: Arc<Hub>,
     router: Arc<Router>,
-    driver: Arc<Driver>,
+    sharing: Arc<Sharing>,
+    dispatcher: Arc<Dispatcher>,
     status: watch::Sender<Status>,
-    rx: mpsc::Receiver<Outbound>,
+    /// Gateway events whose `seq` was not a non-negative integer.
+    invalid_seqs: std::sync::atomic::AtomicU64,
+    /// The queue of requests; lent to the session's writer while it runs.
+    rx: Option<mpsc::Receiver<Outbound>>,
     cancel: CancellationToken,
     instance_id: String,
     next_connect_id: u64,
@@ -96,7 +133,8 @@ impl Connector {
         let Shared {
             hub,
             router,
-            driver,
+            sharing,
+            dispatcher,
         } = shared;
         let identity =
             DeviceIdentity::load_configured(settings.upstream.device_identity.as_deref());
@@ -112,9 +150,11 @@ impl Connector {
             opts: settings.upstream.clone(),
             hub,
             router,
-            driver,
+            sharing,
+            dispatcher,
             status,
-            rx,
+            rx: Some(rx),
+            invalid_seqs: Default::default(),
             cancel,
             instance_id: uuid::Uuid::new_v4().to_string(),
             next_connect_id: 0,
@@ -203,18 +243,36 @@ impl Connector {
             let mut phase_after = Phase::Backoff;
             let delay = match attempt {
                 Ok(Ok((ws, hello, early))) => {
-                    failures = 0;
                     // A credential that worked is kept for reconnects; later offers are moot.
                     while self.offers.try_recv().is_ok() {}
+                    let started = Instant::now();
                     let end = self.run_session(ws, hello, early, had_session).await;
                     had_session = true;
                     if end.cancelled {
                         break;
                     }
                     if end.retargeted {
+                        failures = 0;
                         continue 'attempts;
                     }
-                    end.restart_expected.unwrap_or(self.opts.backoff_initial)
+                    // A session that ended soon counts as a failed attempt.
+                    if started.elapsed() >= STABLE_SESSION {
+                        failures = 0;
+                    }
+                    failures += 1;
+                    match end.restart_expected {
+                        Some(hint) => clamp_hint(
+                            hint,
+                            self.opts.backoff_initial,
+                            self.opts.backoff_max,
+                            failures,
+                        ),
+                        None => backoff_delay(
+                            self.opts.backoff_initial,
+                            self.opts.backoff_max,
+                            failures,
+                        ),
+                    }
                 }
                 Ok(Err(e)) => {
                     failures += 1;
@@ -236,15 +294,26 @@ impl Connector {
                         );
                         self.opts.backoff_max
                     } else {
-                        e.retry_after.unwrap_or_else(|| {
-                            backoff_delay(
+                        match e.retry_after {
+                            Some(hint) => clamp_hint(
+                                hint,
                                 self.opts.backoff_initial,
                                 self.opts.backoff_max,
                                 failures,
-                            )
-                        })
+                            ),
+                            None => backoff_delay(
+                                self.opts.backoff_initial,
+                                self.opts.backoff_max,
+                                failures,
+                            ),
+                        }
                     };
-                    self.status.send_modify(|s| s.last_error = Some(e.error));
+                    let mut error = e.error;
+                    if error.retry_after_ms.is_some() {
+                        // The gateway's own hint, as the broker will honour it.
+                        error.retry_after_ms = Some(delay.as_millis() as u64);
+                    }
+                    self.status.send_modify(|s| s.last_error = Some(error));
                     delay
                 }
                 Err(_) => {
@@ -289,10 +358,10 @@ impl Connector {
 
     /// Opens the socket and performs the handshake. Events that arrive
     /// before `hello-ok` are returned so they can be published after it.
-    async fn attempt(&mut self) -> Result<(Ws, UpstreamHello, Vec<String>), AttemptError> {
+    async fn attempt(&mut self) -> Result<(Ws, UpstreamHello, EarlyEvents), AttemptError> {
         let config = WebSocketConfig::default()
-            .max_message_size(None)
-            .max_frame_size(None);
+            .max_message_size(Some(self.opts.max_frame_bytes))
+            .max_frame_size(Some(self.opts.max_frame_bytes));
         let (mut ws, _) = tokio_tungstenite::connect_async_with_config(self.url.as_str(), Some(config), true)
             .await
             .map_err(|e| {
@@ -371,7 +440,7 @@ impl Connector {
                 format!("cannot send connect: {e}"),
             )
         })?;
-        let mut early = Vec::new();
+        let mut early = EarlyEvents::default();
         loop {
             let text = next_text(&mut ws).await?;
             match UpstreamFrame::parse(&text) {

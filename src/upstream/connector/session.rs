@@ -1,27 +1,82 @@
-//! One ready upstream session: publishes events, routes answers, writes
-//! requests, and watches for silence, a reload or shutdown.
+//! One ready upstream session: a reader that publishes events and routes
+//! answers, and a separate writer that drains the request queue. A write that
+//! waits (a gateway that stopped reading) cannot stop the reader, the silence
+//! watchdog, a reload or shutdown; a write that makes no progress for
+//! `write_timeout` ends the session.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::stream::SplitSink;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
+use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
-use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 
-use super::{Connector, SessionEnd};
-use crate::protocol::frames::encode_req;
-use crate::protocol::{ErrorShape, StudioCode, UpstreamFrame};
+use super::{Connector, EarlyEvents, SessionEnd};
+use crate::protocol::{ErrorShape, EventSeq, StudioCode, UpstreamFrame};
 use crate::upstream::handshake::Ws;
 use crate::upstream::{Outbound, Phase, UpstreamHello};
+
+/// Requests written per flush at most.
+const WRITE_BATCH: usize = 64;
+
+/// How long the broker waits to deliver its own close frame to the gateway
+/// when it ends a session (the socket may be the very thing that is stuck).
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Why the writer stopped.
+enum WriterEnd {
+    /// The request queue closed: the broker is stopping.
+    QueueClosed,
+    /// A write did not complete within `write_timeout`.
+    Stalled(Duration),
+    Failed(WsError),
+}
+
+/// Drains the request queue into the socket, dropping requests meant for
+/// another session generation.
+async fn write_loop(
+    sink: &mut SplitSink<Ws, Message>,
+    rx: &mut mpsc::Receiver<Outbound>,
+    generation: u64,
+    write_timeout: Duration,
+) -> WriterEnd {
+    let mut batch = Vec::with_capacity(WRITE_BATCH);
+    loop {
+        let Some(first) = rx.recv().await else {
+            return WriterEnd::QueueClosed;
+        };
+        batch.clear();
+        batch.push(first);
+        while batch.len() < WRITE_BATCH {
+            match rx.try_recv() {
+                Ok(out) => batch.push(out),
+                Err(_) => break,
+            }
+        }
+        let write = async {
+            for out in batch.drain(..).filter(|o| o.generation == generation) {
+                sink.feed(Message::text(out.text)).await?;
+            }
+            sink.flush().await
+        };
+        match tokio::time::timeout(write_timeout, write).await {
+            Err(_) => return WriterEnd::Stalled(write_timeout),
+            Ok(Err(e)) => return WriterEnd::Failed(e),
+            Ok(Ok(())) => {}
+        }
+    }
+}
 
 impl Connector {
     pub(super) async fn run_session(
         &mut self,
         ws: Ws,
         hello: UpstreamHello,
-        early: Vec<String>,
+        early: EarlyEvents,
         reconnected: bool,
     ) -> SessionEnd {
         let hello = Arc::new(hello);
@@ -34,8 +89,8 @@ impl Connector {
             .and_then(Value::as_u64)
             .unwrap_or(30_000);
         let silence_limit = Duration::from_millis(tick.saturating_mul(2).max(1));
-        self.driver
-            .set_session_defaults(crate::driver::SessionDefaults::from_snapshot(
+        self.sharing
+            .set_session_defaults(crate::sharing::SessionDefaults::from_snapshot(
                 hello.payload.get("snapshot").unwrap_or(&Value::Null),
             ));
         self.hub.reset_snapshot(
@@ -45,10 +100,10 @@ impl Connector {
                 .cloned()
                 .unwrap_or(Value::Null),
         );
-        let mut epoch = 0;
+        let mut generation = 0;
         self.status.send_modify(|s| {
-            s.epoch += 1;
-            epoch = s.epoch;
+            s.generation += 1;
+            generation = s.generation;
             s.phase = Phase::Ready;
             s.hello = Some(Arc::clone(&hello));
             s.last_error = None;
@@ -57,7 +112,7 @@ impl Connector {
                 s.reconnects += 1;
             }
         });
-        tracing::info!(upstream_phase = "ready", epoch, server_version = %hello.server_version, protocol = hello.protocol, "upstream session ready");
+        tracing::info!(upstream_phase = "ready", generation, server_version = %hello.server_version, protocol = hello.protocol, "upstream session ready");
         if reconnected {
             // Everything that happened while we were away is unknown to the
             // clients: a gap makes them resync, the event says why.
@@ -70,86 +125,111 @@ impl Connector {
         }
         let mut last_seq: Option<u64> = None;
         let mut restart_expected = None;
-        for text in &early {
+        for text in &early.frames {
             self.on_frame(text, &mut last_seq, &mut restart_expected);
         }
-        let (mut sink, mut stream) = ws.split();
-        // Connection-scoped subscriptions died with the old session.
-        for (i, (method, params)) in self.driver.resubscribe().into_iter().enumerate() {
-            let raw = serde_json::value::to_raw_value(&params).ok();
-            let id = format!("clawmux-resubscribe-{epoch}-{i}");
-            let _ = sink
-                .feed(Message::text(encode_req(&id, method, raw.as_deref())))
-                .await;
+        if early.overflowed {
+            tracing::warn!("the gateway sent more events before hello-ok than the broker keeps; clients see a gap");
+            self.hub.gap();
         }
-        let _ = sink.flush().await;
+        // Connection-scoped subscriptions died with the old session; they are
+        // queued first, in the same ordered place as every client's change.
+        self.dispatcher.resubscribe(generation);
+        let (mut sink, mut stream) = ws.split();
+        let mut rx = self
+            .rx
+            .take()
+            .expect("the request queue is back between sessions");
         let mut last_rx = Instant::now();
         let end_reason: String;
         let mut cancelled = false;
         let mut retargeted = false;
-        loop {
-            let watchdog = tokio::time::sleep_until((last_rx + silence_limit).into());
-            tokio::select! {
-                msg = stream.next() => {
-                    last_rx = Instant::now();
-                    match msg {
-                        Some(Ok(Message::Text(text))) => {
-                            self.on_frame(text.as_str(), &mut last_seq, &mut restart_expected);
+        let mut close: Option<CloseFrame> = None;
+        {
+            let writer = write_loop(&mut sink, &mut rx, generation, self.opts.write_timeout);
+            tokio::pin!(writer);
+            loop {
+                let watchdog = tokio::time::sleep_until((last_rx + silence_limit).into());
+                tokio::select! {
+                    msg = stream.next() => {
+                        last_rx = Instant::now();
+                        match msg {
+                            Some(Ok(Message::Text(text))) => {
+                                self.on_frame(text.as_str(), &mut last_seq, &mut restart_expected);
+                            }
+                            Some(Ok(Message::Close(frame))) => {
+                                end_reason = match frame {
+                                    Some(f) => format!("gateway closed the connection ({}): {}", u16::from(f.code), f.reason),
+                                    None => "gateway closed the connection".into(),
+                                };
+                                break;
+                            }
+                            Some(Ok(_)) => {}
+                            Some(Err(WsError::Capacity(e))) => {
+                                end_reason = format!("the gateway sent a frame over the broker's limit of {} bytes ({e})", self.opts.max_frame_bytes);
+                                close = Some(CloseFrame { code: CloseCode::Size, reason: "frame too large".into() });
+                                break;
+                            }
+                            Some(Err(e)) => {
+                                end_reason = format!("gateway connection failed: {e}");
+                                break;
+                            }
+                            None => {
+                                end_reason = "gateway connection ended".into();
+                                break;
+                            }
                         }
-                        Some(Ok(Message::Close(frame))) => {
-                            end_reason = match frame {
-                                Some(f) => format!("gateway closed the connection ({}): {}", u16::from(f.code), f.reason),
-                                None => "gateway closed the connection".into(),
-                            };
-                            break;
+                    }
+                    end = &mut writer => {
+                        match end {
+                            WriterEnd::QueueClosed => {
+                                end_reason = "broker stopping".into();
+                                cancelled = true;
+                            }
+                            WriterEnd::Stalled(after) => {
+                                end_reason = format!("a write to the gateway made no progress for {} ms (it is not reading)", after.as_millis());
+                                close = Some(CloseFrame { code: CloseCode::Away, reason: "write timeout".into() });
+                            }
+                            WriterEnd::Failed(e) => end_reason = format!("cannot write to the gateway: {e}"),
                         }
-                        Some(Ok(_)) => {}
-                        Some(Err(e)) => {
-                            end_reason = format!("gateway connection failed: {e}");
-                            break;
-                        }
-                        None => {
-                            end_reason = "gateway connection ended".into();
+                        break;
+                    }
+                    _ = watchdog => {
+                        end_reason = format!("no frame from the gateway for {} ms (2 x tickIntervalMs)", silence_limit.as_millis());
+                        close = Some(CloseFrame { code: CloseCode::from(4000), reason: "tick timeout".into() });
+                        break;
+                    }
+                    changed = self.target.changed(), if !retargeted => {
+                        if changed.is_ok() {
+                            retargeted = true;
+                            end_reason = "settings reloaded".into();
+                            close = Some(CloseFrame { code: CloseCode::Normal, reason: "settings reloaded".into() });
                             break;
                         }
                     }
-                }
-                out = self.rx.recv() => {
-                    let Some(out) = out else {
+                    _ = self.cancel.cancelled() => {
                         end_reason = "broker stopping".into();
                         cancelled = true;
-                        break;
-                    };
-                    if let Err(e) = self.write_batch(&mut sink, epoch, out).await {
-                        end_reason = format!("cannot write to the gateway: {e}");
+                        close = Some(CloseFrame { code: CloseCode::Normal, reason: "broker stopping".into() });
                         break;
                     }
-                }
-                _ = watchdog => {
-                    end_reason = format!("no frame from the gateway for {} ms (2 x tickIntervalMs)", silence_limit.as_millis());
-                    let _ = sink.send(Message::Close(Some(CloseFrame { code: CloseCode::from(4000), reason: "tick timeout".into() }))).await;
-                    break;
-                }
-                changed = self.target.changed(), if !retargeted => {
-                    if changed.is_ok() {
-                        retargeted = true;
-                        end_reason = "settings reloaded".into();
-                        let _ = sink.send(Message::Close(Some(CloseFrame { code: CloseCode::Normal, reason: "settings reloaded".into() }))).await;
-                        break;
-                    }
-                }
-                _ = self.cancel.cancelled() => {
-                    end_reason = "broker stopping".into();
-                    cancelled = true;
-                    let _ = sink.send(Message::Close(Some(CloseFrame { code: CloseCode::Normal, reason: "broker stopping".into() }))).await;
-                    break;
                 }
             }
         }
-        tracing::warn!(epoch, "upstream session ended: {end_reason}");
-        let retry_ms = restart_expected
-            .unwrap_or(self.opts.backoff_initial)
-            .as_millis() as u64;
+        self.rx = Some(rx);
+        if let Some(frame) = close {
+            // Bounded: the socket may be the very thing that is stuck.
+            let _ =
+                tokio::time::timeout(CLOSE_TIMEOUT, sink.send(Message::Close(Some(frame)))).await;
+        }
+        tracing::warn!(generation, "upstream session ended: {end_reason}");
+        let retry_ms = crate::upstream::clamp_hint(
+            restart_expected.unwrap_or(self.opts.backoff_initial),
+            self.opts.backoff_initial,
+            self.opts.backoff_max,
+            1,
+        )
+        .as_millis() as u64;
         let error = ErrorShape::studio(
             StudioCode::UpstreamClosed,
             format!("the gateway session ended before the answer: {end_reason}"),
@@ -167,10 +247,14 @@ impl Connector {
                 end_reason.clone(),
             ));
         });
-        let failed = self.router.fail_epoch(epoch, &error);
-        self.driver.forget_runs();
+        let failed = self.router.fail_generation(generation, &error);
+        self.sharing.runs.clear();
         if failed > 0 {
-            tracing::info!(epoch, failed, "failed pending requests of the lost session");
+            tracing::info!(
+                generation,
+                failed,
+                "failed pending requests of the lost session"
+            );
         }
         if !cancelled {
             self.hub.publish_local(
@@ -183,27 +267,6 @@ impl Connector {
             cancelled,
             retargeted,
         }
-    }
-
-    /// Writes one request and any others already queued, then flushes once.
-    async fn write_batch(
-        &mut self,
-        sink: &mut futures_util::stream::SplitSink<Ws, Message>,
-        epoch: u64,
-        first: Outbound,
-    ) -> Result<(), tokio_tungstenite::tungstenite::Error> {
-        let mut next = Some(first);
-        let mut written = 0;
-        while let Some(out) = next.take() {
-            if out.epoch == epoch {
-                sink.feed(Message::text(out.text)).await?;
-                written += 1;
-            }
-            if written < 64 {
-                next = self.rx.try_recv().ok();
-            }
-        }
-        sink.flush().await
     }
 
     fn on_frame(
@@ -219,14 +282,30 @@ impl Connector {
                 seq,
                 state_version,
             }) => {
-                if let Some(seq) = seq {
-                    if let Some(last) = *last_seq {
-                        if seq > last + 1 {
-                            tracing::info!(expected = last + 1, received = seq, "upstream seq gap");
-                            self.hub.gap();
+                match seq {
+                    EventSeq::Valid(seq) => {
+                        if let Some(last) = *last_seq {
+                            if seq > last.saturating_add(1) {
+                                tracing::info!(
+                                    expected = last + 1,
+                                    received = seq,
+                                    "upstream seq gap"
+                                );
+                                self.hub.gap();
+                            }
                         }
+                        *last_seq = Some(seq);
                     }
-                    *last_seq = Some(seq);
+                    EventSeq::Invalid => {
+                        // Delivered all the same (clients get the broker's own
+                        // seq); counted and logged, never lost silently.
+                        let n = self
+                            .invalid_seqs
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                            + 1;
+                        tracing::warn!(event = %name, invalid_seqs = n, "the gateway sent an event whose seq is not a non-negative integer; delivering it");
+                    }
+                    EventSeq::Absent => {}
                 }
                 if name == "shutdown" {
                     *restart_expected = payload
@@ -234,7 +313,7 @@ impl Connector {
                         .and_then(|p| p.get("restartExpectedMs").and_then(Value::as_u64))
                         .map(Duration::from_millis);
                 }
-                let audience = self.driver.audience(&name, payload);
+                let audience = self.sharing.audience(&name, payload);
                 self.hub.publish(&name, payload, state_version, &audience);
             }
             Some(UpstreamFrame::Res {

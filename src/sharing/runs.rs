@@ -1,0 +1,169 @@
+//! Run ownership: the local client that started a run (`chat.send`/`agent`
+//! with its `idempotencyKey`, which becomes the `runId`) owns it until the
+//! run ends (lifecycle `end`/`error`, a terminal `chat` state), the client
+//! leaves, or the upstream session is lost.
+
+use dashmap::DashMap;
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+use super::Audience;
+
+/// Who started a run.
+#[derive(Debug, Clone)]
+pub struct RunOwner {
+    pub client_id: u64,
+    /// The canonical session key it runs in, if the request named one.
+    pub session_key: Option<String>,
+    /// The owner asked for tool-stream events at connect.
+    pub tool_events: bool,
+}
+
+/// Every run started through the broker and not yet ended.
+#[derive(Debug, Default)]
+pub struct Runs {
+    owners: DashMap<String, RunOwner>,
+}
+
+impl Runs {
+    /// Records a new run; false when the id is already taken (a duplicate
+    /// idempotency key: the gateway answers it, ownership stays).
+    pub fn start(&self, run_id: &str, owner: RunOwner) -> bool {
+        match self.owners.entry(run_id.to_owned()) {
+            dashmap::Entry::Occupied(_) => false,
+            dashmap::Entry::Vacant(v) => {
+                v.insert(owner);
+                true
+            }
+        }
+    }
+
+    /// Ends a run if `client_id` still owns it (its start failed, or the
+    /// client left).
+    pub fn end_if_owned(&self, run_id: &str, client_id: u64) {
+        self.owners
+            .remove_if(run_id, |_, o| o.client_id == client_id);
+    }
+
+    /// Whether `run_id` is a live run, and who owns it.
+    pub fn owner(&self, run_id: &str) -> Option<u64> {
+        self.owners.get(run_id).map(|o| o.client_id)
+    }
+
+    /// Whether a client other than `client_id` owns a run in `session_key`.
+    pub fn foreign_run_in(&self, session_key: Option<&str>, client_id: u64) -> bool {
+        self.owners
+            .iter()
+            .any(|o| o.client_id != client_id && o.session_key.as_deref() == session_key)
+    }
+
+    /// Forgets every run: the upstream session they were started on is gone
+    /// (its tool-event registrations with it), and their ends may be missed.
+    pub fn clear(&self) {
+        self.owners.clear();
+    }
+
+    pub fn len(&self) -> usize {
+        self.owners.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.owners.is_empty()
+    }
+
+    /// Tool-stream `agent` events go to the run's owner alone (if it asked
+    /// for them); the others are broadcast. A run's ownership ends with its
+    /// lifecycle `end`/`error` event.
+    pub fn agent_audience(&self, payload: Option<&RawValue>) -> Audience {
+        #[derive(serde::Deserialize)]
+        struct AgentHead {
+            #[serde(rename = "runId", default)]
+            run_id: Option<String>,
+            #[serde(default)]
+            stream: Option<String>,
+            #[serde(default)]
+            data: Option<Value>,
+        }
+        let Some(head) = payload.and_then(|p| serde_json::from_str::<AgentHead>(p.get()).ok())
+        else {
+            return Audience::All;
+        };
+        match (head.stream.as_deref(), head.run_id) {
+            (Some("tool"), Some(run_id)) => match self.owners.get(&run_id) {
+                Some(o) if o.tool_events => Audience::Only(vec![o.client_id]),
+                _ => Audience::Only(Vec::new()),
+            },
+            (Some("tool"), None) => Audience::Only(Vec::new()),
+            (Some("lifecycle"), Some(run_id)) => {
+                let phase = head
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get("phase"))
+                    .and_then(Value::as_str);
+                if matches!(phase, Some("end" | "error")) {
+                    self.owners.remove(&run_id);
+                }
+                Audience::All
+            }
+            _ => Audience::All,
+        }
+    }
+
+    /// A run's ownership also ends with its terminal `chat` state, so a run
+    /// whose lifecycle end the broker never sees does not linger.
+    pub fn end_on_terminal_chat(&self, payload: Option<&RawValue>) {
+        #[derive(serde::Deserialize)]
+        struct ChatHead {
+            #[serde(rename = "runId", default)]
+            run_id: Option<String>,
+            #[serde(default)]
+            state: Option<String>,
+        }
+        let Some(head) = payload.and_then(|p| serde_json::from_str::<ChatHead>(p.get()).ok())
+        else {
+            return;
+        };
+        if let (Some(run_id), Some("final" | "aborted" | "error")) =
+            (head.run_id, head.state.as_deref())
+        {
+            self.owners.remove(&run_id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(v: Value) -> Box<RawValue> {
+        serde_json::value::to_raw_value(&v).unwrap()
+    }
+
+    #[test]
+    fn tool_events_go_to_the_owner_until_the_run_ends() {
+        let runs = Runs::default();
+        let owner = |id, tool_events| RunOwner {
+            client_id: id,
+            session_key: Some("agent:main:main".into()),
+            tool_events,
+        };
+        assert!(runs.start("r1", owner(1, true)));
+        assert!(
+            !runs.start("r1", owner(2, true)),
+            "duplicate key keeps the owner"
+        );
+        let tool = raw(serde_json::json!({"runId":"r1","stream":"tool"}));
+        assert_eq!(runs.agent_audience(Some(&tool)), Audience::Only(vec![1]));
+        assert!(runs.foreign_run_in(Some("agent:main:main"), 2));
+        assert!(!runs.foreign_run_in(Some("agent:main:main"), 1));
+        runs.end_on_terminal_chat(Some(&raw(
+            serde_json::json!({"runId":"r1","state":"final"}),
+        )));
+        assert_eq!(runs.agent_audience(Some(&tool)), Audience::Only(vec![]));
+        assert!(runs.start("r2", owner(1, false)));
+        runs.end_if_owned("r2", 2);
+        assert_eq!(runs.owner("r2"), Some(1));
+        runs.end_if_owned("r2", 1);
+        assert!(runs.is_empty());
+    }
+}

@@ -1,0 +1,270 @@
+//! Reference-counted subscriptions to the gateway's connection-scoped
+//! session events (gateway-protocol.md §4.2).
+//!
+//! The first local subscriber's request goes upstream, later ones are
+//! answered here once the gateway confirmed; the last unsubscribe (or
+//! disconnect) goes upstream. **Every change is decided and queued upstream
+//! while [`Subscriptions::lock`] is held**, and the upstream queue is FIFO,
+//! so the gateway sees changes in the order they were decided: a release
+//! can never overtake a later subscribe.
+//!
+//! A subscription counts as *confirmed* only when the gateway answered `ok`
+//! to the latest change sent for its key (a generation number tells them
+//! apart); until then every subscribe is forwarded (the gateway's sets are
+//! idempotent), so one failed upstream subscribe cannot strand others.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, MutexGuard};
+
+use serde_json::{json, Value};
+
+/// What a client subscribed to, with session keys in canonical form.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SubKey {
+    /// `sessions.subscribe`: session list changes and every session's messages.
+    Sessions,
+    /// `sessions.messages.subscribe{key}`: one session's messages.
+    Messages(String),
+}
+
+impl SubKey {
+    /// The gateway method and params that (un)subscribe this key.
+    pub fn request(&self, subscribe: bool) -> (&'static str, Value) {
+        match (self, subscribe) {
+            (SubKey::Sessions, true) => ("sessions.subscribe", json!({})),
+            (SubKey::Sessions, false) => ("sessions.unsubscribe", json!({})),
+            (SubKey::Messages(k), true) => ("sessions.messages.subscribe", json!({ "key": k })),
+            (SubKey::Messages(k), false) => ("sessions.messages.unsubscribe", json!({ "key": k })),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Holders {
+    clients: HashSet<u64>,
+    /// The gateway answered `ok` to the latest change sent for this key.
+    confirmed: bool,
+    /// The generation of the latest change sent for this key.
+    sent_gen: u64,
+}
+
+/// What to do with one client's change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plan {
+    /// Answer the client here; nothing goes upstream.
+    Answer,
+    /// Send the change upstream now (still under the lock), tagged `gen`.
+    Forward { gen: u64 },
+}
+
+/// The subscription table. Only reachable through [`Subscriptions::lock`].
+#[derive(Debug, Default)]
+pub struct SubscriptionState {
+    keys: HashMap<SubKey, Holders>,
+    next_gen: u64,
+}
+
+impl SubscriptionState {
+    fn gen(&mut self) -> u64 {
+        self.next_gen += 1;
+        self.next_gen
+    }
+
+    /// `client` subscribes to `key`.
+    pub fn subscribe(&mut self, key: &SubKey, client: u64) -> Plan {
+        let gen = self.next_gen + 1;
+        let h = self.keys.entry(key.clone()).or_default();
+        h.clients.insert(client);
+        if h.confirmed {
+            return Plan::Answer;
+        }
+        h.sent_gen = gen;
+        self.next_gen = gen;
+        Plan::Forward { gen }
+    }
+
+    /// `client` unsubscribes from `key`: forwarded only when it was the last holder.
+    pub fn unsubscribe(&mut self, key: &SubKey, client: u64) -> Plan {
+        let Some(h) = self.keys.get_mut(key) else {
+            return Plan::Answer;
+        };
+        if !h.clients.remove(&client) || !h.clients.is_empty() {
+            return Plan::Answer;
+        }
+        self.keys.remove(key);
+        Plan::Forward { gen: self.gen() }
+    }
+
+    /// The gateway answered the subscribe sent as `gen` for `client`.
+    pub fn settle_subscribe(&mut self, key: &SubKey, client: u64, gen: u64, ok: bool) {
+        let Some(h) = self.keys.get_mut(key) else {
+            return;
+        };
+        if ok {
+            if h.sent_gen == gen && !h.clients.is_empty() {
+                h.confirmed = true;
+            }
+        } else {
+            h.clients.remove(&client);
+            if h.clients.is_empty() {
+                self.keys.remove(key);
+            }
+        }
+    }
+
+    /// A client left holding `keys`: the unsubscribes to send now, for the
+    /// keys it held last.
+    pub fn release(&mut self, client: u64, keys: impl IntoIterator<Item = SubKey>) -> Vec<SubKey> {
+        let mut out = Vec::new();
+        for key in keys {
+            if let Plan::Forward { .. } = self.unsubscribe(&key, client) {
+                out.push(key);
+            }
+        }
+        out
+    }
+
+    /// A new upstream session: every held key is subscribed again, and
+    /// unconfirmed until the gateway says so. Returns the keys with the
+    /// generation each re-subscribe is sent as.
+    pub fn resubscribe(&mut self) -> Vec<(SubKey, u64)> {
+        let mut keys: Vec<SubKey> = self.keys.keys().cloned().collect();
+        keys.sort();
+        keys.into_iter()
+            .map(|k| {
+                let gen = self.gen();
+                if let Some(h) = self.keys.get_mut(&k) {
+                    h.confirmed = false;
+                    h.sent_gen = gen;
+                }
+                (k, gen)
+            })
+            .collect()
+    }
+
+    /// The clients holding `key`.
+    pub fn holders(&self, key: &SubKey) -> Vec<u64> {
+        self.keys
+            .get(key)
+            .map(|h| h.clients.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// Every key held by at least one client, with its holder count.
+    pub fn counts(&self) -> HashMap<SubKey, usize> {
+        self.keys
+            .iter()
+            .map(|(k, h)| (k.clone(), h.clients.len()))
+            .collect()
+    }
+}
+
+/// The shared subscription table.
+#[derive(Debug, Default)]
+pub struct Subscriptions {
+    state: Mutex<SubscriptionState>,
+}
+
+impl Subscriptions {
+    /// The one ordered place: decide a change and queue it upstream before
+    /// letting go.
+    pub fn lock(&self) -> MutexGuard<'_, SubscriptionState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The clients holding `key`.
+    pub fn holders(&self, key: &SubKey) -> Vec<u64> {
+        self.lock().holders(key)
+    }
+
+    /// Local subscription counts: `sessions.subscribe` holders, and holders
+    /// per `sessions.messages.subscribe` key (for state reporting and tests).
+    pub fn counts(&self) -> (usize, HashMap<String, usize>) {
+        let counts = self.lock().counts();
+        let mut sessions = 0;
+        let mut messages = HashMap::new();
+        for (k, n) in counts {
+            match k {
+                SubKey::Sessions => sessions = n,
+                SubKey::Messages(key) => {
+                    messages.insert(key, n);
+                }
+            }
+        }
+        (sessions, messages)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_subscribe_forwards_until_confirmed_then_answers_locally() {
+        let mut s = SubscriptionState::default();
+        let k = SubKey::Sessions;
+        let Plan::Forward { gen: g1 } = s.subscribe(&k, 1) else {
+            panic!("the first subscribe goes upstream")
+        };
+        let Plan::Forward { gen: g2 } = s.subscribe(&k, 2) else {
+            panic!("unconfirmed: forwarded again")
+        };
+        s.settle_subscribe(&k, 1, g1, true);
+        assert!(
+            matches!(s.subscribe(&k, 3), Plan::Forward { .. }),
+            "an older answer does not confirm"
+        );
+        let g3 = s.keys[&k].sent_gen;
+        s.settle_subscribe(&k, 2, g2, true);
+        s.settle_subscribe(&k, 3, g3, true);
+        assert_eq!(s.subscribe(&k, 4), Plan::Answer);
+        assert_eq!(s.holders(&k).len(), 4);
+    }
+
+    #[test]
+    fn only_the_last_holder_unsubscribes_upstream() {
+        let mut s = SubscriptionState::default();
+        let k = SubKey::Messages("agent:main:main".into());
+        s.subscribe(&k, 1);
+        s.subscribe(&k, 2);
+        assert_eq!(s.unsubscribe(&k, 1), Plan::Answer);
+        assert_eq!(
+            s.unsubscribe(&k, 1),
+            Plan::Answer,
+            "not held: nothing to send"
+        );
+        assert!(matches!(s.unsubscribe(&k, 2), Plan::Forward { .. }));
+        assert!(s.holders(&k).is_empty());
+    }
+
+    /// A confirmation from before a release must not confirm the key after
+    /// it was released and subscribed again (that subscribe is still queued
+    /// behind the release).
+    #[test]
+    fn a_stale_confirmation_does_not_survive_a_release() {
+        let mut s = SubscriptionState::default();
+        let k = SubKey::Sessions;
+        let Plan::Forward { gen: g1 } = s.subscribe(&k, 1) else {
+            panic!()
+        };
+        assert_eq!(s.release(1, [k.clone()]), vec![k.clone()]);
+        assert!(matches!(s.subscribe(&k, 2), Plan::Forward { .. }));
+        s.settle_subscribe(&k, 1, g1, true);
+        assert!(matches!(s.subscribe(&k, 3), Plan::Forward { .. }));
+    }
+
+    #[test]
+    fn a_failed_subscribe_leaves_nothing_behind_and_resubscribe_lists_every_key() {
+        let mut s = SubscriptionState::default();
+        let k = SubKey::Messages("agent:main:x".into());
+        let Plan::Forward { gen } = s.subscribe(&k, 1) else {
+            panic!()
+        };
+        s.settle_subscribe(&k, 1, gen, false);
+        assert!(s.counts().is_empty());
+        s.subscribe(&SubKey::Sessions, 1);
+        s.subscribe(&k, 2);
+        let again: Vec<SubKey> = s.resubscribe().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(again, vec![SubKey::Sessions, k]);
+    }
+}
