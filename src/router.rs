@@ -195,11 +195,15 @@ impl Router {
         )
     }
 
-    /// Drops every entry of a requester that left (their answers are
-    /// discarded, what was recorded for them undone). Costs what it holds.
+    /// Drops every entry of a requester that left; their answers will be
+    /// discarded. Their settles do not run: the requests were sent, so what
+    /// was recorded for them is not undone here but released with the rest
+    /// of what the requester holds (a pending subscribe is then
+    /// unsubscribed, in order). Costs what it holds.
     pub fn forget(&self, member: &Member) {
         for id in member.pending_ids() {
-            if let Some((_, p)) = self.pending.remove(&id) {
+            if let Some((_, mut p)) = self.pending.remove(&id) {
+                drop(p.settle.take());
                 let _ = p.settle(&id, false);
             }
         }

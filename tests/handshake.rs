@@ -233,3 +233,177 @@ async fn a_client_close_is_answered_at_once() {
     })
     .await;
 }
+
+/// A raw WebSocket over the broker's socket, for frames a WebSocket library
+/// will not send (oversized announcements, invalid UTF-8).
+mod raw {
+    use std::path::Path;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::UnixStream;
+
+    pub struct RawWs {
+        pub stream: UnixStream,
+        buf: Vec<u8>,
+    }
+
+    impl RawWs {
+        /// Opens `/ws` and reads the `101` answer.
+        pub async fn open(socket: &Path) -> RawWs {
+            let mut stream = UnixStream::connect(socket).await.expect("socket accepts");
+            stream
+                .write_all(
+                    b"GET /ws HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+                      Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
+                )
+                .await
+                .unwrap();
+            let mut ws = RawWs {
+                stream,
+                buf: Vec::new(),
+            };
+            loop {
+                if let Some(end) = ws.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    assert!(
+                        ws.buf.starts_with(b"HTTP/1.1 101"),
+                        "{:?}",
+                        String::from_utf8_lossy(&ws.buf)
+                    );
+                    ws.buf.drain(..end + 4);
+                    return ws;
+                }
+                ws.fill().await;
+            }
+        }
+
+        async fn fill(&mut self) {
+            let mut chunk = [0u8; 4096];
+            let n = self.stream.read(&mut chunk).await.expect("read");
+            assert!(n > 0, "the broker closed the socket without a close frame");
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+
+        /// Writes a masked text frame header announcing `len` payload bytes.
+        pub async fn header(&mut self, len: u64) {
+            let mut h = vec![0x81u8, 0x80 | 127];
+            h.extend_from_slice(&len.to_be_bytes());
+            h.extend_from_slice(&[0, 0, 0, 0]); // mask key 0: payload as is
+            self.stream.write_all(&h).await.unwrap();
+        }
+
+        /// Writes one whole masked text frame (mask key 0).
+        pub async fn frame(&mut self, payload: &[u8]) {
+            self.header(payload.len() as u64).await;
+            self.stream.write_all(payload).await.unwrap();
+        }
+
+        /// Reads server frames until a close frame; returns its code and reason.
+        pub async fn close_frame(&mut self) -> (u16, String) {
+            loop {
+                while self.buf.len() < 2 {
+                    self.fill().await;
+                }
+                let (op, len7) = (self.buf[0] & 0x0f, (self.buf[1] & 0x7f) as usize);
+                let (len, at) = match len7 {
+                    126 => {
+                        while self.buf.len() < 4 {
+                            self.fill().await;
+                        }
+                        (u16::from_be_bytes([self.buf[2], self.buf[3]]) as usize, 4)
+                    }
+                    127 => {
+                        while self.buf.len() < 10 {
+                            self.fill().await;
+                        }
+                        (
+                            u64::from_be_bytes(self.buf[2..10].try_into().unwrap()) as usize,
+                            10,
+                        )
+                    }
+                    n => (n, 2),
+                };
+                while self.buf.len() < at + len {
+                    self.fill().await;
+                }
+                let payload: Vec<u8> = self.buf[at..at + len].to_vec();
+                self.buf.drain(..at + len);
+                if op == 0x8 {
+                    let code = u16::from_be_bytes([payload[0], payload[1]]);
+                    return (code, String::from_utf8_lossy(&payload[2..]).into_owned());
+                }
+            }
+        }
+    }
+}
+
+/// Before `connect` the broker reads at most `preconnect_max_bytes` (plus
+/// frame headers) and closes `1009` at once; it no longer buffers a first
+/// frame up to `max_frame_bytes` while waiting for the rest.
+#[tokio::test]
+async fn an_oversized_first_frame_is_refused_before_it_is_buffered() {
+    let h = start_with(mock_config(), |s| {
+        s.limits.connect_timeout = Duration::from_secs(30);
+    })
+    .await;
+    let mut ws = raw::RawWs::open(&h.socket()).await;
+    ws.header(20 << 20).await;
+    use tokio::io::AsyncWriteExt;
+    ws.stream.write_all(&vec![b' '; 100 * 1024]).await.unwrap();
+    let (code, reason) = tokio::time::timeout(PATIENCE, ws.close_frame())
+        .await
+        .expect("closed at once, not at the connect timeout");
+    assert_eq!((code, reason.as_str()), (1009, "frame too large"));
+}
+
+/// Invalid UTF-8 in a text frame closes `1007` (RFC 6455 §7.4.1), not
+/// `1000` with an empty reason.
+#[tokio::test]
+async fn invalid_utf8_closes_1007() {
+    let h = start().await;
+    let mut ws = raw::RawWs::open(&h.socket()).await;
+    ws.frame(b"{\"type\":\"req\",\"id\":\"\xff\xfe\"}").await;
+    let (code, _) = tokio::time::timeout(PATIENCE, ws.close_frame())
+        .await
+        .expect("a close frame");
+    assert_eq!(code, 1007);
+}
+
+/// A connect nested deeper than the parser allows is named as such.
+#[tokio::test]
+async fn a_too_deeply_nested_connect_says_so() {
+    let h = start().await;
+    let mut c = h.client().await;
+    c.recv_json().await; // challenge
+    let deep = format!(
+        r#"{{"type":"req","id":"c","method":"connect","params":{{"minProtocol":3,"maxProtocol":4,"x":{}1{}}}}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    c.send_text(&deep).await;
+    assert_eq!(
+        c.expect_close().await,
+        (1003, "too deeply nested".to_owned())
+    );
+}
+
+/// Clients still in their handshake are capped: one more is closed `1013`
+/// at once, and a slot frees when one of them connects.
+#[tokio::test]
+async fn concurrent_handshakes_are_capped() {
+    let h = start().await;
+    let mut waiting = Vec::new();
+    for _ in 0..clawmux::broker::MAX_HANDSHAKES {
+        let mut c = h.client().await;
+        assert_eq!(c.recv_json().await["event"], "connect.challenge");
+        waiting.push(c);
+    }
+    let mut over = h.client().await;
+    let (code, reason) = over.expect_close().await;
+    assert_eq!(code, 1013, "{reason}");
+    // One of the waiting clients connects: its slot is free again.
+    let mut first = waiting.swap_remove(0);
+    first.send_json(&connect_frame("c1")).await;
+    assert_eq!(first.response("c1").await["ok"], true);
+    let mut next = h.client().await;
+    assert_eq!(next.recv_json().await["event"], "connect.challenge");
+}

@@ -438,3 +438,67 @@ async fn streams_count_against_the_client_limit_and_rpc_against_inflight() {
     assert_eq!(status, 429, "{res}");
     assert_eq!(res["error"]["code"], "studio.too_many_requests");
 }
+
+/// Every `/v1/rpc` request spends one shared in-flight budget: opening more
+/// HTTP requests cannot exceed `max_inflight` (each used to be a fresh client
+/// with a budget of its own).
+#[tokio::test]
+async fn rpc_requests_share_one_inflight_budget() {
+    let faults = Faults {
+        hold_methods: vec!["status".into()],
+        ..Faults::default()
+    };
+    let h = start_faulty(mock_config(), faults, |s| {
+        s.limits.max_inflight = 2;
+        s.limits.request_timeout = Duration::from_secs(3);
+    })
+    .await;
+    until_ready(&h.socket()).await;
+    let socket = h.socket();
+    let calls: Vec<_> = (0..10)
+        .map(|_| {
+            let socket = socket.clone();
+            tokio::spawn(async move { rpc(&socket, r#"{"method":"status"}"#).await })
+        })
+        .collect();
+    // Eight are refused at once; two wait at the gateway.
+    let mut refused = 0;
+    let mut held = Vec::new();
+    for call in calls {
+        if call.is_finished() {
+            let (status, res) = call.await.unwrap();
+            assert_eq!(status, 429, "{res}");
+            refused += 1;
+        } else {
+            held.push(call);
+        }
+    }
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while refused < 8 && tokio::time::Instant::now() < deadline {
+        let mut still = Vec::new();
+        for call in held {
+            if call.is_finished() {
+                let (status, res) = call.await.unwrap();
+                assert_eq!(status, 429, "only refusals come back early: {res}");
+                refused += 1;
+            } else {
+                still.push(call);
+            }
+        }
+        held = still;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(refused, 8);
+    assert_eq!(state(&socket).await["rpc_inflight"], 2);
+    let statuses: usize =
+        h.gw.requests()
+            .iter()
+            .filter(|(_, r)| r["method"] == "status")
+            .count();
+    assert_eq!(statuses, 2, "only two reached the gateway");
+    for call in held {
+        let (status, _) = call.await.unwrap();
+        assert_eq!(status, 504, "held until the request timeout");
+    }
+    assert_eq!(state(&socket).await["rpc_inflight"], 0);
+}

@@ -398,3 +398,198 @@ async fn phases_are_reported_on_healthz() {
     h.broker.shutdown(PATIENCE).await;
     assert_eq!(ctx.upstream.phase().as_str(), "stopped");
 }
+
+/// Frames of [`fill_socket_buffers`].
+const FILL_FRAMES: usize = 64;
+
+/// Sends 64 MiB of requests: more than the socket buffers between broker
+/// and a gateway that stopped reading can hold.
+async fn fill_socket_buffers(a: &mut WsClient) {
+    let pad = "x".repeat(1 << 20);
+    for i in 0..FILL_FRAMES {
+        a.send_json(
+            &json!({"type":"req","id":format!("big{i}"),"method":"health","params":{"pad":pad}}),
+        )
+        .await;
+    }
+}
+
+/// A gateway that stops reading must not freeze the broker: while its
+/// writes wait, events are still read (the gateway's ticks keep the silence
+/// watchdog quiet, which would otherwise fire first); a write that makes no
+/// progress for `write_timeout` ends the session, pending requests fail at
+/// once, and the broker reconnects when the gateway reads again.
+#[tokio::test]
+async fn a_gateway_that_stops_reading_ends_the_session_not_the_broker() {
+    let cfg = MockConfig {
+        tick_interval_ms: 250,
+        ..mock_config()
+    };
+    let h = start_with(cfg, |s| {
+        s.upstream.write_timeout = Duration::from_millis(1500);
+    })
+    .await;
+    let (mut a, _) = h.connected().await;
+    h.gw.set_faults(Faults {
+        stop_reading: true,
+        ..Faults::default()
+    });
+    // Enough bytes to fill every socket buffer between broker and gateway
+    // (loopback TCP may buffer 32 MiB on the receiving side alone).
+    fill_socket_buffers(&mut a).await;
+    let lost = a.event("clawmux.upstream").await;
+    assert_eq!(lost["payload"]["phase"], "backoff", "{lost}");
+    assert!(
+        lost["payload"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("no progress"),
+        "the writer timed out while the reader kept reading ticks: {lost}"
+    );
+    let failed = a.response(&format!("big{}", FILL_FRAMES - 1)).await;
+    assert_eq!(
+        failed["error"]["code"], "studio.upstream_closed",
+        "{failed}"
+    );
+    h.gw.set_faults(Faults::default());
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["phase"], "ready", "{back}");
+    assert_eq!(a.request("status", json!({})).await["ok"], true);
+}
+
+/// A full upstream queue answers at once with a retryable error instead of
+/// blocking the client's reads (and with them every other request).
+#[tokio::test]
+async fn a_full_upstream_queue_fails_requests_at_once() {
+    let h = start_with(mock_config(), |s| {
+        s.upstream.write_timeout = Duration::from_secs(30);
+        s.limits.max_inflight = 4096;
+    })
+    .await;
+    let (mut a, _) = h.connected().await;
+    h.gw.set_faults(Faults {
+        stop_reading: true,
+        ..Faults::default()
+    });
+    fill_socket_buffers(&mut a).await;
+    let n = clawmux::upstream::UPSTREAM_QUEUE_FRAMES + 200;
+    for i in 0..n {
+        a.send_json(&json!({"type":"req","id":format!("s{i}"),"method":"health","params":{}}))
+            .await;
+    }
+    let last = a.response(&format!("s{}", n - 1)).await;
+    assert_eq!(last["ok"], false, "{last}");
+    assert_eq!(last["error"]["code"], "studio.too_many_requests", "{last}");
+    assert_eq!(last["error"]["retryable"], true, "{last}");
+    assert!(last["error"]["retryAfterMs"].as_u64().is_some(), "{last}");
+    h.gw.set_faults(Faults::default());
+}
+
+/// A day-long restart hint is capped at `backoff_max`: the broker is back
+/// as soon as the gateway is.
+#[tokio::test]
+async fn a_restart_hint_of_a_day_is_capped_at_backoff_max() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    h.gw.restart_notice(Some(86_400_000)).await;
+    let lost = a.event("clawmux.upstream").await;
+    assert_eq!(lost["payload"]["phase"], "backoff");
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["phase"], "ready", "{back}");
+}
+
+/// A gateway that closes every session right after `hello-ok` is retried
+/// with growing delays, not at a fixed pace.
+#[tokio::test]
+async fn sessions_closed_right_after_hello_back_off() {
+    let h = start_with(mock_config(), |s| {
+        s.upstream.backoff_initial = Duration::from_millis(50);
+        s.upstream.backoff_max = Duration::from_millis(800);
+    })
+    .await;
+    let (_a, _) = h.connected().await;
+    let before = h.gw.total_connections();
+    h.gw.set_faults(Faults {
+        close_after_hello: true,
+        ..Faults::default()
+    });
+    h.gw.restart_notice(Some(0)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let sessions = h.gw.total_connections() - before;
+    h.gw.set_faults(Faults::default());
+    // 250 (hint floor), then 100, 200, 400, 800, 800 ms: about 6 in 2 s.
+    // Without backoff (a fixed 50 ms) it would be about 30.
+    assert!(sessions <= 10, "{sessions} sessions in 2 s");
+    assert!(sessions >= 2, "{sessions} sessions in 2 s");
+}
+
+/// A frame over the upstream limit ends the session (the broker never
+/// buffers an unbounded frame) and the broker reconnects.
+#[tokio::test]
+async fn an_oversized_gateway_frame_ends_the_session() {
+    let h = start_with(mock_config(), |s| {
+        s.upstream.max_frame_bytes = 64 * 1024;
+    })
+    .await;
+    let (mut a, _) = h.connected().await;
+    let big = json!({"type":"event","event":"custom.big","payload":{"pad":"x".repeat(100 * 1024)},"seq":999});
+    h.gw.send_raw(&big.to_string());
+    let lost = a.event("clawmux.upstream").await;
+    assert!(
+        lost["payload"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("over the broker's limit"),
+        "{lost}"
+    );
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["phase"], "ready");
+}
+
+/// Events before `hello-ok` are kept only up to a bound; beyond it clients
+/// see a gap instead.
+#[tokio::test]
+async fn early_events_are_bounded() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    h.gw.set_faults(Faults {
+        early_events: 300,
+        ..Faults::default()
+    });
+    h.gw.drop_all();
+    let lost = a.event("clawmux.upstream").await;
+    assert_eq!(lost["payload"]["phase"], "backoff");
+    let back = a.event("clawmux.upstream").await;
+    assert_eq!(back["payload"]["phase"], "ready");
+    h.gw.broadcast("custom.after", json!({}));
+    let mut early = 0;
+    loop {
+        let ev = a.event_any().await;
+        if ev["event"] == "custom.after" {
+            break;
+        }
+        if ev["event"] == "tick" && ev["payload"]["early"].is_u64() {
+            early += 1;
+        }
+    }
+    h.gw.set_faults(Faults::default());
+    assert_eq!(early, 256, "the pre-hello buffer keeps 256 events");
+}
+
+/// An event whose `seq` is not a non-negative integer is still delivered.
+#[tokio::test]
+async fn events_with_malformed_seq_are_delivered() {
+    let h = start().await;
+    let (mut a, _) = h.connected().await;
+    for (n, seq) in ["-1", "1.5", "\"7\""].iter().enumerate() {
+        h.gw.send_raw(&format!(
+            r#"{{"type":"event","event":"custom.odd","payload":{{"n":{n}}},"seq":{seq}}}"#
+        ));
+        let ev = a.event("custom.odd").await;
+        assert_eq!(ev["payload"]["n"], n, "{ev}");
+        assert!(
+            ev["seq"].is_u64(),
+            "the client gets the broker's own seq: {ev}"
+        );
+    }
+}

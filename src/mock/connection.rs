@@ -161,7 +161,10 @@ impl Reader {
                     // No successful connect in time: close 1000 without a reason.
                     self.close(1000, "");
                 }
-                next = stream.next() => match next {
+                // A gateway that stopped reading looks again now and then
+                // whether the fault was cleared.
+                _ = tokio::time::sleep(Duration::from_millis(20)), if self.inner.faults().stop_reading => {}
+                next = stream.next(), if !self.inner.faults().stop_reading => match next {
                     None => return,
                     Some(Err(WsError::Capacity(_))) => {
                         self.close(1009, "");
@@ -370,6 +373,12 @@ impl Reader {
             let Some(entry) = conns.get_mut(&self.index) else {
                 return;
             };
+            let faults = self.inner.faults();
+            for n in 0..faults.early_events {
+                let early = json!({"type": "event", "event": "tick", "payload": {"ts": now_ms(), "early": n}}).to_string();
+                let len = early.len();
+                entry.send(Outbound::Frame(early), len);
+            }
             let frame = res_frame(id, Ok(&hello));
             let len = frame.len();
             // Queue hello-ok before the connection becomes visible to
@@ -377,6 +386,9 @@ impl Reader {
             entry.send(Outbound::Frame(frame), len);
             entry.send(Outbound::StartTicks, 0);
             entry.session = Some(session.clone());
+            if faults.close_after_hello {
+                entry.close(1012, "service restart");
+            }
         }
         self.session = Some(session);
         self.inner.notify_changed();

@@ -45,6 +45,15 @@ pub struct Faults {
     /// this list instead of what the client asked for: simulates the silent
     /// scope loss of gateway-protocol.md §2.5.
     pub grant_scopes: Option<Vec<String>>,
+    /// The gateway stops reading its sockets (a stuck event loop): what the
+    /// broker writes piles up in the socket buffers, while the gateway keeps
+    /// sending events. Cleared: reading resumes.
+    pub stop_reading: bool,
+    /// Close every connection (1012 "service restart") right after its
+    /// hello-ok: a gateway that accepts and immediately drops the session.
+    pub close_after_hello: bool,
+    /// Send this many `tick` events (without `seq`) before each hello-ok.
+    pub early_events: usize,
 }
 
 /// A handshake rejection: the error `res` sent to the `connect` request,

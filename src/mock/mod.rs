@@ -368,6 +368,28 @@ impl MockGateway {
         self.inner.broadcast(event, &payload, Some(sv), false);
     }
 
+    /// Sends a frame exactly as given to every ready connection (e.g. an
+    /// event with a malformed `seq`, or one larger than a client allows).
+    pub fn send_raw(&self, frame: &str) {
+        for entry in lock(&self.inner.conns).values().filter(|c| c.is_ready()) {
+            entry.send(state::Outbound::Frame(frame.to_owned()), frame.len());
+        }
+    }
+
+    /// The connection-scoped subscriptions of each ready connection:
+    /// (`sessions.subscribe` flag, `sessions.messages.subscribe` keys, sorted).
+    pub fn subscriptions(&self) -> Vec<(bool, Vec<String>)> {
+        lock(&self.inner.conns)
+            .values()
+            .filter(|c| c.is_ready())
+            .map(|c| {
+                let mut keys: Vec<String> = c.message_keys.iter().cloned().collect();
+                keys.sort();
+                (c.sessions_subscribed, keys)
+            })
+            .collect()
+    }
+
     /// Sends `session.message` to the `sessions.subscribe` subscribers and
     /// to the `sessions.messages.subscribe` subscribers of `key`.
     pub fn emit_session_message(&self, key: &str, payload: Value) {
