@@ -514,3 +514,219 @@ impl Dispatcher {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::Value;
+    use tokio::sync::{mpsc, watch};
+
+    use super::*;
+    use crate::config::Settings;
+    use crate::hub::{Client, QueueLimits};
+    use crate::upstream::{Outbound, Status};
+
+    struct Fixture {
+        dispatcher: Arc<Dispatcher>,
+        router: Arc<Router>,
+        queue: mpsc::Receiver<Outbound>,
+        _status: watch::Sender<Status>,
+    }
+
+    fn fixture(max_inflight: usize) -> Fixture {
+        let limits = QueueLimits {
+            soft_bytes: 1 << 20,
+            hard_bytes: 1 << 23,
+            grace: Duration::from_secs(10),
+        };
+        let hub = Arc::new(Hub::new(limits, 16));
+        let router = Arc::new(Router::new(
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+            max_inflight,
+        ));
+        let sharing = Arc::new(Sharing::new());
+        let (upstream, seed) = Upstream::new(&Settings::new("/nonexistent.sock"));
+        let (status, queue) = seed.fake_ready(1);
+        let dispatcher = Arc::new(Dispatcher::new(hub, Arc::clone(&router), sharing, upstream));
+        Fixture {
+            dispatcher,
+            router,
+            queue,
+            _status: status,
+        }
+    }
+
+    fn client(f: &Fixture) -> Registration {
+        f.dispatcher.register(f.dispatcher.hub.new_client())
+    }
+
+    /// The methods queued upstream so far, in order, with their ids.
+    fn sent(f: &mut Fixture) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        while let Ok(o) = f.queue.try_recv() {
+            let v: Value = serde_json::from_str(&o.text).unwrap();
+            out.push((
+                v["method"].as_str().unwrap().to_owned(),
+                v["id"].as_str().unwrap().to_owned(),
+            ));
+        }
+        out
+    }
+
+    fn methods(sent: &[(String, String)]) -> Vec<&str> {
+        sent.iter().map(|(m, _)| m.as_str()).collect()
+    }
+
+    fn ok(f: &Fixture, upstream_id: &str) {
+        let payload = RawValue::from_string("{}".into()).unwrap();
+        assert!(f.router.complete(upstream_id, true, Some(&payload), None));
+    }
+
+    #[test]
+    fn a_departure_queues_its_release_before_a_later_subscribe() {
+        let mut f = fixture(8);
+        let a = client(&f);
+        f.dispatcher
+            .dispatch(a.member(), "1", "sessions.subscribe", None)
+            .unwrap();
+        let first = sent(&mut f);
+        assert_eq!(methods(&first), ["sessions.subscribe"]);
+        ok(&f, &first[0].1);
+        // Confirmed: a second subscriber is answered locally.
+        let b = client(&f);
+        f.dispatcher
+            .dispatch(b.member(), "1", "sessions.subscribe", None)
+            .unwrap();
+        assert!(sent(&mut f).is_empty());
+        drop(a);
+        drop(b);
+        let c = client(&f);
+        f.dispatcher
+            .dispatch(c.member(), "1", "sessions.subscribe", None)
+            .unwrap();
+        assert_eq!(
+            methods(&sent(&mut f)),
+            ["sessions.unsubscribe", "sessions.subscribe"],
+            "the release is queued before the later subscribe"
+        );
+    }
+
+    #[test]
+    fn a_departure_with_a_pending_subscribe_still_unsubscribes() {
+        let mut f = fixture(8);
+        let a = client(&f);
+        f.dispatcher
+            .dispatch(
+                a.member(),
+                "1",
+                "sessions.messages.subscribe",
+                Some(&RawValue::from_string(r#"{"key":"main"}"#.into()).unwrap()),
+            )
+            .unwrap();
+        drop(a);
+        let queued = sent(&mut f);
+        assert_eq!(
+            methods(&queued),
+            [
+                "sessions.messages.subscribe",
+                "sessions.messages.unsubscribe"
+            ]
+        );
+        assert_eq!(
+            f.router.pending_count(),
+            1,
+            "only the broker's own release waits"
+        );
+        assert_eq!(f.dispatcher.sharing.subscriptions.counts().1.len(), 0);
+    }
+
+    #[test]
+    fn refusals_before_anything_is_sent() {
+        let mut f = fixture(1);
+        let a = client(&f);
+        let node = f
+            .dispatcher
+            .dispatch(a.member(), "1", "node.event", None)
+            .unwrap_err();
+        assert_eq!(node.code, "INVALID_REQUEST");
+        f.dispatcher
+            .dispatch(a.member(), "2", "status", None)
+            .unwrap();
+        let capped = f
+            .dispatcher
+            .dispatch(a.member(), "3", "status", None)
+            .unwrap_err();
+        assert_eq!(capped.code, "studio.too_many_requests");
+        // A refused subscribe leaves no subscription behind.
+        let refused = f
+            .dispatcher
+            .dispatch(a.member(), "4", "sessions.subscribe", None)
+            .unwrap_err();
+        assert_eq!(refused.code, "studio.too_many_requests");
+        assert_eq!(f.dispatcher.sharing.subscriptions.counts().0, 0);
+        assert_eq!(methods(&sent(&mut f)), ["status"]);
+    }
+
+    #[test]
+    fn aborting_another_clients_run_needs_admin() {
+        let mut f = fixture(8);
+        let (a, b) = (client(&f), client(&f));
+        let params = RawValue::from_string(
+            r#"{"idempotencyKey":"run-1","sessionKey":"main","message":"hi"}"#.into(),
+        )
+        .unwrap();
+        f.dispatcher
+            .dispatch(a.member(), "1", "chat.send", Some(&params))
+            .unwrap();
+        let abort =
+            RawValue::from_string(r#"{"runId":"run-1","sessionKey":"main"}"#.into()).unwrap();
+        let e = f
+            .dispatcher
+            .dispatch(b.member(), "2", "chat.abort", Some(&abort))
+            .unwrap_err();
+        assert_eq!(e.code, "studio.forbidden");
+        f.dispatcher
+            .dispatch(a.member(), "3", "chat.abort", Some(&abort))
+            .unwrap();
+        drop(a);
+        assert!(
+            f.dispatcher.sharing.runs.is_empty(),
+            "a departure ends its runs"
+        );
+        assert_eq!(methods(&sent(&mut f)), ["chat.send", "chat.abort"]);
+    }
+
+    #[test]
+    fn rpc_requests_share_one_budget() {
+        let mut f = fixture(2);
+        let rpcs: Vec<Registration> = (0..3)
+            .map(|_| {
+                f.dispatcher.register_rpc(Arc::new(Client::new(
+                    100,
+                    QueueLimits {
+                        soft_bytes: 1 << 20,
+                        hard_bytes: 1 << 23,
+                        grace: Duration::from_secs(10),
+                    },
+                )))
+            })
+            .collect();
+        f.dispatcher
+            .dispatch(rpcs[0].member(), "h", "status", None)
+            .unwrap();
+        f.dispatcher
+            .dispatch(rpcs[1].member(), "h", "status", None)
+            .unwrap();
+        let e = f
+            .dispatcher
+            .dispatch(rpcs[2].member(), "h", "status", None)
+            .unwrap_err();
+        assert_eq!(e.code, "studio.too_many_requests");
+        assert_eq!(f.dispatcher.rpc_inflight(), 2);
+        drop(rpcs);
+        assert_eq!(f.dispatcher.rpc_inflight(), 0);
+        assert_eq!(sent(&mut f).len(), 2);
+    }
+}

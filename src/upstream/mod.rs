@@ -238,6 +238,20 @@ pub struct ConnectorSeed {
 }
 
 impl ConnectorSeed {
+    /// For unit tests of what sits on top of the handle: marks a session of
+    /// `generation` ready (no connector runs) and hands out the request queue.
+    #[cfg(test)]
+    pub(crate) fn fake_ready(
+        self,
+        generation: u64,
+    ) -> (watch::Sender<Status>, mpsc::Receiver<Outbound>) {
+        self.status.send_modify(|s| {
+            s.phase = Phase::Ready;
+            s.generation = generation;
+        });
+        (self.status, self.rx)
+    }
+
     /// Starts the connector task.
     pub fn spawn(
         self,

@@ -496,3 +496,22 @@ impl Connector {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn early_events_are_kept_up_to_their_bounds() {
+        let mut early = EarlyEvents::default();
+        for _ in 0..EARLY_EVENTS_MAX + 5 {
+            early.push("{}".into());
+        }
+        assert_eq!(early.frames.len(), EARLY_EVENTS_MAX);
+        assert!(early.overflowed);
+        let mut big = EarlyEvents::default();
+        big.push("x".repeat(EARLY_EVENTS_MAX_BYTES - 10));
+        big.push("x".repeat(11));
+        assert_eq!((big.frames.len(), big.overflowed), (1, true));
+    }
+}
