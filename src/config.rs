@@ -137,6 +137,10 @@ pub struct UpstreamOptions {
     /// (reconnect). Default 50 MiB: twice the gateway's own `maxPayload`
     /// (25 MiB), since an event wraps a payload that was itself that large.
     pub max_frame_bytes: usize,
+    /// Dial this unix socket instead of the URL's host (the URL still names
+    /// the WebSocket path and `Host`). Only `serve --demo` sets it, for its
+    /// built-in gateway double, so the demo opens no TCP port. Default: none.
+    pub unix_socket: Option<PathBuf>,
     /// The state dir holding the broker's device key and the device tokens
     /// gateways minted for it (created 0700, files 0600). `None` turns
     /// device identity off (`--no-device-identity`): the broker connects
@@ -152,6 +156,7 @@ impl Default for UpstreamOptions {
             backoff_max: Duration::from_secs(30),
             write_timeout: Duration::from_secs(10),
             max_frame_bytes: 50 * 1024 * 1024,
+            unix_socket: None,
             device_identity: default_state_dir(),
         }
     }

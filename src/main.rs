@@ -225,6 +225,23 @@ fn main() -> ExitCode {
     }
 }
 
+/// The demo's private directory, removed when the demo ends.
+struct DemoDir(std::path::PathBuf);
+
+impl Drop for DemoDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh private (0700) directory under the temp dir.
+fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = std::env::temp_dir().join(format!("clawmux-demo-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+    Ok(dir)
+}
+
 async fn serve(
     args: ServeArgs,
     activated: Result<Option<clawmux::systemd::ActivatedSocket>, clawmux::systemd::ActivationError>,
@@ -238,20 +255,28 @@ async fn serve(
     }
     let _demo = if args.demo {
         let token = uuid::Uuid::new_v4().simple().to_string();
-        let mock = MockGateway::start(MockConfig {
-            token: Some(token.clone()),
-            demo: true,
-            tick_interval_ms: 5_000,
-            ..MockConfig::default()
-        })
+        // The demo's gateway double listens on a unix socket in a private
+        // temporary directory, never on TCP (the broker dials that socket).
+        let dir = tempfile_dir()?;
+        let path = dir.join("gateway.sock");
+        let mock = MockGateway::start_unix(
+            &path,
+            MockConfig {
+                token: Some(token.clone()),
+                demo: true,
+                tick_interval_ms: 5_000,
+                ..MockConfig::default()
+            },
+        )
         .await?;
         eprintln!(
             "clawmux: demo mode: gateway double on {} with scripted agent runs",
-            mock.url()
+            path.display()
         );
-        settings.gateway_url = mock.url();
+        settings.gateway_url = "ws://localhost/".into();
+        settings.upstream.unix_socket = Some(path);
         settings.token = Some(Secret::new(token));
-        Some(mock)
+        Some((mock, DemoDir(dir)))
     } else {
         None
     };

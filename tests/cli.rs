@@ -118,3 +118,77 @@ async fn serve_binary_against_mock_gateway_binary() {
     sigterm(&gw.0);
     assert!(wait_exit(&mut gw.0).await.success());
 }
+
+/// Inodes of the TCP sockets in LISTEN state on this machine.
+fn tcp_listen_inodes() -> std::collections::HashSet<String> {
+    let mut out = std::collections::HashSet::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            // st == 0A is LISTEN; column 9 is the inode.
+            if cols.len() > 9 && cols[3] == "0A" {
+                out.insert(cols[9].to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// `serve --demo` runs its gateway double on a unix socket: the process
+/// listens on no TCP port at all (the broker never listens on TCP).
+#[tokio::test]
+async fn demo_listens_on_no_tcp_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("demo.sock");
+    let broker = ChildGuard(
+        Command::new(BIN)
+            .args(["serve", "--demo", "--socket"])
+            .arg(&socket)
+            .env("HOME", dir.path())
+            .env("TMPDIR", dir.path())
+            .env("XDG_STATE_HOME", dir.path().join("state"))
+            .env("XDG_CONFIG_HOME", dir.path().join("config"))
+            .env_remove("XDG_RUNTIME_DIR")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("socket exists", || socket.exists()).await;
+    let mut c = WsClient::open(&socket, "/ws").await;
+    assert_eq!(c.handshake().await["type"], "hello-ok");
+    assert_eq!(c.request("health", serde_json::json!({})).await["ok"], true);
+    let listening = tcp_listen_inodes();
+    let fds = std::fs::read_dir(format!("/proc/{}/fd", broker.0.id())).unwrap();
+    for fd in fds.flatten() {
+        let Ok(target) = std::fs::read_link(fd.path()) else {
+            continue;
+        };
+        let target = target.to_string_lossy().into_owned();
+        if let Some(inode) = target
+            .strip_prefix("socket:[")
+            .and_then(|t| t.strip_suffix(']'))
+        {
+            assert!(
+                !listening.contains(inode),
+                "the demo listens on a TCP socket (fd {:?})",
+                fd.file_name()
+            );
+        }
+    }
+    let demo_dirs = || {
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("clawmux-demo-"))
+            .count()
+    };
+    assert_eq!(demo_dirs(), 1, "the double's socket lives in a private dir");
+    drop(c);
+    let mut broker = broker;
+    sigterm(&broker.0);
+    wait_exit(&mut broker.0).await;
+    assert_eq!(demo_dirs(), 0, "removed at exit");
+}

@@ -35,8 +35,16 @@ pub(crate) const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Writer: how many queued frames are written before one flush.
 const WRITE_BATCH: usize = 64;
 
-type WsSink = SplitSink<WebSocketStream<TcpStream>, Message>;
-type WsSource = SplitStream<WebSocketStream<TcpStream>>;
+/// A byte stream the double serves: TCP on loopback, or a unix socket (the
+/// demo's double, so `serve --demo` opens no TCP port at all).
+pub(crate) trait Io:
+    tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static
+{
+}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static> Io for T {}
+
+type WsSink = SplitSink<WebSocketStream<Box<dyn Io>>, Message>;
+type WsSource = SplitStream<WebSocketStream<Box<dyn Io>>>;
 
 /// Whether the reader keeps going after a frame.
 enum Flow {
@@ -62,6 +70,11 @@ impl Drop for ConnGuard {
 /// Serves one accepted TCP connection until it closes.
 pub(crate) async fn serve(inner: Arc<Inner>, tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
+    serve_io(inner, Box::new(tcp)).await;
+}
+
+/// Serves one accepted connection of any kind until it closes.
+pub(crate) async fn serve_io(inner: Arc<Inner>, tcp: Box<dyn Io>) {
     // tungstenite's own limits sit above ours, so the double (not the
     // library) decides how oversize frames are answered.
     let limit = (inner.cfg.max_payload as usize)

@@ -229,6 +229,36 @@ impl MockGateway {
         })
     }
 
+    /// Starts the double on a unix socket at `path` (created 0600 by the
+    /// umask-free bind into a directory the caller keeps private): the
+    /// demo's gateway, so `serve --demo` listens on no TCP port. `addr()` is
+    /// then `127.0.0.1:0` and `url()` `ws://localhost`; dial the path.
+    pub async fn start_unix(path: &std::path::Path, cfg: MockConfig) -> io::Result<MockGateway> {
+        let listener = tokio::net::UnixListener::bind(path)?;
+        let demo = cfg.demo;
+        let health_every = cfg
+            .health_interval_ms
+            .map(|ms| Duration::from_millis(ms.max(1)));
+        let inner = Inner::new(cfg);
+        let mut tasks = vec![tokio::spawn(accept_unix_loop(inner.clone(), listener))];
+        if demo {
+            tasks.push(tokio::spawn(runs::demo_loop(inner.clone())));
+        }
+        if let Some(every) = health_every {
+            tasks.push(tokio::spawn(runs::health_loop(inner.clone(), every)));
+        }
+        tracing::info!(path = %path.display(), "mock gateway listening on a unix socket");
+        let lifecycle = Arc::new(Lifecycle {
+            inner: inner.clone(),
+            tasks: Mutex::new(tasks),
+        });
+        Ok(MockGateway {
+            inner,
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            lifecycle,
+        })
+    }
+
     /// The bound address (with the real port when started on port 0).
     pub fn addr(&self) -> SocketAddr {
         self.addr
@@ -516,6 +546,24 @@ impl MockGateway {
 }
 
 /// Accepts TCP connections until shutdown; each gets its own task.
+async fn accept_unix_loop(inner: Arc<Inner>, listener: tokio::net::UnixListener) {
+    let mut shutdown = inner.shutdown.subscribe();
+    loop {
+        tokio::select! {
+            _ = state::until_shutdown(&mut shutdown) => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    tokio::spawn(connection::serve_io(inner.clone(), Box::new(stream)));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "mock gateway: accept failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    }
+}
+
 async fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
     let mut shutdown = inner.shutdown.subscribe();
     loop {

@@ -6,9 +6,8 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+use tokio_tungstenite::WebSocketStream;
 
 use super::identity::{ConnectProof, DeviceIdentity};
 use super::{UpstreamHello, REQUESTED_SCOPES};
@@ -16,7 +15,15 @@ use crate::config::Secret;
 use crate::protocol::frames::string_array;
 use crate::protocol::{now_ms, ErrorShape, StudioCode, PROTOCOL_MAX, PROTOCOL_MIN};
 
-pub(super) type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
+/// The byte stream under the upstream WebSocket: TCP, or a unix socket for
+/// the demo's built-in double.
+pub(super) trait UpstreamIo:
+    tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static
+{
+}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static> UpstreamIo for T {}
+
+pub(super) type Ws = WebSocketStream<Box<dyn UpstreamIo>>;
 
 /// The broker's `client` identity upstream (gateway-protocol.md §2.5: the
 /// one that keeps its scopes on loopback with a token alone).

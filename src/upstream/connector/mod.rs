@@ -362,9 +362,15 @@ impl Connector {
         let config = WebSocketConfig::default()
             .max_message_size(Some(self.opts.max_frame_bytes))
             .max_frame_size(Some(self.opts.max_frame_bytes));
-        let (mut ws, _) = tokio_tungstenite::connect_async_with_config(self.url.as_str(), Some(config), true)
-            .await
-            .map_err(|e| {
+        let opened = match self.open_stream().await {
+            Ok(io) => {
+                tokio_tungstenite::client_async_with_config(self.url.as_str(), io, Some(config))
+                    .await
+                    .map(|(ws, _)| (ws, ()))
+            }
+            Err(e) => Err(tokio_tungstenite::tungstenite::Error::Io(e)),
+        };
+        let (mut ws, _) = opened.map_err(|e| {
                 AttemptError::new(
                     StudioCode::UpstreamError,
                     format!(
@@ -469,6 +475,29 @@ impl Connector {
                 _ => {}
             }
         }
+    }
+
+    /// Opens the byte stream to the gateway: TCP to the URL's host and port
+    /// (Nagle off, as tokio-tungstenite's own `connect_async` does), or the
+    /// configured unix socket.
+    async fn open_stream(&self) -> std::io::Result<Box<dyn super::handshake::UpstreamIo>> {
+        if let Some(path) = &self.opts.unix_socket {
+            return Ok(Box::new(tokio::net::UnixStream::connect(path).await?));
+        }
+        let uri: http::Uri = self.url.parse().map_err(|e| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("bad URL: {e}"))
+        })?;
+        if uri.scheme_str() == Some("wss") {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "TLS support not compiled in (wss:// is not supported yet)",
+            ));
+        }
+        let host = uri.host().unwrap_or_default();
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let tcp = tokio::net::TcpStream::connect((host, uri.port_u16().unwrap_or(80))).await?;
+        tcp.set_nodelay(true)?;
+        Ok(Box::new(tcp))
     }
 
     /// Persists the device token the gateway minted, so a later connect
