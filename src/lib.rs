@@ -45,8 +45,10 @@
 //!   [`install`] writes the user units.
 //! - [`settings`]: where each setting comes from (flags, environment,
 //!   config.toml, Claw3D's and OpenClaw's own files) for `serve` and `doctor`.
-//! - [`mock`]: a faithful gateway test double on loopback TCP, used by the
-//!   tests, `clawmux mock-gateway` and `clawmux serve --demo`.
+//!
+//! Not in this library: the gateway test double is its own crate,
+//! `clawmux-mock` (`crates/clawmux-mock`), used by the tests, `clawmux
+//! mock-gateway` and `clawmux serve --demo`.
 
 pub mod broker;
 pub mod cli;
@@ -57,7 +59,6 @@ pub mod install;
 pub mod lifecycle;
 pub mod local;
 pub mod metrics;
-pub mod mock;
 pub mod protocol;
 pub mod router;
 pub mod settings;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use clawmux::config::{self, Secret, Settings};
-use clawmux::mock::{MockConfig, MockGateway};
+use clawmux_mock::{MockConfig, MockGateway};
 use clawmux::settings::{self, Env, Overrides, Resolved};
 use clawmux::RunningBroker;
 use tracing_subscriber::EnvFilter;

@@ -7,7 +7,7 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use clawmux::mock::Rejection;
+use clawmux_mock::Rejection;
 use serde_json::{json, Value};
 use support::*;
 

@@ -1,4 +1,4 @@
-//! Scenarios that use the library's gateway double (`clawmux::mock::MockGateway`)
+//! Scenarios that use the library's gateway double (`clawmux_mock::MockGateway`)
 //! itself: how fast `broadcast` can feed one reader (why the fan-out uses the
 //! in-bench source instead), and scenario 2, closed-loop `health` requests
 //! through the broker and straight to the double.
@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clawmux::mock::{MockConfig, MockGateway};
+use clawmux_mock::{MockConfig, MockGateway};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::json;
 use tokio::net::{TcpStream, UnixStream};

@@ -14,7 +14,7 @@ use tokio::net::UnixStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
-pub use clawmux::mock::{Faults, MockConfig, MockGateway};
+pub use clawmux_mock::{Faults, MockConfig, MockGateway};
 pub use clawmux::{RunningBroker, Settings};
 
 /// Patience for anything a test waits on.

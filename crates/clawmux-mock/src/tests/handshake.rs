@@ -5,7 +5,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::*;
-use crate::mock::{Faults, MockConfig, MockGateway, Rejection};
+use crate::{Faults, MockConfig, MockGateway, Rejection};
 
 #[tokio::test]
 async fn challenge_is_the_first_frame_and_has_no_seq() {

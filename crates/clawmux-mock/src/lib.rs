@@ -1,7 +1,7 @@
-//! `clawmux::mock`: an in-process test double of the OpenClaw Gateway.
+//! `clawmux-mock`: an in-process test double of the OpenClaw Gateway.
 //!
 //! It speaks the gateway's WebSocket protocol (`shared/docs/gateway-protocol.md`)
-//! on a loopback TCP port, faithfully enough that the broker cannot tell it
+//! on a loopback TCP port (or a unix socket), faithfully enough that the broker cannot tell it
 //! from the real thing for the behaviour it depends on: the challenge/connect
 //! handshake with its exact error frames and close codes, per-connection
 //! `seq`, `tick`s, `stateVersion`, scope checks, scripted `chat`/`agent` runs,
@@ -21,7 +21,7 @@
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
-//! use clawmux::mock::{MockConfig, MockGateway};
+//! use clawmux_mock::{MockConfig, MockGateway};
 //! let gw = MockGateway::start(MockConfig { token: Some("secret".into()), ..Default::default() }).await?;
 //! println!("connect to {}", gw.url());
 //! # Ok(()) }

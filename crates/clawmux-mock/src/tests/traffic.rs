@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::*;
-use crate::mock::{Faults, MockConfig, MockGateway};
+use crate::{Faults, MockConfig, MockGateway};
 
 fn seq(frame: &Value) -> u64 {
     frame["seq"]
