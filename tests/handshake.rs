@@ -407,3 +407,47 @@ async fn concurrent_handshakes_are_capped() {
     let mut next = h.client().await;
     assert_eq!(next.recv_json().await["event"], "connect.challenge");
 }
+
+/// A client's close is answered with the same code, as the gateway does
+/// (Node `ws` and Python `websockets` otherwise report 1006).
+#[tokio::test]
+async fn a_clients_close_is_echoed() {
+    let h = start().await;
+    use futures_util::SinkExt;
+    use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+    use tokio_tungstenite::tungstenite::Message;
+    let (mut c, _) = h.connected().await;
+    c.ws_mut()
+        .send(Message::Close(Some(CloseFrame {
+            code: 1000.into(),
+            reason: "bye".into(),
+        })))
+        .await
+        .unwrap();
+    loop {
+        match c.recv().await {
+            Got::Json(_) => continue,
+            Got::Close(code, _) => {
+                assert_eq!(code, 1000);
+                break;
+            }
+            Got::Eof => panic!("the broker dropped the connection without answering the close"),
+        }
+    }
+}
+
+/// A `null` payload passes through as `null`, not as an absent field.
+#[tokio::test]
+async fn a_null_payload_is_kept() {
+    let h = start().await;
+    let (mut c, _) = h.connected().await;
+    c.send_json(&serde_json::json!({"type":"req","id":"hb","method":"last-heartbeat","params":{}}))
+        .await;
+    let res = c.response("hb").await;
+    assert_eq!(res["ok"], true, "{res}");
+    assert!(
+        res.as_object().unwrap().contains_key("payload"),
+        "payload:null must be present: {res}"
+    );
+    assert!(res["payload"].is_null());
+}

@@ -213,3 +213,28 @@ async fn requests_while_upstream_is_down_fail_fast() {
     assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
     assert_eq!(res["error"]["retryable"], true);
 }
+
+/// After a failed connect answer the client may close first (Claw3D closes
+/// 4008 "connect failed: CODE MESSAGE" and shows that close); its close is
+/// echoed instead of racing it with 1011.
+#[tokio::test]
+async fn a_client_closing_after_a_failed_connect_keeps_its_close() {
+    use futures_util::SinkExt;
+    let (b, _d) = broker_only(|s| s.gateway_url = "http://localhost:18789".into()).await;
+    let mut c = WsClient::open(b.socket_path(), "/ws").await;
+    c.recv_json().await;
+    c.send_json(&connect_frame("c1")).await;
+    let res = c.response("c1").await;
+    assert_eq!(res["ok"], false, "{res}");
+    let reason = "connect failed: studio.gateway_url_invalid bad url";
+    c.ws_mut()
+        .send(tokio_tungstenite::tungstenite::Message::Close(Some(
+            tokio_tungstenite::tungstenite::protocol::CloseFrame {
+                code: 4008.into(),
+                reason: reason.into(),
+            },
+        )))
+        .await
+        .unwrap();
+    assert_eq!(c.expect_close().await, (4008, reason.to_owned()));
+}

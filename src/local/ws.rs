@@ -27,6 +27,11 @@ use crate::upstream::UpstreamHello;
 /// A local WebSocket, its reads limited until `connect` ([`super::preconnect`]).
 pub type Ws = WebSocketStream<Limited<TokioIo<Upgraded>>>;
 
+/// After a failed connect answer, how long the client may take to close
+/// first (its close is echoed, as the gateway does) before the broker
+/// closes `1011 connect failed`.
+const CONNECT_FAILED_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How long a closing client may take to acknowledge our close frame.
 const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -175,6 +180,14 @@ async fn handshake(stream: &mut SplitStream<Ws>, client: &Arc<Client>, ctx: &Arc
         Err(error) => {
             tracing::info!(client_id = client.id, code = %error.code, "local connect failed");
             client.push_frame(encode_res_error(&req.id, &error));
+            // Claw3D's client closes first after a failed connect answer
+            // (4008 "connect failed: CODE MESSAGE") and shows that close to the
+            // user: give it the moment it needs, then close ourselves.
+            if let Ok(Incoming::Closed) =
+                tokio::time::timeout(CONNECT_FAILED_LINGER, next_incoming(stream)).await
+            {
+                return false;
+            }
             client.close(1011, "connect failed");
             return false;
         }
@@ -383,6 +396,10 @@ async fn write_batch(sink: &mut SplitSink<Ws, Message>, batch: Vec<Outgoing>) ->
             Outgoing::Event(head, seq) => text_message(head.with_seq(seq)),
             Outgoing::Frame(bytes) => text_message(bytes),
             Outgoing::Close(code, reason) => {
+                // If the peer closed first, tungstenite has queued the echo of
+                // its close frame (same code, as the gateway answers): a flush
+                // writes it, and our own close is then refused unwritten.
+                let _ = sink.flush().await;
                 let frame = CloseFrame {
                     code: CloseCode::from(code),
                     reason: Utf8Bytes::from(truncate_reason(&reason)),

@@ -245,16 +245,24 @@ struct RawUpstream<'a> {
     id: Option<Cow<'a, str>>,
     #[serde(default)]
     ok: Option<bool>,
-    #[serde(borrow, default)]
+    #[serde(borrow, default, deserialize_with = "present")]
     payload: Option<&'a RawValue>,
-    #[serde(borrow, default)]
+    #[serde(borrow, default, deserialize_with = "present")]
     error: Option<&'a RawValue>,
     #[serde(borrow, default)]
     event: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
+    #[serde(borrow, default, deserialize_with = "present")]
     seq: Option<&'a RawValue>,
-    #[serde(rename = "stateVersion", borrow, default)]
+    #[serde(rename = "stateVersion", borrow, default, deserialize_with = "present")]
     state_version: Option<&'a RawValue>,
+}
+
+/// A field that is present, `null` included: `Option<&RawValue>` alone
+/// reads `null` as absent, and a `"payload":null` must pass through as
+/// `null` (a client may read `payload` of `last-heartbeat` and crash on
+/// `undefined`). Absent fields stay `None` through `#[serde(default)]`.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
 }
 
 /// The `seq` of a gateway event.
@@ -694,5 +702,28 @@ mod tests {
         // After connect, params pass through as raw JSON, however deep (as
         // the gateway's own parser takes them).
         assert!(ClientFrame::parse(&after).is_ok());
+    }
+
+    #[test]
+    fn a_null_payload_passes_through_as_null() {
+        let text = r#"{"type":"res","id":"cm-1","ok":true,"payload":null}"#;
+        let Some(UpstreamFrame::Res { id, ok, payload, error }) = UpstreamFrame::parse(text) else {
+            panic!("a res frame")
+        };
+        let out = encode_res("mine", ok, payload, error);
+        assert_eq!(&out[..], br#"{"type":"res","id":"mine","ok":true,"payload":null}"#, "{id}");
+        let absent = r#"{"type":"res","id":"cm-2","ok":true}"#;
+        let Some(UpstreamFrame::Res { payload, .. }) = UpstreamFrame::parse(absent) else {
+            panic!()
+        };
+        assert!(payload.is_none());
+        let event = r#"{"type":"event","event":"x","payload":null,"seq":null}"#;
+        match UpstreamFrame::parse(event) {
+            Some(UpstreamFrame::Event { payload, seq, .. }) => {
+                assert_eq!(payload.map(RawValue::get), Some("null"));
+                assert_eq!(seq, EventSeq::Absent);
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -152,6 +152,11 @@ impl WsClient {
         }
     }
 
+    /// The WebSocket itself, for frames the helpers do not send.
+    pub fn ws_mut(&mut self) -> &mut WebSocketStream<UnixStream> {
+        &mut self.ws
+    }
+
     /// Starts a clean close from the client side.
     pub async fn close(&mut self) {
         self.ws.close(None).await.expect("close");
