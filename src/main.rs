@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use clawmux::config::{self, Secret, Settings};
-use clawmux_mock::{MockConfig, MockGateway};
 use clawmux::settings::{self, Env, Overrides, Resolved};
 use clawmux::RunningBroker;
+use clawmux_mock::{MockConfig, MockGateway};
 use tracing_subscriber::EnvFilter;
 
 /// Share one OpenClaw Gateway session among many local programs, over a unix socket.

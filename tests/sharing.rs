@@ -422,3 +422,32 @@ async fn unconfirmed_subscriptions_are_forwarded_until_the_gateway_says_ok() {
         "confirmed: answered here"
     );
 }
+
+/// A gateway without `sessions.unsubscribe` (2026.9.6: not in
+/// `hello-ok.features.methods`) is not sent one when the last holder leaves:
+/// it would only answer "unknown method" and the broker would log a failure.
+#[tokio::test]
+async fn no_release_is_sent_for_a_method_the_gateway_lacks() {
+    let cfg = MockConfig {
+        without_methods: vec!["sessions.unsubscribe".into()],
+        ..mock_config()
+    };
+    let h = start_with(cfg, |_| {}).await;
+    let (mut a, _) = h.connected().await;
+    assert_eq!(a.request("sessions.subscribe", json!({})).await["ok"], true);
+    drop(a);
+    let (mut b, _) = h.connected().await;
+    eventually("the departure is released", || {
+        h.broker.ctx().sharing.subscriptions.counts().0 == 0
+    })
+    .await;
+    assert_eq!(b.request("health", json!({})).await["ok"], true);
+    let unsubscribes =
+        h.gw.requests()
+            .iter()
+            .filter(|(_, r)| r["method"] == "sessions.unsubscribe")
+            .count();
+    assert_eq!(unsubscribes, 0);
+    let state = h.broker.ctx().dispatcher.own_requests();
+    assert_eq!(state.failed, 0, "{state:?}");
+}

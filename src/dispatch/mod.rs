@@ -474,8 +474,16 @@ impl Dispatcher {
         let Some(generation) = self.upstream.ready_generation() else {
             return;
         };
+        // A gateway without the unsubscribe method (2026.9.6 has no
+        // `sessions.unsubscribe`) is not sent one: it would only answer
+        // "unknown method"; its subscription ends with the session.
+        let hello = self.upstream.status().hello;
         let deferred: Vec<Deferred> = releases
             .iter()
+            .filter(|key| {
+                let method = key.request(false).0;
+                hello.as_ref().is_none_or(|h| h.supports(method))
+            })
             .map(|key| self.own_request_locked(&mut st, "release", key, false, generation, None))
             .collect();
         drop(st);

@@ -707,11 +707,21 @@ mod tests {
     #[test]
     fn a_null_payload_passes_through_as_null() {
         let text = r#"{"type":"res","id":"cm-1","ok":true,"payload":null}"#;
-        let Some(UpstreamFrame::Res { id, ok, payload, error }) = UpstreamFrame::parse(text) else {
+        let Some(UpstreamFrame::Res {
+            id,
+            ok,
+            payload,
+            error,
+        }) = UpstreamFrame::parse(text)
+        else {
             panic!("a res frame")
         };
         let out = encode_res("mine", ok, payload, error);
-        assert_eq!(&out[..], br#"{"type":"res","id":"mine","ok":true,"payload":null}"#, "{id}");
+        assert_eq!(
+            &out[..],
+            br#"{"type":"res","id":"mine","ok":true,"payload":null}"#,
+            "{id}"
+        );
         let absent = r#"{"type":"res","id":"cm-2","ok":true}"#;
         let Some(UpstreamFrame::Res { payload, .. }) = UpstreamFrame::parse(absent) else {
             panic!()

@@ -108,6 +108,21 @@ pub struct UpstreamHello {
     pub max_payload: Option<u64>,
 }
 
+impl UpstreamHello {
+    /// Whether the gateway lists `method` in `hello-ok.features.methods`
+    /// (true when it sends no list: an older gateway is not second-guessed).
+    pub fn supports(&self, method: &str) -> bool {
+        match self
+            .payload
+            .pointer("/features/methods")
+            .and_then(Value::as_array)
+        {
+            Some(methods) => methods.iter().any(|m| m.as_str() == Some(method)),
+            None => true,
+        }
+    }
+}
+
 /// A snapshot of the connector's state.
 #[derive(Debug, Clone)]
 pub struct Status {

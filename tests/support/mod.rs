@@ -14,8 +14,8 @@ use tokio::net::UnixStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
-pub use clawmux_mock::{Faults, MockConfig, MockGateway};
 pub use clawmux::{RunningBroker, Settings};
+pub use clawmux_mock::{Faults, MockConfig, MockGateway};
 
 /// Patience for anything a test waits on.
 pub const PATIENCE: Duration = Duration::from_secs(5);

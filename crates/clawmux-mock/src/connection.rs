@@ -369,7 +369,13 @@ impl Reader {
                 "type": "hello-ok",
                 "protocol": cfg.protocol,
                 "server": { "version": cfg.server_version, "connId": self.conn_id },
-                "features": { "methods": IMPLEMENTED_METHODS, "events": GATEWAY_EVENTS },
+                "features": {
+                    "methods": IMPLEMENTED_METHODS
+                        .iter()
+                        .filter(|m| !cfg.without_methods.iter().any(|w| w == *m))
+                        .collect::<Vec<_>>(),
+                    "events": GATEWAY_EVENTS,
+                },
                 "snapshot": {
                     "presence": presence_rows,
                     "health": health,

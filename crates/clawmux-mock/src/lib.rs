@@ -93,6 +93,10 @@ pub struct MockConfig {
     pub demo_interval: Duration,
     /// Pause between the events of a scripted run (deltas stream at this pace).
     pub run_step_delay: Duration,
+    /// Methods this gateway does not have: left out of
+    /// `hello-ok.features.methods` and answered "unknown method" (a real
+    /// 2026.9.6 gateway has no `sessions.unsubscribe`).
+    pub without_methods: Vec<String>,
 }
 
 impl Default for MockConfig {
@@ -111,6 +115,7 @@ impl Default for MockConfig {
             demo: false,
             demo_interval: Duration::from_secs(3),
             run_step_delay: Duration::from_millis(20),
+            without_methods: Vec::new(),
         }
     }
 }

@@ -220,6 +220,14 @@ pub(crate) fn handle_request(
     if let Err(e) = authorize(method, session) {
         return respond(inner, conn, id, Err(e));
     }
+    if inner.cfg.without_methods.iter().any(|m| m == method) {
+        return respond(
+            inner,
+            conn,
+            id,
+            Err(invalid(format!("unknown method: {method}"))),
+        );
+    }
     let req = Request {
         inner,
         conn,
