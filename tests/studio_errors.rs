@@ -238,3 +238,24 @@ async fn a_client_closing_after_a_failed_connect_keeps_its_close() {
         .unwrap();
     assert_eq!(c.expect_close().await, (4008, reason.to_owned()));
 }
+
+/// A gateway that worked and is now unreachable (restarting) is reported to
+/// a connecting client as `studio.upstream_closed`, which Claw3D retries;
+/// `studio.upstream_error` (which it treats as final) is kept for a gateway
+/// never reached.
+#[tokio::test]
+async fn an_outage_after_a_working_session_is_transient() {
+    let h = start_with(mock_config(), |s| {
+        s.limits.connect_wait = Duration::from_millis(300);
+    })
+    .await;
+    let (_a, _) = h.connected().await;
+    let Harness { gw, broker, dir } = h;
+    gw.stop().await;
+    let e = refused_connect(broker.socket_path()).await;
+    assert_eq!(e["code"], "studio.upstream_closed", "{e}");
+    assert_eq!(e["retryable"], true);
+    assert!(e["retryAfterMs"].is_u64(), "{e}");
+    assert_eq!(e["details"]["cause"], "studio.upstream_error", "{e}");
+    drop((broker, dir));
+}

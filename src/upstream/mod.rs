@@ -141,6 +141,9 @@ pub struct Status {
     pub awaiting_credential: bool,
     /// The broker's device id, when device identity is on and usable.
     pub device_id: Option<String>,
+    /// A session has been ready before: a failure to reach the gateway now
+    /// is an outage being ridden through, not a gateway never reached.
+    pub had_session: bool,
 }
 
 impl Status {
@@ -155,6 +158,7 @@ impl Status {
             reconnects: 0,
             awaiting_credential: false,
             device_id: None,
+            had_session: false,
         }
     }
 
@@ -173,6 +177,21 @@ impl Status {
             .retry_after_ms()
             .or(in_progress.then_some(ATTEMPT_IN_PROGRESS_RETRY_MS));
         match (&self.last_error, self.phase) {
+            // A gateway that worked and is briefly unreachable (restarting)
+            // is reported as the session being down, which clients such as
+            // Claw3D retry; `upstream_error`/`upstream_timeout` (which they
+            // treat as final) stay for a gateway never reached.
+            (Some(e), Phase::Connecting | Phase::Handshaking | Phase::Backoff)
+                if self.had_session
+                    && matches!(e.code.as_str(), "studio.upstream_error" | "studio.upstream_timeout") =>
+            {
+                ErrorShape::studio(
+                    StudioCode::UpstreamClosed,
+                    format!("the gateway session is down and the broker is reconnecting: {}", e.message),
+                )
+                .with_details(serde_json::json!({"cause": e.code}))
+                .with_retry_after_ms(retry.or(e.retry_after_ms))
+            }
             (Some(e), _) if e.retryable == Some(true) => {
                 e.clone().with_retry_after_ms(retry.or(e.retry_after_ms))
             }

@@ -105,6 +105,7 @@ impl Connector {
             s.generation += 1;
             generation = s.generation;
             s.phase = Phase::Ready;
+            s.had_session = true;
             s.hello = Some(Arc::clone(&hello));
             s.last_error = None;
             s.retry_at = None;
