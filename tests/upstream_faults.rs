@@ -593,3 +593,42 @@ async fn events_with_malformed_seq_are_delivered() {
         );
     }
 }
+
+/// A local connect during a long backoff makes the broker try now: a
+/// gateway that is back is used at once, not at the end of the backoff.
+#[tokio::test]
+async fn a_waiting_connect_triggers_an_attempt_during_backoff() {
+    let h = start_with(mock_config(), |s| {
+        s.upstream.backoff_initial = Duration::from_secs(30);
+        s.upstream.backoff_max = Duration::from_secs(30);
+        s.limits.connect_wait = Duration::from_secs(1);
+    })
+    .await;
+    let (mut a, _) = h.connected().await;
+    let Harness { gw, broker, dir } = h;
+    let addr = gw.addr();
+    gw.stop().await;
+    let lost = a.event("clawmux.upstream").await;
+    assert_eq!(lost["payload"]["phase"], "backoff");
+    let gw = MockGateway::start_on(addr, mock_config()).await.unwrap();
+    // The next scheduled attempt is 2 s away at the soonest (loopback);
+    // a client waiting 1 s gets the session anyway.
+    let t0 = Instant::now();
+    let mut c = WsClient::open(broker.socket_path(), "/ws").await;
+    let hello = c.handshake().await;
+    assert_eq!(hello["type"], "hello-ok");
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    drop((gw, broker, dir));
+}
+
+/// A loopback gateway is probed at least every 2 s while it is down, so a
+/// restarted local gateway is used within 2 s of being ready.
+#[test]
+fn loopback_urls_are_recognised() {
+    use clawmux::upstream::is_loopback_url;
+    assert!(is_loopback_url("ws://localhost:18789"));
+    assert!(is_loopback_url("ws://127.0.0.1:18789/ws"));
+    assert!(is_loopback_url("ws://[::1]:18789"));
+    assert!(!is_loopback_url("wss://gateway.example:443"));
+    assert!(!is_loopback_url("ws://192.168.1.2:18789"));
+}

@@ -142,6 +142,7 @@ impl Dispatcher {
             return Err(ErrorShape::invalid_request("unauthorized role: operator"));
         }
         let Some(generation) = self.upstream.ready_generation() else {
+            let _ = self.upstream.nudge();
             self.router.metrics.record_refused(method);
             return Err(self.upstream.status().not_ready_error());
         };

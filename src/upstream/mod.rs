@@ -183,11 +183,17 @@ impl Status {
             // treat as final) stay for a gateway never reached.
             (Some(e), Phase::Connecting | Phase::Handshaking | Phase::Backoff)
                 if self.had_session
-                    && matches!(e.code.as_str(), "studio.upstream_error" | "studio.upstream_timeout") =>
+                    && matches!(
+                        e.code.as_str(),
+                        "studio.upstream_error" | "studio.upstream_timeout"
+                    ) =>
             {
                 ErrorShape::studio(
                     StudioCode::UpstreamClosed,
-                    format!("the gateway session is down and the broker is reconnecting: {}", e.message),
+                    format!(
+                        "the gateway session is down and the broker is reconnecting: {}",
+                        e.message
+                    ),
                 )
                 .with_details(serde_json::json!({"cause": e.code}))
                 .with_retry_after_ms(retry.or(e.retry_after_ms))
@@ -265,6 +271,7 @@ pub struct Outbound {
 /// The connector, built but not started: it needs the dispatcher, which
 /// needs the [`Upstream`] handle.
 pub struct ConnectorSeed {
+    nudge: Arc<tokio::sync::Notify>,
     status: watch::Sender<Status>,
     rx: mpsc::Receiver<Outbound>,
     target: watch::Receiver<Target>,
@@ -305,6 +312,7 @@ impl ConnectorSeed {
                 dispatcher,
             },
             connector::Channels {
+                nudge: self.nudge,
                 status: self.status,
                 rx: self.rx,
                 target: self.target,
@@ -319,6 +327,9 @@ impl ConnectorSeed {
 /// The handle to the upstream session.
 #[derive(Debug, Clone)]
 pub struct Upstream {
+    /// Asks the connector to try now instead of at the end of its backoff
+    /// (a local client is waiting); rate-limited by the connector.
+    nudge: Arc<tokio::sync::Notify>,
     status: watch::Receiver<Status>,
     tx: mpsc::Sender<Outbound>,
     target: Arc<watch::Sender<Target>>,
@@ -332,14 +343,17 @@ impl Upstream {
         let (tx, rx) = mpsc::channel(UPSTREAM_QUEUE_FRAMES);
         let (target_tx, target_rx) = watch::channel(Target::from_settings(settings));
         let (offer_tx, offer_rx) = mpsc::channel(16);
+        let nudge = Arc::new(tokio::sync::Notify::new());
         (
             Upstream {
+                nudge: Arc::clone(&nudge),
                 status: status_rx,
                 tx,
                 target: Arc::new(target_tx),
                 offers: offer_tx,
             },
             ConnectorSeed {
+                nudge,
                 status: status_tx,
                 rx,
                 target: target_rx,
@@ -431,6 +445,18 @@ impl Upstream {
         self.status.borrow().phase
     }
 
+    /// A local client wants the session: during backoff (not after a
+    /// rejection) the connector tries again now, at most every
+    /// [`NUDGE_MIN_INTERVAL`], instead of waiting out a long backoff while
+    /// the gateway may be back.
+    pub fn nudge(&self) -> bool {
+        let backoff = self.status.borrow().phase == Phase::Backoff;
+        if backoff {
+            self.nudge.notify_one();
+        }
+        backoff
+    }
+
     /// The generation of the ready session, if one is ready.
     pub fn ready_generation(&self) -> Option<u64> {
         let s = self.status.borrow();
@@ -444,6 +470,12 @@ impl Upstream {
     /// deadline. A local `connect` uses this (design §2, issue: connect wait).
     pub async fn wait_ready(&self, deadline: Instant) -> Result<Arc<UpstreamHello>, ErrorShape> {
         let mut rx = self.status.clone();
+        rx.borrow_and_update();
+        if self.nudge() {
+            // Let the connector move its next attempt up before judging
+            // whether waiting can help.
+            let _ = tokio::time::timeout(NUDGE_SETTLE, rx.changed()).await;
+        }
         loop {
             {
                 let s = rx.borrow_and_update();
@@ -504,6 +536,31 @@ impl Upstream {
 
 /// The `retryAfterMs` hint when the upstream queue is full.
 const QUEUE_FULL_RETRY_MS: u64 = 100;
+
+/// Attempts started because a local client was waiting are at least this
+/// far apart.
+pub const NUDGE_MIN_INTERVAL: Duration = Duration::from_millis(250);
+
+/// How long a waiting connect gives the connector to act on its nudge.
+const NUDGE_SETTLE: Duration = Duration::from_millis(50);
+
+/// The longest wait between attempts for a gateway on loopback (not after a
+/// rejection): probing it is cheap, and a restarted local gateway should be
+/// used within this long of becoming ready.
+pub const LOOPBACK_BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// Whether the URL's host is this machine.
+pub fn is_loopback_url(url: &str) -> bool {
+    let Ok(uri) = url.parse::<http::Uri>() else {
+        return false;
+    };
+    let host = uri.host().unwrap_or_default();
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
 
 /// The least delay taken from a gateway's hint (`shutdown.restartExpectedMs`,
 /// an error's `retryAfterMs`): a hint of 0 must not become a reconnect loop.

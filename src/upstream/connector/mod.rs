@@ -70,6 +70,7 @@ struct SessionEnd {
 
 /// The channels between the connector and the [`super::Upstream`] handle.
 pub(super) struct Channels {
+    pub nudge: Arc<tokio::sync::Notify>,
     pub status: watch::Sender<Status>,
     pub rx: mpsc::Receiver<Outbound>,
     pub target: watch::Receiver<Target>,
@@ -105,6 +106,8 @@ pub(super) struct Connector {
     sharing: Arc<Sharing>,
     dispatcher: Arc<Dispatcher>,
     status: watch::Sender<Status>,
+    /// Rung when a local client is waiting for the session.
+    nudge: Arc<tokio::sync::Notify>,
     /// Gateway events whose `seq` was not a non-negative integer.
     invalid_seqs: std::sync::atomic::AtomicU64,
     /// The queue of requests; lent to the session's writer while it runs.
@@ -125,6 +128,7 @@ impl Connector {
         cancel: CancellationToken,
     ) -> Self {
         let Channels {
+            nudge,
             status,
             rx,
             target,
@@ -154,6 +158,7 @@ impl Connector {
             dispatcher,
             status,
             rx: Some(rx),
+            nudge,
             invalid_seqs: Default::default(),
             cancel,
             instance_id: uuid::Uuid::new_v4().to_string(),
@@ -235,6 +240,7 @@ impl Connector {
                 }
             }
             self.set_phase(Phase::Connecting);
+            let attempt_started = Instant::now();
             let cancel = self.cancel.clone();
             let attempt = tokio::select! {
                 _ = cancel.cancelled() => break,
@@ -331,7 +337,13 @@ impl Connector {
                     backoff_delay(self.opts.backoff_initial, self.opts.backoff_max, failures)
                 }
             };
-            let retry_at = Instant::now() + delay;
+            let rejected = phase_after == Phase::Rejected;
+            let delay = if !rejected && super::is_loopback_url(&self.url) {
+                delay.min(super::LOOPBACK_BACKOFF_MAX)
+            } else {
+                delay
+            };
+            let mut retry_at = Instant::now() + delay;
             self.status.send_modify(|s| {
                 s.phase = phase_after;
                 s.retry_at = Some(retry_at);
@@ -341,15 +353,28 @@ impl Connector {
                 delay_ms = delay.as_millis() as u64,
                 "next upstream attempt scheduled"
             );
-            tokio::select! {
-                _ = self.cancel.cancelled() => break,
-                _ = tokio::time::sleep(delay) => {}
-                changed = self.target.changed() => {
-                    if changed.is_err() {
+            // A nudge left over from before this wait is stale.
+            let nudge = Arc::clone(&self.nudge);
+            loop {
+                tokio::select! {
+                    _ = self.cancel.cancelled() => break 'attempts,
+                    _ = tokio::time::sleep_until(retry_at.into()) => break,
+                    _ = nudge.notified(), if !rejected => {
+                        let earliest = (attempt_started + super::NUDGE_MIN_INTERVAL).max(Instant::now());
+                        if earliest < retry_at {
+                            tracing::debug!("a local client is waiting: trying the gateway sooner");
+                            retry_at = earliest;
+                            self.status.send_modify(|s| s.retry_at = Some(retry_at));
+                        }
+                    }
+                    changed = self.target.changed() => {
+                        if changed.is_err() {
+                            break 'attempts;
+                        }
+                        tracing::info!("settings changed: reconnecting now");
+                        failures = 0;
                         break;
                     }
-                    tracing::info!("settings changed: reconnecting now");
-                    failures = 0;
                 }
             }
         }
