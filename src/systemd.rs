@@ -296,6 +296,7 @@ mod tests {
             scopes: vec![],
             lost_scopes: vec![],
             max_payload: None,
+            challenge_extra: Default::default(),
         }));
         assert_eq!(
             status_line(&ready, 1),

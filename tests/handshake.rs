@@ -451,3 +451,31 @@ async fn a_null_payload_is_kept() {
     );
     assert!(res["payload"].is_null());
 }
+
+/// What belongs to the gateway passes through the handshake: the extra
+/// fields of its challenge, and `hello-ok.auth` fields such as `method`
+/// (never the broker's device token).
+#[tokio::test]
+async fn gateway_handshake_fields_pass_through() {
+    let cfg = MockConfig {
+        challenge_extra: Some(json!({"capabilities": ["demo-cap"]})),
+        ..mock_config()
+    };
+    let h = start_with(cfg, |_| {}).await;
+    let (_first, hello) = h.connected().await;
+    assert_eq!(hello["auth"]["method"], "token", "{}", hello["auth"]);
+    assert!(
+        hello["auth"].get("deviceToken").is_none(),
+        "{}",
+        hello["auth"]
+    );
+    let mut c = h.client().await;
+    let challenge = c.recv_json().await;
+    assert_eq!(challenge["event"], "connect.challenge");
+    assert_eq!(
+        challenge["payload"]["capabilities"],
+        json!(["demo-cap"]),
+        "{challenge}"
+    );
+    assert!(challenge["payload"]["nonce"].is_string());
+}

@@ -91,10 +91,17 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, ctx: Arc<Ctx>) {
             false
         }
         Ok(_permit) => {
-            let challenge = EventHead::from_value(
-                "connect.challenge",
-                &json!({"nonce": uuid::Uuid::new_v4().to_string(), "ts": now_ms()}),
-            );
+            // The gateway's own challenge fields (e.g. `capabilities`) as of
+            // the last session, with this client's own nonce and time.
+            let mut payload = ctx
+                .upstream
+                .status()
+                .hello
+                .map(|h| h.challenge_extra.clone())
+                .unwrap_or_default();
+            payload.insert("nonce".into(), json!(uuid::Uuid::new_v4().to_string()));
+            payload.insert("ts".into(), json!(now_ms()));
+            let challenge = EventHead::from_value("connect.challenge", &Value::Object(payload));
             client.push_frame(challenge.without_seq());
             tokio::select! {
                 admitted = handshake(&mut stream, &client, &ctx) => admitted,
@@ -265,7 +272,22 @@ fn synthesize_hello(
     let max_payload = up.max_payload.map_or(max_frame, |m| m.min(max_frame));
     policy["maxPayload"] = json!(max_payload);
     hello["policy"] = policy;
-    hello["auth"] = json!({"role": "operator", "scopes": up.scopes});
+    // The gateway's own auth fields (`method`, `recoveryScope`, …) pass
+    // through; the device token was taken out when the hello was read, and
+    // what belongs to the broker's device is not the client's.
+    let mut auth = hello
+        .get("auth")
+        .cloned()
+        .filter(Value::is_object)
+        .unwrap_or_else(|| json!({}));
+    if let Some(a) = auth.as_object_mut() {
+        for own in ["deviceToken", "deviceTokens", "issuedAtMs", "deviceId"] {
+            a.remove(own);
+        }
+    }
+    auth["role"] = json!("operator");
+    auth["scopes"] = json!(up.scopes);
+    hello["auth"] = auth;
     hello
 }
 

@@ -58,6 +58,9 @@ pub(super) struct Challenge {
     pub nonce: Option<String>,
     /// The gateway's clock when it sent the challenge (`ts`).
     pub ts: Option<u64>,
+    /// Everything else the gateway put in its challenge (e.g.
+    /// `capabilities`), passed on in the challenge local clients get.
+    pub extra: serde_json::Map<String, Value>,
 }
 
 impl Challenge {
@@ -72,6 +75,14 @@ impl Challenge {
                 .filter(|n| !n.trim().is_empty())
                 .map(str::to_owned),
             ts: payload.get("ts").and_then(Value::as_u64),
+            extra: match &payload {
+                Value::Object(map) => map
+                    .iter()
+                    .filter(|(k, _)| k.as_str() != "nonce" && k.as_str() != "ts")
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+                _ => Default::default(),
+            },
         }
     }
 }
@@ -243,10 +254,18 @@ pub(super) fn rejection(error: Value) -> AttemptError {
         }
         _ => "",
     };
+    // The gateway suggests a device-token retry to a device-signed client
+    // with a wrong shared token; for the broker the fix is the token.
+    let next_step = match error.pointer("/details/recommendedNextStep").and_then(Value::as_str) {
+        Some("retry_with_device_token") if detail_code.starts_with("AUTH_") => {
+            " (ignore the gateway's recommendedNextStep \"retry_with_device_token\": it is meant for a paired client app; the broker needs the right shared token)"
+        }
+        _ => "",
+    };
     AttemptError {
         error: ErrorShape::studio(
             StudioCode::UpstreamRejected,
-            format!("the gateway refused the broker's connect: {message}{hint}"),
+            format!("the gateway refused the broker's connect: {message}{hint}{next_step}"),
         )
         .with_details(error.clone()),
         rejected: true,
@@ -311,6 +330,7 @@ pub(super) fn parse_hello(mut payload: Value) -> (UpstreamHello, Option<MintedTo
         scopes,
         lost_scopes,
         max_payload,
+        challenge_extra: Default::default(),
     };
     (hello, minted)
 }

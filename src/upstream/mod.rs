@@ -106,6 +106,9 @@ pub struct UpstreamHello {
     pub lost_scopes: Vec<String>,
     /// `policy.maxPayload`, if the gateway sent one.
     pub max_payload: Option<u64>,
+    /// The gateway's own fields of its `connect.challenge` besides `nonce`
+    /// and `ts` (e.g. `capabilities`), for the challenge local clients get.
+    pub challenge_extra: serde_json::Map<String, Value>,
 }
 
 impl UpstreamHello {

@@ -112,7 +112,12 @@ pub(crate) async fn serve_io(inner: Arc<Inner>, tcp: Box<dyn Io>) {
     };
     let nonce = uuid::Uuid::new_v4().to_string();
     if !inner.faults().no_challenge {
-        let payload = json!({ "nonce": nonce, "ts": now_ms() });
+        let mut payload = json!({ "nonce": nonce, "ts": now_ms() });
+        if let Some(Value::Object(extra)) = &inner.cfg.challenge_extra {
+            for (k, v) in extra {
+                payload[k] = v.clone();
+            }
+        }
         let challenge =
             format!("{{\"type\":\"event\",\"event\":\"connect.challenge\",\"payload\":{payload}}}");
         let len = challenge.len();

@@ -97,6 +97,9 @@ pub struct MockConfig {
     /// `hello-ok.features.methods` and answered "unknown method" (a real
     /// 2026.9.6 gateway has no `sessions.unsubscribe`).
     pub without_methods: Vec<String>,
+    /// Extra fields for the `connect.challenge` payload (a newer gateway
+    /// adds e.g. `capabilities`; clients must pass them on or ignore them).
+    pub challenge_extra: Option<Value>,
 }
 
 impl Default for MockConfig {
@@ -116,6 +119,7 @@ impl Default for MockConfig {
             demo_interval: Duration::from_secs(3),
             run_step_delay: Duration::from_millis(20),
             without_methods: Vec::new(),
+            challenge_extra: None,
         }
     }
 }

@@ -485,7 +485,8 @@ impl Connector {
                         let payload: Value = payload
                             .and_then(|p| serde_json::from_str(p.get()).ok())
                             .unwrap_or(Value::Null);
-                        let (hello, minted) = parse_hello(payload);
+                        let (mut hello, minted) = parse_hello(payload);
+                        hello.challenge_extra = challenge.extra.clone();
                         if let Some(minted) = minted {
                             self.keep_device_token(&minted, &hello.scopes);
                         }
