@@ -401,6 +401,7 @@ mod tests {
         let challenge = Challenge {
             nonce: Some("n-1".into()),
             ts: Some(1234),
+            extra: Default::default(),
         };
         let both = Credentials {
             token: Some(&token),
