@@ -632,3 +632,31 @@ fn loopback_urls_are_recognised() {
     assert!(!is_loopback_url("wss://gateway.example:443"));
     assert!(!is_loopback_url("ws://192.168.1.2:18789"));
 }
+
+/// Clients that need to see a restart (Claw3D's restart flow waits for its
+/// socket to drop) are closed as a direct connection would be: by default on
+/// Claw3D's path `/api/gateway/ws`, on any path with `?restarts=mirror`.
+/// Others stay connected through it.
+#[tokio::test]
+async fn restarts_can_be_mirrored_per_connection() {
+    let h = start().await;
+    let mut claw3d = WsClient::open(&h.socket(), "/api/gateway/ws").await;
+    claw3d.handshake().await;
+    let mut chosen = WsClient::open(&h.socket(), "/ws?restarts=mirror").await;
+    chosen.handshake().await;
+    let mut kept = WsClient::open(&h.socket(), "/api/gateway/ws?restarts=continuity").await;
+    kept.handshake().await;
+    h.gw.restart_notice(Some(100)).await;
+    for c in [&mut claw3d, &mut chosen] {
+        c.event("shutdown").await;
+        assert_eq!(c.expect_close().await, (1012, "service restart".into()));
+    }
+    let back = loop {
+        let ev = kept.event("clawmux.upstream").await;
+        if ev["payload"]["phase"] == "ready" {
+            break ev;
+        }
+    };
+    assert_eq!(back["payload"]["reason"], "reconnected");
+    assert_eq!(kept.request("health", json!({})).await["ok"], true);
+}

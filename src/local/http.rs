@@ -153,6 +153,12 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
             "Sec-WebSocket-Version must be 13".into(),
         );
     }
+    let restarts = match super::ws::Restarts::for_request(req.uri()) {
+        Ok(r) => r,
+        Err(message) => {
+            return error_response(StatusCode::BAD_REQUEST, "bad_query", message);
+        }
+    };
     let accept = derive_accept_key(key.as_bytes());
     let on_upgrade = hyper::upgrade::on(&mut req);
     let tracker = ctx.tracker.clone();
@@ -168,7 +174,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
                 );
                 let io = super::preconnect::Limited::new(TokioIo::new(upgraded), budget.clone());
                 let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
-                super::ws::run(ws, budget, ctx).await;
+                super::ws::run(ws, budget, restarts, ctx).await;
             }
             Err(e) => tracing::debug!("WebSocket upgrade failed: {e}"),
         }

@@ -71,8 +71,51 @@ async fn next_incoming(stream: &mut SplitStream<Ws>) -> Incoming {
     }
 }
 
+/// What a client sees when the upstream session restarts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Restarts {
+    /// Stay connected: a `seq` gap and `clawmux.upstream` events (the
+    /// broker's better-on-purpose default on `/ws`).
+    Continuity,
+    /// Be closed as a direct connection would be (the gateway's own close,
+    /// else `1012 service restart`): for clients whose restart flow waits for
+    /// the socket to drop (Claw3D). The default on `/api/gateway/ws`.
+    Mirror,
+}
+
+impl Restarts {
+    /// From the path and `?restarts=continuity|mirror`.
+    pub fn for_request(uri: &http::Uri) -> Result<Restarts, String> {
+        let default = if uri.path() == "/api/gateway/ws" {
+            Restarts::Mirror
+        } else {
+            Restarts::Continuity
+        };
+        let Some(query) = uri.query() else {
+            return Ok(default);
+        };
+        let mut chosen = default;
+        for (k, v) in serde_urlencoded::from_str::<Vec<(String, String)>>(query)
+            .map_err(|e| format!("bad query: {e}"))?
+        {
+            if k == "restarts" {
+                chosen = match v.as_str() {
+                    "continuity" => Restarts::Continuity,
+                    "mirror" => Restarts::Mirror,
+                    other => {
+                        return Err(format!(
+                            "restarts={other}: expected restarts=continuity or restarts=mirror"
+                        ))
+                    }
+                };
+            }
+        }
+        Ok(chosen)
+    }
+}
+
 /// Runs one local client to completion. `budget` is lifted once it is admitted.
-pub async fn run(ws: Ws, budget: PreconnectBudget, ctx: Arc<Ctx>) {
+pub async fn run(ws: Ws, budget: PreconnectBudget, restarts: Restarts, ctx: Arc<Ctx>) {
     let (sink, mut stream) = ws.split();
     let registration = ctx.dispatcher.register(ctx.hub.new_client());
     let client = Arc::clone(registration.client());
@@ -115,7 +158,7 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, ctx: Arc<Ctx>) {
     if admitted {
         budget.lift();
         tracing::info!(client_id, conn_id = %client.conn_id, "local client connected");
-        serve_requests(&mut stream, &registration, &ctx, &mut writer).await;
+        serve_requests(&mut stream, &registration, &ctx, &mut writer, restarts).await;
     }
     // Answer a peer's close (tungstenite only writes the reply on the next
     // write or flush) so the client sees a clean close; a no-op when the
@@ -298,9 +341,13 @@ async fn serve_requests(
     registration: &Registration,
     ctx: &Arc<Ctx>,
     writer: &mut tokio::task::JoinHandle<()>,
+    restarts: Restarts,
 ) {
     let limits = &ctx.settings.limits;
     let member: &Arc<Member> = registration.member();
+    let mut upstream = ctx.upstream.subscribe();
+    let admitted_on = upstream.borrow_and_update().generation;
+    let mirror = restarts == Restarts::Mirror;
     let client = &member.client;
     let mut bucket = TokenBucket::new(limits.request_rate, limits.request_burst);
     loop {
@@ -311,6 +358,21 @@ async fn serve_requests(
                 return;
             }
             _ = &mut *writer => return,
+            changed = upstream.changed(), if mirror => {
+                let (ended, close) = {
+                    let s = upstream.borrow_and_update();
+                    let ended = changed.is_err()
+                        || s.generation != admitted_on
+                        || !matches!(s.phase, crate::upstream::Phase::Ready | crate::upstream::Phase::Stopped);
+                    (ended && s.phase != crate::upstream::Phase::Stopped, s.last_close.clone())
+                };
+                if ended {
+                    let (code, reason) = close.unwrap_or((1012, "service restart".into()));
+                    client.close(code, truncate_reason(&reason));
+                    return;
+                }
+                continue;
+            }
         };
         let text = match incoming {
             Incoming::Text(t) => t,

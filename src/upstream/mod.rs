@@ -144,6 +144,10 @@ pub struct Status {
     pub awaiting_credential: bool,
     /// The broker's device id, when device identity is on and usable.
     pub device_id: Option<String>,
+    /// How the last session ended, as a close a local client mirroring the
+    /// gateway should get: the gateway's own close code and reason when it
+    /// sent one that may be sent on (else `1012 service restart`).
+    pub last_close: Option<(u16, String)>,
     /// A session has been ready before: a failure to reach the gateway now
     /// is an outage being ridden through, not a gateway never reached.
     pub had_session: bool,
@@ -162,6 +166,7 @@ impl Status {
             awaiting_credential: false,
             device_id: None,
             had_session: false,
+            last_close: None,
         }
     }
 

@@ -146,6 +146,7 @@ impl Connector {
         let mut cancelled = false;
         let mut retargeted = false;
         let mut close: Option<CloseFrame> = None;
+        let mut gateway_close: Option<(u16, String)> = None;
         {
             let writer = write_loop(&mut sink, &mut rx, generation, self.opts.write_timeout);
             tokio::pin!(writer);
@@ -159,6 +160,7 @@ impl Connector {
                                 self.on_frame(text.as_str(), &mut last_seq, &mut restart_expected);
                             }
                             Some(Ok(Message::Close(frame))) => {
+                                gateway_close = frame.as_ref().map(|f| (u16::from(f.code), f.reason.as_str().to_owned()));
                                 end_reason = match frame {
                                     Some(f) => format!("gateway closed the connection ({}): {}", u16::from(f.code), f.reason),
                                     None => "gateway closed the connection".into(),
@@ -243,6 +245,14 @@ impl Connector {
                 Phase::Backoff
             };
             s.hello = None;
+            // What a client mirroring the gateway is closed with: the
+            // gateway's own close where it may be sent on, else a restart.
+            s.last_close = Some(match gateway_close.take() {
+                Some((code, reason)) if matches!(code, 1000..=1003 | 1007..=1014 | 3000..=4999) => {
+                    (code, reason)
+                }
+                _ => (1012, "service restart".to_owned()),
+            });
             s.last_error = Some(ErrorShape::studio(
                 StudioCode::UpstreamClosed,
                 end_reason.clone(),
