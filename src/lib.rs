@@ -41,6 +41,7 @@
 //! - [`mock`]: a faithful gateway test double on loopback TCP, used by the
 //!   tests, `clawmux mock-gateway` and `clawmux serve --demo`.
 
+pub mod bounds;
 pub mod broker;
 pub mod cli;
 pub mod config;
