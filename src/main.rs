@@ -241,6 +241,7 @@ async fn serve(
     args: ServeArgs,
     activated: Result<Option<clawmux::systemd::ActivatedSocket>, clawmux::systemd::ActivationError>,
 ) -> anyhow::Result<()> {
+    raise_open_file_limit();
     let mut settings = args.settings.serve_settings();
     let shutdown_timeout = args.shutdown_timeout;
     if args.demo && args.settings.state_dir.is_none() {
@@ -287,6 +288,19 @@ async fn serve(
         r = reload_on_sighup(&ctx, reload_args) => r?,
     }
     Ok(())
+}
+
+/// Every local connection is a file descriptor: take the whole hard limit
+/// (see `clawmux::local::fdlimit`); the accept loop warns if it is too low.
+fn raise_open_file_limit() {
+    use clawmux::local::fdlimit::{raise_to_hard, Raise};
+    match raise_to_hard() {
+        Ok(Raise::Raised { from, to }) => {
+            tracing::debug!(from, to, "raised the open-file limit to the hard limit")
+        }
+        Ok(Raise::Unchanged { soft }) => tracing::debug!(?soft, "open-file limit unchanged"),
+        Err(e) => tracing::info!("cannot raise the open-file limit ({e}); keeping the current one"),
+    }
 }
 
 /// `SIGHUP` re-reads the settings: a changed URL or token re-opens the
