@@ -28,9 +28,10 @@ const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// A repeated warning (accept failing, connections over the cap) is logged
 /// at most once per this interval, with how many were not logged since.
 const WARN_EVERY: Duration = Duration::from_secs(10);
-/// Connections that wait for the spare descriptor are refused at most this
-/// many at a time, then the loop pauses (see [`ACCEPT_BACKOFF_MIN`]).
-const REFUSE_BATCH: usize = 64;
+/// How long the spare descriptor waits for a connection to refuse after
+/// `accept` said "too many open files" (the kernel says so even when
+/// nobody is waiting); nobody there means the loop pauses instead.
+const SPARE_ACCEPT_WAIT: Duration = Duration::from_millis(1);
 /// A connection over the cap is answered `503`, and then its request is
 /// read and dropped for at most this long before the close, so the client
 /// reads the answer instead of a broken pipe on its write.
@@ -75,17 +76,16 @@ pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>, stop: Cancellati
                 stream
             }
             Err(e) => {
-                let refused = if is_out_of_descriptors(&e) {
-                    refuse_with_spare(&listener, &mut spare, &busy).await
-                } else {
-                    0
-                };
+                let refused = is_out_of_descriptors(&e)
+                    && refuse_with_spare(&listener, &mut spare, &busy).await;
                 if let Some(unlogged) = accept_warn.ready(Instant::now()) {
                     tracing::warn!(
-                        refused,
                         unlogged,
-                        "accept failed: {e}; pausing before the next attempt"
+                        "accept failed: {e}; answering waiting connections 503 and retrying with a pause"
                     );
+                }
+                if refused {
+                    continue;
                 }
                 tokio::select! {
                     _ = stop.cancelled() => break,
@@ -183,27 +183,27 @@ fn busy_response(cap: usize) -> Bytes {
     ))
 }
 
-/// Out of descriptors: frees the spare, accepts waiting connections into its
-/// slot one by one, answers each `503` and closes it, then takes the spare
-/// back. Returns how many were refused.
-async fn refuse_with_spare(listener: &UnixListener, spare: &mut SpareFd, busy: &Bytes) -> usize {
+/// Out of descriptors: frees the spare, accepts one waiting connection
+/// into its slot, answers it `503`, closes it, and takes the spare back.
+/// Returns whether a connection was waiting (then the loop tries again at
+/// once: each round answers a real client, so it cannot spin).
+async fn refuse_with_spare(listener: &UnixListener, spare: &mut SpareFd, busy: &Bytes) -> bool {
     if !spare.release() {
-        return 0;
+        return false;
     }
-    let mut refused = 0;
-    while refused < REFUSE_BATCH {
-        // The listener was readable a moment ago; do not wait for more.
-        let Ok(Ok((stream, _))) =
-            tokio::time::timeout(Duration::from_millis(1), listener.accept()).await
-        else {
-            break;
-        };
+    // The listener was readable a moment ago; do not wait for more.
+    let waiting = tokio::time::timeout(SPARE_ACCEPT_WAIT, listener.accept()).await;
+    let refused = if let Ok(Ok((stream, _))) = waiting {
         if let Ok(mut stream) = stream.into_std() {
             // Best effort, never blocking: a fresh socket's buffer holds it.
+            // The close follows at once (the descriptor is needed back), so
+            // a client still writing its request may see a broken pipe.
             let _ = stream.write(busy);
         }
-        refused += 1;
-    }
+        true
+    } else {
+        false
+    };
     spare.refill();
     refused
 }
