@@ -24,7 +24,8 @@
 //! - [`driver`]: what the broker decides itself because gateway state is
 //!   per connection: reference-counted subscriptions, targeted events, run
 //!   ownership (tool events, `chat.abort`), node-only refusals.
-//! - [`local`]: the unix listener (peer uid check), HTTP routes, and WebSocket
+//! - [`local`]: the unix listener (peer uid check, connection cap, open-file
+//!   budget, header read timeout), HTTP routes, and WebSocket
 //!   sessions with connect enforcement and the synthesized `hello-ok`; the
 //!   HTTP API: `/v1/state` (snapshot + cursor), `/v1/events` (SSE replay
 //!   stream), `/v1/rpc`, `/metrics`.
@@ -38,6 +39,8 @@
 //!   [`install`] writes the user units.
 //! - [`settings`]: where each setting comes from (flags, environment,
 //!   config.toml, Claw3D's and OpenClaw's own files) for `serve` and `doctor`.
+//!   [`bounds`] is the range each duration and count may take (at most one
+//!   day; zero only where it means something), checked where a value is read.
 //! - [`mock`]: a faithful gateway test double on loopback TCP, used by the
 //!   tests, `clawmux mock-gateway` and `clawmux serve --demo`.
 
