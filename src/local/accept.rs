@@ -34,8 +34,9 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 const SPARE_ACCEPT_WAIT: Duration = Duration::from_millis(1);
 /// A connection over the cap is answered `503`, and then its request is
 /// read and dropped for at most this long before the close, so the client
-/// reads the answer instead of a broken pipe on its write.
-const REFUSE_LINGER: Duration = Duration::from_millis(250);
+/// reads the answer instead of a broken pipe on its write. A client that
+/// reads the answer and closes ends the linger at once.
+const REFUSE_LINGER: Duration = Duration::from_secs(1);
 /// At most this many refused connections linger at once (each holds a
 /// descriptor); more are closed right after the answer is written.
 const REFUSE_LINGER_MAX: usize = 16;
