@@ -308,3 +308,32 @@ async fn an_absurd_config_value_is_a_settings_error_naming_the_key() {
     assert!(text.contains("studio.settings_load_failed"), "{text}");
     assert!(!text.contains("panicked"), "{text}");
 }
+
+/// The header timeout is about request heads only: an `/v1/events` stream
+/// open much longer than it keeps flowing.
+#[tokio::test]
+async fn an_event_stream_outlives_the_header_read_timeout() {
+    let h = start_with(mock_config(), |s| {
+        s.limits.header_read_timeout = Duration::from_millis(200);
+        s.limits.sse_keepalive = Duration::from_millis(100);
+    })
+    .await;
+    let mut s = UnixStream::connect(h.socket()).await.unwrap();
+    s.write_all(b"GET /v1/events HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    // Keep-alive comments for three times the header timeout.
+    while started.elapsed() < Duration::from_millis(600) {
+        let n = tokio::time::timeout(PATIENCE, s.read(&mut buf))
+            .await
+            .expect("the stream keeps flowing")
+            .unwrap();
+        assert!(n > 0, "closed after {:?}: {seen}", started.elapsed());
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    assert!(seen.starts_with("HTTP/1.1 200"), "{seen}");
+    assert!(seen.matches(": keep-alive").count() >= 3, "{seen}");
+}
