@@ -93,6 +93,34 @@ pub struct Limits {
     /// An idle `/v1/events` stream gets a `: keep-alive` comment this often,
     /// so proxies and client timeouts do not cut it. Default 15 s.
     pub sse_keepalive: Duration,
+
+    // --- The accept path (local connections before any protocol) ---
+    /// Local connections (plain HTTP, `/v1/events` streams, WebSockets before
+    /// and after `connect`) open at once at most. One more is accepted,
+    /// answered `503` with `studio.too_many_clients` and closed at once,
+    /// without reading its request. `None` (the default) means
+    /// `max_clients` + [`CONNECTION_HEADROOM`]. The broker lowers it further
+    /// when the open-file limit cannot hold it (see `local::fdlimit`).
+    pub max_connections: Option<usize>,
+    /// A connection must send a complete request head (request line and
+    /// headers) within this time, and an idle keep-alive connection its next
+    /// one; otherwise it is closed without an answer, so a client that
+    /// trickles bytes cannot hold a connection slot. Default 10 s.
+    pub header_read_timeout: Duration,
+}
+
+/// Connections allowed beyond `max_clients` when `max_connections` is not
+/// set: room for `/healthz`, `/v1/rpc` and `clawmux status` while every
+/// client slot is taken.
+pub const CONNECTION_HEADROOM: usize = 64;
+
+impl Limits {
+    /// The cap on open local connections: `max_connections`, else
+    /// `max_clients` + [`CONNECTION_HEADROOM`].
+    pub fn max_connections(&self) -> usize {
+        self.max_connections
+            .unwrap_or_else(|| self.max_clients.saturating_add(CONNECTION_HEADROOM))
+    }
 }
 
 impl Default for Limits {
@@ -114,6 +142,8 @@ impl Default for Limits {
             replay_max_events: 10_000,
             replay_max_bytes: 16 * 1024 * 1024,
             sse_keepalive: Duration::from_secs(15),
+            max_connections: None,
+            header_read_timeout: Duration::from_secs(10),
         }
     }
 }

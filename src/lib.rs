@@ -31,7 +31,8 @@
 //!   reference-counted subscriptions (changes decided and queued in one
 //!   ordered place), run ownership (tool events, `chat.abort`), who receives
 //!   each event.
-//! - [`local`]: the unix listener (peer uid check), HTTP routes, and WebSocket
+//! - [`local`]: the unix listener (peer uid check, connection cap, open-file
+//!   budget, header read timeout), HTTP routes, and WebSocket
 //!   sessions with connect enforcement and the synthesized `hello-ok`; the
 //!   HTTP API: `/v1/state` (snapshot + cursor), `/v1/events` (SSE replay
 //!   stream), `/v1/rpc`, `/metrics`.
@@ -45,11 +46,14 @@
 //!   [`install`] writes the user units.
 //! - [`settings`]: where each setting comes from (flags, environment,
 //!   config.toml, Claw3D's and OpenClaw's own files) for `serve` and `doctor`.
+//!   [`bounds`] is the range each duration and count may take (at most one
+//!   day; zero only where it means something), checked where a value is read.
 //!
 //! Not in this library: the gateway test double is its own crate,
 //! `clawmux-mock` (`crates/clawmux-mock`), used by the tests, `clawmux
 //! mock-gateway` and `clawmux serve --demo`.
 
+pub mod bounds;
 pub mod broker;
 pub mod cli;
 pub mod config;

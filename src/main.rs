@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use clawmux::bounds::{self, Zero};
 use clawmux::config::{self, Secret, Settings};
 use clawmux::settings::{self, Env, Overrides, Resolved};
 use clawmux::RunningBroker;
@@ -76,12 +77,12 @@ struct SettingsArgs {
     /// Directory for the broker's device key and device tokens (env CLAWMUX_STATE_DIR) [default: $XDG_STATE_HOME/clawmux, else ~/.local/state/clawmux].
     #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
-    /// Seconds a local connect waits for the gateway session before failing [default: 10].
-    #[arg(long, value_name = "SECS")]
-    connect_wait: Option<u64>,
-    /// Seconds a request waits for the gateway's answer (studio.request_timeout after) [default: 30].
-    #[arg(long, value_name = "SECS")]
-    request_timeout: Option<u64>,
+    /// Seconds a local connect waits for the gateway session before failing, 0 to 86400 [default: 10].
+    #[arg(long, value_name = "SECS", value_parser = |s: &str| secs_arg("--connect-wait", s, Zero::Allowed))]
+    connect_wait: Option<Duration>,
+    /// Seconds a request waits for the gateway's answer (studio.request_timeout after), 1 to 86400 [default: 30].
+    #[arg(long, value_name = "SECS", value_parser = |s: &str| secs_arg("--request-timeout", s, Zero::Refused))]
+    request_timeout: Option<Duration>,
 }
 
 impl SettingsArgs {
@@ -105,11 +106,11 @@ impl SettingsArgs {
     /// Resolves the settings; flags for limits are applied on top.
     fn resolve(&self) -> Result<Resolved, clawmux::protocol::ErrorShape> {
         let mut resolved = settings::resolve(&self.overrides(), &Env::from_process())?;
-        if let Some(secs) = self.connect_wait {
-            resolved.settings.limits.connect_wait = Duration::from_secs(secs);
+        if let Some(wait) = self.connect_wait {
+            resolved.settings.limits.connect_wait = wait;
         }
-        if let Some(secs) = self.request_timeout {
-            resolved.settings.limits.request_timeout = Duration::from_secs(secs);
+        if let Some(timeout) = self.request_timeout {
+            resolved.settings.limits.request_timeout = timeout;
         }
         Ok(resolved)
     }
@@ -142,9 +143,9 @@ struct ServeArgs {
     /// Start an in-process gateway double with scripted agent activity and connect to it (try clawmux without a gateway).
     #[arg(long)]
     demo: bool,
-    /// Seconds a stop (SIGTERM/SIGINT) may take: clients get a `shutdown` event and `1001 going away`; any still open after this are cut off.
-    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
-    shutdown_timeout: f64,
+    /// Seconds a stop (SIGTERM/SIGINT) may take, 0 to 86400: clients get a `shutdown` event and `1001 going away`; any still open after this are cut off.
+    #[arg(long, value_name = "SECS", default_value = "5", value_parser = |s: &str| bounds::duration_secs_f64("--shutdown-timeout", s, Zero::Allowed))]
+    shutdown_timeout: Duration,
 }
 
 #[derive(Args, Debug)]
@@ -172,6 +173,17 @@ struct MockArgs {
     /// Simulate agent runs every few seconds.
     #[arg(long)]
     demo: bool,
+}
+
+/// A whole number of seconds on the command line, checked against
+/// [`bounds::MAX_DURATION`] so an absurd value is a usage error (exit 2),
+/// not a panic on the first request.
+fn secs_arg(flag: &str, text: &str, zero: Zero) -> Result<Duration, String> {
+    let secs: u64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{flag} takes a whole number of seconds"))?;
+    bounds::duration_secs(flag, secs, zero)
 }
 
 fn main() -> ExitCode {
@@ -246,9 +258,9 @@ async fn serve(
     args: ServeArgs,
     activated: Result<Option<clawmux::systemd::ActivatedSocket>, clawmux::systemd::ActivationError>,
 ) -> anyhow::Result<()> {
+    raise_open_file_limit();
     let mut settings = args.settings.serve_settings();
-    let shutdown_timeout = Duration::try_from_secs_f64(args.shutdown_timeout)
-        .map_err(|e| anyhow::anyhow!("--shutdown-timeout {}: {e}", args.shutdown_timeout))?;
+    let shutdown_timeout = args.shutdown_timeout;
     if args.demo && args.settings.state_dir.is_none() {
         // The demo's throwaway gateway must not leave device tokens in your state dir.
         settings.upstream.device_identity = None;
@@ -301,6 +313,19 @@ async fn serve(
         r = reload_on_sighup(&ctx, reload_args) => r?,
     }
     Ok(())
+}
+
+/// Every local connection is a file descriptor: take the whole hard limit
+/// (see `clawmux::local::fdlimit`); the accept loop warns if it is too low.
+fn raise_open_file_limit() {
+    use clawmux::local::fdlimit::{raise_to_hard, Raise};
+    match raise_to_hard() {
+        Ok(Raise::Raised { from, to }) => {
+            tracing::debug!(from, to, "raised the open-file limit to the hard limit")
+        }
+        Ok(Raise::Unchanged { soft }) => tracing::debug!(?soft, "open-file limit unchanged"),
+        Err(e) => tracing::info!("cannot raise the open-file limit ({e}); keeping the current one"),
+    }
 }
 
 /// `SIGHUP` re-reads the settings: a changed URL or token re-opens the

@@ -15,7 +15,6 @@
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -146,6 +145,8 @@ struct LimitsSection {
     replay_max_events: Option<usize>,
     replay_max_bytes: Option<usize>,
     sse_keepalive_ms: Option<u64>,
+    max_connections: Option<usize>,
+    header_read_timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -154,6 +155,8 @@ struct UpstreamSection {
     handshake_timeout_ms: Option<u64>,
     backoff_initial_ms: Option<u64>,
     backoff_max_ms: Option<u64>,
+    write_timeout_ms: Option<u64>,
+    max_frame_bytes: Option<usize>,
     device_identity: Option<bool>,
     state_dir: Option<PathBuf>,
 }
@@ -474,18 +477,9 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
     let token_source = token.as_ref().map(|(_, s)| s.clone());
     settings.token = token.map(|(t, _)| t);
 
-    apply_limits(&mut settings, &file);
+    let path = config_file.clone().unwrap_or_default();
+    apply_limits(&mut settings, &file).map_err(|why| load_failed(&path, why))?;
     let up = &file.upstream;
-    let ms = Duration::from_millis;
-    if let Some(v) = up.handshake_timeout_ms {
-        settings.upstream.handshake_timeout = ms(v);
-    }
-    if let Some(v) = up.backoff_initial_ms {
-        settings.upstream.backoff_initial = ms(v);
-    }
-    if let Some(v) = up.backoff_max_ms {
-        settings.upstream.backoff_max = ms(v);
-    }
     if let Some(dir) = over
         .state_dir
         .clone()
@@ -512,33 +506,130 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
     })
 }
 
-fn apply_limits(settings: &mut Settings, file: &ConfigFile) {
+/// Copies the `[limits]` and `[upstream]` values of `config.toml` into the
+/// settings, each checked ([`crate::bounds`]); the error names the key.
+fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String> {
+    use crate::bounds::{duration_ms, positive, Zero};
     let l = &file.limits;
     let lim = &mut settings.limits;
-    let ms = Duration::from_millis;
+    // `set!(field, value, check)`: a present value, checked, replaces the default.
     macro_rules! set {
-        ($field:ident, $value:expr) => {
-            if let Some(v) = $value {
-                lim.$field = v;
+        ($target:expr, $section:literal, $key:ident, $check:expr) => {
+            if let Some(v) = $key {
+                let check = $check;
+                $target = check(concat!($section, ".", stringify!($key)), v)?;
             }
         };
     }
-    set!(connect_timeout, l.connect_timeout_ms.map(ms));
-    set!(connect_wait, l.connect_wait_ms.map(ms));
-    set!(request_timeout, l.request_timeout_ms.map(ms));
-    set!(run_timeout, l.run_timeout_ms.map(ms));
-    set!(preconnect_max_bytes, l.preconnect_max_bytes);
-    set!(max_frame_bytes, l.max_frame_bytes);
-    set!(queue_soft_bytes, l.queue_soft_bytes);
-    set!(queue_hard_bytes, l.queue_hard_bytes);
-    set!(slow_grace, l.slow_grace_ms.map(ms));
-    set!(max_clients, l.max_clients);
-    set!(max_inflight, l.max_inflight);
-    set!(request_rate, l.request_rate);
-    set!(request_burst, l.request_burst);
-    set!(replay_max_events, l.replay_max_events);
-    set!(replay_max_bytes, l.replay_max_bytes);
-    set!(sse_keepalive, l.sse_keepalive_ms.map(ms));
+    let ms = |zero| move |name: &str, v| duration_ms(name, v, zero);
+    let LimitsSection {
+        connect_timeout_ms,
+        connect_wait_ms,
+        request_timeout_ms,
+        run_timeout_ms,
+        preconnect_max_bytes,
+        max_frame_bytes,
+        queue_soft_bytes,
+        queue_hard_bytes,
+        slow_grace_ms,
+        max_clients,
+        max_inflight,
+        request_rate,
+        request_burst,
+        replay_max_events,
+        replay_max_bytes,
+        sse_keepalive_ms,
+        max_connections,
+        header_read_timeout_ms,
+    } = *l;
+    let any = |_: &str, v| Ok::<_, String>(v);
+    set!(
+        lim.connect_timeout,
+        "limits",
+        connect_timeout_ms,
+        ms(Zero::Refused)
+    );
+    set!(
+        lim.connect_wait,
+        "limits",
+        connect_wait_ms,
+        ms(Zero::Allowed)
+    );
+    set!(
+        lim.request_timeout,
+        "limits",
+        request_timeout_ms,
+        ms(Zero::Refused)
+    );
+    set!(lim.run_timeout, "limits", run_timeout_ms, ms(Zero::Refused));
+    set!(
+        lim.preconnect_max_bytes,
+        "limits",
+        preconnect_max_bytes,
+        positive
+    );
+    set!(lim.max_frame_bytes, "limits", max_frame_bytes, positive);
+    set!(lim.queue_soft_bytes, "limits", queue_soft_bytes, positive);
+    set!(lim.queue_hard_bytes, "limits", queue_hard_bytes, positive);
+    set!(lim.slow_grace, "limits", slow_grace_ms, ms(Zero::Allowed));
+    set!(lim.max_clients, "limits", max_clients, positive);
+    set!(lim.max_inflight, "limits", max_inflight, positive);
+    set!(lim.request_rate, "limits", request_rate, positive);
+    set!(lim.request_burst, "limits", request_burst, positive);
+    set!(lim.replay_max_events, "limits", replay_max_events, any);
+    set!(lim.replay_max_bytes, "limits", replay_max_bytes, any);
+    set!(
+        lim.sse_keepalive,
+        "limits",
+        sse_keepalive_ms,
+        ms(Zero::Refused)
+    );
+    set!(lim.max_connections, "limits", max_connections, |n, v| {
+        positive(n, v).map(Some)
+    });
+    set!(
+        lim.header_read_timeout,
+        "limits",
+        header_read_timeout_ms,
+        ms(Zero::Refused)
+    );
+    let UpstreamSection {
+        handshake_timeout_ms,
+        backoff_initial_ms,
+        backoff_max_ms,
+        write_timeout_ms,
+        max_frame_bytes: upstream_max_frame_bytes,
+        ..
+    } = file.upstream;
+    let up = &mut settings.upstream;
+    set!(
+        up.handshake_timeout,
+        "upstream",
+        handshake_timeout_ms,
+        ms(Zero::Refused)
+    );
+    set!(
+        up.backoff_initial,
+        "upstream",
+        backoff_initial_ms,
+        ms(Zero::Refused)
+    );
+    set!(
+        up.backoff_max,
+        "upstream",
+        backoff_max_ms,
+        ms(Zero::Refused)
+    );
+    set!(
+        up.write_timeout,
+        "upstream",
+        write_timeout_ms,
+        ms(Zero::Refused)
+    );
+    if let Some(v) = upstream_max_frame_bytes {
+        up.max_frame_bytes = positive("upstream.max_frame_bytes", v)?;
+    }
+    Ok(())
 }
 
 /// A short, non-reversible fingerprint of a secret for display:
@@ -579,6 +670,53 @@ mod tests {
         ] {
             assert!(!is_loopback_url(u), "{u}");
         }
+    }
+
+    /// An absurd or zero duration or count in config.toml is a settings
+    /// error naming the key, not a panic on the first request.
+    #[test]
+    fn absurd_limits_name_their_key() {
+        let resolve_with = |toml: &str| {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("config.toml");
+            std::fs::write(&path, toml).unwrap();
+            let over = Overrides {
+                config: Some(path),
+                socket: Some(dir.path().join("s.sock")),
+                ..Overrides::default()
+            };
+            resolve(&over, &Env::default())
+        };
+        for (toml, key) in [
+            (
+                "[limits]\nrequest_timeout_ms = 18446744073709551615\n",
+                "limits.request_timeout_ms",
+            ),
+            (
+                "[limits]\nconnect_wait_ms = 86400001\n",
+                "limits.connect_wait_ms",
+            ),
+            (
+                "[limits]\nsse_keepalive_ms = 0\n",
+                "limits.sse_keepalive_ms",
+            ),
+            ("[limits]\nmax_clients = 0\n", "limits.max_clients"),
+            (
+                "[limits]\nheader_read_timeout_ms = 0\n",
+                "limits.header_read_timeout_ms",
+            ),
+            (
+                "[upstream]\nbackoff_max_ms = 18446744073709551615\n",
+                "upstream.backoff_max_ms",
+            ),
+        ] {
+            let err = resolve_with(toml).unwrap_err();
+            assert_eq!(err.code, "studio.settings_load_failed");
+            assert!(err.message.contains(key), "{toml}: {}", err.message);
+        }
+        let ok = resolve_with("[limits]\nconnect_wait_ms = 0\nmax_connections = 7\n").unwrap();
+        assert_eq!(ok.settings.limits.connect_wait, std::time::Duration::ZERO);
+        assert_eq!(ok.settings.limits.max_connections(), 7);
     }
 
     #[test]

@@ -69,21 +69,38 @@ async fn a_regular_file_at_the_path_is_never_deleted() {
     assert_eq!(std::fs::read(&settings.socket_path).unwrap(), b"precious");
 }
 
+const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
+
+/// Whether this test can act as another uid (root: chown, setuid). Tests
+/// that need it say so in one clear line and stop when it is missing; CI
+/// runs as root, so there they always run.
+fn root_or_skip(test: &str) -> bool {
+    let root = rustix::process::getuid().as_raw() == 0;
+    if !root {
+        eprintln!("SKIPPED {test}: needs root to act as another uid");
+    }
+    root
+}
+
 /// Another user is refused before any byte is read, even if the file mode
-/// would let them in. Needs root (to act as another uid); skipped otherwise.
+/// would let them in. Needs root (to act as another uid) and curl.
 #[tokio::test]
 async fn another_uid_is_refused_by_peer_credentials() {
     use std::os::unix::process::CommandExt;
-    if rustix::process::getuid().as_raw() != 0 || !std::path::Path::new("/usr/bin/curl").exists() {
-        eprintln!("skipped: needs root and curl to connect as another uid");
+    if !root_or_skip("another_uid_is_refused_by_peer_credentials") {
         return;
     }
-    // The broker runs as its own process here, as in production.
+    assert!(
+        std::path::Path::new("/usr/bin/curl").exists(),
+        "this test needs /usr/bin/curl (to connect as another uid)"
+    );
+    // The broker runs as its own process here, as in production, with a
+    // private HOME and XDG dirs.
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let sock = dir.path().join("c.sock");
     let _broker = ChildGuard(
-        std::process::Command::new(env!("CARGO_BIN_EXE_clawmux"))
+        isolated_command(BIN, &dir.path().join("home"))
             .arg("serve")
             .arg("--socket")
             .arg(&sock)
@@ -112,7 +129,16 @@ async fn another_uid_is_refused_by_peer_credentials() {
     // 56 connection reset).
     let (mine, theirs) = tokio::task::spawn_blocking(move || {
         let mine = curl(None);
-        let theirs: Vec<_> = (0..5).map(|_| curl(Some(65534))).collect();
+        // Until one attempt is cut off by the broker (bounded: 20 tries).
+        let mut theirs = Vec::new();
+        for _ in 0..20 {
+            let out = curl(Some(65534));
+            let cut_off = matches!(out.status.code(), Some(52) | Some(56));
+            theirs.push(out);
+            if cut_off {
+                break;
+            }
+        }
         (mine, theirs)
     })
     .await
@@ -130,5 +156,41 @@ async fn another_uid_is_refused_by_peer_credentials() {
             .iter()
             .any(|o| matches!(o.status.code(), Some(52) | Some(56))),
         "another uid was never cut off after connecting: {theirs:?}"
+    );
+}
+
+/// The CLI checks whose socket it is talking to before it sends anything:
+/// a socket file owned by another user is refused with a clear error (exit
+/// 3), whatever answers there. Needs root to chown the socket.
+#[tokio::test]
+async fn the_cli_refuses_a_socket_owned_by_another_user() {
+    if !root_or_skip("the_cli_refuses_a_socket_owned_by_another_user") {
+        return;
+    }
+    let h = start().await;
+    let socket = h.socket();
+    let home = h.dir.path().join("home");
+    let status = |socket: std::path::PathBuf, home: std::path::PathBuf| async move {
+        let mut cmd = isolated_command(BIN, &home);
+        cmd.arg("status").arg("--socket").arg(&socket);
+        tokio::task::spawn_blocking(move || cmd.output().unwrap())
+            .await
+            .unwrap()
+    };
+    std::os::unix::fs::chown(&socket, Some(65534), Some(65534)).unwrap();
+    let out = status(socket.clone(), home.clone()).await;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("refusing to talk to"), "{err}");
+    assert!(err.contains("uid 65534"), "{err}");
+    assert!(out.stdout.is_empty());
+    // Given back to us, the same socket is trusted.
+    std::os::unix::fs::chown(&socket, Some(0), Some(0)).unwrap();
+    let out = status(socket, home).await;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }

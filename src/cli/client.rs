@@ -3,6 +3,7 @@
 //! over a `tokio::net::UnixStream`.
 
 use std::io::ErrorKind;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -18,6 +19,17 @@ use super::CliError;
 
 /// How long opening the socket and the HTTP handshake may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Whether `uid` (the owner of `what`) is this user.
+fn ensure_ours(what: &str, uid: u32, me: u32) -> Result<(), String> {
+    if uid == me {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} belongs to uid {uid}, not to you (uid {me})"
+        ))
+    }
+}
 
 /// The broker at a socket path.
 #[derive(Debug, Clone)]
@@ -39,6 +51,26 @@ impl BrokerClient {
             socket: self.socket.display().to_string(),
             cause: cause.into(),
         }
+    }
+
+    /// Refuses to send anything to a socket that is not this user's broker:
+    /// the socket file and the process serving it (its uid from the kernel,
+    /// `SO_PEERCRED`) must both be ours. Another user who got to the socket
+    /// path first (e.g. `<tmp>/clawmux-<uid>`) would otherwise receive our
+    /// requests, and answer them.
+    fn check_it_is_ours(&self, stream: &UnixStream) -> Result<(), CliError> {
+        let me = rustix::process::getuid().as_raw();
+        let not_ours = |why: String| CliError::NotOurs {
+            socket: self.socket.display().to_string(),
+            why,
+        };
+        let file = std::fs::metadata(&self.socket)
+            .map_err(|e| self.unreachable(format!("cannot inspect the socket: {e}")))?;
+        ensure_ours("the socket file", file.uid(), me).map_err(not_ours)?;
+        let peer = stream
+            .peer_cred()
+            .map_err(|e| not_ours(format!("cannot read who serves it ({e})")))?;
+        ensure_ours("the process serving it", peer.uid(), me).map_err(not_ours)
     }
 
     /// Sends one request; the response body is left to the caller to read
@@ -66,6 +98,7 @@ impl BrokerClient {
             }
             Ok(Ok(stream)) => stream,
         };
+        self.check_it_is_ours(&stream)?;
         let (mut sender, conn) = tokio::time::timeout(
             CONNECT_TIMEOUT,
             hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream)),
@@ -120,5 +153,24 @@ impl BrokerClient {
             ))
         })?;
         Ok((status, value))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_my_own_uid_is_trusted() {
+        assert!(ensure_ours("the socket file", 1000, 1000).is_ok());
+        let err = ensure_ours("the process serving it", 65534, 1000).unwrap_err();
+        assert_eq!(
+            err,
+            "the process serving it belongs to uid 65534, not to you (uid 1000)"
+        );
+        assert!(
+            ensure_ours("the socket file", 0, 1000).is_err(),
+            "not even root's"
+        );
     }
 }

@@ -9,7 +9,7 @@
 //! | 0 | success (`status`: the upstream session is ready) |
 //! | 1 | an error answer (`call`: `ok:false`; `status`: the broker runs but the upstream session is not ready) |
 //! | 2 | usage or bad input (bad flags, `PARAMS_JSON` not JSON, a request the broker refused as malformed) |
-//! | 3 | the broker is not reachable on its socket |
+//! | 3 | the broker is not reachable on its socket, or the socket (or the process serving it) is not this user's |
 
 pub mod call;
 pub mod client;
@@ -68,6 +68,12 @@ pub enum CliError {
         "cannot reach the broker at {socket}: {cause}; start it with `clawmux serve` (or `systemctl --user start clawmux.socket`), or point --socket / CLAWMUX_SOCKET at its socket"
     )]
     Unreachable { socket: String, cause: String },
+    /// The socket or the process behind it belongs to another user: nothing
+    /// was sent.
+    #[error(
+        "refusing to talk to {socket}: {why}; it is not your broker (another user may have put it there); remove it or point --socket / CLAWMUX_SOCKET at your own"
+    )]
+    NotOurs { socket: String, why: String },
     /// Bad flags or input, found before or by the broker.
     #[error("{0}")]
     Usage(String),
@@ -79,7 +85,7 @@ pub enum CliError {
 impl CliError {
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::Unreachable { .. } => EXIT_UNREACHABLE,
+            CliError::Unreachable { .. } | CliError::NotOurs { .. } => EXIT_UNREACHABLE,
             CliError::Usage(_) => EXIT_USAGE,
             CliError::Answer(_) => EXIT_ERROR_ANSWER,
         }

@@ -5,6 +5,12 @@
 //! connect through a window with looser permissions (no chmod-after race,
 //! and no process-wide umask change). A lock file next to the socket makes
 //! "is another broker starting or running here?" a question with one answer.
+//!
+//! Squatting: without `$XDG_RUNTIME_DIR` the socket lives in
+//! `<tmp>/clawmux-<uid>`, a name any local user can create first. So the
+//! directory must belong to this user (or root), whatever its mode, and no
+//! symbolic link is followed where the socket and its lock live: the lock
+//! file is opened `O_NOFOLLOW`, and a link at the socket path is refused.
 
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::io;
@@ -18,6 +24,8 @@ pub enum SocketError {
     InUse(PathBuf),
     #[error("{0} exists and is not a socket; remove it or pass --socket PATH")]
     NotASocket(PathBuf),
+    #[error("{0} is a symbolic link; clawmux follows no links where its socket and lock live: remove it or pass --socket PATH")]
+    Symlink(PathBuf),
     #[error("the socket directory {path} is unsafe: {why}")]
     UnsafeDir { path: PathBuf, why: String },
     #[error("cannot set up the socket {path}: {source}")]
@@ -84,7 +92,8 @@ impl Drop for SocketGuard {
     }
 }
 
-/// Makes sure the directory exists (created 0700) and is not writable by others.
+/// Makes sure the directory exists (created 0700), belongs to this user
+/// (or root) and is not writable by others.
 fn prepare_dir(dir: &Path) -> Result<(), SocketError> {
     if !dir.exists() {
         DirBuilder::new()
@@ -93,25 +102,35 @@ fn prepare_dir(dir: &Path) -> Result<(), SocketError> {
             .create(dir)
             .map_err(io_err(dir))?;
     }
-    let meta = fs::metadata(dir).map_err(io_err(dir))?;
     let me = rustix::process::getuid().as_raw();
-    let mode = meta.mode();
-    // A shared sticky dir like /tmp is fine for the socket itself only if we
-    // own the directory; we never put the socket directly in a dir others can write.
-    if meta.uid() != me && mode & 0o022 != 0 {
-        return Err(SocketError::UnsafeDir {
-            path: dir.to_owned(),
-            why: "writable by other users; choose a private directory with --socket".into(),
-        });
+    let unsafe_dir = |why| SocketError::UnsafeDir {
+        path: dir.to_owned(),
+        why,
+    };
+    // A link in a shared directory (e.g. /tmp/clawmux-1000 -> elsewhere) is
+    // owned by whoever made it and can be re-pointed by them at any time.
+    let link = fs::symlink_metadata(dir).map_err(io_err(dir))?;
+    if link.file_type().is_symlink() {
+        check_dir_owner(link.uid(), 0o700, me).map_err(unsafe_dir)?;
     }
-    if meta.uid() == me && mode & 0o022 != 0 {
-        return Err(SocketError::UnsafeDir {
-            path: dir.to_owned(),
-            why: format!(
-                "mode {:o} lets other users replace the socket; chmod 700 it",
-                mode & 0o777
-            ),
-        });
+    let meta = fs::metadata(dir).map_err(io_err(dir))?;
+    check_dir_owner(meta.uid(), meta.mode(), me).map_err(unsafe_dir)
+}
+
+/// The rule for the socket's directory: owned by `me` or root (a directory
+/// another user owns lets them replace the socket with their own, whatever
+/// its mode) and writable by nobody else.
+fn check_dir_owner(owner: u32, mode: u32, me: u32) -> Result<(), String> {
+    if owner != me && owner != 0 {
+        return Err(format!(
+            "it belongs to uid {owner}, not to you (uid {me}): another user may have created it to catch your clients; remove it, set XDG_RUNTIME_DIR, or pass --socket"
+        ));
+    }
+    if mode & 0o022 != 0 {
+        return Err(format!(
+            "mode {:o} lets other users replace the socket; chmod 700 it, or pass --socket",
+            mode & 0o777
+        ));
     }
     Ok(())
 }
@@ -132,9 +151,14 @@ pub fn bind(path: &Path) -> Result<(std::os::unix::net::UnixListener, SocketGuar
         .create(true)
         .truncate(false)
         .write(true)
-        .mode_0600()
+        .private_no_follow()
         .open(&lock_path)
-        .map_err(io_err(&lock_path))?;
+        .map_err(|e| match e.raw_os_error() {
+            Some(code) if code == rustix::io::Errno::LOOP.raw_os_error() => {
+                SocketError::Symlink(lock_path.clone())
+            }
+            _ => io_err(&lock_path)(e),
+        })?;
     match lock.try_lock() {
         Ok(()) => {}
         Err(fs::TryLockError::WouldBlock) => return Err(SocketError::InUse(path.to_owned())),
@@ -149,6 +173,9 @@ pub fn bind(path: &Path) -> Result<(std::os::unix::net::UnixListener, SocketGuar
                 }
                 Err(e) => return Err(io_err(path)(e)),
             }
+        }
+        Ok(meta) if meta.file_type().is_symlink() => {
+            return Err(SocketError::Symlink(path.to_owned()))
         }
         Ok(_) => return Err(SocketError::NotASocket(path.to_owned())),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -189,14 +216,18 @@ pub fn bind(path: &Path) -> Result<(std::os::unix::net::UnixListener, SocketGuar
     ))
 }
 
-trait Mode0600 {
-    fn mode_0600(&mut self) -> &mut Self;
+trait PrivateNoFollow {
+    /// Mode 0600 if created, and never through a symbolic link (`O_NOFOLLOW`:
+    /// a link there fails with `ELOOP` instead of creating or locking
+    /// whatever it points to).
+    fn private_no_follow(&mut self) -> &mut Self;
 }
 
-impl Mode0600 for OpenOptions {
-    fn mode_0600(&mut self) -> &mut Self {
+impl PrivateNoFollow for OpenOptions {
+    fn private_no_follow(&mut self) -> &mut Self {
         use std::os::unix::fs::OpenOptionsExt;
         self.mode(0o600)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
     }
 }
 
@@ -217,6 +248,85 @@ mod tests {
         );
         drop(guard);
         assert!(!path.exists(), "socket removed on drop");
+    }
+
+    #[test]
+    fn the_directory_must_be_mine_or_roots_and_private() {
+        assert!(check_dir_owner(1000, 0o700, 1000).is_ok());
+        assert!(
+            check_dir_owner(0, 0o755, 1000).is_ok(),
+            "root-owned, not writable"
+        );
+        let err = check_dir_owner(1001, 0o700, 1000).unwrap_err();
+        assert!(
+            err.contains("uid 1001") && err.contains("uid 1000"),
+            "{err}"
+        );
+        assert!(check_dir_owner(1001, 0o755, 1000).is_err(), "any mode");
+        assert!(check_dir_owner(1000, 0o770, 1000)
+            .unwrap_err()
+            .contains("770"));
+        assert!(check_dir_owner(0, 0o1777, 1000).is_err(), "not /tmp itself");
+    }
+
+    /// A directory another user created first (the squatting attack on
+    /// `<tmp>/clawmux-<uid>`) is refused even at mode 0700. Needs root to
+    /// hand the directory to another uid.
+    #[test]
+    fn a_directory_owned_by_another_user_is_refused() {
+        if rustix::process::getuid().as_raw() != 0 {
+            eprintln!("SKIPPED a_directory_owned_by_another_user_is_refused: needs root to chown");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("clawmux-1000");
+        DirBuilder::new().mode(0o700).create(&dir).unwrap();
+        std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+        let err = bind(&dir.join("clawmux.sock")).unwrap_err();
+        assert!(matches!(err, SocketError::UnsafeDir { .. }), "{err}");
+        assert!(err.to_string().contains("uid 65534"), "{err}");
+        assert!(!dir.join("clawmux.sock").exists());
+        assert!(!dir.join(".clawmux.sock.lock").exists());
+        // A link to it, made by that user, is refused the same way.
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&dir, &link).unwrap();
+        assert!(bind(&link.join("clawmux.sock")).is_err());
+    }
+
+    #[test]
+    fn no_symlink_is_followed_at_the_lock_or_the_socket() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o700)).unwrap();
+        let victim = tmp.path().join("victim");
+        fs::write(&victim, b"precious").unwrap();
+        let path = tmp.path().join("c.sock");
+        // A link at the lock path: neither truncated nor locked through.
+        let lock = tmp.path().join(".c.sock.lock");
+        std::os::unix::fs::symlink(&victim, &lock).unwrap();
+        let err = bind(&path).unwrap_err();
+        assert!(
+            matches!(err, SocketError::Symlink(ref p) if *p == lock),
+            "{err}"
+        );
+        // A dangling link there creates nothing either.
+        fs::remove_file(&lock).unwrap();
+        let nowhere = tmp.path().join("nowhere");
+        std::os::unix::fs::symlink(&nowhere, &lock).unwrap();
+        assert!(matches!(bind(&path), Err(SocketError::Symlink(_))));
+        assert!(!nowhere.exists());
+        fs::remove_file(&lock).unwrap();
+        // A link at the socket path.
+        std::os::unix::fs::symlink(&victim, &path).unwrap();
+        let err = bind(&path).unwrap_err();
+        assert!(
+            matches!(err, SocketError::Symlink(ref p) if *p == path),
+            "{err}"
+        );
+        assert_eq!(fs::read(&victim).unwrap(), b"precious");
+        assert!(fs::symlink_metadata(&path)
+            .unwrap()
+            .file_type()
+            .is_symlink());
     }
 
     #[test]

@@ -366,3 +366,24 @@ pub async fn wait_exit(child: &mut std::process::Child) -> std::process::ExitSta
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// `program` (the clawmux binary, or a shell that execs it) with a private
+/// HOME and XDG dirs under `home`, and nothing inherited from the test
+/// runner that could point it at a real gateway, config, socket or systemd.
+pub fn isolated_command(program: &str, home: &Path) -> std::process::Command {
+    for dir in ["config", "state", "run"] {
+        let dir = home.join(dir);
+        std::fs::create_dir_all(&dir).expect("temp XDG dir");
+        let private = std::os::unix::fs::PermissionsExt::from_mode(0o700);
+        std::fs::set_permissions(&dir, private).expect("temp XDG dir mode");
+    }
+    let mut cmd = std::process::Command::new(program);
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", home)
+        .env("XDG_CONFIG_HOME", home.join("config"))
+        .env("XDG_STATE_HOME", home.join("state"))
+        .env("XDG_RUNTIME_DIR", home.join("run"))
+        .stdin(std::process::Stdio::null());
+    cmd
+}

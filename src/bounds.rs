@@ -1,0 +1,112 @@
+//! Which values a duration or count setting may take, checked where the
+//! value is read (flags, `config.toml`), so a typo or an absurd number is a
+//! clear error at start and never a panic later (an `Instant` plus a
+//! near-`u64::MAX` duration overflows on the first request).
+
+use std::time::Duration;
+
+/// The longest duration any setting accepts: one day. Every timeout, wait,
+/// grace period and backoff in clawmux is meant in seconds or minutes; a
+/// value above this is refused with a message naming the setting.
+pub const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Whether zero is a meaningful value for a setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Zero {
+    /// Zero means "at once" (e.g. `connect_wait`: answer without waiting).
+    Allowed,
+    /// Zero would make the broker useless (every request timing out at
+    /// once, a reconnect loop without a pause, no client admitted).
+    Refused,
+}
+
+/// Checks a duration given in milliseconds for the setting `name`.
+pub fn duration_ms(name: &str, ms: u64, zero: Zero) -> Result<Duration, String> {
+    check_duration(name, Duration::from_millis(ms), zero, "ms")
+}
+
+/// Checks a duration given in whole seconds for the setting `name`.
+pub fn duration_secs(name: &str, secs: u64, zero: Zero) -> Result<Duration, String> {
+    check_duration(name, Duration::from_secs(secs), zero, "s")
+}
+
+/// Parses and checks a duration given in (possibly fractional) seconds.
+pub fn duration_secs_f64(name: &str, text: &str, zero: Zero) -> Result<Duration, String> {
+    let secs: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{name} must be a number of seconds, not {text:?}"))?;
+    if !secs.is_finite() || secs < 0.0 || secs > MAX_DURATION.as_secs_f64() {
+        return Err(out_of_range(name, zero, "s"));
+    }
+    check_duration(name, Duration::from_secs_f64(secs), zero, "s")
+}
+
+fn check_duration(name: &str, d: Duration, zero: Zero, unit: &str) -> Result<Duration, String> {
+    if d > MAX_DURATION || (zero == Zero::Refused && d.is_zero()) {
+        return Err(out_of_range(name, zero, unit));
+    }
+    Ok(d)
+}
+
+fn out_of_range(name: &str, zero: Zero, unit: &str) -> String {
+    let max = match unit {
+        "ms" => format!("{} ms", MAX_DURATION.as_millis()),
+        _ => format!("{} s", MAX_DURATION.as_secs()),
+    };
+    match zero {
+        Zero::Allowed => format!("{name} must be from 0 to {max} (one day)"),
+        Zero::Refused => format!("{name} must be more than 0 and at most {max} (one day)"),
+    }
+}
+
+/// Checks a count (clients, bytes, frames per second) that must be above zero.
+pub fn positive<T: Copy + PartialEq + Default + std::fmt::Display>(
+    name: &str,
+    value: T,
+) -> Result<T, String> {
+    if value == T::default() {
+        return Err(format!("{name} must be more than 0"));
+    }
+    Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_are_bounded_by_a_day() {
+        assert_eq!(
+            duration_ms("x_ms", 1500, Zero::Refused),
+            Ok(Duration::from_millis(1500))
+        );
+        assert_eq!(duration_ms("x_ms", 0, Zero::Allowed), Ok(Duration::ZERO));
+        let err = duration_ms("limits.request_timeout_ms", 0, Zero::Refused).unwrap_err();
+        assert!(err.contains("limits.request_timeout_ms") && err.contains("more than 0"));
+        let err = duration_ms("limits.request_timeout_ms", u64::MAX, Zero::Refused).unwrap_err();
+        assert!(err.contains("86400000 ms"), "{err}");
+        assert!(duration_secs("--request-timeout", u64::MAX, Zero::Refused).is_err());
+        assert!(duration_secs("--request-timeout", 86_400, Zero::Refused).is_ok());
+        assert!(duration_secs("--request-timeout", 86_401, Zero::Refused).is_err());
+    }
+
+    #[test]
+    fn fractional_seconds() {
+        let p = |t| duration_secs_f64("--shutdown-timeout", t, Zero::Allowed);
+        assert_eq!(p("0.5"), Ok(Duration::from_millis(500)));
+        assert_eq!(p("0"), Ok(Duration::ZERO));
+        for bad in ["-1", "NaN", "inf", "1e300", "x", "86400.5"] {
+            assert!(p(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn counts_must_be_positive() {
+        assert_eq!(positive("limits.max_clients", 5usize), Ok(5));
+        assert!(positive("limits.max_clients", 0usize)
+            .unwrap_err()
+            .contains("limits.max_clients"));
+        assert!(positive("limits.request_rate", 0u32).is_err());
+    }
+}

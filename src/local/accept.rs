@@ -1,0 +1,369 @@
+//! The accept loop: peer uid, the connection cap, running out of file
+//! descriptors, and one task per admitted connection.
+
+use std::io::{self, Write};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use super::fdlimit::{self, SpareFd};
+use super::{http, ConnectionKill};
+use crate::broker::Ctx;
+
+/// First pause after `accept` fails (out of descriptors, or any other
+/// error); doubled per failure in a row up to [`ACCEPT_BACKOFF_MAX`], and
+/// back to this after the next accepted connection.
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
+/// Longest pause between `accept` attempts while they keep failing.
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// A repeated warning (accept failing, connections over the cap) is logged
+/// at most once per this interval, with how many were not logged since.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+/// How long the spare descriptor waits for a connection to refuse after
+/// `accept` said "too many open files" (the kernel says so even when
+/// nobody is waiting); nobody there means the loop pauses instead.
+const SPARE_ACCEPT_WAIT: Duration = Duration::from_millis(1);
+/// A connection over the cap is answered `503`, and then its request is
+/// read and dropped for at most this long before the close, so the client
+/// reads the answer instead of a broken pipe on its write. A client that
+/// reads the answer and closes ends the linger at once.
+const REFUSE_LINGER: Duration = Duration::from_secs(1);
+/// At most this many refused connections linger at once (each holds a
+/// descriptor); more are closed right after the answer is written.
+const REFUSE_LINGER_MAX: usize = 16;
+
+/// Accepts connections until `stop` (cancelled first at shutdown, before the
+/// sessions are told to end) and then drops the listener. Each connection is
+/// served by its own task; its errors are logged and never reach the listener.
+pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>, stop: CancellationToken) {
+    let me = rustix::process::getuid().as_raw();
+    let limits = &ctx.settings.limits;
+    let soft = fdlimit::soft_limit();
+    let cap = fdlimit::connection_budget(limits.max_connections(), soft);
+    if cap < limits.max_connections() || cap < limits.max_clients {
+        tracing::warn!(
+            open_file_limit = soft,
+            reserve = fdlimit::FD_RESERVE,
+            max_clients = limits.max_clients,
+            max_connections = limits.max_connections(),
+            "the open-file limit cannot hold every allowed connection: at most {cap} are accepted; raise it (LimitNOFILE= in the unit, ulimit -n)"
+        );
+    }
+    let slots = Arc::new(Semaphore::new(cap));
+    let lingering = Arc::new(Semaphore::new(REFUSE_LINGER_MAX));
+    let busy = busy_response(cap);
+    let mut spare = SpareFd::open();
+    let mut backoff = Backoff::default();
+    let mut accept_warn = Throttle::default();
+    let mut cap_warn = Throttle::default();
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => {
+                backoff.reset();
+                spare.refill();
+                stream
+            }
+            Err(e) => {
+                let refused = is_out_of_descriptors(&e)
+                    && refuse_with_spare(&listener, &mut spare, &busy).await;
+                if let Some(unlogged) = accept_warn.ready(Instant::now()) {
+                    tracing::warn!(
+                        unlogged,
+                        "accept failed: {e}; answering waiting connections 503 and retrying with a pause"
+                    );
+                }
+                if refused {
+                    continue;
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(backoff.next()) => {}
+                }
+                continue;
+            }
+        };
+        // Peer credentials come from the kernel, not from anything the peer says.
+        match stream.peer_cred() {
+            Ok(cred) if cred.uid() == me || ctx.allowed_uids.contains(&cred.uid()) => {}
+            Ok(cred) => {
+                tracing::warn!(
+                    peer_uid = cred.uid(),
+                    "refused a connection from another user"
+                );
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!("cannot read peer credentials, refusing: {e}");
+                continue;
+            }
+        }
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            if let Some(unlogged) = cap_warn.ready(Instant::now()) {
+                tracing::warn!(
+                    max_connections = cap,
+                    unlogged,
+                    "refused a connection: too many open connections"
+                );
+            }
+            refuse_over_cap(stream, busy.clone(), &lingering);
+            continue;
+        };
+        let stream = CountedStream {
+            stream,
+            _slot: slot,
+        };
+        let tracker = ctx.tracker.clone();
+        tracker.spawn(serve_connection(stream, Arc::clone(&ctx)));
+    }
+}
+
+/// One HTTP/1.1 connection, until it ends, is killed, or the broker stops.
+async fn serve_connection(stream: CountedStream, ctx: Arc<Ctx>) {
+    let cancel = ctx.cancel.clone();
+    let kill = CancellationToken::new();
+    let kill_handle = ConnectionKill(kill.clone());
+    let header_read_timeout = ctx.settings.limits.header_read_timeout;
+    let service = hyper::service::service_fn(move |mut req: hyper::Request<_>| {
+        req.extensions_mut().insert(kill_handle.clone());
+        http::route(req, Arc::clone(&ctx))
+    });
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout)
+        .serve_connection(TokioIo::new(stream), service)
+        .with_upgrades();
+    tokio::pin!(conn);
+    tokio::select! {
+        res = conn.as_mut() => {
+            if let Err(e) = res {
+                tracing::debug!("local HTTP connection ended: {e}");
+            }
+        }
+        _ = kill.cancelled() => {}
+        _ = cancel.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            tokio::select! {
+                _ = conn => {}
+                _ = kill.cancelled() => {}
+            }
+        }
+    }
+}
+
+fn is_out_of_descriptors(e: &io::Error) -> bool {
+    let raw = e.raw_os_error();
+    raw == Some(rustix::io::Errno::MFILE.raw_os_error())
+        || raw == Some(rustix::io::Errno::NFILE.raw_os_error())
+}
+
+/// The answer to a connection the broker will not serve.
+fn busy_response(cap: usize) -> Bytes {
+    let body = serde_json::json!({"ok": false, "error": {
+        "code": crate::protocol::StudioCode::TooManyClients.as_str(),
+        "message": format!(
+            "clawmux has too many open connections ({cap}); close some, or raise limits.max_connections and the open-file limit"
+        ),
+    }})
+    .to_string();
+    Bytes::from(format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncache-control: no-store\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    ))
+}
+
+/// Out of descriptors: frees the spare, accepts one waiting connection
+/// into its slot, answers it `503`, closes it, and takes the spare back.
+/// Returns whether a connection was waiting (then the loop tries again at
+/// once: each round answers a real client, so it cannot spin).
+async fn refuse_with_spare(listener: &UnixListener, spare: &mut SpareFd, busy: &Bytes) -> bool {
+    if !spare.release() {
+        return false;
+    }
+    // The listener was readable a moment ago; do not wait for more.
+    let waiting = tokio::time::timeout(SPARE_ACCEPT_WAIT, listener.accept()).await;
+    let refused = if let Ok(Ok((stream, _))) = waiting {
+        if let Ok(mut stream) = stream.into_std() {
+            // Best effort, never blocking: a fresh socket's buffer holds it.
+            // The close follows at once (the descriptor is needed back), so
+            // a client still writing its request may see a broken pipe.
+            let _ = stream.write(busy);
+        }
+        true
+    } else {
+        false
+    };
+    spare.refill();
+    refused
+}
+
+/// Over the cap: answers `503` and closes. The request is read (and
+/// dropped) for a short while first, when few refusals are lingering, so
+/// the client's write does not fail before it reads the answer.
+fn refuse_over_cap(mut stream: UnixStream, busy: Bytes, lingering: &Arc<Semaphore>) {
+    let Ok(permit) = Arc::clone(lingering).try_acquire_owned() else {
+        if let Ok(mut stream) = stream.into_std() {
+            let _ = stream.write(&busy);
+        }
+        return;
+    };
+    tokio::spawn(async move {
+        let _permit = permit;
+        let _ = tokio::time::timeout(REFUSE_LINGER, async {
+            stream.write_all(&busy).await?;
+            stream.shutdown().await?;
+            let mut sink = [0u8; 4096];
+            while stream.read(&mut sink).await? > 0 {}
+            Ok::<_, io::Error>(())
+        })
+        .await;
+    });
+}
+
+/// Exponential pause between failing accepts (hand-written: two lines; the
+/// backoff crates bring jitter and clocks this loop does not need).
+#[derive(Debug)]
+struct Backoff {
+    next: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            next: ACCEPT_BACKOFF_MIN,
+        }
+    }
+}
+
+impl Backoff {
+    fn next(&mut self) -> Duration {
+        let now = self.next;
+        self.next = (self.next * 2).min(ACCEPT_BACKOFF_MAX);
+        now
+    }
+
+    fn reset(&mut self) {
+        self.next = ACCEPT_BACKOFF_MIN;
+    }
+}
+
+/// Lets a repeated warning through once per [`WARN_EVERY`].
+#[derive(Debug, Default)]
+struct Throttle {
+    last: Option<Instant>,
+    unlogged: u64,
+}
+
+impl Throttle {
+    /// `Some(n)`: log now; `n` occurrences were swallowed since the last line.
+    fn ready(&mut self, now: Instant) -> Option<u64> {
+        match self.last {
+            Some(last) if now.saturating_duration_since(last) < WARN_EVERY => {
+                self.unlogged += 1;
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.unlogged))
+            }
+        }
+    }
+}
+
+/// A connection that holds one of the cap's slots for as long as it is
+/// open, through a WebSocket upgrade too (hyper hands this very stream to
+/// the session), so the cap counts every open local socket.
+#[derive(Debug)]
+struct CountedStream {
+    stream: UnixStream,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl AsyncRead for CountedStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for CountedStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_its_cap_and_resets() {
+        let mut b = Backoff::default();
+        let delays: Vec<_> = (0..9).map(|_| b.next().as_millis()).collect();
+        assert_eq!(delays, [10, 20, 40, 80, 160, 320, 640, 1000, 1000]);
+        b.reset();
+        assert_eq!(b.next(), ACCEPT_BACKOFF_MIN);
+    }
+
+    #[test]
+    fn throttle_logs_once_per_interval_and_counts_the_rest() {
+        let t0 = Instant::now();
+        let mut t = Throttle::default();
+        assert_eq!(t.ready(t0), Some(0));
+        for i in 1..=20 {
+            assert_eq!(t.ready(t0 + Duration::from_millis(i * 50)), None);
+        }
+        assert_eq!(t.ready(t0 + WARN_EVERY), Some(20));
+        assert_eq!(t.ready(t0 + WARN_EVERY + Duration::from_secs(1)), None);
+    }
+
+    #[test]
+    fn busy_answer_is_a_complete_http_response() {
+        let b = busy_response(7);
+        let text = std::str::from_utf8(&b).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 503 "));
+        assert!(head.contains(&format!("content-length: {}", body.len())));
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["error"]["code"], "studio.too_many_clients");
+    }
+}
