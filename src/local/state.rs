@@ -94,6 +94,11 @@ fn limits_json(l: &Limits) -> Value {
         "replay_max_events": l.replay_max_events,
         "replay_max_bytes": l.replay_max_bytes,
         "sse_keepalive_ms": ms(l.sse_keepalive),
+        "max_connections": l.max_connections(),
+        "header_read_timeout_ms": ms(l.header_read_timeout),
+        "max_handshakes": crate::broker::MAX_HANDSHAKES,
+        "max_subscriptions_per_client": crate::dispatch::MAX_SUBSCRIPTIONS_PER_CLIENT,
+        "upstream_queue_frames": crate::upstream::UPSTREAM_QUEUE_FRAMES,
     })
 }
 
