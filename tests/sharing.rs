@@ -451,3 +451,36 @@ async fn no_release_is_sent_for_a_method_the_gateway_lacks() {
     let state = h.broker.ctx().dispatcher.own_requests();
     assert_eq!(state.failed, 0, "{state:?}");
 }
+
+/// `sessions.changed` with a reason the gateway sends to everyone (e.g.
+/// `cron-bindings-loaded`) reaches unsubscribed clients too, as on a direct
+/// connection; other reasons only subscribers.
+#[tokio::test]
+async fn broadcast_sessions_changed_reasons_reach_everyone() {
+    let h = start().await;
+    let (mut subscribed, _) = h.connected().await;
+    let (mut other, _) = h.connected().await;
+    assert_eq!(
+        subscribed.request("sessions.subscribe", json!({})).await["ok"],
+        true
+    );
+    h.gw.emit_sessions_changed(
+        json!({"reason": "patch", "sessionKey": "agent:main:main", "ts": 1}),
+    );
+    h.gw.emit_sessions_changed(json!({"reason": "cron-bindings-loaded", "ts": 2}));
+    for _ in 0..2 {
+        subscribed.event("sessions.changed").await;
+    }
+    let ev = other.event("sessions.changed").await;
+    assert_eq!(ev["payload"]["reason"], "cron-bindings-loaded", "{ev}");
+    h.gw.broadcast("custom.marker", json!({}));
+    other.event("custom.marker").await;
+    assert!(
+        other
+            .events
+            .iter()
+            .all(|e| e["event"] != "sessions.changed"),
+        "the unsubscribed client got only the broadcast reason: {:?}",
+        other.events
+    );
+}

@@ -83,6 +83,39 @@ impl SessionDefaults {
     }
 }
 
+/// `sessions.changed` reasons the gateway sends to every connection with
+/// read access, not only to `sessions.subscribe` subscribers (openclaw
+/// 2026.9.6: server-cron.ts `cron-bindings-loaded`, `cron-binding`; the node
+/// session runtime `runner-availability`; runtime subscriptions
+/// `activity-summary`).
+pub const BROADCAST_SESSIONS_CHANGED_REASONS: [&str; 4] = [
+    "cron-bindings-loaded",
+    "cron-binding",
+    "runner-availability",
+    "activity-summary",
+];
+
+/// The fields of a session event that decide who gets it.
+#[derive(Debug, Default, serde::Deserialize)]
+struct SessionEventHead {
+    #[serde(default)]
+    reason: Option<String>,
+    #[serde(default)]
+    phase: Option<String>,
+    #[serde(rename = "sessionKey", default)]
+    session_key: Option<String>,
+    #[serde(rename = "runId", default)]
+    run_id: Option<String>,
+}
+
+impl SessionEventHead {
+    fn parse(payload: Option<&RawValue>) -> Self {
+        payload
+            .and_then(|p| serde_json::from_str(p.get()).ok())
+            .unwrap_or_default()
+    }
+}
+
 /// The connection-scoped state the broker holds for its clients.
 #[derive(Debug, Default)]
 pub struct Sharing {
@@ -109,29 +142,54 @@ impl Sharing {
             .canonical(key)
     }
 
+    /// `sessions.subscribe` holders, and the holders of `key`'s messages.
+    fn sessions_and_key_holders(&self, key: Option<String>) -> Audience {
+        let mut ids: HashSet<u64> = self
+            .subscriptions
+            .holders(&SubKey::Sessions)
+            .into_iter()
+            .collect();
+        if let Some(key) = key {
+            ids.extend(self.subscriptions.holders(&SubKey::Messages(key)));
+        }
+        Audience::Only(ids.into_iter().collect())
+    }
+
     /// Who should receive this upstream event.
     pub fn audience(&self, name: &str, payload: Option<&RawValue>) -> Audience {
+        // The gateway's own rules (openclaw 2026.9.6,
+        // src/gateway/server-session-events.ts, server-chat.ts, server-cron.ts;
+        // gateway-protocol.md §3.2).
         match name {
-            "session.tool" | "sessions.changed" => {
-                Audience::Only(self.subscriptions.holders(&SubKey::Sessions))
+            "sessions.changed" => {
+                let head = SessionEventHead::parse(payload);
+                if head
+                    .reason
+                    .as_deref()
+                    .is_some_and(|r| BROADCAST_SESSIONS_CHANGED_REASONS.contains(&r))
+                {
+                    return Audience::All;
+                }
+                // A transcript update without a projectable message goes to
+                // the per-key subscribers too (the broker cannot tell the two
+                // `phase:"message"` cases apart: the union is the safe side).
+                let per_key = (head.phase.as_deref() == Some("message"))
+                    .then_some(head.session_key)
+                    .flatten();
+                self.sessions_and_key_holders(per_key)
+            }
+            "session.tool" => {
+                // The run's own tool-events client gets `agent` stream:"tool"
+                // events instead (server-chat.ts: excludeConnIds).
+                let owner = SessionEventHead::parse(payload)
+                    .run_id
+                    .and_then(|r| self.runs.tool_events_owner(&r));
+                let mut ids = self.subscriptions.holders(&SubKey::Sessions);
+                ids.retain(|id| Some(*id) != owner);
+                Audience::Only(ids)
             }
             "session.message" => {
-                let key = payload
-                    .and_then(|p| serde_json::from_str::<Value>(p.get()).ok())
-                    .and_then(|p| {
-                        p.get("sessionKey")
-                            .and_then(Value::as_str)
-                            .map(str::to_owned)
-                    });
-                let mut ids: HashSet<u64> = self
-                    .subscriptions
-                    .holders(&SubKey::Sessions)
-                    .into_iter()
-                    .collect();
-                if let Some(key) = key {
-                    ids.extend(self.subscriptions.holders(&SubKey::Messages(key)));
-                }
-                Audience::Only(ids.into_iter().collect())
+                self.sessions_and_key_holders(SessionEventHead::parse(payload).session_key)
             }
             "agent" => self.runs.agent_audience(payload),
             "chat" => {
@@ -140,5 +198,66 @@ impl Sharing {
             }
             _ => Audience::All,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn raw(v: Value) -> Box<RawValue> {
+        serde_json::value::to_raw_value(&v).unwrap()
+    }
+
+    fn sorted(a: Audience) -> Audience {
+        match a {
+            Audience::Only(mut ids) => {
+                ids.sort();
+                Audience::Only(ids)
+            }
+            all => all,
+        }
+    }
+
+    #[test]
+    fn session_events_follow_the_gateways_delivery_rules() {
+        let sharing = Sharing::new();
+        {
+            let mut st = sharing.subscriptions.lock();
+            st.subscribe(&SubKey::Sessions, 1);
+            st.subscribe(&SubKey::Messages("agent:main:main".into()), 2);
+        }
+        let changed = |p: Value| sorted(sharing.audience("sessions.changed", Some(&raw(p))));
+        assert_eq!(
+            changed(json!({"reason": "cron-bindings-loaded"})),
+            Audience::All
+        );
+        assert_eq!(
+            changed(json!({"reason": "patch", "sessionKey": "agent:main:main"})),
+            Audience::Only(vec![1])
+        );
+        assert_eq!(
+            changed(json!({"phase": "message", "sessionKey": "agent:main:main"})),
+            Audience::Only(vec![1, 2])
+        );
+        let message = sorted(sharing.audience(
+            "session.message",
+            Some(&raw(json!({"sessionKey": "agent:main:main"}))),
+        ));
+        assert_eq!(message, Audience::Only(vec![1, 2]));
+        // session.tool skips the run's own tool-events client.
+        sharing.runs.start(
+            "r1",
+            runs::RunOwner {
+                client_id: 1,
+                session_key: None,
+                tool_events: true,
+            },
+        );
+        let tool = sharing.audience("session.tool", Some(&raw(json!({"runId": "r1"}))));
+        assert_eq!(tool, Audience::Only(vec![]));
+        let other = sharing.audience("session.tool", Some(&raw(json!({"runId": "r2"}))));
+        assert_eq!(other, Audience::Only(vec![1]));
     }
 }

@@ -50,6 +50,14 @@ impl Runs {
         self.owners.get(run_id).map(|o| o.client_id)
     }
 
+    /// The client that started `run_id` and asked for tool events, if any.
+    pub fn tool_events_owner(&self, run_id: &str) -> Option<u64> {
+        self.owners
+            .get(run_id)
+            .filter(|o| o.tool_events)
+            .map(|o| o.client_id)
+    }
+
     /// Whether a client other than `client_id` owns a run in `session_key`.
     pub fn foreign_run_in(&self, session_key: Option<&str>, client_id: u64) -> bool {
         self.owners

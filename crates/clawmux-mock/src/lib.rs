@@ -436,10 +436,23 @@ impl MockGateway {
     }
 
     /// Sends `sessions.changed` to the `sessions.subscribe` subscribers.
+    /// The reasons a real gateway (2026.9.6) sends to every connection with
+    /// read access instead: `cron-bindings-loaded`, `cron-binding`,
+    /// `runner-availability`, `activity-summary`.
     pub fn emit_sessions_changed(&self, payload: Value) {
+        const TO_EVERYONE: [&str; 4] = [
+            "cron-bindings-loaded",
+            "cron-binding",
+            "runner-availability",
+            "activity-summary",
+        ];
+        let everyone = payload
+            .get("reason")
+            .and_then(Value::as_str)
+            .is_some_and(|r| TO_EVERYONE.contains(&r));
         self.inner
             .broadcast_filtered("sessions.changed", &payload, None, false, |c| {
-                c.sessions_subscribed
+                everyone || c.sessions_subscribed
             });
     }
 
