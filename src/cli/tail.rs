@@ -125,7 +125,7 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
                         if body["epoch"].as_str() != cursor.epoch.as_deref() && cursor.epoch.is_some() {
                             "the broker restarted"
                         } else {
-                            "the broker no longer holds those events"
+                            "the broker cannot replay from there"
                         },
                         body["newest_seq"]
                     );
@@ -391,6 +391,26 @@ mod tests {
         assert!(format_line(2, "presence", &p, 0).ends_with("presence         3 entries"));
         let other = json!({"payload":{"a":1}});
         assert!(format_line(9, "cron", &other, 0).ends_with(r#"{"a":1}"#));
+    }
+
+    #[test]
+    fn after_takes_an_event_id_with_or_without_its_broker_life() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cmd {
+            #[command(flatten)]
+            tail: TailArgs,
+        }
+        let after = |arg: &str| Cmd::try_parse_from(["tail", "--after", arg]).map(|c| c.tail.after);
+        assert_eq!(
+            after("5f0c:12").unwrap(),
+            Some(EventId {
+                epoch: Some("5f0c".into()),
+                cursor: 12
+            })
+        );
+        assert_eq!(after("12").unwrap().unwrap().epoch, None);
+        assert!(after("5f0c:").is_err());
     }
 
     #[test]
