@@ -64,12 +64,29 @@ async fn resuming_from_every_cursor_in_the_window_loses_and_repeats_nothing() {
             "cursor {cursor}"
         );
     }
-    // Resuming at the newest cursor: nothing replayed, the next live event is next.
-    let mut sse = open_events(&h.socket(), &format!("/v1/events?after_seq={newest}"), &[])
-        .await
-        .unwrap();
+    // Resuming at the newest cursor, named as the stream names it
+    // (`<epoch>:<cursor>`): nothing replayed, the next live event is next,
+    // and its id carries the broker life.
+    let mut sse = open_events(
+        &h.socket(),
+        &format!("/v1/events?after_seq={epoch}:{newest}"),
+        &[],
+    )
+    .await
+    .unwrap();
     h.gw.broadcast("test.event", json!({"i": "live"}));
-    let (id, name, data) = sse.next_event().await;
+    let (id, id_epoch, name, data) = loop {
+        if let Item::Event {
+            id,
+            epoch,
+            name,
+            data,
+        } = sse.next_item().await
+        {
+            break (id, epoch, name, data);
+        }
+    };
+    assert_eq!(id_epoch, epoch, "id: <epoch>:<cursor>");
     assert_eq!((id, name.as_str()), (newest + 1, "test.event"));
     assert_eq!(data["payload"]["i"], "live");
     assert_eq!(
@@ -84,11 +101,14 @@ async fn last_event_id_wins_over_after_seq_and_filters_apply_to_replay() {
     let h = start().await;
     let newest = publish(&h, 6).await;
     h.gw.broadcast("other.event", json!({}));
-    wait_newest_seq(&h.socket(), newest + 1).await;
+    let epoch = wait_newest_seq(&h.socket(), newest + 1).await["epoch"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let mut sse = open_events(
         &h.socket(),
-        "/v1/events?after_seq=0&events=test.event",
-        &[("last-event-id", &(newest - 2).to_string())],
+        &format!("/v1/events?after_seq={epoch}:0&events=test.event"),
+        &[("last-event-id", &format!("{epoch}:{}", newest - 2))],
     )
     .await
     .unwrap();
@@ -150,13 +170,31 @@ async fn old_cursor_future_cursor_and_other_epoch_get_410() {
             }
         }
     };
-    for path in [
-        format!("/v1/events?after_seq={}", oldest - 2),
-        format!("/v1/events?after_seq={}", newest + 1),
-        format!("/v1/events?after_seq={newest}&epoch=not-this-one"),
-        "/v1/events?epoch=not-this-one".to_owned(),
+    for (path, why) in [
+        (
+            format!("/v1/events?after_seq={}&epoch={epoch}", oldest - 2),
+            "no longer held",
+        ),
+        (
+            format!("/v1/events?after_seq={epoch}:{}", newest + 1),
+            "newer than the newest",
+        ),
+        (
+            format!("/v1/events?after_seq={newest}&epoch=not-this-one"),
+            "another broker life",
+        ),
+        (
+            "/v1/events?epoch=not-this-one".to_owned(),
+            "another broker life",
+        ),
+        (
+            format!("/v1/events?after_seq={epoch}:{newest}&epoch=not-this-one"),
+            "another broker life",
+        ),
     ] {
         let (status, body) = gone(path.clone()).await;
+        let message = body["message"].as_str().unwrap();
+        assert!(message.contains(why), "{path}: {message}");
         assert_eq!(status, 410, "{path}");
         assert_eq!(body["code"], "studio.replay_unavailable", "{path}");
         assert_eq!(body["oldest_seq"], oldest, "{path}");
@@ -170,7 +208,7 @@ async fn old_cursor_future_cursor_and_other_epoch_get_410() {
     assert!(
         open_events(
             &h.socket(),
-            &format!("/v1/events?after_seq={}", oldest - 1),
+            &format!("/v1/events?after_seq={epoch}:{}", oldest - 1),
             &[]
         )
         .await
@@ -339,4 +377,200 @@ async fn a_stuck_sse_reader_is_closed_as_a_slow_consumer() {
     );
     let (status, res) = rpc(&h.socket(), r#"{"method":"health"}"#).await;
     assert_eq!((status, &res["ok"]), (200, &json!(true)));
+}
+
+/// The id of an event as the stream wrote it, which is what a browser
+/// `EventSource` sends back as `Last-Event-ID`.
+fn raw_id(epoch: &str, cursor: u64) -> String {
+    if epoch.is_empty() {
+        cursor.to_string()
+    } else {
+        format!("{epoch}:{cursor}")
+    }
+}
+
+/// The next event record with the raw id it carried.
+async fn next_with_raw_id(sse: &mut Sse) -> (String, u64, String) {
+    loop {
+        if let Item::Event {
+            id, epoch, name, ..
+        } = sse.next_item().await
+        {
+            return (raw_id(&epoch, id), id, name);
+        }
+    }
+}
+
+/// A browser `EventSource` never changes its URL: after a broker restart it
+/// resends only the last id it saw. That id names the old broker life, so
+/// the new broker refuses it (410) even though its own cursors overlap it,
+/// and a bare cursor that names no life is refused the same way.
+#[tokio::test]
+async fn a_last_event_id_from_an_earlier_broker_life_never_resumes() {
+    let h = start().await;
+    let newest = publish(&h, 3).await;
+    let old_epoch = state(&h.socket()).await["epoch"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut sse = open_events(&h.socket(), "/v1/events", &[]).await.unwrap();
+    h.gw.broadcast("test.event", json!({"i": "seen"}));
+    let (seen, cursor, _) = next_with_raw_id(&mut sse).await;
+    assert_eq!(cursor, newest + 1);
+    drop(sse);
+
+    let Harness { gw, broker, dir } = h;
+    let settings = test_settings(dir.path(), &gw.url(), Some("test-token"));
+    broker.shutdown(Duration::from_secs(2)).await;
+    let broker = RunningBroker::start(settings).await.unwrap();
+    let h = Harness { gw, broker, dir };
+    // The new life has handed out more cursors than the old id names.
+    let newest = publish(&h, cursor as usize + 3).await;
+    let s = state(&h.socket()).await;
+    let epoch = s["epoch"].as_str().unwrap().to_owned();
+    assert_ne!(epoch, old_epoch);
+
+    let (status, body) = open_events(&h.socket(), "/v1/events", &[("last-event-id", &seen)])
+        .await
+        .err()
+        .expect("the old life's id must not resume");
+    assert_eq!(status, 410);
+    assert_eq!(body["code"], "studio.replay_unavailable");
+    assert_eq!(body["epoch"], epoch.as_str());
+    assert_eq!(body["newest_seq"], newest);
+    let message = body["message"].as_str().unwrap();
+    assert!(message.contains("another broker life"), "{message}");
+
+    // A bare cursor (no epoch anywhere) could be from any life: refused.
+    let bare = cursor.to_string();
+    for (path, header) in [
+        ("/v1/events".to_owned(), Some(bare.as_str())),
+        (format!("/v1/events?after_seq={bare}"), None),
+    ] {
+        let headers: Vec<(&str, &str)> = header.map(|v| ("last-event-id", v)).into_iter().collect();
+        let (status, body) = open_events(&h.socket(), &path, &headers)
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("a bare cursor must not resume: {path} {header:?}"));
+        assert_eq!(status, 410, "{path}");
+        assert_eq!(body["code"], "studio.replay_unavailable");
+        assert!(
+            body["message"]
+                .as_str()
+                .unwrap()
+                .contains("<epoch>:<cursor>"),
+            "{body}"
+        );
+    }
+
+    // A bare cursor qualified by `epoch=` (as built from /v1/state) resumes,
+    // as does this life's own id.
+    for (path, headers) in [
+        (
+            format!("/v1/events?epoch={epoch}"),
+            vec![("last-event-id", bare.clone())],
+        ),
+        (format!("/v1/events?after_seq={bare}&epoch={epoch}"), vec![]),
+        (
+            "/v1/events".to_owned(),
+            vec![("last-event-id", format!("{epoch}:{bare}"))],
+        ),
+    ] {
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut sse = open_events(&h.socket(), &path, &headers)
+            .await
+            .unwrap_or_else(|e| panic!("{path}: {e:?}"));
+        let (id, cursor_next, _) = next_with_raw_id(&mut sse).await;
+        assert_eq!(cursor_next, cursor + 1, "{path}");
+        assert_eq!(id, format!("{epoch}:{}", cursor + 1));
+    }
+    assert_eq!(
+        seen,
+        format!("{old_epoch}:{cursor}"),
+        "id: <epoch>:<cursor>"
+    );
+}
+
+/// Reads records until the next event, returning it and any `clawmux.gap`
+/// record seen on the way.
+async fn next_event_and_gap(sse: &mut Sse) -> (u64, String, Option<String>) {
+    let mut gap = None;
+    loop {
+        match sse.next_item().await {
+            Item::Event { id, name, .. } => return (id, name, gap),
+            Item::Other(o) if o.starts_with("event: clawmux.gap") => gap = Some(o),
+            _ => {}
+        }
+    }
+}
+
+/// An upstream reconnect or an upstream `seq` gap consumes a cursor, so
+/// SSE streams see a skipped id (as WebSocket clients see a skipped `seq`)
+/// and a `clawmux.gap` record, filtered streams included; resuming across
+/// the gap works from either side of it.
+#[tokio::test]
+async fn upstream_gaps_and_reconnects_show_as_skipped_ids_and_replay_across_them() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let epoch = state(&h.socket()).await["epoch"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut all = open_events(&h.socket(), "/v1/events", &[]).await.unwrap();
+    let mut filtered = open_events(&h.socket(), "/v1/events?events=test.event", &[])
+        .await
+        .unwrap();
+
+    // The gateway drops the connection; the broker reconnects.
+    h.gw.drop_all();
+    let (lost, name, _) = next_event_and_gap(&mut all).await;
+    assert_eq!(name, "clawmux.upstream");
+    let (back, name, gap) = next_event_and_gap(&mut all).await;
+    assert_eq!(name, "clawmux.upstream");
+    assert_eq!(back, lost + 2, "the reconnect skipped one id");
+    let gap = gap.expect("a clawmux.gap record before the skipped id");
+    assert!(
+        gap.contains(&format!(r#"{{"after":{lost},"next":{back}}}"#)),
+        "{gap}"
+    );
+    until_ready(&h.socket()).await;
+
+    // The gateway skips a seq: one more skipped id.
+    h.gw.broadcast("test.event", json!({"i": 1}));
+    let (one, _, gap) = next_event_and_gap(&mut all).await;
+    assert_eq!((one, gap), (back + 1, None));
+    h.gw.skip_seq();
+    h.gw.broadcast("test.event", json!({"i": 2}));
+    let (two, _, gap) = next_event_and_gap(&mut all).await;
+    assert_eq!(two, one + 2, "the upstream seq gap skipped one id");
+    assert!(gap.is_some());
+
+    // The filtered stream never saw the clawmux.upstream events, yet it is
+    // told about both gaps.
+    let (id, _, gap) = next_event_and_gap(&mut filtered).await;
+    assert_eq!(id, one);
+    assert!(
+        gap.unwrap()
+            .contains(&format!(r#"{{"after":{lost},"next":{back}}}"#)),
+        "the reconnect"
+    );
+    let (id, _, gap) = next_event_and_gap(&mut filtered).await;
+    assert_eq!(id, two);
+    assert!(gap.is_some(), "the upstream seq gap");
+
+    // Replaying across the skipped ids: after the last event before a gap,
+    // and after the skipped cursor itself (e.g. a /v1/state newest_seq).
+    for (after, first, gap_expected) in [(lost, back, true), (lost + 1, back, false)] {
+        let mut sse = open_events(
+            &h.socket(),
+            &format!("/v1/events?after_seq={epoch}:{after}"),
+            &[],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("resume after {after} (next to a gap): {e:?}"));
+        let (id, _, gap) = next_event_and_gap(&mut sse).await;
+        assert_eq!((id, gap.is_some()), (first, gap_expected), "after {after}");
+        let ids: Vec<u64> = sse.events_through(two).await.iter().map(|e| e.0).collect();
+        assert_eq!(ids, [one, two], "after {after}");
+    }
 }

@@ -1,11 +1,13 @@
 //! `clawmux tail`: follows `/v1/events`, one readable line per event.
 //!
-//! It remembers the cursor of the last event it printed and the broker life
-//! (epoch) it came from. When the stream drops it reconnects and resumes
-//! right after that cursor, so nothing is lost or printed twice. If the
-//! broker cannot replay from there (it restarted, or the gap outgrew its
-//! replay window) the broker answers 410; tail says so on stderr and goes on
-//! from the newest event.
+//! It remembers the id of the last event it printed (`<epoch>:<cursor>`:
+//! the broker life and the cursor). When the stream drops it reconnects and
+//! resumes right after that cursor of that life, so nothing is lost or
+//! printed twice. If the broker cannot replay from there (it restarted, or
+//! the gap outgrew its replay window) the broker answers 410; tail says so on
+//! stderr and goes on from the newest event. Gaps the broker reports inside
+//! a stream (`clawmux.gap`: an upstream reconnect, or events this stream
+//! fell behind on) are said on stderr too.
 
 use std::io::Write;
 use std::time::Duration;
@@ -18,6 +20,7 @@ use http_body_util::BodyExt;
 use serde_json::Value;
 
 use super::{BrokerArgs, CliError};
+use crate::hub::replay::EventId;
 use crate::local::sse::{AFTER_SEQ_HEADER, EPOCH_HEADER};
 
 /// Reconnect delays while the broker is away.
@@ -33,9 +36,10 @@ pub struct TailArgs {
     /// Only these events (comma-separated gateway event names), e.g. chat,agent.
     #[arg(long, value_delimiter = ',', value_name = "NAMES")]
     pub events: Vec<String>,
-    /// Start right after this event cursor (replaying what the broker still holds) instead of now.
-    #[arg(long, value_name = "SEQ")]
-    pub after: Option<u64>,
+    /// Start right after this event (replaying what the broker still holds) instead of now:
+    /// an id as `EPOCH:SEQ`, or a bare SEQ of the running broker's life.
+    #[arg(long, value_name = "[EPOCH:]SEQ")]
+    pub after: Option<EventId>,
     /// Print each event's gateway frame as one JSON line (its `seq` is the broker cursor).
     #[arg(long)]
     pub json: bool,
@@ -71,9 +75,24 @@ impl Cursor {
 /// broker is unreachable at the start, or refuses the request as malformed.
 pub async fn run(args: TailArgs) -> Result<u8, CliError> {
     let client = args.broker.client();
-    let mut cursor = Cursor {
-        after: args.after,
-        epoch: None,
+    let mut cursor = match args.after {
+        Some(EventId {
+            epoch: Some(epoch),
+            cursor,
+        }) => Cursor {
+            after: Some(cursor),
+            epoch: Some(epoch),
+        },
+        // The broker resumes no cursor without its life; a bare one typed
+        // by the user means the running broker's, so ask which that is.
+        Some(EventId {
+            epoch: None,
+            cursor,
+        }) => Cursor {
+            after: Some(cursor),
+            epoch: Some(running_epoch(&client).await?),
+        },
+        None => Cursor::default(),
     };
     let mut connected_before = false;
     let mut backoff = BACKOFF_MIN;
@@ -106,7 +125,7 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
                         if body["epoch"].as_str() != cursor.epoch.as_deref() && cursor.epoch.is_some() {
                             "the broker restarted"
                         } else {
-                            "the broker no longer holds those events"
+                            "the broker cannot replay from there"
                         },
                         body["newest_seq"]
                     );
@@ -148,14 +167,29 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
         let mut events = resp.into_body().into_data_stream().eventsource();
         let mut stdout = std::io::stdout();
         while let Some(Ok(event)) = events.next().await {
-            if event.event == "clawmux.close" {
-                eprintln!("clawmux tail: the broker ended the stream: {}", event.data);
-                break;
+            match event.event.as_str() {
+                "clawmux.close" => {
+                    eprintln!("clawmux tail: the broker ended the stream: {}", event.data);
+                    break;
+                }
+                "clawmux.gap" => {
+                    let gap: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
+                    eprintln!(
+                        "clawmux tail: events after seq {} and before seq {} were not delivered (an upstream gap or reconnect, or this stream fell behind)",
+                        gap["after"], gap["next"]
+                    );
+                    continue;
+                }
+                _ => {}
             }
-            let Ok(seq) = event.id.parse::<u64>() else {
+            let Ok(id) = event.id.parse::<EventId>() else {
                 continue;
             };
+            let seq = id.cursor;
             cursor.after = Some(seq);
+            if id.epoch.is_some() {
+                cursor.epoch = id.epoch;
+            }
             let line = if args.json {
                 event.data
             } else {
@@ -173,6 +207,18 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
             "clawmux tail: lost the stream from {}; reconnecting…",
             client.socket().display()
         );
+    }
+}
+
+/// The running broker's life (`epoch` of `/v1/state`).
+async fn running_epoch(client: &super::client::BrokerClient) -> Result<String, CliError> {
+    let (status, state) = client.json(Method::GET, "/v1/state", None).await?;
+    match state["epoch"].as_str() {
+        Some(epoch) if status.is_success() => Ok(epoch.to_owned()),
+        _ => Err(CliError::Answer(format!(
+            "the broker answered {status} without an epoch: {}",
+            error_message(&state)
+        ))),
     }
 }
 
@@ -345,6 +391,26 @@ mod tests {
         assert!(format_line(2, "presence", &p, 0).ends_with("presence         3 entries"));
         let other = json!({"payload":{"a":1}});
         assert!(format_line(9, "cron", &other, 0).ends_with(r#"{"a":1}"#));
+    }
+
+    #[test]
+    fn after_takes_an_event_id_with_or_without_its_broker_life() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cmd {
+            #[command(flatten)]
+            tail: TailArgs,
+        }
+        let after = |arg: &str| Cmd::try_parse_from(["tail", "--after", arg]).map(|c| c.tail.after);
+        assert_eq!(
+            after("5f0c:12").unwrap(),
+            Some(EventId {
+                epoch: Some("5f0c".into()),
+                cursor: 12
+            })
+        );
+        assert_eq!(after("12").unwrap().unwrap().epoch, None);
+        assert!(after("5f0c:").is_err());
     }
 
     #[test]

@@ -210,9 +210,11 @@ impl Hub {
     }
 
     /// Makes every client see a gap (a skipped `seq`): after an upstream gap
-    /// or reconnect, so unmodified clients resync.
+    /// or reconnect, so unmodified clients resync. The replay cursor skips a
+    /// number too, so `/v1/events` streams (live or replayed) see a skipped id.
     pub fn gap(&self) {
-        let inner = self.lock();
+        let mut inner = self.lock();
+        inner.replay.skip();
         for client in inner.clients.values() {
             client.skip_seq();
         }

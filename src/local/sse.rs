@@ -5,9 +5,14 @@
 //! client; only its writer differs. Instead of a task writing to a socket,
 //! the response body *is* the writer: hyper polls it for the next chunk, and
 //! it formats what the queue holds as `id:`/`event:`/`data:` records, with
-//! the broker cursor (`event_seq`) as `id:`. Events after the requested
-//! cursor come from the replay log first; the hub admits the client in the
-//! same lock, so backlog and live events meet with no hole and no overlap.
+//! `<epoch>:<cursor>` as `id:` (the broker life and the broker cursor
+//! `event_seq`), so the id a browser `EventSource` resends as
+//! `Last-Event-ID` can never resume in another broker life. Events after the
+//! requested cursor come from the replay log first; the hub admits the
+//! client in the same lock, so backlog and live events meet with no hole and
+//! no overlap. Where the cursors a stream receives skip (an upstream gap or
+//! reconnect, or events this stream's queue dropped) it also gets a
+//! `clawmux.gap` record, so even a filtered stream learns of the hole.
 //!
 //! Server-Sent Events are formatted by hand: the format is three kinds of
 //! line, and hyper (without a framework) has no helper for it.
@@ -28,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 use super::http::{error_response, json_response, Body};
 use super::ConnectionKill;
 use crate::broker::Ctx;
+use crate::hub::replay::{EventId, ResumePoint};
 use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
 use crate::protocol::{EventHead, StudioCode};
 
@@ -50,38 +56,44 @@ const CHUNK_BYTES: usize = 64 * 1024;
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct EventsQuery {
-    /// Resume after this cursor (exclusive).
-    after_seq: Option<u64>,
+    /// Resume after this event id (`<epoch>:<cursor>`, or a bare cursor
+    /// qualified by `epoch`), exclusive.
+    after_seq: Option<String>,
     /// The broker life the cursor is from; another one gets 410.
     epoch: Option<String>,
     /// Comma-separated event names to keep; all when absent.
     events: Option<String>,
 }
 
-/// What a stream asked for, checked.
+/// What a stream asked for, parsed (the hub checks the resume point).
 #[derive(Debug)]
 struct StreamRequest {
-    cursor: Option<u64>,
-    epoch: Option<String>,
+    from: ResumePoint,
     filter: Option<HashSet<String>>,
 }
 
 fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
     let query: EventsQuery =
         serde_urlencoded::from_str(req.uri().query().unwrap_or("")).map_err(|e| {
-            format!("bad query: {e}; expected after_seq=<number>, epoch=<id>, events=<name,name>")
+            format!(
+                "bad query: {e}; expected after_seq=<epoch>:<cursor>, epoch=<id>, events=<name,name>"
+            )
         })?;
-    // A reconnecting EventSource repeats its original URL and adds the last
-    // id it saw: the header is the more recent cursor.
-    let last_event_id = match req.headers().get("last-event-id") {
-        Some(v) => {
-            let text = v.to_str().unwrap_or("").trim();
-            Some(text.parse::<u64>().map_err(|_| {
-                format!("bad Last-Event-ID {text:?}: expected an event cursor (a number)")
-            })?)
-        }
-        None => None,
-    };
+    let after_seq = query
+        .after_seq
+        .map(|text| text.parse::<EventId>())
+        .transpose()
+        .map_err(|e| format!("bad after_seq: {e}"))?;
+    // An empty Last-Event-ID is what an EventSource holds after an empty
+    // `id:` line: no cursor.
+    let last_event_id = req
+        .headers()
+        .get("last-event-id")
+        .map(|v| v.to_str().unwrap_or("\u{fffd}").trim())
+        .filter(|text| !text.is_empty())
+        .map(|text| text.parse::<EventId>())
+        .transpose()
+        .map_err(|e| format!("bad Last-Event-ID: {e}"))?;
     let filter = query.events.map(|list| {
         list.split(',')
             .map(str::trim)
@@ -90,50 +102,37 @@ fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
             .collect::<HashSet<_>>()
     });
     Ok(StreamRequest {
-        cursor: last_event_id.or(query.after_seq),
-        epoch: query.epoch.filter(|e| !e.is_empty()),
+        from: ResumePoint::new(
+            last_event_id,
+            after_seq,
+            query.epoch.filter(|e| !e.is_empty()),
+        ),
         filter: filter.filter(|f| !f.is_empty()),
     })
 }
 
 /// Answers `/v1/events`: 200 with a stream, 400 for a bad query, 410 for a
-/// cursor the log cannot serve, 503 at the client limit.
+/// cursor the log cannot serve (from another broker life, of no named life,
+/// evicted, or from the future), 503 at the client limit.
 pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     let wanted = match parse_request(req) {
         Ok(w) => w,
         Err(message) => return error_response(StatusCode::BAD_REQUEST, "INVALID_REQUEST", message),
     };
     let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
-    let (backlog, window) = match ctx.hub.admit_at_cursor(
-        &client,
-        wanted.cursor,
-        wanted.epoch.as_deref(),
-    ) {
+    let (backlog, window) = match ctx.hub.admit_at_cursor(&client, &wanted.from) {
         Ok(admitted) => admitted,
-        Err(SubscribeError::ReplayUnavailable(w)) => {
-            let why = match &wanted.epoch {
-                Some(e) if **e != *w.epoch => format!(
-                    "the cursor is from another broker life (epoch {e}; this broker is epoch {})",
-                    w.epoch
-                ),
-                _ => format!(
-                    "this broker (epoch {}) holds events {}..={}",
-                    w.epoch, w.oldest_seq, w.newest_seq
-                ),
-            };
+        Err(SubscribeError::ReplayUnavailable(gone)) => {
             return json_response(
                 StatusCode::GONE,
                 json!({
                     "ok": false,
                     "code": StudioCode::ReplayUnavailable.as_str(),
-                    "message": format!(
-                        "cannot resume after {}: {why}; reload /v1/state and stream after its newest_seq",
-                        wanted.cursor.map_or("now".to_owned(), |c| c.to_string()),
-                    ),
+                    "message": gone.to_string(),
                     "retryable": false,
-                    "oldest_seq": w.oldest_seq,
-                    "newest_seq": w.newest_seq,
-                    "epoch": &*w.epoch,
+                    "oldest_seq": gone.window.oldest_seq,
+                    "newest_seq": gone.window.newest_seq,
+                    "epoch": &*gone.window.epoch,
                 }),
             );
         }
@@ -146,8 +145,8 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         }
     };
     let epoch = window.epoch;
-    let after = wanted.cursor.unwrap_or(window.newest_seq);
-    tracing::info!(client_id = client.id, cursor = ?wanted.cursor, backlog = backlog.len(), "event stream opened");
+    let after = wanted.from.cursor.unwrap_or(window.newest_seq);
+    tracing::info!(client_id = client.id, cursor = ?wanted.from.cursor, backlog = backlog.len(), "event stream opened");
     let done = CancellationToken::new();
     if let Some(kill) = req.extensions().get::<ConnectionKill>() {
         ctx.tracker.spawn(cut_when_stuck(
@@ -159,6 +158,8 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     }
     let stream = EventStream {
         client: Arc::clone(&client),
+        epoch: Arc::clone(&epoch),
+        last_cursor: after,
         backlog: backlog.into_iter(),
         filter: wanted.filter,
         keepalive: ctx.settings.limits.sse_keepalive,
@@ -240,6 +241,11 @@ async fn cut_when_stuck(
 /// The writer of one SSE client, driven by hyper polling the body.
 struct EventStream {
     client: Arc<Client>,
+    /// This broker life, the first half of every `id:`.
+    epoch: Arc<str>,
+    /// The newest cursor this stream has received (written or filtered out),
+    /// or where it started: a later cursor more than one past it is a gap.
+    last_cursor: u64,
     backlog: std::vec::IntoIter<EventHead>,
     filter: Option<HashSet<String>>,
     keepalive: Duration,
@@ -301,21 +307,29 @@ impl EventStream {
         out.freeze()
     }
 
-    fn write_event(&self, out: &mut BytesMut, head: &EventHead) {
+    fn write_event(&mut self, out: &mut BytesMut, head: &EventHead) {
+        let cursor = head.cursor();
+        if cursor > self.last_cursor.saturating_add(1) {
+            write_gap(out, self.last_cursor, cursor);
+        }
+        self.last_cursor = self.last_cursor.max(cursor);
         let name = head.name();
         if self.filter.as_ref().is_some_and(|f| !f.contains(&*name)) {
             return;
         }
-        write_record(out, head.cursor(), &name, &head.with_seq(head.cursor()));
+        write_record(out, &self.epoch, cursor, &name, &head.with_seq(cursor));
     }
 }
 
-/// One SSE record. `data` is a JSON frame: a raw newline can only be
-/// insignificant whitespace in JSON, so it becomes a space and the frame
-/// stays one `data:` line.
-fn write_record(out: &mut BytesMut, id: u64, name: &str, data: &[u8]) {
+/// One SSE record, `id: <epoch>:<cursor>`. `data` is a JSON frame whose
+/// `seq` is the bare cursor: a raw newline can only be insignificant
+/// whitespace in JSON, so it becomes a space and the frame stays one
+/// `data:` line.
+fn write_record(out: &mut BytesMut, epoch: &str, cursor: u64, name: &str, data: &[u8]) {
     out.put_slice(b"id: ");
-    out.put_slice(id.to_string().as_bytes());
+    out.put_slice(epoch.as_bytes());
+    out.put_u8(b':');
+    out.put_slice(cursor.to_string().as_bytes());
     out.put_slice(b"\nevent: ");
     // Event names come from the gateway; keep the record intact whatever they hold.
     out.put_slice(name.replace(['\n', '\r'], " ").as_bytes());
@@ -328,6 +342,17 @@ fn write_record(out: &mut BytesMut, id: u64, name: &str, data: &[u8]) {
     } else {
         out.put_slice(data);
     }
+    out.put_slice(b"\n\n");
+}
+
+/// Says that events after cursor `after` and before `next` were not
+/// delivered (an upstream gap or reconnect, or this stream's queue dropped
+/// them). It has no `id:`, so a resuming `EventSource` keeps the id of the
+/// last real event, and a replay from there shows the same gap again.
+fn write_gap(out: &mut BytesMut, after: u64, next: u64) {
+    let data = json!({"after": after, "next": next}).to_string();
+    out.put_slice(b"event: clawmux.gap\ndata: ");
+    out.put_slice(data.as_bytes());
     out.put_slice(b"\n\n");
 }
 
@@ -346,8 +371,14 @@ mod tests {
     #[test]
     fn records_stay_on_one_data_line() {
         let mut out = BytesMut::new();
-        write_record(&mut out, 7, "chat", b"{\"a\":\n 1}");
-        assert_eq!(&out[..], b"id: 7\nevent: chat\ndata: {\"a\":  1}\n\n");
+        write_record(&mut out, "5f0c", 7, "chat", b"{\"a\":\n 1}");
+        assert_eq!(&out[..], b"id: 5f0c:7\nevent: chat\ndata: {\"a\":  1}\n\n");
+        let mut out = BytesMut::new();
+        write_gap(&mut out, 4, 6);
+        assert_eq!(
+            &out[..],
+            b"event: clawmux.gap\ndata: {\"after\":4,\"next\":6}\n\n"
+        );
         let mut out = BytesMut::new();
         write_close(&mut out, 1008, "slow consumer");
         assert_eq!(

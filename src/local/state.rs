@@ -1,7 +1,7 @@
 //! `GET /v1/state`: one self-consistent document of what the broker knows.
 //!
 //! The gateway snapshot and the replay cursor are taken under the hub's one
-//! lock, so a client that streams `/v1/events?after_seq=<newest_seq>` next
+//! lock, so a client that streams `/v1/events?after_seq=<epoch>:<newest_seq>` next
 //! sees exactly the events the snapshot does not include. Nothing secret is
 //! in it: no token, no device token (the upstream `hello-ok` is not copied
 //! whole), and the gateway URL without user info or query.

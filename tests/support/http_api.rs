@@ -85,8 +85,11 @@ pub async fn state(socket: &Path) -> Value {
 #[derive(Debug, Clone)]
 pub enum Item {
     Comment(String),
+    /// `id` is the cursor and `epoch` the broker life of `id: <epoch>:<cursor>`
+    /// (empty when the id is a bare cursor).
     Event {
         id: u64,
+        epoch: String,
         name: String,
         data: Value,
     },
@@ -146,7 +149,7 @@ impl Sse {
     /// The next event, skipping comments and other records.
     pub async fn next_event(&mut self) -> (u64, String, Value) {
         loop {
-            if let Item::Event { id, name, data } = self.next_item().await {
+            if let Item::Event { id, name, data, .. } = self.next_item().await {
                 return (id, name, data);
             }
         }
@@ -170,10 +173,12 @@ fn parse_record(record: &str) -> Item {
     if record.lines().all(|l| l.starts_with(':')) {
         return Item::Comment(record.to_owned());
     }
-    let (mut id, mut name, mut data) = (None, None, None);
+    let (mut id, mut epoch, mut name, mut data) = (None, String::new(), None, None);
     for line in record.lines() {
         if let Some(v) = line.strip_prefix("id: ") {
-            id = v.parse::<u64>().ok();
+            let (life, cursor) = v.rsplit_once(':').unwrap_or(("", v));
+            epoch = life.to_owned();
+            id = cursor.parse::<u64>().ok();
         } else if let Some(v) = line.strip_prefix("event: ") {
             name = Some(v.to_owned());
         } else if let Some(v) = line.strip_prefix("data: ") {
@@ -182,7 +187,12 @@ fn parse_record(record: &str) -> Item {
         }
     }
     match (id, name, data) {
-        (Some(id), Some(name), Some(data)) => Item::Event { id, name, data },
+        (Some(id), Some(name), Some(data)) => Item::Event {
+            id,
+            epoch,
+            name,
+            data,
+        },
         _ => Item::Other(record.to_owned()),
     }
 }
