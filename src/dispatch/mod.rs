@@ -47,6 +47,14 @@ fn is_node_only(method: &str) -> bool {
         || method.starts_with("node.pending.")
 }
 
+/// A request's params as a value (`null` when absent or not JSON): only
+/// for the few methods the broker reads params of.
+fn parse_params(params: Option<&RawValue>) -> Value {
+    params
+        .and_then(|p| serde_json::from_str(p.get()).ok())
+        .unwrap_or(Value::Null)
+}
+
 fn param_str<'a>(params: &'a Value, key: &str) -> Option<&'a str> {
     params
         .get(key)
@@ -221,9 +229,7 @@ impl Dispatcher {
         params: Option<&RawValue>,
         generation: u64,
     ) -> Result<(), ErrorShape> {
-        let parsed: Value = params
-            .and_then(|p| serde_json::from_str(p.get()).ok())
-            .unwrap_or(Value::Null);
+        let parsed = parse_params(params);
         let subscribe = !method.ends_with("unsubscribe");
         let (key, asked) = if method.starts_with("sessions.messages.") {
             let Some(asked) = param_str(&parsed, "key") else {
@@ -303,9 +309,7 @@ impl Dispatcher {
         params: Option<&RawValue>,
         generation: u64,
     ) -> Result<(), ErrorShape> {
-        let parsed: Value = params
-            .and_then(|p| serde_json::from_str(p.get()).ok())
-            .unwrap_or(Value::Null);
+        let parsed = parse_params(params);
         let Some(run_id) = param_str(&parsed, "idempotencyKey").map(str::to_owned) else {
             return self.forward(member, id, method, params, generation, None);
         };
@@ -358,9 +362,7 @@ impl Dispatcher {
         {
             return Ok(());
         }
-        let parsed: Value = params
-            .and_then(|p| serde_json::from_str(p.get()).ok())
-            .unwrap_or(Value::Null);
+        let parsed = parse_params(params);
         let cid = member.id();
         let foreign = match param_str(&parsed, "runId") {
             Some(run_id) => self.sharing.runs.owner(run_id).is_some_and(|o| o != cid),

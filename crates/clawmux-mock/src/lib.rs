@@ -214,28 +214,10 @@ impl MockGateway {
         socket.bind(addr)?;
         let listener = socket.listen(1024)?;
         let addr = listener.local_addr()?;
-        let demo = cfg.demo;
-        let health_every = cfg
-            .health_interval_ms
-            .map(|ms| Duration::from_millis(ms.max(1)));
-        let inner = Inner::new(cfg);
-        let mut tasks = vec![tokio::spawn(accept_loop(inner.clone(), listener))];
-        if demo {
-            tasks.push(tokio::spawn(runs::demo_loop(inner.clone())));
-        }
-        if let Some(every) = health_every {
-            tasks.push(tokio::spawn(runs::health_loop(inner.clone(), every)));
-        }
         tracing::info!(%addr, "mock gateway listening");
-        let lifecycle = Arc::new(Lifecycle {
-            inner: inner.clone(),
-            tasks: Mutex::new(tasks),
-        });
-        Ok(MockGateway {
-            inner,
-            addr,
-            lifecycle,
-        })
+        Ok(Self::launch(cfg, addr, |inner| {
+            tokio::spawn(accept_loop(inner, listener))
+        }))
     }
 
     /// Starts the double on a unix socket at `path` (created 0600 by the
@@ -244,28 +226,40 @@ impl MockGateway {
     /// then `127.0.0.1:0` and `url()` `ws://localhost`; dial the path.
     pub async fn start_unix(path: &std::path::Path, cfg: MockConfig) -> io::Result<MockGateway> {
         let listener = tokio::net::UnixListener::bind(path)?;
+        tracing::info!(path = %path.display(), "mock gateway listening on a unix socket");
+        let addr = SocketAddr::from(([127, 0, 0, 1], 0));
+        Ok(Self::launch(cfg, addr, |inner| {
+            tokio::spawn(accept_unix_loop(inner, listener))
+        }))
+    }
+
+    /// Starts the shared state, the accept task and the demo/health loops.
+    fn launch(
+        cfg: MockConfig,
+        addr: SocketAddr,
+        accept: impl FnOnce(Arc<Inner>) -> JoinHandle<()>,
+    ) -> MockGateway {
         let demo = cfg.demo;
         let health_every = cfg
             .health_interval_ms
             .map(|ms| Duration::from_millis(ms.max(1)));
         let inner = Inner::new(cfg);
-        let mut tasks = vec![tokio::spawn(accept_unix_loop(inner.clone(), listener))];
+        let mut tasks = vec![accept(inner.clone())];
         if demo {
             tasks.push(tokio::spawn(runs::demo_loop(inner.clone())));
         }
         if let Some(every) = health_every {
             tasks.push(tokio::spawn(runs::health_loop(inner.clone(), every)));
         }
-        tracing::info!(path = %path.display(), "mock gateway listening on a unix socket");
         let lifecycle = Arc::new(Lifecycle {
             inner: inner.clone(),
             tasks: Mutex::new(tasks),
         });
-        Ok(MockGateway {
+        MockGateway {
             inner,
-            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            addr,
             lifecycle,
-        })
+        }
     }
 
     /// The bound address (with the real port when started on port 0).

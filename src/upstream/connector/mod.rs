@@ -266,19 +266,7 @@ impl Connector {
                         failures = 0;
                     }
                     failures += 1;
-                    match end.restart_expected {
-                        Some(hint) => clamp_hint(
-                            hint,
-                            self.opts.backoff_initial,
-                            self.opts.backoff_max,
-                            failures,
-                        ),
-                        None => backoff_delay(
-                            self.opts.backoff_initial,
-                            self.opts.backoff_max,
-                            failures,
-                        ),
-                    }
+                    self.retry_delay(end.restart_expected, failures)
                 }
                 Ok(Err(e)) => {
                     failures += 1;
@@ -300,19 +288,7 @@ impl Connector {
                         );
                         self.opts.backoff_max
                     } else {
-                        match e.retry_after {
-                            Some(hint) => clamp_hint(
-                                hint,
-                                self.opts.backoff_initial,
-                                self.opts.backoff_max,
-                                failures,
-                            ),
-                            None => backoff_delay(
-                                self.opts.backoff_initial,
-                                self.opts.backoff_max,
-                                failures,
-                            ),
-                        }
+                        self.retry_delay(e.retry_after, failures)
                     };
                     let mut error = e.error;
                     if error.retry_after_ms.is_some() {
@@ -500,6 +476,16 @@ impl Connector {
                 Some(UpstreamFrame::Event { .. }) => early.push(text),
                 _ => {}
             }
+        }
+    }
+
+    /// The delay before the next attempt after `failures` failures in a
+    /// row: the gateway's own hint, clamped, or exponential backoff.
+    fn retry_delay(&self, hint: Option<Duration>, failures: u32) -> Duration {
+        let (initial, max) = (self.opts.backoff_initial, self.opts.backoff_max);
+        match hint {
+            Some(hint) => clamp_hint(hint, initial, max, failures),
+            None => backoff_delay(initial, max, failures),
         }
     }
 
