@@ -111,6 +111,12 @@ impl SettingsArgs {
         if let Some(secs) = self.request_timeout {
             resolved.settings.limits.request_timeout = Duration::from_secs(secs);
         }
+        resolved.settings.limits.check_queues().map_err(|message| {
+            clawmux::protocol::ErrorShape::studio(
+                clawmux::protocol::StudioCode::SettingsLoadFailed,
+                format!("inconsistent limits: {message}"),
+            )
+        })?;
         Ok(resolved)
     }
 

@@ -139,6 +139,7 @@ struct LimitsSection {
     queue_soft_bytes: Option<usize>,
     queue_hard_bytes: Option<usize>,
     slow_grace_ms: Option<u64>,
+    queue_total_bytes: Option<usize>,
     max_clients: Option<usize>,
     max_inflight: Option<usize>,
     request_rate: Option<u32>,
@@ -532,6 +533,7 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) {
     set!(queue_soft_bytes, l.queue_soft_bytes);
     set!(queue_hard_bytes, l.queue_hard_bytes);
     set!(slow_grace, l.slow_grace_ms.map(ms));
+    set!(queue_total_bytes, l.queue_total_bytes);
     set!(max_clients, l.max_clients);
     set!(max_inflight, l.max_inflight);
     set!(request_rate, l.request_rate);

@@ -38,6 +38,12 @@ impl Connector {
             .set_session_defaults(crate::driver::SessionDefaults::from_snapshot(
                 hello.payload.get("snapshot").unwrap_or(&Value::Null),
             ));
+        self.hub.set_upstream_max_buffered(
+            hello
+                .payload
+                .pointer("/policy/maxBufferedBytes")
+                .and_then(Value::as_u64),
+        );
         self.hub.reset_snapshot(
             hello
                 .payload
