@@ -22,6 +22,7 @@ use support::*;
 /// machine is: what is tested is the stalled client's fate, not CPU speed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_never_reads_is_closed_and_nobody_else_notices() {
+    let _heavy = HEAVY.lock().await;
     // A gateway that buffers 16 MiB per connection (it advertises so in
     // hello-ok; the broker's hard limit is never below it).
     let gw = MockGateway::start(MockConfig {
@@ -96,7 +97,7 @@ async fn a_client_that_never_reads_is_closed_and_nobody_else_notices() {
     let mut next_event_n = 1;
     let mut last_n = None;
     loop {
-        let e = reader.event_any().await;
+        let e = next_event(&mut reader).await;
         let seq = e["seq"].as_u64().expect("seq");
         assert!(seq > last_seq, "seq increases");
         skipped += seq - last_seq - 1;
@@ -178,6 +179,7 @@ async fn a_client_that_never_reads_is_closed_and_nobody_else_notices() {
 /// not cut it off either) and gets every event, contiguous.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_but_steady_reader_is_never_cut_off() {
+    let _heavy = HEAVY.lock().await;
     init_test_log();
     let grace = Duration::from_secs(1);
     let h = start_with(mock_config(), |s| s.limits.slow_grace = grace).await;
@@ -198,7 +200,7 @@ async fn a_slow_but_steady_reader_is_never_cut_off() {
     let mut last_seq = 0;
     let mut next = 0;
     loop {
-        let e = reader.event_any().await;
+        let e = next_event(&mut reader).await;
         let seq = e["seq"].as_u64().unwrap();
         assert_eq!(seq, last_seq + 1, "nothing dropped, no gap");
         last_seq = seq;
@@ -233,6 +235,8 @@ async fn a_slow_but_steady_reader_is_never_cut_off() {
 /// and a 20 MiB event to each of 10 clients.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_frames_reach_every_reading_client() {
+    let _heavy = HEAVY.lock().await;
+    init_test_log();
     let h = start_with(mock_config(), |_| {}).await;
     let mut clients = Vec::new();
     for _ in 0..10 {
@@ -276,11 +280,18 @@ async fn large_frames_reach_every_reading_client() {
             assert_eq!(text.as_str().map(str::len), Some(16 * 1024 * 1024));
             let pad = big.unwrap()["payload"]["pad"].as_str().map(str::len);
             assert_eq!(pad, Some(20 * 1024 * 1024));
-            assert_eq!(
-                c.request("health", json!({})).await["ok"],
-                true,
-                "still connected"
-            );
+            c.send_json(&json!({"type": "req", "id": "h", "method": "health", "params": {}}))
+                .await;
+            loop {
+                match c.recv_within(Duration::from_secs(30)).await {
+                    Some(Got::Json(v)) if v["id"] == "h" => {
+                        assert_eq!(v["ok"], true, "still connected");
+                        break;
+                    }
+                    Some(Got::Json(_)) => {}
+                    other => panic!("expected the health answer, got {other:?}"),
+                }
+            }
         })
     });
     for r in reads {
@@ -290,6 +301,21 @@ async fn large_frames_reach_every_reading_client() {
         h.broker.ctx().hub.stats.slow_closes.load(Ordering::Relaxed),
         0
     );
+}
+
+/// The tests that move tens of MiB run one at a time: together on two
+/// cores (debug build) they starve each other's readers past any patience.
+static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The next event, with a patience fit for a reader busy parsing megabytes.
+async fn next_event(c: &mut WsClient) -> serde_json::Value {
+    loop {
+        match c.recv_within(Duration::from_secs(30)).await {
+            Some(Got::Json(v)) if v["type"] == "event" => return v,
+            Some(Got::Json(_)) => {}
+            other => panic!("expected an event, got {other:?}"),
+        }
+    }
 }
 
 async fn metrics_text(socket: &std::path::Path) -> String {
