@@ -66,6 +66,7 @@ impl Core {
             },
             limits.max_clients,
         ));
+        hub.set_queue_budget(limits.queue_total_bytes);
         hub.set_replay_limits(ReplayLimits {
             max_events: limits.replay_max_events,
             max_bytes: limits.replay_max_bytes,
@@ -102,7 +103,8 @@ impl Core {
     }
 }
 
-/// How often pending requests are checked against their deadlines.
+/// How often pending requests are checked against their deadlines, and
+/// client queues for stalls (the resolution of `slow_grace`).
 const SWEEP_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The `reason` of the `shutdown` event local clients get when the broker stops.
@@ -273,7 +275,9 @@ async fn sweep_deadlines(ctx: Arc<Ctx>) {
         tokio::select! {
             _ = ctx.cancel.cancelled() => return,
             _ = interval.tick() => {
-                let expired = ctx.router.expire(Instant::now());
+                let now = Instant::now();
+                ctx.hub.sweep_stalled(now);
+                let expired = ctx.router.expire(now);
                 if expired > 0 {
                     tracing::info!(expired, "requests timed out");
                 }

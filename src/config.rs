@@ -66,11 +66,22 @@ pub struct Limits {
     /// `heartbeat`, chat deltas) are dropped for that client, consuming a seq.
     /// Default 1 MiB.
     pub queue_soft_bytes: usize,
-    /// Queue bytes at which the client is closed `1008 slow consumer`. Default 8 MiB.
+    /// Queue bytes a client may fall behind by: a frame that would take its
+    /// queue past this closes it `1008 slow consumer`. Default 50 MiB, the
+    /// gateway's own `maxBufferedBytes` (and raised to the gateway's
+    /// advertised value when that is larger): a client that reads is never
+    /// cut off sooner than a direct connection. At least 2 × `max_frame_bytes`,
+    /// so a client one maximal frame behind still gets the next one.
     pub queue_hard_bytes: usize,
-    /// A client over the soft limit for longer than this is closed
-    /// `1008 slow consumer`. Default 10 s.
+    /// A client with a backlog whose writer made no progress (wrote no batch
+    /// of up to 256 KiB) for this long is closed `1008 slow consumer`: the
+    /// measure of a client that does not read. Default 10 s.
     pub slow_grace: Duration,
+    /// Queued bytes broker-wide: each event counted once however many queues
+    /// share it, plus each client's own frames. Over this, the clients with
+    /// the largest backlogs are closed `1008 slow consumer` first until the
+    /// total is back under it. At least `queue_hard_bytes`. Default 256 MiB.
+    pub queue_total_bytes: usize,
     /// Connected local clients at most; one more gets `studio.too_many_clients`
     /// and close 1013. Default 1024.
     pub max_clients: usize,
@@ -133,8 +144,9 @@ impl Default for Limits {
             preconnect_max_bytes: 64 * 1024,
             max_frame_bytes: 25 * 1024 * 1024,
             queue_soft_bytes: 1024 * 1024,
-            queue_hard_bytes: 8 * 1024 * 1024,
+            queue_hard_bytes: 50 * 1024 * 1024,
             slow_grace: Duration::from_secs(10),
+            queue_total_bytes: 256 * 1024 * 1024,
             max_clients: 1024,
             max_inflight: 256,
             request_rate: 10_000,
@@ -145,6 +157,36 @@ impl Default for Limits {
             max_connections: None,
             header_read_timeout: Duration::from_secs(10),
         }
+    }
+}
+
+impl Limits {
+    /// Checks that the queue limits agree with each other and with the
+    /// frame size the broker advertises (`maxPayload`): a frame a client is
+    /// told it may receive must reach it while it reads. The message says
+    /// which setting to change.
+    pub fn check_queues(&self) -> Result<(), String> {
+        if self.queue_soft_bytes > self.queue_hard_bytes {
+            return Err(format!(
+                "queue_soft_bytes ({}) is above queue_hard_bytes ({})",
+                self.queue_soft_bytes, self.queue_hard_bytes
+            ));
+        }
+        let needed = self.max_frame_bytes.saturating_mul(2);
+        if self.queue_hard_bytes < needed {
+            return Err(format!(
+                "queue_hard_bytes ({}) must be at least 2 × max_frame_bytes ({needed}), \
+                 or a client one frame behind would be cut off: raise it or lower max_frame_bytes",
+                self.queue_hard_bytes
+            ));
+        }
+        if self.queue_total_bytes < self.queue_hard_bytes {
+            return Err(format!(
+                "queue_total_bytes ({}) is below queue_hard_bytes ({})",
+                self.queue_total_bytes, self.queue_hard_bytes
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -112,6 +112,12 @@ impl SettingsArgs {
         if let Some(timeout) = self.request_timeout {
             resolved.settings.limits.request_timeout = timeout;
         }
+        resolved.settings.limits.check_queues().map_err(|message| {
+            clawmux::protocol::ErrorShape::studio(
+                clawmux::protocol::StudioCode::SettingsLoadFailed,
+                format!("inconsistent limits: {message}"),
+            )
+        })?;
         Ok(resolved)
     }
 

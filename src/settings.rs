@@ -138,6 +138,7 @@ struct LimitsSection {
     queue_soft_bytes: Option<usize>,
     queue_hard_bytes: Option<usize>,
     slow_grace_ms: Option<u64>,
+    queue_total_bytes: Option<usize>,
     max_clients: Option<usize>,
     max_inflight: Option<usize>,
     request_rate: Option<u32>,
@@ -532,6 +533,7 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
         queue_soft_bytes,
         queue_hard_bytes,
         slow_grace_ms,
+        queue_total_bytes,
         max_clients,
         max_inflight,
         request_rate,
@@ -572,6 +574,7 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
     set!(lim.queue_soft_bytes, "limits", queue_soft_bytes, positive);
     set!(lim.queue_hard_bytes, "limits", queue_hard_bytes, positive);
     set!(lim.slow_grace, "limits", slow_grace_ms, ms(Zero::Allowed));
+    set!(lim.queue_total_bytes, "limits", queue_total_bytes, positive);
     set!(lim.max_clients, "limits", max_clients, positive);
     set!(lim.max_inflight, "limits", max_inflight, positive);
     set!(lim.request_rate, "limits", request_rate, positive);

@@ -325,6 +325,9 @@ async fn a_stuck_sse_reader_is_closed_as_a_slow_consumer() {
         // happens while hyper has stopped polling the stream.
         s.limits.queue_soft_bytes = 1024 * 1024;
         s.limits.queue_hard_bytes = 2 * 1024 * 1024;
+        // The hard limit is raised to the gateway's 50 MiB buffer; a stuck
+        // reader is caught by its lack of progress.
+        s.limits.slow_grace = Duration::from_millis(300);
     })
     .await;
     until_ready(&h.socket()).await;

@@ -6,7 +6,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -17,11 +17,120 @@ use crate::protocol::EventHead;
 /// Close code and reason for a client that does not read (design §5).
 pub const SLOW_CONSUMER_CLOSE: (u16, &str) = (1008, "slow consumer");
 
+/// The most bytes one [`Client::next_batch`] takes (at least one item is
+/// always taken, however large). Taking a batch is the writer's progress
+/// signal, so this bounds how much a client must read to count as reading
+/// within [`QueueLimits::grace`], and how much a writer holds outside the
+/// queue. 256 KiB is a few hundred typical events: one flush per batch keeps
+/// the fan-out cheap.
+pub const MAX_BATCH_BYTES: usize = 256 * 1024;
+
+/// Broker-wide accounting of queued bytes, shared by every client of a hub.
+///
+/// What counts: each event once, however many queues hold it (queues share
+/// its bytes), from the moment it is published until the last client's
+/// writer has written it or dropped it; and each client-only frame
+/// (responses) while it waits in its queue. That is the memory the queues
+/// really pin, so the budget is a real memory bound, not a multiple of the
+/// number of clients.
+#[derive(Debug)]
+pub struct QueueBudget {
+    /// Bytes counted now.
+    used: AtomicUsize,
+    /// Over this, the hub closes the clients with the largest backlogs first
+    /// (`1008 slow consumer`) until the count is back under it.
+    limit: AtomicUsize,
+    /// The gateway's own per-connection buffer (`hello-ok.policy.maxBufferedBytes`),
+    /// once known: a client's hard limit is never below it.
+    upstream_hard: AtomicUsize,
+}
+
+impl QueueBudget {
+    /// An unlimited budget (the hub's default until configured).
+    pub fn new() -> Self {
+        QueueBudget {
+            used: AtomicUsize::new(0),
+            limit: AtomicUsize::new(usize::MAX),
+            upstream_hard: AtomicUsize::new(0),
+        }
+    }
+
+    fn add(&self, n: usize) {
+        self.used.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn sub(&self, n: usize) {
+        self.used.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    /// Bytes counted now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    pub fn set_limit(&self, bytes: usize) {
+        self.limit.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Whether the count is over the limit (one atomic load per publish).
+    pub fn is_over(&self) -> bool {
+        self.used() > self.limit()
+    }
+
+    /// Records the gateway's `maxBufferedBytes` (`None`: not advertised).
+    pub fn set_upstream_hard(&self, bytes: Option<u64>) {
+        let bytes = bytes.map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX));
+        self.upstream_hard.store(bytes, Ordering::Relaxed);
+    }
+}
+
+impl Default for QueueBudget {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// One published event, shared by every queue it was pushed to. It is
+/// counted once in the [`QueueBudget`] and released when its last holder
+/// (a queue or a writer's batch) drops it. Derefs to the [`EventHead`].
+#[derive(Debug)]
+pub struct SharedEvent {
+    head: EventHead,
+    budget: Arc<QueueBudget>,
+}
+
+impl SharedEvent {
+    pub fn new(head: EventHead, budget: &Arc<QueueBudget>) -> Arc<Self> {
+        budget.add(head.len());
+        Arc::new(SharedEvent {
+            head,
+            budget: Arc::clone(budget),
+        })
+    }
+}
+
+impl std::ops::Deref for SharedEvent {
+    type Target = EventHead;
+    fn deref(&self) -> &EventHead {
+        &self.head
+    }
+}
+
+impl Drop for SharedEvent {
+    fn drop(&mut self) {
+        self.budget.sub(self.head.len());
+    }
+}
+
 /// One item waiting to be written to a client.
 #[derive(Debug)]
 pub enum Outgoing {
     /// A shared event and the seq this client gets for it.
-    Event(EventHead, u64),
+    Event(Arc<SharedEvent>, u64),
     /// A complete frame for this client only (responses, the challenge).
     Frame(Bytes),
     /// Close the WebSocket with this code and reason, after what precedes it.
@@ -75,8 +184,13 @@ impl ClientKind {
 /// Queue bounds for one client (from [`crate::config::Limits`]).
 #[derive(Debug, Clone, Copy)]
 pub struct QueueLimits {
+    /// Over this many queued bytes, droppable events are dropped.
     pub soft_bytes: usize,
+    /// A push that would take the queue past this closes the client (unless
+    /// the queue is empty: one frame of any size reaches an idle client).
     pub hard_bytes: usize,
+    /// A backlog with no progress (no batch taken by the writer) for this
+    /// long closes the client. Zero: one stalled sweep closes it.
     pub grace: Duration,
 }
 
@@ -85,8 +199,26 @@ struct Queue {
     items: VecDeque<Outgoing>,
     bytes: usize,
     next_seq: u64,
-    over_soft_since: Option<Instant>,
+    /// Batches the writer has taken: its progress.
+    batches_taken: u64,
+    /// `batches_taken` as the last stall sweep saw it.
+    batches_seen: u64,
+    /// Bytes written (see `Client::written`) as the last stall sweep saw them.
+    written_seen: u64,
+    /// The first sweep that saw a backlog and no progress since the one before.
+    stalled_since: Option<Instant>,
     closing: bool,
+}
+
+/// What a stall sweep found for one client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stall {
+    /// Empty queue, or the writer took a batch since the last sweep.
+    Progressing,
+    /// A backlog and no progress, for less than the grace so far.
+    Waiting,
+    /// The sweep closed the client as a slow consumer.
+    Closed,
 }
 
 /// A connected local client, shared by the hub, the router and its own tasks.
@@ -108,12 +240,26 @@ pub struct Client {
     /// blocked on a full socket gives up instead of waiting forever.
     pub killed: tokio_util::sync::CancellationToken,
     limits: QueueLimits,
+    budget: Arc<QueueBudget>,
     queue: Mutex<Queue>,
     wake: Notify,
+    /// Bytes the socket under the writer accepted, when the session counts
+    /// them ([`Client::count_written`]): progress within one large frame, so
+    /// a reader slowly taking a 25 MiB frame is not judged stalled.
+    written: std::sync::OnceLock<Arc<AtomicU64>>,
 }
 
 impl Client {
+    /// A client with a budget of its own (tools and tests); the hub's
+    /// clients share the hub's ([`Client::with_budget`]).
     pub fn new(id: u64, limits: QueueLimits) -> Self {
+        Self::with_budget(id, limits, Arc::new(QueueBudget::new()))
+    }
+
+    pub fn with_budget(id: u64, mut limits: QueueLimits, budget: Arc<QueueBudget>) -> Self {
+        // Pushes compare with the soft limit first and the hard one only
+        // past it, so the soft limit must not be above the hard one.
+        limits.soft_bytes = limits.soft_bytes.min(limits.hard_bytes);
         Client {
             id,
             kind: ClientKind::Ws,
@@ -124,12 +270,24 @@ impl Client {
             dropped: AtomicU64::new(0),
             killed: tokio_util::sync::CancellationToken::new(),
             limits,
+            budget,
             queue: Mutex::new(Queue {
                 next_seq: 1,
                 ..Queue::default()
             }),
             wake: Notify::new(),
+            written: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Counts bytes the socket accepted as progress too (set once, by the
+    /// session that owns the socket).
+    pub fn count_written(&self, written: Arc<AtomicU64>) {
+        let _ = self.written.set(written);
+    }
+
+    fn written(&self) -> u64 {
+        self.written.get().map_or(0, |w| w.load(Ordering::Relaxed))
     }
 
     /// The same client, reached another way (set before it is shared).
@@ -138,54 +296,60 @@ impl Client {
         self
     }
 
+    /// The budget this client's queued bytes count against.
+    pub fn budget(&self) -> &Arc<QueueBudget> {
+        &self.budget
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
         // A panic while holding this lock cannot leave the queue inconsistent
         // in a way that matters more than losing the client, so poison is ignored.
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Queues an event with this client's next seq. Droppable events are
-    /// dropped over the soft limit (the seq is consumed so the client sees a
-    /// gap); the hard limit or a soft-limit overrun longer than the grace
-    /// closes the client.
-    pub fn push_event(&self, head: &EventHead, droppable: bool) -> Pushed {
+    /// The hard limit in force: the configured one, raised to the gateway's
+    /// `maxBufferedBytes` when that is larger (never stricter than a direct
+    /// connection).
+    fn hard_bytes(&self) -> usize {
+        self.limits
+            .hard_bytes
+            .max(self.budget.upstream_hard.load(Ordering::Relaxed))
+    }
+
+    /// Queues an event with this client's next seq. Over the soft limit a
+    /// droppable event is dropped (the seq is consumed so the client sees a
+    /// gap); a push past the hard limit closes the client. Being slow is
+    /// otherwise judged by progress, in [`Client::sweep_stall`].
+    pub fn push_event(&self, event: &Arc<SharedEvent>, droppable: bool) -> Pushed {
         let mut q = self.lock();
         if q.closing {
             return Pushed::Closed;
         }
         let seq = q.next_seq;
         q.next_seq += 1;
-        if q.bytes >= self.limits.soft_bytes {
-            // The clock is read only here: this runs once per client per
-            // event, and a healthy client is never over its soft limit.
-            let now = Instant::now();
-            let since = *q.over_soft_since.get_or_insert(now);
-            if self.limits.grace.is_zero() || now.duration_since(since) > self.limits.grace {
-                self.close_slow(&mut q);
-                return Pushed::SlowConsumer;
-            }
-            if droppable {
+        let cost = event.len();
+        // A healthy client is under its soft limit: one comparison.
+        if q.bytes + cost > self.limits.soft_bytes {
+            if droppable && q.bytes >= self.limits.soft_bytes {
                 self.dropped.fetch_add(1, Ordering::Relaxed);
                 return Pushed::Dropped;
             }
-        } else {
-            q.over_soft_since = None;
+            // A single event larger than the hard limit still goes to an
+            // idle client: the limit is about falling behind, not event size.
+            if !q.items.is_empty() && q.bytes + cost > self.hard_bytes() {
+                self.close_slow(&mut q);
+                return Pushed::SlowConsumer;
+            }
         }
-        let item = Outgoing::Event(head.clone(), seq);
-        // A single event larger than the hard limit still goes to an idle
-        // client: the limit is about a client falling behind, not event size.
-        if !q.items.is_empty() && q.bytes + item.cost() > self.limits.hard_bytes {
-            self.close_slow(&mut q);
-            return Pushed::SlowConsumer;
-        }
-        q.bytes += item.cost();
+        q.bytes += cost;
         let was_empty = q.items.is_empty();
-        q.items.push_back(item);
+        q.items.push_back(Outgoing::Event(Arc::clone(event), seq));
         drop(q);
-        // The writer drains the whole queue at once, so only the push that
-        // makes it non-empty needs to wake it: a later push finds the earlier
-        // wake-up (or its stored permit) still pending. Waking per push cost
-        // a fifth of the broker's fan-out time (measured by the benchmark).
+        // The writer takes batches until the queue is empty before it waits
+        // again, so only the push that makes it non-empty needs to wake it: a
+        // later push finds the earlier wake-up (or its stored permit) still
+        // pending. Waking per push cost a fifth of the broker's fan-out time
+        // (measured by the benchmark).
         if was_empty {
             self.wake.notify_one();
         }
@@ -199,11 +363,12 @@ impl Client {
         if q.closing {
             return false;
         }
-        if q.bytes + frame.len() > self.limits.hard_bytes && !q.items.is_empty() {
+        if q.bytes + frame.len() > self.hard_bytes() && !q.items.is_empty() {
             self.close_slow(&mut q);
             return false;
         }
         q.bytes += frame.len();
+        self.budget.add(frame.len());
         q.items.push_back(Outgoing::Frame(frame));
         drop(q);
         self.wake.notify_one();
@@ -222,9 +387,21 @@ impl Client {
         self.wake.notify_one();
     }
 
+    /// Closes now as a slow consumer, discarding what is queued.
+    pub fn close_slow_consumer(&self) -> bool {
+        let mut q = self.lock();
+        if q.closing {
+            return false;
+        }
+        self.close_slow(&mut q);
+        true
+    }
+
     /// Closes now, discarding what is queued (the client is not reading it).
     fn close_slow(&self, q: &mut Queue) {
-        q.items.clear();
+        for item in q.items.drain(..) {
+            self.release(&item);
+        }
         q.bytes = 0;
         q.closing = true;
         let (code, reason) = SLOW_CONSUMER_CLOSE;
@@ -232,6 +409,14 @@ impl Client {
         tracing::warn!(client_id = self.id, "closing slow consumer");
         self.killed.cancel();
         self.wake.notify_one();
+    }
+
+    /// Uncounts an item leaving the queue. Events uncount themselves when
+    /// their last holder drops them.
+    fn release(&self, item: &Outgoing) {
+        if let Outgoing::Frame(b) = item {
+            self.budget.sub(b.len());
+        }
     }
 
     /// Consumes one seq number so the client's gap detection fires.
@@ -249,15 +434,56 @@ impl Client {
         self.lock().bytes
     }
 
-    /// Waits for and takes everything queued. Returns an empty batch never;
-    /// the caller stops after writing an [`Outgoing::Close`].
+    /// Called periodically (the broker's sweep) with the current time:
+    /// closes the client as a slow consumer when it has had a backlog and
+    /// made no progress for longer than the grace. Progress is a batch taken
+    /// by the writer, which takes one only after the previous one was
+    /// written and flushed, or bytes of a batch accepted by the socket; the stall clock starts at the first sweep that
+    /// sees none, so it may run up to one sweep interval late, never early.
+    pub fn sweep_stall(&self, now: Instant) -> Stall {
+        let written = self.written();
+        let mut q = self.lock();
+        if q.closing
+            || q.items.is_empty()
+            || q.batches_taken != q.batches_seen
+            || written != q.written_seen
+        {
+            q.batches_seen = q.batches_taken;
+            q.written_seen = written;
+            q.stalled_since = None;
+            return Stall::Progressing;
+        }
+        let since = *q.stalled_since.get_or_insert(now);
+        if now.duration_since(since) >= self.limits.grace {
+            self.close_slow(&mut q);
+            return Stall::Closed;
+        }
+        Stall::Waiting
+    }
+
+    /// Waits for and takes the next batch: queued items in order, up to
+    /// [`MAX_BATCH_BYTES`] (at least one). Never returns an empty batch; the
+    /// caller stops after writing an [`Outgoing::Close`]. Calling it again is
+    /// the writer's promise that the previous batch was written and flushed:
+    /// that is the client's progress.
     pub async fn next_batch(&self) -> Vec<Outgoing> {
         loop {
             {
                 let mut q = self.lock();
                 if !q.items.is_empty() {
-                    q.bytes = 0;
-                    return q.items.drain(..).collect();
+                    let mut taken = 0;
+                    let mut n = 0;
+                    for item in &q.items {
+                        if n > 0 && taken + item.cost() > MAX_BATCH_BYTES {
+                            break;
+                        }
+                        taken += item.cost();
+                        self.release(item);
+                        n += 1;
+                    }
+                    q.bytes -= taken;
+                    q.batches_taken += 1;
+                    return q.items.drain(..n).collect();
                 }
             }
             self.wake.notified().await;
@@ -277,8 +503,9 @@ mod tests {
         }
     }
 
-    fn head(n: usize) -> EventHead {
-        EventHead::from_value("tick", &serde_json::json!({ "pad": "x".repeat(n) }))
+    fn head(n: usize) -> Arc<SharedEvent> {
+        let head = EventHead::from_value("tick", &serde_json::json!({ "pad": "x".repeat(n) }));
+        SharedEvent::new(head, &Arc::new(QueueBudget::new()))
     }
 
     #[tokio::test]
@@ -371,19 +598,158 @@ mod tests {
         writer.abort();
     }
 
+    /// Progress, not time over the soft limit, decides: a backlog that
+    /// the writer keeps taking batches from is never stalled; one it takes
+    /// nothing from for the grace is closed.
     #[tokio::test]
-    async fn grace_overrun_closes() {
+    async fn no_progress_for_the_grace_closes_progress_does_not() {
+        let grace = Duration::from_secs(10);
         let c = Client::new(
             1,
             QueueLimits {
                 soft_bytes: 10,
-                hard_bytes: 1 << 20,
-                grace: Duration::ZERO,
+                hard_bytes: 1 << 30,
+                grace,
             },
         );
         let h = head(50);
+        let t0 = Instant::now();
+        // Over the soft limit for a minute, with a batch taken every 5 s.
+        for step in 0..12u32 {
+            assert_eq!(c.push_event(&h, false), Pushed::Queued);
+            assert_eq!(c.push_event(&h, false), Pushed::Queued);
+            let now = t0 + Duration::from_secs(5) * step;
+            assert_ne!(c.sweep_stall(now), Stall::Closed, "progressing at {step}");
+            let _ = c.next_batch().await;
+        }
+        // Now the writer stops taking while a backlog waits.
         assert_eq!(c.push_event(&h, false), Pushed::Queued);
-        // Over the soft limit now; with zero grace the next push closes.
-        assert_eq!(c.push_event(&h, false), Pushed::SlowConsumer);
+        let t1 = t0 + Duration::from_secs(60);
+        assert_eq!(
+            c.sweep_stall(t1),
+            Stall::Progressing,
+            "the last batch counts"
+        );
+        assert_eq!(c.sweep_stall(t1 + Duration::from_secs(1)), Stall::Waiting);
+        assert_eq!(c.sweep_stall(t1 + grace), Stall::Waiting);
+        assert_eq!(
+            c.sweep_stall(t1 + Duration::from_secs(1) + grace),
+            Stall::Closed
+        );
+        assert!(c.is_closing());
+        // An idle client (nothing queued) is never stalled.
+        let idle = Client::new(2, limits(10, 1 << 30));
+        assert_eq!(idle.sweep_stall(t0), Stall::Progressing);
+        assert_eq!(idle.sweep_stall(t0 + grace * 10), Stall::Progressing);
+    }
+
+    /// A batch holds at most `MAX_BATCH_BYTES` (but always one item), so a
+    /// client reading a large backlog shows progress batch by batch.
+    #[tokio::test]
+    async fn batches_are_bounded_but_take_at_least_one_item() {
+        let c = Client::new(1, limits(1 << 30, 1 << 30));
+        let small = head(10 * 1024);
+        for _ in 0..100 {
+            c.push_event(&small, false);
+        }
+        let first = c.next_batch().await;
+        let bytes: usize = first.iter().map(Outgoing::cost).sum();
+        assert!(bytes <= MAX_BATCH_BYTES && bytes + small.len() > MAX_BATCH_BYTES);
+        assert_eq!(c.queued_bytes(), 100 * small.len() - bytes);
+        let huge = Client::new(2, limits(1 << 30, 1 << 30));
+        huge.push_event(&head(MAX_BATCH_BYTES * 3), false);
+        huge.push_event(&small, false);
+        assert_eq!(huge.next_batch().await.len(), 1);
+        assert_eq!(huge.next_batch().await.len(), 1);
+    }
+
+    /// A frame up to half the hard limit reaches a client that has another
+    /// one queued (a client one maximal frame behind keeps up).
+    #[tokio::test]
+    async fn two_large_frames_fit_under_the_hard_limit() {
+        let c = Client::new(1, limits(1024, 2 * 100_000 + 64));
+        assert!(c.push_frame(Bytes::from(vec![b' '; 100_000])));
+        assert_eq!(c.push_event(&head(100_000 - 40), false), Pushed::Queued);
+        assert!(!c.is_closing());
+        assert!(!c.push_frame(Bytes::from(vec![b' '; 100])), "past hard");
+    }
+
+    /// The gateway's advertised buffer raises the hard limit: never stricter
+    /// than a direct connection.
+    #[tokio::test]
+    async fn the_upstream_buffer_raises_the_hard_limit() {
+        let budget = Arc::new(QueueBudget::new());
+        let c = Client::with_budget(1, limits(10, 1000), Arc::clone(&budget));
+        budget.set_upstream_hard(Some(10_000));
+        for _ in 0..5 {
+            assert!(c.push_frame(Bytes::from(vec![b' '; 1000])));
+        }
+        budget.set_upstream_hard(None);
+        assert!(!c.push_frame(Bytes::from(vec![b' '; 1000])));
+    }
+
+    /// The budget counts an event once however many queues hold it, and
+    /// releases it when its last holder lets go; frames count while queued.
+    #[tokio::test]
+    async fn the_budget_counts_shared_events_once() {
+        let budget = Arc::new(QueueBudget::new());
+        let a = Client::with_budget(1, limits(1 << 20, 1 << 20), Arc::clone(&budget));
+        let b = Client::with_budget(2, limits(1 << 20, 1 << 20), Arc::clone(&budget));
+        let ev = SharedEvent::new(
+            EventHead::from_value("x", &serde_json::json!({"pad": "y".repeat(1000)})),
+            &budget,
+        );
+        let len = ev.len();
+        a.push_event(&ev, false);
+        b.push_event(&ev, false);
+        drop(ev);
+        assert_eq!(budget.used(), len, "shared: counted once");
+        a.push_frame(Bytes::from_static(b"12345"));
+        assert_eq!(budget.used(), len + 5);
+        let batch = a.next_batch().await;
+        assert_eq!(budget.used(), len, "the frame left the queue");
+        drop(batch);
+        assert_eq!(budget.used(), len, "b still holds the event");
+        assert!(b.close_slow_consumer());
+        assert_eq!(budget.used(), 0, "released with its last holder");
+    }
+
+    /// Bytes accepted by the socket within one large batch count as
+    /// progress: a slow reader of a 25 MiB frame is not closed mid-frame.
+    #[test]
+    fn bytes_written_count_as_progress() {
+        let c = Client::new(
+            1,
+            QueueLimits {
+                soft_bytes: 1 << 20,
+                hard_bytes: 1 << 24,
+                grace: Duration::from_secs(10),
+            },
+        );
+        let written = Arc::new(AtomicU64::new(0));
+        c.count_written(Arc::clone(&written));
+        let h = head(10);
+        let now = Instant::now();
+        assert_eq!(c.push_event(&h, false), Pushed::Queued);
+        assert_eq!(
+            c.sweep_stall(now),
+            Stall::Waiting,
+            "a backlog, nothing written"
+        );
+        let later = now + Duration::from_secs(9);
+        written.fetch_add(4096, Ordering::Relaxed);
+        assert_eq!(
+            c.sweep_stall(later),
+            Stall::Progressing,
+            "bytes were written"
+        );
+        let much_later = later + Duration::from_secs(9);
+        assert_eq!(
+            c.sweep_stall(much_later),
+            Stall::Waiting,
+            "the clock restarted"
+        );
+        let end = much_later + Duration::from_secs(10);
+        assert_eq!(c.sweep_stall(end), Stall::Closed);
     }
 }

@@ -18,7 +18,9 @@ use bytes::Bytes;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
-pub use client::{Client, ClientKind, Outgoing, Pushed, QueueLimits};
+pub use client::{
+    Client, ClientKind, Outgoing, Pushed, QueueBudget, QueueLimits, SharedEvent, Stall,
+};
 pub use replay::{ReplayLimits, ReplayWindow, SubscribeError};
 
 use crate::protocol::EventHead;
@@ -51,6 +53,9 @@ pub struct Hub {
     inner: Mutex<HubInner>,
     next_client_id: AtomicU64,
     queue_limits: QueueLimits,
+    /// Queued bytes broker-wide (see [`QueueBudget`] for what counts); over
+    /// its limit the largest backlogs are closed first.
+    queue_budget: Arc<QueueBudget>,
     max_clients: usize,
     /// The number of admitted clients, for watchers (the systemd `STATUS=` line).
     client_count: tokio::sync::watch::Sender<usize>,
@@ -88,6 +93,7 @@ impl Hub {
             inner: Mutex::new(HubInner::default()),
             next_client_id: AtomicU64::new(1),
             queue_limits,
+            queue_budget: Arc::new(QueueBudget::new()),
             max_clients,
             client_count: tokio::sync::watch::Sender::new(0),
             stats: HubStats::default(),
@@ -101,7 +107,28 @@ impl Hub {
     /// A new client, not yet receiving events (it is still handshaking).
     pub fn new_client(&self) -> Arc<Client> {
         let id = self.next_client_id.fetch_add(1, Ordering::Relaxed);
-        Arc::new(Client::new(id, self.queue_limits))
+        Arc::new(self.client_with_id(id))
+    }
+
+    fn client_with_id(&self, id: u64) -> Client {
+        Client::with_budget(id, self.queue_limits, Arc::clone(&self.queue_budget))
+    }
+
+    /// Sets the broker-wide limit on queued bytes (unlimited until set).
+    pub fn set_queue_budget(&self, bytes: usize) {
+        self.queue_budget.set_limit(bytes);
+    }
+
+    /// The broker-wide queued-bytes account.
+    pub fn queue_budget(&self) -> &Arc<QueueBudget> {
+        &self.queue_budget
+    }
+
+    /// Records the gateway's `policy.maxBufferedBytes` from its `hello-ok`:
+    /// no client's hard limit is below it (the broker is never stricter
+    /// than a direct connection to that gateway).
+    pub fn set_upstream_max_buffered(&self, bytes: Option<u64>) {
+        self.queue_budget.set_upstream_hard(bytes);
     }
 
     /// Starts delivering events to `client`. `hello` builds the client's
@@ -172,12 +199,17 @@ impl Hub {
             Audience::All => inner.replay.append(head),
             Audience::Only(_) => head,
         };
+        let event = SharedEvent::new(head, &self.queue_budget);
         match audience {
-            Audience::All => self.deliver(inner.clients.values(), &head, droppable),
+            Audience::All => self.deliver(inner.clients.values(), &event, droppable),
             Audience::Only(ids) => {
                 let clients = ids.iter().filter_map(|id| inner.clients.get(id));
-                self.deliver(clients, &head, droppable)
+                self.deliver(clients, &event, droppable)
             }
+        }
+        drop(event);
+        if self.queue_budget.is_over() {
+            self.shed_largest_backlogs(&inner);
         }
     }
 
@@ -186,18 +218,19 @@ impl Hub {
         let head = EventHead::from_value(name, payload);
         let mut inner = self.lock();
         let head = inner.replay.append(head);
-        self.deliver(inner.clients.values(), &head, false);
+        let event = SharedEvent::new(head, &self.queue_budget);
+        self.deliver(inner.clients.values(), &event, false);
     }
 
     fn deliver<'a>(
         &self,
         clients: impl Iterator<Item = &'a Arc<Client>>,
-        head: &EventHead,
+        event: &Arc<SharedEvent>,
         droppable: bool,
     ) {
         self.stats.events.fetch_add(1, Ordering::Relaxed);
         for client in clients {
-            match client.push_event(head, droppable) {
+            match client.push_event(event, droppable) {
                 Pushed::Queued | Pushed::Closed => {}
                 Pushed::Dropped => {
                     self.stats.drops.fetch_add(1, Ordering::Relaxed);
@@ -206,6 +239,51 @@ impl Hub {
                     self.stats.slow_closes.fetch_add(1, Ordering::Relaxed);
                 }
             }
+        }
+    }
+
+    /// Closes clients, largest backlog first, until the broker-wide queued
+    /// bytes are back under the budget (or no client has a backlog left:
+    /// what remains is held by writers mid-write, which the stall sweep
+    /// handles). Runs only when over the budget.
+    fn shed_largest_backlogs(&self, inner: &HubInner) {
+        let mut by_backlog: Vec<(usize, &Arc<Client>)> = inner
+            .clients
+            .values()
+            .map(|c| (c.queued_bytes(), c))
+            .filter(|(bytes, _)| *bytes > 0)
+            .collect();
+        by_backlog.sort_unstable_by_key(|(bytes, _)| std::cmp::Reverse(*bytes));
+        for (bytes, client) in by_backlog {
+            if !self.queue_budget.is_over() {
+                break;
+            }
+            if client.close_slow_consumer() {
+                tracing::warn!(
+                    client_id = client.id,
+                    backlog = bytes,
+                    budget = self.queue_budget.limit(),
+                    "broker-wide queue budget exceeded: closed the largest backlog"
+                );
+                self.stats.slow_closes.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Closes clients that have had a backlog and made no progress for
+    /// longer than their grace, and enforces the broker-wide budget for
+    /// bytes queued by responses (events enforce it as they are published).
+    /// Called periodically by the broker.
+    pub fn sweep_stalled(&self, now: std::time::Instant) {
+        let inner = self.lock();
+        for client in inner.clients.values() {
+            if client.sweep_stall(now) == Stall::Closed {
+                tracing::warn!(client_id = client.id, "no progress within the grace");
+                self.stats.slow_closes.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if self.queue_budget.is_over() {
+            self.shed_largest_backlogs(&inner);
         }
     }
 
@@ -368,5 +446,50 @@ mod tests {
         assert!(hub.admit(&c, |_| Bytes::new()).is_err());
         hub.remove(a.id);
         assert_eq!(hub.client_count(), 1);
+    }
+
+    /// Over the broker-wide budget the client with the largest backlog is
+    /// closed first, and only as many as needed; readers are untouched.
+    #[tokio::test]
+    async fn the_budget_closes_the_largest_backlog_first() {
+        let hub = Hub::new(
+            QueueLimits {
+                soft_bytes: 1 << 30,
+                hard_bytes: 1 << 30,
+                grace: Duration::from_secs(10),
+            },
+            10,
+        );
+        let clients: Vec<_> = (0..3)
+            .map(|_| {
+                let c = hub.new_client();
+                hub.admit(&c, |_| Bytes::new()).unwrap();
+                c
+            })
+            .collect();
+        let _ = clients[2].next_batch().await; // the empty hello
+        let pad = "p".repeat(10_000);
+        let event = |n: u64| raw(json!({"n": n, "pad": pad}));
+        // Client 0 is behind by 10 events, client 1 by 5, client 2 reads.
+        for n in 0..10 {
+            hub.publish("test.event", Some(&event(n)), None, &Audience::All);
+            if n == 4 {
+                let _ = clients[1].next_batch().await;
+            }
+            let _ = clients[2].next_batch().await;
+        }
+        let used = hub.queue_budget().used();
+        assert!(
+            used > 100_000 && used < 110_000,
+            "shared events count once: {used}"
+        );
+        hub.set_queue_budget(used + 5_000);
+        hub.publish("test.event", Some(&event(10)), None, &Audience::All);
+        assert!(clients[0].is_closing(), "the largest backlog");
+        assert!(!clients[1].is_closing() && !clients[2].is_closing());
+        assert_eq!(hub.stats.slow_closes.load(Ordering::Relaxed), 1);
+        assert!(!hub.queue_budget().is_over());
+        let batch = clients[0].next_batch().await;
+        assert!(matches!(&batch[..], [Outgoing::Close(1008, r)] if r == "slow consumer"));
     }
 }

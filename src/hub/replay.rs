@@ -316,7 +316,7 @@ impl Hub {
         let id = self
             .next_client_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Arc::new(Client::new(id, self.queue_limits).with_kind(kind))
+        Arc::new(self.client_with_id(id).with_kind(kind))
     }
 
     /// The gateway snapshot and the replay window, taken together: streaming

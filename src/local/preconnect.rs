@@ -7,6 +7,8 @@
 //! so the socket under the parser stops reading past that many bytes (plus
 //! room for frame headers): a client can never make the broker buffer more
 //! than that before it is admitted. [`PreconnectBudget::lift`] ends the limit.
+//! The same wrapper counts the bytes the socket accepts: a client taking a
+//! large frame slowly is making progress, not stalled.
 //! Hand-written: no crate wraps a reader with a byte budget that can be lifted.
 
 use std::io;
@@ -24,20 +26,28 @@ pub const FRAME_OVERHEAD_BYTES: u64 = 1024;
 /// The error a read past the budget fails with; the session closes `1009`.
 pub const OVER_BUDGET: &str = "more bytes before connect than preconnect_max_bytes";
 
-/// The remaining pre-`connect` read budget, shared with the session.
+/// The remaining pre-`connect` read budget, shared with the session; and
+/// the count of bytes the socket accepted from the writer (the client's
+/// progress, see [`crate::hub::Client::count_written`]).
 #[derive(Debug, Clone)]
-pub struct PreconnectBudget(Arc<AtomicU64>);
+pub struct PreconnectBudget(Arc<AtomicU64>, Arc<AtomicU64>);
 
 impl PreconnectBudget {
     pub fn new(bytes: u64) -> Self {
-        PreconnectBudget(Arc::new(AtomicU64::new(
-            bytes.saturating_add(FRAME_OVERHEAD_BYTES),
-        )))
+        PreconnectBudget(
+            Arc::new(AtomicU64::new(bytes.saturating_add(FRAME_OVERHEAD_BYTES))),
+            Arc::new(AtomicU64::new(0)),
+        )
     }
 
     /// The client was admitted: no pre-connect limit any more.
     pub fn lift(&self) {
         self.0.store(u64::MAX, Ordering::Relaxed);
+    }
+
+    /// Bytes written to the socket so far.
+    pub fn written(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.1)
     }
 }
 
@@ -96,7 +106,11 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        let res = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = &res {
+            self.budget.1.fetch_add(*n as u64, Ordering::Relaxed);
+        }
+        res
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -112,7 +126,11 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        let res = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if let Poll::Ready(Ok(n)) = &res {
+            self.budget.1.fetch_add(*n as u64, Ordering::Relaxed);
+        }
+        res
     }
 
     fn is_write_vectored(&self) -> bool {

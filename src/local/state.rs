@@ -89,6 +89,7 @@ fn limits_json(l: &Limits) -> Value {
         "queue_soft_bytes": l.queue_soft_bytes,
         "queue_hard_bytes": l.queue_hard_bytes,
         "slow_grace_ms": ms(l.slow_grace),
+        "queue_total_bytes": l.queue_total_bytes,
         "max_clients": l.max_clients,
         "max_inflight": l.max_inflight,
         "replay_max_events": l.replay_max_events,

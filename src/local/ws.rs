@@ -119,6 +119,7 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, restarts: Restarts, ctx: Arc<
     let (sink, mut stream) = ws.split();
     let registration = ctx.dispatcher.register(ctx.hub.new_client());
     let client = Arc::clone(registration.client());
+    client.count_written(budget.written());
     let mut writer = tokio::spawn(write_loop(sink, Arc::clone(&client)));
     let client_id = client.id;
     tracing::debug!(client_id, "local client opened");

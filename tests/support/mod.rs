@@ -140,7 +140,18 @@ impl WsClient {
             .expect("socket accepts");
         let (ws, _) = tokio::time::timeout(
             PATIENCE,
-            tokio_tungstenite::client_async(format!("ws://localhost{path}"), stream),
+            // Accept frames up to what hello-ok advertises (maxPayload,
+            // 25 MiB), as a real gateway client does; tungstenite's default
+            // frame cap is 16 MiB.
+            tokio_tungstenite::client_async_with_config(
+                format!("ws://localhost{path}"),
+                stream,
+                Some(
+                    tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+                        .max_frame_size(Some(64 << 20))
+                        .max_message_size(Some(64 << 20)),
+                ),
+            ),
         )
         .await
         .expect("upgrade in time")

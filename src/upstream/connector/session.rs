@@ -93,6 +93,12 @@ impl Connector {
             .set_session_defaults(crate::sharing::SessionDefaults::from_snapshot(
                 hello.payload.get("snapshot").unwrap_or(&Value::Null),
             ));
+        self.hub.set_upstream_max_buffered(
+            hello
+                .payload
+                .pointer("/policy/maxBufferedBytes")
+                .and_then(Value::as_u64),
+        );
         self.hub.reset_snapshot(
             hello
                 .payload
