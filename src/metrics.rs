@@ -281,6 +281,32 @@ pub fn render(ctx: &Ctx) -> String {
         "Requests waiting for the gateway's answer.",
     );
     out.sample("clawmux_requests_pending", &[], ctx.router.pending_count());
+    out.family(
+        "clawmux_queue_budget_bytes",
+        "gauge",
+        "Bytes held by all client queues together (each shared event counted once); closes the largest backlog past queue_total_bytes.",
+    );
+    out.sample(
+        "clawmux_queue_budget_bytes",
+        &[],
+        ctx.hub.queue_budget().used(),
+    );
+    let own = ctx.dispatcher.own_requests();
+    out.family(
+        "clawmux_broker_requests_total",
+        "counter",
+        "Requests the broker sent on its own behalf (re-subscribes, releases), by result.",
+    );
+    out.sample(
+        "clawmux_broker_requests_total",
+        &[("result", "sent")],
+        own.sent,
+    );
+    out.sample(
+        "clawmux_broker_requests_total",
+        &[("result", "failed")],
+        own.failed,
+    );
     let status = ctx.upstream.status();
     out.family(
         "clawmux_upstream_phase",

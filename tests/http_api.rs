@@ -402,6 +402,9 @@ async fn metrics_are_valid_prometheus_text_with_the_promised_series() {
         "clawmux_slow_consumer_closes_total",
         "clawmux_events_total",
         "clawmux_requests_pending",
+        "clawmux_queue_budget_bytes",
+        r#"clawmux_broker_requests_total{result="sent"}"#,
+        r#"clawmux_broker_requests_total{result="failed"}"#,
         "clawmux_replay_events",
         "clawmux_replay_bytes",
     ] {
