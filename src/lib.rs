@@ -36,6 +36,9 @@
 //!   sessions with connect enforcement and the synthesized `hello-ok`; the
 //!   HTTP API: `/v1/state` (snapshot + cursor), `/v1/events` (SSE replay
 //!   stream), `/v1/rpc`, `/metrics`.
+//! - [`logging`]: the log never blocks fan-out (a lossy writer thread),
+//!   never shows a secret (the wire crates capped at info at the sink), and
+//!   holds back repeated lines.
 //! - [`metrics`]: request accounting and the Prometheus text for `/metrics`.
 //! - [`broker`]: assembly and shutdown.
 //! - [`cli`]: the everyday commands (`status`, `tail`, `call`), which talk to a
@@ -62,6 +65,7 @@ pub mod hub;
 pub mod install;
 pub mod lifecycle;
 pub mod local;
+pub mod logging;
 pub mod metrics;
 pub mod protocol;
 pub mod router;

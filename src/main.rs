@@ -10,7 +10,6 @@ use clawmux::config::{self, Secret, Settings};
 use clawmux::settings::{self, Env, Overrides, Resolved};
 use clawmux::RunningBroker;
 use clawmux_mock::{MockConfig, MockGateway};
-use tracing_subscriber::EnvFilter;
 
 /// Share one OpenClaw Gateway session among many local programs, over a unix socket.
 ///
@@ -197,17 +196,9 @@ fn main() -> ExitCode {
     // the descriptors systemd passed are owned by nothing else (see its docs).
     let activated = unsafe { clawmux::systemd::take_activated_listener() };
     let cli = Cli::parse();
-    // The WebSocket library logs whole frames at trace level, and frames carry
-    // the token during the handshake: keep it at info whatever the filter says.
-    let filter = EnvFilter::try_new(&cli.log)
-        .unwrap_or_else(|_| EnvFilter::new("info"))
-        .add_directive("tungstenite=info".parse().expect("static directive"))
-        .add_directive("tokio_tungstenite=info".parse().expect("static directive"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    // Non-blocking, secret-safe, rate-limited (see clawmux::logging); the
+    // guard flushes the last lines when main returns.
+    let _log = clawmux::logging::init(&cli.log);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

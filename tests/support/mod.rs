@@ -398,3 +398,58 @@ pub fn isolated_command(program: &str, home: &Path) -> std::process::Command {
         .stdin(std::process::Stdio::null());
     cmd
 }
+
+/// A private home for a spawned binary: `HOME` and every XDG directory point
+/// inside a temp dir, and the caller's `CLAWMUX_*`/`OPENCLAW_*`/`RUST_LOG`
+/// settings are removed, so a test never reads or writes the real user's
+/// files (state dir, config, socket) nor picks up their settings.
+pub struct TestHome {
+    pub dir: tempfile::TempDir,
+}
+
+impl TestHome {
+    pub fn new() -> TestHome {
+        let dir = tempfile::tempdir().expect("temp home");
+        for sub in [".config", ".local/state", ".cache", "run"] {
+            std::fs::create_dir_all(dir.path().join(sub)).expect("xdg dir");
+        }
+        std::fs::set_permissions(
+            dir.path().join("run"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )
+        .expect("runtime dir mode");
+        TestHome { dir }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// `XDG_STATE_HOME`: the broker's device key lands in `<this>/clawmux`.
+    pub fn state_home(&self) -> PathBuf {
+        self.path().join(".local/state")
+    }
+
+    /// Points `cmd` at this home (see the type's docs).
+    pub fn apply<'a>(&self, cmd: &'a mut std::process::Command) -> &'a mut std::process::Command {
+        for (key, _) in std::env::vars_os() {
+            let name = key.to_string_lossy();
+            if name.starts_with("CLAWMUX_") || name.starts_with("OPENCLAW_") || name == "RUST_LOG" {
+                cmd.env_remove(&key);
+            }
+        }
+        let home = self.path();
+        cmd.env("HOME", home)
+            .env("XDG_CONFIG_HOME", home.join(".config"))
+            .env("XDG_STATE_HOME", self.state_home())
+            .env("XDG_CACHE_HOME", home.join(".cache"))
+            .env("XDG_RUNTIME_DIR", home.join("run"))
+    }
+
+    /// `clawmux` (the binary under test) with this home.
+    pub fn clawmux(&self) -> std::process::Command {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_clawmux"));
+        self.apply(&mut cmd);
+        cmd
+    }
+}

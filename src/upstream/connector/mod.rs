@@ -117,7 +117,7 @@ pub(super) struct Connector {
     next_connect_id: u64,
     /// The broker's device key; `None` when device identity is off or the
     /// state dir cannot be used (logged at start).
-    identity: Option<DeviceIdentity>,
+    identity: Option<Arc<DeviceIdentity>>,
 }
 
 impl Connector {
@@ -141,7 +141,8 @@ impl Connector {
             dispatcher,
         } = shared;
         let identity =
-            DeviceIdentity::load_configured(settings.upstream.device_identity.as_deref());
+            DeviceIdentity::load_configured(settings.upstream.device_identity.as_deref())
+                .map(Arc::new);
         let device_id = identity.as_ref().map(|i| i.device_id().to_owned());
         status.send_modify(|s| s.device_id = device_id);
         Connector {
@@ -415,7 +416,7 @@ impl Connector {
         let params = connect_params(
             &self.instance_id,
             credentials,
-            self.identity.as_ref(),
+            self.identity.as_deref(),
             &challenge,
         );
         tracing::debug!(
@@ -464,7 +465,7 @@ impl Connector {
                         let (mut hello, minted) = parse_hello(payload);
                         hello.challenge_extra = challenge.extra.clone();
                         if let Some(minted) = minted {
-                            self.keep_device_token(&minted, &hello.scopes);
+                            self.keep_device_token(minted, hello.scopes.clone()).await;
                         }
                         return Ok((ws, hello, early));
                     }
@@ -513,27 +514,29 @@ impl Connector {
     }
 
     /// Persists the device token the gateway minted, so a later connect
-    /// without a shared token can still authenticate.
-    fn keep_device_token(&self, minted: &MintedToken, scopes: &[String]) {
-        let Some(identity) = &self.identity else {
+    /// without a shared token can still authenticate. The store syncs the
+    /// file to disk, so it runs off the runtime's threads.
+    async fn keep_device_token(&self, minted: MintedToken, scopes: Vec<String>) {
+        let Some(identity) = self.identity.clone() else {
             return;
         };
-        match identity.store_token(
-            &self.url,
-            &minted.role,
-            &minted.token,
-            scopes,
-            minted.issued_at_ms,
-        ) {
-            Ok(true) => tracing::info!(
-                device_id = identity.device_id(),
-                "stored the device token the gateway issued"
-            ),
-            Ok(false) => {}
-            Err(e) => tracing::warn!(
-                device_id = identity.device_id(),
-                "cannot store the device token: {e}"
-            ),
+        let url = self.url.clone();
+        let device_id = identity.device_id().to_owned();
+        let stored = tokio::task::spawn_blocking(move || {
+            identity.store_token(
+                &url,
+                &minted.role,
+                &minted.token,
+                &scopes,
+                minted.issued_at_ms,
+            )
+        })
+        .await;
+        match stored {
+            Ok(Ok(true)) => tracing::info!(device_id, "stored the device token the gateway issued"),
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => tracing::warn!(device_id, "cannot store the device token: {e}"),
+            Err(e) => tracing::warn!(device_id, "cannot store the device token: {e}"),
         }
     }
 }

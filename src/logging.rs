@@ -1,0 +1,215 @@
+//! The broker's log: never blocking, never revealing a secret, never flooded.
+//!
+//! - **Non-blocking.** Lines go through `tracing-appender`'s worker thread
+//!   with a bounded, lossy buffer ([`LOG_BUFFER_LINES`]): a stalled stderr
+//!   (a slow journald, a pipe nobody reads) drops log lines instead of
+//!   stalling fan-out, which may log while holding the hub lock. Keep the
+//!   returned [`LogGuard`] alive until exit so the last lines are written.
+//! - **No secrets.** The WebSocket library logs whole frames at debug/trace,
+//!   and the broker's upstream `connect` frame carries the token (clients'
+//!   frames may carry theirs). A filter at the sink caps the wire crates'
+//!   targets at `info` whatever the directives say (a more specific
+//!   `tungstenite::protocol=trace` used to win over a fixed
+//!   `tungstenite=info` directive), so such frames never reach a formatter.
+//! - **Not flooded.** [`RepeatLimiter`] lets through at most
+//!   [`REPEATS_PER_WINDOW`] identical lines (same place, same fields) per
+//!   [`REPEAT_WINDOW`] and then says how many it held back. Hand-written: the
+//!   crates that throttle `tracing` events either key on the callsite alone
+//!   (different messages from one place would be lost) or pull in a runtime
+//!   of their own; this is ~60 lines.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tracing::field::{Field, Visit};
+use tracing::{Event, Level, Metadata, Subscriber};
+use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::EnvFilter;
+
+/// Lines buffered for the log writer thread; past this, new lines are
+/// dropped (counted by `tracing-appender`), never waited for.
+pub const LOG_BUFFER_LINES: usize = 16 * 1024;
+
+/// Identical lines allowed per [`REPEAT_WINDOW`] before the rest are held back.
+pub const REPEATS_PER_WINDOW: u32 = 5;
+
+/// The window of [`REPEATS_PER_WINDOW`].
+pub const REPEAT_WINDOW: Duration = Duration::from_secs(10);
+
+/// Distinct lines tracked at most; past it the table starts over.
+const REPEAT_KEYS_MAX: usize = 4096;
+
+/// Crates whose debug/trace output contains raw frames (and so tokens).
+const WIRE_TARGETS: [&str; 2] = ["tungstenite", "tokio_tungstenite"];
+
+/// Keeps the log writer alive; dropping it flushes what is buffered.
+#[must_use]
+pub struct LogGuard(#[allow(dead_code)] tracing_appender::non_blocking::WorkerGuard);
+
+/// Whether an event from `meta` may be logged at all: the wire crates
+/// only at `info` and above.
+pub fn reveals_nothing(meta: &Metadata<'_>) -> bool {
+    let wire = WIRE_TARGETS.iter().any(|t| {
+        meta.target() == *t
+            || meta
+                .target()
+                .strip_prefix(t)
+                .is_some_and(|rest| rest.starts_with("::"))
+    });
+    !wire || *meta.level() <= Level::INFO
+}
+
+/// Installs the global subscriber for `directives` (an `EnvFilter` string;
+/// an invalid one falls back to `info`).
+pub fn init(directives: &str) -> LogGuard {
+    let filter = EnvFilter::try_new(directives).unwrap_or_else(|_| EnvFilter::new("info"));
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(LOG_BUFFER_LINES)
+        .thread_name("clawmux-log")
+        .finish(std::io::stderr());
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(writer)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    let _ = tracing_subscriber::registry()
+        .with(filter)
+        .with(tracing_subscriber::filter::filter_fn(reveals_nothing))
+        .with(RepeatLimiter::default())
+        .with(fmt)
+        .try_init();
+    LogGuard(guard)
+}
+
+/// Holds back lines repeated more than [`REPEATS_PER_WINDOW`] times per
+/// [`REPEAT_WINDOW`] (see the module docs).
+#[derive(Debug, Default)]
+pub struct RepeatLimiter {
+    seen: Mutex<HashMap<u64, Seen>>,
+}
+
+#[derive(Debug)]
+struct Seen {
+    window_start: Instant,
+    count: u32,
+    held_back: u64,
+}
+
+/// Hashes an event's fields (the message included).
+struct FieldHasher<'a>(&'a mut std::collections::hash_map::DefaultHasher);
+
+impl Visit for FieldHasher<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        field.name().hash(self.0);
+        format!("{value:?}").hash(self.0);
+    }
+}
+
+impl RepeatLimiter {
+    /// Decides for one line (`key`: its place and fields) at `now`. Returns
+    /// whether to log it, and how many identical lines were held back in the
+    /// window that just ended (to say so).
+    pub fn admit(&self, key: u64, now: Instant) -> (bool, u64) {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.len() >= REPEAT_KEYS_MAX && !seen.contains_key(&key) {
+            seen.clear();
+        }
+        let entry = seen.entry(key).or_insert(Seen {
+            window_start: now,
+            count: 0,
+            held_back: 0,
+        });
+        let mut reported = 0;
+        if now.duration_since(entry.window_start) >= REPEAT_WINDOW {
+            reported = std::mem::take(&mut entry.held_back);
+            entry.window_start = now;
+            entry.count = 0;
+        }
+        entry.count += 1;
+        if entry.count > REPEATS_PER_WINDOW {
+            entry.held_back += 1;
+            return (false, reported);
+        }
+        (true, reported)
+    }
+}
+
+impl<S: Subscriber> Layer<S> for RepeatLimiter {
+    fn event_enabled(&self, event: &Event<'_>, _ctx: Context<'_, S>) -> bool {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        event.metadata().callsite().hash(&mut hasher);
+        event.record(&mut FieldHasher(&mut hasher));
+        let (log, held_back) = self.admit(hasher.finish(), Instant::now());
+        if held_back > 0 {
+            tracing::warn!(
+                target: "clawmux::logging",
+                held_back,
+                "the next line was repeated {held_back} more times in the last {} s (not shown)",
+                REPEAT_WINDOW.as_secs()
+            );
+        }
+        log
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repeats_are_held_back_and_counted() {
+        let limiter = RepeatLimiter::default();
+        let t0 = Instant::now();
+        for _ in 0..REPEATS_PER_WINDOW {
+            assert_eq!(limiter.admit(1, t0), (true, 0));
+        }
+        assert_eq!(limiter.admit(1, t0), (false, 0));
+        assert_eq!(limiter.admit(1, t0), (false, 0));
+        assert_eq!(
+            limiter.admit(2, t0),
+            (true, 0),
+            "another line is not held back"
+        );
+        assert_eq!(
+            limiter.admit(1, t0 + REPEAT_WINDOW),
+            (true, 2),
+            "the count is told"
+        );
+    }
+
+    #[test]
+    fn wire_crates_are_capped_at_info() {
+        use tracing::callsite::Identifier;
+        use tracing::metadata::Kind;
+        struct Cs;
+        impl tracing::Callsite for Cs {
+            fn set_interest(&self, _: tracing::subscriber::Interest) {}
+            fn metadata(&self) -> &Metadata<'_> {
+                unreachable!()
+            }
+        }
+        static CS: Cs = Cs;
+        let meta = |target: &'static str, level| {
+            Metadata::new(
+                "e",
+                target,
+                level,
+                None,
+                None,
+                None,
+                tracing::field::FieldSet::new(&[], Identifier(&CS)),
+                Kind::EVENT,
+            )
+        };
+        assert!(!reveals_nothing(&meta(
+            "tungstenite::protocol",
+            Level::TRACE
+        )));
+        assert!(!reveals_nothing(&meta("tokio_tungstenite", Level::DEBUG)));
+        assert!(reveals_nothing(&meta("tungstenite::protocol", Level::INFO)));
+        assert!(reveals_nothing(&meta("tungstenite_like", Level::TRACE)));
+        assert!(reveals_nothing(&meta("clawmux::upstream", Level::TRACE)));
+    }
+}
