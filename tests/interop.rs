@@ -224,18 +224,13 @@ async fn raw_connect(
 }
 
 #[tokio::test]
+#[ignore = "needs a real OpenClaw gateway (~1 GB, installed from npm): run by .ci/interop"]
 async fn real_gateway_interop() {
-    if std::env::var("CLAWMUX_INTEROP").ok().as_deref() != Some("1") {
-        eprintln!("interop: skipped (set CLAWMUX_INTEROP=1 to run against a real OpenClaw gateway; see .ci/interop)");
-        return;
-    }
-    if !script().exists() {
-        eprintln!(
-            "interop: skipped: {} is missing (CI clones shared/ beside the repo)",
-            script().display()
-        );
-        return;
-    }
+    assert!(
+        script().exists(),
+        "{} is missing (CI clones shared/ beside the repo)",
+        script().display()
+    );
     let t_all = Instant::now();
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
