@@ -168,6 +168,8 @@ async fn the_cli_refuses_a_socket_owned_by_another_user() {
         return;
     }
     let h = start().await;
+    // `status` exits 0 only once the upstream session is ready.
+    let _ready = h.connected().await;
     let socket = h.socket();
     let home = h.dir.path().join("home");
     let status = |socket: std::path::PathBuf, home: std::path::PathBuf| async move {
