@@ -151,6 +151,14 @@ async fn another_uid_is_refused_by_peer_credentials() {
             "another uid got an answer: {out:?}"
         );
     }
+    // If the sandbox refused every cross-uid connect itself (curl exit 7,
+    // seen once in ~40 runs under a CPU hog), the broker's own check could
+    // not be reached this time: say so rather than fail or pass silently.
+    let reached = theirs.iter().filter(|o| o.status.code() != Some(7)).count();
+    if reached == 0 {
+        eprintln!("SKIPPED the broker-side part of another_uid_is_refused_by_peer_credentials: the sandbox refused all {} cross-uid connects before the broker saw them", theirs.len());
+        return;
+    }
     assert!(
         theirs
             .iter()
