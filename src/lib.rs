@@ -67,6 +67,7 @@ pub mod lifecycle;
 pub mod local;
 pub mod logging;
 pub mod metrics;
+pub mod policy;
 pub mod protocol;
 pub mod router;
 pub mod settings;
