@@ -246,6 +246,9 @@ pub struct Settings {
     pub token: Option<Secret>,
     pub limits: Limits,
     pub upstream: UpstreamOptions,
+    /// Further sockets with their policies (`[[sockets]]` in config.toml);
+    /// the main socket has no ceiling.
+    pub sockets: Vec<crate::policy::SocketPolicy>,
     /// The settings could not be loaded: the broker serves, and every local
     /// connect is answered with this `studio.settings_load_failed`.
     pub load_error: Option<ErrorShape>,
@@ -260,6 +263,7 @@ impl Settings {
             token: None,
             limits: Limits::default(),
             upstream: UpstreamOptions::default(),
+            sockets: Vec::new(),
             load_error: None,
         }
     }

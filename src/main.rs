@@ -290,7 +290,9 @@ async fn serve(
         None
     };
     let broker = match activated? {
-        Some(socket) => RunningBroker::start_with_activated(settings, socket.listener)?,
+        Some(socket) => {
+            RunningBroker::start_with_activated(settings, socket.listener, socket.others)?
+        }
         None => RunningBroker::start(settings).await?,
     };
     eprintln!(

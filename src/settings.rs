@@ -116,6 +116,29 @@ struct ConfigFile {
     limits: LimitsSection,
     #[serde(default)]
     upstream: UpstreamSection,
+    /// Further sockets, each with its own policy (`[[sockets]]`).
+    #[serde(default)]
+    sockets: Vec<SocketSection>,
+}
+
+/// One `[[sockets]]` entry: a further socket whose clients get at most
+/// this policy.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SocketSection {
+    name: String,
+    path: PathBuf,
+    /// Octal, as a string (`"0660"`); default 0600.
+    mode: Option<String>,
+    #[serde(default)]
+    uids: Vec<u32>,
+    #[serde(default)]
+    gids: Vec<u32>,
+    scopes: Option<Vec<String>>,
+    #[serde(default)]
+    allow_methods: Vec<String>,
+    #[serde(default)]
+    deny_methods: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -480,6 +503,8 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
 
     let path = config_file.clone().unwrap_or_default();
     apply_limits(&mut settings, &file).map_err(|why| load_failed(&path, why))?;
+    settings.sockets = socket_policies(&settings.socket_path, &file.sockets, env)
+        .map_err(|why| load_failed(&path, why))?;
     let up = &file.upstream;
     if let Some(dir) = over
         .state_dir
@@ -505,6 +530,64 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
         openclaw_state_dir: state_dir,
         warnings,
     })
+}
+
+/// The `[[sockets]]` entries as policies; the error names the entry.
+fn socket_policies(
+    main: &Path,
+    sections: &[SocketSection],
+    env: &Env,
+) -> Result<Vec<crate::policy::SocketPolicy>, String> {
+    use crate::policy::{scopes, Grant, MethodFilter, SocketPolicy};
+    let mut out: Vec<SocketPolicy> = Vec::new();
+    for (i, s) in sections.iter().enumerate() {
+        let at = format!("sockets[{i}]");
+        let name = s.name.trim();
+        if name.is_empty() || name == "default" || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+            return Err(format!("{at}.name must be a name of letters, digits, '-', '_' or '.' (not \"default\")"));
+        }
+        let path = PathBuf::from(env.expand(&s.path.to_string_lossy()));
+        if !path.is_absolute() {
+            return Err(format!("{at}.path must be an absolute path"));
+        }
+        if path == main || out.iter().any(|o| o.path == path || o.name == name) {
+            return Err(format!("{at}: another socket already has this name or path"));
+        }
+        let mode = match &s.mode {
+            None => 0o600,
+            Some(m) => match u32::from_str_radix(m.trim_start_matches("0o"), 8) {
+                Ok(m) if m & !0o777 == 0 && m & 0o600 == 0o600 => m,
+                _ => return Err(format!("{at}.mode must be octal permissions such as \"0660\", readable and writable by the owner")),
+            },
+        };
+        if mode & 0o007 != 0 && s.uids.is_empty() && s.gids.is_empty() {
+            // Harmless (peer credentials decide), but a sign of a mistake.
+            tracing::debug!(socket = name, "mode lets everyone reach the socket; only the owner is admitted");
+        }
+        let known = |v: &str| v.starts_with("operator.");
+        let granted = match &s.scopes {
+            None => None,
+            Some(list) => {
+                if let Some(bad) = list.iter().find(|v| !known(v)) {
+                    return Err(format!("{at}.scopes: {bad:?} is not an operator scope (e.g. {}, {})", scopes::READ, scopes::WRITE));
+                }
+                Some(Grant::new(list))
+            }
+        };
+        out.push(SocketPolicy {
+            name: name.to_owned(),
+            path,
+            mode,
+            uids: s.uids.clone(),
+            gids: s.gids.clone(),
+            scopes: granted,
+            methods: MethodFilter {
+                allow: s.allow_methods.clone(),
+                deny: s.deny_methods.clone(),
+            },
+        });
+    }
+    Ok(out)
 }
 
 /// Copies the `[limits]` and `[upstream]` values of `config.toml` into the
