@@ -194,7 +194,11 @@ impl RunningBroker {
             let (l, g) = match activated.iter().position(|(n, _)| *n == policy.name) {
                 Some(i) => {
                     let (_, l) = activated.swap_remove(i);
-                    if let Some(p) = l.local_addr().ok().and_then(|a| a.as_pathname().map(PathBuf::from)) {
+                    if let Some(p) = l
+                        .local_addr()
+                        .ok()
+                        .and_then(|a| a.as_pathname().map(PathBuf::from))
+                    {
                         policy.path = p;
                     }
                     l.set_nonblocking(true).map_err(io(&policy.path))?;
@@ -208,7 +212,10 @@ impl RunningBroker {
             policy_guards.push(g);
         }
         for (name, _) in &activated {
-            tracing::warn!(name, "systemd passed a socket no [[sockets]] entry names; closing it");
+            tracing::warn!(
+                name,
+                "systemd passed a socket no [[sockets]] entry names; closing it"
+            );
         }
         let cancel = CancellationToken::new();
         let Core {

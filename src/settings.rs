@@ -543,15 +543,24 @@ fn socket_policies(
     for (i, s) in sections.iter().enumerate() {
         let at = format!("sockets[{i}]");
         let name = s.name.trim();
-        if name.is_empty() || name == "default" || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-            return Err(format!("{at}.name must be a name of letters, digits, '-', '_' or '.' (not \"default\")"));
+        if name.is_empty()
+            || name == "default"
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return Err(format!(
+                "{at}.name must be a name of letters, digits, '-', '_' or '.' (not \"default\")"
+            ));
         }
-        let path = PathBuf::from(env.expand(&s.path.to_string_lossy()));
+        let path = env.expand(&s.path.to_string_lossy());
         if !path.is_absolute() {
             return Err(format!("{at}.path must be an absolute path"));
         }
         if path == main || out.iter().any(|o| o.path == path || o.name == name) {
-            return Err(format!("{at}: another socket already has this name or path"));
+            return Err(format!(
+                "{at}: another socket already has this name or path"
+            ));
         }
         let mode = match &s.mode {
             None => 0o600,
@@ -562,14 +571,21 @@ fn socket_policies(
         };
         if mode & 0o007 != 0 && s.uids.is_empty() && s.gids.is_empty() {
             // Harmless (peer credentials decide), but a sign of a mistake.
-            tracing::debug!(socket = name, "mode lets everyone reach the socket; only the owner is admitted");
+            tracing::debug!(
+                socket = name,
+                "mode lets everyone reach the socket; only the owner is admitted"
+            );
         }
         let known = |v: &str| v.starts_with("operator.");
         let granted = match &s.scopes {
             None => None,
             Some(list) => {
                 if let Some(bad) = list.iter().find(|v| !known(v)) {
-                    return Err(format!("{at}.scopes: {bad:?} is not an operator scope (e.g. {}, {})", scopes::READ, scopes::WRITE));
+                    return Err(format!(
+                        "{at}.scopes: {bad:?} is not an operator scope (e.g. {}, {})",
+                        scopes::READ,
+                        scopes::WRITE
+                    ));
                 }
                 Some(Grant::new(list))
             }
@@ -803,6 +819,47 @@ mod tests {
         let ok = resolve_with("[limits]\nconnect_wait_ms = 0\nmax_connections = 7\n").unwrap();
         assert_eq!(ok.settings.limits.connect_wait, std::time::Duration::ZERO);
         assert_eq!(ok.settings.limits.max_connections(), 7);
+    }
+
+    /// `[[sockets]]` entries become policies; a bad one names itself.
+    #[test]
+    fn policy_sockets_are_read_and_checked() {
+        let resolve_with = |toml: &str| {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("config.toml");
+            std::fs::write(&path, toml).unwrap();
+            let over = Overrides {
+                config: Some(path),
+                socket: Some("/run/x/main.sock".into()),
+                ..Overrides::default()
+            };
+            resolve(&over, &Env::default())
+        };
+        let ok = resolve_with(
+            "[[sockets]]\nname = \"ro\"\npath = \"/run/x/ro.sock\"\nmode = \"0660\"\ngids = [50]\nscopes = [\"operator.read\"]\ndeny_methods = [\"config.*\"]\n",
+        )
+        .unwrap();
+        let p = &ok.settings.sockets[0];
+        assert_eq!(
+            (p.name.as_str(), p.mode, p.gids.as_slice()),
+            ("ro", 0o660, &[50][..])
+        );
+        assert_eq!(p.scopes, Some(crate::policy::Grant::new(["operator.read"])));
+        assert!(!p.methods.allows("config.get") && p.methods.allows("status"));
+        for (toml, says) in [
+            ("[[sockets]]\nname = \"a\"\npath = \"rel.sock\"\n", "sockets[0].path"),
+            ("[[sockets]]\nname = \"a\"\npath = \"/a.sock\"\nmode = \"0400\"\n", "sockets[0].mode"),
+            ("[[sockets]]\nname = \"a\"\npath = \"/a.sock\"\nscopes = [\"admin\"]\n", "sockets[0].scopes"),
+            ("[[sockets]]\nname = \"default\"\npath = \"/a.sock\"\n", "sockets[0].name"),
+            ("[[sockets]]\nname = \"a\"\npath = \"/run/x/main.sock\"\n", "sockets[0]"),
+            (
+                "[[sockets]]\nname = \"a\"\npath = \"/a.sock\"\n[[sockets]]\nname = \"a\"\npath = \"/b.sock\"\n",
+                "sockets[1]",
+            ),
+        ] {
+            let err = resolve_with(toml).unwrap_err();
+            assert!(err.message.contains(says), "{toml}: {}", err.message);
+        }
     }
 
     #[test]

@@ -253,8 +253,10 @@ async fn large_frames_reach_every_reading_client() {
     }
     let big = "m".repeat(16 * 1024 * 1024);
     clients[0]
-        .send_json(&json!({"type": "req", "id": "inject", "method": "chat.inject",
-            "params": {"sessionKey": "main", "message": big}}))
+        .send_json(
+            &json!({"type": "req", "id": "inject", "method": "chat.inject",
+            "params": {"sessionKey": "main", "message": big}}),
+        )
         .await;
     // 16 MiB through the broker and the double in a debug build: a patience
     // above the support's default.

@@ -2,9 +2,9 @@
 //! what the broker's session holds and its socket allows; methods and
 //! events are checked per client as the gateway checks them per connection.
 
-mod support;
 #[path = "support/http_api.rs"]
 mod http_api;
+mod support;
 
 use std::os::unix::fs::PermissionsExt;
 
@@ -77,7 +77,10 @@ async fn a_client_holds_what_it_asked_for_within_the_session() {
         (Some(&[]), json!([])),
         (None, json!([])),
         // Not an operator scope: never granted.
-        (Some(&["node.anything", "operator.read"]), json!(["operator.read"])),
+        (
+            Some(&["node.anything", "operator.read"]),
+            json!(["operator.read"]),
+        ),
     ];
     for (asked, granted) in cases {
         let (_c, hello) = client_asking(&socket, asked, CLI).await;
@@ -119,9 +122,15 @@ async fn methods_are_refused_locally_as_the_gateway_refuses_them() {
         "{refused}"
     );
     let send = read
-        .request("chat.send", json!({"sessionKey": "main", "message": "hi", "idempotencyKey": "k1"}))
+        .request(
+            "chat.send",
+            json!({"sessionKey": "main", "message": "hi", "idempotencyKey": "k1"}),
+        )
         .await;
-    assert_eq!(send["error"]["message"], "missing scope: operator.write", "{send}");
+    assert_eq!(
+        send["error"]["message"], "missing scope: operator.write",
+        "{send}"
+    );
     // Unknown methods need admin (fail-closed), as on the gateway.
     let unknown = read.request("no.such.method", json!({})).await;
     assert_eq!(unknown["error"]["message"], "missing scope: operator.admin");
@@ -137,7 +146,10 @@ async fn methods_are_refused_locally_as_the_gateway_refuses_them() {
     assert_eq!(forwarded(&h, "chat.send"), 0);
     assert_eq!(forwarded(&h, "no.such.method"), 0);
     let unknown = admin.request("no.such.method", json!({})).await;
-    assert_eq!(unknown["error"]["message"], "unknown method: no.such.method");
+    assert_eq!(
+        unknown["error"]["message"],
+        "unknown method: no.such.method"
+    );
     assert_eq!(forwarded(&h, "no.such.method"), 1);
 }
 
@@ -146,12 +158,8 @@ async fn events_pass_the_gateways_scope_guards_per_client() {
     let h = start().await;
     let socket = h.socket();
     let (mut read, _) = client_asking(&socket, Some(&["operator.read"]), CLI).await;
-    let (mut approver, _) = client_asking(
-        &socket,
-        Some(&["operator.read", "operator.approvals"]),
-        CLI,
-    )
-    .await;
+    let (mut approver, _) =
+        client_asking(&socket, Some(&["operator.read", "operator.approvals"]), CLI).await;
     let (mut none, _) = client_asking(&socket, Some(&[]), CLI).await;
     let (mut admin, _) = h.connected().await;
 
@@ -162,9 +170,16 @@ async fn events_pass_the_gateways_scope_guards_per_client() {
 
     assert_eq!(next_event_name(&mut read).await, "chat");
     assert_eq!(next_event_name(&mut read).await, "shutdown");
-    assert_eq!(next_event_name(&mut approver).await, "exec.approval.requested");
+    assert_eq!(
+        next_event_name(&mut approver).await,
+        "exec.approval.requested"
+    );
     assert_eq!(next_event_name(&mut approver).await, "chat");
-    assert_eq!(next_event_name(&mut none).await, "shutdown", "open events only");
+    assert_eq!(
+        next_event_name(&mut none).await,
+        "shutdown",
+        "open events only"
+    );
     for expected in [
         "exec.approval.requested",
         "device.pair.requested",
@@ -191,7 +206,7 @@ async fn a_read_only_socket_caps_every_client() {
         scopes: Some(Grant::new(["operator.read"])),
         methods: MethodFilter {
             allow: Vec::new(),
-            deny: vec!["logs.*".into()],
+            deny: vec!["chat.history".into()],
         },
     };
     let h = start_with(mock_config(), |s| s.sockets = vec![policy]).await;
@@ -202,12 +217,18 @@ async fn a_read_only_socket_caps_every_client() {
     assert_eq!(hello["auth"]["scopes"], json!(["operator.read"]));
     assert_eq!(c.request("status", json!({})).await["ok"], true);
     let send = c
-        .request("chat.send", json!({"sessionKey": "main", "message": "hi", "idempotencyKey": "k"}))
+        .request(
+            "chat.send",
+            json!({"sessionKey": "main", "message": "hi", "idempotencyKey": "k"}),
+        )
         .await;
     assert_eq!(send["error"]["message"], "missing scope: operator.write");
-    let logs = c.request("logs.tail", json!({})).await;
-    assert_eq!(logs["error"]["code"], "FORBIDDEN", "{logs}");
-    assert_eq!(logs["error"]["details"]["code"], "METHOD_NOT_ALLOWED");
+    let history = c
+        .request("chat.history", json!({"sessionKey": "main"}))
+        .await;
+    assert_eq!(history["error"]["code"], "FORBIDDEN", "{history}");
+    assert_eq!(history["error"]["details"]["code"], "METHOD_NOT_ALLOWED");
+    assert_eq!(forwarded(&h, "chat.history"), 0, "refused, not forwarded");
     h.gw.broadcast("chat", json!({"runId": "r", "state": "delta"}));
     assert_eq!(next_event_name(&mut c).await, "chat", "events flow");
 
@@ -219,15 +240,24 @@ async fn a_read_only_socket_caps_every_client() {
         r#"{"method":"chat.send","params":{"sessionKey":"main","message":"x","idempotencyKey":"k2"}}"#,
     )
     .await;
-    assert_eq!(res["error"]["message"], "missing scope: operator.write", "{res}");
-    assert_eq!(status, 200, "a gateway-shaped answer, as every gateway answer: {res}");
+    assert_eq!(
+        res["error"]["message"], "missing scope: operator.write",
+        "{res}"
+    );
+    assert_eq!(
+        status, 200,
+        "a gateway-shaped answer, as every gateway answer: {res}"
+    );
     // The main socket keeps today's behaviour for a client asking for everything.
     let (mut full, hello) = h.connected().await;
     assert!(hello["auth"]["scopes"]
         .as_array()
         .unwrap()
         .contains(&json!("operator.admin")));
-    assert_eq!(full.request("logs.tail", json!({})).await["ok"], true);
+    let history = full
+        .request("chat.history", json!({"sessionKey": "main"}))
+        .await;
+    assert_eq!(history["ok"], true, "{history}");
     assert_eq!(forwarded(&h, "chat.send"), 0);
     let state = http_api::state(&h.socket()).await;
     assert_eq!(state["broker"]["policy_sockets"][0]["name"], "dashboard");
@@ -241,8 +271,9 @@ async fn rpc_callers_can_narrow_their_scopes_with_a_header() {
     let call = |scopes: Option<&'static str>| {
         let socket = h.socket();
         async move {
-            let headers: Vec<(&str, &str)> =
-                scopes.map(|s| vec![("x-clawmux-scopes", s)]).unwrap_or_default();
+            let headers: Vec<(&str, &str)> = scopes
+                .map(|s| vec![("x-clawmux-scopes", s)])
+                .unwrap_or_default();
             let (status, _, resp) = http_api::request(
                 &socket,
                 "POST",
@@ -251,11 +282,12 @@ async fn rpc_callers_can_narrow_their_scopes_with_a_header() {
                 br#"{"method":"config.patch","params":{"raw":"{}","baseHash":"x"}}"#,
             )
             .await;
-            let body = tokio::time::timeout(PATIENCE, http_body_util::BodyExt::collect(resp.into_body()))
-                .await
-                .unwrap()
-                .unwrap()
-                .to_bytes();
+            let body =
+                tokio::time::timeout(PATIENCE, http_body_util::BodyExt::collect(resp.into_body()))
+                    .await
+                    .unwrap()
+                    .unwrap()
+                    .to_bytes();
             (status, serde_json::from_slice::<Value>(&body).unwrap())
         }
     };
@@ -290,12 +322,19 @@ async fn webchat_clients_get_no_more_than_they_ask() {
         .await;
     assert_eq!(patch["error"]["message"], "missing scope: operator.admin");
     let reset = ui
-        .request("agent", json!({"message": "/reset", "sessionKey": "main", "idempotencyKey": "k"}))
+        .request(
+            "agent",
+            json!({"message": "/reset", "sessionKey": "main", "idempotencyKey": "k"}),
+        )
         .await;
     assert_eq!(reset["error"]["message"], "missing scope: operator.admin");
     h.gw.broadcast("device.pair.requested", json!({"requestId": "p"}));
     h.gw.broadcast("shutdown", json!({"reason": "marker"}));
-    assert_eq!(next_event_name(&mut ui).await, "shutdown", "no pairing events");
+    assert_eq!(
+        next_event_name(&mut ui).await,
+        "shutdown",
+        "no pairing events"
+    );
 }
 
 /// A socket for another user admits that uid (by peer credentials) while
@@ -305,7 +344,9 @@ async fn webchat_clients_get_no_more_than_they_ask() {
 async fn a_socket_for_another_uid_admits_only_that_uid() {
     use std::os::unix::process::CommandExt;
     if rustix::process::getuid().as_raw() != 0 || !std::path::Path::new("/usr/bin/curl").exists() {
-        eprintln!("SKIPPED a_socket_for_another_uid_admits_only_that_uid: needs root and /usr/bin/curl");
+        eprintln!(
+            "SKIPPED a_socket_for_another_uid_admits_only_that_uid: needs root and /usr/bin/curl"
+        );
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -327,7 +368,11 @@ async fn a_socket_for_another_uid_admits_only_that_uid() {
     // The main socket's directory is private; open it up so only the
     // peer-credential check stands between the other uid and the broker.
     let main = h.socket();
-    std::fs::set_permissions(main.parent().unwrap(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    std::fs::set_permissions(
+        main.parent().unwrap(),
+        std::fs::Permissions::from_mode(0o711),
+    )
+    .unwrap();
     std::fs::set_permissions(&main, std::fs::Permissions::from_mode(0o666)).unwrap();
     let curl = move |path: std::path::PathBuf, uid: u32| {
         std::process::Command::new("/usr/bin/curl")

@@ -145,10 +145,12 @@ impl Dispatcher {
         // client's scopes is refused here, before anything is forwarded.
         match member.client.access() {
             Some(access) => access.check(method, params)?,
-            None => return Err(crate::policy::methods::missing_scope(
-                crate::policy::scopes::READ,
-                &[],
-            )),
+            None => {
+                return Err(crate::policy::methods::missing_scope(
+                    crate::policy::scopes::READ,
+                    &[],
+                ))
+            }
         }
         let Some(generation) = self.upstream.ready_generation() else {
             let _ = self.upstream.nudge();

@@ -294,9 +294,10 @@ impl Client {
     /// The client's scopes (none before it is admitted).
     pub fn grant(&self) -> &crate::policy::Grant {
         static NONE: std::sync::OnceLock<crate::policy::Grant> = std::sync::OnceLock::new();
-        self.access
-            .get()
-            .map_or_else(|| NONE.get_or_init(crate::policy::Grant::none), |a| &a.grant)
+        self.access.get().map_or_else(
+            || NONE.get_or_init(crate::policy::Grant::none),
+            |a| &a.grant,
+        )
     }
 
     /// Counts bytes the socket accepted as progress too (set once, by the

@@ -136,7 +136,11 @@ pub async fn accept_loop(
             _slot: slot,
         };
         let tracker = ctx.tracker.clone();
-        tracker.spawn(serve_connection(stream, Arc::clone(&socket), Arc::clone(&ctx)));
+        tracker.spawn(serve_connection(
+            stream,
+            Arc::clone(&socket),
+            Arc::clone(&ctx),
+        ));
     }
 }
 

@@ -135,7 +135,11 @@ pub(crate) fn http_access(req: &Request<Incoming>, ctx: &Ctx) -> crate::policy::
         |h| Grant::new(&h.scopes),
     );
     let mut grant = socket.ceiling(&session);
-    if let Some(asked) = req.headers().get(SCOPES_HEADER).and_then(|v| v.to_str().ok()) {
+    if let Some(asked) = req
+        .headers()
+        .get(SCOPES_HEADER)
+        .and_then(|v| v.to_str().ok())
+    {
         grant = Grant::new(asked.split([',', ' '])).within(&grant);
     }
     Access { grant, socket }

@@ -42,6 +42,17 @@ impl Harness {
         let hello = c.handshake().await;
         (c, hello)
     }
+
+    /// Like [`connected`](Self::connected), asking for these scopes only.
+    pub async fn connected_as(&self, scopes: &[&str]) -> (WsClient, Value) {
+        let mut c = self.client().await;
+        let mut frame = connect_frame("connect-1");
+        frame["params"]["scopes"] = json!(scopes);
+        c.send_json(&frame).await;
+        let res = c.response("connect-1").await;
+        assert_eq!(res["ok"], true, "connect failed: {res}");
+        (c, res["payload"].clone())
+    }
 }
 
 pub fn mock_config() -> MockConfig {
