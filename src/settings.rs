@@ -774,21 +774,24 @@ mod tests {
         }
     }
 
+    /// Resolves with `toml` as the config file and the main socket at
+    /// `/run/x/main.sock`.
+    fn resolve_with(toml: &str) -> Result<Resolved, ErrorShape> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.toml");
+        std::fs::write(&path, toml).unwrap();
+        let over = Overrides {
+            config: Some(path),
+            socket: Some("/run/x/main.sock".into()),
+            ..Overrides::default()
+        };
+        resolve(&over, &Env::default())
+    }
+
     /// An absurd or zero duration or count in config.toml is a settings
     /// error naming the key, not a panic on the first request.
     #[test]
     fn absurd_limits_name_their_key() {
-        let resolve_with = |toml: &str| {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("config.toml");
-            std::fs::write(&path, toml).unwrap();
-            let over = Overrides {
-                config: Some(path),
-                socket: Some(dir.path().join("s.sock")),
-                ..Overrides::default()
-            };
-            resolve(&over, &Env::default())
-        };
         for (toml, key) in [
             (
                 "[limits]\nrequest_timeout_ms = 18446744073709551615\n",
@@ -824,17 +827,6 @@ mod tests {
     /// `[[sockets]]` entries become policies; a bad one names itself.
     #[test]
     fn policy_sockets_are_read_and_checked() {
-        let resolve_with = |toml: &str| {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("config.toml");
-            std::fs::write(&path, toml).unwrap();
-            let over = Overrides {
-                config: Some(path),
-                socket: Some("/run/x/main.sock".into()),
-                ..Overrides::default()
-            };
-            resolve(&over, &Env::default())
-        };
         let ok = resolve_with(
             "[[sockets]]\nname = \"ro\"\npath = \"/run/x/ro.sock\"\nmode = \"0660\"\ngids = [50]\nscopes = [\"operator.read\"]\ndeny_methods = [\"config.*\"]\n",
         )
