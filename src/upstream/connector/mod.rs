@@ -393,21 +393,18 @@ impl Connector {
             .max_message_size(Some(self.opts.max_frame_bytes))
             .max_frame_size(Some(self.opts.max_frame_bytes));
         let io = self.open_stream().await?;
-        let (mut ws, _) = tokio_tungstenite::client_async_with_config(
-            self.url.as_str(),
-            io,
-            Some(config),
-        )
-        .await
-        .map_err(|e| {
-            AttemptError::new(
-                StudioCode::UpstreamError,
-                format!(
+        let (mut ws, _) =
+            tokio_tungstenite::client_async_with_config(self.url.as_str(), io, Some(config))
+                .await
+                .map_err(|e| {
+                    AttemptError::new(
+                        StudioCode::UpstreamError,
+                        format!(
                     "the WebSocket handshake with {} failed: {e}; is this the gateway's URL?",
                     redact_url(&self.url)
                 ),
-            )
-        })?;
+                    )
+                })?;
         self.set_phase(Phase::Handshaking);
         let challenge = loop {
             let text = next_text(&mut ws).await?;
