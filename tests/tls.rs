@@ -577,3 +577,162 @@ fn leaf_fingerprint_other_pem() -> Leaf {
 fn leaf_fingerprint_other() -> String {
     leaf(&["localhost"], None, false).fingerprint
 }
+
+// --- The real gateway with `gateway.tls.enabled` (opt-in) ---
+
+/// The real OpenClaw gateway, started by the peers script with our own
+/// config (its `OC_EXTRA_ENV` points `OPENCLAW_CONFIG_PATH` at it), in its
+/// own process group; SIGTERM on drop, SIGKILL to the group if it lingers.
+struct RealGateway {
+    child: std::process::Child,
+    log: PathBuf,
+}
+
+impl RealGateway {
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+}
+
+impl Drop for RealGateway {
+    fn drop(&mut self) {
+        let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) else {
+            return;
+        };
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        for _ in 0..300 {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        let _ = self.child.wait();
+    }
+}
+
+/// Zero configuration against the real thing: a gateway with
+/// `gateway.tls.enabled` generates its self-signed certificate; the broker,
+/// given only OpenClaw's config file, derives `wss://localhost:<port>` and
+/// the pin from that certificate, and opens a working session.
+#[tokio::test]
+#[ignore = "starts the real OpenClaw gateway (~1 GB, 15-20 s, installed from npm by the peers script): run with --ignored"]
+async fn real_gateway_with_tls_enabled() {
+    use std::os::unix::process::CommandExt;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/peers/openclaw-gateway.sh");
+    if !script.exists() {
+        println!("SKIPPED: {} is missing", script.display());
+        return;
+    }
+    const TOKEN: &str = "tls-interop-token";
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    for sub in ["tls", "logs", "workspace", "home"] {
+        std::fs::create_dir_all(d.join(sub)).unwrap();
+    }
+    let config = write(
+        d,
+        "openclaw.json",
+        &format!(
+            r#"{{
+  "gateway": {{
+    "mode": "local", "bind": "loopback", "port": {port},
+    "auth": {{ "mode": "token", "token": "{TOKEN}" }},
+    "tailscale": {{ "mode": "off" }},
+    "tls": {{ "enabled": true, "autoGenerate": true,
+             "certPath": "{d}/tls/gateway-cert.pem", "keyPath": "{d}/tls/gateway-key.pem" }}
+  }},
+  "update": {{ "checkOnStart": false }},
+  "models": {{ "catalogRefresh": {{ "enabled": false }} }},
+  "discovery": {{ "mdns": {{ "mode": "off" }} }},
+  "cron": {{ "enabled": false }},
+  "agents": {{ "defaults": {{ "workspace": "{d}/workspace", "heartbeat": {{ "every": "0m" }} }} }},
+  "logging": {{ "file": "{d}/logs/openclaw.log" }}
+}}"#,
+            d = d.display()
+        ),
+    );
+    let log = d.join("gateway.log");
+    let out = std::fs::File::create(&log).unwrap();
+    let child = std::process::Command::new("bash")
+        .arg(&script)
+        .env("PORT", port.to_string())
+        .env("TOKEN", TOKEN)
+        .env(
+            "OC_EXTRA_ENV",
+            format!("OPENCLAW_CONFIG_PATH={}", config.display()),
+        )
+        .stdin(std::process::Stdio::null())
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .process_group(0)
+        .spawn()
+        .expect("the peers script starts");
+    let gw = RealGateway { child, log };
+
+    // The gateway writes its certificate at startup (first run may install it first).
+    let cert = d.join("tls/gateway-cert.pem");
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    while std::fs::read_to_string(&cert).map_or(true, |t| !t.contains("END CERTIFICATE")) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no certificate from the gateway:\n{}",
+            gw.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Settings from OpenClaw's config alone.
+    let env = env_for(
+        &d.join("home"),
+        &[("OPENCLAW_CONFIG_PATH", config.to_str().unwrap())],
+    );
+    let over = Overrides {
+        socket: Some(d.join("clawmux.sock")),
+        state_dir: Some(d.join("state")),
+        ..Overrides::default()
+    };
+    let resolved = resolve(&over, &env).unwrap();
+    let mut settings = resolved.settings;
+    assert_eq!(settings.gateway_url, format!("wss://localhost:{port}"));
+    assert_eq!(
+        resolved.tls_fingerprint_source,
+        Some(Source::Certificate(cert.clone()))
+    );
+    assert_eq!(settings.token.as_ref().map(|t| t.expose()), Some(TOKEN));
+    settings.upstream.backoff_initial = Duration::from_secs(1);
+    settings.upstream.backoff_max = Duration::from_secs(4);
+    settings.upstream.handshake_timeout = Duration::from_secs(15);
+    settings.limits.connect_wait = Duration::from_secs(20);
+    let broker = RunningBroker::start(settings).await.expect("broker starts");
+    let sock = broker.socket_path().to_owned();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let (_, body) = http_get(&sock, "/healthz").await;
+        if body["upstream"] == "ready" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not ready over wss://: {body}\n{}",
+            gw.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut c = WsClient::open(&sock, "/ws").await;
+    let hello = c.handshake().await;
+    assert_eq!(hello["type"], "hello-ok", "{hello}");
+    let res = c.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+    println!("real gateway over wss:// with the derived pin: ok");
+    drop(c);
+    broker.shutdown(Duration::from_secs(5)).await;
+    drop(gw);
+}
