@@ -312,6 +312,24 @@ async fn plaintext_to_a_public_host_is_refused() {
     assert_eq!(e["code"], "studio.gateway_url_invalid", "{e}");
 }
 
+/// A gateway in password mode: the host's password (e.g. from
+/// `gateway.remote.password`) is a credential on its own.
+#[tokio::test]
+async fn host_password_is_sent_as_auth_password() {
+    let cfg = MockConfig {
+        token: None,
+        ..MockConfig::default()
+    };
+    let h = start_with(cfg, |s| {
+        s.token = None;
+        s.password = Some(clawmux::config::Secret::new("host-pw"));
+    })
+    .await;
+    let (_c, hello) = h.connected().await;
+    assert_eq!(hello["type"], "hello-ok", "{hello}");
+    assert_eq!(h.gw.connects()[0]["auth"]["password"], "host-pw");
+}
+
 // --- Settings from OpenClaw's own files (resolution only: a temp HOME) ---
 
 fn env_for(home: &Path, extra: &[(&str, &str)]) -> Env {

@@ -300,7 +300,13 @@ impl Connector {
                 Ok(Err(e)) => {
                     failures += 1;
                     tracing::warn!(code = %e.error.code, failures, "upstream connect failed: {}", e.error.message);
-                    if e.rejected && self.token.is_none() && self.offered.take().is_some() {
+                    // (A refused TLS certificate says nothing about the credential.)
+                    let gateway_refused = e.error.code == StudioCode::UpstreamRejected.as_str();
+                    if e.rejected
+                        && gateway_refused
+                        && self.token.is_none()
+                        && self.offered.take().is_some()
+                    {
                         // The client's own credential was refused: do not keep
                         // retrying it; wait for settings or another client's.
                         match self.park(e.error, true).await {
