@@ -323,7 +323,7 @@ fn pin_from(raw: &str, source: Source) -> Result<(String, Source), ErrorShape> {
         })
 }
 
-/// Claw3D's, OpenClaw's and the broker's own names for "nothing here".
+/// The trimmed value; `None` when absent or blank (blank means unset in every settings file).
 fn non_empty(v: Option<&str>) -> Option<&str> {
     v.map(str::trim).filter(|v| !v.is_empty())
 }

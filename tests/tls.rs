@@ -181,6 +181,8 @@ async fn pin_mismatch_is_refused_with_both_fingerprints_and_not_hammered() {
     let h = start_with(tls_config(&served), |s| {
         by_name(s);
         slow_rejection_retry(s);
+        // A client that had to wait for the session would wait this long.
+        s.limits.connect_wait = Duration::from_secs(30);
         s.tls.fingerprint = Some(other.fingerprint.trim_start_matches("sha256:").into());
     })
     .await;
@@ -209,7 +211,7 @@ async fn pin_mismatch_is_refused_with_both_fingerprints_and_not_hammered() {
         "no WebSocket reached the gateway"
     );
     // The next client is answered at once with the same error.
-    let again = tokio::time::timeout(Duration::from_secs(2), refused_connect(&h.socket()))
+    let again = tokio::time::timeout(Duration::from_secs(15), refused_connect(&h.socket()))
         .await
         .expect("answered without waiting for the gateway");
     assert_eq!(again["details"]["tls"], "pin_mismatch");

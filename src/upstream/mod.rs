@@ -62,9 +62,10 @@ pub enum Phase {
     Ready,
     /// The last attempt failed or the session dropped; retrying at `retry_at`.
     Backoff,
-    /// The settings cannot work as they are (bad URL, no credential), or the
-    /// gateway refused the broker (auth, pairing, protocol). Local connects
-    /// fail at once; a refused connect is retried only every `backoff_max`.
+    /// The settings cannot work as they are (bad URL, no credential), the
+    /// gateway refused the broker (auth, pairing, protocol), or the broker
+    /// refused the gateway's TLS certificate. Local connects fail at once; a
+    /// refused connect is retried only every `backoff_max`.
     Rejected,
     /// The broker is shutting down.
     Stopped,

@@ -306,7 +306,7 @@ pub(super) struct TlsClient {
     provider: Arc<CryptoProvider>,
     /// `None` when pinned (roots are not consulted then) or none loaded.
     webpki: Option<Arc<WebPkiServerVerifier>>,
-    /// Roots came from: for the "unknown issuer" message.
+    /// How many trusted roots were loaded (0 is named in the "unknown issuer" message).
     roots_loaded: usize,
 }
 
