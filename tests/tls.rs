@@ -217,6 +217,30 @@ async fn pin_mismatch_is_refused_with_both_fingerprints_and_not_hammered() {
     assert_eq!(again["details"]["tls"], "pin_mismatch");
 }
 
+/// Fixing the pin (a settings reload, as on SIGHUP) reconnects at once,
+/// without waiting out the slow retry of a refused certificate.
+#[tokio::test]
+async fn a_corrected_pin_is_used_at_once() {
+    let served = leaf(&["localhost"], None, false);
+    let h = start_with(tls_config(&served), |s| {
+        by_name(s);
+        slow_rejection_retry(s);
+        s.tls.fingerprint = Some("00".repeat(32));
+    })
+    .await;
+    let e = refused_connect(&h.socket()).await;
+    assert_eq!(e["details"]["tls"], "pin_mismatch", "{e}");
+    let upstream = &h.broker.ctx().upstream;
+    let mut target = clawmux::upstream::Target::from_settings(&h.broker.ctx().settings);
+    target.tls.fingerprint = Some(served.fingerprint.trim_start_matches("sha256:").to_owned());
+    assert!(upstream.retarget(target), "a new pin is a change");
+    assert!(
+        h.gw.wait_ready_connections(1, PATIENCE).await,
+        "reconnected with the new pin"
+    );
+    assert_session_works(&h).await;
+}
+
 #[tokio::test]
 async fn host_name_mismatch_is_refused() {
     let ca = ca();

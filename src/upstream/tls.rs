@@ -585,6 +585,7 @@ mod tests {
         assert!(check_transport("ws://LOCALHOST.:18789", &none, false).is_ok());
         assert!(check_transport("wss://gw.example.com", &none, false).is_ok());
         assert!(check_transport("ws://[fd00::2]:18789", &none, false).is_ok());
+        assert!(check_transport("ws://u:p@localhost:18789/x?y", &none, false).is_ok());
         let e = check_transport("ws://gw.example.com:18789", &none, false).unwrap_err();
         assert_eq!(e.code, "studio.gateway_url_invalid");
         assert!(
