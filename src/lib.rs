@@ -36,6 +36,8 @@
 //!   sessions with connect enforcement and the synthesized `hello-ok`; the
 //!   HTTP API: `/v1/state` (snapshot + cursor), `/v1/events` (SSE replay
 //!   stream), `/v1/rpc`, `/metrics`.
+//! - [`tap`]: a broker-side copy of requests, answers and targeted events
+//!   for `clawmux record --requests` (secrets redacted).
 //! - [`logging`]: the log never blocks fan-out (a lossy writer thread),
 //!   never shows a secret (the wire crates capped at info at the sink), and
 //!   holds back repeated lines.
@@ -72,6 +74,7 @@ pub mod router;
 pub mod settings;
 pub mod sharing;
 pub mod systemd;
+pub mod tap;
 pub mod upstream;
 
 pub use broker::RunningBroker;

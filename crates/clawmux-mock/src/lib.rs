@@ -18,6 +18,8 @@
 //! - `methods`: scope table and request handlers.
 //! - `runs`: scripted agent runs, transcripts, demo and health loops.
 //! - `state`: the shared registry behind [`MockGateway`].
+//! - [`recording`], [`replay`]: the `clawmux record` format, and serving a
+//!   recorded session instead of the double's own behaviour.
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
@@ -28,6 +30,8 @@
 //! ```
 
 pub mod faults;
+pub mod recording;
+pub mod replay;
 
 mod connection;
 mod handshake;
@@ -100,6 +104,9 @@ pub struct MockConfig {
     /// Extra fields for the `connect.challenge` payload (a newer gateway
     /// adds e.g. `capabilities`; clients must pass them on or ignore them).
     pub challenge_extra: Option<Value>,
+    /// Serve this recorded session (hello-ok, events, answers) instead of
+    /// the double's own behaviour (see [`replay`]).
+    pub replay: Option<Arc<replay::Replay>>,
 }
 
 impl Default for MockConfig {
@@ -120,6 +127,7 @@ impl Default for MockConfig {
             run_step_delay: Duration::from_millis(20),
             without_methods: Vec::new(),
             challenge_extra: None,
+            replay: None,
         }
     }
 }
