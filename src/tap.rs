@@ -140,7 +140,10 @@ mod tests {
         });
         redact(&mut v);
         let text = v.to_string();
-        for secret in ["\"T\"", "\"P\"", "\"D\"", "\"S\"", "\"N\"", "\"K\"", "\"C\"", "Bearer", "\"B\"", "\"X\""] {
+        for secret in [
+            "\"T\"", "\"P\"", "\"D\"", "\"S\"", "\"N\"", "\"K\"", "\"C\"", "Bearer", "\"B\"",
+            "\"X\"",
+        ] {
             assert!(!text.contains(secret), "{secret} left in {text}");
         }
         assert_eq!(v["sessionKey"], "agent:main:main");

@@ -160,17 +160,16 @@ pub async fn run(args: RecordArgs) -> Result<u8, CliError> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok());
     let mut records = resp.into_body().into_data_stream().eventsource();
-    let hello = match records.next().await {
-        Some(Ok(e)) if e.event == "clawmux.hello" => {
-            serde_json::from_str::<Value>(&e.data).unwrap_or(Value::Null)
-        }
-        _ => {
-            return Err(CliError::Answer(
+    let hello =
+        match records.next().await {
+            Some(Ok(e)) if e.event == "clawmux.hello" => {
+                serde_json::from_str::<Value>(&e.data).unwrap_or(Value::Null)
+            }
+            _ => return Err(CliError::Answer(
                 "the broker did not send its clawmux.hello record; is it older than this clawmux?"
                     .into(),
-            ))
-        }
-    };
+            )),
+        };
     let Some(mut hello_payload) = hello.get("hello").filter(|h| h.is_object()).cloned() else {
         return Err(CliError::Answer(format!(
             "the broker has no gateway session now (phase {}); record once `clawmux status` says ready",

@@ -119,9 +119,7 @@ impl Recording {
         }
         let mut values = values.into_iter();
         let Some((_, header)) = values.next() else {
-            return Err(RecordingError(
-                "empty: expected a header line first".into(),
-            ));
+            return Err(RecordingError("empty: expected a header line first".into()));
         };
         if header.get("format").and_then(Value::as_str) != Some(FORMAT) {
             return Err(RecordingError(format!(
@@ -165,7 +163,9 @@ impl Recording {
             match (dir, frame.get("type").and_then(Value::as_str)) {
                 ("in", Some("event")) => {
                     let Some(event) = frame.get("event").and_then(Value::as_str) else {
-                        return Err(RecordingError(format!("line {number}: event without a name")));
+                        return Err(RecordingError(format!(
+                            "line {number}: event without a name"
+                        )));
                     };
                     rec.timeline.push(Played::Event {
                         at_ms: at(&mut first_ms),
@@ -251,7 +251,10 @@ mod tests {
         assert_eq!(rec.timeline[1], Played::Gap { at_ms: 200 });
         assert_eq!(rec.timeline[2].at_ms(), 300);
         assert_eq!(rec.matching("health", &Value::Null), vec![0]);
-        assert_eq!(rec.exchanges[0].answers, vec![(true, serde_json::json!({"ok":true}))]);
+        assert_eq!(
+            rec.exchanges[0].answers,
+            vec![(true, serde_json::json!({"ok":true}))]
+        );
     }
 
     #[test]

@@ -87,7 +87,10 @@ impl Replay {
             };
             let mut shown = params.to_string();
             if shown.len() > 200 {
-                let cut = (0..=200).rev().find(|i| shown.is_char_boundary(*i)).unwrap_or(0);
+                let cut = (0..=200)
+                    .rev()
+                    .find(|i| shown.is_char_boundary(*i))
+                    .unwrap_or(0);
                 shown.truncate(cut);
                 shown.push('…');
             }
