@@ -333,6 +333,11 @@ async fn serve(
         // temporary directory, never on TCP (the broker dials that socket).
         let dir = tempfile_dir()?;
         let path = dir.join("gateway.sock");
+        let what = if replay.is_some() {
+            "serving the recording"
+        } else {
+            "with scripted agent runs"
+        };
         let mock = MockGateway::start_unix(
             &path,
             MockConfig {
@@ -345,7 +350,7 @@ async fn serve(
         )
         .await?;
         eprintln!(
-            "clawmux: demo mode: gateway double on {} with scripted agent runs",
+            "clawmux: demo mode: gateway double on {} {what}",
             path.display()
         );
         settings.gateway_url = "ws://localhost/".into();
@@ -419,6 +424,8 @@ async fn reload_on_sighup(
 }
 
 async fn mock_gateway(args: MockArgs) -> anyhow::Result<()> {
+    // Watched before "listening" is said, so a stop right after it is seen.
+    let stop = stop_signals()?;
     let replay = args.replay.load()?;
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], args.port));
     let mock = MockGateway::start_on(
@@ -433,18 +440,24 @@ async fn mock_gateway(args: MockArgs) -> anyhow::Result<()> {
     )
     .await?;
     eprintln!("clawmux: gateway double listening on {}", mock.url());
-    wait_for_stop_signal().await?;
+    wait_for_stop_signal(stop).await;
     mock.stop().await;
     Ok(())
 }
 
-async fn wait_for_stop_signal() -> anyhow::Result<()> {
+type StopSignals = (tokio::signal::unix::Signal, tokio::signal::unix::Signal);
+
+fn stop_signals() -> anyhow::Result<StopSignals> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
+    Ok((
+        signal(SignalKind::terminate())?,
+        signal(SignalKind::interrupt())?,
+    ))
+}
+
+async fn wait_for_stop_signal((mut term, mut int): StopSignals) {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
-    Ok(())
 }

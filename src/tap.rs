@@ -26,12 +26,20 @@ pub const REDACTED: &str = "[redacted]";
 
 /// Whether a JSON key names a secret: tokens of every kind, passwords,
 /// secrets, API and private keys, signatures, nonces, authorization and
-/// cookie headers. Session keys, idempotency keys and token *counts* are not.
+/// cookie headers, and the gateway's `recoveryScope` (a hash of the
+/// connection's credential). Session keys, idempotency keys and token
+/// *counts* are not.
 pub fn is_secret_key(key: &str) -> bool {
     let k = key.to_ascii_lowercase().replace(['_', '-'], "");
     matches!(
         k.as_str(),
-        "nonce" | "signature" | "authorization" | "cookie" | "setcookie" | "passphrase"
+        "nonce"
+            | "signature"
+            | "authorization"
+            | "cookie"
+            | "setcookie"
+            | "passphrase"
+            | "recoveryscope"
     ) || ["token", "password", "secret", "apikey", "privatekey"]
         .iter()
         .any(|suffix| k.ends_with(suffix))
@@ -130,7 +138,7 @@ mod tests {
     #[test]
     fn secrets_are_redacted_at_any_depth() {
         let mut v = json!({
-            "auth": {"token": "T", "password": "P", "deviceToken": "D", "signature": "S", "nonce": "N"},
+            "auth": {"token": "T", "password": "P", "deviceToken": "D", "signature": "S", "nonce": "N", "recoveryScope": "R"},
             "params": {"apiKey": "K", "api_key": "K", "client_secret": "C", "headers": {"Authorization": "Bearer T"}},
             "sessionKey": "agent:main:main", "idempotencyKey": "k1",
             "usage": {"totalTokens": 12, "maxTokens": 4096},
@@ -142,7 +150,7 @@ mod tests {
         let text = v.to_string();
         for secret in [
             "\"T\"", "\"P\"", "\"D\"", "\"S\"", "\"N\"", "\"K\"", "\"C\"", "Bearer", "\"B\"",
-            "\"X\"",
+            "\"X\"", "\"R\"",
         ] {
             assert!(!text.contains(secret), "{secret} left in {text}");
         }

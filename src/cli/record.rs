@@ -128,6 +128,12 @@ enum Stop {
 }
 
 pub async fn run(args: RecordArgs) -> Result<u8, CliError> {
+    // Watched from the start, so a signal right after "recording" is seen.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut int = signal(SignalKind::interrupt())
+        .map_err(|e| CliError::Answer(format!("cannot watch for Ctrl-C: {e}")))?;
+    let mut term = signal(SignalKind::terminate())
+        .map_err(|e| CliError::Answer(format!("cannot watch for SIGTERM: {e}")))?;
     let client = args.broker.client();
     let (status, state) = client.json(Method::GET, "/v1/state", None).await?;
     if status != StatusCode::OK {
@@ -211,11 +217,6 @@ pub async fn run(args: RecordArgs) -> Result<u8, CliError> {
         hello["server_version"].as_str().unwrap_or("?")
     );
 
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut int = signal(SignalKind::interrupt())
-        .map_err(|e| CliError::Answer(format!("cannot watch for Ctrl-C: {e}")))?;
-    let mut term = signal(SignalKind::terminate())
-        .map_err(|e| CliError::Answer(format!("cannot watch for SIGTERM: {e}")))?;
     let stop = loop {
         let record = tokio::select! {
             _ = int.recv() => break Stop::Signal,
