@@ -316,7 +316,7 @@ async fn max_bytes_stops_the_recording_at_the_limit() {
         let out = tokio::time::timeout(
             SLOW,
             Command::from(home.clawmux())
-                .args(["record", "--max-bytes", "10"])
+                .args(["record", "--max-bytes", "1024"])
                 .arg("--socket")
                 .arg(h.socket())
                 .output(),
@@ -330,7 +330,60 @@ async fn max_bytes_stops_the_recording_at_the_limit() {
         )
     };
     assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--max-bytes"), "{err}");
+    assert!(err.contains("--max-bytes 1024 is too small"), "{err}");
+}
+
+/// Runs the binary to completion: (exit code, stderr).
+async fn run_clawmux(home: &TestHome, args: &[&str]) -> (Option<i32>, String) {
+    let out = tokio::time::timeout(SLOW, Command::from(home.clawmux()).args(args).output())
+        .await
+        .expect("finishes in time")
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn bad_requests_to_record_and_replay_are_refused_clearly() {
+    // No gateway session: nothing to record yet.
+    let (broker, _dir) = broker_only(|_| {}).await;
+    let socket = broker.socket_path().to_owned();
+    let home = TestHome::new();
+    let sock = socket.to_str().unwrap();
+    let (code, err) = run_clawmux(&home, &["record", "--socket", sock]).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("no gateway session now"), "{err}");
+    let (status, body) = http_get(&socket, "/v1/events?tap=yes").await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.to_string().contains("tap=1"), "{body}");
+
+    let file = home.path().join("r.jsonl");
+    std::fs::write(&file, synthetic(&[0], None)).unwrap();
+    let f = file.to_str().unwrap();
+    let (code, err) = run_clawmux(&home, &["serve", "--replay", f, "--socket", sock]).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--replay needs --demo"), "{err}");
+    let (code, err) = run_clawmux(&home, &["mock-gateway", "--replay", f, "--speed", "0"]).await;
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--speed takes a number above 0"), "{err}");
+    let (code, err) = run_clawmux(&home, &["mock-gateway", "--speed", "2"]).await;
+    assert_eq!(code, Some(2), "--speed without --replay: {err}");
+    let missing = home.path().join("missing.jsonl");
+    let (code, err) = run_clawmux(
+        &home,
+        &[
+            "mock-gateway",
+            "--port",
+            "0",
+            "--replay",
+            missing.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("cannot read the recording"), "{err}");
 }
 
 /// A recording with these events at these offsets (ms), a gap before the
