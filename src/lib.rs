@@ -43,7 +43,7 @@
 //!   holds back repeated lines.
 //! - [`metrics`]: request accounting and the Prometheus text for `/metrics`.
 //! - [`broker`]: assembly and shutdown.
-//! - [`cli`]: the everyday commands (`status`, `tail`, `call`), which talk to a
+//! - [`cli`]: the everyday commands (`status`, `tail`, `call`, `record`), which talk to a
 //!   running broker over its socket like any other client.
 //! - [`systemd`]: socket activation (`LISTEN_FDS`), `READY=1`/`STATUS=`/
 //!   `WATCHDOG=1`/`STOPPING=1`; no-ops outside systemd. [`lifecycle`] runs

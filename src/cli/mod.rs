@@ -1,4 +1,5 @@
-//! The everyday commands: `clawmux status`, `clawmux tail`, `clawmux call`.
+//! The everyday commands: `clawmux status`, `clawmux tail`, `clawmux call`,
+//! `clawmux record`.
 //!
 //! Each talks to a running broker over its unix socket with plain HTTP
 //! (`/v1/state`, `/v1/events`, `/v1/rpc`), exactly as `curl --unix-socket`
