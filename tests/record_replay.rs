@@ -624,3 +624,64 @@ async fn serve_demo_replays_the_real_gateway_fixture() {
         "a tool call"
     );
 }
+
+#[tokio::test]
+async fn events_only_some_clients_get_are_recorded_without_a_cursor() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let home = TestHome::new();
+    let file = home.path().join("tools.jsonl");
+    let mut recorder = start_recorder(&home, &h.socket(), &file, &["--requests"]).await;
+    // `a` asked for tool events and starts the run: the tool stream is its alone.
+    let (mut a, _) = h.connected().await;
+    let sent = a
+        .request(
+            "chat.send",
+            json!({"sessionKey": "main", "message": "use a tool", "idempotencyKey": "run-tool-1"}),
+        )
+        .await;
+    assert_eq!(sent["ok"], true, "{sent}");
+    loop {
+        let e = a.event("chat").await;
+        if e["payload"]["state"] == "final" {
+            break;
+        }
+    }
+    file_where(&file, "the run's final message", |t| {
+        t.contains("\"state\":\"final\"")
+    })
+    .await;
+    sigint(&recorder);
+    assert_eq!(exit_code(&mut recorder).await, 0);
+    let text = std::fs::read_to_string(&file).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .skip(1)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let tool: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["frame"]["payload"]["stream"] == "tool")
+        .collect();
+    assert_eq!(tool.len(), 2, "tool start and result: {text}");
+    assert!(tool
+        .iter()
+        .all(|l| l.get("cursor").is_none() && l["frame"].get("seq").is_none()));
+    let broadcast = lines
+        .iter()
+        .find(|l| l["frame"]["payload"]["stream"] == "assistant")
+        .expect("assistant text");
+    assert!(broadcast["cursor"].as_u64().is_some(), "{broadcast}");
+    assert!(lines
+        .iter()
+        .any(|l| l["dir"] == "out" && l["frame"]["method"] == "chat.send"));
+    let rec = Recording::parse(&text).unwrap();
+    assert_eq!(
+        rec.matching(
+            "chat.send",
+            &json!({"sessionKey": "main", "message": "use a tool", "idempotencyKey": "run-tool-1"})
+        )
+        .len(),
+        1
+    );
+}
