@@ -358,6 +358,16 @@ async fn bad_requests_to_record_and_replay_are_refused_clearly() {
     let (status, body) = http_get(&socket, "/v1/events?tap=yes").await;
     assert_eq!(status, 400, "{body}");
     assert!(body.to_string().contains("tap=1"), "{body}");
+    // The tap shows every client's traffic: admin only.
+    let (status, _, _) = http_api::request(
+        &socket,
+        "GET",
+        "/v1/events?tap=1",
+        &[("x-clawmux-scopes", "operator.read")],
+        b"",
+    )
+    .await;
+    assert_eq!(status, 403);
 
     let file = home.path().join("r.jsonl");
     std::fs::write(&file, synthetic(&[0], None)).unwrap();

@@ -421,8 +421,11 @@ async fn fill_socket_buffers(a: &mut WsClient) {
 /// once, and the broker reconnects when the gateway reads again.
 #[tokio::test]
 async fn a_gateway_that_stops_reading_ends_the_session_not_the_broker() {
+    // Ticks every second (silence limit 2 s) and a 1.5 s write timeout: the
+    // writer's timeout comes first while ticks are read, with room for a
+    // loaded machine to deliver a tick late.
     let cfg = MockConfig {
-        tick_interval_ms: 250,
+        tick_interval_ms: 1000,
         ..mock_config()
     };
     let h = start_with(cfg, |s| {

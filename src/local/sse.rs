@@ -121,7 +121,8 @@ fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
     })
 }
 
-/// Answers `/v1/events`: 200 with a stream, 400 for a bad query, 410 for a
+/// Answers `/v1/events`: 200 with a stream, 400 for a bad query, 403 for
+/// `tap=1` without `operator.admin`, 410 for a
 /// cursor the log cannot serve (from another broker life, of no named life,
 /// evicted, or from the future), 503 at the client limit.
 pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
@@ -130,6 +131,15 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         Err(message) => return error_response(StatusCode::BAD_REQUEST, "INVALID_REQUEST", message),
     };
     let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
+    client.set_access(super::http::http_access(req, ctx));
+    if wanted.tap && !client.grant().is_admin() {
+        // The tap shows every client's requests and answers.
+        return error_response(
+            StatusCode::FORBIDDEN,
+            StudioCode::Forbidden.as_str(),
+            "tap=1 shows every client's requests and answers: it needs operator.admin, which this caller does not hold (its socket's policy or X-Clawmux-Scopes)".into(),
+        );
+    }
     let (backlog, window) = match ctx.hub.admit_at_cursor(&client, &wanted.from) {
         Ok(admitted) => admitted,
         Err(SubscribeError::ReplayUnavailable(gone)) => {
@@ -341,6 +351,10 @@ impl EventStream {
         self.last_cursor = self.last_cursor.max(cursor);
         let name = head.name();
         if self.filter.as_ref().is_some_and(|f| !f.contains(&*name)) {
+            return;
+        }
+        // Replayed events pass the same scope guard as live ones.
+        if !crate::policy::events::guard(&name).allows(self.client.grant()) {
             return;
         }
         write_record(out, &self.epoch, cursor, &name, &head.with_seq(cursor));

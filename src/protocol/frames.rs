@@ -114,7 +114,7 @@ impl ConnectRequest {
             None | Some(Value::Null) => {}
             Some(Value::String(r)) if r == "operator" => {}
             Some(Value::String(r)) if r == "node" => {
-                return Err("invalid role: node connections need their own gateway session".into())
+                return Err("invalid role: node: a node needs its own gateway session; connect it to /ws/dedicated instead".into())
             }
             Some(_) => return Err("invalid role".into()),
         }

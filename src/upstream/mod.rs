@@ -14,11 +14,13 @@
 //! - `handshake`: the `connect` the broker sends and how answers map to `studio.*`.
 //! - [`identity`]: the device key, the v3 signature, stored device tokens.
 //! - `private_files`: the 0700/0600 state dir they live in.
+//! - [`tls`]: `wss://` with rustls, certificate pins, the plaintext rule.
 
 mod connector;
 mod handshake;
 pub mod identity;
 mod private_files;
+pub mod tls;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,7 +29,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Secret, Settings};
+use crate::config::{Secret, Settings, TlsSettings};
 use crate::dispatch::Dispatcher;
 use crate::hub::Hub;
 use crate::protocol::{ErrorShape, StudioCode};
@@ -60,9 +62,10 @@ pub enum Phase {
     Ready,
     /// The last attempt failed or the session dropped; retrying at `retry_at`.
     Backoff,
-    /// The settings cannot work as they are (bad URL, no credential), or the
-    /// gateway refused the broker (auth, pairing, protocol). Local connects
-    /// fail at once; a refused connect is retried only every `backoff_max`.
+    /// The settings cannot work as they are (bad URL, no credential), the
+    /// gateway refused the broker (auth, pairing, protocol), or the broker
+    /// refused the gateway's TLS certificate. Local connects fail at once; a
+    /// refused connect is retried only every `backoff_max`.
     Rejected,
     /// The broker is shutting down.
     Stopped,
@@ -230,6 +233,11 @@ const ATTEMPT_IN_PROGRESS_RETRY_MS: u64 = 1000;
 pub struct Target {
     pub url: String,
     pub token: Option<Secret>,
+    pub password: Option<Secret>,
+    /// The certificate pin and CA file for a `wss://` URL.
+    pub tls: TlsSettings,
+    /// OpenClaw's break-glass for plaintext to host names ([`tls::BREAK_GLASS_ENV`]).
+    pub allow_insecure_private_ws: bool,
     /// The settings could not be loaded (`studio.settings_load_failed`).
     pub load_error: Option<ErrorShape>,
 }
@@ -239,6 +247,9 @@ impl Target {
         Target {
             url: settings.gateway_url.clone(),
             token: settings.token.clone(),
+            password: settings.password.clone(),
+            tls: settings.tls.clone(),
+            allow_insecure_private_ws: settings.allow_insecure_private_ws,
             load_error: settings.load_error.clone(),
         }
     }
@@ -284,7 +295,12 @@ pub struct ConnectorSeed {
     rx: mpsc::Receiver<Outbound>,
     target: watch::Receiver<Target>,
     offers: mpsc::Receiver<ClientCredential>,
+    peer_certificate: PeerCertificate,
 }
+
+/// The certificate the `wss://` gateway showed on the last TLS handshake
+/// (accepted or not), shared between the connector and the handle.
+type PeerCertificate = Arc<std::sync::Mutex<Option<tls::CertificateInfo>>>;
 
 impl ConnectorSeed {
     /// For unit tests of what sits on top of the handle: marks a session of
@@ -325,6 +341,7 @@ impl ConnectorSeed {
                 rx: self.rx,
                 target: self.target,
                 offers: self.offers,
+                peer_certificate: self.peer_certificate,
             },
             cancel,
         );
@@ -342,6 +359,7 @@ pub struct Upstream {
     tx: mpsc::Sender<Outbound>,
     target: Arc<watch::Sender<Target>>,
     offers: mpsc::Sender<ClientCredential>,
+    peer_certificate: PeerCertificate,
 }
 
 impl Upstream {
@@ -352,6 +370,7 @@ impl Upstream {
         let (target_tx, target_rx) = watch::channel(Target::from_settings(settings));
         let (offer_tx, offer_rx) = mpsc::channel(16);
         let nudge = Arc::new(tokio::sync::Notify::new());
+        let peer_certificate = PeerCertificate::default();
         (
             Upstream {
                 nudge: Arc::clone(&nudge),
@@ -359,6 +378,7 @@ impl Upstream {
                 tx,
                 target: Arc::new(target_tx),
                 offers: offer_tx,
+                peer_certificate: Arc::clone(&peer_certificate),
             },
             ConnectorSeed {
                 nudge,
@@ -366,6 +386,7 @@ impl Upstream {
                 rx,
                 target: target_rx,
                 offers: offer_rx,
+                peer_certificate,
             },
         )
     }
@@ -376,6 +397,9 @@ impl Upstream {
         self.target.send_if_modified(|current| {
             let changed = current.url != target.url
                 || current.token != target.token
+                || current.password != target.password
+                || current.tls != target.tls
+                || current.allow_insecure_private_ws != target.allow_insecure_private_ws
                 || current.load_error != target.load_error;
             if changed {
                 *current = target;
@@ -442,6 +466,15 @@ impl Upstream {
 
     pub fn status(&self) -> Status {
         self.status.borrow().clone()
+    }
+
+    /// The certificate a `wss://` gateway showed on the last TLS handshake,
+    /// whether or not it was accepted (for `clawmux doctor`).
+    pub fn peer_certificate(&self) -> Option<tls::CertificateInfo> {
+        self.peer_certificate
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Follows the session's status as it changes (phase, epoch, last error).
