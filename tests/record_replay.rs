@@ -74,6 +74,11 @@ async fn file_where(path: &Path, what: &str, done: impl Fn(&str) -> bool) -> Str
     }
 }
 
+fn sigterm_child(child: &Child) {
+    let pid = rustix::process::Pid::from_raw(child.id().unwrap() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+}
+
 fn sigint(child: &Child) {
     let pid = rustix::process::Pid::from_raw(child.id().unwrap() as i32).unwrap();
     rustix::process::kill_process(pid, rustix::process::Signal::INT).unwrap();
@@ -589,7 +594,7 @@ async fn serve_demo_replays_the_real_gateway_fixture() {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true);
-    let _serve = serve.spawn().unwrap();
+    let mut serve = serve.spawn().unwrap();
     let deadline = Instant::now() + SLOW;
     while !socket.exists() {
         assert!(
@@ -633,6 +638,9 @@ async fn serve_demo_replays_the_real_gateway_fixture() {
         has(&|e, p| (e == "agent" && p["stream"] == "tool") || e == "session.tool"),
         "a tool call"
     );
+    // A clean stop removes the demo's private directory (a kill would leave it).
+    sigterm_child(&serve);
+    assert_eq!(exit_code(&mut serve).await, 0);
 }
 
 #[tokio::test]
