@@ -18,6 +18,7 @@
 //! - `methods`: scope table and request handlers.
 //! - `runs`: scripted agent runs, transcripts, demo and health loops.
 //! - `state`: the shared registry behind [`MockGateway`].
+//! - [`provider`]: a mock OpenAI-compatible model provider, for a real gateway.
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
@@ -28,6 +29,7 @@
 //! ```
 
 pub mod faults;
+pub mod provider;
 
 mod connection;
 mod handshake;
