@@ -7,7 +7,8 @@
 //! runs of the same scenario produce the same transcript:
 //!
 //! - the last message is a tool result → [`ProviderConfig::after_tool_reply`];
-//! - the last user message contains [`ProviderConfig::tool_trigger`] and the
+//! - a user message of this turn (after the last assistant message) contains
+//!   [`ProviderConfig::tool_trigger`] and the
 //!   request offers the tool [`ProviderConfig::tool_name`] (else the first
 //!   tool offered) → one tool call with [`ProviderConfig::tool_arguments`];
 //! - anything else → [`ProviderConfig::reply`].
@@ -98,11 +99,13 @@ pub fn reply_for(cfg: &ProviderConfig, request: &Value) -> Reply {
     if last["role"] == "tool" {
         return Reply::Text(cfg.after_tool_reply.clone());
     }
+    // This turn's user messages: those after the last assistant message (a
+    // gateway may append context messages after the prompt itself).
     let asked = messages
         .iter()
         .rev()
-        .find(|m| m["role"] == "user")
-        .is_some_and(|m| text_of(&m["content"]).contains(&cfg.tool_trigger));
+        .take_while(|m| m["role"] != "assistant")
+        .any(|m| m["role"] == "user" && text_of(&m["content"]).contains(&cfg.tool_trigger));
     let offered: Vec<&str> = request["tools"]
         .as_array()
         .map(|tools| {
@@ -387,18 +390,24 @@ mod tests {
         let plain = json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools()});
         assert_eq!(reply_for(&cfg, &plain), Reply::Text(cfg.reply.clone()));
         let ask = json!({"messages": [{"role": "system", "content": "s"},
-            {"role": "user", "content": [{"type": "text", "text": "please [[use-a-tool]] now"}]}],
+            {"role": "user", "content": [{"type": "text", "text": "please [[use-a-tool]] now"}]},
+            {"role": "user", "content": "context the gateway appends"}],
             "tools": tools()});
         let Reply::ToolCall { name, id, .. } = reply_for(&cfg, &ask) else {
             panic!("a tool call")
         };
-        assert_eq!((name.as_str(), id.as_str()), ("read", "call_mock_2"));
+        assert_eq!((name.as_str(), id.as_str()), ("read", "call_mock_3"));
         cfg.tool_name = Some("session_status".into());
         assert!(
             matches!(reply_for(&cfg, &ask), Reply::ToolCall { name, .. } if name == "session_status")
         );
         cfg.tool_name = Some("not-offered".into());
         assert!(matches!(reply_for(&cfg, &ask), Reply::ToolCall { name, .. } if name == "read"));
+        // An earlier turn's trigger does not ask again.
+        let earlier = json!({"messages": [{"role": "user", "content": "[[use-a-tool]]"},
+            {"role": "assistant", "content": "done"}, {"role": "user", "content": "hi"}],
+            "tools": tools()});
+        assert_eq!(reply_for(&cfg, &earlier), Reply::Text(cfg.reply.clone()));
         // No tools offered: a text answer, never a call to a missing tool.
         let bare = json!({"messages": [{"role": "user", "content": "[[use-a-tool]]"}]});
         assert_eq!(reply_for(&cfg, &bare), Reply::Text(cfg.reply.clone()));
