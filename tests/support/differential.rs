@@ -92,6 +92,14 @@ impl Conn {
         let _ = self.ws.close(None).await;
     }
 
+    /// Starts a close with this code and reason.
+    pub async fn close_with(
+        &mut self,
+        frame: tokio_tungstenite::tungstenite::protocol::CloseFrame,
+    ) {
+        let _ = self.ws.close(Some(frame)).await;
+    }
+
     /// The next frame from the socket (not from `unread`), or `None` when
     /// nothing came within `wait`. Closes and EOF are logged as
     /// `{"close": code, "reason": …}`.
@@ -242,6 +250,8 @@ const CLOCK_KEYS: &[&str] = &[
     "mtime",
     "generatedAt",
     "runtimeMs",
+    "connectLatencyMs",
+    "age",
 ];
 
 /// Keys whose whole value is a live measurement of the gateway process
