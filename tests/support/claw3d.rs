@@ -140,9 +140,11 @@ pub enum Outcome {
 /// `/api/gateway/ws`).
 pub async fn connect_once(socket: &Path, path: &str, token: &str) -> Outcome {
     let mut c = Conn::unix(socket, path).await;
+    // Reads wait longer than the connect timeout: the timeout below decides.
+    let wait = GATEWAY_CONNECT_TIMEOUT * 2;
     let attempt = async {
         loop {
-            match c.read(GATEWAY_CONNECT_TIMEOUT).await {
+            match c.read(wait).await {
                 Some(Frame::Json(v)) if v["event"] == "connect.challenge" => break,
                 Some(Frame::Json(_)) => continue,
                 Some(Frame::Close(code, reason)) => return Err((code, reason)),
@@ -158,7 +160,7 @@ pub async fn connect_once(socket: &Path, path: &str, token: &str) -> Outcome {
             "caps": [], "auth": {"token": token}, "userAgent": "claw3d-test", "locale": "en"}}))
             .await;
         loop {
-            match c.read(GATEWAY_CONNECT_TIMEOUT).await {
+            match c.read(wait).await {
                 Some(Frame::Json(v)) if v["type"] == "res" && v["id"] == "claw3d-connect" => {
                     return Ok::<Value, (u16, String)>(v)
                 }

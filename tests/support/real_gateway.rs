@@ -162,7 +162,9 @@ pub fn broker_settings(dir: &Path, port: u16, token: &str) -> Settings {
     s.upstream.backoff_initial = Duration::from_secs(1);
     s.upstream.backoff_max = Duration::from_secs(4);
     s.upstream.handshake_timeout = Duration::from_secs(15);
-    s.limits.connect_wait = Duration::from_secs(20);
+    // The default: below Claw3D's 13 s connect timeout, so a client that
+    // connects while the gateway restarts gets an answer before it gives up.
+    s.limits.connect_wait = Duration::from_secs(10);
     s
 }
 
