@@ -489,7 +489,7 @@ async fn differential_conformance() {
     .await
     .expect("provider starts");
     let port = free_port();
-    let gw = Gateway::start(port, dir.path().join("gateway.log"));
+    let mut gw = Gateway::start(port, dir.path().join("gateway.log"));
     gw.wait_ready(FIRST_START).await;
     eprintln!(
         "interop-diff: gateway ready after {:.1} s",

@@ -96,12 +96,33 @@ impl Gateway {
     }
 
     /// Waits until `GET /startupz` answers 200 (the gateway answers
-    /// `connect` with `UNAVAILABLE` before that).
-    pub async fn wait_ready(&self, within: Duration) {
+    /// `connect` with `UNAVAILABLE` before that). A gateway that exits
+    /// before it is ready (seen once: "database is not open" on a fresh
+    /// state dir under load) is started again, once, with a note.
+    pub async fn wait_ready(&mut self, within: Duration) {
         let deadline = Instant::now() + within;
+        let mut restarted = false;
         loop {
             if startupz(self.port).await == Some(200) {
                 return;
+            }
+            let exited = self
+                .child
+                .as_mut()
+                .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))));
+            if exited {
+                assert!(
+                    !restarted,
+                    "the gateway exited twice before it was ready\n{}",
+                    self.log_tail()
+                );
+                eprintln!(
+                    "NOTE: the gateway exited before it was ready; starting it again\n{}",
+                    self.log_tail()
+                );
+                self.child = None;
+                *self = Gateway::start(self.port, self.log.clone());
+                restarted = true;
             }
             assert!(
                 Instant::now() < deadline,
