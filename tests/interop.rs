@@ -8,135 +8,25 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
+#[path = "support/claw3d.rs"]
+mod claw3d;
+#[path = "support/differential.rs"]
+mod differential;
+#[path = "support/real_gateway.rs"]
+mod real_gateway;
+
 use std::time::{Duration, Instant};
 
 use clawmux::upstream::identity::{ConnectProof, DeviceIdentity};
 use futures_util::{SinkExt, StreamExt};
+use real_gateway::*;
 use serde_json::{json, Value};
 use support::*;
 use tokio_tungstenite::tungstenite::Message;
 
-const TOKEN: &str = "interop-token";
-/// First start may include the install.
-const FIRST_START: Duration = Duration::from_secs(300);
 const RESTART: Duration = Duration::from_secs(120);
 /// The real gateway ticks every 30 s.
 const TICK_WAIT: Duration = Duration::from_secs(70);
-
-fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/peers/openclaw-gateway.sh")
-}
-
-/// The real gateway, run by the peers script in its own process group.
-struct Gateway {
-    child: Option<tokio::process::Child>,
-    log: PathBuf,
-}
-
-impl Gateway {
-    fn start(port: u16, log: PathBuf) -> Gateway {
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("gateway log file");
-        let child = tokio::process::Command::new("bash")
-            .arg(script())
-            .env("PORT", port.to_string())
-            .env("TOKEN", TOKEN)
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .process_group(0)
-            .spawn()
-            .expect("the peers script starts");
-        Gateway {
-            child: Some(child),
-            log,
-        }
-    }
-
-    fn pid(&self) -> Option<rustix::process::Pid> {
-        let id = self.child.as_ref()?.id()?;
-        rustix::process::Pid::from_raw(id as i32)
-    }
-
-    /// SIGTERM to the script (it stops the gateway and cleans its state
-    /// dir); returns how long the exit took.
-    async fn stop(&mut self) -> Duration {
-        let t = Instant::now();
-        if let (Some(pid), Some(mut child)) = (self.pid(), self.child.take()) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-            if tokio::time::timeout(Duration::from_secs(30), child.wait())
-                .await
-                .is_err()
-            {
-                let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-                let _ = child.wait().await;
-                panic!("the gateway did not stop within 30 s of SIGTERM");
-            }
-        }
-        t.elapsed()
-    }
-
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-}
-
-impl Drop for Gateway {
-    /// A failed test still stops the gateway: SIGTERM, then SIGKILL to its
-    /// process group if it lingers.
-    fn drop(&mut self) {
-        let Some(pid) = self.pid() else { return };
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        let mut child = self.child.take().expect("child");
-        for _ in 0..100 {
-            if matches!(child.try_wait(), Ok(Some(_))) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-    }
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
-fn broker_settings(dir: &Path, port: u16, token: &str) -> Settings {
-    let mut s = test_settings(dir, &format!("ws://127.0.0.1:{port}"), Some(token));
-    // Real-gateway pace: the default 1 s first retry, capped at 4 s so a
-    // restart is picked up promptly; the gateway's 15 s handshake budget.
-    s.upstream.backoff_initial = Duration::from_secs(1);
-    s.upstream.backoff_max = Duration::from_secs(4);
-    s.upstream.handshake_timeout = Duration::from_secs(15);
-    s.limits.connect_wait = Duration::from_secs(20);
-    s
-}
-
-async fn wait_phase(socket: &Path, phase: &str, within: Duration, gw: &Gateway) -> Value {
-    let deadline = Instant::now() + within;
-    loop {
-        let (_, body) = http_get(socket, "/healthz").await;
-        if body["upstream"] == phase {
-            return body;
-        }
-        if Instant::now() > deadline {
-            panic!(
-                "upstream not {phase} within {within:?}: {body}\ngateway log:\n{}",
-                gw.log_tail()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// Every event the client has received (kept-aside ones first), read
 /// until `done` holds for one of them or `within` passes.
@@ -226,11 +116,9 @@ async fn raw_connect(
 #[tokio::test]
 #[ignore = "needs a real OpenClaw gateway (~1 GB, installed from npm): run by .ci/interop"]
 async fn real_gateway_interop() {
-    assert!(
-        script().exists(),
-        "{} is missing (CI clones shared/ beside the repo)",
-        script().display()
-    );
+    if !peers_present("real_gateway_interop") {
+        return;
+    }
     let t_all = Instant::now();
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
@@ -261,6 +149,11 @@ async fn real_gateway_interop() {
     let scopes = hello["auth"]["scopes"].as_array().unwrap();
     assert_eq!(scopes.len(), 5, "all operator scopes granted: {hello}");
     assert!(hello["policy"]["tickIntervalMs"].is_u64());
+    // A Claw3D-style client on its own path (mirror mode by default).
+    let claw3d = match claw3d::connect_once(&sock, "/api/gateway/ws", TOKEN).await {
+        claw3d::Outcome::Connected(c, _) => c,
+        claw3d::Outcome::Failed { error, .. } => panic!("Claw3D client: {error}"),
+    };
     eprintln!(
         "interop: hello-ok from gateway {} with scopes {}; broker device {}",
         hello["server"]["version"],
@@ -337,7 +230,40 @@ async fn real_gateway_interop() {
         "fails fast while down: {res}"
     );
     assert!(res["error"]["retryAfterMs"].is_u64(), "{res}");
+    // Claw3D's restart flow: its socket drops with 1012 (as on a direct
+    // connection), which its client treats as a disconnect and retries.
+    let mut claw3d = claw3d;
+    let (code, reason) = claw3d.closed(PATIENCE).await;
+    assert_eq!(
+        code, 1012,
+        "Claw3D's socket is closed as a restart: {reason}"
+    );
+    let error = format!("Gateway closed ({code}): {reason}");
+    let first_delay =
+        claw3d::auto_retry_delay(None, &error, code, 0).expect("Claw3D retries after a 1012 close");
     gw = Gateway::start(port, dir.path().join("gateway.log"));
+    let retry_sock = sock.clone();
+    let claw3d_retries = tokio::spawn(async move {
+        // GatewayClient.ts 676-699: wait, connect, classify, repeat.
+        let (mut delay, mut attempt, mut seen) = (first_delay, 0, Vec::new());
+        let deadline = Instant::now() + RESTART;
+        loop {
+            tokio::time::sleep(delay).await;
+            match claw3d::connect_once(&retry_sock, "/api/gateway/ws", TOKEN).await {
+                claw3d::Outcome::Connected(c, hello) => return (c, hello, seen, attempt + 1),
+                claw3d::Outcome::Failed { close, error, code } => {
+                    attempt += 1;
+                    seen.push(format!(
+                        "{close} {} {error}",
+                        code.as_deref().unwrap_or("-")
+                    ));
+                    delay = claw3d::auto_retry_delay(code.as_deref(), &error, close, attempt)
+                        .unwrap_or_else(|| panic!("Claw3D would give up on: {seen:?}"));
+                    assert!(Instant::now() < deadline, "Claw3D never got back: {seen:?}");
+                }
+            }
+        }
+    });
     for (c, lost) in [(&mut a, lost_seq[0]), (&mut b, lost_seq[1])] {
         let events = events_until(c, RESTART, |e| {
             e["event"] == "clawmux.upstream" && e["payload"]["phase"] == "ready"
@@ -356,6 +282,17 @@ async fn real_gateway_interop() {
     }
     let (_, health) = http_get(&sock, "/healthz").await;
     assert_eq!(health["lostScopes"], json!([]), "{health}");
+    let (mut k, hello, seen, attempts) = tokio::time::timeout(RESTART, claw3d_retries)
+        .await
+        .expect("Claw3D reconnects in time")
+        .expect("the retry loop");
+    assert_eq!(hello["type"], "hello-ok");
+    eprintln!(
+        "interop: Claw3D client closed 1012 on the restart, reconnected on attempt {attempts} \
+         {:.1} s after SIGTERM; failed attempts while down (close, code, message): {seen:?}",
+        t_down.elapsed().as_secs_f64()
+    );
+    k.close().await;
 
     // 6. A wrong token: rejected with the gateway's reason.
     let wrong = RunningBroker::start(broker_settings(&dir.path().join("w"), port, "wrong-token"))
@@ -370,6 +307,29 @@ async fn real_gateway_interop() {
         res["error"]["details"]["details"]["code"], "AUTH_TOKEN_MISMATCH",
         "{res}"
     );
+    // Claw3D's wrong-token flow: it closes 4008 "connect failed: CODE
+    // MESSAGE" first, and shows the gateway's own message; the code is final.
+    match claw3d::connect_once(wrong.socket_path(), "/api/gateway/ws", "ignored").await {
+        claw3d::Outcome::Failed { close, error, code } => {
+            assert_eq!(
+                close,
+                claw3d::CONNECT_FAILED_CLOSE_CODE,
+                "its close is echoed: {error}"
+            );
+            assert_eq!(code.as_deref(), Some("studio.upstream_rejected"), "{error}");
+            assert!(
+                error.contains("unauthorized: gateway token mismatch"),
+                "Claw3D shows the gateway's message: {error}"
+            );
+            assert_eq!(
+                claw3d::auto_retry_delay(code.as_deref(), &error, close, 0),
+                None,
+                "a wrong token is final for Claw3D"
+            );
+            eprintln!("interop: Claw3D shows on a wrong token: {error}");
+        }
+        claw3d::Outcome::Connected(..) => panic!("a wrong token connected"),
+    }
     wrong.shutdown(PATIENCE).await;
 
     // 7. Device identity off: on loopback gateway-client/backend keeps its scopes.
@@ -386,4 +346,48 @@ async fn real_gateway_interop() {
         "interop: all scenarios passed in {:.1} s",
         t_all.elapsed().as_secs_f64()
     );
+}
+
+/// The `studio.*` codes Claw3D's client treats as final or retryable
+/// (support/claw3d.rs, from its GatewayClient.ts) against the README's
+/// error table: every code the README names is classified as it says,
+/// transient conditions are retryable, configuration faults are final.
+#[test]
+fn claw3d_retry_policy_matches_the_readme_error_table() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let table: Vec<&str> = readme
+        .lines()
+        .filter(|l| l.starts_with("| `studio."))
+        .collect();
+    let code_of = |l: &str| l.split('`').nth(1).unwrap_or_default().to_owned();
+    let codes: Vec<String> = table.iter().map(|l| code_of(l)).collect();
+    for final_code in claw3d::NON_RETRYABLE_CONNECT_ERROR_CODES {
+        assert!(
+            codes.iter().any(|c| c == final_code),
+            "README lacks {final_code}"
+        );
+    }
+    // What the broker sends for a transient condition must be retried.
+    for transient in [
+        "studio.upstream_closed",
+        "studio.request_timeout",
+        "studio.too_many_requests",
+        "studio.too_many_clients",
+    ] {
+        assert!(
+            codes.iter().any(|c| c == transient),
+            "README lacks {transient}"
+        );
+        assert!(!claw3d::is_non_retryable(Some(transient)), "{transient}");
+    }
+    // The README's own statement of Claw3D's rule.
+    let closed = table
+        .iter()
+        .find(|l| code_of(l) == "studio.upstream_closed")
+        .unwrap();
+    for named in ["upstream_error", "upstream_timeout", "upstream_rejected"] {
+        assert!(closed.contains(&format!("`{named}`")), "{closed}");
+        assert!(claw3d::is_non_retryable(Some(&format!("studio.{named}"))));
+    }
 }

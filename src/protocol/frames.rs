@@ -164,6 +164,32 @@ struct StrictReq<'a> {
     method: Cow<'a, str>,
     #[serde(borrow, default)]
     params: Option<&'a RawValue>,
+    /// The gateway's schema also allows these two (2026.9.6
+    /// `RequestFrameSchema`). `traceparent` is a tracing hint: accepted and
+    /// not forwarded. `expectedProfileId` is a guard the one shared upstream
+    /// session cannot carry: refused with a clear error rather than dropped.
+    #[serde(rename = "traceparent", borrow, default)]
+    _traceparent: Option<&'a RawValue>,
+    #[serde(rename = "expectedProfileId", borrow, default)]
+    expected_profile_id: Option<&'a RawValue>,
+}
+
+/// A serde error about the closed `req` schema, in the gateway's own words
+/// (its Ajv messages) for the two common cases.
+fn gateway_wording(err: &serde_json::Error) -> String {
+    let text = err.to_string();
+    let field = |prefix: &str| {
+        text.strip_prefix(prefix)
+            .and_then(|rest| rest.split('`').next())
+            .map(str::to_owned)
+    };
+    if let Some(name) = field("missing field `") {
+        format!("must have required property '{name}'")
+    } else if let Some(name) = field("unknown field `") {
+        format!("at root: unexpected property '{name}'")
+    } else {
+        text
+    }
 }
 
 /// Just enough of a frame to echo its id in an error.
@@ -194,6 +220,12 @@ pub enum ClientFrameError {
 impl<'a> ClientFrame<'a> {
     pub fn parse(text: &'a str) -> Result<ClientFrame<'a>, ClientFrameError> {
         match serde_json::from_str::<StrictReq<'a>>(text) {
+            Ok(req) if req.expected_profile_id.is_some() && !req.id.is_empty() => {
+                Err(ClientFrameError::InvalidFrame {
+                    id: req.id.into_owned(),
+                    message: "invalid request frame: expectedProfileId is not supported through clawmux (its clients share one gateway session); send the request without it".into(),
+                })
+            }
             Ok(req) if req.kind == "req" && !req.id.is_empty() && !req.method.is_empty() => {
                 Ok(ClientFrame {
                     id: req.id,
@@ -229,7 +261,7 @@ impl<'a> ClientFrame<'a> {
                     .unwrap_or_else(|| "invalid".into());
                 Err(ClientFrameError::InvalidFrame {
                     id,
-                    message: format!("invalid request frame: {err}"),
+                    message: format!("invalid request frame: {}", gateway_wording(&err)),
                 })
             }
         }
@@ -587,6 +619,43 @@ mod tests {
             ClientFrameError::InvalidFrame { id, message } => {
                 assert_eq!(id, "z");
                 assert!(message.starts_with("invalid request frame: "), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // The gateway's words for the common schema errors.
+        for (frame, want) in [
+            (
+                r#"{"type":"req","id":"m"}"#,
+                "invalid request frame: must have required property 'method'",
+            ),
+            (
+                r#"{"type":"req","id":"m","method":"health","extra":1}"#,
+                "invalid request frame: at root: unexpected property 'extra'",
+            ),
+        ] {
+            match ClientFrame::parse(frame).unwrap_err() {
+                ClientFrameError::InvalidFrame { message, .. } => assert_eq!(message, want),
+                other => panic!("{other:?}"),
+            }
+        }
+        // `traceparent` is in the gateway's schema: accepted (not forwarded).
+        let f = ClientFrame::parse(
+            r#"{"type":"req","id":"t","method":"health","traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}"#,
+        )
+        .unwrap();
+        assert_eq!(f.method, "health");
+        // `expectedProfileId` is refused, never silently dropped.
+        match ClientFrame::parse(
+            r#"{"type":"req","id":"p","method":"health","expectedProfileId":"u1"}"#,
+        )
+        .unwrap_err()
+        {
+            ClientFrameError::InvalidFrame { id, message } => {
+                assert_eq!(id, "p");
+                assert!(
+                    message.contains("expectedProfileId is not supported"),
+                    "{message}"
+                );
             }
             other => panic!("{other:?}"),
         }

@@ -393,6 +393,12 @@ impl Reader {
                 "policy": { "maxPayload": cfg.max_payload, "maxBufferedBytes": cfg.max_buffered_bytes,
                             "tickIntervalMs": cfg.tick_interval_ms },
                 "auth": auth,
+                // Capability URLs minted per connection, as a 2026.9.6
+                // gateway with its canvas plugin advertises them (here the
+                // connection's id stands in for the random capability).
+                "pluginSurfaceUrls": {
+                    "canvas": format!("http://127.0.0.1/__openclaw__/cap/{}", self.conn_id)
+                },
             });
             if let Some(replay) = &cfg.replay {
                 hello = replay.hello(&self.conn_id, &hello["auth"]);

@@ -20,6 +20,7 @@
 //! - `state`: the shared registry behind [`MockGateway`].
 //! - [`recording`], [`replay`]: the `clawmux record` format, and serving a
 //!   recorded session instead of the double's own behaviour.
+//! - [`provider`]: a mock OpenAI-compatible model provider, for a real gateway.
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
@@ -32,6 +33,7 @@
 pub mod faults;
 pub mod recording;
 pub mod replay;
+pub mod provider;
 
 mod connection;
 mod handshake;

@@ -128,6 +128,11 @@ impl Connector {
             if !hello.lost_scopes.is_empty() {
                 event["lostScopes"] = json!(hello.lost_scopes);
             }
+            // The gateway mints these per connection: the ones connected
+            // clients got in their hello-ok died with the old session.
+            if let Some(urls) = hello.payload.get("pluginSurfaceUrls") {
+                event["pluginSurfaceUrls"] = urls.clone();
+            }
             self.hub.publish_local("clawmux.upstream", &event);
         }
         let mut last_seq: Option<u64> = None;
