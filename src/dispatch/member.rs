@@ -39,6 +39,9 @@ pub struct Member {
     pub client: Arc<Client>,
     budget: Budget,
     book: Mutex<Book>,
+    /// The grant whose narrower upstream session it has used (it holds
+    /// that session open until it leaves).
+    pub(crate) aux_grant: std::sync::OnceLock<crate::policy::Grant>,
 }
 
 impl Member {
@@ -48,6 +51,7 @@ impl Member {
             client,
             budget: Budget::Own,
             book: Mutex::new(Book::default()),
+            aux_grant: Default::default(),
         }
     }
 
@@ -61,6 +65,7 @@ impl Member {
             client,
             budget: Budget::Shared(budget, name),
             book: Mutex::new(Book::default()),
+            aux_grant: Default::default(),
         }
     }
 

@@ -82,6 +82,8 @@ pub struct Dispatcher {
     /// The broker's own requester.
     broker: Arc<Member>,
     own: Mutex<OwnRequests>,
+    /// Narrower upstream sessions for clients holding fewer scopes.
+    aux: crate::upstream::aux::AuxSessions,
 }
 
 impl Dispatcher {
@@ -100,6 +102,7 @@ impl Dispatcher {
             rpc_budget: Arc::new(AtomicUsize::new(0)),
             broker,
             own: Mutex::new(OwnRequests::default()),
+            aux: Default::default(),
         }
     }
 
@@ -119,6 +122,11 @@ impl Dispatcher {
             "/v1/rpc (all callers together)",
         );
         Registration::new(Arc::new(member), Arc::clone(self))
+    }
+
+    /// The narrower upstream sessions.
+    pub fn aux(&self) -> &crate::upstream::aux::AuxSessions {
+        &self.aux
     }
 
     /// How the broker's own requests fared.
@@ -169,8 +177,60 @@ impl Dispatcher {
                 self.check_abort(member, params)?;
                 self.forward(member, id, method, params, generation, None)
             }
-            _ => self.forward(member, id, method, params, generation, None),
+            _ => match self.narrower_session(member, method) {
+                Some(aux) => self.forward_aux(member, id, method, params, aux),
+                None => self.forward(member, id, method, params, generation, None),
+            },
         }
+    }
+
+    /// The narrower session a request of `member` runs on, when its grant
+    /// holds fewer scopes than the main session (`upstream/aux.rs`).
+    fn narrower_session(&self, member: &Member, method: &str) -> Option<(Upstream, u64)> {
+        let grant = member.client.grant();
+        let hello = self.upstream.hello()?;
+        if hello.scopes.iter().all(|s| grant.scopes().contains(s))
+            || crate::upstream::aux::stays_on_main(method)
+        {
+            return None;
+        }
+        self.aux
+            .session_for(grant, &member.aux_grant, || self.upstream.current_target())
+    }
+
+    /// Registers a request and queues it on a narrower session (written
+    /// once its handshake is done). A session that has ended already fails
+    /// it at once; one that ends later fails it with the rest of its
+    /// generation.
+    fn forward_aux(
+        &self,
+        member: &Arc<Member>,
+        id: &str,
+        method: &str,
+        params: Option<&RawValue>,
+        (aux, generation): (Upstream, u64),
+    ) -> Result<(), ErrorShape> {
+        let upstream_id = self.router.register(member, id, method, generation, None)?;
+        let text = encode_req(&upstream_id, method, params);
+        self.router.tap.outbound(&text);
+        let failed = match aux.try_send(generation, text) {
+            Err(error) => Some(error),
+            Ok(()) => {
+                let s = aux.status();
+                (s.phase == crate::upstream::Phase::Stopped).then(|| {
+                    s.last_error.unwrap_or_else(|| {
+                        ErrorShape::studio(
+                            StudioCode::UpstreamClosed,
+                            "the narrower gateway session ended",
+                        )
+                    })
+                })
+            }
+        };
+        if let Some(error) = failed {
+            self.router.fail(&upstream_id, &error);
+        }
+        Ok(())
     }
 
     /// Registers and queues a request, answering a failure at once.
@@ -458,6 +518,9 @@ impl Dispatcher {
         let cid = member.id();
         self.hub.remove(cid);
         self.router.forget(member);
+        if let Some(grant) = member.aux_grant.get() {
+            self.aux.release(grant);
+        }
         let (keys, runs) = {
             let mut book = member.book();
             (

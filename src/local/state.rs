@@ -71,6 +71,7 @@ pub fn document(ctx: &Ctx) -> Value {
             "last_error": status.last_error.as_ref().map(|e| e.to_json()),
             "retry_after_ms": status.retry_after_ms(),
             "reconnects": status.reconnects,
+            "narrower_sessions": ctx.dispatcher.aux().to_json(),
         },
         "snapshot": snapshot,
         "clients": clients,

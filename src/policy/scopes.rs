@@ -31,7 +31,7 @@ pub fn satisfied(required: &str, granted: &[String]) -> bool {
 
 /// The scopes a local client holds: what it asked for, narrowed by every
 /// ceiling above it (the broker's session, the socket's policy).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize)]
 #[serde(transparent)]
 pub struct Grant(Vec<String>);
 

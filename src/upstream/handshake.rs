@@ -112,6 +112,7 @@ pub(super) fn connect_params(
     credentials: Credentials<'_>,
     identity: Option<&DeviceIdentity>,
     challenge: &Challenge,
+    scopes: &[&str],
 ) -> Value {
     let platform = std::env::consts::OS;
     let mut params = json!({
@@ -126,7 +127,7 @@ pub(super) fn connect_params(
             "instanceId": instance_id,
         },
         "role": ROLE,
-        "scopes": REQUESTED_SCOPES,
+        "scopes": scopes,
         "caps": ["tool-events"],
         "userAgent": concat!("clawmux/", env!("CARGO_PKG_VERSION")),
     });
@@ -151,7 +152,7 @@ pub(super) fn connect_params(
             client_id: CLIENT_ID,
             client_mode: CLIENT_MODE,
             role: ROLE,
-            scopes: &REQUESTED_SCOPES,
+            scopes,
             signed_at_ms: challenge.ts.unwrap_or_else(now_ms),
             token: signed_token,
             nonce,
@@ -445,7 +446,7 @@ mod tests {
             device_token: Some(&dt),
             password: None,
         };
-        let p = connect_params("i", both, Some(&id), &challenge);
+        let p = connect_params("i", both, Some(&id), &challenge, &REQUESTED_SCOPES);
         assert_eq!(p["auth"], json!({"token": "shared"}));
         assert_eq!(p["device"]["nonce"], "n-1");
         assert_eq!(
@@ -457,13 +458,13 @@ mod tests {
             device_token: Some(&dt),
             password: None,
         };
-        let p = connect_params("i", only_dt, Some(&id), &challenge);
+        let p = connect_params("i", only_dt, Some(&id), &challenge, &REQUESTED_SCOPES);
         assert_eq!(p["auth"], json!({"deviceToken": "dt_1"}));
         // No identity: no device block, and a device token alone is useless.
-        let p = connect_params("i", only_dt, None, &challenge);
+        let p = connect_params("i", only_dt, None, &challenge, &REQUESTED_SCOPES);
         assert!(p.get("device").is_none() && p.get("auth").is_none());
         // No nonce to sign: no device block.
-        let p = connect_params("i", both, Some(&id), &Challenge::default());
+        let p = connect_params("i", both, Some(&id), &Challenge::default(), &REQUESTED_SCOPES);
         assert!(p.get("device").is_none());
         assert_eq!(p["client"]["id"], "gateway-client");
         assert_eq!(p["client"]["mode"], "backend");

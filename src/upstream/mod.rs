@@ -10,12 +10,14 @@
 //! The queue to the session is bounded ([`UPSTREAM_QUEUE_FRAMES`]) and never
 //! waited on: a full queue fails the request at once with a retryable error.
 //!
+//! - [`aux`]: narrower sessions for clients holding fewer scopes.
 //! - `connector`: the task, its reconnect loop, the session and its watchdog.
 //! - `handshake`: the `connect` the broker sends and how answers map to `studio.*`.
 //! - [`identity`]: the device key, the v3 signature, stored device tokens.
 //! - `private_files`: the 0700/0600 state dir they live in.
 //! - [`tls`]: `wss://` with rustls, certificate pins, the plaintext rule.
 
+pub mod aux;
 mod connector;
 mod handshake;
 pub mod identity;
@@ -327,6 +329,14 @@ impl ConnectorSeed {
         dispatcher: Arc<Dispatcher>,
         cancel: CancellationToken,
     ) -> tokio::task::JoinHandle<()> {
+        dispatcher.aux().init(aux::AuxFactory {
+            settings: settings.clone(),
+            hub: Arc::clone(&hub),
+            router: Arc::clone(&router),
+            sharing: Arc::clone(&sharing),
+            dispatcher: Arc::downgrade(&dispatcher),
+            cancel: cancel.clone(),
+        });
         let connector = connector::Connector::new(
             settings,
             connector::Shared {
@@ -347,6 +357,45 @@ impl ConnectorSeed {
         );
         tokio::spawn(connector.run())
     }
+}
+
+/// Starts a narrower session ([`aux`]): the connector code of the main
+/// session, asking for `grant`'s scopes, on the main session's current
+/// target. `None` when the broker is going away.
+fn open_aux(
+    factory: &aux::AuxFactory,
+    target: Target,
+    grant: &crate::policy::Grant,
+    generation: u64,
+    cancel: CancellationToken,
+) -> Option<Upstream> {
+    let dispatcher = factory.dispatcher.upgrade()?;
+    let (upstream, seed) = Upstream::new(&factory.settings);
+    upstream.target.send_replace(target);
+    let connector = connector::Connector::new(
+        &factory.settings,
+        connector::Shared {
+            hub: Arc::clone(&factory.hub),
+            router: Arc::clone(&factory.router),
+            sharing: Arc::clone(&factory.sharing),
+            dispatcher,
+        },
+        connector::Channels {
+            nudge: seed.nudge,
+            status: seed.status,
+            rx: seed.rx,
+            target: seed.target,
+            offers: seed.offers,
+            peer_certificate: seed.peer_certificate,
+        },
+        cancel,
+    )
+    .into_aux(connector::AuxRole {
+        scopes: grant.scopes().to_vec(),
+        generation,
+    });
+    tokio::spawn(connector.run_aux());
+    Some(upstream)
 }
 
 /// The handle to the upstream session.
@@ -457,6 +506,16 @@ impl Upstream {
                 return Err(self.status().not_ready_error());
             }
         }
+    }
+
+    /// What the connector is pointed at now (after any reload).
+    pub fn current_target(&self) -> Target {
+        self.target.borrow().clone()
+    }
+
+    /// The ready session's `hello-ok`, if one is ready.
+    pub fn hello(&self) -> Option<Arc<UpstreamHello>> {
+        self.status.borrow().hello.clone()
     }
 
     /// The gateway URL the connector is pointed at now (after any reload).

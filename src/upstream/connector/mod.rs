@@ -131,6 +131,16 @@ pub(super) struct Connector {
     /// The broker's device key; `None` when device identity is off or the
     /// state dir cannot be used (logged at start).
     identity: Option<Arc<DeviceIdentity>>,
+    /// `Some` for an auxiliary session (`upstream/aux.rs`).
+    aux: Option<AuxRole>,
+}
+
+/// What makes a connector an auxiliary session's: it asks for these
+/// scopes, runs exactly one session of a generation chosen beforehand (no
+/// reconnect), publishes no events and keeps no device token.
+pub(super) struct AuxRole {
+    pub scopes: Vec<String>,
+    pub generation: u64,
 }
 
 impl Connector {
@@ -183,7 +193,64 @@ impl Connector {
             cancel,
             instance_id: uuid::Uuid::new_v4().to_string(),
             next_connect_id: 0,
+            aux: None,
         }
+    }
+
+    /// Makes this connector an auxiliary session's (see [`AuxRole`]).
+    pub(super) fn into_aux(mut self, role: AuxRole) -> Self {
+        let generation = role.generation;
+        self.status.send_modify(|s| s.generation = generation);
+        self.aux = Some(role);
+        self
+    }
+
+    /// An auxiliary session's one life: one attempt, one session. Whatever
+    /// ends it fails the requests queued for its generation; the next
+    /// request opens a new one.
+    pub(super) async fn run_aux(mut self) {
+        let Some(generation) = self.aux.as_ref().map(|a| a.generation) else {
+            return;
+        };
+        let failure = if let Some((error, _)) = self.take_target() {
+            Some(error)
+        } else {
+            self.set_phase(Phase::Connecting);
+            let cancel = self.cancel.clone();
+            let attempt = tokio::select! {
+                _ = cancel.cancelled() => None,
+                r = tokio::time::timeout(self.opts.handshake_timeout, self.attempt()) => Some(r),
+            };
+            match attempt {
+                Some(Ok(Ok((ws, hello, _early)))) => {
+                    // (Events are not published from auxiliary sessions.)
+                    self.run_session(ws, hello, EarlyEvents::default(), false)
+                        .await;
+                    None
+                }
+                Some(Ok(Err(e))) => Some(e.error),
+                Some(Err(_)) => Some(ErrorShape::studio(
+                    StudioCode::UpstreamTimeout,
+                    format!(
+                        "the gateway did not complete the handshake of a narrower session within {} ms",
+                        self.opts.handshake_timeout.as_millis()
+                    ),
+                )),
+                None => Some(ErrorShape::studio(
+                    StudioCode::UpstreamClosed,
+                    "the broker is shutting down",
+                )),
+            }
+        };
+        if let Some(error) = failure {
+            tracing::warn!(generation, code = %error.code, "auxiliary upstream session failed: {}", error.message);
+            self.status.send_modify(|s| {
+                s.phase = Phase::Stopped;
+                s.last_error = Some(error.clone());
+            });
+            self.router.fail_generation(generation, &error);
+        }
+        self.set_phase(Phase::Stopped);
     }
 
     fn set_phase(&self, phase: Phase) {
@@ -446,11 +513,16 @@ impl Connector {
                 .as_ref()
                 .or(offered.and_then(|o| o.password.as_ref())),
         };
+        let scopes: Vec<&str> = match &self.aux {
+            Some(aux) => aux.scopes.iter().map(String::as_str).collect(),
+            None => super::REQUESTED_SCOPES.to_vec(),
+        };
         let params = connect_params(
             &self.instance_id,
             credentials,
             self.identity.as_deref(),
             &challenge,
+            &scopes,
         );
         tracing::debug!(
             device = params.get("device").is_some(),
@@ -497,7 +569,8 @@ impl Connector {
                             .unwrap_or(Value::Null);
                         let (mut hello, minted) = parse_hello(payload);
                         hello.challenge_extra = challenge.extra.clone();
-                        if let Some(minted) = minted {
+                        // (A narrower session's token must not replace the broker's.)
+                        if let Some(minted) = minted.filter(|_| self.aux.is_none()) {
                             self.keep_device_token(minted, hello.scopes.clone()).await;
                         }
                         return Ok((ws, hello, early));

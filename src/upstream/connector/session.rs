@@ -80,7 +80,8 @@ impl Connector {
         reconnected: bool,
     ) -> SessionEnd {
         let hello = Arc::new(hello);
-        if !hello.lost_scopes.is_empty() {
+        let aux = self.aux.is_some();
+        if !aux && !hello.lost_scopes.is_empty() {
             crate::upstream::handshake::warn_lost_scopes(&hello, self.identity.is_some());
         }
         let tick = hello
@@ -89,26 +90,15 @@ impl Connector {
             .and_then(Value::as_u64)
             .unwrap_or(30_000);
         let silence_limit = Duration::from_millis(tick.saturating_mul(2).max(1));
-        self.sharing
-            .set_session_defaults(crate::sharing::SessionDefaults::from_snapshot(
-                hello.payload.get("snapshot").unwrap_or(&Value::Null),
-            ));
-        self.hub.set_upstream_max_buffered(
-            hello
-                .payload
-                .pointer("/policy/maxBufferedBytes")
-                .and_then(Value::as_u64),
-        );
-        self.hub.reset_snapshot(
-            hello
-                .payload
-                .get("snapshot")
-                .cloned()
-                .unwrap_or(Value::Null),
-        );
+        if !aux {
+            self.adopt_session(&hello);
+        }
         let mut generation = 0;
         self.status.send_modify(|s| {
-            s.generation += 1;
+            // An auxiliary session's generation was chosen when it was opened.
+            if !aux {
+                s.generation += 1;
+            }
             generation = s.generation;
             s.phase = Phase::Ready;
             s.had_session = true;
@@ -119,7 +109,7 @@ impl Connector {
                 s.reconnects += 1;
             }
         });
-        tracing::info!(upstream_phase = "ready", generation, server_version = %hello.server_version, protocol = hello.protocol, "upstream session ready");
+        tracing::info!(upstream_phase = "ready", generation, aux, server_version = %hello.server_version, protocol = hello.protocol, "upstream session ready");
         if reconnected {
             // Everything that happened while we were away is unknown to the
             // clients: a gap makes them resync, the event says why.
@@ -146,7 +136,9 @@ impl Connector {
         }
         // Connection-scoped subscriptions died with the old session; they are
         // queued first, in the same ordered place as every client's change.
-        self.dispatcher.resubscribe(generation);
+        if !aux {
+            self.dispatcher.resubscribe(generation);
+        }
         let (mut sink, mut stream) = ws.split();
         let mut rx = self
             .rx
@@ -250,7 +242,7 @@ impl Connector {
         )
         .with_retry_after_ms((!cancelled).then_some(retry_ms));
         self.status.send_modify(|s| {
-            s.phase = if cancelled {
+            s.phase = if cancelled || aux {
                 Phase::Stopped
             } else {
                 Phase::Backoff
@@ -270,7 +262,9 @@ impl Connector {
             ));
         });
         let failed = self.router.fail_generation(generation, &error);
-        self.sharing.runs.clear();
+        if !aux {
+            self.sharing.runs.clear();
+        }
         if failed > 0 {
             tracing::info!(
                 generation,
@@ -278,7 +272,7 @@ impl Connector {
                 "failed pending requests of the lost session"
             );
         }
-        if !cancelled {
+        if !cancelled && !aux {
             self.hub.publish_local(
                 "clawmux.upstream",
                 &json!({"phase": "backoff", "serverVersion": hello.server_version, "reason": end_reason}),
@@ -289,6 +283,27 @@ impl Connector {
             cancelled,
             retargeted,
         }
+    }
+
+    /// Takes what a new main session tells about the gateway.
+    fn adopt_session(&self, hello: &UpstreamHello) {
+        self.sharing
+            .set_session_defaults(crate::sharing::SessionDefaults::from_snapshot(
+                hello.payload.get("snapshot").unwrap_or(&Value::Null),
+            ));
+        self.hub.set_upstream_max_buffered(
+            hello
+                .payload
+                .pointer("/policy/maxBufferedBytes")
+                .and_then(Value::as_u64),
+        );
+        self.hub.reset_snapshot(
+            hello
+                .payload
+                .get("snapshot")
+                .cloned()
+                .unwrap_or(Value::Null),
+        );
     }
 
     fn on_frame(
@@ -304,6 +319,10 @@ impl Connector {
                 seq,
                 state_version,
             }) => {
+                if self.aux.is_some() {
+                    // The main session's events are the one source.
+                    return;
+                }
                 match seq {
                     EventSeq::Valid(seq) => {
                         if let Some(last) = *last_seq {
