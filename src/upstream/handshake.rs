@@ -464,7 +464,13 @@ mod tests {
         let p = connect_params("i", only_dt, None, &challenge, &REQUESTED_SCOPES);
         assert!(p.get("device").is_none() && p.get("auth").is_none());
         // No nonce to sign: no device block.
-        let p = connect_params("i", both, Some(&id), &Challenge::default(), &REQUESTED_SCOPES);
+        let p = connect_params(
+            "i",
+            both,
+            Some(&id),
+            &Challenge::default(),
+            &REQUESTED_SCOPES,
+        );
         assert!(p.get("device").is_none());
         assert_eq!(p["client"]["id"], "gateway-client");
         assert_eq!(p["client"]["mode"], "backend");

@@ -31,9 +31,9 @@
 //! ```
 
 pub mod faults;
+pub mod provider;
 pub mod recording;
 pub mod replay;
-pub mod provider;
 
 mod connection;
 mod handshake;
@@ -565,6 +565,19 @@ impl MockGateway {
         if !self.wait_until(connection::CLOSE_GRACE, written).await {
             tracing::warn!("mock gateway: close frames not written in time (stuck peers?)");
         }
+    }
+
+    /// Closes one connection (its index as [`requests`](Self::requests)
+    /// gives it) with `code`/`reason`; false when it is not open.
+    pub fn close_connection(&self, index: u64, code: u16, reason: &str) -> bool {
+        let reason = handshake::truncate_close_reason(reason);
+        let found = {
+            let conns = lock(&self.inner.conns);
+            let conn = conns.values().find(|c| c.index == index);
+            conn.inspect(|c| c.close(code, &reason)).is_some()
+        };
+        self.inner.notify_changed();
+        found
     }
 
     /// The gateway's reaction to a client whose buffer overflowed: close

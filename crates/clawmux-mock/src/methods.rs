@@ -237,7 +237,7 @@ pub(crate) fn handle_request(
     };
     let result = match method {
         "health" => Ok(health_summary(inner)),
-        "status" => Ok(status(inner)),
+        "status" => Ok(status(inner, session)),
         "system-presence" => Ok(Value::Array(inner.presence_list())),
         "last-heartbeat" => Ok(Value::Null),
         "models.list" => Ok(json!({ "models": [] })),
@@ -284,10 +284,13 @@ pub(crate) fn health_summary(inner: &Inner) -> Value {
     })
 }
 
-fn status(inner: &Inner) -> Value {
+/// Like the gateway's, tailored to the caller's scopes: only an
+/// `operator.admin` connection gets the session store paths and the recent
+/// sessions (the real gateway redacts them for the others).
+fn status(inner: &Inner, session: &Session) -> Value {
     let (open, ready) = inner.counts();
     let count = lock(&inner.chats).history.len();
-    json!({
+    let mut status = json!({
         "ts": now_ms(),
         "runtimeVersion": inner.cfg.server_version,
         "uptimeMs": inner.started.elapsed().as_millis() as u64,
@@ -295,7 +298,12 @@ fn status(inner: &Inner) -> Value {
         "heartbeat": { "defaultAgentId": "main", "agents": [] },
         "sessions": { "count": count, "defaults": { "model": null, "contextTokens": null } },
         "channelSummary": [],
-    })
+    });
+    if session.has_scope("operator.admin") {
+        status["sessions"]["paths"] = json!(["mock://agents/main/sessions/sessions.json"]);
+        status["sessions"]["recent"] = json!([]);
+    }
+    status
 }
 
 fn chat_history(req: &Request<'_>) -> Result<Value, Value> {
