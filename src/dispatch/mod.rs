@@ -194,8 +194,11 @@ impl Dispatcher {
         {
             return None;
         }
+        if self.upstream.status().on_client_credential {
+            return None;
+        }
         self.aux
-            .session_for(grant, &member.aux_grant, || self.upstream.current_target())
+            .session_for(grant, &member.aux_grant, || self.upstream.target_watch())
     }
 
     /// Registers a request and queues it on a narrower session (written

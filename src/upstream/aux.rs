@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use serde_json::{json, Value};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::{Phase, Target, Upstream};
@@ -120,7 +121,7 @@ impl AuxSessions {
         &self,
         grant: &Grant,
         holder: &OnceLock<Grant>,
-        target: impl FnOnce() -> Target,
+        target: impl FnOnce() -> watch::Receiver<Target>,
     ) -> Option<(Upstream, u64)> {
         let factory = self.factory.get()?;
         let mut entries = self.lock();

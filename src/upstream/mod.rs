@@ -147,6 +147,9 @@ pub struct Status {
     /// The host has no credential (or the one a client offered was
     /// refused): a local client's own `auth` may open the session.
     pub awaiting_credential: bool,
+    /// The session runs on a local client's own credential (kept in the
+    /// connector's memory only): no narrower sessions are opened with it.
+    pub on_client_credential: bool,
     /// The broker's device id, when device identity is on and usable.
     pub device_id: Option<String>,
     /// How the last session ended, as a close a local client mirroring the
@@ -169,6 +172,7 @@ impl Status {
             retry_at: None,
             reconnects: 0,
             awaiting_credential: false,
+            on_client_credential: false,
             device_id: None,
             had_session: false,
             last_close: None,
@@ -364,14 +368,13 @@ impl ConnectorSeed {
 /// target. `None` when the broker is going away.
 fn open_aux(
     factory: &aux::AuxFactory,
-    target: Target,
+    target: watch::Receiver<Target>,
     grant: &crate::policy::Grant,
     generation: u64,
     cancel: CancellationToken,
 ) -> Option<Upstream> {
     let dispatcher = factory.dispatcher.upgrade()?;
     let (upstream, seed) = Upstream::new(&factory.settings);
-    upstream.target.send_replace(target);
     let connector = connector::Connector::new(
         &factory.settings,
         connector::Shared {
@@ -384,7 +387,7 @@ fn open_aux(
             nudge: seed.nudge,
             status: seed.status,
             rx: seed.rx,
-            target: seed.target,
+            target,
             offers: seed.offers,
             peer_certificate: seed.peer_certificate,
         },
@@ -508,9 +511,10 @@ impl Upstream {
         }
     }
 
-    /// What the connector is pointed at now (after any reload).
-    pub fn current_target(&self) -> Target {
-        self.target.borrow().clone()
+    /// Follows what the connector is pointed at (a narrower session ends
+    /// when it changes).
+    pub(crate) fn target_watch(&self) -> watch::Receiver<Target> {
+        self.target.subscribe()
     }
 
     /// The ready session's `hello-ok`, if one is ready.

@@ -102,6 +102,8 @@ impl Connector {
             generation = s.generation;
             s.phase = Phase::Ready;
             s.had_session = true;
+            s.on_client_credential =
+                self.offered.is_some() && self.token.is_none() && self.password.is_none();
             s.hello = Some(Arc::clone(&hello));
             s.last_error = None;
             s.retry_at = None;
