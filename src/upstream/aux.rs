@@ -7,8 +7,9 @@
 //! device), asking for those scopes.
 //!
 //! - One session per distinct grant, opened on the first request that
-//!   needs it, shared by every client holding that grant, closed when the
-//!   last such client leaves. At most [`MAX_GRANT_SESSIONS`] at once.
+//!   needs it, shared by every client holding that grant, closed
+//!   [`IDLE_LINGER`] after the last such client left. At most
+//!   [`MAX_GRANT_SESSIONS`] at once.
 //! - It publishes no events: the main session's stream stays the one
 //!   source. So subscriptions and runs ([`stays_on_main`]) stay on the main
 //!   session, whose per-connection state delivers their events.
@@ -21,6 +22,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use tokio::sync::watch;
@@ -40,6 +42,12 @@ use crate::sharing::Sharing;
 /// are tailored to the main session's scopes); each such request is
 /// counted (`fallbacks` in `/v1/state`) and logged.
 pub const MAX_GRANT_SESSIONS: usize = 8;
+
+/// How long a narrower session no client holds stays open (so that
+/// `/v1/rpc` calls, each a client of its own, do not open one per call);
+/// then it is closed. At the cap, an idle one is closed at once to make
+/// room.
+pub const IDLE_LINGER: Duration = Duration::from_secs(5);
 
 /// The first generation of a narrower session; the main session counts
 /// from 1 and would need 2^48 reconnects to get here.
@@ -83,6 +91,9 @@ struct Entry {
     generation: u64,
     /// Clients that sent a request on it and are still connected.
     holders: usize,
+    /// Counts the times `holders` fell to 0 (a linger timer closes the
+    /// session only if no client came and went since it started).
+    idled: u64,
     cancel: CancellationToken,
 }
 
@@ -96,7 +107,7 @@ impl Drop for Entry {
 #[derive(Debug, Default)]
 pub struct AuxSessions {
     factory: OnceLock<AuxFactory>,
-    entries: Mutex<HashMap<Grant, Entry>>,
+    entries: Arc<Mutex<HashMap<Grant, Entry>>>,
     /// Generations handed out after [`AUX_GENERATION_BASE`].
     issued: AtomicU64,
     /// Sessions opened since start.
@@ -111,7 +122,7 @@ impl AuxSessions {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Grant, Entry>> {
-        self.entries.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.entries)
     }
 
     /// The session for `grant` and its generation, opened if needed;
@@ -125,6 +136,16 @@ impl AuxSessions {
     ) -> Option<(Upstream, u64)> {
         let factory = self.factory.get()?;
         let mut entries = self.lock();
+        if !entries.contains_key(grant) && entries.len() >= MAX_GRANT_SESSIONS {
+            // Make room by closing one no client holds, if any.
+            let idle = entries
+                .iter()
+                .find(|(_, e)| e.holders == 0)
+                .map(|(g, _)| g.clone());
+            if let Some(idle) = idle {
+                entries.remove(&idle);
+            }
+        }
         if !entries.contains_key(grant) && entries.len() >= MAX_GRANT_SESSIONS {
             drop(entries);
             let n = self.fallbacks.fetch_add(1, Ordering::Relaxed) + 1;
@@ -151,6 +172,7 @@ impl AuxSessions {
                     upstream,
                     generation,
                     holders,
+                    idled: 0,
                     cancel,
                 },
             );
@@ -162,17 +184,36 @@ impl AuxSessions {
         Some((entry.upstream.clone(), entry.generation))
     }
 
-    /// A client that held `grant`'s session left; the last one closes it.
+    /// A client that held `grant`'s session left; [`IDLE_LINGER`] after
+    /// the last one, it is closed.
     pub fn release(&self, grant: &Grant) {
         let mut entries = self.lock();
         let Some(entry) = entries.get_mut(grant) else {
             return;
         };
         entry.holders = entry.holders.saturating_sub(1);
-        if entry.holders == 0 {
-            tracing::info!(scopes = %grant.scopes().join(","), "closing a narrower upstream session: no client holds its scopes any more");
-            entries.remove(grant);
+        if entry.holders > 0 {
+            return;
         }
+        entry.idled += 1;
+        let idled = entry.idled;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            entries.remove(grant);
+            return;
+        };
+        let shared = Arc::clone(&self.entries);
+        let grant = grant.clone();
+        runtime.spawn(async move {
+            tokio::time::sleep(IDLE_LINGER).await;
+            let mut entries = lock(&shared);
+            if entries
+                .get(&grant)
+                .is_some_and(|e| e.holders == 0 && e.idled == idled)
+            {
+                tracing::info!(scopes = %grant.scopes().join(","), "closing a narrower upstream session: no client has held its scopes for {} s", IDLE_LINGER.as_secs());
+                entries.remove(&grant);
+            }
+        });
     }
 
     /// For `/v1/state`.
@@ -199,4 +240,10 @@ impl AuxSessions {
             "fallbacks": self.fallbacks.load(Ordering::Relaxed),
         })
     }
+}
+
+fn lock(
+    entries: &Mutex<HashMap<Grant, Entry>>,
+) -> std::sync::MutexGuard<'_, HashMap<Grant, Entry>> {
+    entries.lock().unwrap_or_else(|p| p.into_inner())
 }
