@@ -327,6 +327,25 @@ pub fn render(ctx: &Ctx) -> String {
         "Upstream sessions re-established after the first.",
     );
     out.sample("clawmux_upstream_reconnects_total", &[], status.reconnects);
+    let (open, opened, fallbacks) = ctx.dispatcher.aux().counts();
+    out.family(
+        "clawmux_narrower_sessions",
+        "gauge",
+        "Narrower upstream sessions open (one per distinct grant of fewer scopes than the broker's).",
+    );
+    out.sample("clawmux_narrower_sessions", &[], open);
+    out.family(
+        "clawmux_narrower_sessions_opened_total",
+        "counter",
+        "Narrower upstream sessions opened.",
+    );
+    out.sample("clawmux_narrower_sessions_opened_total", &[], opened);
+    out.family(
+        "clawmux_narrower_session_fallbacks_total",
+        "counter",
+        "Requests of a narrower grant run on the main session because MAX_GRANT_SESSIONS were open.",
+    );
+    out.sample("clawmux_narrower_session_fallbacks_total", &[], fallbacks);
     let (held, bytes) = ctx.hub.replay_held();
     out.family(
         "clawmux_replay_events",

@@ -2,6 +2,8 @@
 //! broker's session gets the answers the gateway tailors to its own scopes,
 //! from a session that holds exactly its grant (`src/upstream/aux.rs`).
 
+#[path = "support/http_api.rs"]
+mod http_api;
 mod support;
 
 use futures_util::{SinkExt, StreamExt};
@@ -169,6 +171,13 @@ async fn beyond_the_cap_requests_run_on_the_main_session() {
         (Some(8), Some(1)),
         "{state}"
     );
+    let (code, _, metrics) = http_api::request_text(&h.socket(), "GET", "/metrics", b"").await;
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains("clawmux_narrower_session_fallbacks_total 1"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("clawmux_narrower_sessions 8"), "{metrics}");
     // The ninth grant's request went to the main session (connection 0).
     let last =
         h.gw.requests()
@@ -217,4 +226,32 @@ async fn a_lost_narrower_session_fails_its_requests_and_the_next_reopens_it() {
     let (mut admin, _) = h.connected().await;
     assert_eq!(admin.request("health", json!({})).await["ok"], true);
     assert_eq!(h.broker.ctx().upstream.status().generation, 1);
+}
+
+/// `/v1/rpc` callers are a client per call: a narrowed one's session
+/// lingers, so calls in a row share it.
+#[tokio::test]
+async fn narrowed_rpc_calls_share_one_lingering_session() {
+    let h = start().await;
+    let _ready = h.connected().await;
+    for _ in 0..3 {
+        let (code, _, resp) = http_api::request(
+            &h.socket(),
+            "POST",
+            "/v1/rpc",
+            &[("x-clawmux-scopes", "operator.read")],
+            br#"{"method":"status"}"#,
+        )
+        .await;
+        assert_eq!(code, 200);
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert!(v["payload"]["sessions"].get("paths").is_none(), "{v}");
+    }
+    let state = narrower_state(&h).await;
+    assert_eq!(state["opened"], 1, "{state}");
+    assert_eq!(h.gw.total_connections(), 2);
 }

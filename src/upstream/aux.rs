@@ -216,6 +216,16 @@ impl AuxSessions {
         });
     }
 
+    /// Sessions open, opened since start, requests run on the main session
+    /// because of the cap (for `/metrics`).
+    pub fn counts(&self) -> (usize, u64, u64) {
+        (
+            self.lock().len(),
+            self.opened.load(Ordering::Relaxed),
+            self.fallbacks.load(Ordering::Relaxed),
+        )
+    }
+
     /// For `/v1/state`.
     pub fn to_json(&self) -> Value {
         let sessions: Vec<Value> = self

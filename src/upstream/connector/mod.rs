@@ -238,7 +238,7 @@ impl Connector {
                 )),
                 None => Some(ErrorShape::studio(
                     StudioCode::UpstreamClosed,
-                    "the broker is shutting down",
+                    "the narrower gateway session was closed before it opened",
                 )),
             }
         };
