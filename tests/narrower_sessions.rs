@@ -182,8 +182,7 @@ async fn beyond_the_cap_requests_run_on_the_main_session() {
     let last =
         h.gw.requests()
             .into_iter()
-            .filter(|(_, r)| r["method"] == "health")
-            .last()
+            .rfind(|(_, r)| r["method"] == "health")
             .unwrap();
     assert_eq!(last.0, 0, "{last:?}");
 }
