@@ -129,7 +129,7 @@ impl RunningBroker {
         let listener =
             tokio::net::UnixListener::from_std(listener).map_err(|source| SocketError::Io {
                 path: settings.socket_path.clone(),
-                source,
+                cause: source,
             })?;
         Ok(Self::start_with_listener(settings, listener, guard))
     }
@@ -151,7 +151,7 @@ impl RunningBroker {
         }
         let io = |source| SocketError::Io {
             path: settings.socket_path.clone(),
-            source,
+            cause: source,
         };
         listener.set_nonblocking(true).map_err(io)?;
         let listener = tokio::net::UnixListener::from_std(listener).map_err(io)?;

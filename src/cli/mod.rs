@@ -13,8 +13,10 @@
 
 pub mod call;
 pub mod client;
+pub mod demo;
 pub mod doctor;
 pub mod status;
+pub mod style;
 pub mod tail;
 
 use std::path::PathBuf;

@@ -318,7 +318,7 @@ fn describe(name: &str, p: &Value) -> String {
 }
 
 /// The text of a chat message (`content` as a string or as text parts).
-fn message_text(message: &Value) -> Option<String> {
+pub(crate) fn message_text(message: &Value) -> Option<String> {
     match &message["content"] {
         Value::String(s) => Some(s.clone()),
         Value::Array(parts) => {
@@ -330,7 +330,7 @@ fn message_text(message: &Value) -> Option<String> {
 }
 
 /// A quoted one-line preview; `tail_end` keeps the end of a cumulative text.
-fn preview(text: &str, tail_end: bool) -> String {
+pub(crate) fn preview(text: &str, tail_end: bool) -> String {
     let flat: String = text
         .chars()
         .map(|c| if c.is_control() { ' ' } else { c })
