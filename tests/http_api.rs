@@ -530,7 +530,9 @@ async fn every_error_body_has_the_same_shape() {
         assert_eq!(v["ok"], false, "{method} {path}: {v}");
         assert_eq!(v["error"]["code"], code, "{method} {path}: {v}");
         assert!(
-            v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()),
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
             "{method} {path}: {v}"
         );
         assert!(
@@ -572,12 +574,18 @@ async fn healthz_is_liveness_and_readyz_waits_for_the_upstream() {
     assert_eq!(status, 503, "{ready}");
     assert_eq!(ready["ok"], false);
     assert_eq!(ready["upstream"], "rejected");
-    assert_eq!(ready["error"]["code"], "studio.upstream_rejected", "{ready}");
+    assert_eq!(
+        ready["error"]["code"], "studio.upstream_rejected",
+        "{ready}"
+    );
 
     let h = start().await;
     until_ready(&h.socket()).await;
     let (status, ready) = http_get(&h.socket(), "/readyz").await;
-    assert_eq!((status, &ready), (200, &json!({"ok": true, "upstream": "ready"})));
+    assert_eq!(
+        (status, &ready),
+        (200, &json!({"ok": true, "upstream": "ready"}))
+    );
     let (status, health) = http_get(&h.socket(), "/healthz").await;
     assert_eq!((status, &health["ok"]), (200, &json!(true)), "{health}");
     assert_eq!(health["lostScopes"], json!([]), "{health}");
@@ -586,7 +594,16 @@ async fn healthz_is_liveness_and_readyz_waits_for_the_upstream() {
     let (broker, _dir) = broker_only(|_| {}).await;
     let (status, ready) = http_get(broker.socket_path(), "/readyz").await;
     assert_eq!(status, 503, "{ready}");
-    assert!(ready["error"]["code"].as_str().unwrap().starts_with("studio."), "{ready}");
+    assert!(
+        ready["error"]["code"]
+            .as_str()
+            .unwrap()
+            .starts_with("studio."),
+        "{ready}"
+    );
     let (_, health) = http_get(broker.socket_path(), "/healthz").await;
-    assert_eq!((&health["ok"], &health["lostScopes"]), (&json!(false), &json!([])));
+    assert_eq!(
+        (&health["ok"], &health["lostScopes"]),
+        (&json!(false), &json!([]))
+    );
 }

@@ -201,7 +201,10 @@ async fn old_cursor_future_cursor_and_other_epoch_get_410() {
         assert_eq!(body["error"]["details"]["newest_seq"], newest, "{path}");
         assert_eq!(body["error"]["details"]["epoch"], epoch.as_str(), "{path}");
         assert!(
-            body["error"]["message"].as_str().unwrap().contains("/v1/state"),
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("/v1/state"),
             "{body}"
         );
     }

@@ -50,7 +50,10 @@ pub fn json_response(status: StatusCode, body: serde_json::Value) -> Response<Bo
 
 /// An error answer with just a code and a message (see the module docs for the shape).
 pub fn error_response(status: StatusCode, code: &str, message: String) -> Response<Body> {
-    json_response(status, error_body(&json!({"code": code, "message": message})))
+    json_response(
+        status,
+        error_body(&json!({"code": code, "message": message})),
+    )
 }
 
 /// An error answer carrying a whole [`ErrorShape`] (retry hints, details).
