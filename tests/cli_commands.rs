@@ -488,3 +488,48 @@ async fn tail_and_status_colour_follows_no_color_and_the_terminal() {
         assert!(text.contains("ready"), "{text}");
     }
 }
+
+/// `clawmux metrics` prints `/metrics`; `--textfile DIR` writes
+/// `DIR/clawmux.prom` for node_exporter, with `clawmux_up 0` (exit 3) when
+/// the broker is down.
+#[tokio::test]
+async fn metrics_textfile_for_node_exporter() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let (code, out, err) = clawmux(&["metrics", "--socket", s(&h.socket())]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("clawmux_upstream_phase{phase=\"ready\"} 1"),
+        "{out}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = clawmux(&[
+        "metrics",
+        "--socket",
+        s(&h.socket()),
+        "--textfile",
+        s(dir.path()),
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let file = dir.path().join("clawmux.prom");
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        text.contains("\nclawmux_up 1\n") && text.contains("process_cpu_seconds_total"),
+        "{text}"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "no temporary file left"
+    );
+    let gone = dir.path().join("gone.sock");
+    let (code, _, err) =
+        clawmux(&["metrics", "--socket", s(&gone), "--textfile", s(dir.path())]).await;
+    assert_eq!(code, 3, "{err}");
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        text.ends_with("\nclawmux_up 0\n") && !text.contains("process_"),
+        "{text}"
+    );
+}

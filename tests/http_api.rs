@@ -607,3 +607,37 @@ async fn healthz_is_liveness_and_readyz_waits_for_the_upstream() {
         (&json!(false), &json!([]))
     );
 }
+
+/// `clawmux_build_info` and the standard `process_*` series are exported.
+#[tokio::test]
+async fn metrics_include_build_info_and_process_series() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let (_, _, text) = request_text(&h.socket(), "GET", "/metrics", b"").await;
+    let m = parse_prometheus(&text);
+    let version = env!("CARGO_PKG_VERSION");
+    let info = m
+        .iter()
+        .find(|(k, _)| {
+            k.starts_with("clawmux_build_info{") && k.contains(&format!("version=\"{version}\""))
+        })
+        .unwrap_or_else(|| panic!("build_info in\n{text}"));
+    assert_eq!(*info.1, 1.0);
+    let get = |k: &str| *m.get(k).unwrap_or_else(|| panic!("{k} in\n{text}"));
+    assert!(get("process_resident_memory_bytes") > 1e6, "{text}");
+    assert!(get("process_virtual_memory_bytes") > 1e6);
+    assert!(get("process_open_fds") >= 3.0);
+    assert!(get("process_max_fds") >= get("process_open_fds"));
+    assert!(get("process_threads") >= 1.0);
+    assert!(get("process_cpu_seconds_total") >= 0.0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let start = get("process_start_time_seconds");
+    assert!(
+        start <= now + 2.0 && start > now - 86_400.0,
+        "{start} vs {now}"
+    );
+    assert!(text.contains("# TYPE process_cpu_seconds_total counter\n"));
+}

@@ -15,6 +15,7 @@ pub mod call;
 pub mod client;
 pub mod demo;
 pub mod doctor;
+pub mod metrics;
 pub mod status;
 pub mod style;
 pub mod tail;
@@ -42,6 +43,8 @@ pub enum ClientCommand {
     Tail(tail::TailArgs),
     /// Send one gateway request (e.g. `clawmux call health`) and print its answer.
     Call(call::CallArgs),
+    /// Print the broker's Prometheus metrics, or write them for node_exporter (`--textfile DIR`).
+    Metrics(metrics::MetricsArgs),
 }
 
 /// Where to find the broker.
@@ -100,6 +103,7 @@ pub async fn run(command: ClientCommand) -> ExitCode {
         ClientCommand::Status(args) => ("status", status::run(args).await),
         ClientCommand::Tail(args) => ("tail", tail::run(args).await),
         ClientCommand::Call(args) => ("call", call::run(args).await),
+        ClientCommand::Metrics(args) => ("metrics", metrics::run(args).await),
     };
     match result {
         Ok(code) => ExitCode::from(code),
