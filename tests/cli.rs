@@ -358,6 +358,10 @@ fn socket_path_is_the_one_serve_uses() {
     .unwrap();
     let (_, out, _) = run(home.clawmux().arg("socket-path"));
     assert_eq!(out.trim(), "/from/config.sock");
+    // The client commands look there too.
+    let (code, _, err) = run(home.clawmux().arg("status"));
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("/from/config.sock"), "{err}");
 }
 
 /// A token file that is missing or empty stops `serve` with exit 1 (README

@@ -56,12 +56,17 @@ pub struct BrokerArgs {
 }
 
 impl BrokerArgs {
+    /// The broker at `--socket` / `CLAWMUX_SOCKET`, else where `serve` would
+    /// listen (config.toml's `socket`, else the default path).
     pub fn client(&self) -> BrokerClient {
-        BrokerClient::new(
-            self.socket
-                .clone()
-                .unwrap_or_else(crate::config::default_socket_path),
-        )
+        BrokerClient::new(self.socket.clone().unwrap_or_else(|| {
+            crate::settings::resolve(
+                &crate::settings::Overrides::default(),
+                &crate::settings::Env::from_process(),
+            )
+            .map(|r| r.settings.socket_path)
+            .unwrap_or_else(|_| crate::config::default_socket_path())
+        }))
     }
 }
 
