@@ -1,8 +1,10 @@
-//! The everyday commands: `clawmux status`, `clawmux tail`, `clawmux call`.
+//! The everyday commands: `clawmux status`, `clawmux tail`, `clawmux call`,
+//! `clawmux metrics` (and `doctor`, `serve --demo`'s narrator, the colour
+//! rules in `style`).
 //!
 //! Each talks to a running broker over its unix socket with plain HTTP
-//! (`/v1/state`, `/v1/events`, `/v1/rpc`), exactly as `curl --unix-socket`
-//! would. Exit codes are shared by all of them:
+//! (`/v1/state`, `/v1/events`, `/v1/rpc`, `/metrics`), exactly as `curl
+//! --unix-socket` would. Exit codes are shared by all of them:
 //!
 //! | code | meaning |
 //! |---|---|
