@@ -513,12 +513,13 @@ fn man(args: &ManArgs) -> ExitCode {
     }
 }
 
-/// A token file named on the command line, in `CLAWMUX_GATEWAY_TOKEN_FILE`
-/// or as systemd's credential must be usable at start: exit 1 rather than
-/// serve without the token it was told to use (README "Exit codes"). The
-/// precedence is `settings::resolve`'s for these sources; a token file named
-/// in config.toml is a settings file like the others (its error is served
-/// to clients, and `doctor` shows it).
+/// A token file named on the command line or in `CLAWMUX_GATEWAY_TOKEN_FILE`
+/// must be usable at start: exit 1 rather than serve without the token it
+/// was told to use (README "Exit codes"). The precedence is
+/// `settings::resolve`'s for these sources. systemd's credential and a
+/// `token_file` in config.toml are settings like the others: the broker
+/// serves, and tells every client (and `doctor`) what to fix — under socket
+/// activation that reaches the user, where a failing unit would not.
 fn check_startup_token_file(args: &SettingsArgs) -> anyhow::Result<()> {
     let var = |key: &str| {
         std::env::var(key)
@@ -536,12 +537,8 @@ fn check_startup_token_file(args: &SettingsArgs) -> anyhow::Result<()> {
         Some(p.clone())
     } else if var("CLAWMUX_GATEWAY_TOKEN").is_some() {
         None
-    } else if let Some(p) = var("CLAWMUX_GATEWAY_TOKEN_FILE") {
-        Some(expand(p))
     } else {
-        var("CREDENTIALS_DIRECTORY")
-            .map(|d| PathBuf::from(d).join(clawmux::systemd::TOKEN_CREDENTIAL))
-            .filter(|p| p.exists())
+        var("CLAWMUX_GATEWAY_TOKEN_FILE").map(expand)
     };
     match file {
         Some(path) => config::read_token_file(&path)
