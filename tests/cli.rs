@@ -416,7 +416,11 @@ fn mock_gateway_shows_its_token_and_names_a_busy_port() {
             .spawn()
             .unwrap(),
     );
-    let lines = lines_until(&stderr_lines(&mut gw.0), "listening on", PATIENCE);
+    let lines = lines_until(
+        &stderr_lines(&mut gw.0),
+        "listening on",
+        std::time::Duration::from_secs(20),
+    );
     let said = lines.last().unwrap();
     assert!(
         said.contains("expects token \"demo-tok\"") && said.contains("--token demo-tok"),
@@ -457,7 +461,12 @@ fn demo_says_what_to_run_next_and_shows_activity() {
             .unwrap(),
     );
     let rx = stderr_lines(&mut broker.0);
-    let banner = lines_until(&rx, "Ctrl-C stops the demo", PATIENCE).join("\n");
+    let banner = lines_until(
+        &rx,
+        "Ctrl-C stops the demo",
+        std::time::Duration::from_secs(20),
+    )
+    .join("\n");
     let sock = socket.to_str().unwrap();
     for next in [
         format!("status --socket {sock}"),

@@ -19,6 +19,8 @@ use tokio::process::Command;
 const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
 /// One example may take this long (the `agent` call waits for a whole run).
 const EXAMPLE_PATIENCE: Duration = Duration::from_secs(60);
+/// The demo broker must be ready within this (a cold start under a CPU hog).
+const START_PATIENCE: Duration = Duration::from_secs(20);
 
 #[derive(Debug)]
 struct Example {
@@ -189,7 +191,7 @@ async fn readme_examples_work(with_xdg: bool) {
             rustix::process::getuid().as_raw()
         ))
     };
-    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let deadline = tokio::time::Instant::now() + START_PATIENCE;
     loop {
         if socket.exists() && http_get(&socket, "/readyz").await.0 == 200 {
             break;
