@@ -131,7 +131,7 @@ impl RunningBroker {
         let listener =
             tokio::net::UnixListener::from_std(listener).map_err(|source| SocketError::Io {
                 path: settings.socket_path.clone(),
-                source,
+                cause: source,
             })?;
         Self::start_with_listener(settings, listener, guard)
     }
@@ -154,7 +154,7 @@ impl RunningBroker {
         }
         let io = |source| SocketError::Io {
             path: settings.socket_path.clone(),
-            source,
+            cause: source,
         };
         listener.set_nonblocking(true).map_err(io)?;
         let listener = tokio::net::UnixListener::from_std(listener).map_err(io)?;
@@ -189,7 +189,7 @@ impl RunningBroker {
         for policy in &mut settings.sockets {
             let io = |path: &Path| {
                 let path = path.to_owned();
-                move |source| SocketError::Io { path, source }
+                move |cause| SocketError::Io { path, cause }
             };
             let (l, g) = match activated.iter().position(|(n, _)| *n == policy.name) {
                 Some(i) => {

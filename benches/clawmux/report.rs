@@ -112,6 +112,12 @@ impl Report {
             }
         );
         println!("- machine: {cores} cores ({cpu}), Linux {}", kernel.trim());
+        let binary = std::path::Path::new(env!("CARGO_BIN_EXE_clawmux"));
+        println!(
+            "- binary: {} ({:.1} MiB on disk)",
+            binary.display(),
+            std::fs::metadata(binary).map_or(0, |m| m.len()) as f64 / (1024.0 * 1024.0)
+        );
         println!("- load average at start: {}", procfs::load_average());
         println!(
             "- {} clients, {}-byte events, {:.1} s windows after {:.1} s warmup, window {} events",

@@ -1,9 +1,10 @@
 //! The everyday commands: `clawmux status`, `clawmux tail`, `clawmux call`,
-//! `clawmux record`.
+//! `clawmux record`, `clawmux metrics` (and `doctor`, `serve --demo`'s
+//! narrator, the colour rules in `style`).
 //!
 //! Each talks to a running broker over its unix socket with plain HTTP
-//! (`/v1/state`, `/v1/events`, `/v1/rpc`), exactly as `curl --unix-socket`
-//! would. Exit codes are shared by all of them:
+//! (`/v1/state`, `/v1/events`, `/v1/rpc`, `/metrics`), exactly as `curl
+//! --unix-socket` would. Exit codes are shared by all of them:
 //!
 //! | code | meaning |
 //! |---|---|
@@ -14,9 +15,12 @@
 
 pub mod call;
 pub mod client;
+pub mod demo;
 pub mod doctor;
+pub mod metrics;
 pub mod record;
 pub mod status;
+pub mod style;
 pub mod tail;
 
 use std::path::PathBuf;
@@ -44,6 +48,8 @@ pub enum ClientCommand {
     Call(call::CallArgs),
     /// Record the gateway session the broker shares (events, and with --requests every request and answer) as JSON Lines, for `mock-gateway --replay`.
     Record(record::RecordArgs),
+    /// Print the broker's Prometheus metrics, or write them for node_exporter (`--textfile DIR`).
+    Metrics(metrics::MetricsArgs),
 }
 
 /// Where to find the broker.
@@ -55,12 +61,17 @@ pub struct BrokerArgs {
 }
 
 impl BrokerArgs {
+    /// The broker at `--socket` / `CLAWMUX_SOCKET`, else where `serve` would
+    /// listen (config.toml's `socket`, else the default path).
     pub fn client(&self) -> BrokerClient {
-        BrokerClient::new(
-            self.socket
-                .clone()
-                .unwrap_or_else(crate::config::default_socket_path),
-        )
+        BrokerClient::new(self.socket.clone().unwrap_or_else(|| {
+            crate::settings::resolve(
+                &crate::settings::Overrides::default(),
+                &crate::settings::Env::from_process(),
+            )
+            .map(|r| r.settings.socket_path)
+            .unwrap_or_else(|_| crate::config::default_socket_path())
+        }))
     }
 }
 
@@ -103,6 +114,7 @@ pub async fn run(command: ClientCommand) -> ExitCode {
         ClientCommand::Tail(args) => ("tail", tail::run(args).await),
         ClientCommand::Call(args) => ("call", call::run(args).await),
         ClientCommand::Record(args) => ("record", record::run(args).await),
+        ClientCommand::Metrics(args) => ("metrics", metrics::run(args).await),
     };
     match result {
         Ok(code) => ExitCode::from(code),

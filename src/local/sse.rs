@@ -30,12 +30,12 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{error_response, json_response, Body};
+use super::http::{error_response, shape_response, Body};
 use super::ConnectionKill;
 use crate::broker::Ctx;
 use crate::hub::replay::{EventId, ResumePoint};
 use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
-use crate::protocol::{EventHead, StudioCode};
+use crate::protocol::{ErrorShape, EventHead, StudioCode};
 
 /// Response header naming the broker life the stream's cursors belong to.
 pub const EPOCH_HEADER: &str = "clawmux-epoch";
@@ -143,18 +143,14 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     let (backlog, window) = match ctx.hub.admit_at_cursor(&client, &wanted.from) {
         Ok(admitted) => admitted,
         Err(SubscribeError::ReplayUnavailable(gone)) => {
-            return json_response(
-                StatusCode::GONE,
-                json!({
-                    "ok": false,
-                    "code": StudioCode::ReplayUnavailable.as_str(),
-                    "message": gone.to_string(),
-                    "retryable": false,
+            let error = ErrorShape::studio(StudioCode::ReplayUnavailable, gone.to_string())
+                .with_retryable(false)
+                .with_details(json!({
                     "oldest_seq": gone.window.oldest_seq,
                     "newest_seq": gone.window.newest_seq,
                     "epoch": &*gone.window.epoch,
-                }),
-            );
+                }));
+            return shape_response(StatusCode::GONE, &error);
         }
         Err(SubscribeError::TooManyClients(e)) => {
             return error_response(

@@ -67,7 +67,9 @@ pub fn document(ctx: &Ctx) -> Value {
             "server_version": hello.map(|h| h.server_version.as_str()),
             "protocol": hello.map(|h| h.protocol),
             "scopes": hello.map(|h| &h.scopes),
-            "lost_scopes": hello.map(|h| &h.lost_scopes),
+            "lost_scopes": hello.map_or(&[][..], |h| &h.lost_scopes[..]),
+            // The event names the gateway announced (`hello-ok.features.events`).
+            "events": hello.and_then(|h| h.payload.pointer("/features/events")),
             "last_error": status.last_error.as_ref().map(|e| e.to_json()),
             "retry_after_ms": status.retry_after_ms(),
             "reconnects": status.reconnects,

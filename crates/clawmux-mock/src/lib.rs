@@ -31,9 +31,9 @@
 //! ```
 
 pub mod faults;
+pub mod provider;
 pub mod recording;
 pub mod replay;
-pub mod provider;
 
 mod connection;
 mod handshake;
