@@ -17,6 +17,20 @@
 
 mod connector;
 mod handshake;
+
+pub use handshake::{UpstreamIo, Ws as GatewaySocket};
+pub(crate) use handshake::{closed_before_answer, handshake_timed_out, open_failed};
+
+/// Opens the byte stream to the gateway exactly as the shared session does
+/// (TCP, or the configured unix socket): the dedicated route
+/// ([`crate::local::dedicated`]) calls this, so both routes reach the same
+/// gateways the same way.
+pub async fn open_stream(
+    url: &str,
+    opts: &crate::config::UpstreamOptions,
+) -> std::io::Result<Box<dyn UpstreamIo>> {
+    connector::Connector::open_stream(url, opts).await
+}
 pub mod identity;
 mod private_files;
 
@@ -433,6 +447,11 @@ impl Upstream {
                 return Err(self.status().not_ready_error());
             }
         }
+    }
+
+    /// The settings the connector is pointed at now (after any reload).
+    pub fn target(&self) -> Target {
+        self.target.borrow().clone()
     }
 
     /// The gateway URL the connector is pointed at now (after any reload).

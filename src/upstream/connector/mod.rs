@@ -23,7 +23,7 @@ use super::{
     backoff_delay, clamp_hint, ClientCredential, Outbound, Phase, Status, Target, UpstreamHello,
     STABLE_SESSION,
 };
-use crate::config::{redact_url, validate_gateway_url, Secret, Settings, UpstreamOptions};
+use crate::config::{validate_gateway_url, Secret, Settings, UpstreamOptions};
 use crate::dispatch::Dispatcher;
 use crate::hub::Hub;
 use crate::protocol::frames::encode_req;
@@ -301,13 +301,9 @@ impl Connector {
                 }
                 Err(_) => {
                     failures += 1;
-                    let e = ErrorShape::studio(
-                        StudioCode::UpstreamTimeout,
-                        format!(
-                            "the gateway at {} did not complete its handshake within {} ms",
-                            redact_url(&self.url),
-                            self.opts.handshake_timeout.as_millis()
-                        ),
+                    let e = super::handshake::handshake_timed_out(
+                        &self.url,
+                        self.opts.handshake_timeout,
                     );
                     tracing::warn!(code = %e.code, failures, "{}", e.message);
                     self.status.send_modify(|s| s.last_error = Some(e));
@@ -364,7 +360,7 @@ impl Connector {
         let config = WebSocketConfig::default()
             .max_message_size(Some(self.opts.max_frame_bytes))
             .max_frame_size(Some(self.opts.max_frame_bytes));
-        let opened = match self.open_stream().await {
+        let opened = match Self::open_stream(&self.url, &self.opts).await {
             Ok(io) => {
                 tokio_tungstenite::client_async_with_config(self.url.as_str(), io, Some(config))
                     .await
@@ -372,15 +368,11 @@ impl Connector {
             }
             Err(e) => Err(tokio_tungstenite::tungstenite::Error::Io(e)),
         };
-        let (mut ws, _) = opened.map_err(|e| {
-                AttemptError::new(
-                    StudioCode::UpstreamError,
-                    format!(
-                        "cannot open the gateway connection to {}: {e}; is the gateway running? (start it: openclaw gateway)",
-                        redact_url(&self.url)
-                    ),
-                )
-            })?;
+        let (mut ws, _) = opened.map_err(|e| AttemptError {
+            error: super::handshake::open_failed(&self.url, e),
+            rejected: false,
+            retry_after: None,
+        })?;
         self.set_phase(Phase::Handshaking);
         let challenge = loop {
             let text = next_text(&mut ws).await?;
@@ -492,12 +484,16 @@ impl Connector {
 
     /// Opens the byte stream to the gateway: TCP to the URL's host and port
     /// (Nagle off, as tokio-tungstenite's own `connect_async` does), or the
-    /// configured unix socket.
-    async fn open_stream(&self) -> std::io::Result<Box<dyn super::handshake::UpstreamIo>> {
-        if let Some(path) = &self.opts.unix_socket {
+    /// configured unix socket. The dedicated route opens its connections
+    /// with this too ([`crate::upstream::open_stream`]).
+    pub(crate) async fn open_stream(
+        url: &str,
+        opts: &UpstreamOptions,
+    ) -> std::io::Result<Box<dyn super::handshake::UpstreamIo>> {
+        if let Some(path) = &opts.unix_socket {
             return Ok(Box::new(tokio::net::UnixStream::connect(path).await?));
         }
-        let uri: http::Uri = self.url.parse().map_err(|e| {
+        let uri: http::Uri = url.parse().map_err(|e| {
             std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("bad URL: {e}"))
         })?;
         if uri.scheme_str() == Some("wss") {
