@@ -225,10 +225,7 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, ctx: Arc<Ctx>) {
             .refused
             .fetch_add(1, Ordering::Relaxed);
         let max = ctx.dedicated.max;
-        tracing::warn!(
-            limit = max,
-            "too many dedicated connections; refusing one"
-        );
+        tracing::warn!(limit = max, "too many dedicated connections; refusing one");
         let reason = format!("too many dedicated connections ({max}); raise limits.max_dedicated");
         send_close(&mut local_tx, 1013, &reason).await;
         return;
@@ -263,7 +260,10 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, ctx: Arc<Ctx>) {
 
 /// What a read from one side gave.
 enum Read {
+    /// A text or binary frame, to relay as it is.
     Frame(Message),
+    /// A control frame (ping, pong): nothing to relay.
+    Skip,
     /// The side sent a close frame (`None`: one without a code).
     Closed(Option<CloseFrame>),
     /// The connection ended without a close frame.
@@ -278,7 +278,10 @@ enum Read {
 fn classify(msg: Option<Result<Message, WsError>>, side: &str) -> Read {
     match msg {
         Some(Ok(Message::Close(frame))) => Read::Closed(frame),
-        Some(Ok(m)) => Read::Frame(m),
+        Some(Ok(m @ (Message::Text(_) | Message::Binary(_)))) => Read::Frame(m),
+        // Pings and pongs belong to one hop: tungstenite answers a ping on
+        // each side itself.
+        Some(Ok(_)) => Read::Skip,
         None => Read::Ended,
         Some(Err(WsError::Capacity(_))) => Read::TooLarge,
         Some(Err(WsError::Io(e))) if e.to_string() == OVER_BUDGET => Read::TooLarge,
@@ -339,9 +342,10 @@ impl Conn {
         let target = ctx.upstream.target();
         let opts = ctx.settings.upstream.clone();
         let url = target.url.trim().to_owned();
-        let setup_error = target.load_error.clone().or_else(|| {
-            crate::config::validate_gateway_url(&url).err()
-        });
+        let setup_error = target
+            .load_error
+            .clone()
+            .or_else(|| crate::config::validate_gateway_url(&url).err());
         let opening = async {
             if let Some(e) = setup_error {
                 return Err(e);
@@ -397,6 +401,7 @@ impl Conn {
                                 return None;
                             }
                         }
+                        Read::Skip => {}
                         Read::Closed(frame) => {
                             let (code, reason) = frame.map(|f| (u16::from(f.code), f.reason.to_string())).unwrap_or((1005, String::new()));
                             upstream = Upstream::Failed(closed_before_answer(code, &reason));
@@ -434,6 +439,7 @@ impl Conn {
                             send_close(&mut self.local_tx, 1009, "frame too large").await;
                             return None;
                         }
+                        Read::Skip => {}
                         Read::Invalid(code, reason) => {
                             send_close(&mut self.local_tx, code, reason).await;
                             return None;
@@ -503,10 +509,10 @@ impl Conn {
         let Some(token) = host_token else {
             return Err(Refusal::Answer(
                 req.id,
-                ErrorShape::studio(
+                Box::new(ErrorShape::studio(
                     StudioCode::GatewayTokenMissing,
                     "no gateway token on this host and the client sent no auth: set gateway.token_file in ~/.config/clawmux/config.toml, --token-file or CLAWMUX_GATEWAY_TOKEN, or connect with your own auth or device identity",
-                ),
+                )),
             ));
         };
         let injected = inject_token(text.as_str(), token.expose())
@@ -593,6 +599,7 @@ impl Conn {
                 };
                 let msg = match read {
                     Read::Frame(m) => m,
+                    Read::Skip => continue,
                     Read::Closed(frame) if !answered => {
                         let (code, reason) = frame
                             .map(|f| (u16::from(f.code), f.reason.to_string()))
@@ -621,7 +628,10 @@ impl Conn {
                             if ok {
                                 budget.lift();
                                 outcomes.connected.fetch_add(1, Ordering::Relaxed);
-                                tracing::info!(dedicated_id = slot.id, "dedicated client connected");
+                                tracing::info!(
+                                    dedicated_id = slot.id,
+                                    "dedicated client connected"
+                                );
                             } else {
                                 outcomes.rejected.fetch_add(1, Ordering::Relaxed);
                             }
@@ -641,6 +651,7 @@ impl Conn {
                             return End::GatewayGone;
                         }
                     }
+                    Read::Skip => {}
                     other => return End::Client(other),
                 }
             }
@@ -676,9 +687,14 @@ impl Conn {
                         send_close(&mut self.local_tx, code, reason).await;
                         Some(close_frame(code, reason))
                     }
-                    Read::Ended | Read::Frame(_) => Some(close_frame(1001, "going away")),
+                    Read::Ended | Read::Frame(_) | Read::Skip => {
+                        Some(close_frame(1001, "going away"))
+                    }
                 };
-                tracing::debug!(dedicated_id = id, "the client closed; mirroring to the gateway");
+                tracing::debug!(
+                    dedicated_id = id,
+                    "the client closed; mirroring to the gateway"
+                );
                 close_and_drain(&mut up_tx, &mut up_rx, to_gateway).await;
             }
             End::Gateway(read) => {
@@ -696,11 +712,14 @@ impl Conn {
                         .await;
                         Some(frame)
                     }
-                    Read::Invalid(..) | Read::Ended | Read::Frame(_) => {
+                    Read::Invalid(..) | Read::Ended | Read::Frame(_) | Read::Skip => {
                         Some(close_frame(1012, "upstream closed"))
                     }
                 };
-                tracing::debug!(dedicated_id = id, "the gateway closed; mirroring to the client");
+                tracing::debug!(
+                    dedicated_id = id,
+                    "the gateway closed; mirroring to the client"
+                );
                 close_and_drain(&mut self.local_tx, &mut self.local_rx, to_client).await;
             }
             End::Unanswered => {
@@ -750,7 +769,7 @@ enum Refusal {
     /// Close with this code and reason (no answer: no usable connect id).
     Close(u16, String),
     /// Answer the connect id with this error, then close `1011`.
-    Answer(String, ErrorShape),
+    Answer(String, Box<ErrorShape>),
 }
 
 /// Reads the gateway during the handshake (pending while it is not open).
@@ -785,7 +804,10 @@ async fn unanswered(
 /// Whether `text` is the gateway's answer to the connect (`Some(ok)`); on
 /// `ok`, the listing takes the gateway's connection id and granted scopes.
 fn connect_answer(text: &str, connect_id: &str, slot: &Slot) -> Option<bool> {
-    let Some(UpstreamFrame::Res { id, ok, payload, .. }) = UpstreamFrame::parse(text) else {
+    let Some(UpstreamFrame::Res {
+        id, ok, payload, ..
+    }) = UpstreamFrame::parse(text)
+    else {
         return None;
     };
     if id != connect_id {
@@ -939,7 +961,8 @@ mod tests {
             client_auth(&json!({"auth": {"deviceToken": "d"}})),
             Some("device-token")
         );
-        let device = json!({"id": "i", "publicKey": "k", "signature": "s", "nonce": "n", "signedAt": 5});
+        let device =
+            json!({"id": "i", "publicKey": "k", "signature": "s", "nonce": "n", "signedAt": 5});
         assert_eq!(client_auth(&json!({"device": device})), Some("device"));
         let mut partial = device.clone();
         partial["signature"] = json!("");
@@ -953,11 +976,18 @@ mod tests {
     fn injection_keeps_everything_else() {
         let text = r#"{"type":"req","id":"c","method":"connect","params":{"minProtocol":3,"auth":{"bootstrapToken":"b"},"x":[1]}}"#;
         let out: Value = serde_json::from_str(&inject_token(text, "T").unwrap()).unwrap();
-        assert_eq!(out["params"]["auth"], json!({"bootstrapToken": "b", "token": "T"}));
+        assert_eq!(
+            out["params"]["auth"],
+            json!({"bootstrapToken": "b", "token": "T"})
+        );
         assert_eq!(out["params"]["x"], json!([1]));
         assert_eq!(out["id"], "c");
         let bare: Value = serde_json::from_str(
-            &inject_token(r#"{"type":"req","id":"c","method":"connect","params":7}"#, "T").unwrap(),
+            &inject_token(
+                r#"{"type":"req","id":"c","method":"connect","params":7}"#,
+                "T",
+            )
+            .unwrap(),
         )
         .unwrap();
         assert_eq!(bare["params"], json!({"auth": {"token": "T"}}));

@@ -117,9 +117,7 @@ impl ConnectRequest {
         match p.get("role") {
             None | Some(Value::Null) => {}
             Some(Value::String(r)) if r == "operator" => {}
-            Some(Value::String(r)) if r == "node" => {
-                return Err(NODE_ROLE_REFUSED.into())
-            }
+            Some(Value::String(r)) if r == "node" => return Err(NODE_ROLE_REFUSED.into()),
             Some(_) => return Err("invalid role".into()),
         }
         let tool_events = p

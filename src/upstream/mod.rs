@@ -18,8 +18,8 @@
 mod connector;
 mod handshake;
 
-pub use handshake::{UpstreamIo, Ws as GatewaySocket};
 pub(crate) use handshake::{closed_before_answer, handshake_timed_out, open_failed};
+pub use handshake::{UpstreamIo, Ws as GatewaySocket};
 
 /// Opens the byte stream to the gateway exactly as the shared session does
 /// (TCP, or the configured unix socket): the dedicated route

@@ -1,0 +1,555 @@
+//! `GET /ws/dedicated`: one gateway connection per local client, Claw3D
+//! proxy semantics (token injection only without client auth, frames
+//! verbatim, closes mirrored), its limits, and how it is listed.
+//!
+//! Most tests run against the gateway double; the ones that need to see
+//! what the gateway receives on close (or a gateway that never answers) run
+//! against a small scripted gateway in this file.
+
+#[path = "support/http_api.rs"]
+mod http_api;
+mod support;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use support::*;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::Message;
+
+use clawmux::upstream::identity::{ConnectProof, DeviceIdentity};
+
+async fn dedicated(h: &Harness) -> WsClient {
+    WsClient::open(&h.socket(), "/ws/dedicated").await
+}
+
+/// The double's record of connects from clients other than the broker's
+/// own shared session.
+fn client_connects(gw: &MockGateway) -> Vec<Value> {
+    gw.connects()
+        .into_iter()
+        .filter(|c| c["client"]["id"] != "gateway-client")
+        .collect()
+}
+
+async fn metrics(socket: &std::path::Path) -> String {
+    let (status, _, body) = http_api::request_text(socket, "GET", "/metrics", b"").await;
+    assert_eq!(status, 200);
+    body
+}
+
+#[tokio::test]
+async fn the_host_token_is_injected_when_the_client_brings_no_auth() {
+    init_test_log();
+    let h = start().await;
+    let mut c = dedicated(&h).await;
+    // The gateway's own challenge, verbatim (its nonce is what a device signs).
+    let challenge = c.recv_json().await;
+    assert_eq!(challenge["event"], "connect.challenge", "{challenge}");
+    assert!(challenge["payload"]["nonce"].is_string());
+    c.send_json(&connect_frame("c1")).await;
+    let res = c.response("c1").await;
+    assert_eq!(res["ok"], true, "{res}");
+    let sent = client_connects(&h.gw);
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(sent[0]["auth"], json!({"token": "test-token"}));
+    // Frames pass verbatim: the client's own id comes back unchanged.
+    c.send_json(&json!({"type":"req","id":"same-id","method":"health"}))
+        .await;
+    let health = c.response("same-id").await;
+    assert_eq!(health["ok"], true, "{health}");
+    // Two gateway connections: the shared session and this one.
+    assert_eq!(h.gw.ready_connections(), 2);
+}
+
+#[tokio::test]
+async fn the_clients_own_token_is_forwarded_and_the_gateways_close_mirrored() {
+    init_test_log();
+    let h = start().await;
+    let mut c = dedicated(&h).await;
+    c.recv_json().await;
+    let mut frame = connect_frame("c1");
+    frame["params"]["auth"] = json!({"token": "not-the-token"});
+    c.send_json(&frame).await;
+    // The gateway's own answer, not a studio.* one: it answered.
+    let res = c.response("c1").await;
+    assert_eq!(res["ok"], false, "{res}");
+    assert_eq!(res["error"]["code"], "INVALID_REQUEST", "{res}");
+    let (code, reason) = c.expect_close().await;
+    assert_eq!(code, 1008, "{reason}");
+    assert_eq!(
+        client_connects(&h.gw)[0]["auth"],
+        json!({"token": "not-the-token"})
+    );
+    let m = metrics(&h.socket()).await;
+    assert!(
+        m.contains("clawmux_dedicated_total{outcome=\"rejected\"} 1"),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn a_device_signed_connect_passes_untouched() {
+    init_test_log();
+    // Auth mode `none`: a device signature alone is enough, and the broker
+    // must not add the host token to it.
+    let cfg = MockConfig {
+        token: None,
+        ..mock_config()
+    };
+    let h = start_with(cfg, |_| {}).await;
+    let key_dir = tempfile::tempdir().unwrap();
+    let identity = DeviceIdentity::load_or_create(key_dir.path()).unwrap();
+    let mut c = dedicated(&h).await;
+    let challenge = c.recv_json().await;
+    let nonce = challenge["payload"]["nonce"].as_str().unwrap().to_owned();
+    let scopes = ["operator.read"];
+    let device = identity.sign_connect(&ConnectProof {
+        client_id: "cli",
+        client_mode: "cli",
+        role: "operator",
+        scopes: &scopes,
+        signed_at_ms: clawmux::protocol::now_ms(),
+        token: "",
+        nonce: &nonce,
+        platform: "linux",
+        device_family: "",
+    });
+    let params = json!({
+        "minProtocol": 3, "maxProtocol": 4,
+        "client": {"id": "cli", "version": "test", "platform": "linux", "mode": "cli"},
+        "role": "operator", "scopes": scopes, "device": device,
+    });
+    c.send_json(&json!({"type":"req","id":"c1","method":"connect","params":params}))
+        .await;
+    let res = c.response("c1").await;
+    assert_eq!(res["ok"], true, "{res}");
+    assert_eq!(client_connects(&h.gw), vec![params]);
+    let state = http_api::state(&h.socket()).await;
+    let listed = &state["dedicated"][0];
+    assert_eq!(listed["device_id"], identity.device_id(), "{state}");
+    assert_eq!(listed["auth"], "device", "{state}");
+}
+
+#[tokio::test]
+async fn without_a_host_token_a_client_without_auth_gets_gateway_token_missing() {
+    init_test_log();
+    let h = start_with(mock_config(), |s| s.token = None).await;
+    let mut c = dedicated(&h).await;
+    c.recv_json().await;
+    c.send_json(&connect_frame("c1")).await;
+    let res = c.response("c1").await;
+    assert_eq!(
+        res["error"]["code"], "studio.gateway_token_missing",
+        "{res}"
+    );
+    assert_eq!(res["error"]["retryable"], false, "{res}");
+    assert_eq!(c.expect_close().await, (1011, "connect failed".into()));
+    assert!(client_connects(&h.gw).is_empty());
+}
+
+#[tokio::test]
+async fn an_unreachable_gateway_is_studio_upstream_error_as_on_the_shared_route() {
+    init_test_log();
+    let (broker, _dir) = broker_only(|_| {}).await;
+    let mut c = WsClient::open(broker.socket_path(), "/ws/dedicated").await;
+    c.send_json(&connect_frame("c1")).await;
+    let res = c.response("c1").await;
+    assert_eq!(res["error"]["code"], "studio.upstream_error", "{res}");
+    assert_eq!(res["error"]["retryable"], true, "{res}");
+    assert_eq!(c.expect_close().await, (1011, "connect failed".into()));
+    let m = metrics(broker.socket_path()).await;
+    assert!(
+        m.contains("clawmux_dedicated_total{outcome=\"failed\"} 1"),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn the_cap_refuses_one_more_with_a_clear_close_and_frees_slots() {
+    init_test_log();
+    let h = start_with(mock_config(), |s| s.limits.max_dedicated = 1).await;
+    let mut first = dedicated(&h).await;
+    first.recv_json().await;
+    first.send_json(&connect_frame("c1")).await;
+    assert_eq!(first.response("c1").await["ok"], true);
+    let mut second = dedicated(&h).await;
+    let (code, reason) = second.expect_close().await;
+    assert_eq!(code, 1013);
+    assert!(reason.contains("max_dedicated"), "{reason}");
+    // Nothing was opened upstream for it.
+    assert_eq!(client_connects(&h.gw).len(), 1);
+    let m = metrics(&h.socket()).await;
+    assert!(
+        m.contains("clawmux_dedicated_total{outcome=\"refused\"} 1"),
+        "{m}"
+    );
+    first.close().await;
+    let socket = h.socket();
+    let mut freed = false;
+    for _ in 0..200 {
+        if http_api::state(&socket).await["dedicated"]
+            .as_array()
+            .is_some_and(|a| a.is_empty())
+        {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(freed, "the slot is freed when the client leaves");
+    let mut third = dedicated(&h).await;
+    assert_eq!(third.recv_json().await["event"], "connect.challenge");
+}
+
+#[tokio::test]
+async fn state_and_metrics_list_dedicated_clients_without_secrets() {
+    init_test_log();
+    let h = start().await;
+    let mut c = dedicated(&h).await;
+    c.recv_json().await;
+    c.send_json(&connect_frame("c1")).await;
+    let hello = c.response("c1").await;
+    let state = http_api::state(&h.socket()).await;
+    let listed = &state["dedicated"][0];
+    assert_eq!(listed["phase"], "connected", "{state}");
+    assert_eq!(listed["client"]["id"], "cli", "{state}");
+    assert_eq!(listed["client"]["mode"], "cli", "{state}");
+    assert_eq!(listed["role"], "operator", "{state}");
+    assert_eq!(listed["auth"], "host-token", "{state}");
+    assert_eq!(
+        listed["conn_id"], hello["payload"]["server"]["connId"],
+        "{state}"
+    );
+    assert_eq!(state["limits"]["max_dedicated"], 64);
+    assert!(!state.to_string().contains("test-token"));
+    // Not a shared-session client.
+    assert_eq!(state["clients"].as_array().map(Vec::len), Some(0));
+    let m = metrics(&h.socket()).await;
+    assert!(m.contains("clawmux_dedicated_connections 1"), "{m}");
+    assert!(
+        m.contains("clawmux_dedicated_total{outcome=\"connected\"} 1"),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn the_client_must_connect_within_the_deadline() {
+    init_test_log();
+    let h = start_with(mock_config(), |s| {
+        s.limits.connect_timeout = Duration::from_millis(300)
+    })
+    .await;
+    let mut c = dedicated(&h).await;
+    assert_eq!(c.expect_close().await, (1008, "connect timeout".into()));
+    // Its gateway connection is closed too: only the shared one remains.
+    let gw = &h.gw;
+    eventually("the dedicated gateway connection closes", || {
+        gw.open_connections() == 1
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_first_frame_must_be_a_connect() {
+    init_test_log();
+    let h = start().await;
+    let mut c = dedicated(&h).await;
+    c.recv_json().await;
+    c.send_json(&json!({"type":"req","id":"h","method":"health"}))
+        .await;
+    assert_eq!(c.expect_close().await, (1008, "connect required".into()));
+    let mut c = dedicated(&h).await;
+    c.recv_json().await;
+    c.send_text("{not json").await;
+    assert_eq!(c.expect_close().await, (1003, "invalid json".into()));
+    let mut c = dedicated(&h).await;
+    c.recv_json().await;
+    c.send_text(&"x".repeat(70 * 1024)).await;
+    assert_eq!(c.expect_close().await.0, 1009);
+}
+
+#[tokio::test]
+async fn the_shared_route_refuses_role_node_and_points_to_dedicated() {
+    init_test_log();
+    let h = start().await;
+    let mut c = h.client().await;
+    c.recv_json().await;
+    let mut frame = connect_frame("c1");
+    frame["params"]["role"] = json!("node");
+    c.send_json(&frame).await;
+    let res = c.response("c1").await;
+    assert_eq!(res["error"]["code"], "INVALID_REQUEST", "{res}");
+    let message = res["error"]["message"].as_str().unwrap();
+    assert!(message.contains("/ws/dedicated"), "{message}");
+    let (code, reason) = c.expect_close().await;
+    assert_eq!(code, 1008);
+    assert!(reason.contains("/ws/dedicated"), "{reason}");
+    // A node on the dedicated route reaches the gateway with its role.
+    let mut node = dedicated(&h).await;
+    node.recv_json().await;
+    node.send_json(&frame).await;
+    node.response("c1").await;
+    assert_eq!(client_connects(&h.gw)[0]["role"], "node");
+}
+
+// ------------------------------------------------------------------
+// A scripted gateway: records what each connection receives, and closes a
+// connection on demand. It answers every connect `hello-ok` except from a
+// client named "silent".
+
+/// What the scripted gateway saw on one connection.
+#[derive(Debug, Clone, PartialEq)]
+enum Seen {
+    Connect(Value),
+    Text(String),
+    Closed(Option<(u16, String)>),
+}
+
+/// Per connection: where to send a (code, reason) that makes it close.
+type Closers = Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<(u16, String)>>>>;
+
+struct Scripted {
+    url: String,
+    seen: mpsc::UnboundedReceiver<(u64, Seen)>,
+    closers: Closers,
+    /// Connection index → the client id its connect named.
+    names: HashMap<u64, String>,
+}
+
+fn hello_ok(id: &str, conn: u64) -> String {
+    json!({"type":"res","id":id,"ok":true,"payload":{
+        "type":"hello-ok","protocol":4,
+        "server":{"version":"scripted","connId":format!("conn-{conn}")},
+        "features":{"methods":["health"],"events":["tick"]},
+        "snapshot":{"presence":[],"health":{},"stateVersion":{"presence":0,"health":0},"uptimeMs":0},
+        "policy":{"maxPayload":26214400,"maxBufferedBytes":52428800,"tickIntervalMs":30000},
+        "auth":{"role":"operator","scopes":["operator.read"]}}})
+    .to_string()
+}
+
+impl Scripted {
+    async fn start() -> Scripted {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("ws://{}", listener.local_addr().unwrap());
+        let (tx, seen) = mpsc::unbounded_channel();
+        let closers: Closers = Arc::default();
+        let registry = Arc::clone(&closers);
+        tokio::spawn(async move {
+            let mut next = 0u64;
+            while let Ok((tcp, _)) = listener.accept().await {
+                next += 1;
+                let conn = next;
+                let tx = tx.clone();
+                let (close_tx, mut close_rx) = mpsc::unbounded_channel::<(u16, String)>();
+                registry.lock().unwrap().insert(conn, close_tx);
+                tokio::spawn(async move {
+                    let Ok(mut ws) = tokio_tungstenite::accept_async(tcp).await else {
+                        return;
+                    };
+                    let challenge = json!({"type":"event","event":"connect.challenge",
+                        "payload":{"nonce":format!("nonce-{conn}"),"ts":1}});
+                    let _ = ws.send(Message::text(challenge.to_string())).await;
+                    loop {
+                        tokio::select! {
+                            msg = ws.next() => match msg {
+                                Some(Ok(Message::Text(t))) => {
+                                    let v: Value = serde_json::from_str(t.as_str()).unwrap_or(Value::Null);
+                                    if v["method"] == "connect" {
+                                        let _ = tx.send((conn, Seen::Connect(v["params"].clone())));
+                                        if v["params"]["client"]["id"] != "silent" {
+                                            let id = v["id"].as_str().unwrap_or_default();
+                                            let _ = ws.send(Message::text(hello_ok(id, conn))).await;
+                                        }
+                                    } else {
+                                        let _ = tx.send((conn, Seen::Text(t.as_str().to_owned())));
+                                    }
+                                }
+                                Some(Ok(Message::Close(f))) => {
+                                    let f = f.map(|f| (u16::from(f.code), f.reason.as_str().to_owned()));
+                                    let _ = tx.send((conn, Seen::Closed(f)));
+                                    let _ = ws.flush().await;
+                                    return;
+                                }
+                                Some(Ok(_)) => {}
+                                _ => {
+                                    let _ = tx.send((conn, Seen::Closed(None)));
+                                    return;
+                                }
+                            },
+                            Some((code, reason)) = close_rx.recv() => {
+                                let _ = ws.close(Some(CloseFrame { code: CloseCode::from(code), reason: reason.into() })).await;
+                                // Read the peer's reply.
+                                while let Some(Ok(m)) = ws.next().await {
+                                    if matches!(m, Message::Close(_)) { break; }
+                                }
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Scripted {
+            url,
+            seen,
+            closers,
+            names: HashMap::new(),
+        }
+    }
+
+    /// The next thing a connection from a client named `client` saw.
+    async fn next_from(&mut self, client: &str) -> (u64, Seen) {
+        loop {
+            let (conn, seen) = tokio::time::timeout(PATIENCE, self.seen.recv())
+                .await
+                .expect("the scripted gateway sees something in time")
+                .expect("scripted gateway runs");
+            if let Seen::Connect(p) = &seen {
+                let name = p["client"]["id"].as_str().unwrap_or_default().to_owned();
+                self.names.insert(conn, name);
+            }
+            if self.names.get(&conn).map(String::as_str) == Some(client) {
+                return (conn, seen);
+            }
+        }
+    }
+
+    fn close(&self, conn: u64, code: u16, reason: &str) {
+        let closers = self.closers.lock().unwrap();
+        closers[&conn].send((code, reason.into())).unwrap();
+    }
+}
+
+async fn scripted_broker(
+    tweak: impl FnOnce(&mut Settings),
+) -> (Scripted, RunningBroker, tempfile::TempDir) {
+    let gw = Scripted::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = test_settings(dir.path(), &gw.url, Some("test-token"));
+    tweak(&mut settings);
+    let broker = RunningBroker::start(settings).await.unwrap();
+    (gw, broker, dir)
+}
+
+/// A dedicated client connected through the scripted gateway, and its
+/// gateway connection's index.
+async fn connected_dedicated(gw: &mut Scripted, broker: &RunningBroker) -> (WsClient, u64) {
+    let mut c = WsClient::open(broker.socket_path(), "/ws/dedicated").await;
+    assert_eq!(c.recv_json().await["event"], "connect.challenge");
+    c.send_json(&connect_frame("c1")).await;
+    assert_eq!(c.response("c1").await["ok"], true);
+    let (conn, seen) = gw.next_from("cli").await;
+    assert!(matches!(seen, Seen::Connect(_)), "{seen:?}");
+    (c, conn)
+}
+
+#[tokio::test]
+async fn a_clients_close_reaches_the_gateway_with_its_code_and_reason() {
+    init_test_log();
+    let (mut gw, broker, _dir) = scripted_broker(|_| {}).await;
+    let (mut c, _) = connected_dedicated(&mut gw, &broker).await;
+    // Frames reach the gateway byte for byte.
+    let raw = r#"{"type":"req", "id":"x1","method":"health" ,"params":{}}"#;
+    c.send_text(raw).await;
+    assert_eq!(gw.next_from("cli").await.1, Seen::Text(raw.into()));
+    c.ws_mut()
+        .close(Some(CloseFrame {
+            code: CloseCode::from(4321),
+            reason: "client says bye".into(),
+        }))
+        .await
+        .unwrap();
+    assert_eq!(
+        gw.next_from("cli").await.1,
+        Seen::Closed(Some((4321, "client says bye".into())))
+    );
+    // The client gets the close handshake completed.
+    assert!(matches!(c.recv().await, Got::Close(4321, _) | Got::Eof));
+}
+
+#[tokio::test]
+async fn a_gateway_close_reaches_the_client_with_its_code_and_reason() {
+    init_test_log();
+    let (mut gw, broker, _dir) = scripted_broker(|_| {}).await;
+    let (mut c, conn) = connected_dedicated(&mut gw, &broker).await;
+    gw.close(conn, 4002, "gateway says bye");
+    assert_eq!(c.expect_close().await, (4002, "gateway says bye".into()));
+    let socket = broker.socket_path().to_owned();
+    let mut gone = false;
+    for _ in 0..200 {
+        if metrics(&socket)
+            .await
+            .contains("clawmux_dedicated_connections 0")
+        {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(gone, "the connection is no longer counted");
+}
+
+#[tokio::test]
+async fn a_frame_over_the_limit_closes_both_sides_1009() {
+    init_test_log();
+    let (mut gw, broker, _dir) = scripted_broker(|s| s.limits.max_frame_bytes = 70 * 1024).await;
+    let (mut c, _) = connected_dedicated(&mut gw, &broker).await;
+    // Over the pre-connect limit is fine after the gateway's hello-ok ...
+    let big =
+        json!({"type":"req","id":"b","method":"health","params":{"pad":"x".repeat(66 * 1024)}});
+    c.send_json(&big).await;
+    assert!(matches!(gw.next_from("cli").await.1, Seen::Text(_)));
+    // ... over max_frame_bytes is not.
+    c.send_text(&"x".repeat(71 * 1024)).await;
+    assert_eq!(c.expect_close().await, (1009, "frame too large".into()));
+    assert_eq!(
+        gw.next_from("cli").await.1,
+        Seen::Closed(Some((1009, "frame too large".into())))
+    );
+}
+
+#[tokio::test]
+async fn a_gateway_that_never_answers_the_connect_is_studio_upstream_timeout() {
+    init_test_log();
+    let (mut gw, broker, _dir) =
+        scripted_broker(|s| s.upstream.handshake_timeout = Duration::from_millis(500)).await;
+    let mut c = WsClient::open(broker.socket_path(), "/ws/dedicated").await;
+    c.recv_json().await;
+    let mut frame = connect_frame("c1");
+    frame["params"]["client"]["id"] = json!("silent");
+    c.send_json(&frame).await;
+    let res = c.response("c1").await;
+    assert_eq!(res["error"]["code"], "studio.upstream_timeout", "{res}");
+    assert_eq!(res["error"]["retryable"], true, "{res}");
+    assert_eq!(c.expect_close().await, (1011, "connect failed".into()));
+    // The gateway connection is closed, not left behind.
+    loop {
+        if let (_, Seen::Closed(_)) = gw.next_from("silent").await {
+            break;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_gateway_that_closes_before_answering_is_studio_upstream_closed() {
+    init_test_log();
+    let (mut gw, broker, _dir) = scripted_broker(|_| {}).await;
+    let mut c = WsClient::open(broker.socket_path(), "/ws/dedicated").await;
+    c.recv_json().await;
+    let mut frame = connect_frame("c1");
+    frame["params"]["client"]["id"] = json!("silent");
+    c.send_json(&frame).await;
+    let (conn, _) = gw.next_from("silent").await;
+    gw.close(conn, 1013, "gateway starting");
+    let res = c.response("c1").await;
+    assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
+    assert_eq!(res["error"]["retryable"], true, "{res}");
+    assert_eq!(c.expect_close().await, (1011, "connect failed".into()));
+}
