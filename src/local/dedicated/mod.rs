@@ -37,16 +37,17 @@
 //! `[upstream] handshake_timeout` for opening the gateway connection and for
 //! the gateway's answer.
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+mod close;
+mod connect_auth;
+mod registry;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
-use serde_json::{json, Value};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use serde_json::Value;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
@@ -58,6 +59,11 @@ use crate::protocol::{ConnectRequest, ErrorShape, StudioCode, UpstreamFrame};
 use crate::upstream::{
     closed_before_answer, handshake_timed_out, open_failed, open_stream, GatewaySocket,
 };
+use close::{send_close, text_message};
+pub use connect_auth::client_auth;
+use connect_auth::inject_token;
+pub use registry::{Dedicated, Outcomes};
+use registry::{Listing, Slot};
 
 /// After a failed connect answer, how long the client may take to close
 /// first before the broker closes `1011 connect failed` (as on `/ws`).
@@ -66,155 +72,6 @@ const CONNECT_FAILED_LINGER: Duration = Duration::from_secs(1);
 /// How long the side that did not start a close may take to answer it
 /// before its socket is dropped.
 const CLOSE_LINGER: Duration = Duration::from_secs(2);
-
-/// The open dedicated connections: the cap, what `/v1/state` lists, and
-/// the counters `/metrics` shows.
-#[derive(Debug)]
-pub struct Dedicated {
-    /// One permit per open connection (`limits.max_dedicated`).
-    slots: Arc<Semaphore>,
-    max: usize,
-    open: Mutex<BTreeMap<u64, Listing>>,
-    next_id: AtomicU64,
-    /// How connections ended their handshake, for `/metrics`.
-    pub outcomes: Outcomes,
-}
-
-/// Counters of dedicated connections by how their handshake ended.
-#[derive(Debug, Default)]
-pub struct Outcomes {
-    /// The gateway answered the client's `connect` `ok`.
-    pub connected: AtomicU64,
-    /// The gateway answered the client's `connect` with an error.
-    pub rejected: AtomicU64,
-    /// A `studio.*` error before the gateway answered.
-    pub failed: AtomicU64,
-    /// Closed at once: `max_dedicated` connections were already open.
-    pub refused: AtomicU64,
-}
-
-impl Outcomes {
-    /// `(outcome label, count)` for every outcome.
-    pub fn counts(&self) -> [(&'static str, u64); 4] {
-        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        [
-            ("connected", n(&self.connected)),
-            ("rejected", n(&self.rejected)),
-            ("failed", n(&self.failed)),
-            ("refused", n(&self.refused)),
-        ]
-    }
-}
-
-/// One open dedicated connection as `/v1/state` shows it: who the client
-/// says it is (never its credentials), and how far it got.
-#[derive(Debug, Clone)]
-struct Listing {
-    opened: Instant,
-    /// `opening` (no `connect` forwarded yet), `connecting` (waiting for the
-    /// gateway's answer), `connected`, or `rejected`.
-    phase: &'static str,
-    /// `client` of its connect params: id, mode, version, platform, …
-    client: Value,
-    role: Option<String>,
-    device_id: Option<String>,
-    /// Which credential went upstream: `host-token` (injected by the
-    /// broker), or the client's own `token`, `password`, `device-token`,
-    /// `device` (a signature alone).
-    auth: Option<&'static str>,
-    /// The gateway's `server.connId` and granted scopes, from its `hello-ok`.
-    conn_id: Option<String>,
-    scopes: Option<Value>,
-}
-
-impl Dedicated {
-    pub fn new(max: usize) -> Dedicated {
-        Dedicated {
-            slots: Arc::new(Semaphore::new(max)),
-            max,
-            open: Mutex::new(BTreeMap::new()),
-            next_id: AtomicU64::new(1),
-            outcomes: Outcomes::default(),
-        }
-    }
-
-    /// Dedicated connections open now.
-    pub fn count(&self) -> usize {
-        self.listings().len()
-    }
-
-    fn listings(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Listing>> {
-        self.open.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The `/v1/state` list, oldest first.
-    pub fn to_json(&self) -> Value {
-        let now = Instant::now();
-        let list: Vec<Value> = self
-            .listings()
-            .iter()
-            .map(|(id, l)| {
-                json!({
-                    "id": id,
-                    "phase": l.phase,
-                    "open_ms": now.saturating_duration_since(l.opened).as_millis() as u64,
-                    "client": l.client,
-                    "role": l.role,
-                    "device_id": l.device_id,
-                    "auth": l.auth,
-                    "conn_id": l.conn_id,
-                    "scopes": l.scopes,
-                })
-            })
-            .collect();
-        Value::Array(list)
-    }
-
-    /// Takes a slot, or `None` at the cap.
-    fn try_open(self: &Arc<Self>) -> Option<Slot> {
-        let permit = Arc::clone(&self.slots).try_acquire_owned().ok()?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.listings().insert(
-            id,
-            Listing {
-                opened: Instant::now(),
-                phase: "opening",
-                client: Value::Null,
-                role: None,
-                device_id: None,
-                auth: None,
-                conn_id: None,
-                scopes: None,
-            },
-        );
-        Some(Slot {
-            registry: Arc::clone(self),
-            id,
-            _permit: permit,
-        })
-    }
-}
-
-/// One connection's slot; dropping it frees the slot and its listing.
-struct Slot {
-    registry: Arc<Dedicated>,
-    id: u64,
-    _permit: OwnedSemaphorePermit,
-}
-
-impl Slot {
-    fn update(&self, f: impl FnOnce(&mut Listing)) {
-        if let Some(l) = self.registry.listings().get_mut(&self.id) {
-            f(l);
-        }
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.registry.listings().remove(&self.id);
-    }
-}
 
 /// Runs one dedicated client to completion.
 pub async fn run(ws: Ws, budget: PreconnectBudget, ctx: Arc<Ctx>) {
@@ -661,107 +518,6 @@ impl Conn {
             end = up => end,
         }
     }
-
-    /// Closes both sides after the relay ended: the close one side sent is
-    /// mirrored to the other, and the other's answer awaited briefly.
-    async fn finish(
-        mut self,
-        end: End,
-        mut up_tx: SplitSink<GatewaySocket, Message>,
-        mut up_rx: SplitStream<GatewaySocket>,
-    ) {
-        let id = self.slot.id;
-        match end {
-            End::Client(read) => {
-                let to_gateway = match read {
-                    Read::Closed(frame) => {
-                        // Writes the echo of the client's close.
-                        let _ = tokio::time::timeout(CLOSE_LINGER, self.local_tx.flush()).await;
-                        frame
-                    }
-                    Read::TooLarge => {
-                        send_close(&mut self.local_tx, 1009, "frame too large").await;
-                        Some(close_frame(1009, "frame too large"))
-                    }
-                    Read::Invalid(code, reason) => {
-                        send_close(&mut self.local_tx, code, reason).await;
-                        Some(close_frame(code, reason))
-                    }
-                    Read::Ended | Read::Frame(_) | Read::Skip => {
-                        Some(close_frame(1001, "going away"))
-                    }
-                };
-                tracing::debug!(
-                    dedicated_id = id,
-                    "the client closed; mirroring to the gateway"
-                );
-                close_and_drain(&mut up_tx, &mut up_rx, to_gateway).await;
-            }
-            End::Gateway(read) => {
-                let to_client = match read {
-                    Read::Closed(frame) => {
-                        let _ = tokio::time::timeout(CLOSE_LINGER, up_tx.flush()).await;
-                        frame
-                    }
-                    Read::TooLarge => {
-                        let frame = close_frame(1009, "frame too large");
-                        let _ = tokio::time::timeout(
-                            CLOSE_LINGER,
-                            up_tx.send(Message::Close(Some(frame.clone()))),
-                        )
-                        .await;
-                        Some(frame)
-                    }
-                    Read::Invalid(..) | Read::Ended | Read::Frame(_) | Read::Skip => {
-                        Some(close_frame(1012, "upstream closed"))
-                    }
-                };
-                tracing::debug!(
-                    dedicated_id = id,
-                    "the gateway closed; mirroring to the client"
-                );
-                close_and_drain(&mut self.local_tx, &mut self.local_rx, to_client).await;
-            }
-            End::Unanswered => {
-                self.ctx
-                    .dedicated
-                    .outcomes
-                    .failed
-                    .fetch_add(1, Ordering::Relaxed);
-                tokio::join!(
-                    close_and_drain(
-                        &mut up_tx,
-                        &mut up_rx,
-                        Some(close_frame(1000, "connect failed")),
-                    ),
-                    self.linger_then_close(),
-                );
-            }
-            End::ClientGone => {
-                close_and_drain(
-                    &mut up_tx,
-                    &mut up_rx,
-                    Some(close_frame(1001, "going away")),
-                )
-                .await;
-            }
-            End::GatewayGone => {
-                close_and_drain(
-                    &mut self.local_tx,
-                    &mut self.local_rx,
-                    Some(close_frame(1012, "upstream closed")),
-                )
-                .await;
-            }
-            End::Shutdown => {
-                let going = close_frame(1001, "going away");
-                tokio::join!(
-                    close_and_drain(&mut up_tx, &mut up_rx, Some(going.clone())),
-                    close_and_drain(&mut self.local_tx, &mut self.local_rx, Some(going)),
-                );
-            }
-        }
-    }
 }
 
 /// Why the client's first frame was not forwarded.
@@ -828,169 +584,4 @@ fn connect_answer(text: &str, connect_id: &str, slot: &Slot) -> Option<bool> {
         }
     });
     Some(ok)
-}
-
-/// The credential a client's connect params carry, by Claw3D's rule: a
-/// non-empty `auth.token`, `auth.password` or `auth.deviceToken`, or a
-/// complete `device` block (`id`, `publicKey`, `signature`, `nonce` non-empty
-/// strings and `signedAt` a number ≥ 0). `None`: the host token is injected.
-pub fn client_auth(params: &Value) -> Option<&'static str> {
-    let non_empty = |key: &str| {
-        params
-            .pointer(&format!("/auth/{key}"))
-            .and_then(Value::as_str)
-            .is_some_and(|s| !s.trim().is_empty())
-    };
-    if non_empty("token") {
-        Some("token")
-    } else if non_empty("password") {
-        Some("password")
-    } else if non_empty("deviceToken") {
-        Some("device-token")
-    } else if has_complete_device(params) {
-        Some("device")
-    } else {
-        None
-    }
-}
-
-fn has_complete_device(params: &Value) -> bool {
-    let Some(device) = params.get("device").filter(|d| d.is_object()) else {
-        return false;
-    };
-    let filled = |key: &str| {
-        device
-            .get(key)
-            .and_then(Value::as_str)
-            .is_some_and(|s| !s.trim().is_empty())
-    };
-    ["id", "publicKey", "signature", "nonce"]
-        .iter()
-        .all(|k| filled(k))
-        && device
-            .get("signedAt")
-            .and_then(Value::as_f64)
-            .is_some_and(|t| t >= 0.0)
-}
-
-/// The connect frame with `params.auth.token` set (Claw3D's
-/// `injectAuthToken`: other `auth` fields and params are kept; params or
-/// auth that are not objects become objects). `None` if `text` is not a
-/// JSON object.
-fn inject_token(text: &str, token: &str) -> Option<String> {
-    let mut frame: serde_json::Map<String, Value> = serde_json::from_str(text).ok()?;
-    let params = frame.entry("params").or_insert_with(|| json!({}));
-    if !params.is_object() {
-        *params = json!({});
-    }
-    let auth = params
-        .as_object_mut()?
-        .entry("auth")
-        .or_insert_with(|| json!({}));
-    if !auth.is_object() {
-        *auth = json!({});
-    }
-    auth.as_object_mut()?.insert("token".into(), json!(token));
-    serde_json::to_string(&frame).ok()
-}
-
-fn close_frame(code: u16, reason: &str) -> CloseFrame {
-    CloseFrame {
-        code: CloseCode::from(code),
-        reason: Utf8Bytes::from(truncate_reason(reason)),
-    }
-}
-
-/// Close reasons are limited to 123 bytes; cut on a character boundary.
-fn truncate_reason(reason: &str) -> &str {
-    let mut end = reason.len().min(120);
-    while !reason.is_char_boundary(end) {
-        end -= 1;
-    }
-    &reason[..end]
-}
-
-fn text_message(bytes: bytes::Bytes) -> Message {
-    Message::Text(Utf8Bytes::try_from(bytes).unwrap_or_else(|_| Utf8Bytes::from_static("{}")))
-}
-
-/// Sends a close frame to the client, never waiting on it for long.
-async fn send_close(local_tx: &mut SplitSink<Ws, Message>, code: u16, reason: &str) {
-    // A pending echo of the peer's own close goes first; ours is then moot.
-    let _ = tokio::time::timeout(CLOSE_LINGER, local_tx.flush()).await;
-    let close = Message::Close(Some(close_frame(code, reason)));
-    let _ = tokio::time::timeout(CLOSE_LINGER, local_tx.send(close)).await;
-}
-
-/// Sends `frame` as the close of one side (a close without a code when
-/// `None`), then reads that side until its answer or [`CLOSE_LINGER`].
-async fn close_and_drain<S, R>(tx: &mut S, rx: &mut R, frame: Option<CloseFrame>)
-where
-    S: futures_util::Sink<Message> + Unpin,
-    R: futures_util::Stream<Item = Result<Message, WsError>> + Unpin,
-{
-    let _ = tokio::time::timeout(CLOSE_LINGER, async {
-        let _ = tx.flush().await;
-        if tx.send(Message::Close(frame)).await.is_err() {
-            return;
-        }
-        while let Some(Ok(m)) = rx.next().await {
-            if matches!(m, Message::Close(_)) {
-                let _ = tx.flush().await;
-                return;
-            }
-        }
-    })
-    .await;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn auth_follows_claw3ds_rule() {
-        assert_eq!(client_auth(&json!({})), None);
-        assert_eq!(client_auth(&json!({"auth": {"token": "  "}})), None);
-        assert_eq!(client_auth(&json!({"auth": {"token": "t"}})), Some("token"));
-        assert_eq!(
-            client_auth(&json!({"auth": {"password": "p"}})),
-            Some("password")
-        );
-        assert_eq!(
-            client_auth(&json!({"auth": {"deviceToken": "d"}})),
-            Some("device-token")
-        );
-        let device =
-            json!({"id": "i", "publicKey": "k", "signature": "s", "nonce": "n", "signedAt": 5});
-        assert_eq!(client_auth(&json!({"device": device})), Some("device"));
-        let mut partial = device.clone();
-        partial["signature"] = json!("");
-        assert_eq!(client_auth(&json!({"device": partial})), None);
-        let mut negative = device;
-        negative["signedAt"] = json!(-1);
-        assert_eq!(client_auth(&json!({"device": negative})), None);
-    }
-
-    #[test]
-    fn injection_keeps_everything_else() {
-        let text = r#"{"type":"req","id":"c","method":"connect","params":{"minProtocol":3,"auth":{"bootstrapToken":"b"},"x":[1]}}"#;
-        let out: Value = serde_json::from_str(&inject_token(text, "T").unwrap()).unwrap();
-        assert_eq!(
-            out["params"]["auth"],
-            json!({"bootstrapToken": "b", "token": "T"})
-        );
-        assert_eq!(out["params"]["x"], json!([1]));
-        assert_eq!(out["id"], "c");
-        let bare: Value = serde_json::from_str(
-            &inject_token(
-                r#"{"type":"req","id":"c","method":"connect","params":7}"#,
-                "T",
-            )
-            .unwrap(),
-        )
-        .unwrap();
-        assert_eq!(bare["params"], json!({"auth": {"token": "T"}}));
-        assert_eq!(inject_token("[1]", "T"), None);
-    }
 }
