@@ -312,8 +312,18 @@ enum Seen {
     Closed(Option<(u16, String)>),
 }
 
-/// Per connection: where to send a (code, reason) that makes it close.
-type Closers = Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<(u16, String)>>>>;
+/// What a test asks of one scripted gateway connection.
+#[derive(Debug)]
+enum Control {
+    /// Close with this code and reason.
+    Close(u16, String),
+    /// Send this many events of about this many bytes, as fast as the
+    /// socket takes them.
+    Blast(usize, usize),
+}
+
+/// Per connection: where to send its [`Control`]s.
+type Closers = Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Control>>>>;
 
 struct Scripted {
     url: String,
@@ -347,53 +357,9 @@ impl Scripted {
                 next += 1;
                 let conn = next;
                 let tx = tx.clone();
-                let (close_tx, mut close_rx) = mpsc::unbounded_channel::<(u16, String)>();
+                let (close_tx, close_rx) = mpsc::unbounded_channel::<Control>();
                 registry.lock().unwrap().insert(conn, close_tx);
-                tokio::spawn(async move {
-                    let Ok(mut ws) = tokio_tungstenite::accept_async(tcp).await else {
-                        return;
-                    };
-                    let challenge = json!({"type":"event","event":"connect.challenge",
-                        "payload":{"nonce":format!("nonce-{conn}"),"ts":1}});
-                    let _ = ws.send(Message::text(challenge.to_string())).await;
-                    loop {
-                        tokio::select! {
-                            msg = ws.next() => match msg {
-                                Some(Ok(Message::Text(t))) => {
-                                    let v: Value = serde_json::from_str(t.as_str()).unwrap_or(Value::Null);
-                                    if v["method"] == "connect" {
-                                        let _ = tx.send((conn, Seen::Connect(v["params"].clone())));
-                                        if v["params"]["client"]["id"] != "silent" {
-                                            let id = v["id"].as_str().unwrap_or_default();
-                                            let _ = ws.send(Message::text(hello_ok(id, conn))).await;
-                                        }
-                                    } else {
-                                        let _ = tx.send((conn, Seen::Text(t.as_str().to_owned())));
-                                    }
-                                }
-                                Some(Ok(Message::Close(f))) => {
-                                    let f = f.map(|f| (u16::from(f.code), f.reason.as_str().to_owned()));
-                                    let _ = tx.send((conn, Seen::Closed(f)));
-                                    let _ = ws.flush().await;
-                                    return;
-                                }
-                                Some(Ok(_)) => {}
-                                _ => {
-                                    let _ = tx.send((conn, Seen::Closed(None)));
-                                    return;
-                                }
-                            },
-                            Some((code, reason)) = close_rx.recv() => {
-                                let _ = ws.close(Some(CloseFrame { code: CloseCode::from(code), reason: reason.into() })).await;
-                                // Read the peer's reply.
-                                while let Some(Ok(m)) = ws.next().await {
-                                    if matches!(m, Message::Close(_)) { break; }
-                                }
-                                return;
-                            }
-                        }
-                    }
-                });
+                tokio::spawn(serve_scripted(tcp, conn, tx, close_rx));
             }
         });
         Scripted {
@@ -423,7 +389,84 @@ impl Scripted {
 
     fn close(&self, conn: u64, code: u16, reason: &str) {
         let closers = self.closers.lock().unwrap();
-        closers[&conn].send((code, reason.into())).unwrap();
+        closers[&conn]
+            .send(Control::Close(code, reason.into()))
+            .unwrap();
+    }
+}
+
+impl Scripted {
+    fn blast(&self, conn: u64, n: usize, bytes: usize) {
+        let closers = self.closers.lock().unwrap();
+        closers[&conn].send(Control::Blast(n, bytes)).unwrap();
+    }
+}
+
+/// One scripted gateway connection: a reader that records what arrives,
+/// and a writer task, so a blast that fills the socket never stops the
+/// reader from seeing a close.
+async fn serve_scripted(
+    tcp: tokio::net::TcpStream,
+    conn: u64,
+    seen: mpsc::UnboundedSender<(u64, Seen)>,
+    mut controls: mpsc::UnboundedReceiver<Control>,
+) {
+    let Ok(ws) = tokio_tungstenite::accept_async(tcp).await else {
+        return;
+    };
+    let (mut sink, mut stream) = ws.split();
+    let (out, mut out_rx) = mpsc::unbounded_channel::<Message>();
+    tokio::spawn(async move {
+        while let Some(m) = out_rx.recv().await {
+            let last = matches!(m, Message::Close(_));
+            if sink.send(m).await.is_err() || last {
+                return;
+            }
+        }
+    });
+    let challenge = json!({"type":"event","event":"connect.challenge",
+        "payload":{"nonce":format!("nonce-{conn}"),"ts":1}});
+    let _ = out.send(Message::text(challenge.to_string()));
+    loop {
+        tokio::select! {
+            msg = stream.next() => match msg {
+                Some(Ok(Message::Text(t))) => {
+                    let v: Value = serde_json::from_str(t.as_str()).unwrap_or(Value::Null);
+                    if v["method"] == "connect" {
+                        let _ = seen.send((conn, Seen::Connect(v["params"].clone())));
+                        if v["params"]["client"]["id"] != "silent" {
+                            let id = v["id"].as_str().unwrap_or_default();
+                            let _ = out.send(Message::text(hello_ok(id, conn)));
+                        }
+                    } else {
+                        let _ = seen.send((conn, Seen::Text(t.as_str().to_owned())));
+                    }
+                }
+                Some(Ok(Message::Close(f))) => {
+                    let f = f.map(|f| (u16::from(f.code), f.reason.as_str().to_owned()));
+                    let _ = seen.send((conn, Seen::Closed(f)));
+                    return;
+                }
+                Some(Ok(_)) => {}
+                _ => {
+                    let _ = seen.send((conn, Seen::Closed(None)));
+                    return;
+                }
+            },
+            Some(control) = controls.recv() => match control {
+                Control::Blast(n, bytes) => {
+                    let event = json!({"type":"event","event":"blast",
+                        "payload":{"pad":"x".repeat(bytes)}}).to_string();
+                    for _ in 0..n {
+                        let _ = out.send(Message::text(event.clone()));
+                    }
+                }
+                Control::Close(code, reason) => {
+                    let frame = CloseFrame { code: CloseCode::from(code), reason: reason.into() };
+                    let _ = out.send(Message::Close(Some(frame)));
+                }
+            },
+        }
     }
 }
 
@@ -552,4 +595,39 @@ async fn a_gateway_that_closes_before_answering_is_studio_upstream_closed() {
     assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
     assert_eq!(res["error"]["retryable"], true, "{res}");
     assert_eq!(c.expect_close().await, (1011, "connect failed".into()));
+}
+
+#[tokio::test]
+async fn a_client_that_does_not_read_is_closed_and_its_gateway_connection_too() {
+    init_test_log();
+    let (mut gw, broker, _dir) =
+        scripted_broker(|s| s.limits.slow_grace = Duration::from_millis(300)).await;
+    let (mut c, conn) = connected_dedicated(&mut gw, &broker).await;
+    // 16 MiB: more than the socket buffers between gateway and client hold.
+    gw.blast(conn, 256, 64 * 1024);
+    // The client reads nothing; the broker gives up on it and closes the
+    // gateway side as a client that went away.
+    loop {
+        match gw.next_from("cli").await.1 {
+            Seen::Closed(close) => {
+                assert_eq!(close, Some((1001, "going away".into())));
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let socket = broker.socket_path().to_owned();
+    let mut gone = false;
+    for _ in 0..500 {
+        if metrics(&socket)
+            .await
+            .contains("clawmux_dedicated_connections 0")
+        {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(gone, "the connection is no longer counted");
+    drop(c);
 }

@@ -97,6 +97,21 @@ impl Conn {
                 )
                 .await;
             }
+            End::ClientSlow => {
+                tracing::info!(
+                    dedicated_id = id,
+                    "dedicated client does not read; closing it"
+                );
+                let (code, reason) = crate::hub::client::SLOW_CONSUMER_CLOSE;
+                tokio::join!(
+                    close_and_drain(
+                        &mut up_tx,
+                        &mut up_rx,
+                        Some(close_frame(1001, "going away")),
+                    ),
+                    send_close(&mut self.local_tx, code, reason),
+                );
+            }
             End::GatewayGone => {
                 close_and_drain(
                     &mut self.local_tx,

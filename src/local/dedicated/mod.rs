@@ -165,7 +165,12 @@ enum End {
     Unanswered,
     /// Writing to the client failed (it is gone).
     ClientGone,
-    /// Writing to the gateway failed (the connection is broken).
+    /// A write to the client made no progress for `limits.slow_grace`: it
+    /// does not read. (Not reading the gateway meanwhile would leave the
+    /// gateway's own slow-consumer close unseen.)
+    ClientSlow,
+    /// Writing to the gateway failed, or made no progress for
+    /// `[upstream] write_timeout` (it does not read).
     GatewayGone,
     /// The broker is stopping.
     Shutdown,
@@ -426,6 +431,8 @@ impl Conn {
         connect_id: &str,
     ) -> End {
         let handshake_timeout = self.ctx.settings.upstream.handshake_timeout;
+        let write_timeout = self.ctx.settings.upstream.write_timeout;
+        let slow_grace = self.ctx.settings.limits.slow_grace;
         let url = self.ctx.upstream.target_url();
         let Conn {
             local_tx,
@@ -495,8 +502,10 @@ impl Conn {
                         }
                     }
                 }
-                if local_tx.send(msg).await.is_err() {
-                    return End::ClientGone;
+                match tokio::time::timeout(slow_grace, local_tx.send(msg)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => return End::ClientGone,
+                    Err(_) => return End::ClientSlow,
                 }
             }
         };
@@ -504,8 +513,9 @@ impl Conn {
             loop {
                 match classify(local_rx.next().await, "dedicated client") {
                     Read::Frame(m) => {
-                        if up_tx.send(m).await.is_err() {
-                            return End::GatewayGone;
+                        match tokio::time::timeout(write_timeout, up_tx.send(m)).await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(_)) | Err(_) => return End::GatewayGone,
                         }
                     }
                     Read::Skip => {}
