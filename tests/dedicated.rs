@@ -320,6 +320,8 @@ enum Control {
     /// Send this many events of about this many bytes, as fast as the
     /// socket takes them.
     Blast(usize, usize),
+    /// Drop the connection without a close frame (a crash).
+    Drop,
 }
 
 /// Per connection: where to send its [`Control`]s.
@@ -396,6 +398,11 @@ impl Scripted {
 }
 
 impl Scripted {
+    fn drop_connection(&self, conn: u64) {
+        let closers = self.closers.lock().unwrap();
+        closers[&conn].send(Control::Drop).unwrap();
+    }
+
     fn blast(&self, conn: u64, n: usize, bytes: usize) {
         let closers = self.closers.lock().unwrap();
         closers[&conn].send(Control::Blast(n, bytes)).unwrap();
@@ -461,6 +468,7 @@ async fn serve_scripted(
                         let _ = out.send(Message::text(event.clone()));
                     }
                 }
+                Control::Drop => return,
                 Control::Close(code, reason) => {
                     let frame = CloseFrame { code: CloseCode::from(code), reason: reason.into() };
                     let _ = out.send(Message::Close(Some(frame)));
@@ -625,4 +633,53 @@ async fn a_client_that_does_not_read_is_closed_and_its_gateway_connection_too() 
     }
     assert!(gone, "the connection is no longer counted");
     drop(c);
+}
+
+#[tokio::test]
+async fn a_gateway_frame_over_the_upstream_limit_closes_both_sides_1009() {
+    init_test_log();
+    let (mut gw, broker, _dir) = scripted_broker(|s| s.upstream.max_frame_bytes = 8 * 1024).await;
+    let (mut c, conn) = connected_dedicated(&mut gw, &broker).await;
+    gw.blast(conn, 1, 16 * 1024);
+    assert_eq!(c.expect_close().await, (1009, "frame too large".into()));
+    assert!(c.events.iter().all(|e| e["event"] != "blast"));
+    assert_eq!(
+        gw.next_from("cli").await.1,
+        Seen::Closed(Some((1009, "frame too large".into())))
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_vanishes_is_a_going_away_for_the_gateway() {
+    init_test_log();
+    let (mut gw, broker, _dir) = scripted_broker(|_| {}).await;
+    let (c, _) = connected_dedicated(&mut gw, &broker).await;
+    drop(c);
+    assert_eq!(
+        gw.next_from("cli").await.1,
+        Seen::Closed(Some((1001, "going away".into())))
+    );
+}
+
+#[tokio::test]
+async fn a_stopping_broker_closes_both_sides_going_away() {
+    init_test_log();
+    let (mut gw, broker, _dir) = scripted_broker(|_| {}).await;
+    let (mut c, _) = connected_dedicated(&mut gw, &broker).await;
+    let stopping = tokio::spawn(broker.shutdown(Duration::from_secs(5)));
+    assert_eq!(c.expect_close().await, (1001, "going away".into()));
+    assert_eq!(
+        gw.next_from("cli").await.1,
+        Seen::Closed(Some((1001, "going away".into())))
+    );
+    assert!(stopping.await.unwrap(), "a clean shutdown");
+}
+
+#[tokio::test]
+async fn a_gateway_that_vanishes_closes_the_client_1012() {
+    init_test_log();
+    let (mut gw, broker, _dir) = scripted_broker(|_| {}).await;
+    let (mut c, conn) = connected_dedicated(&mut gw, &broker).await;
+    gw.drop_connection(conn);
+    assert_eq!(c.expect_close().await, (1012, "upstream closed".into()));
 }

@@ -48,6 +48,7 @@ use std::time::Duration;
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::Value;
+use tokio_tungstenite::tungstenite::error::ProtocolError;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
@@ -143,6 +144,8 @@ fn classify(msg: Option<Result<Message, WsError>>, side: &str) -> Read {
         Some(Err(WsError::Capacity(_))) => Read::TooLarge,
         Some(Err(WsError::Io(e))) if e.to_string() == OVER_BUDGET => Read::TooLarge,
         Some(Err(WsError::Utf8(_))) => Read::Invalid(1007, "invalid utf-8"),
+        // The peer is gone (EOF with no close frame): nothing to tell it.
+        Some(Err(WsError::Protocol(ProtocolError::ResetWithoutClosingHandshake))) => Read::Ended,
         Some(Err(WsError::Protocol(e))) => {
             tracing::debug!("{side} broke the WebSocket protocol: {e}");
             Read::Invalid(1002, "protocol error")
