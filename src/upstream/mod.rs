@@ -21,15 +21,16 @@ mod handshake;
 pub(crate) use handshake::{closed_before_answer, handshake_timed_out, open_failed};
 pub use handshake::{UpstreamIo, Ws as GatewaySocket};
 
-/// Opens the byte stream to the gateway exactly as the shared session does
-/// (TCP, or the configured unix socket): the dedicated route
-/// ([`crate::local::dedicated`]) calls this, so both routes reach the same
-/// gateways the same way.
-pub async fn open_stream(
+/// Opens a gateway WebSocket exactly as the shared session does (the
+/// configured URL over TCP, or the configured unix socket; frames bounded
+/// by `[upstream] max_frame_bytes`); a failure is `studio.upstream_error`.
+/// The dedicated route ([`crate::local::dedicated`]) calls this, so both
+/// routes reach the same gateways the same way.
+pub async fn open_socket(
     url: &str,
     opts: &crate::config::UpstreamOptions,
-) -> std::io::Result<Box<dyn UpstreamIo>> {
-    connector::Connector::open_stream(url, opts).await
+) -> Result<GatewaySocket, ErrorShape> {
+    connector::Connector::open_socket(url, opts).await
 }
 pub mod identity;
 mod private_files;

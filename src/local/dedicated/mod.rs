@@ -49,7 +49,7 @@ use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::Value;
 use tokio_tungstenite::tungstenite::error::ProtocolError;
-use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
 use super::preconnect::{PreconnectBudget, OVER_BUDGET};
@@ -58,7 +58,7 @@ use crate::broker::Ctx;
 use crate::protocol::frames::encode_res_error;
 use crate::protocol::{ConnectRequest, ErrorShape, StudioCode, UpstreamFrame};
 use crate::upstream::{
-    closed_before_answer, handshake_timed_out, open_failed, open_stream, GatewaySocket,
+    closed_before_answer, handshake_timed_out, open_failed, open_socket, GatewaySocket,
 };
 use close::{send_close, text_message};
 pub use connect_auth::client_auth;
@@ -215,18 +215,7 @@ impl Conn {
             if let Some(e) = setup_error {
                 return Err(e);
             }
-            let config = WebSocketConfig::default()
-                .max_message_size(Some(opts.max_frame_bytes))
-                .max_frame_size(Some(opts.max_frame_bytes));
-            let open = async {
-                let io = open_stream(&url, &opts)
-                    .await
-                    .map_err(|e| open_failed(&url, e))?;
-                tokio_tungstenite::client_async_with_config(url.as_str(), io, Some(config))
-                    .await
-                    .map(|(ws, _)| ws)
-                    .map_err(|e| open_failed(&url, e))
-            };
+            let open = open_socket(&url, &opts);
             tokio::time::timeout(opts.handshake_timeout, open)
                 .await
                 .unwrap_or_else(|_| Err(handshake_timed_out(&url, opts.handshake_timeout)))

@@ -357,22 +357,13 @@ impl Connector {
     /// Opens the socket and performs the handshake. Events that arrive
     /// before `hello-ok` are returned so they can be published after it.
     async fn attempt(&mut self) -> Result<(Ws, UpstreamHello, EarlyEvents), AttemptError> {
-        let config = WebSocketConfig::default()
-            .max_message_size(Some(self.opts.max_frame_bytes))
-            .max_frame_size(Some(self.opts.max_frame_bytes));
-        let opened = match Self::open_stream(&self.url, &self.opts).await {
-            Ok(io) => {
-                tokio_tungstenite::client_async_with_config(self.url.as_str(), io, Some(config))
-                    .await
-                    .map(|(ws, _)| (ws, ()))
-            }
-            Err(e) => Err(tokio_tungstenite::tungstenite::Error::Io(e)),
-        };
-        let (mut ws, _) = opened.map_err(|e| AttemptError {
-            error: super::handshake::open_failed(&self.url, e),
-            rejected: false,
-            retry_after: None,
-        })?;
+        let mut ws = Self::open_socket(&self.url, &self.opts)
+            .await
+            .map_err(|error| AttemptError {
+                error,
+                rejected: false,
+                retry_after: None,
+            })?;
         self.set_phase(Phase::Handshaking);
         let challenge = loop {
             let text = next_text(&mut ws).await?;
@@ -482,10 +473,27 @@ impl Connector {
         }
     }
 
+    /// Opens the gateway WebSocket: [`Self::open_stream`], then the
+    /// upgrade, frames bounded by `[upstream] max_frame_bytes`. The
+    /// dedicated route opens its connections with this too
+    /// ([`crate::upstream::open_socket`]), so both reach the same gateways
+    /// the same way.
+    pub(crate) async fn open_socket(url: &str, opts: &UpstreamOptions) -> Result<Ws, ErrorShape> {
+        let config = WebSocketConfig::default()
+            .max_message_size(Some(opts.max_frame_bytes))
+            .max_frame_size(Some(opts.max_frame_bytes));
+        let io = Self::open_stream(url, opts)
+            .await
+            .map_err(|e| super::handshake::open_failed(url, e))?;
+        tokio_tungstenite::client_async_with_config(url, io, Some(config))
+            .await
+            .map(|(ws, _)| ws)
+            .map_err(|e| super::handshake::open_failed(url, e))
+    }
+
     /// Opens the byte stream to the gateway: TCP to the URL's host and port
     /// (Nagle off, as tokio-tungstenite's own `connect_async` does), or the
-    /// configured unix socket. The dedicated route opens its connections
-    /// with this too ([`crate::upstream::open_stream`]).
+    /// configured unix socket.
     pub(crate) async fn open_stream(
         url: &str,
         opts: &UpstreamOptions,
