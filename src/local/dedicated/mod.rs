@@ -278,6 +278,7 @@ impl Conn {
                             }
                             Err(Refusal::Answer(id, error)) => {
                                 self.connect_failed(&id, &error).await;
+                                close_quietly(upstream).await;
                                 return None;
                             }
                         },
