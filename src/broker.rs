@@ -117,6 +117,8 @@ pub const SHUTDOWN_REASON: &str = "clawmux stopping";
 pub struct RunningBroker {
     ctx: Arc<Ctx>,
     guard: SocketGuard,
+    /// The `[[sockets]]` sockets this broker bound.
+    _policy_guards: Vec<SocketGuard>,
     upstream_task: tokio::task::JoinHandle<()>,
     /// Cancelled first at shutdown: stop accepting before clients are told.
     accept_stop: CancellationToken,
@@ -133,7 +135,7 @@ impl RunningBroker {
                 path: settings.socket_path.clone(),
                 source,
             })?;
-        Ok(Self::start_with_listener(settings, listener, guard))
+        Self::start_with_listener(settings, listener, guard)
     }
 
     /// Starts serving on a listener systemd passed in (socket activation,
@@ -143,6 +145,7 @@ impl RunningBroker {
     pub fn start_with_activated(
         mut settings: Settings,
         listener: std::os::unix::net::UnixListener,
+        others: Vec<(String, std::os::unix::net::UnixListener)>,
     ) -> Result<RunningBroker, SocketError> {
         if let Some(path) = listener
             .local_addr()
@@ -158,14 +161,64 @@ impl RunningBroker {
         listener.set_nonblocking(true).map_err(io)?;
         let listener = tokio::net::UnixListener::from_std(listener).map_err(io)?;
         let guard = SocketGuard::activated(settings.socket_path.clone());
-        Ok(Self::start_with_listener(settings, listener, guard))
+        Self::start_with_listener_and(settings, listener, guard, others)
     }
 
     fn start_with_listener(
         settings: Settings,
         listener: tokio::net::UnixListener,
         guard: SocketGuard,
-    ) -> RunningBroker {
+    ) -> Result<RunningBroker, SocketError> {
+        Self::start_with_listener_and(settings, listener, guard, Vec::new())
+    }
+
+    /// `activated`: policy sockets systemd passed, by name; the others are bound here.
+    fn start_with_listener_and(
+        mut settings: Settings,
+        listener: tokio::net::UnixListener,
+        guard: SocketGuard,
+        mut activated: Vec<(String, std::os::unix::net::UnixListener)>,
+    ) -> Result<RunningBroker, SocketError> {
+        // The `[[sockets]]` sockets, each with its own policy (bound before
+        // anything starts, so a socket that cannot be bound stops `serve`).
+        let mut listeners = vec![(
+            listener,
+            Arc::new(crate::policy::SocketPolicy::main(
+                settings.socket_path.clone(),
+            )),
+        )];
+        let mut policy_guards = Vec::new();
+        for policy in &mut settings.sockets {
+            let io = |path: &Path| {
+                let path = path.to_owned();
+                move |source| SocketError::Io { path, source }
+            };
+            let (l, g) = match activated.iter().position(|(n, _)| *n == policy.name) {
+                Some(i) => {
+                    let (_, l) = activated.swap_remove(i);
+                    if let Some(p) = l
+                        .local_addr()
+                        .ok()
+                        .and_then(|a| a.as_pathname().map(PathBuf::from))
+                    {
+                        policy.path = p;
+                    }
+                    l.set_nonblocking(true).map_err(io(&policy.path))?;
+                    (l, SocketGuard::activated(policy.path.clone()))
+                }
+                None => socket::bind_with_mode(&policy.path, policy.mode)?,
+            };
+            let l = tokio::net::UnixListener::from_std(l).map_err(io(&policy.path))?;
+            tracing::info!(socket = %policy.name, path = %policy.path.display(), "policy socket listening");
+            listeners.push((l, Arc::new(policy.clone())));
+            policy_guards.push(g);
+        }
+        for (name, _) in &activated {
+            tracing::warn!(
+                name,
+                "systemd passed a socket no [[sockets]] entry names; closing it"
+            );
+        }
         let cancel = CancellationToken::new();
         let Core {
             hub,
@@ -195,24 +248,29 @@ impl RunningBroker {
             .spawn(Arc::clone(&ctx.dispatcher).drain_own_answers(ctx.cancel.clone()));
         ctx.tracker.spawn(sweep_deadlines(Arc::clone(&ctx)));
         let accept_stop = ctx.cancel.child_token();
-        let accept_task = ctx.tracker.spawn(crate::local::accept_loop(
-            listener,
-            Arc::clone(&ctx),
-            accept_stop.clone(),
-        ));
+        let loops: Vec<_> = listeners
+            .into_iter()
+            .map(|(listener, policy)| {
+                crate::local::accept_loop(listener, policy, Arc::clone(&ctx), accept_stop.clone())
+            })
+            .collect();
+        let accept_task = ctx.tracker.spawn(async move {
+            futures_util::future::join_all(loops).await;
+        });
         tracing::info!(
             socket = %guard.path().display(),
             activated = guard.is_activated(),
             gateway = %crate::config::redact_url(&ctx.settings.gateway_url),
             "clawmux listening"
         );
-        RunningBroker {
+        Ok(RunningBroker {
             ctx,
             guard,
+            _policy_guards: policy_guards,
             upstream_task,
             accept_stop,
             accept_task,
-        }
+        })
     }
 
     pub fn socket_path(&self) -> &Path {

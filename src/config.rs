@@ -240,6 +240,20 @@ impl Default for UpstreamOptions {
     }
 }
 
+/// How the broker checks a `wss://` gateway's certificate.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsSettings {
+    /// The pinned SHA-256 fingerprint of the gateway's certificate (64
+    /// lowercase hex digits). With a pin, a certificate is accepted exactly
+    /// when its fingerprint matches, whoever issued it and whatever name it
+    /// carries (as OpenClaw's own clients do); without one, the system's
+    /// trust store and [`TlsSettings::ca_file`] decide, with the host name checked.
+    pub fingerprint: Option<String>,
+    /// PEM file of extra CA certificates trusted beside the system's store
+    /// (a private CA's root).
+    pub ca_file: Option<PathBuf>,
+}
+
 /// Everything `serve` needs, resolved from flags and environment.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -250,8 +264,19 @@ pub struct Settings {
     pub gateway_url: String,
     /// The host credential injected into the upstream `connect`.
     pub token: Option<Secret>,
+    /// A gateway password (`auth.password`), sent beside or instead of the
+    /// token for a gateway in password mode.
+    pub password: Option<Secret>,
+    /// How a `wss://` gateway's certificate is checked.
+    pub tls: TlsSettings,
+    /// OpenClaw's break-glass `OPENCLAW_ALLOW_INSECURE_PRIVATE_WS=1`: plaintext
+    /// `ws://` is also allowed to host names (not only to private addresses).
+    pub allow_insecure_private_ws: bool,
     pub limits: Limits,
     pub upstream: UpstreamOptions,
+    /// Further sockets with their policies (`[[sockets]]` in config.toml);
+    /// the main socket has no ceiling.
+    pub sockets: Vec<crate::policy::SocketPolicy>,
     /// The settings could not be loaded: the broker serves, and every local
     /// connect is answered with this `studio.settings_load_failed`.
     pub load_error: Option<ErrorShape>,
@@ -264,8 +289,12 @@ impl Settings {
             socket_path: socket_path.into(),
             gateway_url: DEFAULT_GATEWAY_URL.into(),
             token: None,
+            password: None,
+            tls: TlsSettings::default(),
+            allow_insecure_private_ws: false,
             limits: Limits::default(),
             upstream: UpstreamOptions::default(),
+            sockets: Vec::new(),
             load_error: None,
         }
     }

@@ -69,6 +69,7 @@ pub mod lifecycle;
 pub mod local;
 pub mod logging;
 pub mod metrics;
+pub mod policy;
 pub mod protocol;
 pub mod router;
 pub mod settings;

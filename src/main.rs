@@ -76,6 +76,12 @@ struct SettingsArgs {
     /// Directory for the broker's device key and device tokens (env CLAWMUX_STATE_DIR) [default: $XDG_STATE_HOME/clawmux, else ~/.local/state/clawmux].
     #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
+    /// SHA-256 fingerprint of the gateway's TLS certificate, as OpenClaw's gateway.remote.tlsFingerprint (env CLAWMUX_TLS_FINGERPRINT): a wss:// gateway is accepted only with this certificate.
+    #[arg(long, value_name = "SHA256")]
+    tls_fingerprint: Option<String>,
+    /// PEM file of CA certificates to trust for a wss:// gateway, beside the system's (env CLAWMUX_TLS_CA_FILE).
+    #[arg(long, value_name = "PATH")]
+    tls_ca_file: Option<PathBuf>,
     /// Seconds a local connect waits for the gateway session before failing, 0 to 86400 [default: 10].
     #[arg(long, value_name = "SECS", value_parser = |s: &str| secs_arg("--connect-wait", s, Zero::Allowed))]
     connect_wait: Option<Duration>,
@@ -99,6 +105,8 @@ impl SettingsArgs {
             config: self.config.clone(),
             state_dir: self.state_dir.clone(),
             no_device_identity: self.no_device_identity,
+            tls_fingerprint: self.tls_fingerprint.clone(),
+            tls_ca_file: self.tls_ca_file.clone(),
         }
     }
 
@@ -290,7 +298,9 @@ async fn serve(
         None
     };
     let broker = match activated? {
-        Some(socket) => RunningBroker::start_with_activated(settings, socket.listener)?,
+        Some(socket) => {
+            RunningBroker::start_with_activated(settings, socket.listener, socket.others)?
+        }
         None => RunningBroker::start(settings).await?,
     };
     eprintln!(

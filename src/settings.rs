@@ -7,6 +7,14 @@
 //! own config (`<stateDir>/openclaw.json`, JSON5, plus `OPENCLAW_GATEWAY_PORT`
 //! / `OPENCLAW_GATEWAY_TOKEN`) > defaults.
 //!
+//! The password (`auth.password`), the TLS pin (`--tls-fingerprint`) and the
+//! CA file follow the same order. From OpenClaw's config: with
+//! `gateway.mode: "remote"`, `gateway.remote.url` with `.token`, `.password`
+//! and `.tlsFingerprint`; with `gateway.tls.enabled`, `wss://localhost:<port>`
+//! pinned to the gateway's own certificate (`gateway.tls.certPath`, else
+//! `<stateDir>/gateway/tls/gateway-cert.pem`), as OpenClaw's local commands do.
+//! Credentials and pins in those files go only to the gateway they describe.
+//!
 //! Files are read only when a higher source has not already decided, except
 //! `config.toml`, which also holds the limits. A file that exists but cannot
 //! be read or parsed is a `studio.settings_load_failed` naming the file and
@@ -33,6 +41,11 @@ pub struct Overrides {
     pub config: Option<PathBuf>,
     pub state_dir: Option<PathBuf>,
     pub no_device_identity: bool,
+    /// `--tls-fingerprint`: the gateway certificate's SHA-256 (any format
+    /// OpenClaw accepts).
+    pub tls_fingerprint: Option<String>,
+    /// `--tls-ca-file`: extra trusted CA certificates (PEM).
+    pub tls_ca_file: Option<PathBuf>,
 }
 
 /// The process environment as the resolver sees it (a map, so tests can
@@ -75,7 +88,21 @@ pub enum Source {
     Flag(&'static str),
     Env(&'static str),
     File(PathBuf),
+    /// A key of a settings file (e.g. `gateway.remote.url` of openclaw.json).
+    FileKey(PathBuf, &'static str),
+    /// Derived from the certificate of a local gateway with `gateway.tls.enabled`.
+    Certificate(PathBuf),
     Default,
+}
+
+impl Source {
+    /// The settings file this value came from, if any.
+    fn file(&self) -> Option<&Path> {
+        match self {
+            Source::File(p) | Source::FileKey(p, _) => Some(p),
+            _ => None,
+        }
+    }
 }
 
 impl std::fmt::Display for Source {
@@ -84,6 +111,8 @@ impl std::fmt::Display for Source {
             Source::Flag(name) => write!(f, "flag {name}"),
             Source::Env(name) => write!(f, "environment {name}"),
             Source::File(path) => write!(f, "{}", path.display()),
+            Source::FileKey(path, key) => write!(f, "{} ({key})", path.display()),
+            Source::Certificate(path) => write!(f, "the certificate {}", path.display()),
             Source::Default => f.write_str("default"),
         }
     }
@@ -95,6 +124,9 @@ pub struct Resolved {
     pub settings: Settings,
     pub url_source: Source,
     pub token_source: Option<Source>,
+    pub password_source: Option<Source>,
+    pub tls_fingerprint_source: Option<Source>,
+    pub tls_ca_file_source: Option<Source>,
     pub socket_source: Source,
     /// The config file that was read, if any.
     pub config_file: Option<PathBuf>,
@@ -116,6 +148,29 @@ struct ConfigFile {
     limits: LimitsSection,
     #[serde(default)]
     upstream: UpstreamSection,
+    /// Further sockets, each with its own policy (`[[sockets]]`).
+    #[serde(default)]
+    sockets: Vec<SocketSection>,
+}
+
+/// One `[[sockets]]` entry: a further socket whose clients get at most
+/// this policy.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SocketSection {
+    name: String,
+    path: PathBuf,
+    /// Octal, as a string (`"0660"`); default 0600.
+    mode: Option<String>,
+    #[serde(default)]
+    uids: Vec<u32>,
+    #[serde(default)]
+    gids: Vec<u32>,
+    scopes: Option<Vec<String>>,
+    #[serde(default)]
+    allow_methods: Vec<String>,
+    #[serde(default)]
+    deny_methods: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -124,6 +179,9 @@ struct GatewaySection {
     url: Option<String>,
     token: Option<String>,
     token_file: Option<PathBuf>,
+    password: Option<String>,
+    tls_fingerprint: Option<String>,
+    tls_ca_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -268,10 +326,34 @@ fn is_loopback_url(url: &str) -> bool {
 fn file_token_allowed(url: &Option<(String, Source)>, file: &Path) -> bool {
     match url {
         None => true,
-        Some((_, Source::File(p))) if p == file => true,
+        Some((_, src)) if src.file() == Some(file) => true,
         Some((u, _)) => is_loopback_url(u),
     }
 }
+
+/// A pin as given (`sha256:`, hex, colon pairs), normalized; anything else
+/// is a settings error naming where it came from.
+fn pin_from(raw: &str, source: Source) -> Result<(String, Source), ErrorShape> {
+    crate::upstream::tls::normalize_fingerprint(raw)
+        .map(|pin| (pin, source.clone()))
+        .ok_or_else(|| {
+            ErrorShape::studio(
+                StudioCode::SettingsLoadFailed,
+                format!(
+                    "the TLS fingerprint from {source} is not a SHA-256 certificate fingerprint \
+                     (64 hex digits, optionally colon-separated, optionally prefixed sha256:)"
+                ),
+            )
+        })
+}
+
+/// The trimmed value; `None` when absent or blank (blank means unset in every settings file).
+fn non_empty(v: Option<&str>) -> Option<&str> {
+    v.map(str::trim).filter(|v| !v.is_empty())
+}
+
+/// The port OpenClaw's gateway listens on unless told otherwise.
+const OPENCLAW_DEFAULT_PORT: u16 = 18789;
 
 fn str_at<'a>(v: &'a Value, pointer: &str) -> Option<&'a str> {
     v.pointer(pointer).and_then(Value::as_str).map(str::trim)
@@ -415,6 +497,40 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
         }
     }
 
+    // The password, the certificate pin and the CA file from the broker's own sources.
+    let mut password: Option<(Secret, Source)> = None;
+    if let Some(p) = env.get("CLAWMUX_GATEWAY_PASSWORD") {
+        password = Some((Secret::new(p), Source::Env("CLAWMUX_GATEWAY_PASSWORD")));
+    } else if let Some(p) = non_empty(file.gateway.password.as_deref()) {
+        if let Some(path) = &config_file {
+            check_secret_file(path, &mut warnings);
+        }
+        password = Some((Secret::new(p), file_src()));
+    }
+    let mut pin = if let Some(f) = &over.tls_fingerprint {
+        Some(pin_from(f, Source::Flag("--tls-fingerprint"))?)
+    } else if let Some(f) = env.get("CLAWMUX_TLS_FINGERPRINT") {
+        Some(pin_from(f, Source::Env("CLAWMUX_TLS_FINGERPRINT"))?)
+    } else if let Some(f) = non_empty(file.gateway.tls_fingerprint.as_deref()) {
+        Some(pin_from(f, file_src())?)
+    } else {
+        None
+    };
+    let ca_file = over
+        .tls_ca_file
+        .clone()
+        .map(|p| (p, Source::Flag("--tls-ca-file")))
+        .or_else(|| {
+            env.get("CLAWMUX_TLS_CA_FILE")
+                .map(|p| (env.expand(p), Source::Env("CLAWMUX_TLS_CA_FILE")))
+        })
+        .or_else(|| {
+            file.gateway
+                .tls_ca_file
+                .as_ref()
+                .map(|p| (env.expand(&p.to_string_lossy()), file_src()))
+        });
+
     // Claw3D studio settings, then OpenClaw's own config, only if still needed.
     let state_dir = openclaw_state_dir(env);
     if url.is_none() || token.is_none() {
@@ -443,33 +559,112 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
             Some(text) => parse_json_like(&path, &text, true)?,
             None => Value::Null,
         };
+        let key = |k: &'static str| Source::FileKey(path.clone(), k);
+        let remote_mode = str_at(&v, "/gateway/mode") == Some("remote");
+        let tls_enabled = v.pointer("/gateway/tls/enabled").and_then(Value::as_bool) == Some(true);
+        // Where the URL taken from this file points: the remote gateway, or
+        // the local one with its own TLS.
+        let mut url_from_remote = false;
+        let mut url_local_tls = false;
         if url.is_none() {
-            let port = env
-                .get("OPENCLAW_GATEWAY_PORT")
-                .map(|p| (p.parse::<u16>().ok(), Source::Env("OPENCLAW_GATEWAY_PORT")))
-                .or_else(|| {
-                    v.pointer("/gateway/port").map(|p| {
-                        (
-                            p.as_u64().and_then(|p| u16::try_from(p).ok()),
-                            Source::File(path.clone()),
-                        )
+            let remote_url = non_empty(str_at(&v, "/gateway/remote/url")).filter(|_| remote_mode);
+            if let Some(u) = remote_url {
+                url = Some((u.to_owned(), key("gateway.remote.url")));
+                url_from_remote = true;
+            } else {
+                if remote_mode {
+                    warnings.push(format!(
+                        "{}: gateway.mode is \"remote\" but gateway.remote.url is missing: using the local gateway; set gateway.remote.url",
+                        path.display()
+                    ));
+                }
+                let port = env
+                    .get("OPENCLAW_GATEWAY_PORT")
+                    .map(|p| (p.parse::<u16>().ok(), Source::Env("OPENCLAW_GATEWAY_PORT")))
+                    .or_else(|| {
+                        v.pointer("/gateway/port").map(|p| {
+                            (
+                                p.as_u64().and_then(|p| u16::try_from(p).ok()),
+                                Source::File(path.clone()),
+                            )
+                        })
                     })
-                });
-            if let Some((port, source)) = port {
-                let port = port.ok_or_else(|| {
-                    ErrorShape::studio(
-                        StudioCode::SettingsLoadFailed,
-                        format!("the gateway port from {source} is not a port number (1-65535)"),
-                    )
-                })?;
-                url = Some((format!("ws://localhost:{port}"), source));
+                    .or_else(|| {
+                        tls_enabled
+                            .then(|| (Some(OPENCLAW_DEFAULT_PORT), key("gateway.tls.enabled")))
+                    });
+                if let Some((port, source)) = port {
+                    let port = port.ok_or_else(|| {
+                        ErrorShape::studio(
+                            StudioCode::SettingsLoadFailed,
+                            format!(
+                                "the gateway port from {source} is not a port number (1-65535)"
+                            ),
+                        )
+                    })?;
+                    let scheme = if tls_enabled { "wss" } else { "ws" };
+                    url = Some((format!("{scheme}://localhost:{port}"), source));
+                    url_local_tls = tls_enabled;
+                }
             }
         }
-        if token.is_none() && file_token_allowed(&url, &path) {
+        let allowed = file_token_allowed(&url, &path);
+        // `gateway.remote.*` credentials go to the remote URL, and to a
+        // loopback URL (an SSH tunnel) only when `gateway.auth.*` has none,
+        // as OpenClaw's local commands use them.
+        let local_or_remote = |local: &str, remote: &'static str, remote_key: &'static str| {
+            if url_from_remote {
+                non_empty(str_at(&v, remote)).map(|t| (Secret::new(t), key(remote_key)))
+            } else {
+                non_empty(str_at(&v, local))
+                    .map(|t| (Secret::new(t), Source::File(path.clone())))
+                    .or_else(|| {
+                        non_empty(str_at(&v, remote))
+                            .filter(|_| remote_mode)
+                            .map(|t| (Secret::new(t), key(remote_key)))
+                    })
+            }
+        };
+        if token.is_none() && allowed {
             if let Some(t) = env.get("OPENCLAW_GATEWAY_TOKEN") {
                 token = Some((Secret::new(t), Source::Env("OPENCLAW_GATEWAY_TOKEN")));
-            } else if let Some(t) = str_at(&v, "/gateway/auth/token").filter(|t| !t.is_empty()) {
-                token = Some((Secret::new(t), Source::File(path.clone())));
+            } else if let Some(found) = local_or_remote(
+                "/gateway/auth/token",
+                "/gateway/remote/token",
+                "gateway.remote.token",
+            ) {
+                token = Some(found);
+            }
+        }
+        if password.is_none() && allowed {
+            if let Some(p) = env.get("OPENCLAW_GATEWAY_PASSWORD") {
+                password = Some((Secret::new(p), Source::Env("OPENCLAW_GATEWAY_PASSWORD")));
+            } else if let Some(found) = local_or_remote(
+                "/gateway/auth/password",
+                "/gateway/remote/password",
+                "gateway.remote.password",
+            ) {
+                password = Some(found);
+            }
+        }
+        if pin.is_none() && url_from_remote {
+            if let Some(f) = non_empty(str_at(&v, "/gateway/remote/tlsFingerprint")) {
+                pin = Some(pin_from(f, key("gateway.remote.tlsFingerprint"))?);
+            }
+        }
+        if pin.is_none() && url_local_tls {
+            let cert = non_empty(str_at(&v, "/gateway/tls/certPath"))
+                .map(|p| env.expand(p))
+                .unwrap_or_else(|| state_dir.join("gateway/tls/gateway-cert.pem"));
+            match crate::upstream::tls::certificate_file_fingerprint(&cert) {
+                Ok((_, fp)) => {
+                    pin = Some(pin_from(&fp, Source::Certificate(cert))?);
+                }
+                // As OpenClaw: no certificate, no implicit pin; the normal trust checks apply.
+                Err(why) => warnings.push(format!(
+                    "{why}: the local gateway has gateway.tls.enabled but no certificate pin could be derived \
+                     (start the gateway once to generate its certificate, or set --tls-fingerprint)"
+                )),
             }
         }
     }
@@ -478,9 +673,21 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
     settings.gateway_url = gateway_url;
     let token_source = token.as_ref().map(|(_, s)| s.clone());
     settings.token = token.map(|(t, _)| t);
+    let password_source = password.as_ref().map(|(_, s)| s.clone());
+    settings.password = password.map(|(p, _)| p);
+    let tls_fingerprint_source = pin.as_ref().map(|(_, s)| s.clone());
+    settings.tls.fingerprint = pin.map(|(p, _)| p);
+    let tls_ca_file_source = ca_file.as_ref().map(|(_, s)| s.clone());
+    settings.tls.ca_file = ca_file.map(|(p, _)| p);
+    settings.allow_insecure_private_ws = env
+        .vars
+        .get(crate::upstream::tls::BREAK_GLASS_ENV)
+        .is_some_and(|v| v == "1");
 
     let path = config_file.clone().unwrap_or_default();
     apply_limits(&mut settings, &file).map_err(|why| load_failed(&path, why))?;
+    settings.sockets = socket_policies(&settings.socket_path, &file.sockets, env)
+        .map_err(|why| load_failed(&path, why))?;
     let up = &file.upstream;
     if let Some(dir) = over
         .state_dir
@@ -501,11 +708,88 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
         settings,
         url_source,
         token_source,
+        password_source,
+        tls_fingerprint_source,
+        tls_ca_file_source,
         socket_source,
         config_file,
         openclaw_state_dir: state_dir,
         warnings,
     })
+}
+
+/// The `[[sockets]]` entries as policies; the error names the entry.
+fn socket_policies(
+    main: &Path,
+    sections: &[SocketSection],
+    env: &Env,
+) -> Result<Vec<crate::policy::SocketPolicy>, String> {
+    use crate::policy::{scopes, Grant, MethodFilter, SocketPolicy};
+    let mut out: Vec<SocketPolicy> = Vec::new();
+    for (i, s) in sections.iter().enumerate() {
+        let at = format!("sockets[{i}]");
+        let name = s.name.trim();
+        if name.is_empty()
+            || name == "default"
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return Err(format!(
+                "{at}.name must be a name of letters, digits, '-', '_' or '.' (not \"default\")"
+            ));
+        }
+        let path = env.expand(&s.path.to_string_lossy());
+        if !path.is_absolute() {
+            return Err(format!("{at}.path must be an absolute path"));
+        }
+        if path == main || out.iter().any(|o| o.path == path || o.name == name) {
+            return Err(format!(
+                "{at}: another socket already has this name or path"
+            ));
+        }
+        let mode = match &s.mode {
+            None => 0o600,
+            Some(m) => match u32::from_str_radix(m.trim_start_matches("0o"), 8) {
+                Ok(m) if m & !0o777 == 0 && m & 0o600 == 0o600 => m,
+                _ => return Err(format!("{at}.mode must be octal permissions such as \"0660\", readable and writable by the owner")),
+            },
+        };
+        if mode & 0o007 != 0 && s.uids.is_empty() && s.gids.is_empty() {
+            // Harmless (peer credentials decide), but a sign of a mistake.
+            tracing::debug!(
+                socket = name,
+                "mode lets everyone reach the socket; only the owner is admitted"
+            );
+        }
+        let known = |v: &str| v.starts_with("operator.");
+        let granted = match &s.scopes {
+            None => None,
+            Some(list) => {
+                if let Some(bad) = list.iter().find(|v| !known(v)) {
+                    return Err(format!(
+                        "{at}.scopes: {bad:?} is not an operator scope (e.g. {}, {})",
+                        scopes::READ,
+                        scopes::WRITE
+                    ));
+                }
+                Some(Grant::new(list))
+            }
+        };
+        out.push(SocketPolicy {
+            name: name.to_owned(),
+            path,
+            mode,
+            uids: s.uids.clone(),
+            gids: s.gids.clone(),
+            scopes: granted,
+            methods: MethodFilter {
+                allow: s.allow_methods.clone(),
+                deny: s.deny_methods.clone(),
+            },
+        });
+    }
+    Ok(out)
 }
 
 /// Copies the `[limits]` and `[upstream]` values of `config.toml` into the
@@ -678,21 +962,24 @@ mod tests {
         }
     }
 
+    /// Resolves with `toml` as the config file and the main socket at
+    /// `/run/x/main.sock`.
+    fn resolve_with(toml: &str) -> Result<Resolved, ErrorShape> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.toml");
+        std::fs::write(&path, toml).unwrap();
+        let over = Overrides {
+            config: Some(path),
+            socket: Some("/run/x/main.sock".into()),
+            ..Overrides::default()
+        };
+        resolve(&over, &Env::default())
+    }
+
     /// An absurd or zero duration or count in config.toml is a settings
     /// error naming the key, not a panic on the first request.
     #[test]
     fn absurd_limits_name_their_key() {
-        let resolve_with = |toml: &str| {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("config.toml");
-            std::fs::write(&path, toml).unwrap();
-            let over = Overrides {
-                config: Some(path),
-                socket: Some(dir.path().join("s.sock")),
-                ..Overrides::default()
-            };
-            resolve(&over, &Env::default())
-        };
         for (toml, key) in [
             (
                 "[limits]\nrequest_timeout_ms = 18446744073709551615\n",
@@ -723,6 +1010,36 @@ mod tests {
         let ok = resolve_with("[limits]\nconnect_wait_ms = 0\nmax_connections = 7\n").unwrap();
         assert_eq!(ok.settings.limits.connect_wait, std::time::Duration::ZERO);
         assert_eq!(ok.settings.limits.max_connections(), 7);
+    }
+
+    /// `[[sockets]]` entries become policies; a bad one names itself.
+    #[test]
+    fn policy_sockets_are_read_and_checked() {
+        let ok = resolve_with(
+            "[[sockets]]\nname = \"ro\"\npath = \"/run/x/ro.sock\"\nmode = \"0660\"\ngids = [50]\nscopes = [\"operator.read\"]\ndeny_methods = [\"config.*\"]\n",
+        )
+        .unwrap();
+        let p = &ok.settings.sockets[0];
+        assert_eq!(
+            (p.name.as_str(), p.mode, p.gids.as_slice()),
+            ("ro", 0o660, &[50][..])
+        );
+        assert_eq!(p.scopes, Some(crate::policy::Grant::new(["operator.read"])));
+        assert!(!p.methods.allows("config.get") && p.methods.allows("status"));
+        for (toml, says) in [
+            ("[[sockets]]\nname = \"a\"\npath = \"rel.sock\"\n", "sockets[0].path"),
+            ("[[sockets]]\nname = \"a\"\npath = \"/a.sock\"\nmode = \"0400\"\n", "sockets[0].mode"),
+            ("[[sockets]]\nname = \"a\"\npath = \"/a.sock\"\nscopes = [\"admin\"]\n", "sockets[0].scopes"),
+            ("[[sockets]]\nname = \"default\"\npath = \"/a.sock\"\n", "sockets[0].name"),
+            ("[[sockets]]\nname = \"a\"\npath = \"/run/x/main.sock\"\n", "sockets[0]"),
+            (
+                "[[sockets]]\nname = \"a\"\npath = \"/a.sock\"\n[[sockets]]\nname = \"a\"\npath = \"/b.sock\"\n",
+                "sockets[1]",
+            ),
+        ] {
+            let err = resolve_with(toml).unwrap_err();
+            assert!(err.message.contains(says), "{toml}: {}", err.message);
+        }
     }
 
     #[test]

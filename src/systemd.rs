@@ -52,6 +52,9 @@ pub struct ActivatedSocket {
     pub listener: UnixListener,
     /// Its `LISTEN_FDNAMES` entry (`unknown` when systemd gave none).
     pub name: String,
+    /// The other sockets systemd passed, by name: for the `[[sockets]]`
+    /// policy sockets (`FileDescriptorName=` = the policy's `name`).
+    pub others: Vec<(String, UnixListener)>,
 }
 
 static LISTEN_FDS_TAKEN: AtomicBool = AtomicBool::new(false);
@@ -87,7 +90,6 @@ pub unsafe fn take_activated_listener() -> Result<Option<ActivatedSocket>, Activ
     let Some(index) = choose_socket(&names)? else {
         return Ok(None);
     };
-    // The other passed descriptors (if any) are closed when `owned` drops.
     let (fd, name) = owned.swap_remove(index);
     if let Err(why) = check_unix_listener(&fd) {
         return Err(ActivationError::NotAUnixListener {
@@ -96,9 +98,23 @@ pub unsafe fn take_activated_listener() -> Result<Option<ActivatedSocket>, Activ
             why,
         });
     }
+    // The others serve policy sockets of the same name; one that is not a
+    // listening unix socket is closed here (its policy socket is bound by
+    // clawmux instead).
+    let others = owned
+        .into_iter()
+        .filter_map(|(fd, name)| match check_unix_listener(&fd) {
+            Ok(()) => Some((name, UnixListener::from(fd))),
+            Err(why) => {
+                tracing::warn!(name, "ignoring a passed socket: {why}");
+                None
+            }
+        })
+        .collect();
     Ok(Some(ActivatedSocket {
         listener: UnixListener::from(fd),
         name,
+        others,
     }))
 }
 

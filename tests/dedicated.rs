@@ -669,3 +669,96 @@ async fn a_gateway_that_vanishes_closes_the_client_1012() {
     gw.drop_connection(conn);
     assert_eq!(c.expect_close().await, (1012, "upstream closed".into()));
 }
+
+/// The route relays frames unchecked: a socket whose policy limits scopes
+/// or methods does not serve it (it would hand out what the policy withholds).
+#[tokio::test]
+async fn a_restricted_policy_socket_refuses_the_dedicated_route() {
+    use clawmux::policy::{Grant, MethodFilter, SocketPolicy};
+    init_test_log();
+    let dir = tempfile::tempdir().unwrap();
+    let ro = dir.path().join("ro.sock");
+    let policy = SocketPolicy {
+        name: "dashboard".into(),
+        path: ro.clone(),
+        mode: 0o600,
+        uids: Vec::new(),
+        gids: Vec::new(),
+        scopes: Some(Grant::new(["operator.read"])),
+        methods: MethodFilter::default(),
+    };
+    let h = start_with(mock_config(), |s| s.sockets = vec![policy]).await;
+    let upgrade = [
+        ("connection", "Upgrade"),
+        ("upgrade", "websocket"),
+        ("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ=="),
+        ("sec-websocket-version", "13"),
+    ];
+    let (status, _, resp) = http_api::request(&ro, "GET", "/ws/dedicated", &upgrade, b"").await;
+    assert_eq!(status, 403);
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let body: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(body["error"]["code"], "studio.forbidden", "{body}");
+    assert!(client_connects(&h.gw).is_empty());
+    // The main socket serves it.
+    let mut c = dedicated(&h).await;
+    assert_eq!(c.recv_json().await["event"], "connect.challenge");
+}
+
+/// A self-signed gateway certificate for `localhost` and its pin.
+fn self_signed_localhost() -> (String, String, String) {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .self_signed(&key)
+        .unwrap();
+    let pin = clawmux::upstream::tls::fingerprint_of(cert.der());
+    let pin = clawmux::upstream::tls::normalize_fingerprint(&pin).unwrap();
+    (cert.pem(), key.serialize_pem(), pin)
+}
+
+/// `wss://` works on the dedicated route as on the shared one: same trust
+/// settings, same pin, same refusal when the certificate is not the pinned one.
+#[tokio::test]
+async fn a_tls_gateway_is_reached_with_the_shared_sessions_trust_and_pin() {
+    init_test_log();
+    let (pem, key_pem, pin) = self_signed_localhost();
+    let cfg = MockConfig {
+        tls: Some(clawmux_mock::tls_server_config(&pem, &key_pem).unwrap()),
+        ..mock_config()
+    };
+    let h = start_with(cfg, |s| {
+        s.gateway_url = s.gateway_url.replace("127.0.0.1", "localhost");
+        s.tls.fingerprint = Some(pin);
+    })
+    .await;
+    assert!(h.gw.url().starts_with("wss://"));
+    let mut c = dedicated(&h).await;
+    c.recv_json().await;
+    c.send_json(&connect_frame("c1")).await;
+    assert_eq!(c.response("c1").await["ok"], true);
+    assert_eq!(client_connects(&h.gw)[0]["auth"]["token"], "test-token");
+
+    // Another certificate than the pinned one: refused before any connect.
+    let (pem, key_pem, _) = self_signed_localhost();
+    let (_, _, other_pin) = self_signed_localhost();
+    let cfg = MockConfig {
+        tls: Some(clawmux_mock::tls_server_config(&pem, &key_pem).unwrap()),
+        ..mock_config()
+    };
+    let h = start_with(cfg, |s| {
+        s.gateway_url = s.gateway_url.replace("127.0.0.1", "localhost");
+        s.tls.fingerprint = Some(other_pin);
+    })
+    .await;
+    let mut c = dedicated(&h).await;
+    c.send_json(&connect_frame("c1")).await;
+    let res = c.response("c1").await;
+    assert_eq!(res["error"]["code"], "studio.upstream_error", "{res}");
+    assert!(res["error"]["details"]["tls"].is_string(), "{res}");
+    assert_eq!(c.expect_close().await, (1011, "connect failed".into()));
+    assert!(client_connects(&h.gw).is_empty());
+}

@@ -9,6 +9,9 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use support::*;
 
+/// A front end's scopes without admin (aborting another's run needs admin).
+const READ_WRITE: [&str; 2] = ["operator.read", "operator.write"];
+
 fn upstream_methods(h: &Harness, method: &str) -> usize {
     h.gw.requests()
         .iter()
@@ -208,8 +211,8 @@ async fn chat_abort_of_another_clients_run_is_forbidden_unless_admin() {
         ..mock_config()
     };
     let h = start_with(cfg, |_| {}).await;
-    let (mut owner, _) = h.connected().await;
-    let (mut other, _) = h.connected().await;
+    let (mut owner, _) = h.connected_as(&READ_WRITE).await;
+    let (mut other, _) = h.connected_as(&READ_WRITE).await;
     let mut admin = h.client().await;
     admin.recv_json().await;
     let mut frame = connect_frame("c-admin");
@@ -338,8 +341,8 @@ async fn session_keys_are_compared_in_canonical_form() {
         ..mock_config()
     };
     let h = start_with(cfg, |_| {}).await;
-    let (mut a, _) = h.connected().await;
-    let (mut b, _) = h.connected().await;
+    let (mut a, _) = h.connected_as(&READ_WRITE).await;
+    let (mut b, _) = h.connected_as(&READ_WRITE).await;
     let ra = a
         .request("sessions.messages.subscribe", json!({"key": "main"}))
         .await;

@@ -213,6 +213,68 @@ async fn socket_activation_serves_on_the_passed_socket_and_never_unlinks_it() {
     std::os::unix::net::UnixStream::connect(&socket).expect("the listener is still open");
 }
 
+/// Policy sockets come from systemd too, matched by name
+/// (`FileDescriptorName=` = the `[[sockets]]` entry's `name`): the broker
+/// serves each with its policy and unlinks neither.
+#[tokio::test]
+async fn socket_activation_passes_policy_sockets_by_name() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = private_dir();
+    let main = dir.path().join("main.sock");
+    let ro = dir.path().join("ro.sock");
+    let main_l = std::os::unix::net::UnixListener::bind(&main).unwrap();
+    let ro_l = std::os::unix::net::UnixListener::bind(&ro).unwrap();
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[sockets]]\nname = \"dashboard\"\npath = \"{}\"\nscopes = [\"operator.read\"]\n",
+            dir.path().join("configured-but-passed.sock").display()
+        ),
+    )
+    .unwrap();
+    let mut notify = NotifySocket::bind(dir.path());
+    let mut cmd = clawmux_command("/bin/sh");
+    let (a, b) = (main_l.as_raw_fd(), ro_l.as_raw_fd());
+    cmd.arg("-c")
+        .arg(r#"LISTEN_PID=$$ exec "$0" "$@""#)
+        .arg(BIN)
+        .args(["serve", "--gateway-url", &gw.url(), "--config"])
+        .arg(&config)
+        .env("LISTEN_FDS", "2")
+        .env("LISTEN_FDNAMES", "clawmux.socket:dashboard")
+        .env("CLAWMUX_GATEWAY_TOKEN", "test-token")
+        .env(notify.env().0, notify.env().1);
+    // SAFETY: as in `activated_command`: only dup2/fcntl between fork and
+    // exec. The two sockets are moved out of the way first (to 100, 101) so
+    // neither is overwritten while the other is being placed at 3 or 4.
+    unsafe {
+        cmd.pre_exec(move || {
+            for (from, to) in [(a, 100), (b, 101), (100, 3), (101, 4)] {
+                if libc::dup2(from, to) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let mut broker = ChildGuard(cmd.spawn().unwrap());
+    notify.wait_for("READY=1", |l| l == "READY=1").await;
+    let mut c = WsClient::open(&ro, "/ws").await;
+    let hello = c.handshake().await;
+    assert_eq!(hello["auth"]["scopes"], json!(["operator.read"]), "{hello}");
+    let mut m = WsClient::open(&main, "/ws").await;
+    let hello = m.handshake().await;
+    assert!(hello["auth"]["scopes"]
+        .as_array()
+        .unwrap()
+        .contains(&json!("operator.admin")));
+    sigterm(&broker.0);
+    assert!(wait_exit(&mut broker.0).await.success());
+    assert!(main.exists() && ro.exists(), "sockets systemd owns stay");
+    assert!(!dir.path().join("configured-but-passed.sock").exists());
+}
+
 #[tokio::test]
 #[ignore = "needs systemd-socket-activate: bash .ci/systemd-tools.sh, then cargo test --test systemd -- --ignored (.ci/run does)"]
 async fn systemd_socket_activate_starts_the_broker_on_first_connection() {

@@ -204,6 +204,54 @@ async fn rejected_connects_are_retried_only_every_backoff_max() {
     assert_eq!(c.request("health", json!({})).await["ok"], true);
 }
 
+/// A remote gateway that wants the broker's device approved: the local
+/// connect error and `clawmux status` name the exact approval command with
+/// the gateway's request id, and the broker picks the approval up by itself.
+#[tokio::test]
+async fn pairing_required_names_the_command_and_the_approval_is_picked_up() {
+    let rejection = Rejection::pairing_required();
+    let request_id = rejection.details.as_ref().unwrap()["requestId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let faults = Faults {
+        reject_connect: Some(rejection),
+        ..Faults::default()
+    };
+    let h = start_faulty(mock_config(), faults, |s| {
+        s.upstream.backoff_max = Duration::from_millis(200);
+    })
+    .await;
+    wait_phase(&h.socket(), "rejected").await;
+    let command = format!("openclaw devices approve {request_id}");
+    let mut c = h.client().await;
+    c.recv_json().await;
+    c.send_json(&connect_frame("c1")).await;
+    let res = c.response("c1").await;
+    assert_eq!(res["error"]["code"], "studio.upstream_rejected");
+    let message = res["error"]["message"].as_str().unwrap();
+    assert!(message.contains(&command), "{message}");
+    let home = h.dir.path().join("home");
+    let socket = h.socket();
+    let out = tokio::task::spawn_blocking(move || {
+        support::isolated_command(env!("CARGO_BIN_EXE_clawmux"), &home)
+            .args(["status", "--socket"])
+            .arg(&socket)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains(&command), "status shows the command: {text}");
+    // Approved on the gateway: the broker gets in by itself.
+    h.gw.set_faults(Faults::default());
+    wait_phase(&h.socket(), "ready").await;
+    let (mut c, _) = h.connected().await;
+    assert_eq!(c.request("health", json!({})).await["ok"], true);
+}
+
 /// Failures that are neither refusals nor timed by the gateway back off
 /// exponentially from `backoff_initial`, capped at `backoff_max`. The
 /// "gateway" here accepts TCP and never answers the upgrade, so every
@@ -421,8 +469,11 @@ async fn fill_socket_buffers(a: &mut WsClient) {
 /// once, and the broker reconnects when the gateway reads again.
 #[tokio::test]
 async fn a_gateway_that_stops_reading_ends_the_session_not_the_broker() {
+    // Ticks every second (silence limit 2 s) and a 1.5 s write timeout: the
+    // writer's timeout comes first while ticks are read, with room for a
+    // loaded machine to deliver a tick late.
     let cfg = MockConfig {
-        tick_interval_ms: 250,
+        tick_interval_ms: 1000,
         ..mock_config()
     };
     let h = start_with(cfg, |s| {

@@ -34,6 +34,7 @@ pub async fn run(resolved: Result<Resolved, crate::protocol::ErrorShape>) -> Exi
         (Some(t), Some(src)) => println!("  token        {}  (from {src})", fingerprint(t)),
         _ => println!("  token        none"),
     }
+    print_tls_settings(&resolved);
     match &resolved.config_file {
         Some(p) => println!("  config file  {}", p.display()),
         None => println!("  config file  none"),
@@ -54,6 +55,9 @@ pub async fn run(resolved: Result<Resolved, crate::protocol::ErrorShape>) -> Exi
     let result = upstream.wait_first_attempt(deadline).await;
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+    if let Some(cert) = upstream.peer_certificate() {
+        print_certificate("certificate", &cert);
+    }
     match result {
         Ok(hello) => {
             println!(
@@ -77,4 +81,48 @@ pub async fn run(resolved: Result<Resolved, crate::protocol::ErrorShape>) -> Exi
             ExitCode::from(1)
         }
     }
+}
+
+/// The password, the TLS pin and CA file, and the plaintext break-glass,
+/// each with where it came from (secrets only as fingerprints).
+fn print_tls_settings(resolved: &Resolved) {
+    let s = &resolved.settings;
+    if let (Some(p), Some(src)) = (&s.password, &resolved.password_source) {
+        println!("  password     {}  (from {src})", fingerprint(p));
+    }
+    match (&s.tls.fingerprint, &resolved.tls_fingerprint_source) {
+        (Some(pin), Some(src)) => println!("  tls pin      sha256:{pin}  (from {src})"),
+        _ if s.gateway_url.trim().starts_with("wss://") => {
+            println!("  tls pin      none (the system trust store and the host name decide)")
+        }
+        _ => {}
+    }
+    if let (Some(ca), Some(src)) = (&s.tls.ca_file, &resolved.tls_ca_file_source) {
+        println!("  tls ca file  {}  (from {src})", ca.display());
+    }
+    if let Some(crate::settings::Source::Certificate(path)) = &resolved.tls_fingerprint_source {
+        if let Ok((der, _)) = crate::upstream::tls::certificate_file_fingerprint(path) {
+            print_certificate(
+                "pinned cert",
+                &crate::upstream::tls::CertificateInfo::from_der(der.as_ref()),
+            );
+        }
+    }
+    if s.allow_insecure_private_ws {
+        println!(
+            "  plaintext    {}=1: ws:// allowed to host names (break-glass)",
+            crate::upstream::tls::BREAK_GLASS_ENV
+        );
+    }
+}
+
+/// A certificate: subject, issuer, validity and SHA-256 (pin with it).
+fn print_certificate(label: &str, cert: &crate::upstream::tls::CertificateInfo) {
+    println!("  {label:<12} subject {}", cert.subject);
+    println!("  {:<12} issuer  {}", "", cert.issuer);
+    println!(
+        "  {:<12} valid   {} to {}",
+        "", cert.not_before, cert.not_after
+    );
+    println!("  {:<12} sha256  {}", "", cert.fingerprint);
 }

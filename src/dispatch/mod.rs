@@ -42,11 +42,6 @@ pub const MAX_SUBSCRIPTIONS_PER_CLIENT: usize = 1024;
 const RUN_BOOK_PRUNE_AT: usize = 64;
 
 /// Methods only a `role:"node"` connection may call.
-fn is_node_only(method: &str) -> bool {
-    matches!(method, "node.invoke.result" | "node.event" | "skills.bins")
-        || method.starts_with("node.pending.")
-}
-
 /// A request's params as a value (`null` when absent or not JSON): only
 /// for the few methods the broker reads params of.
 fn parse_params(params: Option<&RawValue>) -> Value {
@@ -146,8 +141,16 @@ impl Dispatcher {
         method: &str,
         params: Option<&RawValue>,
     ) -> Result<(), ErrorShape> {
-        if is_node_only(method) {
-            return Err(ErrorShape::invalid_request("unauthorized role: operator"));
+        // What the gateway would refuse on a connection holding only this
+        // client's scopes is refused here, before anything is forwarded.
+        match member.client.access() {
+            Some(access) => access.check(method, params)?,
+            None => {
+                return Err(crate::policy::methods::missing_scope(
+                    crate::policy::scopes::READ,
+                    &[],
+                ))
+            }
         }
         let Some(generation) = self.upstream.ready_generation() else {
             let _ = self.upstream.nudge();
@@ -355,11 +358,7 @@ impl Dispatcher {
 
     /// `chat.abort` of a run another local client started needs admin.
     fn check_abort(&self, member: &Member, params: Option<&RawValue>) -> Result<(), ErrorShape> {
-        if member
-            .client
-            .admin
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
+        if member.client.grant().is_admin() {
             return Ok(());
         }
         let parsed = parse_params(params);
@@ -569,8 +568,18 @@ mod tests {
         }
     }
 
+    /// Read and write, not admin (as a typical front end).
+    fn access() -> crate::policy::Access {
+        crate::policy::Access {
+            grant: crate::policy::Grant::new(["operator.read", "operator.write"]),
+            socket: Arc::new(crate::policy::SocketPolicy::main("/x".into())),
+        }
+    }
+
     fn client(f: &Fixture) -> Registration {
-        f.dispatcher.register(f.dispatcher.hub.new_client())
+        let client = f.dispatcher.hub.new_client();
+        client.set_access(access());
+        f.dispatcher.register(client)
     }
 
     /// The methods queued upstream so far, in order, with their ids.
@@ -714,14 +723,16 @@ mod tests {
         let mut f = fixture(2);
         let rpcs: Vec<Registration> = (0..3)
             .map(|_| {
-                f.dispatcher.register_rpc(Arc::new(Client::new(
+                let client = Client::new(
                     100,
                     QueueLimits {
                         soft_bytes: 1 << 20,
                         hard_bytes: 1 << 23,
                         grace: Duration::from_secs(10),
                     },
-                )))
+                );
+                client.set_access(access());
+                f.dispatcher.register_rpc(Arc::new(client))
             })
             .collect();
         f.dispatcher

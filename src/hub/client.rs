@@ -230,8 +230,9 @@ pub struct Client {
     pub conn_id: String,
     /// The client asked for tool-stream events at connect.
     pub tool_events: AtomicBool,
-    /// The client connected with `operator.admin` (and the broker has it).
-    pub admin: AtomicBool,
+    /// What the client may do (its scopes, its socket's policy), set once
+    /// when it is admitted; unset, it may do nothing.
+    access: std::sync::OnceLock<crate::policy::Access>,
     /// Requests forwarded upstream and not yet answered.
     pub inflight: AtomicUsize,
     /// Events dropped for this client (soft limit).
@@ -265,7 +266,7 @@ impl Client {
             kind: ClientKind::Ws,
             conn_id: uuid::Uuid::new_v4().to_string(),
             tool_events: AtomicBool::new(false),
-            admin: AtomicBool::new(false),
+            access: std::sync::OnceLock::new(),
             inflight: AtomicUsize::new(0),
             dropped: AtomicU64::new(0),
             killed: tokio_util::sync::CancellationToken::new(),
@@ -278,6 +279,25 @@ impl Client {
             wake: Notify::new(),
             written: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Sets what the client may do (once; later calls are ignored).
+    pub fn set_access(&self, access: crate::policy::Access) {
+        let _ = self.access.set(access);
+    }
+
+    /// What the client may do, if it was admitted.
+    pub fn access(&self) -> Option<&crate::policy::Access> {
+        self.access.get()
+    }
+
+    /// The client's scopes (none before it is admitted).
+    pub fn grant(&self) -> &crate::policy::Grant {
+        static NONE: std::sync::OnceLock<crate::policy::Grant> = std::sync::OnceLock::new();
+        self.access.get().map_or_else(
+            || NONE.get_or_init(crate::policy::Grant::none),
+            |a| &a.grant,
+        )
     }
 
     /// Counts bytes the socket accepted as progress too (set once, by the

@@ -200,11 +200,16 @@ impl Hub {
             Audience::Only(_) => head,
         };
         let event = SharedEvent::new(head, &self.queue_budget);
+        // The gateway's per-connection scope guard, per local client.
+        let guard = crate::policy::events::guard(name);
+        let allowed = |c: &&Arc<Client>| guard.allows(c.grant());
         match audience {
-            Audience::All => self.deliver(inner.clients.values(), &event, droppable),
+            Audience::All => {
+                self.deliver(inner.clients.values().filter(allowed), &event, droppable)
+            }
             Audience::Only(ids) => {
                 let clients = ids.iter().filter_map(|id| inner.clients.get(id));
-                self.deliver(clients, &event, droppable)
+                self.deliver(clients.filter(allowed), &event, droppable)
             }
         }
         drop(event);
@@ -415,6 +420,7 @@ mod tests {
         let hub = hub();
         hub.reset_snapshot(json!({"presence":[]}));
         let a = hub.new_client();
+        a.set_access(crate::policy::Access::unrestricted());
         hub.admit(&a, |snap| Bytes::from(snap.to_string())).unwrap();
         hub.publish("tick", Some(&raw(json!({"ts":1}))), None, &Audience::All);
         hub.gap();
@@ -441,8 +447,10 @@ mod tests {
         );
         assert_eq!(batch.len(), 4);
         let b = hub.new_client();
+        b.set_access(crate::policy::Access::unrestricted());
         hub.admit(&b, |_| Bytes::new()).unwrap();
         let c = hub.new_client();
+        c.set_access(crate::policy::Access::unrestricted());
         assert!(hub.admit(&c, |_| Bytes::new()).is_err());
         hub.remove(a.id);
         assert_eq!(hub.client_count(), 1);
@@ -463,6 +471,7 @@ mod tests {
         let clients: Vec<_> = (0..3)
             .map(|_| {
                 let c = hub.new_client();
+                c.set_access(crate::policy::Access::unrestricted());
                 hub.admit(&c, |_| Bytes::new()).unwrap();
                 c
             })

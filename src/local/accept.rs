@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::fdlimit::{self, SpareFd};
 use super::{http, ConnectionKill};
 use crate::broker::Ctx;
+use crate::policy::SocketPolicy;
 
 /// First pause after `accept` fails (out of descriptors, or any other
 /// error); doubled per failure in a row up to [`ACCEPT_BACKOFF_MAX`], and
@@ -44,7 +45,12 @@ const REFUSE_LINGER_MAX: usize = 16;
 /// Accepts connections until `stop` (cancelled first at shutdown, before the
 /// sessions are told to end) and then drops the listener. Each connection is
 /// served by its own task; its errors are logged and never reach the listener.
-pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>, stop: CancellationToken) {
+pub async fn accept_loop(
+    listener: UnixListener,
+    socket: Arc<SocketPolicy>,
+    ctx: Arc<Ctx>,
+    stop: CancellationToken,
+) {
     let me = rustix::process::getuid().as_raw();
     let limits = &ctx.settings.limits;
     let soft = fdlimit::soft_limit();
@@ -97,11 +103,15 @@ pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>, stop: Cancellati
         };
         // Peer credentials come from the kernel, not from anything the peer says.
         match stream.peer_cred() {
-            Ok(cred) if cred.uid() == me || ctx.allowed_uids.contains(&cred.uid()) => {}
+            Ok(cred)
+                if socket.admits(cred.uid(), cred.gid(), me)
+                    || ctx.allowed_uids.contains(&cred.uid()) => {}
             Ok(cred) => {
                 tracing::warn!(
                     peer_uid = cred.uid(),
-                    "refused a connection from another user"
+                    peer_gid = cred.gid(),
+                    socket = %socket.name,
+                    "refused a connection from a user this socket does not admit"
                 );
                 continue;
             }
@@ -126,18 +136,23 @@ pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>, stop: Cancellati
             _slot: slot,
         };
         let tracker = ctx.tracker.clone();
-        tracker.spawn(serve_connection(stream, Arc::clone(&ctx)));
+        tracker.spawn(serve_connection(
+            stream,
+            Arc::clone(&socket),
+            Arc::clone(&ctx),
+        ));
     }
 }
 
 /// One HTTP/1.1 connection, until it ends, is killed, or the broker stops.
-async fn serve_connection(stream: CountedStream, ctx: Arc<Ctx>) {
+async fn serve_connection(stream: CountedStream, socket: Arc<SocketPolicy>, ctx: Arc<Ctx>) {
     let cancel = ctx.cancel.clone();
     let kill = CancellationToken::new();
     let kill_handle = ConnectionKill(kill.clone());
     let header_read_timeout = ctx.settings.limits.header_read_timeout;
     let service = hyper::service::service_fn(move |mut req: hyper::Request<_>| {
         req.extensions_mut().insert(kill_handle.clone());
+        req.extensions_mut().insert(Arc::clone(&socket));
         http::route(req, Arc::clone(&ctx))
     });
     let conn = http1::Builder::new()

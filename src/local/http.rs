@@ -15,6 +15,7 @@ use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::WebSocketStream;
 
 use crate::broker::Ctx;
+use crate::policy::SocketPolicy;
 
 /// Every response body: whole (JSON documents) or streamed (`/v1/events`).
 pub type Body = UnsyncBoxBody<Bytes, Infallible>;
@@ -111,6 +112,40 @@ pub async fn route(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<Bod
     Ok(resp)
 }
 
+/// The policy of the socket a request came in on (the accept loop puts it
+/// in the request's extensions; the main socket's when absent).
+pub(crate) fn socket_policy(req: &Request<Incoming>, ctx: &Ctx) -> Arc<SocketPolicy> {
+    req.extensions()
+        .get::<Arc<SocketPolicy>>()
+        .cloned()
+        .unwrap_or_else(|| Arc::new(SocketPolicy::main(ctx.settings.socket_path.clone())))
+}
+
+/// `X-Clawmux-Scopes`: an HTTP caller's own (narrower) scopes, separated
+/// by commas or spaces.
+pub const SCOPES_HEADER: &str = "x-clawmux-scopes";
+
+/// What an HTTP caller (`/v1/rpc`, `/v1/events`) may do: its socket's
+/// ceiling over the broker's session, narrowed by [`SCOPES_HEADER`] when
+/// present.
+pub(crate) fn http_access(req: &Request<Incoming>, ctx: &Ctx) -> crate::policy::Access {
+    use crate::policy::{Access, Grant};
+    let socket = socket_policy(req, ctx);
+    let session = ctx.upstream.status().hello.map_or_else(
+        || Grant::new(crate::upstream::REQUESTED_SCOPES),
+        |h| Grant::new(&h.scopes),
+    );
+    let mut grant = socket.ceiling(&session);
+    if let Some(asked) = req
+        .headers()
+        .get(SCOPES_HEADER)
+        .and_then(|v| v.to_str().ok())
+    {
+        grant = Grant::new(asked.split([',', ' '])).within(&grant);
+    }
+    Access { grant, socket }
+}
+
 fn header_has(req: &Request<Incoming>, name: header::HeaderName, token: &str) -> bool {
     req.headers()
         .get_all(name)
@@ -169,6 +204,17 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
             return error_response(StatusCode::BAD_REQUEST, "bad_query", message);
         }
     };
+    let socket = socket_policy(&req, &ctx);
+    if route == Route::Dedicated && !super::dedicated::served_on(&socket) {
+        return error_response(
+            StatusCode::FORBIDDEN,
+            crate::protocol::StudioCode::Forbidden.as_str(),
+            format!(
+                "the socket {:?} limits scopes or methods, and /ws/dedicated relays frames unchecked: use /ws here, or /ws/dedicated on an unrestricted socket",
+                socket.name
+            ),
+        );
+    }
     let accept = derive_accept_key(key.as_bytes());
     let on_upgrade = hyper::upgrade::on(&mut req);
     let tracker = ctx.tracker.clone();
@@ -185,7 +231,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
                 let io = super::preconnect::Limited::new(TokioIo::new(upgraded), budget.clone());
                 let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
                 match route {
-                    Route::Shared => super::ws::run(ws, budget, restarts, ctx).await,
+                    Route::Shared => super::ws::run(ws, budget, restarts, socket, ctx).await,
                     Route::Dedicated => super::dedicated::run(ws, budget, ctx).await,
                 }
             }

@@ -72,6 +72,7 @@ impl BadRpc {
 }
 
 pub async fn respond(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
+    let access = super::http::http_access(&req, ctx);
     let rpc = match read_request(req, ctx.settings.limits.max_frame_bytes).await {
         Ok(rpc) => rpc,
         Err(bad) => {
@@ -80,7 +81,7 @@ pub async fn respond(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         }
     };
     let id = rpc.id.as_deref().unwrap_or("http");
-    match call(ctx, &rpc, id).await {
+    match call(ctx, &rpc, id, access).await {
         Ok(frame) => res_response(status_of(&frame), frame),
         Err(error) => res_response(status_of_code(&error.code), encode_res_error(id, &error)),
     }
@@ -120,7 +121,12 @@ async fn read_request(req: Request<Incoming>, max_bytes: usize) -> Result<RpcReq
 /// Sends the request upstream and waits for its (final) answer frame. The
 /// registration releases what the request held however this ends
 /// (answered, or dropped because the HTTP client went away).
-async fn call(ctx: &Arc<Ctx>, rpc: &RpcRequest, id: &str) -> Result<Bytes, ErrorShape> {
+async fn call(
+    ctx: &Arc<Ctx>,
+    rpc: &RpcRequest,
+    id: &str,
+    access: crate::policy::Access,
+) -> Result<Bytes, ErrorShape> {
     if rpc.method.starts_with("sessions.") && rpc.method.ends_with("subscribe") {
         return Err(ErrorShape::invalid_request(
             "subscriptions belong to a connection: use the WebSocket (/ws) or /v1/events",
@@ -129,6 +135,7 @@ async fn call(ctx: &Arc<Ctx>, rpc: &RpcRequest, id: &str) -> Result<Bytes, Error
     let registration = ctx
         .dispatcher
         .register_rpc(ctx.hub.new_client_of_kind(ClientKind::Rpc));
+    registration.client().set_access(access);
     ctx.dispatcher.dispatch(
         registration.member(),
         id,

@@ -138,6 +138,16 @@ fn check_dir_owner(owner: u32, mode: u32, me: u32) -> Result<(), String> {
 /// Binds the unix socket at `path` (mode 0600), refusing if another broker
 /// answers there and replacing a stale socket file (connect refused).
 pub fn bind(path: &Path) -> Result<(std::os::unix::net::UnixListener, SocketGuard), SocketError> {
+    bind_with_mode(path, 0o600)
+}
+
+/// [`bind`] with another mode for the socket file (a policy socket that
+/// other users or a group may reach); it has that mode from the moment it
+/// exists under its name.
+pub fn bind_with_mode(
+    path: &Path,
+    mode: u32,
+) -> Result<(std::os::unix::net::UnixListener, SocketGuard), SocketError> {
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -194,7 +204,7 @@ pub fn bind(path: &Path) -> Result<(std::os::unix::net::UnixListener, SocketGuar
     let tmp = private.join("s");
     let result = (|| {
         let listener = std::os::unix::net::UnixListener::bind(&tmp).map_err(io_err(&tmp))?;
-        fs::set_permissions(&tmp, fs::Permissions::from_mode(0o600)).map_err(io_err(&tmp))?;
+        fs::set_permissions(&tmp, fs::Permissions::from_mode(mode)).map_err(io_err(&tmp))?;
         fs::rename(&tmp, path).map_err(io_err(path))?;
         Ok(listener)
     })();

@@ -120,6 +120,7 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         Err(message) => return error_response(StatusCode::BAD_REQUEST, "INVALID_REQUEST", message),
     };
     let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
+    client.set_access(super::http::http_access(req, ctx));
     let (backlog, window) = match ctx.hub.admit_at_cursor(&client, &wanted.from) {
         Ok(admitted) => admitted,
         Err(SubscribeError::ReplayUnavailable(gone)) => {
@@ -315,6 +316,10 @@ impl EventStream {
         self.last_cursor = self.last_cursor.max(cursor);
         let name = head.name();
         if self.filter.as_ref().is_some_and(|f| !f.contains(&*name)) {
+            return;
+        }
+        // Replayed events pass the same scope guard as live ones.
+        if !crate::policy::events::guard(&name).allows(self.client.grant()) {
             return;
         }
         write_record(out, &self.epoch, cursor, &name, &head.with_seq(cursor));

@@ -37,6 +37,8 @@ pub fn document(ctx: &Ctx) -> Value {
                 "queue_bytes": c.queued_bytes(),
                 "drops": c.dropped.load(Ordering::Relaxed),
                 "inflight": c.inflight.load(Ordering::Relaxed),
+                "scopes": c.grant(),
+                "socket": c.access().map(|a| a.socket.name.as_str()),
             })
         })
         .collect();
@@ -48,6 +50,15 @@ pub fn document(ctx: &Ctx) -> Value {
             "version": env!("CARGO_PKG_VERSION"),
             "pid": std::process::id(),
             "socket": ctx.settings.socket_path.display().to_string(),
+            "policy_sockets": ctx.settings.sockets.iter().map(|p| json!({
+                "name": p.name,
+                "path": p.path.display().to_string(),
+                "scopes": p.scopes,
+                "allow_methods": p.methods.allow,
+                "deny_methods": p.methods.deny,
+                "uids": p.uids,
+                "gids": p.gids,
+            })).collect::<Vec<_>>(),
         },
         "upstream": {
             "phase": status.phase.as_str(),

@@ -20,7 +20,8 @@ use super::rate::TokenBucket;
 use crate::broker::Ctx;
 use crate::dispatch::{Member, Registration};
 use crate::hub::{Client, Outgoing};
-use crate::protocol::frames::{encode_res_error, encode_res_ok, ClientFrameError, ConnectParams};
+use crate::policy::{Access, Grant, SocketPolicy};
+use crate::protocol::frames::{encode_res_error, encode_res_ok, ClientFrameError};
 use crate::protocol::{now_ms, ClientFrame, ConnectRequest, ErrorShape, EventHead, StudioCode};
 use crate::upstream::UpstreamHello;
 
@@ -115,7 +116,13 @@ impl Restarts {
 }
 
 /// Runs one local client to completion. `budget` is lifted once it is admitted.
-pub async fn run(ws: Ws, budget: PreconnectBudget, restarts: Restarts, ctx: Arc<Ctx>) {
+pub async fn run(
+    ws: Ws,
+    budget: PreconnectBudget,
+    restarts: Restarts,
+    socket: Arc<SocketPolicy>,
+    ctx: Arc<Ctx>,
+) {
     let (sink, mut stream) = ws.split();
     let registration = ctx.dispatcher.register(ctx.hub.new_client());
     let client = Arc::clone(registration.client());
@@ -148,7 +155,7 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, restarts: Restarts, ctx: Arc<
             let challenge = EventHead::from_value("connect.challenge", &Value::Object(payload));
             client.push_frame(challenge.without_seq());
             tokio::select! {
-                admitted = handshake(&mut stream, &client, &ctx) => admitted,
+                admitted = handshake(&mut stream, &client, &socket, &ctx) => admitted,
                 _ = ctx.cancel.cancelled() => {
                     client.close(1001, "going away");
                     false
@@ -181,7 +188,12 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, restarts: Restarts, ctx: Arc<
 }
 
 /// Connect enforcement (design §2). Returns true once the client is admitted.
-async fn handshake(stream: &mut SplitStream<Ws>, client: &Arc<Client>, ctx: &Arc<Ctx>) -> bool {
+async fn handshake(
+    stream: &mut SplitStream<Ws>,
+    client: &Arc<Client>,
+    socket: &Arc<SocketPolicy>,
+    ctx: &Arc<Ctx>,
+) -> bool {
     let limits = &ctx.settings.limits;
     let first = match tokio::time::timeout(limits.connect_timeout, next_incoming(stream)).await {
         Err(_) => {
@@ -257,16 +269,19 @@ async fn handshake(stream: &mut SplitStream<Ws>, client: &Arc<Client>, ctx: &Arc
     client
         .tool_events
         .store(params.tool_events, std::sync::atomic::Ordering::Relaxed);
-    let admin = |scopes: &[String]| scopes.iter().any(|s| s == "operator.admin");
-    client.admin.store(
-        admin(&params.scopes) && admin(&hello.scopes),
-        std::sync::atomic::Ordering::Relaxed,
-    );
+    // What the client asked for, within what the broker's session holds and
+    // what its socket allows (as a locally paired device gets its requested
+    // scopes within its pairing: nothing asked, nothing granted).
+    let grant = Grant::new(&params.scopes).within(&socket.ceiling(&Grant::new(&hello.scopes)));
+    client.set_access(Access {
+        grant,
+        socket: Arc::clone(socket),
+    });
     let max_frame = ctx.settings.limits.max_frame_bytes as u64;
     let admitted = ctx.hub.admit(client, |snapshot| {
         encode_res_ok(
             &req.id,
-            &synthesize_hello(&hello, snapshot, &client.conn_id, max_frame, &params),
+            &synthesize_hello(&hello, snapshot, &client.conn_id, max_frame, client.grant()),
         )
     });
     if let Err(e) = admitted {
@@ -289,7 +304,7 @@ fn synthesize_hello(
     snapshot: &Value,
     conn_id: &str,
     max_frame: u64,
-    _params: &ConnectParams,
+    grant: &Grant,
 ) -> Value {
     let mut hello = up.payload.clone();
     if !hello.is_object() {
@@ -330,7 +345,7 @@ fn synthesize_hello(
         }
     }
     auth["role"] = json!("operator");
-    auth["scopes"] = json!(up.scopes);
+    auth["scopes"] = json!(grant);
     hello["auth"] = auth;
     hello
 }

@@ -68,10 +68,6 @@ pub struct ConnectParams {
     pub scopes: Vec<String>,
 }
 
-/// The answer to `role: "node"` on the shared session: a node needs a
-/// gateway connection of its own, which `/ws/dedicated` gives it.
-pub const NODE_ROLE_REFUSED: &str = "invalid role: node connections need their own gateway connection; connect to /ws/dedicated instead";
-
 impl ConnectRequest {
     /// Parses a local client's first frame (design §2, local side).
     pub fn parse_first(text: &str) -> Result<ConnectRequest, FirstFrameError> {
@@ -117,7 +113,9 @@ impl ConnectRequest {
         match p.get("role") {
             None | Some(Value::Null) => {}
             Some(Value::String(r)) if r == "operator" => {}
-            Some(Value::String(r)) if r == "node" => return Err(NODE_ROLE_REFUSED.into()),
+            Some(Value::String(r)) if r == "node" => {
+                return Err("invalid role: node: a node needs its own gateway session; connect it to /ws/dedicated instead".into())
+            }
             Some(_) => return Err("invalid role".into()),
         }
         let tool_events = p

@@ -266,6 +266,9 @@ pub(super) fn rejection(error: Value) -> AttemptError {
         .pointer("/details/code")
         .and_then(Value::as_str)
         .unwrap_or("");
+    // A remote gateway asks for the broker's device to be approved: name
+    // the exact command (the gateway's own remediation, with this request).
+    let pairing_hint;
     let hint = match detail_code {
         "AUTH_DEVICE_TOKEN_MISMATCH" => {
             "; the stored device token is no longer valid: configure the gateway token (--token-file)"
@@ -273,8 +276,20 @@ pub(super) fn rejection(error: Value) -> AttemptError {
         c if c.starts_with("AUTH_") => {
             "; check the token (gateway.auth.token in the gateway's openclaw.json)"
         }
-        "PAIRING_REQUIRED" | "DEVICE_IDENTITY_REQUIRED" => {
-            "; approve this device on the gateway (openclaw devices approve), and keep device identity on"
+        "PAIRING_REQUIRED" => {
+            let approve = match error.pointer("/details/requestId").and_then(Value::as_str) {
+                Some(id) if !id.is_empty() && id.len() <= 128 => {
+                    format!("openclaw devices approve {id}")
+                }
+                _ => "openclaw devices approve --latest (then the printed command)".into(),
+            };
+            pairing_hint = format!(
+                "; approve this broker's device on the gateway host: `{approve}`; clawmux retries on its own and is ready once it is approved"
+            );
+            pairing_hint.as_str()
+        }
+        "DEVICE_IDENTITY_REQUIRED" => {
+            "; the gateway needs a device identity: keep device identity on (no --no-device-identity, upstream.device_identity = true)"
         }
         c if c.starts_with("DEVICE_AUTH_") => {
             "; the gateway refused the broker's device proof (is this host's clock right?)"
@@ -421,6 +436,28 @@ mod tests {
         );
         assert!(!e.rejected);
         assert_eq!(e.retry_after, Some(Duration::from_millis(500)));
+    }
+
+    /// A remote gateway's pairing request names the exact approval command.
+    #[test]
+    fn pairing_required_names_the_approval_command() {
+        let e = rejection(json!({"code":"NOT_PAIRED","message":"pairing required",
+            "details":{"code":"PAIRING_REQUIRED","reason":"not-paired","requestId":"req-42"}}));
+        assert!(e.rejected);
+        assert!(
+            e.error
+                .message
+                .contains("`openclaw devices approve req-42`"),
+            "{}",
+            e.error.message
+        );
+        assert!(e.error.message.contains("retries on its own"));
+        let e = rejection(json!({"code":"NOT_PAIRED","message":"pairing required",
+            "details":{"code":"PAIRING_REQUIRED"}}));
+        assert!(e
+            .error
+            .message
+            .contains("openclaw devices approve --latest"));
     }
 
     #[test]

@@ -14,6 +14,7 @@
 //! - `handshake`: the `connect` the broker sends and how answers map to `studio.*`.
 //! - [`identity`]: the device key, the v3 signature, stored device tokens.
 //! - `private_files`: the 0700/0600 state dir they live in.
+//! - [`tls`]: `wss://` with rustls, certificate pins, the plaintext rule.
 
 mod connector;
 mod handshake;
@@ -21,19 +22,37 @@ mod handshake;
 pub(crate) use handshake::{closed_before_answer, handshake_timed_out, open_failed};
 pub use handshake::{UpstreamIo, Ws as GatewaySocket};
 
-/// Opens a gateway WebSocket exactly as the shared session does (the
-/// configured URL over TCP, or the configured unix socket; frames bounded
-/// by `[upstream] max_frame_bytes`); a failure is `studio.upstream_error`.
-/// The dedicated route ([`crate::local::dedicated`]) calls this, so both
-/// routes reach the same gateways the same way.
+/// Opens a gateway WebSocket to `target` exactly as the shared session
+/// does: the same URL and transport checks (`ws://` only where plaintext is
+/// allowed), TCP or the configured unix socket, TLS with the configured
+/// trust and pin for `wss://`, frames bounded by `[upstream]
+/// max_frame_bytes`. The dedicated route ([`crate::local::dedicated`])
+/// calls this, so both routes reach the same gateways the same way.
 pub async fn open_socket(
-    url: &str,
+    target: &Target,
     opts: &crate::config::UpstreamOptions,
 ) -> Result<GatewaySocket, ErrorShape> {
-    connector::Connector::open_socket(url, opts).await
+    let url = target.url.trim();
+    if let Some(e) = &target.load_error {
+        return Err(e.clone());
+    }
+    crate::config::validate_gateway_url(url)
+        .and_then(|()| tls::check_transport(url, &target.tls, target.allow_insecure_private_ws))?;
+    let mut tls_client = None;
+    connector::open_socket(
+        url,
+        opts,
+        &target.tls,
+        &mut tls_client,
+        &PeerCertificate::default(),
+    )
+    .await
+    .map_err(|e| e.error)
 }
+
 pub mod identity;
 mod private_files;
+pub mod tls;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,7 +61,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Secret, Settings};
+use crate::config::{Secret, Settings, TlsSettings};
 use crate::dispatch::Dispatcher;
 use crate::hub::Hub;
 use crate::protocol::{ErrorShape, StudioCode};
@@ -75,9 +94,10 @@ pub enum Phase {
     Ready,
     /// The last attempt failed or the session dropped; retrying at `retry_at`.
     Backoff,
-    /// The settings cannot work as they are (bad URL, no credential), or the
-    /// gateway refused the broker (auth, pairing, protocol). Local connects
-    /// fail at once; a refused connect is retried only every `backoff_max`.
+    /// The settings cannot work as they are (bad URL, no credential), the
+    /// gateway refused the broker (auth, pairing, protocol), or the broker
+    /// refused the gateway's TLS certificate. Local connects fail at once; a
+    /// refused connect is retried only every `backoff_max`.
     Rejected,
     /// The broker is shutting down.
     Stopped,
@@ -245,6 +265,11 @@ const ATTEMPT_IN_PROGRESS_RETRY_MS: u64 = 1000;
 pub struct Target {
     pub url: String,
     pub token: Option<Secret>,
+    pub password: Option<Secret>,
+    /// The certificate pin and CA file for a `wss://` URL.
+    pub tls: TlsSettings,
+    /// OpenClaw's break-glass for plaintext to host names ([`tls::BREAK_GLASS_ENV`]).
+    pub allow_insecure_private_ws: bool,
     /// The settings could not be loaded (`studio.settings_load_failed`).
     pub load_error: Option<ErrorShape>,
 }
@@ -254,6 +279,9 @@ impl Target {
         Target {
             url: settings.gateway_url.clone(),
             token: settings.token.clone(),
+            password: settings.password.clone(),
+            tls: settings.tls.clone(),
+            allow_insecure_private_ws: settings.allow_insecure_private_ws,
             load_error: settings.load_error.clone(),
         }
     }
@@ -299,7 +327,12 @@ pub struct ConnectorSeed {
     rx: mpsc::Receiver<Outbound>,
     target: watch::Receiver<Target>,
     offers: mpsc::Receiver<ClientCredential>,
+    peer_certificate: PeerCertificate,
 }
+
+/// The certificate the `wss://` gateway showed on the last TLS handshake
+/// (accepted or not), shared between the connector and the handle.
+type PeerCertificate = Arc<std::sync::Mutex<Option<tls::CertificateInfo>>>;
 
 impl ConnectorSeed {
     /// For unit tests of what sits on top of the handle: marks a session of
@@ -340,6 +373,7 @@ impl ConnectorSeed {
                 rx: self.rx,
                 target: self.target,
                 offers: self.offers,
+                peer_certificate: self.peer_certificate,
             },
             cancel,
         );
@@ -357,6 +391,7 @@ pub struct Upstream {
     tx: mpsc::Sender<Outbound>,
     target: Arc<watch::Sender<Target>>,
     offers: mpsc::Sender<ClientCredential>,
+    peer_certificate: PeerCertificate,
 }
 
 impl Upstream {
@@ -367,6 +402,7 @@ impl Upstream {
         let (target_tx, target_rx) = watch::channel(Target::from_settings(settings));
         let (offer_tx, offer_rx) = mpsc::channel(16);
         let nudge = Arc::new(tokio::sync::Notify::new());
+        let peer_certificate = PeerCertificate::default();
         (
             Upstream {
                 nudge: Arc::clone(&nudge),
@@ -374,6 +410,7 @@ impl Upstream {
                 tx,
                 target: Arc::new(target_tx),
                 offers: offer_tx,
+                peer_certificate: Arc::clone(&peer_certificate),
             },
             ConnectorSeed {
                 nudge,
@@ -381,6 +418,7 @@ impl Upstream {
                 rx,
                 target: target_rx,
                 offers: offer_rx,
+                peer_certificate,
             },
         )
     }
@@ -391,6 +429,9 @@ impl Upstream {
         self.target.send_if_modified(|current| {
             let changed = current.url != target.url
                 || current.token != target.token
+                || current.password != target.password
+                || current.tls != target.tls
+                || current.allow_insecure_private_ws != target.allow_insecure_private_ws
                 || current.load_error != target.load_error;
             if changed {
                 *current = target;
@@ -462,6 +503,15 @@ impl Upstream {
 
     pub fn status(&self) -> Status {
         self.status.borrow().clone()
+    }
+
+    /// The certificate a `wss://` gateway showed on the last TLS handshake,
+    /// whether or not it was accepted (for `clawmux doctor`).
+    pub fn peer_certificate(&self) -> Option<tls::CertificateInfo> {
+        self.peer_certificate
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Follows the session's status as it changes (phase, epoch, last error).

@@ -42,6 +42,17 @@ impl Harness {
         let hello = c.handshake().await;
         (c, hello)
     }
+
+    /// Like [`connected`](Self::connected), asking for these scopes only.
+    pub async fn connected_as(&self, scopes: &[&str]) -> (WsClient, Value) {
+        let mut c = self.client().await;
+        let mut frame = connect_frame("connect-1");
+        frame["params"]["scopes"] = json!(scopes);
+        c.send_json(&frame).await;
+        let res = c.response("connect-1").await;
+        assert_eq!(res["ok"], true, "connect failed: {res}");
+        (c, res["payload"].clone())
+    }
 }
 
 pub fn mock_config() -> MockConfig {
@@ -125,11 +136,21 @@ pub struct WsClient {
     next_id: u64,
 }
 
+/// The scopes the test clients ask for: every operator scope, as the
+/// openclaw CLI and Claw3D do (a narrower client is built by the test).
+pub const FULL_SCOPES: [&str; 5] = [
+    "operator.admin",
+    "operator.read",
+    "operator.write",
+    "operator.approvals",
+    "operator.pairing",
+];
+
 pub fn connect_frame(id: &str) -> Value {
     json!({"type":"req","id":id,"method":"connect","params":{
         "minProtocol":3,"maxProtocol":4,
         "client":{"id":"cli","version":"test","platform":"linux","mode":"cli"},
-        "role":"operator","scopes":["operator.read","operator.write"],"caps":["tool-events"]}})
+        "role":"operator","scopes":FULL_SCOPES,"caps":["tool-events"]}})
 }
 
 impl WsClient {

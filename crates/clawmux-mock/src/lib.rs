@@ -50,6 +50,9 @@ use tokio::net::{TcpListener, TcpSocket};
 use tokio::task::JoinHandle;
 
 pub use faults::{Faults, Rejection};
+/// The TLS library the double serves `wss://` with, for tests that build a
+/// [`MockConfig::tls`] by hand.
+pub use tokio_rustls::rustls;
 
 use state::{lock, Inner, Outbound};
 
@@ -100,6 +103,35 @@ pub struct MockConfig {
     /// Extra fields for the `connect.challenge` payload (a newer gateway
     /// adds e.g. `capabilities`; clients must pass them on or ignore them).
     pub challenge_extra: Option<Value>,
+    /// Serve `wss://` with this TLS configuration (see [`tls_server_config`])
+    /// instead of plaintext, as a gateway with `gateway.tls.enabled` does.
+    /// A client that fails the TLS handshake never reaches the WebSocket
+    /// and is not counted in [`MockGateway::total_connections`].
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+}
+
+/// A TLS server configuration from a PEM certificate chain (leaf first) and
+/// a PEM private key, TLS 1.2 and 1.3 (the real gateway requires 1.3).
+pub fn tls_server_config(
+    cert_chain_pem: &str,
+    key_pem: &str,
+) -> io::Result<Arc<rustls::ServerConfig>> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let invalid =
+        |e: &dyn std::fmt::Display| io::Error::new(io::ErrorKind::InvalidInput, e.to_string());
+    let chain = CertificateDer::pem_slice_iter(cert_chain_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| invalid(&e))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|e| invalid(&e))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| invalid(&e))?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(|e| invalid(&e))?;
+    Ok(Arc::new(config))
 }
 
 impl Default for MockConfig {
@@ -120,6 +152,7 @@ impl Default for MockConfig {
             run_step_delay: Duration::from_millis(20),
             without_methods: Vec::new(),
             challenge_extra: None,
+            tls: None,
         }
     }
 }
@@ -267,9 +300,14 @@ impl MockGateway {
         self.addr
     }
 
-    /// `ws://127.0.0.1:PORT` (or `ws://[::1]:PORT`).
+    /// `ws://127.0.0.1:PORT` (or `ws://[::1]:PORT`); `wss://` with [`MockConfig::tls`].
     pub fn url(&self) -> String {
-        format!("ws://{}", self.addr)
+        let scheme = if self.inner.cfg.tls.is_some() {
+            "wss"
+        } else {
+            "ws"
+        };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// The configuration the double runs with.
@@ -586,9 +624,14 @@ async fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
         tokio::select! {
             _ = state::until_shutdown(&mut shutdown) => return,
             accepted = listener.accept() => match accepted {
-                Ok((tcp, _peer)) => {
-                    tokio::spawn(connection::serve(inner.clone(), tcp));
-                }
+                Ok((tcp, _peer)) => match inner.cfg.tls.clone() {
+                    None => {
+                        tokio::spawn(connection::serve(inner.clone(), tcp));
+                    }
+                    Some(tls) => {
+                        tokio::spawn(serve_tls(inner.clone(), tcp, tls));
+                    }
+                },
                 Err(e) => {
                     // Typically EMFILE; back off briefly instead of spinning.
                     tracing::warn!(error = %e, "mock gateway: accept failed");
@@ -596,5 +639,18 @@ async fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
                 }
             },
         }
+    }
+}
+
+/// Runs the TLS handshake (bounded by the handshake timeout), then serves
+/// the WebSocket on it. A failed handshake just drops the socket, as a real
+/// TLS server does after its alert.
+async fn serve_tls(inner: Arc<Inner>, tcp: tokio::net::TcpStream, tls: Arc<rustls::ServerConfig>) {
+    let _ = tcp.set_nodelay(true);
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    match tokio::time::timeout(inner.cfg.handshake_timeout, acceptor.accept(tcp)).await {
+        Ok(Ok(stream)) => connection::serve_io(inner, Box::new(stream)).await,
+        Ok(Err(e)) => tracing::debug!(error = %e, "mock gateway: TLS handshake failed"),
+        Err(_) => tracing::debug!("mock gateway: TLS handshake timed out"),
     }
 }

@@ -55,6 +55,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use super::preconnect::{PreconnectBudget, OVER_BUDGET};
 use super::ws::Ws;
 use crate::broker::Ctx;
+use crate::policy::{MethodFilter, SocketPolicy};
 use crate::protocol::frames::encode_res_error;
 use crate::protocol::{ConnectRequest, ErrorShape, StudioCode, UpstreamFrame};
 use crate::upstream::{
@@ -73,6 +74,14 @@ const CONNECT_FAILED_LINGER: Duration = Duration::from_secs(1);
 /// How long the side that did not start a close may take to answer it
 /// before its socket is dropped.
 const CLOSE_LINGER: Duration = Duration::from_secs(2);
+
+/// Whether `/ws/dedicated` is served on a socket with this policy: only
+/// where it limits neither scopes nor methods. The route relays frames
+/// unchecked (and may add the host token), so on a restricted socket it
+/// would hand out what the policy withholds.
+pub fn served_on(socket: &SocketPolicy) -> bool {
+    socket.scopes.is_none() && socket.methods == MethodFilter::default()
+}
 
 /// Runs one dedicated client to completion.
 pub async fn run(ws: Ws, budget: PreconnectBudget, ctx: Arc<Ctx>) {
@@ -207,16 +216,8 @@ impl Conn {
         let target = ctx.upstream.target();
         let opts = ctx.settings.upstream.clone();
         let url = target.url.trim().to_owned();
-        let setup_error = target
-            .load_error
-            .clone()
-            .or_else(|| crate::config::validate_gateway_url(&url).err());
         let opening = async {
-            if let Some(e) = setup_error {
-                return Err(e);
-            }
-            let open = open_socket(&url, &opts);
-            tokio::time::timeout(opts.handshake_timeout, open)
+            tokio::time::timeout(opts.handshake_timeout, open_socket(&target, &opts))
                 .await
                 .unwrap_or_else(|_| Err(handshake_timed_out(&url, opts.handshake_timeout)))
         };

@@ -19,11 +19,14 @@ use super::handshake::{
     MintedToken, Ws,
 };
 use super::identity::DeviceIdentity;
+use super::tls::{check_transport, TlsClient};
 use super::{
-    backoff_delay, clamp_hint, ClientCredential, Outbound, Phase, Status, Target, UpstreamHello,
-    STABLE_SESSION,
+    backoff_delay, clamp_hint, ClientCredential, Outbound, PeerCertificate, Phase, Status, Target,
+    UpstreamHello, STABLE_SESSION,
 };
-use crate::config::{validate_gateway_url, Secret, Settings, UpstreamOptions};
+use crate::config::{
+    redact_url, validate_gateway_url, Secret, Settings, TlsSettings, UpstreamOptions,
+};
 use crate::dispatch::Dispatcher;
 use crate::hub::Hub;
 use crate::protocol::frames::encode_req;
@@ -75,6 +78,7 @@ pub(super) struct Channels {
     pub rx: mpsc::Receiver<Outbound>,
     pub target: watch::Receiver<Target>,
     pub offers: mpsc::Receiver<ClientCredential>,
+    pub peer_certificate: PeerCertificate,
 }
 
 /// The parts of the broker the connector feeds.
@@ -95,6 +99,15 @@ enum Parked {
 pub(super) struct Connector {
     url: String,
     token: Option<Secret>,
+    password: Option<Secret>,
+    tls: TlsSettings,
+    /// OpenClaw's break-glass for plaintext `ws://` to host names.
+    allow_insecure_private_ws: bool,
+    /// The trust store and pin for `wss://`, loaded on the first attempt
+    /// after the target changed.
+    tls_client: Option<Arc<TlsClient>>,
+    /// The certificate the gateway showed last (for `doctor`).
+    peer_certificate: PeerCertificate,
     /// A credential a local client supplied when the host has none
     /// (design §2); kept in memory only, dropped if the gateway refuses it.
     offered: Option<ClientCredential>,
@@ -133,6 +146,7 @@ impl Connector {
             rx,
             target,
             offers,
+            peer_certificate,
         } = channels;
         let Shared {
             hub,
@@ -149,6 +163,11 @@ impl Connector {
             identity,
             url: settings.gateway_url.trim().to_owned(),
             token: settings.token.clone(),
+            password: settings.password.clone(),
+            tls: settings.tls.clone(),
+            allow_insecure_private_ws: settings.allow_insecure_private_ws,
+            tls_client: None,
+            peer_certificate,
             offered: None,
             target,
             offers,
@@ -207,17 +226,26 @@ impl Connector {
         let target = self.target.borrow_and_update().clone();
         self.url = target.url.trim().to_owned();
         self.token = target.token.clone();
+        self.password = target.password.clone();
+        self.tls = target.tls.clone();
+        self.allow_insecure_private_ws = target.allow_insecure_private_ws;
         if let Some(e) = target.load_error {
             return Some((e, false));
         }
-        if let Err(e) = validate_gateway_url(&self.url) {
+        if let Err(e) = validate_gateway_url(&self.url)
+            .and_then(|()| check_transport(&self.url, &self.tls, self.allow_insecure_private_ws))
+        {
             return Some((e, false));
         }
         let stored = self
             .identity
             .as_ref()
             .and_then(|i| i.stored_token(&self.url));
-        if self.token.is_none() && self.offered.is_none() && stored.is_none() {
+        if self.token.is_none()
+            && self.password.is_none()
+            && self.offered.is_none()
+            && stored.is_none()
+        {
             let e = ErrorShape::studio(
                 StudioCode::GatewayTokenMissing,
                 "no gateway token: set gateway.token in ~/.config/clawmux/config.toml, --token-file, or CLAWMUX_GATEWAY_TOKEN (the gateway's gateway.auth.token), or connect with your own auth",
@@ -272,7 +300,13 @@ impl Connector {
                 Ok(Err(e)) => {
                     failures += 1;
                     tracing::warn!(code = %e.error.code, failures, "upstream connect failed: {}", e.error.message);
-                    if e.rejected && self.token.is_none() && self.offered.take().is_some() {
+                    // (A refused TLS certificate says nothing about the credential.)
+                    let gateway_refused = e.error.code == StudioCode::UpstreamRejected.as_str();
+                    if e.rejected
+                        && gateway_refused
+                        && self.token.is_none()
+                        && self.offered.take().is_some()
+                    {
                         // The client's own credential was refused: do not keep
                         // retrying it; wait for settings or another client's.
                         match self.park(e.error, true).await {
@@ -357,13 +391,14 @@ impl Connector {
     /// Opens the socket and performs the handshake. Events that arrive
     /// before `hello-ok` are returned so they can be published after it.
     async fn attempt(&mut self) -> Result<(Ws, UpstreamHello, EarlyEvents), AttemptError> {
-        let mut ws = Self::open_socket(&self.url, &self.opts)
-            .await
-            .map_err(|error| AttemptError {
-                error,
-                rejected: false,
-                retry_after: None,
-            })?;
+        let mut ws = open_socket(
+            &self.url,
+            &self.opts,
+            &self.tls,
+            &mut self.tls_client,
+            &self.peer_certificate,
+        )
+        .await?;
         self.set_phase(Phase::Handshaking);
         let challenge = loop {
             let text = next_text(&mut ws).await?;
@@ -394,7 +429,10 @@ impl Connector {
                 .as_ref()
                 .or(offered.and_then(|o| o.token.as_ref())),
             device_token: device_token.as_ref(),
-            password: offered.and_then(|o| o.password.as_ref()),
+            password: self
+                .password
+                .as_ref()
+                .or(offered.and_then(|o| o.password.as_ref())),
         };
         let params = connect_params(
             &self.instance_id,
@@ -473,50 +511,6 @@ impl Connector {
         }
     }
 
-    /// Opens the gateway WebSocket: [`Self::open_stream`], then the
-    /// upgrade, frames bounded by `[upstream] max_frame_bytes`. The
-    /// dedicated route opens its connections with this too
-    /// ([`crate::upstream::open_socket`]), so both reach the same gateways
-    /// the same way.
-    pub(crate) async fn open_socket(url: &str, opts: &UpstreamOptions) -> Result<Ws, ErrorShape> {
-        let config = WebSocketConfig::default()
-            .max_message_size(Some(opts.max_frame_bytes))
-            .max_frame_size(Some(opts.max_frame_bytes));
-        let io = Self::open_stream(url, opts)
-            .await
-            .map_err(|e| super::handshake::open_failed(url, e))?;
-        tokio_tungstenite::client_async_with_config(url, io, Some(config))
-            .await
-            .map(|(ws, _)| ws)
-            .map_err(|e| super::handshake::open_failed(url, e))
-    }
-
-    /// Opens the byte stream to the gateway: TCP to the URL's host and port
-    /// (Nagle off, as tokio-tungstenite's own `connect_async` does), or the
-    /// configured unix socket.
-    pub(crate) async fn open_stream(
-        url: &str,
-        opts: &UpstreamOptions,
-    ) -> std::io::Result<Box<dyn super::handshake::UpstreamIo>> {
-        if let Some(path) = &opts.unix_socket {
-            return Ok(Box::new(tokio::net::UnixStream::connect(path).await?));
-        }
-        let uri: http::Uri = url.parse().map_err(|e| {
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("bad URL: {e}"))
-        })?;
-        if uri.scheme_str() == Some("wss") {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::Unsupported,
-                "TLS support not compiled in (wss:// is not supported yet)",
-            ));
-        }
-        let host = uri.host().unwrap_or_default();
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        let tcp = tokio::net::TcpStream::connect((host, uri.port_u16().unwrap_or(80))).await?;
-        tcp.set_nodelay(true)?;
-        Ok(Box::new(tcp))
-    }
-
     /// Persists the device token the gateway minted, so a later connect
     /// without a shared token can still authenticate. The store syncs the
     /// file to disk, so it runs off the runtime's threads.
@@ -542,6 +536,116 @@ impl Connector {
             Ok(Err(e)) => tracing::warn!(device_id, "cannot store the device token: {e}"),
             Err(e) => tracing::warn!(device_id, "cannot store the device token: {e}"),
         }
+    }
+}
+
+/// Opens a gateway WebSocket: [`open_stream`], then the upgrade, frames
+/// bounded by `[upstream] max_frame_bytes`. The shared session and the
+/// dedicated route ([`crate::upstream::open_socket`]) both open their
+/// connections with this, so both reach the same gateways the same way.
+pub(crate) async fn open_socket(
+    url: &str,
+    opts: &UpstreamOptions,
+    tls: &TlsSettings,
+    tls_client: &mut Option<Arc<TlsClient>>,
+    peer_certificate: &PeerCertificate,
+) -> Result<Ws, AttemptError> {
+    let config = WebSocketConfig::default()
+        .max_message_size(Some(opts.max_frame_bytes))
+        .max_frame_size(Some(opts.max_frame_bytes));
+    let io = open_stream(url, opts, tls, tls_client, peer_certificate).await?;
+    let (ws, _) = tokio_tungstenite::client_async_with_config(url, io, Some(config))
+        .await
+        .map_err(|e| {
+            AttemptError::new(
+                StudioCode::UpstreamError,
+                format!(
+                    "the WebSocket handshake with {} failed: {e}; is this the gateway's URL?",
+                    redact_url(url)
+                ),
+            )
+        })?;
+    Ok(ws)
+}
+
+/// Opens the byte stream to the gateway: TCP to the URL's host and port
+/// (Nagle off, as tokio-tungstenite's own `connect_async` does), then
+/// TLS for `wss://` ([`TlsClient`], loaded into `tls_client` the first
+/// time); or the configured unix socket. The certificate the gateway
+/// showed goes to `peer_certificate`.
+async fn open_stream(
+    url: &str,
+    opts: &UpstreamOptions,
+    tls: &TlsSettings,
+    tls_client: &mut Option<Arc<TlsClient>>,
+    peer_certificate: &PeerCertificate,
+) -> Result<Box<dyn super::handshake::UpstreamIo>, AttemptError> {
+    let unreachable = |e: std::io::Error| {
+        AttemptError::new(
+            StudioCode::UpstreamError,
+            format!(
+                "cannot open the gateway connection to {}: {e}; is the gateway running? (start it: openclaw gateway)",
+                redact_url(url)
+            ),
+        )
+    };
+    if let Some(path) = &opts.unix_socket {
+        let unix = tokio::net::UnixStream::connect(path).await;
+        return Ok(Box::new(unix.map_err(unreachable)?));
+    }
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| AttemptError::new(StudioCode::GatewayUrlInvalid, format!("bad URL: {e}")))?;
+    let secure = uri.scheme_str() == Some("wss");
+    let host = uri.host().unwrap_or_default();
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    let port = uri.port_u16().unwrap_or(if secure { 443 } else { 80 });
+    let tcp = tokio::net::TcpStream::connect((host.as_str(), port))
+        .await
+        .map_err(unreachable)?;
+    tcp.set_nodelay(true).map_err(unreachable)?;
+    if !secure {
+        return Ok(Box::new(tcp));
+    }
+    let client = load_tls_client(tls_client, tls).await?;
+    let (stream, seen) = client.connect(url, &host, tcp).await;
+    *peer_certificate.lock().unwrap_or_else(|p| p.into_inner()) = seen;
+    Ok(Box::new(stream?))
+}
+
+/// The TLS client for `settings`, loading the trust store off the
+/// runtime's threads the first time (kept in `cache`). An unusable CA file
+/// is a settings error: retried only every `backoff_max`.
+async fn load_tls_client(
+    cache: &mut Option<Arc<TlsClient>>,
+    settings: &TlsSettings,
+) -> Result<Arc<TlsClient>, AttemptError> {
+    if let Some(client) = cache.as_ref().filter(|c| c.serves(settings)) {
+        return Ok(Arc::clone(client));
+    }
+    let owned = settings.clone();
+    let loaded = tokio::task::spawn_blocking(move || TlsClient::load(&owned))
+        .await
+        .unwrap_or_else(|e| {
+            Err(crate::protocol::ErrorShape::studio(
+                StudioCode::UpstreamError,
+                format!("loading the TLS trust store failed: {e}"),
+            ))
+        });
+    match loaded {
+        Ok(client) => {
+            let client = Arc::new(client);
+            *cache = Some(Arc::clone(&client));
+            Ok(client)
+        }
+        Err(error) => Err(AttemptError {
+            error,
+            rejected: true,
+            retry_after: None,
+        }),
     }
 }
 

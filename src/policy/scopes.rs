@@ -1,0 +1,142 @@
+//! Operator scopes and how they imply one another, as the gateway decides
+//! (openclaw 2026.9.6, `src/shared/operator-scope-compat.ts`).
+
+use serde::Serialize;
+
+pub const ADMIN: &str = "operator.admin";
+pub const READ: &str = "operator.read";
+pub const WRITE: &str = "operator.write";
+pub const APPROVALS: &str = "operator.approvals";
+pub const PAIRING: &str = "operator.pairing";
+pub const QUESTIONS: &str = "operator.questions";
+pub const TALK: &str = "operator.talk";
+pub const TALK_SECRETS: &str = "operator.talk.secrets";
+pub const SESSIONS_READ: &str = "operator.sessions.read";
+pub const SESSIONS_WRITE: &str = "operator.sessions.write";
+
+/// `operatorScopeSatisfied`: does `granted` cover `required`? Admin covers
+/// every operator scope; write covers read, talk, sessions.read and
+/// sessions.write; read or sessions.write cover sessions.read. Non-operator
+/// scopes are never satisfied.
+pub fn satisfied(required: &str, granted: &[String]) -> bool {
+    if !required.starts_with("operator.") {
+        return false;
+    }
+    let has = |s: &str| granted.iter().any(|g| g == s);
+    has(required)
+        || has(ADMIN)
+        || (matches!(required, READ | TALK | SESSIONS_READ | SESSIONS_WRITE) && has(WRITE))
+        || (required == SESSIONS_READ && (has(READ) || has(SESSIONS_WRITE)))
+}
+
+/// The scopes a local client holds: what it asked for, narrowed by every
+/// ceiling above it (the broker's session, the socket's policy).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct Grant(Vec<String>);
+
+impl Grant {
+    /// Exactly these scopes (trimmed, sorted, without duplicates or blanks).
+    pub fn new<S: AsRef<str>>(scopes: impl IntoIterator<Item = S>) -> Grant {
+        let mut v: Vec<String> = scopes
+            .into_iter()
+            .map(|s| s.as_ref().trim().to_owned())
+            .filter(|s| !s.is_empty())
+            .collect();
+        v.sort();
+        v.dedup();
+        Grant(v)
+    }
+
+    /// No scopes at all (only `health` and the open events).
+    pub fn none() -> Grant {
+        Grant(Vec::new())
+    }
+
+    pub fn scopes(&self) -> &[String] {
+        &self.0
+    }
+
+    pub fn satisfies(&self, required: &str) -> bool {
+        satisfied(required, &self.0)
+    }
+
+    pub fn is_admin(&self) -> bool {
+        self.0.iter().any(|s| s == ADMIN)
+    }
+
+    /// `intersectOperatorScopes`: the requested scopes the ceiling covers,
+    /// plus what both imply (a ceiling of `operator.write` turns a request
+    /// for `operator.admin` into nothing, a request for `operator.read` into
+    /// `operator.read`; a request for `operator.write` under a ceiling of
+    /// `operator.sessions.write` keeps `operator.sessions.write`).
+    pub fn within(&self, ceiling: &Grant) -> Grant {
+        if self.0.iter().all(|s| ceiling.satisfies(s)) {
+            return self.clone();
+        }
+        let mut out: Vec<String> = self
+            .0
+            .iter()
+            .chain(ceiling.0.iter())
+            .filter(|s| self.satisfies(s) && ceiling.satisfies(s))
+            .cloned()
+            .collect();
+        for implied in [SESSIONS_WRITE, SESSIONS_READ] {
+            if self.satisfies(implied) && ceiling.satisfies(implied) && !satisfied(implied, &out) {
+                out.push(implied.to_owned());
+            }
+        }
+        Grant::new(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn g(s: &[&str]) -> Grant {
+        Grant::new(s.iter().copied())
+    }
+
+    #[test]
+    fn implication_follows_the_gateway() {
+        let write = g(&[WRITE]);
+        assert!(write.satisfies(READ) && write.satisfies(TALK));
+        assert!(write.satisfies(SESSIONS_READ) && write.satisfies(SESSIONS_WRITE));
+        assert!(!write.satisfies(APPROVALS) && !write.satisfies(ADMIN));
+        assert!(g(&[READ]).satisfies(SESSIONS_READ));
+        assert!(!g(&[SESSIONS_READ]).satisfies(READ));
+        assert!(g(&[SESSIONS_WRITE]).satisfies(SESSIONS_READ));
+        assert!(g(&[ADMIN]).satisfies(PAIRING) && g(&[ADMIN]).satisfies(TALK_SECRETS));
+        assert!(
+            !g(&[ADMIN]).satisfies("node.whatever"),
+            "operator scopes only"
+        );
+        assert!(!Grant::none().satisfies(READ));
+    }
+
+    #[test]
+    fn intersection_keeps_what_both_sides_cover() {
+        let full = g(&[ADMIN, READ, WRITE, APPROVALS, PAIRING]);
+        // Asked for less than the ceiling: exactly what was asked.
+        assert_eq!(g(&[READ]).within(&full), g(&[READ]));
+        assert_eq!(g(&[ADMIN]).within(&full), g(&[ADMIN]));
+        // Asked for more than the ceiling: only the covered part.
+        assert_eq!(g(&[ADMIN, READ]).within(&g(&[READ])), g(&[READ]));
+        assert_eq!(g(&[ADMIN]).within(&g(&[READ])), g(&[READ]));
+        assert_eq!(
+            g(&[WRITE, PAIRING]).within(&g(&[READ, PAIRING])),
+            g(&[PAIRING, READ])
+        );
+        // What only an implication shares is kept by name.
+        assert_eq!(
+            g(&[WRITE]).within(&g(&[SESSIONS_WRITE])),
+            g(&[SESSIONS_WRITE])
+        );
+        // Nothing asked, nothing granted; nothing allowed, nothing granted.
+        assert_eq!(Grant::none().within(&full), Grant::none());
+        assert_eq!(g(&[READ]).within(&Grant::none()), Grant::none());
+        // Unknown or foreign scopes never pass a ceiling.
+        assert_eq!(g(&["node.x"]).within(&full), Grant::none());
+    }
+}
