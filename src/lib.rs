@@ -38,12 +38,14 @@
 //!   stream), `/v1/rpc`, `/metrics`; and `/ws/dedicated`, a gateway
 //!   connection of its own per client (Claw3D proxy semantics) for clients
 //!   that need their own identity.
+//! - [`tap`]: a broker-side copy of requests, answers and targeted events
+//!   for `clawmux record --requests` (secrets redacted).
 //! - [`logging`]: the log never blocks fan-out (a lossy writer thread),
 //!   never shows a secret (the wire crates capped at info at the sink), and
 //!   holds back repeated lines.
 //! - [`metrics`]: request accounting and the Prometheus text for `/metrics`.
 //! - [`broker`]: assembly and shutdown.
-//! - [`cli`]: the everyday commands (`status`, `tail`, `call`), which talk to a
+//! - [`cli`]: the everyday commands (`status`, `tail`, `call`, `record`), which talk to a
 //!   running broker over its socket like any other client.
 //! - [`systemd`]: socket activation (`LISTEN_FDS`), `READY=1`/`STATUS=`/
 //!   `WATCHDOG=1`/`STOPPING=1`; no-ops outside systemd. [`lifecycle`] runs
@@ -75,6 +77,7 @@ pub mod router;
 pub mod settings;
 pub mod sharing;
 pub mod systemd;
+pub mod tap;
 pub mod upstream;
 
 pub use broker::RunningBroker;

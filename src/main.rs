@@ -156,6 +156,9 @@ struct ServeArgs {
     /// Start an in-process gateway double with scripted agent activity and connect to it (try clawmux without a gateway).
     #[arg(long)]
     demo: bool,
+    /// With --demo: the double serves this recorded session (`clawmux record`) instead of scripted runs.
+    #[command(flatten)]
+    replay: ReplayArgs,
     /// Seconds a stop (SIGTERM/SIGINT) may take, 0 to 86400: clients get a `shutdown` event and `1001 going away`; any still open after this are cut off.
     #[arg(long, value_name = "SECS", default_value = "5", value_parser = |s: &str| bounds::duration_secs_f64("--shutdown-timeout", s, Zero::Allowed))]
     shutdown_timeout: Duration,
@@ -184,8 +187,66 @@ struct MockArgs {
     #[arg(long, default_value_t = 30_000)]
     tick_ms: u64,
     /// Simulate agent runs every few seconds.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "replay")]
     demo: bool,
+    #[command(flatten)]
+    replay: ReplayArgs,
+}
+
+/// Fastest `--speed` accepted: beyond it, use `--instant`.
+const MAX_REPLAY_SPEED: f64 = 1000.0;
+
+/// Serving a recording (README "Record and replay").
+#[derive(Args, Debug)]
+struct ReplayArgs {
+    /// Serve this recorded session (`clawmux record`): its hello-ok, its events in order, its recorded answers.
+    #[arg(long, value_name = "FILE")]
+    replay: Option<PathBuf>,
+    /// Play events this many times faster than recorded (0.5 = half speed), above 0 and at most 1000 [default: 1].
+    #[arg(long, value_name = "X", requires = "replay", conflicts_with = "instant", value_parser = speed_arg)]
+    speed: Option<f64>,
+    /// Send all recorded events at once (in order), without the recorded pauses.
+    #[arg(long, requires = "replay")]
+    instant: bool,
+    /// Start the recording again after its end (after a short pause), on every connection.
+    #[arg(long = "loop", requires = "replay")]
+    looped: bool,
+}
+
+impl ReplayArgs {
+    /// The recording to serve, loaded and checked (a cut-off last line is a warning).
+    fn load(&self) -> anyhow::Result<Option<std::sync::Arc<clawmux_mock::replay::Replay>>> {
+        use clawmux_mock::replay::{Pace, Replay};
+        let Some(path) = &self.replay else {
+            return Ok(None);
+        };
+        let recording = clawmux_mock::recording::Recording::load(path)?;
+        for warning in &recording.warnings {
+            eprintln!("clawmux: warning: recording {}: {warning}", path.display());
+        }
+        eprintln!(
+            "clawmux: replaying {} (gateway {}): {} events, {} recorded answers",
+            path.display(),
+            recording.gateway_version().unwrap_or("?"),
+            recording.timeline.len(),
+            recording.exchanges.len()
+        );
+        let pace = if self.instant {
+            Pace::Instant
+        } else {
+            Pace::Speed(self.speed.unwrap_or(1.0))
+        };
+        Ok(Some(Replay::new(recording, pace, self.looped)))
+    }
+}
+
+fn speed_arg(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 && x <= MAX_REPLAY_SPEED => Ok(x),
+        _ => Err(format!(
+            "--speed takes a number above 0 and at most {MAX_REPLAY_SPEED} (or use --instant)"
+        )),
+    }
 }
 
 /// A whole number of seconds on the command line, checked against
@@ -270,24 +331,34 @@ async fn serve(
         // The demo's throwaway gateway must not leave device tokens in your state dir.
         settings.upstream.device_identity = None;
     }
+    if args.replay.replay.is_some() && !args.demo {
+        anyhow::bail!("--replay needs --demo (serve --demo --replay FILE)");
+    }
     let _demo = if args.demo {
+        let replay = args.replay.load()?;
         let token = uuid::Uuid::new_v4().simple().to_string();
         // The demo's gateway double listens on a unix socket in a private
         // temporary directory, never on TCP (the broker dials that socket).
         let dir = tempfile_dir()?;
         let path = dir.join("gateway.sock");
+        let what = if replay.is_some() {
+            "serving the recording"
+        } else {
+            "with scripted agent runs"
+        };
         let mock = MockGateway::start_unix(
             &path,
             MockConfig {
                 token: Some(token.clone()),
-                demo: true,
+                demo: replay.is_none(),
                 tick_interval_ms: 5_000,
+                replay,
                 ..MockConfig::default()
             },
         )
         .await?;
         eprintln!(
-            "clawmux: demo mode: gateway double on {} with scripted agent runs",
+            "clawmux: demo mode: gateway double on {} {what}",
             path.display()
         );
         settings.gateway_url = "ws://localhost/".into();
@@ -363,6 +434,9 @@ async fn reload_on_sighup(
 }
 
 async fn mock_gateway(args: MockArgs) -> anyhow::Result<()> {
+    // Watched before "listening" is said, so a stop right after it is seen.
+    let stop = stop_signals()?;
+    let replay = args.replay.load()?;
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], args.port));
     let mock = MockGateway::start_on(
         addr,
@@ -370,23 +444,30 @@ async fn mock_gateway(args: MockArgs) -> anyhow::Result<()> {
             token: Some(args.token),
             tick_interval_ms: args.tick_ms,
             demo: args.demo,
+            replay,
             ..MockConfig::default()
         },
     )
     .await?;
     eprintln!("clawmux: gateway double listening on {}", mock.url());
-    wait_for_stop_signal().await?;
+    wait_for_stop_signal(stop).await;
     mock.stop().await;
     Ok(())
 }
 
-async fn wait_for_stop_signal() -> anyhow::Result<()> {
+type StopSignals = (tokio::signal::unix::Signal, tokio::signal::unix::Signal);
+
+fn stop_signals() -> anyhow::Result<StopSignals> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
+    Ok((
+        signal(SignalKind::terminate())?,
+        signal(SignalKind::interrupt())?,
+    ))
+}
+
+async fn wait_for_stop_signal((mut term, mut int): StopSignals) {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
-    Ok(())
 }

@@ -78,6 +78,8 @@ pub struct Router {
     max_inflight: usize,
     /// Requests by method and outcome, and their latency (for `/metrics`).
     pub metrics: RequestMetrics,
+    /// A copy of requests and answers for `clawmux record` (idle unless tapped).
+    pub tap: crate::tap::Tap,
 }
 
 impl Router {
@@ -89,6 +91,7 @@ impl Router {
             run_timeout,
             max_inflight,
             metrics: RequestMetrics::default(),
+            tap: crate::tap::Tap::default(),
         }
     }
 

@@ -1,4 +1,5 @@
-//! The everyday commands: `clawmux status`, `clawmux tail`, `clawmux call`.
+//! The everyday commands: `clawmux status`, `clawmux tail`, `clawmux call`,
+//! `clawmux record`.
 //!
 //! Each talks to a running broker over its unix socket with plain HTTP
 //! (`/v1/state`, `/v1/events`, `/v1/rpc`), exactly as `curl --unix-socket`
@@ -14,6 +15,7 @@
 pub mod call;
 pub mod client;
 pub mod doctor;
+pub mod record;
 pub mod status;
 pub mod tail;
 
@@ -40,6 +42,8 @@ pub enum ClientCommand {
     Tail(tail::TailArgs),
     /// Send one gateway request (e.g. `clawmux call health`) and print its answer.
     Call(call::CallArgs),
+    /// Record the gateway session the broker shares (events, and with --requests every request and answer) as JSON Lines, for `mock-gateway --replay`.
+    Record(record::RecordArgs),
 }
 
 /// Where to find the broker.
@@ -98,6 +102,7 @@ pub async fn run(command: ClientCommand) -> ExitCode {
         ClientCommand::Status(args) => ("status", status::run(args).await),
         ClientCommand::Tail(args) => ("tail", tail::run(args).await),
         ClientCommand::Call(args) => ("call", call::run(args).await),
+        ClientCommand::Record(args) => ("record", record::run(args).await),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -204,6 +204,7 @@ impl Dispatcher {
             .router
             .register(member, id, method, generation, settle)?;
         let text = encode_req(&upstream_id, method, params);
+        self.router.tap.outbound(&text);
         if let Err(error) = self.upstream.try_send(generation, text) {
             return Ok(Some((upstream_id, error)));
         }

@@ -11,6 +11,7 @@ pub mod rpc;
 pub mod socket;
 pub mod sse;
 pub mod state;
+pub mod tap_stream;
 pub mod ws;
 
 /// Cancelling it drops one HTTP connection at once: for a response stream

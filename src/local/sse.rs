@@ -63,6 +63,9 @@ struct EventsQuery {
     epoch: Option<String>,
     /// Comma-separated event names to keep; all when absent.
     events: Option<String>,
+    /// `1`: also the request tap ([`crate::tap`]) and a first
+    /// `clawmux.hello` record (for `clawmux record`).
+    tap: Option<String>,
 }
 
 /// What a stream asked for, parsed (the hub checks the resume point).
@@ -70,6 +73,7 @@ struct EventsQuery {
 struct StreamRequest {
     from: ResumePoint,
     filter: Option<HashSet<String>>,
+    tap: bool,
 }
 
 fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
@@ -94,6 +98,11 @@ fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
         .map(|text| text.parse::<EventId>())
         .transpose()
         .map_err(|e| format!("bad Last-Event-ID: {e}"))?;
+    let tap = match query.tap.as_deref() {
+        None | Some("0") | Some("false") => false,
+        Some("1") | Some("true") => true,
+        Some(other) => return Err(format!("bad tap={other}: expected tap=1 or tap=0")),
+    };
     let filter = query.events.map(|list| {
         list.split(',')
             .map(str::trim)
@@ -108,10 +117,12 @@ fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
             query.epoch.filter(|e| !e.is_empty()),
         ),
         filter: filter.filter(|f| !f.is_empty()),
+        tap,
     })
 }
 
-/// Answers `/v1/events`: 200 with a stream, 400 for a bad query, 410 for a
+/// Answers `/v1/events`: 200 with a stream, 400 for a bad query, 403 for
+/// `tap=1` without `operator.admin`, 410 for a
 /// cursor the log cannot serve (from another broker life, of no named life,
 /// evicted, or from the future), 503 at the client limit.
 pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
@@ -121,6 +132,14 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     };
     let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
     client.set_access(super::http::http_access(req, ctx));
+    if wanted.tap && !client.grant().is_admin() {
+        // The tap shows every client's requests and answers.
+        return error_response(
+            StatusCode::FORBIDDEN,
+            StudioCode::Forbidden.as_str(),
+            "tap=1 shows every client's requests and answers: it needs operator.admin, which this caller does not hold (its socket's policy or X-Clawmux-Scopes)".into(),
+        );
+    }
     let (backlog, window) = match ctx.hub.admit_at_cursor(&client, &wanted.from) {
         Ok(admitted) => admitted,
         Err(SubscribeError::ReplayUnavailable(gone)) => {
@@ -147,6 +166,10 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     };
     let epoch = window.epoch;
     let after = wanted.from.cursor.unwrap_or(window.newest_seq);
+    let hello = wanted.tap.then(|| {
+        ctx.router.tap.attach(Arc::clone(&client));
+        crate::local::tap_stream::hello_record(ctx)
+    });
     tracing::info!(client_id = client.id, cursor = ?wanted.from.cursor, backlog = backlog.len(), "event stream opened");
     let done = CancellationToken::new();
     if let Some(kill) = req.extensions().get::<ConnectionKill>() {
@@ -163,6 +186,7 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         last_cursor: after,
         backlog: backlog.into_iter(),
         filter: wanted.filter,
+        tapped: wanted.tap,
         keepalive: ctx.settings.limits.sse_keepalive,
         last_write: Instant::now(),
         cancel: ctx.cancel.clone(),
@@ -171,10 +195,12 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             ctx: Arc::clone(ctx),
             client_id: client.id,
             done,
+            tapped: wanted.tap,
         },
     };
     let first = Bytes::from(format!(
-        ": clawmux events, epoch {epoch}\n\nretry: 1000\n\n"
+        ": clawmux events, epoch {epoch}\n\nretry: 1000\n\n{}",
+        hello.unwrap_or_default()
     ));
     let chunks = futures_util::stream::once(async move { first }).chain(
         futures_util::stream::unfold(stream, |mut s| async move {
@@ -206,10 +232,14 @@ struct Registration {
     ctx: Arc<Ctx>,
     client_id: u64,
     done: CancellationToken,
+    tapped: bool,
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
+        if self.tapped {
+            self.ctx.router.tap.detach(self.client_id);
+        }
         self.ctx.hub.remove(self.client_id);
         self.done.cancel();
         tracing::info!(client_id = self.client_id, "event stream closed");
@@ -249,6 +279,8 @@ struct EventStream {
     last_cursor: u64,
     backlog: std::vec::IntoIter<EventHead>,
     filter: Option<HashSet<String>>,
+    /// Receives the request tap: its `Outgoing::Frame`s are tapped frames.
+    tapped: bool,
     keepalive: Duration,
     last_write: Instant,
     cancel: CancellationToken,
@@ -288,6 +320,9 @@ impl EventStream {
             for item in batch {
                 match item {
                     Outgoing::Event(head, _) => self.write_event(&mut out, &head),
+                    Outgoing::Frame(frame) if self.tapped => {
+                        crate::local::tap_stream::write_tapped(&mut out, &frame)
+                    }
                     // Responses and greetings are for WebSocket clients only.
                     Outgoing::Frame(_) => {}
                     Outgoing::Close(code, reason) => {

@@ -370,7 +370,7 @@ impl Reader {
             let presence_rows = self
                 .inner
                 .presence_rows(&conns, Some((self.index, &presence)));
-            let hello = json!({
+            let mut hello = json!({
                 "type": "hello-ok",
                 "protocol": cfg.protocol,
                 "server": { "version": cfg.server_version, "connId": self.conn_id },
@@ -394,6 +394,9 @@ impl Reader {
                             "tickIntervalMs": cfg.tick_interval_ms },
                 "auth": auth,
             });
+            if let Some(replay) = &cfg.replay {
+                hello = replay.hello(&self.conn_id, &hello["auth"]);
+            }
             let Some(entry) = conns.get_mut(&self.index) else {
                 return;
             };
@@ -417,6 +420,13 @@ impl Reader {
         self.session = Some(session);
         self.inner.notify_changed();
         tracing::debug!(conn = self.index, "mock gateway: hello-ok");
+        if let Some(replay) = &cfg.replay {
+            tokio::spawn(crate::replay::play(
+                self.inner.clone(),
+                self.index,
+                Arc::clone(replay),
+            ));
+        }
     }
 
     /// A frame after hello-ok: only `req` frames are valid (§1, §2.1).
@@ -458,6 +468,12 @@ impl Reader {
             return;
         };
         let params = parsed.get("params").cloned().unwrap_or(Value::Null);
+        if let Some(replay) = &self.inner.cfg.replay {
+            for frame in replay.answer(&id, &method, &params) {
+                self.inner.send_frame(self.index, frame);
+            }
+            return;
+        }
         let (inner, index) = (self.inner.clone(), self.index);
         match faults.response_delay {
             None => methods::handle_request(&inner, index, &session, &id, &method, &params),

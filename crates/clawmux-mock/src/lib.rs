@@ -18,6 +18,8 @@
 //! - `methods`: scope table and request handlers.
 //! - `runs`: scripted agent runs, transcripts, demo and health loops.
 //! - `state`: the shared registry behind [`MockGateway`].
+//! - [`recording`], [`replay`]: the `clawmux record` format, and serving a
+//!   recorded session instead of the double's own behaviour.
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
@@ -28,6 +30,8 @@
 //! ```
 
 pub mod faults;
+pub mod recording;
+pub mod replay;
 
 mod connection;
 mod handshake;
@@ -103,6 +107,9 @@ pub struct MockConfig {
     /// Extra fields for the `connect.challenge` payload (a newer gateway
     /// adds e.g. `capabilities`; clients must pass them on or ignore them).
     pub challenge_extra: Option<Value>,
+    /// Serve this recorded session (hello-ok, events, answers) instead of
+    /// the double's own behaviour (see [`replay`]).
+    pub replay: Option<Arc<replay::Replay>>,
     /// Serve `wss://` with this TLS configuration (see [`tls_server_config`])
     /// instead of plaintext, as a gateway with `gateway.tls.enabled` does.
     /// A client that fails the TLS handshake never reaches the WebSocket
@@ -152,6 +159,7 @@ impl Default for MockConfig {
             run_step_delay: Duration::from_millis(20),
             without_methods: Vec::new(),
             challenge_extra: None,
+            replay: None,
             tls: None,
         }
     }

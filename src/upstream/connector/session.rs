@@ -331,6 +331,9 @@ impl Connector {
                         .map(Duration::from_millis);
                 }
                 let audience = self.sharing.audience(&name, payload);
+                if matches!(audience, crate::sharing::Audience::Only(_)) {
+                    self.router.tap.inbound(text);
+                }
                 self.hub.publish(&name, payload, state_version, &audience);
             }
             Some(UpstreamFrame::Res {
@@ -339,6 +342,7 @@ impl Connector {
                 payload,
                 error,
             }) => {
+                self.router.tap.inbound(text);
                 if !self.router.complete(&id, ok, payload, error) {
                     tracing::debug!(upstream_id = %id, "answer for an unknown or expired request");
                 }
