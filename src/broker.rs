@@ -29,6 +29,8 @@ pub struct Ctx {
     /// Local WebSocket clients still before their `connect` is answered; a
     /// client over [`MAX_HANDSHAKES`] is closed `1013` at once.
     pub handshakes: Arc<tokio::sync::Semaphore>,
+    /// The open `/ws/dedicated` connections and their cap.
+    pub dedicated: Arc<crate::local::dedicated::Dedicated>,
     /// Other uids (besides the broker's own) allowed to connect.
     pub allowed_uids: Vec<u32>,
     /// Cancelled at shutdown: every task reaches a safe point and ends.
@@ -226,6 +228,9 @@ impl RunningBroker {
             upstream,
             upstream_task,
         } = Core::start(&settings, cancel.child_token());
+        let dedicated = Arc::new(crate::local::dedicated::Dedicated::new(
+            settings.limits.max_dedicated,
+        ));
         let ctx = Arc::new(Ctx {
             settings,
             hub,
@@ -234,6 +239,7 @@ impl RunningBroker {
             dispatcher,
             upstream,
             handshakes: Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES)),
+            dedicated,
             allowed_uids: Vec::new(),
             cancel,
             tracker: TaskTracker::new(),

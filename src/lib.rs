@@ -35,7 +35,9 @@
 //!   budget, header read timeout), HTTP routes, and WebSocket
 //!   sessions with connect enforcement and the synthesized `hello-ok`; the
 //!   HTTP API: `/v1/state` (snapshot + cursor), `/v1/events` (SSE replay
-//!   stream), `/v1/rpc`, `/metrics`.
+//!   stream), `/v1/rpc`, `/metrics`; and `/ws/dedicated`, a gateway
+//!   connection of its own per client (Claw3D proxy semantics) for clients
+//!   that need their own identity.
 //! - [`tap`]: a broker-side copy of requests, answers and targeted events
 //!   for `clawmux record --requests` (secrets redacted).
 //! - [`logging`]: the log never blocks fan-out (a lossy writer thread),

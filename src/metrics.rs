@@ -307,6 +307,20 @@ pub fn render(ctx: &Ctx) -> String {
         &[("result", "failed")],
         own.failed,
     );
+    out.family(
+        "clawmux_dedicated_connections",
+        "gauge",
+        "Connections open now on /ws/dedicated (each one its own gateway connection).",
+    );
+    out.sample("clawmux_dedicated_connections", &[], ctx.dedicated.count());
+    out.family(
+        "clawmux_dedicated_total",
+        "counter",
+        "Connections on /ws/dedicated by how their handshake ended: connected, rejected (by the gateway), failed (studio.* before its answer), refused (max_dedicated).",
+    );
+    for (outcome, n) in ctx.dedicated.outcomes.counts() {
+        out.sample("clawmux_dedicated_total", &[("outcome", outcome)], n);
+    }
     let status = ctx.upstream.status();
     out.family(
         "clawmux_upstream_phase",

@@ -206,6 +206,7 @@ struct LimitsSection {
     sse_keepalive_ms: Option<u64>,
     max_connections: Option<usize>,
     header_read_timeout_ms: Option<u64>,
+    max_dedicated: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -848,6 +849,7 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
         sse_keepalive_ms,
         max_connections,
         header_read_timeout_ms,
+        max_dedicated,
     } = *l;
     let any = |_: &str, v| Ok::<_, String>(v);
     set!(
@@ -901,6 +903,7 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
         header_read_timeout_ms,
         ms(Zero::Refused)
     );
+    set!(lim.max_dedicated, "limits", max_dedicated, positive);
     let UpstreamSection {
         handshake_timeout_ms,
         backoff_initial_ms,

@@ -86,7 +86,8 @@ const HTTP_ENDPOINTS: [(&str, Method); 6] = [
 pub async fn route(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_owned();
     let resp = match (req.method(), path.as_str()) {
-        (&Method::GET, p) if is_ws_path(p) => upgrade(req, ctx),
+        (&Method::GET, p) if is_ws_path(p) => upgrade(req, ctx, Route::Shared),
+        (&Method::GET, "/ws/dedicated") => upgrade(req, ctx, Route::Dedicated),
         (&Method::GET, "/v1/state") => super::state::respond(&ctx),
         (&Method::GET, "/v1/events") => super::sse::open(&req, &ctx),
         (&Method::POST, "/v1/rpc") => super::rpc::respond(req, &ctx).await,
@@ -206,9 +207,18 @@ fn header_has(req: &Request<Incoming>, name: header::HeaderName, token: &str) ->
 /// reads. Measured by `cargo bench --bench clawmux` (BENCHMARKS.md).
 const LOCAL_READ_BUFFER_BYTES: usize = 8 * 1024;
 
+/// Which session a WebSocket path gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// The shared upstream session (`/ws`, `/`, `/api/gateway/ws`).
+    Shared,
+    /// A gateway connection of its own (`/ws/dedicated`).
+    Dedicated,
+}
+
 /// Answers the WebSocket upgrade and spawns the session once hyper hands
 /// over the connection.
-fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
+fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<Body> {
     let key = req.headers().get(header::SEC_WEBSOCKET_KEY).cloned();
     let is_upgrade = header_has(&req, header::CONNECTION, "upgrade")
         && header_has(&req, header::UPGRADE, "websocket");
@@ -239,6 +249,16 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
         }
     };
     let socket = socket_policy(&req, &ctx);
+    if route == Route::Dedicated && !super::dedicated::served_on(&socket) {
+        return error_response(
+            StatusCode::FORBIDDEN,
+            crate::protocol::StudioCode::Forbidden.as_str(),
+            format!(
+                "the socket {:?} limits scopes or methods, and /ws/dedicated relays frames unchecked: use /ws here, or /ws/dedicated on an unrestricted socket",
+                socket.name
+            ),
+        );
+    }
     let accept = derive_accept_key(key.as_bytes());
     let on_upgrade = hyper::upgrade::on(&mut req);
     let tracker = ctx.tracker.clone();
@@ -254,7 +274,10 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
                 );
                 let io = super::preconnect::Limited::new(TokioIo::new(upgraded), budget.clone());
                 let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
-                super::ws::run(ws, budget, restarts, socket, ctx).await;
+                match route {
+                    Route::Shared => super::ws::run(ws, budget, restarts, socket, ctx).await,
+                    Route::Dedicated => super::dedicated::run(ws, budget, ctx).await,
+                }
             }
             Err(e) => tracing::debug!("WebSocket upgrade failed: {e}"),
         }

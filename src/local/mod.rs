@@ -2,6 +2,7 @@
 //! WebSocket sessions, and the HTTP API (`/v1/state`, `/v1/events`, `/v1/rpc`).
 
 mod accept;
+pub mod dedicated;
 pub mod fdlimit;
 pub mod http;
 pub mod preconnect;
