@@ -128,11 +128,17 @@ async fn chat_send_acks_then_streams_events_to_everyone() {
     }
     assert_eq!(kinds[0], "agent:lifecycle:start");
     assert_eq!(
-        kinds[1..3],
+        kinds[1..7],
         [
-            "agent:tool:start".to_string(),
-            "agent:tool:result".to_string()
+            "agent:thinking:",
+            "agent:thinking:",
+            "agent:tool:start",
+            "agent:tool:start",
+            "agent:tool:result",
+            "agent:tool:result"
         ]
+        .map(String::from),
+        "thinking, then two tool calls in parallel"
     );
     assert!(
         kinds.contains(&"agent:assistant:".to_string())
