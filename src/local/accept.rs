@@ -96,8 +96,10 @@ pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>, stop: Cancellati
             }
         };
         // Peer credentials come from the kernel, not from anything the peer says.
-        match stream.peer_cred() {
-            Ok(cred) if cred.uid() == me || ctx.allowed_uids.contains(&cred.uid()) => {}
+        let peer_pid = match stream.peer_cred() {
+            Ok(cred) if cred.uid() == me || ctx.allowed_uids.contains(&cred.uid()) => {
+                super::PeerPid(cred.pid().and_then(|p| u32::try_from(p).ok()))
+            }
             Ok(cred) => {
                 tracing::warn!(
                     peer_uid = cred.uid(),
@@ -109,7 +111,7 @@ pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>, stop: Cancellati
                 tracing::warn!("cannot read peer credentials, refusing: {e}");
                 continue;
             }
-        }
+        };
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             if let Some(unlogged) = cap_warn.ready(Instant::now()) {
                 tracing::warn!(
@@ -126,18 +128,19 @@ pub async fn accept_loop(listener: UnixListener, ctx: Arc<Ctx>, stop: Cancellati
             _slot: slot,
         };
         let tracker = ctx.tracker.clone();
-        tracker.spawn(serve_connection(stream, Arc::clone(&ctx)));
+        tracker.spawn(serve_connection(stream, peer_pid, Arc::clone(&ctx)));
     }
 }
 
 /// One HTTP/1.1 connection, until it ends, is killed, or the broker stops.
-async fn serve_connection(stream: CountedStream, ctx: Arc<Ctx>) {
+async fn serve_connection(stream: CountedStream, peer_pid: super::PeerPid, ctx: Arc<Ctx>) {
     let cancel = ctx.cancel.clone();
     let kill = CancellationToken::new();
     let kill_handle = ConnectionKill(kill.clone());
     let header_read_timeout = ctx.settings.limits.header_read_timeout;
     let service = hyper::service::service_fn(move |mut req: hyper::Request<_>| {
         req.extensions_mut().insert(kill_handle.clone());
+        req.extensions_mut().insert(peer_pid);
         http::route(req, Arc::clone(&ctx))
     });
     let conn = http1::Builder::new()

@@ -159,6 +159,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
             return error_response(StatusCode::BAD_REQUEST, "bad_query", message);
         }
     };
+    let peer_pid = req.extensions().get::<super::PeerPid>().and_then(|p| p.0);
     let accept = derive_accept_key(key.as_bytes());
     let on_upgrade = hyper::upgrade::on(&mut req);
     let tracker = ctx.tracker.clone();
@@ -174,7 +175,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
                 );
                 let io = super::preconnect::Limited::new(TokioIo::new(upgraded), budget.clone());
                 let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
-                super::ws::run(ws, budget, restarts, ctx).await;
+                super::ws::run(ws, budget, restarts, peer_pid, ctx).await;
             }
             Err(e) => tracing::debug!("WebSocket upgrade failed: {e}"),
         }

@@ -37,6 +37,10 @@ pub fn document(ctx: &Ctx) -> Value {
                 "queue_bytes": c.queued_bytes(),
                 "drops": c.dropped.load(Ordering::Relaxed),
                 "inflight": c.inflight.load(Ordering::Relaxed),
+                "connected_at_ms": c.connected_at_ms,
+                "declared": c.identity.get(),
+                "peer_pid": c.identity.get().and_then(|i| i.peer_pid),
+                "tool_observer": ctx.sharing.observes_tools(c.id),
             })
         })
         .collect();

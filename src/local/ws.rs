@@ -115,7 +115,14 @@ impl Restarts {
 }
 
 /// Runs one local client to completion. `budget` is lifted once it is admitted.
-pub async fn run(ws: Ws, budget: PreconnectBudget, restarts: Restarts, ctx: Arc<Ctx>) {
+/// `peer_pid` is the peer's process id from the kernel, for `/v1/state`.
+pub async fn run(
+    ws: Ws,
+    budget: PreconnectBudget,
+    restarts: Restarts,
+    peer_pid: Option<u32>,
+    ctx: Arc<Ctx>,
+) {
     let (sink, mut stream) = ws.split();
     let registration = ctx.dispatcher.register(ctx.hub.new_client());
     let client = Arc::clone(registration.client());
@@ -148,7 +155,7 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, restarts: Restarts, ctx: Arc<
             let challenge = EventHead::from_value("connect.challenge", &Value::Object(payload));
             client.push_frame(challenge.without_seq());
             tokio::select! {
-                admitted = handshake(&mut stream, &client, &ctx) => admitted,
+                admitted = handshake(&mut stream, &client, peer_pid, &ctx) => admitted,
                 _ = ctx.cancel.cancelled() => {
                     client.close(1001, "going away");
                     false
@@ -181,7 +188,12 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, restarts: Restarts, ctx: Arc<
 }
 
 /// Connect enforcement (design §2). Returns true once the client is admitted.
-async fn handshake(stream: &mut SplitStream<Ws>, client: &Arc<Client>, ctx: &Arc<Ctx>) -> bool {
+async fn handshake(
+    stream: &mut SplitStream<Ws>,
+    client: &Arc<Client>,
+    peer_pid: Option<u32>,
+    ctx: &Arc<Ctx>,
+) -> bool {
     let limits = &ctx.settings.limits;
     let first = match tokio::time::timeout(limits.connect_timeout, next_incoming(stream)).await {
         Err(_) => {
@@ -221,6 +233,9 @@ async fn handshake(stream: &mut SplitStream<Ws>, client: &Arc<Client>, ctx: &Arc
             return false;
         }
     };
+    let _ = client
+        .identity
+        .set(declared_identity(&req.params, peer_pid));
     let deadline = crate::router::deadline_after(limits.connect_wait);
     let hello = match ctx
         .upstream
@@ -279,6 +294,25 @@ async fn handshake(stream: &mut SplitStream<Ws>, client: &Arc<Client>, ctx: &Arc
         return false;
     }
     true
+}
+
+/// What a `connect` says about its client (`client.id`, `mode`, `version`,
+/// `displayName`), for `/v1/state`; strings only, anything else is left out.
+fn declared_identity(params: &Value, peer_pid: Option<u32>) -> crate::hub::ClientIdentity {
+    let field = |key: &str| {
+        params
+            .get("client")
+            .and_then(|c| c.get(key))
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    };
+    crate::hub::ClientIdentity {
+        client_id: field("id"),
+        mode: field("mode"),
+        version: field("version"),
+        display_name: field("displayName"),
+        peer_pid,
+    }
 }
 
 /// The `hello-ok` a local client gets: the gateway's own, with this client's
