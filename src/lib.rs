@@ -56,6 +56,7 @@
 //! `clawmux-mock` (`crates/clawmux-mock`), used by the tests, `clawmux
 //! mock-gateway` and `clawmux serve --demo`.
 
+pub mod activity;
 pub mod bounds;
 pub mod broker;
 pub mod cli;
