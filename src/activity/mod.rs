@@ -198,7 +198,7 @@ pub enum Change {
 }
 
 /// The projection: every run seen, by session.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Activity {
     runs: HashMap<String, Run>,
     /// Events applied, for rates.

@@ -16,6 +16,8 @@ pub mod client;
 pub mod doctor;
 pub mod status;
 pub mod tail;
+pub mod top;
+pub mod watch;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -40,6 +42,8 @@ pub enum ClientCommand {
     Tail(tail::TailArgs),
     /// Send one gateway request (e.g. `clawmux call health`) and print its answer.
     Call(call::CallArgs),
+    /// Watch the broker and its agents live: clients, event rate, and each run's thinking and tool calls.
+    Top(top::TopArgs),
 }
 
 /// Where to find the broker.
@@ -98,6 +102,7 @@ pub async fn run(command: ClientCommand) -> ExitCode {
         ClientCommand::Status(args) => ("status", status::run(args).await),
         ClientCommand::Tail(args) => ("tail", tail::run(args).await),
         ClientCommand::Call(args) => ("call", call::run(args).await),
+        ClientCommand::Top(args) => ("top", top::run(args).await),
     };
     match result {
         Ok(code) => ExitCode::from(code),
