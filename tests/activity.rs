@@ -169,3 +169,204 @@ async fn state_lists_each_clients_declared_identity_peer_pid_and_connection_time
     assert_eq!(sse["declared"]["client_id"], Value::Null);
     assert_eq!(sse["tool_observer"], false);
 }
+
+/// A tmux server of the test's own (its socket in a temp dir), running one
+/// pane of 80×24; killed when dropped.
+struct Tmux {
+    socket: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Tmux {
+    /// `None` (and SKIPPED printed) when tmux is not installed.
+    fn start(home: &TestHome, command: &str) -> Option<Tmux> {
+        if std::process::Command::new("tmux")
+            .arg("-V")
+            .output()
+            .is_err()
+        {
+            println!("SKIPPED: tmux is not installed (apt-get install tmux); `clawmux top` was not run in a terminal");
+            return None;
+        }
+        let dir = tempfile::tempdir().expect("tmux dir");
+        let tmux = Tmux {
+            socket: dir.path().join("tmux.sock"),
+            _dir: dir,
+        };
+        let mut cmd = std::process::Command::new("tmux");
+        home.apply(&mut cmd);
+        let status = cmd
+            .arg("-S")
+            .arg(&tmux.socket)
+            .args([
+                "-f",
+                "/dev/null",
+                "new-session",
+                "-d",
+                "-x",
+                "80",
+                "-y",
+                "24",
+                command,
+            ])
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env_remove("TMUX")
+            .env_remove("NO_COLOR")
+            .status()
+            .expect("tmux runs");
+        assert!(status.success(), "tmux new-session");
+        Some(tmux)
+    }
+
+    fn run(&self, args: &[&str]) -> String {
+        let out = std::process::Command::new("tmux")
+            .arg("-S")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("tmux runs");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn screen(&self) -> String {
+        self.run(&["capture-pane", "-p"])
+    }
+
+    /// Waits (bounded) until the pane shows every one of `texts`.
+    async fn wait_for(&self, texts: &[&str]) -> String {
+        let deadline = tokio::time::Instant::now() + TERMINAL_PATIENCE;
+        loop {
+            let screen = self.screen();
+            if texts.iter().all(|t| screen.contains(t)) {
+                return screen;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the pane never showed {texts:?}; it shows:\n{screen}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        self.run(&["kill-server"]);
+    }
+}
+
+/// How long a terminal test waits for the screen (a debug build drawing
+/// under a CPU hog on 2 cores is slow to start).
+const TERMINAL_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The pane's shell line: `clawmux top` (its pid written to `pidfile`),
+/// then how it exited and whether the terminal is back to cooked mode
+/// (`stty` shows `icanon` and `echo`, not `-icanon`/`-echo`), and whether
+/// the alternate screen was left.
+fn top_then_report(socket: &std::path::Path, pidfile: &std::path::Path) -> String {
+    format!(
+        "sh -c 'echo $$ > {pid}; exec {bin} top --socket {sock}'; echo top-exited=$?; stty -a | grep -o -- ' -*icanon\\| -*echo ' | tr -d '\\n'; echo; sleep 600",
+        pid = pidfile.display(),
+        bin = env!("CARGO_BIN_EXE_clawmux"),
+        sock = socket.display(),
+    )
+}
+
+async fn assert_terminal_restored(tmux: &Tmux) {
+    let screen = tmux.wait_for(&["top-exited=0"]).await;
+    assert!(
+        screen.contains(" icanon echo"),
+        "cooked mode again:\n{screen}"
+    );
+    assert!(
+        !screen.contains("-icanon") && !screen.contains("-echo"),
+        "{screen}"
+    );
+    assert!(
+        !screen.contains("clawmux top  upstream"),
+        "the dashboard is gone:\n{screen}"
+    );
+    assert_eq!(
+        tmux.run(&["display", "-p", "#{alternate_on}"]).trim(),
+        "0",
+        "left the alternate screen"
+    );
+}
+
+#[tokio::test]
+async fn top_in_a_real_terminal_shows_a_run_with_thinking_and_two_tool_calls_then_q_restores_it() {
+    let h = start().await;
+    let home = TestHome::new();
+    let pidfile = home.path().join("top.pid");
+    let Some(tmux) = Tmux::start(&home, &top_then_report(&h.socket(), &pidfile)) else {
+        return;
+    };
+    tmux.wait_for(&["clawmux top", "upstream ready", "Clients", "(observer)"])
+        .await;
+    let (mut c, _) = h.connected().await;
+    let key = uuid::Uuid::new_v4().to_string();
+    c.request(
+        "chat.send",
+        json!({"sessionKey": "main", "message": "hi", "idempotencyKey": key}),
+    )
+    .await;
+    let screen = tmux
+        .wait_for(&[
+            &format!("run {}", &key[..8]),
+            "thinking",
+            "tool exec command=\"ls\" ok",
+            "tool read path=\"README.md\" ok",
+            "assistant \"Echo: hi\"",
+            "end ok after",
+            "cli/cli",
+        ])
+        .await;
+    assert!(screen.lines().count() <= 24, "{screen}");
+    tmux.run(&["send-keys", "q"]);
+    assert_terminal_restored(&tmux).await;
+}
+
+#[tokio::test]
+async fn top_gives_the_terminal_back_on_sigterm() {
+    let h = start().await;
+    let home = TestHome::new();
+    let pidfile = home.path().join("top.pid");
+    let Some(tmux) = Tmux::start(&home, &top_then_report(&h.socket(), &pidfile)) else {
+        return;
+    };
+    tmux.wait_for(&["clawmux top", "upstream ready"]).await;
+    let pid: i32 = std::fs::read_to_string(&pidfile)
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("a pid");
+    let pid = rustix::process::Pid::from_raw(pid).expect("a live pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
+    assert_terminal_restored(&tmux).await;
+}
+
+#[tokio::test]
+async fn top_without_a_terminal_or_a_broker_says_what_to_do() {
+    let home = TestHome::new();
+    let out = home
+        .clawmux()
+        .args(["top", "--socket"])
+        .arg(home.path().join("nothing.sock"))
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(3), "unreachable");
+    let h = start().await;
+    let mut cmd = home.clawmux();
+    cmd.args(["top", "--socket"]).arg(h.socket());
+    // Off the runtime thread: the broker under test runs on it.
+    let out = tokio::task::spawn_blocking(move || cmd.output())
+        .await
+        .expect("joined")
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("needs a terminal") && err.contains("tail --tree"),
+        "{err}"
+    );
+}
