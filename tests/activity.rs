@@ -370,3 +370,190 @@ async fn top_without_a_terminal_or_a_broker_says_what_to_do() {
         "{err}"
     );
 }
+
+/// `clawmux tail <args>` against the harness, its stdout lines on a channel.
+fn spawn_tail(
+    home: &TestHome,
+    socket: &std::path::Path,
+    args: &[&str],
+) -> (ChildGuard, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    use std::io::BufRead;
+    let mut child = home
+        .clawmux()
+        .arg("tail")
+        .args(args)
+        .arg("--socket")
+        .arg(socket)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("tail starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    (ChildGuard(child), rx)
+}
+
+/// Lines until one contains `last` (bounded).
+async fn lines_until(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+    last: &str,
+) -> Vec<String> {
+    let mut lines = Vec::new();
+    loop {
+        let line = tokio::time::timeout(TERMINAL_PATIENCE, rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no line with {last:?} in time; got {lines:#?}"))
+            .unwrap_or_else(|| panic!("tail ended before {last:?}; got {lines:#?}"));
+        let done = line.contains(last);
+        lines.push(line);
+        if done {
+            return lines;
+        }
+    }
+}
+
+async fn run_to_end(h: &Harness) -> String {
+    let (mut c, _) = h.connected().await;
+    let key = uuid::Uuid::new_v4().to_string();
+    c.request(
+        "chat.send",
+        json!({"sessionKey": "main", "message": "hi", "idempotencyKey": key}),
+    )
+    .await;
+    loop {
+        let e = c.event("agent").await;
+        if e["payload"]["runId"] == key.as_str() && e["payload"]["data"]["phase"] == "end" {
+            return key;
+        }
+    }
+}
+
+#[tokio::test]
+async fn tail_hud_prints_turns_thinking_and_tools_and_marks_replayed_ones() {
+    let h = start().await;
+    let home = TestHome::new();
+    // A run that is over before tail starts: it comes from the replay log.
+    let old = run_to_end(&h).await;
+    let epoch = state(&h.socket()).await["epoch"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (_tail, mut rx) = spawn_tail(
+        &home,
+        &h.socket(),
+        &["--hud", "--after", &format!("{epoch}:0")],
+    );
+    let replayed: Vec<Value> = lines_until(&mut rx, "turn_end")
+        .await
+        .iter()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert_eq!(replayed[0]["type"], "turn_start");
+    assert_eq!(replayed[0]["id"], old.as_str());
+    assert!(
+        replayed.iter().all(|l| l["replay"] == true),
+        "{replayed:#?}"
+    );
+    assert!(replayed.iter().any(|l| l["type"] == "think_end"));
+    // Live: both tool calls with ids, parents and durations.
+    let live = run_to_end(&h).await;
+    let lines: Vec<Value> = lines_until(&mut rx, "turn_end")
+        .await
+        .iter()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    let types: Vec<&str> = lines.iter().map(|l| l["type"].as_str().unwrap()).collect();
+    assert_eq!(
+        types,
+        [
+            "turn_start",
+            "think_start",
+            "think_end",
+            "tool_start",
+            "tool_start",
+            "tool_end",
+            "tool_end",
+            "turn_end"
+        ]
+    );
+    for l in &lines {
+        assert!(l.get("replay").is_none(), "live: {l}");
+        assert!(
+            l["ts"].is_u64() && l["id"].is_string() && l["correlationId"].is_string(),
+            "{l}"
+        );
+    }
+    let read_end = &lines[5];
+    assert_eq!(
+        (read_end["tool"].clone(), read_end["parentId"].clone()),
+        (json!("read"), json!(live))
+    );
+    assert!(
+        read_end["durationMs"].is_u64() && read_end["isError"] == false,
+        "{read_end}"
+    );
+    assert_eq!(
+        read_end["correlationId"], lines[4]["id"],
+        "start and end of one call"
+    );
+    assert_eq!(lines[7]["status"], "ok");
+    assert_eq!(lines[7]["text"], "Echo: hi");
+}
+
+#[tokio::test]
+async fn tail_tree_prints_the_same_projection_as_indented_lines() {
+    let h = start().await;
+    let home = TestHome::new();
+    let (_tail, mut rx) = spawn_tail(&home, &h.socket(), &["--tree"]);
+    // tail is following once the broker counts its stream.
+    eventually_async(|| {
+        let socket = h.socket();
+        async move {
+            state(&socket).await["clients"]
+                .as_array()
+                .is_some_and(|c| !c.is_empty())
+        }
+    })
+    .await;
+    let key = run_to_end(&h).await;
+    let lines = lines_until(&mut rx, &format!("run {} ok", &key[..8])).await;
+    let text: Vec<&str> = lines.iter().map(|l| l.split_once(' ').unwrap().1).collect();
+    assert_eq!(text[0], "agent:main:main");
+    assert_eq!(text[1], format!("  run {} started", &key[..8]));
+    assert!(text[2].starts_with("    thinking "), "{text:#?}");
+    assert_eq!(text[3], "    tool exec command=\"ls\"");
+    assert_eq!(text[4], "    tool read path=\"README.md\"");
+    assert!(
+        text[5].starts_with("    tool read ok ") && text[6].starts_with("    tool exec ok "),
+        "{text:#?}"
+    );
+    assert_eq!(text[7], "    assistant \"Echo: hi\"");
+    assert!(
+        text[8].starts_with(&format!("  run {} ok in ", &key[..8])),
+        "{text:#?}"
+    );
+}
+
+/// Waits (bounded) until an async condition holds.
+async fn eventually_async<F, Fut>(mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + TERMINAL_PATIENCE;
+    while !cond().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not met in time"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
