@@ -86,6 +86,9 @@ fn tool_duration(call: &ToolCall) -> u64 {
 #[derive(Debug, Default)]
 pub struct TreePrinter {
     last_session: Option<String>,
+    /// The run the last line was about: a line about another run's items
+    /// is preceded by that run's line, so interleaved runs stay readable.
+    last_run: Option<String>,
     /// Sessions of the runs seen, for the session line of later changes.
     sessions: std::collections::HashMap<String, String>,
 }
@@ -128,7 +131,9 @@ impl TreePrinter {
                 run_id,
                 call.started_ms,
                 2 + usize::from(call.parent_call_id.is_some()),
-                format!("tool {} {}", call.name, args_summary(&call.args)),
+                format!("tool {} {}", call.name, args_summary(&call.args))
+                    .trim_end()
+                    .to_owned(),
             ),
             Change::ToolEnd { run_id, call } => (
                 run_id,
@@ -186,6 +191,10 @@ impl TreePrinter {
             self.last_session = Some(session);
         }
         let mark = if replay { " (replay)" } else { "" };
+        if depth > 1 && self.last_run.as_deref() != Some(run_id) {
+            out.push(format!("{}   run {}{mark}", time(ts), short_id(run_id)));
+        }
+        self.last_run = Some(run_id.to_owned());
         out.push(format!("{} {}{text}{mark}", time(ts), "  ".repeat(depth)));
         out
     }

@@ -496,3 +496,52 @@ fn tree_lines_indent_runs_under_sessions() {
         .join("\n")
     );
 }
+
+#[test]
+fn tree_lines_of_interleaved_runs_say_which_run_they_belong_to() {
+    let mut a = Activity::new();
+    let mut changes = feed(
+        &mut a,
+        &[agent(
+            "aaaaaaaa-1",
+            1000,
+            "lifecycle",
+            json!({"phase": "start"}),
+        )],
+    );
+    changes.extend(feed(
+        &mut a,
+        &[agent(
+            "bbbbbbbb-2",
+            1100,
+            "lifecycle",
+            json!({"phase": "start"}),
+        )],
+    ));
+    changes.extend(feed(
+        &mut a,
+        &[tool(
+            "aaaaaaaa-1",
+            1200,
+            "start",
+            "exec",
+            "c1",
+            json!({"args": {}}),
+        )],
+    ));
+    let mut printer = TreePrinter::new();
+    let lines: Vec<String> = changes
+        .iter()
+        .flat_map(|c| printer.lines(c, true, |ts| format!("{ts}")))
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            "1000 agent:main:main",
+            "1000   run aaaaaaaa started (replay)",
+            "1100   run bbbbbbbb started (replay)",
+            "1200   run aaaaaaaa (replay)",
+            "1200     tool exec (replay)",
+        ]
+    );
+}
