@@ -41,8 +41,10 @@
 //!   holds back repeated lines.
 //! - [`metrics`]: request accounting and the Prometheus text for `/metrics`.
 //! - [`broker`]: assembly and shutdown.
-//! - [`cli`]: the everyday commands (`status`, `tail`, `call`), which talk to a
+//! - [`cli`]: the everyday commands (`status`, `tail`, `call`, `top`), which talk to a
 //!   running broker over its socket like any other client.
+//! - [`activity`]: the client-side projection of raw events into runs,
+//!   thinking and tool calls, for `clawmux top` and `tail --tree/--hud`.
 //! - [`systemd`]: socket activation (`LISTEN_FDS`), `READY=1`/`STATUS=`/
 //!   `WATCHDOG=1`/`STOPPING=1`; no-ops outside systemd. [`lifecycle`] runs
 //!   `serve` from ready to exit (signals, hard deadline, exit codes);
