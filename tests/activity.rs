@@ -273,7 +273,8 @@ fn top_then_report(socket: &std::path::Path, pidfile: &std::path::Path) -> Strin
 }
 
 async fn assert_terminal_restored(tmux: &Tmux) {
-    let screen = tmux.wait_for(&["top-exited=0"]).await;
+    // The stty line comes after the exit line: wait for both.
+    let screen = tmux.wait_for(&["top-exited=0", "canon"]).await;
     assert!(
         screen.contains(" icanon echo"),
         "cooked mode again:\n{screen}"
@@ -556,4 +557,67 @@ where
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+}
+
+/// The follower's next report (bounded).
+async fn next(
+    rx: &mut tokio::sync::mpsc::Receiver<clawmux::cli::watch::Feed>,
+) -> clawmux::cli::watch::Feed {
+    tokio::time::timeout(TERMINAL_PATIENCE, rx.recv())
+        .await
+        .expect("a report in time")
+        .expect("follower alive")
+}
+
+#[tokio::test]
+async fn the_observer_follower_resumes_after_a_broker_restart_with_the_new_brokers_events() {
+    use clawmux::cli::watch::{follow, Feed};
+    let Harness { gw, broker, dir } = start().await;
+    let socket = broker.socket_path().to_owned();
+    let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
+    let follower = tokio::spawn(follow(clawmux::cli::BrokerClient::new(socket.clone()), tx));
+    let first = match next(&mut rx).await {
+        Feed::Connected { epoch } => epoch,
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        broker.shutdown(std::time::Duration::from_secs(5)).await,
+        "stopped"
+    );
+    let settings = test_settings(dir.path(), &gw.url(), Some("test-token"));
+    let broker = clawmux::RunningBroker::start(settings)
+        .await
+        .expect("restarts");
+    // A run on the new broker reaches the follower, after it said what happened.
+    let h = Harness { gw, broker, dir };
+    let (mut reports, mut second) = (Vec::new(), None);
+    while second.is_none() {
+        match next(&mut rx).await {
+            Feed::Connected { epoch } if epoch != first => second = Some(epoch),
+            other => reports.push(format!("{other:?}")),
+        }
+    }
+    let key = run_to_end(&h).await;
+    loop {
+        if let Feed::Event {
+            name,
+            frame,
+            replay,
+        } = next(&mut rx).await
+        {
+            if name == "agent"
+                && frame["payload"]["runId"] == key.as_str()
+                && frame["payload"]["stream"] == "tool"
+            {
+                assert!(!replay);
+                break;
+            }
+        }
+    }
+    assert!(
+        reports.iter().any(|r| r.contains("Lost"))
+            && reports.iter().any(|r| r.contains("restarted")),
+        "{reports:#?}"
+    );
+    follower.abort();
 }
