@@ -22,6 +22,8 @@ pub mod record;
 pub mod status;
 pub mod style;
 pub mod tail;
+pub mod top;
+pub mod watch;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -50,6 +52,8 @@ pub enum ClientCommand {
     Record(record::RecordArgs),
     /// Print the broker's Prometheus metrics, or write them for node_exporter (`--textfile DIR`).
     Metrics(metrics::MetricsArgs),
+    /// Watch the broker and its agents live: clients, event rate, and each run's thinking and tool calls.
+    Top(top::TopArgs),
 }
 
 /// Where to find the broker.
@@ -115,6 +119,7 @@ pub async fn run(command: ClientCommand) -> ExitCode {
         ClientCommand::Call(args) => ("call", call::run(args).await),
         ClientCommand::Record(args) => ("record", record::run(args).await),
         ClientCommand::Metrics(args) => ("metrics", metrics::run(args).await),
+        ClientCommand::Top(args) => ("top", top::run(args).await),
     };
     match result {
         Ok(code) => ExitCode::from(code),

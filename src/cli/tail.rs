@@ -21,9 +21,10 @@ use http_body_util::BodyExt;
 use serde_json::Value;
 
 use super::style::Paint;
+use super::watch::{LineMode, LineView};
 use super::{BrokerArgs, CliError};
 use crate::hub::replay::EventId;
-use crate::local::sse::{AFTER_SEQ_HEADER, EPOCH_HEADER};
+use crate::local::sse::{AFTER_SEQ_HEADER, EPOCH_HEADER, NEWEST_SEQ_HEADER};
 use crate::sharing::SessionDefaults;
 
 /// Reconnect delays while the broker is away.
@@ -64,6 +65,12 @@ pub struct TailArgs {
     /// Print each event's gateway frame as one JSON line (its `seq` is the broker cursor).
     #[arg(long)]
     pub json: bool,
+    /// Print the activity tree (runs, thinking, tool calls, ends) as indented lines; sees every tool call.
+    #[arg(long, conflicts_with_all = ["json", "hud"])]
+    pub tree: bool,
+    /// Print the activity as HUD JSON lines (turn/think/tool start and end); sees every tool call.
+    #[arg(long, conflicts_with_all = ["json"])]
+    pub hud: bool,
 }
 
 /// `--since`: a duration back from now, or an RFC 3339 time; as Unix ms.
@@ -278,11 +285,19 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
     let mut connected_before = false;
     let mut backoff = BACKOFF_MIN;
     let mut stdout = std::io::stdout();
+    // --tree/--hud: the activity projection (crate::activity) prints instead.
+    let mut activity = match (args.tree, args.hud) {
+        (true, _) => Some(LineView::new(LineMode::Tree)),
+        (_, true) => Some(LineView::new(LineMode::Hud)),
+        _ => None,
+    };
     loop {
-        let resp = match client
-            .send(Method::GET, &cursor.path(&server_events), &[], None)
-            .await
-        {
+        let mut path = cursor.path(&server_events);
+        if activity.is_some() {
+            let sep = if path.contains('?') { '&' } else { '?' };
+            path = format!("{path}{sep}{}", super::watch::OBSERVER_QUERY);
+        }
+        let resp = match client.send(Method::GET, &path, &[], None).await {
             Ok(resp) => resp,
             Err(e @ CliError::Unreachable { .. }) if !connected_before => return Err(e),
             Err(CliError::Unreachable { .. }) => {
@@ -327,6 +342,7 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
                 .map(str::to_owned)
         };
         cursor.epoch = header(EPOCH_HEADER);
+        let newest_at_open = header(NEWEST_SEQ_HEADER).and_then(|v| v.parse().ok());
         if let Some(after) = header(AFTER_SEQ_HEADER).and_then(|v| v.parse().ok()) {
             cursor.after = Some(after);
         }
@@ -380,6 +396,21 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
                     continue;
                 }
                 _ => {}
+            }
+            if let Some(view) = activity.as_mut() {
+                // Tool-stream records have no id of their own (not in the log).
+                let frame: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
+                if let Some(seq) = frame["seq"].as_u64() {
+                    cursor.after = Some(seq);
+                }
+                let replay = super::watch::is_replayed(&frame, newest_at_open);
+                if view
+                    .feed(&event.event, &event.data, replay, &mut stdout)
+                    .is_err()
+                {
+                    return Ok(0); // stdout closed
+                }
+                continue;
             }
             let Ok(id) = event.id.parse::<EventId>() else {
                 continue;

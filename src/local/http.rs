@@ -259,6 +259,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
             ),
         );
     }
+    let peer_pid = req.extensions().get::<super::PeerPid>().and_then(|p| p.0);
     let accept = derive_accept_key(key.as_bytes());
     let on_upgrade = hyper::upgrade::on(&mut req);
     let tracker = ctx.tracker.clone();
@@ -275,7 +276,9 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
                 let io = super::preconnect::Limited::new(TokioIo::new(upgraded), budget.clone());
                 let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
                 match route {
-                    Route::Shared => super::ws::run(ws, budget, restarts, socket, ctx).await,
+                    Route::Shared => {
+                        super::ws::run(ws, budget, restarts, socket, peer_pid, ctx).await
+                    }
                     Route::Dedicated => super::dedicated::run(ws, budget, ctx).await,
                 }
             }

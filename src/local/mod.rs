@@ -20,4 +20,10 @@ pub mod ws;
 #[derive(Debug, Clone)]
 pub struct ConnectionKill(pub tokio_util::sync::CancellationToken);
 
+/// The process id of the peer of a local connection, from `SO_PEERCRED`
+/// (the kernel, not the peer), for `/v1/state`. Handlers find it in the
+/// request extensions.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerPid(pub Option<u32>);
+
 pub use accept::accept_loop;

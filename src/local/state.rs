@@ -39,6 +39,10 @@ pub fn document(ctx: &Ctx) -> Value {
                 "inflight": c.inflight.load(Ordering::Relaxed),
                 "scopes": c.grant(),
                 "socket": c.access().map(|a| a.socket.name.as_str()),
+                "connected_at_ms": c.connected_at_ms,
+                "declared": c.identity.get(),
+                "peer_pid": c.identity.get().and_then(|i| i.peer_pid),
+                "tool_observer": ctx.sharing.observes_tools(c.id),
             })
         })
         .collect();
@@ -49,6 +53,7 @@ pub fn document(ctx: &Ctx) -> Value {
         "broker": {
             "version": env!("CARGO_PKG_VERSION"),
             "pid": std::process::id(),
+            "uptime_ms": process_uptime_ms(),
             "socket": ctx.settings.socket_path.display().to_string(),
             "policy_sockets": ctx.settings.sockets.iter().map(|p| json!({
                 "name": p.name,
@@ -83,6 +88,21 @@ pub fn document(ctx: &Ctx) -> Value {
         "broker_requests": ctx.dispatcher.own_requests(),
         "limits": limits_json(&ctx.settings.limits),
     })
+}
+
+/// How long this process has run, from `/proc` (Linux): the system's
+/// uptime less the process's start time (`/proc/self/stat` field 22, in
+/// clock ticks: `USER_HZ`, 100 on every Linux ABI). `None` elsewhere.
+fn process_uptime_ms() -> Option<u64> {
+    const USER_HZ: u64 = 100;
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) start at field 3.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let start_ticks: u64 = rest.split_whitespace().nth(22 - 3)?.parse().ok()?;
+    let uptime = std::fs::read_to_string("/proc/uptime").ok()?;
+    let system_secs: f64 = uptime.split_whitespace().next()?.parse().ok()?;
+    let system_ms = (system_secs * 1000.0) as u64;
+    Some(system_ms.saturating_sub(start_ticks * 1000 / USER_HZ))
 }
 
 /// Local subscriptions as the broker holds them upstream.
@@ -121,6 +141,13 @@ fn limits_json(l: &Limits) -> Value {
 #[cfg(test)]
 mod tests {
     use crate::config::redact_url;
+
+    #[test]
+    fn the_process_uptime_is_known_on_linux() {
+        let up = super::process_uptime_ms().expect("/proc is readable");
+        // This test process started moments ago, not days.
+        assert!(up < 24 * 3600 * 1000, "{up}");
+    }
 
     #[test]
     fn urls_lose_credentials() {

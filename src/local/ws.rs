@@ -116,11 +116,13 @@ impl Restarts {
 }
 
 /// Runs one local client to completion. `budget` is lifted once it is admitted.
+/// `peer_pid` is the peer's process id from the kernel, for `/v1/state`.
 pub async fn run(
     ws: Ws,
     budget: PreconnectBudget,
     restarts: Restarts,
     socket: Arc<SocketPolicy>,
+    peer_pid: Option<u32>,
     ctx: Arc<Ctx>,
 ) {
     let (sink, mut stream) = ws.split();
@@ -155,7 +157,7 @@ pub async fn run(
             let challenge = EventHead::from_value("connect.challenge", &Value::Object(payload));
             client.push_frame(challenge.without_seq());
             tokio::select! {
-                admitted = handshake(&mut stream, &client, &socket, &ctx) => admitted,
+                admitted = handshake(&mut stream, &client, &socket, peer_pid, &ctx) => admitted,
                 _ = ctx.cancel.cancelled() => {
                     client.close(1001, "going away");
                     false
@@ -192,6 +194,7 @@ async fn handshake(
     stream: &mut SplitStream<Ws>,
     client: &Arc<Client>,
     socket: &Arc<SocketPolicy>,
+    peer_pid: Option<u32>,
     ctx: &Arc<Ctx>,
 ) -> bool {
     let limits = &ctx.settings.limits;
@@ -233,6 +236,9 @@ async fn handshake(
             return false;
         }
     };
+    let _ = client
+        .identity
+        .set(declared_identity(&req.params, peer_pid));
     let deadline = crate::router::deadline_after(limits.connect_wait);
     let hello = match ctx
         .upstream
@@ -294,6 +300,25 @@ async fn handshake(
         return false;
     }
     true
+}
+
+/// What a `connect` says about its client (`client.id`, `mode`, `version`,
+/// `displayName`), for `/v1/state`; strings only, anything else is left out.
+fn declared_identity(params: &Value, peer_pid: Option<u32>) -> crate::hub::ClientIdentity {
+    let field = |key: &str| {
+        params
+            .get("client")
+            .and_then(|c| c.get(key))
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    };
+    crate::hub::ClientIdentity {
+        client_id: field("id"),
+        mode: field("mode"),
+        version: field("version"),
+        display_name: field("displayName"),
+        peer_pid,
+    }
 }
 
 /// The `hello-ok` a local client gets: the gateway's own, with this client's
