@@ -101,6 +101,31 @@ async fn status_exit_codes_for_a_broker_without_upstream_and_for_no_broker() {
     );
 }
 
+/// A reader that goes away early (`clawmux call … | head -c 1`) ends
+/// `call` quietly (exit 0), not with a panic on the broken pipe.
+#[tokio::test]
+async fn call_into_a_closed_pipe_exits_quietly() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = tokio::time::timeout(
+        PATIENCE,
+        Command::new(BIN)
+            .args(["call", "--socket", s(&h.socket()), "health"])
+            .env_remove("CLAWMUX_SOCKET")
+            .stdout(writer)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the command finishes in time")
+    .expect("the binary runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 #[tokio::test]
 async fn call_prints_results_and_exits_by_outcome() {
     let h = start().await;

@@ -26,6 +26,20 @@ pub mod top;
 pub mod watch;
 
 use std::path::PathBuf;
+
+/// Writes `text` and a newline to stdout. A reader that went away
+/// (`clawmux call … | head -1`) ends the command quietly with exit 0, as
+/// other Unix tools do, instead of a panic (Rust ignores `SIGPIPE`, so
+/// `println!` would panic on `EPIPE`).
+pub fn print_line(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = writeln!(out, "{text}").and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+    }
+}
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
