@@ -29,6 +29,8 @@ pub struct Ctx {
     /// Local WebSocket clients still before their `connect` is answered; a
     /// client over [`MAX_HANDSHAKES`] is closed `1013` at once.
     pub handshakes: Arc<tokio::sync::Semaphore>,
+    /// The open `/ws/dedicated` connections and their cap.
+    pub dedicated: Arc<crate::local::dedicated::Dedicated>,
     /// Other uids (besides the broker's own) allowed to connect.
     pub allowed_uids: Vec<u32>,
     /// Cancelled at shutdown: every task reaches a safe point and ends.
@@ -131,7 +133,7 @@ impl RunningBroker {
         let listener =
             tokio::net::UnixListener::from_std(listener).map_err(|source| SocketError::Io {
                 path: settings.socket_path.clone(),
-                source,
+                cause: source,
             })?;
         Self::start_with_listener(settings, listener, guard)
     }
@@ -154,7 +156,7 @@ impl RunningBroker {
         }
         let io = |source| SocketError::Io {
             path: settings.socket_path.clone(),
-            source,
+            cause: source,
         };
         listener.set_nonblocking(true).map_err(io)?;
         let listener = tokio::net::UnixListener::from_std(listener).map_err(io)?;
@@ -189,7 +191,7 @@ impl RunningBroker {
         for policy in &mut settings.sockets {
             let io = |path: &Path| {
                 let path = path.to_owned();
-                move |source| SocketError::Io { path, source }
+                move |cause| SocketError::Io { path, cause }
             };
             let (l, g) = match activated.iter().position(|(n, _)| *n == policy.name) {
                 Some(i) => {
@@ -226,6 +228,9 @@ impl RunningBroker {
             upstream,
             upstream_task,
         } = Core::start(&settings, cancel.child_token());
+        let dedicated = Arc::new(crate::local::dedicated::Dedicated::new(
+            settings.limits.max_dedicated,
+        ));
         let ctx = Arc::new(Ctx {
             settings,
             hub,
@@ -234,6 +239,7 @@ impl RunningBroker {
             dispatcher,
             upstream,
             handshakes: Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES)),
+            dedicated,
             allowed_uids: Vec::new(),
             cancel,
             tracker: TaskTracker::new(),

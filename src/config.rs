@@ -118,6 +118,11 @@ pub struct Limits {
     /// one; otherwise it is closed without an answer, so a client that
     /// trickles bytes cannot hold a connection slot. Default 10 s.
     pub header_read_timeout: Duration,
+    /// Connections on `/ws/dedicated` open at once at most: each one is a
+    /// connection of its own to the gateway (and two file descriptors here).
+    /// One more is closed at once `1013` with a reason naming this limit,
+    /// before anything is sent to the gateway. Default 64.
+    pub max_dedicated: usize,
 }
 
 /// Connections allowed beyond `max_clients` when `max_connections` is not
@@ -156,6 +161,7 @@ impl Default for Limits {
             sse_keepalive: Duration::from_secs(15),
             max_connections: None,
             header_read_timeout: Duration::from_secs(10),
+            max_dedicated: 64,
         }
     }
 }

@@ -35,7 +35,9 @@
 //!   budget, header read timeout), HTTP routes, and WebSocket
 //!   sessions with connect enforcement and the synthesized `hello-ok`; the
 //!   HTTP API: `/v1/state` (snapshot + cursor), `/v1/events` (SSE replay
-//!   stream), `/v1/rpc`, `/metrics`.
+//!   stream), `/v1/rpc`, `/metrics`; and `/ws/dedicated`, a gateway
+//!   connection of its own per client (Claw3D proxy semantics) for clients
+//!   that need their own identity.
 //! - [`tap`]: a broker-side copy of requests, answers and targeted events
 //!   for `clawmux record --requests` (secrets redacted).
 //! - [`logging`]: the log never blocks fan-out (a lossy writer thread),
@@ -43,8 +45,10 @@
 //!   holds back repeated lines.
 //! - [`metrics`]: request accounting and the Prometheus text for `/metrics`.
 //! - [`broker`]: assembly and shutdown.
-//! - [`cli`]: the everyday commands (`status`, `tail`, `call`, `record`), which talk to a
+//! - [`cli`]: the everyday commands (`status`, `tail`, `call`, `record`, `top`), which talk to a
 //!   running broker over its socket like any other client.
+//! - [`activity`]: the client-side projection of raw events into runs,
+//!   thinking and tool calls, for `clawmux top` and `tail --tree/--hud`.
 //! - [`systemd`]: socket activation (`LISTEN_FDS`), `READY=1`/`STATUS=`/
 //!   `WATCHDOG=1`/`STOPPING=1`; no-ops outside systemd. [`lifecycle`] runs
 //!   `serve` from ready to exit (signals, hard deadline, exit codes);
@@ -58,6 +62,7 @@
 //! `clawmux-mock` (`crates/clawmux-mock`), used by the tests, `clawmux
 //! mock-gateway` and `clawmux serve --demo`.
 
+pub mod activity;
 pub mod bounds;
 pub mod broker;
 pub mod cli;

@@ -19,9 +19,9 @@ use clawmux_mock::{MockConfig, MockGateway};
 #[derive(Parser, Debug)]
 #[command(name = "clawmux", version, about, long_about)]
 struct Cli {
-    /// Log filter (e.g. info, debug, clawmux=trace). Secrets are never logged.
-    #[arg(long, global = true, env = "CLAWMUX_LOG", default_value = "info")]
-    log: String,
+    /// Log filter (e.g. info, debug, clawmux=trace) [default: info for serve and mock-gateway, off for doctor (its report says everything), warn for the rest]. Secrets are never logged.
+    #[arg(long, global = true, env = "CLAWMUX_LOG", value_name = "FILTER")]
+    log: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -36,8 +36,38 @@ enum Command {
     MockGateway(MockArgs),
     /// Install the systemd user units (clawmux.socket, clawmux.service) for this binary.
     InstallService(InstallArgs),
+    /// Print the socket path the broker uses, as `serve` resolves it (for `S=$(clawmux socket-path)`).
+    SocketPath(SocketPathArgs),
+    /// Print a shell completion script, e.g. `clawmux completions bash > ~/.local/share/bash-completion/completions/clawmux`.
+    Completions(CompletionsArgs),
+    /// Print the man page (roff) to stdout, or write one page per command into a directory.
+    Man(ManArgs),
     #[command(flatten)]
     Client(clawmux::cli::ClientCommand),
+}
+
+#[derive(Args, Debug)]
+struct SocketPathArgs {
+    /// The socket to print instead (what `serve --socket` would get).
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Config file (env CLAWMUX_CONFIG) [default: $XDG_CONFIG_HOME/clawmux/config.toml].
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct CompletionsArgs {
+    /// The shell to complete for.
+    #[arg(value_enum)]
+    shell: clap_complete::Shell,
+}
+
+#[derive(Args, Debug)]
+struct ManArgs {
+    /// Write `clawmux.1` and one `clawmux-COMMAND.1` per command here instead of printing `clawmux.1`.
+    #[arg(long, value_name = "DIR")]
+    dir: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -82,6 +112,11 @@ struct SettingsArgs {
     /// PEM file of CA certificates to trust for a wss:// gateway, beside the system's (env CLAWMUX_TLS_CA_FILE).
     #[arg(long, value_name = "PATH")]
     tls_ca_file: Option<PathBuf>,
+}
+
+/// Limits only `serve` uses (so `doctor --help` does not list them).
+#[derive(Args, Debug, Clone, Default)]
+struct LimitArgs {
     /// Seconds a local connect waits for the gateway session before failing, 0 to 86400 [default: 10].
     #[arg(long, value_name = "SECS", value_parser = |s: &str| secs_arg("--connect-wait", s, Zero::Allowed))]
     connect_wait: Option<Duration>,
@@ -111,12 +146,12 @@ impl SettingsArgs {
     }
 
     /// Resolves the settings; flags for limits are applied on top.
-    fn resolve(&self) -> Result<Resolved, clawmux::protocol::ErrorShape> {
+    fn resolve(&self, limits: &LimitArgs) -> Result<Resolved, clawmux::protocol::ErrorShape> {
         let mut resolved = settings::resolve(&self.overrides(), &Env::from_process())?;
-        if let Some(wait) = self.connect_wait {
+        if let Some(wait) = limits.connect_wait {
             resolved.settings.limits.connect_wait = wait;
         }
-        if let Some(timeout) = self.request_timeout {
+        if let Some(timeout) = limits.request_timeout {
             resolved.settings.limits.request_timeout = timeout;
         }
         resolved.settings.limits.check_queues().map_err(|message| {
@@ -131,8 +166,8 @@ impl SettingsArgs {
     /// Settings to serve with: resolved ones, or — when a settings file is
     /// broken — defaults that answer every connect with the load error, so
     /// the broker still runs and clients learn what to fix.
-    fn serve_settings(&self) -> Settings {
-        match self.resolve() {
+    fn serve_settings(&self, limits: &LimitArgs) -> Settings {
+        match self.resolve(limits) {
             Ok(r) => r.settings,
             Err(e) => {
                 tracing::error!(code = %e.code, "{}", e.message);
@@ -153,6 +188,8 @@ impl SettingsArgs {
 struct ServeArgs {
     #[command(flatten)]
     settings: SettingsArgs,
+    #[command(flatten)]
+    limits: LimitArgs,
     /// Start an in-process gateway double with scripted agent activity and connect to it (try clawmux without a gateway).
     #[arg(long)]
     demo: bool,
@@ -168,6 +205,9 @@ struct ServeArgs {
 struct DoctorArgs {
     #[command(flatten)]
     settings: SettingsArgs,
+    /// Print the report as one JSON document (for scripts); the exit code is the same.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -175,7 +215,7 @@ struct MockArgs {
     /// Loopback port to listen on (0 picks a free one).
     #[arg(long, default_value_t = 18789)]
     port: u16,
-    /// Token clients must present.
+    /// Token clients must present (printed at start: it is a test double's, not a secret).
     #[arg(
         long,
         env = "CLAWMUX_MOCK_TOKEN",
@@ -267,7 +307,27 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // Non-blocking, secret-safe, rate-limited (see clawmux::logging); the
     // guard flushes the last lines when main returns.
-    let _log = clawmux::logging::init(&cli.log);
+    let _log = clawmux::logging::init(cli.log.as_deref().unwrap_or(match cli.command {
+        Command::Serve(_) | Command::MockGateway(_) => "info",
+        // The report is the output; a log line in it would only confuse.
+        Command::Doctor(_) => "off",
+        _ => "warn",
+    }));
+    // Commands that need no runtime and no broker.
+    match &cli.command {
+        Command::SocketPath(args) => return socket_path(args),
+        Command::Completions(args) => {
+            clap_complete::generate(
+                args.shell,
+                &mut <Cli as clap::CommandFactory>::command(),
+                "clawmux",
+                &mut std::io::stdout(),
+            );
+            return ExitCode::SUCCESS;
+        }
+        Command::Man(args) => return man(args),
+        _ => {}
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -280,7 +340,14 @@ fn main() -> ExitCode {
             Command::Serve(args) => serve(args, activated).await.map(|()| ExitCode::SUCCESS),
             Command::MockGateway(args) => mock_gateway(args).await.map(|()| ExitCode::SUCCESS),
             Command::Client(command) => Ok(clawmux::cli::run(command).await),
-            Command::Doctor(args) => Ok(clawmux::cli::doctor::run(args.settings.resolve()).await),
+            Command::Doctor(args) => Ok(clawmux::cli::doctor::run(
+                args.settings.resolve(&LimitArgs::default()),
+                args.json,
+            )
+            .await),
+            Command::SocketPath(_) | Command::Completions(_) | Command::Man(_) => {
+                unreachable!("answered before the runtime starts")
+            }
             Command::InstallService(a) => clawmux::install::install_service(
                 clawmux::install::InstallOptions {
                     dry_run: a.dry_run,
@@ -325,7 +392,10 @@ async fn serve(
     activated: Result<Option<clawmux::systemd::ActivatedSocket>, clawmux::systemd::ActivationError>,
 ) -> anyhow::Result<()> {
     raise_open_file_limit();
-    let mut settings = args.settings.serve_settings();
+    if !args.demo {
+        check_startup_token_file(&args.settings)?;
+    }
+    let mut settings = args.settings.serve_settings(&args.limits);
     let shutdown_timeout = args.shutdown_timeout;
     if args.demo && args.settings.state_dir.is_none() {
         // The demo's throwaway gateway must not leave device tokens in your state dir.
@@ -357,10 +427,7 @@ async fn serve(
             },
         )
         .await?;
-        eprintln!(
-            "clawmux: demo mode: gateway double on {} {what}",
-            path.display()
-        );
+        tracing::debug!(path = %path.display(), "demo: gateway double started ({what})");
         settings.gateway_url = "ws://localhost/".into();
         settings.upstream.unix_socket = Some(path);
         settings.token = Some(Secret::new(token));
@@ -374,17 +441,26 @@ async fn serve(
         }
         None => RunningBroker::start(settings).await?,
     };
-    eprintln!(
-        "clawmux: serving on {}{} (try: curl --unix-socket {} http://localhost/healthz)",
-        broker.socket_path().display(),
-        if broker.is_socket_activated() {
-            " (from systemd)"
-        } else {
-            ""
-        },
-        broker.socket_path().display()
-    );
-    let reload_args = (!args.demo).then(|| args.settings.clone());
+    if !args.demo {
+        eprintln!(
+            "clawmux: serving on {}{} (try: curl --unix-socket {} http://localhost/healthz)",
+            broker.socket_path().display(),
+            if broker.is_socket_activated() {
+                " (from systemd)"
+            } else {
+                ""
+            },
+            broker.socket_path().display()
+        );
+    }
+    if args.demo {
+        demo_banner(broker.socket_path());
+        broker.ctx().tracker.spawn(demo_narrator(
+            broker.socket_path().to_owned(),
+            broker.ctx().cancel.clone(),
+        ));
+    }
+    let reload_args = (!args.demo).then(|| (args.settings.clone(), args.limits.clone()));
     let ctx = std::sync::Arc::clone(broker.ctx());
     tokio::select! {
         r = clawmux::lifecycle::serve_until_stopped(broker, shutdown_timeout) => r?,
@@ -410,17 +486,17 @@ fn raise_open_file_limit() {
 /// upstream session; a broken file keeps the old settings running.
 async fn reload_on_sighup(
     ctx: &clawmux::broker::Ctx,
-    args: Option<SettingsArgs>,
+    args: Option<(SettingsArgs, LimitArgs)>,
 ) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut hup = signal(SignalKind::hangup())?;
     loop {
         hup.recv().await;
-        let Some(args) = &args else {
+        let Some((args, limits)) = &args else {
             tracing::info!("SIGHUP ignored in demo mode");
             continue;
         };
-        match args.resolve() {
+        match args.resolve(limits) {
             Ok(resolved) => {
                 let target = clawmux::upstream::Target::from_settings(&resolved.settings);
                 let changed = ctx.upstream.retarget(target);
@@ -438,6 +514,7 @@ async fn mock_gateway(args: MockArgs) -> anyhow::Result<()> {
     let stop = stop_signals()?;
     let replay = args.replay.load()?;
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], args.port));
+    let token = args.token.clone();
     let mock = MockGateway::start_on(
         addr,
         MockConfig {
@@ -448,8 +525,22 @@ async fn mock_gateway(args: MockArgs) -> anyhow::Result<()> {
             ..MockConfig::default()
         },
     )
-    .await?;
-    eprintln!("clawmux: gateway double listening on {}", mock.url());
+    .await
+    .map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
+            "; something already listens there (a gateway?): pick another with --port N, or --port 0 for any free one"
+        } else {
+            ""
+        };
+        anyhow::anyhow!("cannot listen on {addr}: {e}{hint}")
+    })?;
+    // A test double's token is not a secret: showing it is how a newcomer
+    // learns what to give the broker.
+    eprintln!(
+        "clawmux: gateway double listening on {} (expects token {token:?}); try: clawmux serve --gateway-url {} --token {token}",
+        mock.url(),
+        mock.url()
+    );
     wait_for_stop_signal(stop).await;
     mock.stop().await;
     Ok(())
@@ -469,5 +560,133 @@ async fn wait_for_stop_signal((mut term, mut int): StopSignals) {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
+    }
+}
+
+/// `clawmux socket-path`: the socket `serve` would use with the same flags,
+/// environment and config file, so scripts and README examples never guess.
+fn socket_path(args: &SocketPathArgs) -> ExitCode {
+    let settings = SettingsArgs {
+        socket: args.socket.clone(),
+        gateway_url: None,
+        token: None,
+        token_file: None,
+        config: args.config.clone(),
+        no_device_identity: true,
+        state_dir: None,
+        tls_fingerprint: None,
+        tls_ca_file: None,
+    };
+    // A broken settings file still has a socket: the one serve falls back to.
+    println!(
+        "{}",
+        settings
+            .serve_settings(&LimitArgs::default())
+            .socket_path
+            .display()
+    );
+    ExitCode::SUCCESS
+}
+
+/// `clawmux man`: the page for `clawmux`, or (with `--dir`) one page per command.
+fn man(args: &ManArgs) -> ExitCode {
+    let command = <Cli as clap::CommandFactory>::command();
+    let result = match &args.dir {
+        Some(dir) => std::fs::create_dir_all(dir)
+            .and_then(|()| clap_mangen::generate_to(command, dir))
+            .map(|()| eprintln!("clawmux: man pages written to {}", dir.display())),
+        None => clap_mangen::Man::new(command).render(&mut std::io::stdout()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("clawmux man: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// A token file named on the command line or in `CLAWMUX_GATEWAY_TOKEN_FILE`
+/// must be usable at start: exit 1 rather than serve without the token it
+/// was told to use (README "Exit codes"). The precedence is
+/// `settings::resolve`'s for these sources. systemd's credential and a
+/// `token_file` in config.toml are settings like the others: the broker
+/// serves, and tells every client (and `doctor`) what to fix — under socket
+/// activation that reaches the user, where a failing unit would not.
+fn check_startup_token_file(args: &SettingsArgs) -> anyhow::Result<()> {
+    let var = |key: &str| {
+        std::env::var(key)
+            .ok()
+            .map(|v| v.trim().to_owned())
+            .filter(|v| !v.is_empty())
+    };
+    let expand = |p: String| match (p.strip_prefix("~/"), var("HOME")) {
+        (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
+        _ => PathBuf::from(p),
+    };
+    let file = if args.token.is_some() {
+        None
+    } else if let Some(p) = &args.token_file {
+        Some(p.clone())
+    } else if var("CLAWMUX_GATEWAY_TOKEN").is_some() {
+        None
+    } else {
+        var("CLAWMUX_GATEWAY_TOKEN_FILE").map(expand)
+    };
+    match file {
+        Some(path) => config::read_token_file(&path)
+            .map(drop)
+            .map_err(|why| anyhow::anyhow!("{why}; fix the file or point to another one")),
+        None => Ok(()),
+    }
+}
+
+/// How to run this binary from a shell: `clawmux` when that name on `PATH`
+/// is this binary, else its full path (e.g. after `cargo run`).
+fn this_binary() -> String {
+    let Ok(me) = std::env::current_exe().and_then(std::fs::canonicalize) else {
+        return "clawmux".into();
+    };
+    let on_path = std::env::var_os("PATH").is_some_and(|path| {
+        std::env::split_paths(&path)
+            .any(|dir| std::fs::canonicalize(dir.join("clawmux")).is_ok_and(|p| p == me))
+    });
+    if on_path {
+        "clawmux".into()
+    } else {
+        me.display().to_string()
+    }
+}
+
+/// What a newcomer who just ran `serve --demo` can do next.
+fn demo_banner(socket: &std::path::Path) {
+    let bin = this_binary();
+    let flag = if socket == config::default_socket_path() {
+        String::new()
+    } else {
+        format!(" --socket {}", socket.display())
+    };
+    eprintln!(
+        "clawmux: demo: serving on {sock} with a gateway double that runs a scripted agent every 3 s.\n\
+         Next, in another terminal:\n  \
+         {bin} status{flag}          # the broker, its gateway session, its clients\n  \
+         {bin} tail{flag}            # every event as it comes\n  \
+         {bin} call health{flag}     # one gateway request\n  \
+         curl -s --unix-socket {sock} http://localhost/healthz\n\
+         This terminal shows each run the broker fans out (it follows /v1/events itself, so status counts it as one sse client). Ctrl-C stops the demo.",
+        sock = socket.display()
+    );
+}
+
+/// The demo's activity in its own terminal: one line per answered run.
+async fn demo_narrator(socket: PathBuf, cancel: tokio_util::sync::CancellationToken) {
+    let mut stderr = std::io::stderr();
+    tokio::select! {
+        r = clawmux::cli::demo::narrate(socket, &mut stderr) => {
+            if let Err(e) = r {
+                tracing::warn!("the demo's event narrator stopped: {e}");
+            }
+        }
+        _ = cancel.cancelled() => {}
     }
 }

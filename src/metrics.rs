@@ -307,6 +307,20 @@ pub fn render(ctx: &Ctx) -> String {
         &[("result", "failed")],
         own.failed,
     );
+    out.family(
+        "clawmux_dedicated_connections",
+        "gauge",
+        "Connections open now on /ws/dedicated (each one its own gateway connection).",
+    );
+    out.sample("clawmux_dedicated_connections", &[], ctx.dedicated.count());
+    out.family(
+        "clawmux_dedicated_total",
+        "counter",
+        "Connections on /ws/dedicated by how their handshake ended: connected, rejected (by the gateway), failed (studio.* before its answer), refused (max_dedicated).",
+    );
+    for (outcome, n) in ctx.dedicated.outcomes.counts() {
+        out.sample("clawmux_dedicated_total", &[("outcome", outcome)], n);
+    }
     let status = ctx.upstream.status();
     out.family(
         "clawmux_upstream_phase",
@@ -359,7 +373,143 @@ pub fn render(ctx: &Ctx) -> String {
         "Bytes held for /v1/events resumption.",
     );
     out.sample("clawmux_replay_bytes", &[], bytes);
+    out.family(
+        "clawmux_build_info",
+        "gauge",
+        "Always 1; the labels say which clawmux this is.",
+    );
+    out.sample(
+        "clawmux_build_info",
+        &[
+            ("version", env!("CARGO_PKG_VERSION")),
+            (
+                "profile",
+                if cfg!(debug_assertions) {
+                    "debug"
+                } else {
+                    "release"
+                },
+            ),
+        ],
+        1,
+    );
+    write_process_metrics(&mut out);
     out.finish()
+}
+
+/// The standard `process_*` series (the names and meanings every Prometheus
+/// client library uses), read from `/proc/self` at scrape time. By hand: the
+/// `procfs` crate would bring a dozen modules for five numbers, and these
+/// fields are fixed by proc(5). A series whose source cannot be read is
+/// left out rather than reported as 0.
+fn write_process_metrics(out: &mut Exposition) {
+    let stat = ProcessStat::read();
+    if let Some(st) = &stat {
+        let ticks = rustix::param::clock_ticks_per_second() as f64;
+        out.family(
+            "process_cpu_seconds_total",
+            "counter",
+            "Total user and system CPU time spent in seconds.",
+        );
+        out.sample(
+            "process_cpu_seconds_total",
+            &[],
+            (st.utime_ticks + st.stime_ticks) as f64 / ticks,
+        );
+        out.family(
+            "process_resident_memory_bytes",
+            "gauge",
+            "Resident memory size in bytes.",
+        );
+        out.sample(
+            "process_resident_memory_bytes",
+            &[],
+            st.rss_pages * rustix::param::page_size() as u64,
+        );
+        out.family(
+            "process_virtual_memory_bytes",
+            "gauge",
+            "Virtual memory size in bytes.",
+        );
+        out.sample("process_virtual_memory_bytes", &[], st.vsize_bytes);
+        out.family(
+            "process_threads",
+            "gauge",
+            "Number of OS threads in the process.",
+        );
+        out.sample("process_threads", &[], st.threads);
+        if let Some(boot) = boot_time_secs() {
+            out.family(
+                "process_start_time_seconds",
+                "gauge",
+                "Start time of the process since unix epoch in seconds.",
+            );
+            out.sample(
+                "process_start_time_seconds",
+                &[],
+                boot as f64 + st.start_ticks as f64 / ticks,
+            );
+        }
+    }
+    if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+        out.family(
+            "process_open_fds",
+            "gauge",
+            "Number of open file descriptors.",
+        );
+        out.sample("process_open_fds", &[], fds.count());
+    }
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    if let Some(max) = limit.current {
+        out.family(
+            "process_max_fds",
+            "gauge",
+            "Maximum number of open file descriptors.",
+        );
+        out.sample("process_max_fds", &[], max);
+    }
+}
+
+/// The fields of `/proc/self/stat` the `process_*` series need (proc(5)).
+#[derive(Debug, PartialEq)]
+struct ProcessStat {
+    utime_ticks: u64,
+    stime_ticks: u64,
+    threads: u64,
+    start_ticks: u64,
+    vsize_bytes: u64,
+    rss_pages: u64,
+}
+
+impl ProcessStat {
+    fn read() -> Option<ProcessStat> {
+        Self::parse(&std::fs::read_to_string("/proc/self/stat").ok()?)
+    }
+
+    /// Fields are counted from 1; `comm` (field 2) may hold spaces and
+    /// parentheses, so counting starts after its last `)`: field 3 is
+    /// index 0 there.
+    fn parse(text: &str) -> Option<ProcessStat> {
+        let (_, rest) = text.rsplit_once(')')?;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let field = |n: usize| f.get(n - 3)?.parse::<u64>().ok();
+        Some(ProcessStat {
+            utime_ticks: field(14)?,
+            stime_ticks: field(15)?,
+            threads: field(20)?,
+            start_ticks: field(22)?,
+            vsize_bytes: field(23)?,
+            rss_pages: field(24)?,
+        })
+    }
+}
+
+/// When the machine booted (`btime` of `/proc/stat`), in Unix seconds.
+fn boot_time_secs() -> Option<u64> {
+    std::fs::read_to_string("/proc/stat")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("btime ")?.trim().parse().ok())
 }
 
 #[cfg(test)]
@@ -382,6 +532,27 @@ mod tests {
         let mut out = Exposition::default();
         out.sample("x", &[("method", "a\"b\\c\nd")], 1);
         assert_eq!(out.finish(), "x{method=\"a\\\"b\\\\c\\nd\"} 1\n");
+    }
+
+    #[test]
+    fn proc_stat_fields_are_found_after_the_command_name() {
+        let line = "4242 (a (weird) name) S 1 2 3 4 5 6 7 8 9 10 111 222 13 14 15 16 7 0 3333 4096000 250 rest";
+        assert_eq!(
+            ProcessStat::parse(line),
+            Some(ProcessStat {
+                utime_ticks: 111,
+                stime_ticks: 222,
+                threads: 7,
+                start_ticks: 3333,
+                vsize_bytes: 4096000,
+                rss_pages: 250,
+            })
+        );
+        assert_eq!(ProcessStat::parse("garbage"), None);
+        assert!(
+            ProcessStat::read().is_some(),
+            "this process's own stat parses"
+        );
     }
 
     #[test]

@@ -206,6 +206,7 @@ struct LimitsSection {
     sse_keepalive_ms: Option<u64>,
     max_connections: Option<usize>,
     header_read_timeout_ms: Option<u64>,
+    max_dedicated: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -273,7 +274,28 @@ fn parse_toml(path: &Path, text: &str) -> Result<ConfigFile, ErrorShape> {
                 format!(" at line {l} column {c}")
             })
             .unwrap_or_default();
-        load_failed(path, format!("{}{at}", scrub(e.message().trim())))
+        let message = e.message().trim();
+        let why = unknown_key(message).unwrap_or_else(|| scrub(message));
+        load_failed(path, format!("{why}{at}"))
+    })
+}
+
+/// serde's "unknown field `x`, expected one of `a`, `b`" as a message that
+/// names the key and the valid ones. Key names are not secrets, but a "key"
+/// that does not look like one (a pasted token?) is still hidden.
+fn unknown_key(message: &str) -> Option<String> {
+    let rest = message.strip_prefix("unknown field `")?;
+    let (key, rest) = rest.split_once('`')?;
+    let looks_like_a_key = key.len() <= 64
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    let key = if looks_like_a_key { key } else { "…" };
+    let valid: Vec<&str> = rest.split('`').skip(1).step_by(2).collect();
+    Some(if valid.is_empty() {
+        format!("unknown key `{key}` (this table takes no keys)")
+    } else {
+        format!("unknown key `{key}`; valid keys here: {}", valid.join(", "))
     })
 }
 
@@ -827,6 +849,7 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
         sse_keepalive_ms,
         max_connections,
         header_read_timeout_ms,
+        max_dedicated,
     } = *l;
     let any = |_: &str, v| Ok::<_, String>(v);
     set!(
@@ -880,6 +903,7 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
         header_read_timeout_ms,
         ms(Zero::Refused)
     );
+    set!(lim.max_dedicated, "limits", max_dedicated, positive);
     let UpstreamSection {
         handshake_timeout_ms,
         backoff_initial_ms,
@@ -931,6 +955,19 @@ pub fn fingerprint(secret: &Secret) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unknown_key_is_named_with_the_valid_ones() {
+        assert_eq!(
+            unknown_key("unknown field `sockt`, expected one of `socket`, `gateway`").unwrap(),
+            "unknown key `sockt`; valid keys here: socket, gateway"
+        );
+        assert_eq!(
+            unknown_key("unknown field `s3cret token!`, expected `url`").unwrap(),
+            "unknown key `…`; valid keys here: url"
+        );
+        assert!(unknown_key("invalid type: string \"x\", expected u64").is_none());
+    }
 
     #[test]
     fn scrub_hides_quoted_values() {

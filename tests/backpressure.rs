@@ -159,11 +159,12 @@ async fn a_client_that_never_reads_is_closed_and_nobody_else_notices() {
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap();
     eprintln!("broker peak RSS: {peak_kib} KiB");
-    // Bound: the idle broker (~10 MiB) + the stalled client's hard limit
-    // (16 MiB, events shared with the reader's window) + one batch in flight
-    // per client; far below the 50 MiB that flowed.
+    // Bound: the idle broker (~10 MiB, more of it the binary's own pages
+    // now that TLS and the dashboard are linked in) + the stalled client's
+    // hard limit (16 MiB, events shared with the reader's window) + one
+    // batch in flight per client; far below the 50 MiB that flowed.
     assert!(
-        peak_kib < 40 * 1024,
+        peak_kib < 48 * 1024,
         "broker peak RSS {peak_kib} KiB while 50 MiB flowed"
     );
     let metrics = metrics_text(&socket).await;

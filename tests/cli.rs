@@ -192,3 +192,301 @@ async fn demo_listens_on_no_tcp_port() {
     wait_exit(&mut broker.0).await;
     assert_eq!(demo_dirs(), 0, "removed at exit");
 }
+
+/// Output of a finished command: (exit code, stdout, stderr).
+fn run(cmd: &mut Command) -> (i32, String, String) {
+    let out = cmd.stdin(Stdio::null()).output().expect("the binary runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Lines of a child's stderr, read on a thread so waiting is bounded.
+fn stderr_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let err = child.stderr.take().expect("stderr piped");
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Reads lines until one contains `needle` (within `patience`); returns all read.
+fn lines_until(
+    rx: &std::sync::mpsc::Receiver<String>,
+    needle: &str,
+    patience: std::time::Duration,
+) -> Vec<String> {
+    let deadline = std::time::Instant::now() + patience;
+    let mut seen = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                let done = line.contains(needle);
+                seen.push(line);
+                if done {
+                    return seen;
+                }
+            }
+            Err(_) => panic!("no line with {needle:?} within {patience:?}: {seen:#?}"),
+        }
+    }
+}
+
+/// `doctor` leaves no device key behind, prints no log lines into its report,
+/// lists only its own flags, and has `--json`.
+#[test]
+fn doctor_changes_nothing_and_prints_only_its_report() {
+    let home = TestHome::new();
+    let args = [
+        "doctor",
+        "--token",
+        "t",
+        "--gateway-url",
+        "ws://127.0.0.1:9",
+    ];
+    let (code, out, err) = run(home.clawmux().args(args));
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.is_empty(), "no log lines: {err}");
+    assert!(!out.contains(" INFO ") && !out.contains(" WARN "), "{out}");
+    assert!(out.contains("device key   none yet in"), "{out}");
+    assert!(
+        !home.state_home().join("clawmux/device.json").exists(),
+        "doctor created no device key"
+    );
+    let (code, out, _) = run(home.clawmux().args(args).arg("--json"));
+    assert_eq!(code, 1);
+    let doc: serde_json::Value = serde_json::from_str(&out).expect(&out);
+    assert_eq!(doc["ok"], false);
+    assert_eq!(doc["gateway"]["code"], "studio.upstream_error", "{doc}");
+    assert_eq!(doc["settings"]["device_key"]["exists"], false, "{doc}");
+    assert_eq!(doc["settings"]["token"]["source"], "flag --token", "{doc}");
+    let (_, help, _) = run(home.clawmux().args(["doctor", "--help"]));
+    assert!(
+        help.contains("--json") && help.contains("--gateway-url"),
+        "{help}"
+    );
+    for serve_only in ["--connect-wait", "--request-timeout", "--demo"] {
+        assert!(
+            !help.contains(serve_only),
+            "doctor --help lists {serve_only}: {help}"
+        );
+    }
+    let (_, help, _) = run(home.clawmux().args(["serve", "--help"]));
+    assert!(
+        help.contains("--connect-wait") && help.contains("--request-timeout"),
+        "{help}"
+    );
+}
+
+#[test]
+fn completions_and_man_pages() {
+    let home = TestHome::new();
+    for (shell, marker) in [
+        ("bash", "_clawmux()"),
+        ("zsh", "#compdef clawmux"),
+        ("fish", "complete -c clawmux"),
+    ] {
+        let (code, out, err) = run(home.clawmux().args(["completions", shell]));
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.contains(marker) && out.contains("tail"),
+            "{shell}: {out}"
+        );
+    }
+    let (code, _, err) = run(home.clawmux().args(["completions", "tcsh"]));
+    assert_eq!(code, 2, "{err}");
+    let (code, out, _) = run(home.clawmux().arg("man"));
+    assert_eq!(code, 0);
+    assert!(
+        out.starts_with(".ie") || out.contains(".TH clawmux 1"),
+        "{out}"
+    );
+    assert!(
+        out.contains("socket\\-path") || out.contains("socket-path"),
+        "{out}"
+    );
+    let dir = home.path().join("man");
+    let (code, _, err) = run(home.clawmux().arg("man").arg("--dir").arg(&dir));
+    assert_eq!(code, 0, "{err}");
+    for page in ["clawmux.1", "clawmux-tail.1", "clawmux-serve.1"] {
+        assert!(dir.join(page).exists(), "{page}");
+    }
+}
+
+/// `clawmux socket-path` prints the socket `serve` uses: from
+/// `$XDG_RUNTIME_DIR`, else the temp dir, else `CLAWMUX_SOCKET` / config.toml.
+#[test]
+fn socket_path_is_the_one_serve_uses() {
+    let home = TestHome::new();
+    let uid = rustix::process::getuid().as_raw();
+    let (_, out, _) = run(home.clawmux().arg("socket-path"));
+    assert_eq!(
+        out.trim(),
+        home.path().join("run/clawmux.sock").to_str().unwrap()
+    );
+    let (_, out, _) = run(home
+        .clawmux()
+        .arg("socket-path")
+        .env_remove("XDG_RUNTIME_DIR")
+        .env("TMPDIR", home.path()));
+    assert_eq!(
+        out.trim(),
+        home.path()
+            .join(format!("clawmux-{uid}/clawmux.sock"))
+            .to_str()
+            .unwrap()
+    );
+    let (_, out, _) = run(home
+        .clawmux()
+        .arg("socket-path")
+        .env("CLAWMUX_SOCKET", "/x/y.sock"));
+    assert_eq!(out.trim(), "/x/y.sock");
+    std::fs::create_dir_all(home.path().join(".config/clawmux")).unwrap();
+    std::fs::write(
+        home.path().join(".config/clawmux/config.toml"),
+        "socket = \"/from/config.sock\"\n",
+    )
+    .unwrap();
+    let (_, out, _) = run(home.clawmux().arg("socket-path"));
+    assert_eq!(out.trim(), "/from/config.sock");
+    // The client commands look there too.
+    let (code, _, err) = run(home.clawmux().arg("status"));
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("/from/config.sock"), "{err}");
+}
+
+/// A token file that is missing or empty stops `serve` with exit 1 (README
+/// "Exit codes"), from the flag or the environment.
+#[test]
+fn serve_with_a_missing_or_empty_token_file_exits_1() {
+    let home = TestHome::new();
+    let missing = home.path().join("no-such-token");
+    let empty = home.path().join("empty-token");
+    std::fs::write(&empty, "  \n").unwrap();
+    for (flag, env) in [
+        (Some(&missing), None),
+        (Some(&empty), None),
+        (None, Some(&empty)),
+    ] {
+        let mut cmd = home.clawmux();
+        cmd.arg("serve");
+        if let Some(p) = flag {
+            cmd.arg("--token-file").arg(p);
+        }
+        if let Some(p) = env {
+            cmd.env("CLAWMUX_GATEWAY_TOKEN_FILE", p);
+        }
+        let (code, _, err) = run(&mut cmd);
+        assert_eq!(code, 1, "{flag:?} {env:?}: {err}");
+        let file = flag.or(env).unwrap();
+        assert!(err.contains(file.to_str().unwrap()), "{err}");
+        assert!(
+            !home.path().join("run/clawmux.sock").exists(),
+            "it never served"
+        );
+    }
+}
+
+/// `mock-gateway` says which token it expects, and a busy port is named.
+#[test]
+fn mock_gateway_shows_its_token_and_names_a_busy_port() {
+    let home = TestHome::new();
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    let (code, _, err) = run(home.clawmux().args(["mock-gateway", "--port", &port]));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains(&format!("127.0.0.1:{port}")) && err.contains("--port"),
+        "{err}"
+    );
+    assert_eq!(err.matches("in use").count(), 1, "said once: {err}");
+    let mut gw = ChildGuard(
+        home.clawmux()
+            .args(["mock-gateway", "--port", "0", "--token", "demo-tok"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let lines = lines_until(
+        &stderr_lines(&mut gw.0),
+        "listening on",
+        std::time::Duration::from_secs(20),
+    );
+    let said = lines.last().unwrap();
+    assert!(
+        said.contains("expects token \"demo-tok\"") && said.contains("--token demo-tok"),
+        "{said}"
+    );
+}
+
+/// A socket path in a directory nobody can write is reported once, by the
+/// socket's name (not the lock file's).
+#[test]
+fn an_unusable_socket_path_is_reported_once_by_its_name() {
+    let home = TestHome::new();
+    let (code, _, err) =
+        run(home
+            .clawmux()
+            .args(["serve", "--socket", "/proc/x.sock", "--token", "t"]));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("cannot set up the socket /proc/x.sock"),
+        "{err}"
+    );
+    assert!(!err.contains(".x.sock.lock"), "{err}");
+    assert_eq!(err.matches("os error").count(), 1, "the cause once: {err}");
+}
+
+/// `serve --demo` says what to run next and shows each run in its terminal.
+#[test]
+fn demo_says_what_to_run_next_and_shows_activity() {
+    let home = TestHome::new();
+    let socket = home.path().join("demo.sock");
+    let mut broker = ChildGuard(
+        home.clawmux()
+            .args(["serve", "--demo", "--socket"])
+            .arg(&socket)
+            .env("CLAWMUX_LOG", "warn")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let rx = stderr_lines(&mut broker.0);
+    let banner = lines_until(
+        &rx,
+        "Ctrl-C stops the demo",
+        std::time::Duration::from_secs(20),
+    )
+    .join("\n");
+    let sock = socket.to_str().unwrap();
+    for next in [
+        format!("status --socket {sock}"),
+        format!("tail --socket {sock}"),
+        format!("curl -s --unix-socket {sock} http://localhost/healthz"),
+    ] {
+        assert!(banner.contains(&next), "{next} in {banner}");
+    }
+    // A demo run every 3 s; its answer is shown here.
+    let activity = lines_until(
+        &rx,
+        "clawmux demo: run ",
+        std::time::Duration::from_secs(30),
+    );
+    assert!(
+        activity
+            .last()
+            .unwrap()
+            .contains("answered \"Hello from the mock gateway"),
+        "{activity:#?}"
+    );
+    sigterm(&broker.0);
+}

@@ -101,6 +101,31 @@ async fn status_exit_codes_for_a_broker_without_upstream_and_for_no_broker() {
     );
 }
 
+/// A reader that goes away early (`clawmux call … | head -c 1`) ends
+/// `call` quietly (exit 0), not with a panic on the broken pipe.
+#[tokio::test]
+async fn call_into_a_closed_pipe_exits_quietly() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = tokio::time::timeout(
+        PATIENCE,
+        Command::new(BIN)
+            .args(["call", "--socket", s(&h.socket()), "health"])
+            .env_remove("CLAWMUX_SOCKET")
+            .stdout(writer)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the command finishes in time")
+    .expect("the binary runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 #[tokio::test]
 async fn call_prints_results_and_exits_by_outcome() {
     let h = start().await;
@@ -162,10 +187,17 @@ struct Tail {
 
 impl Tail {
     fn spawn(args: &[&str]) -> Tail {
+        Tail::spawn_with_env(args, &[])
+    }
+
+    fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Tail {
         let mut child = Command::new(BIN)
             .arg("tail")
             .args(args)
             .env_remove("CLAWMUX_SOCKET")
+            .env_remove("NO_COLOR")
+            .env_remove("CLICOLOR_FORCE")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true)
@@ -341,5 +373,188 @@ async fn tail_without_a_broker_exits_3() {
     assert!(
         err.contains("cannot reach the broker") && err.contains(s(&sock)),
         "{err}"
+    );
+}
+
+#[tokio::test]
+async fn tail_rejects_unknown_event_names_with_the_known_ones() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let (code, _, err) =
+        clawmux(&["tail", "--socket", s(&h.socket()), "--events", "chat,chta"]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("unknown event name chta"), "{err}");
+    assert!(
+        err.contains("chat")
+            && err.contains("clawmux.upstream")
+            && err.contains("sessions.changed"),
+        "lists the valid names: {err}"
+    );
+}
+
+/// `-n N` prints the last N held events first, then follows; `--session`
+/// and `--run` keep one session's or one run's events.
+#[tokio::test]
+async fn tail_n_session_and_run_pick_what_is_printed() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    for n in 0..5 {
+        h.gw.broadcast("cron", json!({ "n": n }));
+    }
+    let chat = |run: &str, session: &str, text: &str| {
+        json!({"runId": run, "sessionKey": session, "state": "final",
+               "message": {"content": [{"type": "text", "text": text}]}})
+    };
+    h.gw.broadcast("chat", chat("aaaa1111-x", "agent:main:main", "in main"));
+    h.gw.broadcast("chat", chat("bbbb2222-y", "agent:main:side", "in side"));
+    let newest = wait_newest_seq(&h.socket(), 7).await["newest_seq"]
+        .as_u64()
+        .unwrap();
+
+    let mut tail = Tail::spawn(&["--socket", s(&h.socket()), "-n", "2", "--events", "cron"]);
+    let first = tail.line().await;
+    let second = tail.line().await;
+    assert!(
+        first.contains(r#"{"n":3}"#) && second.contains(r#"{"n":4}"#),
+        "{first}\n{second}"
+    );
+    h.gw.broadcast("cron", json!({"n": "live"}));
+    let live = tail.line().await;
+    assert!(live.contains(r#"{"n":"live"}"#), "then follows: {live}");
+    assert!(cursor_of(&live) > newest, "{live}");
+    let _ = tail.child.start_kill();
+
+    let mut tail = Tail::spawn(&["--socket", s(&h.socket()), "-n", "10", "--session", "main"]);
+    let line = tail.line().await;
+    assert!(line.contains("in main"), "{line}");
+    h.gw.broadcast(
+        "chat",
+        chat("cccc3333-z", "agent:main:main", "later in main"),
+    );
+    let line = tail.line().await;
+    assert!(
+        line.contains("later in main"),
+        "the side session is skipped: {line}"
+    );
+    let _ = tail.child.start_kill();
+
+    let mut tail = Tail::spawn(&["--socket", s(&h.socket()), "-n", "10", "--run", "bbbb2222"]);
+    let line = tail.line().await;
+    assert!(line.contains("in side"), "{line}");
+    let _ = tail.child.start_kill();
+}
+
+/// `--since` keeps the held events of the last DURATION (by the event's own time).
+#[tokio::test]
+async fn tail_since_prints_only_recent_held_events() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let now = clawmux::protocol::now_ms();
+    h.gw.broadcast("cron", json!({"ts": now - 3_600_000, "job": "an hour ago"}));
+    h.gw.broadcast("cron", json!({"ts": now, "job": "just now"}));
+    wait_newest_seq(&h.socket(), 2).await;
+    let mut tail = Tail::spawn(&[
+        "--socket",
+        s(&h.socket()),
+        "--since",
+        "10m",
+        "--events",
+        "cron",
+    ]);
+    let line = tail.line().await;
+    assert!(line.contains("just now"), "{line}");
+    let _ = tail.child.start_kill();
+    let (code, _, err) = clawmux(&["tail", "--since", "yesterday-ish"]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--since takes a duration"), "{err}");
+}
+
+/// A cursor from the future is called that, not "no longer held".
+#[tokio::test]
+async fn tail_after_a_future_cursor_says_so() {
+    let h = start().await;
+    let state = until_ready(&h.socket()).await;
+    let after = format!("{}:999999", state["epoch"].as_str().unwrap());
+    let mut tail = Tail::spawn(&["--socket", s(&h.socket()), "--after", &after]);
+    let said = tail.err_line_containing("cannot resume").await;
+    assert!(said.contains("newer than the newest event"), "{said}");
+    assert!(!said.contains("no longer held"), "{said}");
+    let _ = tail.child.start_kill();
+}
+
+/// Colour through anstream: off when piped, on with CLICOLOR_FORCE, and
+/// NO_COLOR wins over both.
+#[tokio::test]
+async fn tail_and_status_colour_follows_no_color_and_the_terminal() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    h.gw.broadcast("cron", json!({"n": 1}));
+    wait_newest_seq(&h.socket(), 1).await;
+    let sock = s(&h.socket()).to_owned();
+    for (env, colour) in [
+        (vec![], false),
+        (vec![("CLICOLOR_FORCE", "1")], true),
+        (vec![("CLICOLOR_FORCE", "1"), ("NO_COLOR", "1")], false),
+    ] {
+        let mut tail = Tail::spawn_with_env(&["--socket", &sock, "-n", "1"], &env);
+        let line = tail.line().await;
+        assert_eq!(line.contains("\x1b["), colour, "{env:?}: {line:?}");
+        let _ = tail.child.start_kill();
+        let out = Command::new(BIN)
+            .args(["status", "--socket", &sock])
+            .env_remove("NO_COLOR")
+            .env_remove("CLICOLOR_FORCE")
+            .envs(env.iter().copied())
+            .output()
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(text.contains("\x1b["), colour, "status {env:?}: {text:?}");
+        assert!(text.contains("ready"), "{text}");
+    }
+}
+
+/// `clawmux metrics` prints `/metrics`; `--textfile DIR` writes
+/// `DIR/clawmux.prom` for node_exporter, with `clawmux_up 0` (exit 3) when
+/// the broker is down.
+#[tokio::test]
+async fn metrics_textfile_for_node_exporter() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let (code, out, err) = clawmux(&["metrics", "--socket", s(&h.socket())]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("clawmux_upstream_phase{phase=\"ready\"} 1"),
+        "{out}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = clawmux(&[
+        "metrics",
+        "--socket",
+        s(&h.socket()),
+        "--textfile",
+        s(dir.path()),
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let file = dir.path().join("clawmux.prom");
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        text.contains("\nclawmux_up 1\n") && text.contains("process_cpu_seconds_total"),
+        "{text}"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "no temporary file left"
+    );
+    let gone = dir.path().join("gone.sock");
+    let (code, _, err) =
+        clawmux(&["metrics", "--socket", s(&gone), "--textfile", s(dir.path())]).await;
+    assert_eq!(code, 3, "{err}");
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        text.ends_with("\nclawmux_up 0\n") && !text.contains("process_"),
+        "{text}"
     );
 }

@@ -505,3 +505,139 @@ async fn rpc_requests_share_one_inflight_budget() {
     }
     assert_eq!(state(&socket).await["rpc_inflight"], 0);
 }
+
+/// The one error shape of every HTTP endpoint: `{"ok":false,"error":{code,
+/// message,…}}`, whatever the endpoint and status (README "Endpoints").
+#[tokio::test]
+async fn every_error_body_has_the_same_shape() {
+    let h = start().await;
+    let s = until_ready(&h.socket()).await;
+    let epoch = s["epoch"].as_str().unwrap().to_owned();
+    let socket = h.socket();
+    let future = format!("/v1/events?after_seq={epoch}:999999");
+    let cases: Vec<(&str, &str, &[u8], u16, &str)> = vec![
+        ("GET", "/nope", b"", 404, "not_found"),
+        ("POST", "/healthz", b"", 405, "method_not_allowed"),
+        ("GET", "/ws", b"", 426, "upgrade_required"),
+        ("GET", "/v1/events?after_seq=x", b"", 400, "INVALID_REQUEST"),
+        ("GET", &future, b"", 410, "studio.replay_unavailable"),
+        ("POST", "/v1/rpc", b"{not json", 400, "INVALID_REQUEST"),
+    ];
+    for (method, path, body, want, code) in cases {
+        let (status, _, text) = request_text(&socket, method, path, body).await;
+        assert_eq!(status, want, "{method} {path}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["ok"], false, "{method} {path}: {v}");
+        assert_eq!(v["error"]["code"], code, "{method} {path}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{method} {path}: {v}"
+        );
+        assert!(
+            v.get("code").is_none() && v.get("message").is_none(),
+            "nothing flat beside `error`: {v}"
+        );
+    }
+    // The 410's replay window is in error.details.
+    let (_, _, text) = request_text(&socket, "GET", &future, b"").await;
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["details"]["epoch"], epoch.as_str(), "{v}");
+    assert!(v["error"]["details"]["newest_seq"].is_u64(), "{v}");
+    assert_eq!(v["error"]["retryable"], false, "{v}");
+}
+
+/// `/healthz` is liveness (200 while the broker answers) and says `ok:false`
+/// while the gateway refuses the broker; `/readyz` is 503 with the reason
+/// until the session is ready; `lostScopes` is always an array.
+#[tokio::test]
+async fn healthz_is_liveness_and_readyz_waits_for_the_upstream() {
+    let faults = Faults {
+        reject_connect: Some(clawmux_mock::Rejection::token_mismatch()),
+        ..Faults::default()
+    };
+    let h = start_faulty(mock_config(), faults, |_| {}).await;
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let health = loop {
+        let (status, body) = http_get(&h.socket(), "/healthz").await;
+        assert_eq!(status, 200, "liveness: {body}");
+        if body["upstream"] == "rejected" {
+            break body;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{body}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert_eq!(health["ok"], false, "not ok while rejected: {health}");
+    assert_eq!(health["lostScopes"], json!([]), "{health}");
+    let (status, ready) = http_get(&h.socket(), "/readyz").await;
+    assert_eq!(status, 503, "{ready}");
+    assert_eq!(ready["ok"], false);
+    assert_eq!(ready["upstream"], "rejected");
+    assert_eq!(
+        ready["error"]["code"], "studio.upstream_rejected",
+        "{ready}"
+    );
+
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let (status, ready) = http_get(&h.socket(), "/readyz").await;
+    assert_eq!(
+        (status, &ready),
+        (200, &json!({"ok": true, "upstream": "ready"}))
+    );
+    let (status, health) = http_get(&h.socket(), "/healthz").await;
+    assert_eq!((status, &health["ok"]), (200, &json!(true)), "{health}");
+    assert_eq!(health["lostScopes"], json!([]), "{health}");
+
+    // Before any session: 503 with a retry hint, and still an empty array.
+    let (broker, _dir) = broker_only(|_| {}).await;
+    let (status, ready) = http_get(broker.socket_path(), "/readyz").await;
+    assert_eq!(status, 503, "{ready}");
+    assert!(
+        ready["error"]["code"]
+            .as_str()
+            .unwrap()
+            .starts_with("studio."),
+        "{ready}"
+    );
+    let (_, health) = http_get(broker.socket_path(), "/healthz").await;
+    assert_eq!(
+        (&health["ok"], &health["lostScopes"]),
+        (&json!(false), &json!([]))
+    );
+}
+
+/// `clawmux_build_info` and the standard `process_*` series are exported.
+#[tokio::test]
+async fn metrics_include_build_info_and_process_series() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let (_, _, text) = request_text(&h.socket(), "GET", "/metrics", b"").await;
+    let m = parse_prometheus(&text);
+    let version = env!("CARGO_PKG_VERSION");
+    let info = m
+        .iter()
+        .find(|(k, _)| {
+            k.starts_with("clawmux_build_info{") && k.contains(&format!("version=\"{version}\""))
+        })
+        .unwrap_or_else(|| panic!("build_info in\n{text}"));
+    assert_eq!(*info.1, 1.0);
+    let get = |k: &str| *m.get(k).unwrap_or_else(|| panic!("{k} in\n{text}"));
+    assert!(get("process_resident_memory_bytes") > 1e6, "{text}");
+    assert!(get("process_virtual_memory_bytes") > 1e6);
+    assert!(get("process_open_fds") >= 3.0);
+    assert!(get("process_max_fds") >= get("process_open_fds"));
+    assert!(get("process_threads") >= 1.0);
+    assert!(get("process_cpu_seconds_total") >= 0.0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let start = get("process_start_time_seconds");
+    assert!(
+        start <= now + 2.0 && start > now - 86_400.0,
+        "{start} vs {now}"
+    );
+    assert!(text.contains("# TYPE process_cpu_seconds_total counter\n"));
+}

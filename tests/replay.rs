@@ -193,15 +193,18 @@ async fn old_cursor_future_cursor_and_other_epoch_get_410() {
         ),
     ] {
         let (status, body) = gone(path.clone()).await;
-        let message = body["message"].as_str().unwrap();
+        let message = body["error"]["message"].as_str().unwrap();
         assert!(message.contains(why), "{path}: {message}");
         assert_eq!(status, 410, "{path}");
-        assert_eq!(body["code"], "studio.replay_unavailable", "{path}");
-        assert_eq!(body["oldest_seq"], oldest, "{path}");
-        assert_eq!(body["newest_seq"], newest, "{path}");
-        assert_eq!(body["epoch"], epoch.as_str(), "{path}");
+        assert_eq!(body["error"]["code"], "studio.replay_unavailable", "{path}");
+        assert_eq!(body["error"]["details"]["oldest_seq"], oldest, "{path}");
+        assert_eq!(body["error"]["details"]["newest_seq"], newest, "{path}");
+        assert_eq!(body["error"]["details"]["epoch"], epoch.as_str(), "{path}");
         assert!(
-            body["message"].as_str().unwrap().contains("/v1/state"),
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("/v1/state"),
             "{body}"
         );
     }
@@ -226,9 +229,9 @@ async fn old_cursor_future_cursor_and_other_epoch_get_410() {
     publish(&h, 3).await;
     let (status, body) = gone(format!("/v1/events?after_seq=1&epoch={epoch}")).await;
     assert_eq!(status, 410);
-    assert_ne!(body["epoch"], epoch.as_str());
+    assert_ne!(body["error"]["details"]["epoch"], epoch.as_str());
     assert!(
-        body["message"]
+        body["error"]["message"]
             .as_str()
             .unwrap()
             .contains("another broker life"),
@@ -438,10 +441,10 @@ async fn a_last_event_id_from_an_earlier_broker_life_never_resumes() {
         .err()
         .expect("the old life's id must not resume");
     assert_eq!(status, 410);
-    assert_eq!(body["code"], "studio.replay_unavailable");
-    assert_eq!(body["epoch"], epoch.as_str());
-    assert_eq!(body["newest_seq"], newest);
-    let message = body["message"].as_str().unwrap();
+    assert_eq!(body["error"]["code"], "studio.replay_unavailable");
+    assert_eq!(body["error"]["details"]["epoch"], epoch.as_str());
+    assert_eq!(body["error"]["details"]["newest_seq"], newest);
+    let message = body["error"]["message"].as_str().unwrap();
     assert!(message.contains("another broker life"), "{message}");
 
     // A bare cursor (no epoch anywhere) could be from any life: refused.
@@ -456,9 +459,9 @@ async fn a_last_event_id_from_an_earlier_broker_life_never_resumes() {
             .err()
             .unwrap_or_else(|| panic!("a bare cursor must not resume: {path} {header:?}"));
         assert_eq!(status, 410, "{path}");
-        assert_eq!(body["code"], "studio.replay_unavailable");
+        assert_eq!(body["error"]["code"], "studio.replay_unavailable");
         assert!(
-            body["message"]
+            body["error"]["message"]
                 .as_str()
                 .unwrap()
                 .contains("<epoch>:<cursor>"),

@@ -293,8 +293,10 @@ fn broken_files_name_the_file_and_position_never_the_contents() {
     std::fs::write(&cfg, "[gateway]\ntokn = \"sekrit-token\"\n").unwrap();
     let e = resolve(&Overrides::default(), &home.env(&[])).unwrap_err();
     assert!(
-        e.message.contains("tokn") || e.message.contains("unknown"),
-        "typos are reported: {}",
+        e.message.contains("unknown key `tokn`")
+            && e.message.contains("valid keys here: url, ")
+            && e.message.contains("token_file"),
+        "a typo names the key and the valid ones: {}",
         e.message
     );
     assert!(!e.message.contains("sekrit"), "{}", e.message);

@@ -1,7 +1,8 @@
 //! Scenario 1: one source → N clients, through the broker, straight from the
 //! gateway over TCP (the direct baseline), and over bare unix sockets (the
 //! ceiling). Every path runs with the same source, frames, readers' counting
-//! and window, so the figures differ only by the path.
+//! and window, so the figures differ only by the path. The broker path is
+//! also measured with its upstream over `wss://` (the same source behind TLS).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -16,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clients::{self, Receivers};
 use crate::procfs::{CpuSnapshot, MachineCpu, BROKER_THREAD, CLIENTS_THREAD, GATEWAY_THREAD};
-use crate::source::{Offer, Source};
+use crate::source::{GatewayTls, Offer, Source};
 use crate::Config;
 
 /// The token the in-bench gateways expect and the broker injects.
@@ -217,16 +218,36 @@ where
 
 /// Through the broker: the gateway's one connection is the broker's.
 pub async fn broker(cfg: &Config, broker_rt: Handle) -> Result<PathRun, String> {
+    broker_over(cfg, broker_rt, None).await
+}
+
+/// The same path with the broker's upstream over `wss://` (TLS on
+/// loopback), the certificate pinned as `--tls-fingerprint` pins it.
+pub async fn broker_wss(
+    cfg: &Config,
+    broker_rt: Handle,
+    tls: &GatewayTls,
+) -> Result<PathRun, String> {
+    broker_over(cfg, broker_rt, Some(tls)).await
+}
+
+async fn broker_over(
+    cfg: &Config,
+    broker_rt: Handle,
+    tls: Option<&GatewayTls>,
+) -> Result<PathRun, String> {
     let receivers = Receivers::new(cfg.clients, 0);
-    let (source, addr) = Source::gateway(1, receivers.clone(), cfg.window, cfg.frame_bytes)
-        .map_err(|e| e.to_string())?;
+    let (source, addr) = match tls {
+        None => Source::gateway(1, receivers.clone(), cfg.window, cfg.frame_bytes),
+        Some(tls) => Source::gateway_tls(1, tls, receivers.clone(), cfg.window, cfg.frame_bytes),
+    }
+    .map_err(|e| e.to_string())?;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let socket = dir.path().join("clawmux.sock");
-    let broker = start_broker(
-        &broker_rt,
-        broker_settings(&socket, &format!("ws://{addr}")),
-    )
-    .await?;
+    let scheme = if tls.is_some() { "wss" } else { "ws" };
+    let mut settings = broker_settings(&socket, &format!("{scheme}://{addr}"));
+    settings.tls.fingerprint = tls.map(|t| t.fingerprint.clone());
+    let broker = start_broker(&broker_rt, settings).await?;
     let readers = open_ws_clients(
         cfg.clients,
         0,
@@ -243,7 +264,11 @@ pub async fn broker(cfg: &Config, broker_rt: Handle) -> Result<PathRun, String> 
         broker: Some(broker),
         broker_rt,
         _dir: Some(dir),
-        name: "broker",
+        name: if tls.is_some() {
+            "broker, wss:// upstream"
+        } else {
+            "broker"
+        },
         upstream_connections: 1,
     })
 }

@@ -4,7 +4,8 @@
 //!
 //! - fan-out: one source → N WebSocket clients through the broker, vs the same
 //!   frames over bare unix sockets (ceiling) and N clients on the gateway
-//!   directly (baseline); max rate and half of it.
+//!   directly (baseline); max rate and half of it. The broker path also with
+//!   its upstream over `wss://` (TLS), as a ratio to `ws://`.
 //! - requests: closed-loop `health` through the broker vs straight to the double.
 //! - memory and isolation: `clawmux serve` as a child process (its RSS is its
 //!   own): idle, per idle client, and full fan-out with one client that never reads.
@@ -201,10 +202,21 @@ async fn run(
             fanout::ceiling(&cfg, broker_rt.clone())?,
             fanout::direct(&cfg, broker_rt.clone()).await?,
         ];
+        // The broker path again with its upstream over wss://, measured
+        // right after the ws:// one at the max rate and the latency point
+        // (not at ½ max: two windows keep the run short).
+        let tls = source::GatewayTls::self_signed().map_err(|e| format!("certificate: {e}"))?;
+        let mut wss = fanout::broker_wss(&cfg, broker_rt.clone(), &tls).await?;
+        let mut wss_phases = Vec::new();
         let mut phases: Vec<Vec<fanout::Phase>> = vec![Vec::new(); runs.len()];
-        for (run, phases) in runs.iter_mut().zip(&mut phases) {
-            phases.push(run.measure(None, &cfg).await?);
-        }
+        measure_round(
+            &mut runs,
+            &mut phases,
+            Some((&mut wss, &mut wss_phases)),
+            None,
+            &cfg,
+        )
+        .await?;
         // Offered rates (events/s per client) after the max: half of the
         // broker's max, and the latency point (design §10: half of the
         // budget of 1,000,000 deliveries/s).
@@ -227,11 +239,16 @@ async fn run(
                 report::count(design)
             ),
         ];
-        for rate in [half, design] {
-            for (run, phases) in runs.iter_mut().zip(&mut phases) {
-                phases.push(run.measure(Some(rate), &cfg).await?);
-            }
-        }
+        measure_round(&mut runs, &mut phases, None, Some(half), &cfg).await?;
+        measure_round(
+            &mut runs,
+            &mut phases,
+            Some((&mut wss, &mut wss_phases)),
+            Some(design),
+            &cfg,
+        )
+        .await?;
+        wss.stop().await;
         let mut paths = Vec::new();
         for (run, phases) in runs.into_iter().zip(phases) {
             paths.push(fanout::PathPhases {
@@ -243,6 +260,17 @@ async fn run(
         }
         paths.swap(0, 1); // shown as ceiling, broker, direct
         report.fanout(&labels, &paths, &double)?;
+        let ws = &paths
+            .iter()
+            .find(|p| p.name == "broker")
+            .ok_or("no broker path")?
+            .phases;
+        report.fanout_wss(
+            [&labels[0], &labels[2]],
+            [&ws[0], &ws[2]],
+            &wss_phases,
+            tls.negotiated(),
+        )?;
     }
     if scenarios.contains(&Scenario::Requests) {
         let through = double::requests(&cfg, broker_rt.clone(), true).await?;
@@ -258,6 +286,27 @@ async fn run(
     if cfg.smoke {
         // Each scenario that moved data counts as passed (timings are never judged).
         println!("\nsmoke: {} passed, 0 failed", scenarios.len());
+    }
+    Ok(())
+}
+
+/// Measures every path at `rate` (None = max), in turn; `wss` (when given)
+/// right after the first path, the broker's, so the two windows compared in
+/// the wss / ws ratio are seconds apart.
+async fn measure_round(
+    runs: &mut [fanout::PathRun],
+    phases: &mut [Vec<fanout::Phase>],
+    mut wss: Option<(&mut fanout::PathRun, &mut Vec<fanout::Phase>)>,
+    rate: Option<f64>,
+    cfg: &Config,
+) -> Result<(), String> {
+    for (i, (run, phases)) in runs.iter_mut().zip(phases.iter_mut()).enumerate() {
+        phases.push(run.measure(rate, cfg).await?);
+        if i == 0 {
+            if let Some((run, phases)) = wss.as_mut() {
+                phases.push(run.measure(rate, cfg).await?);
+            }
+        }
     }
     Ok(())
 }

@@ -112,6 +112,12 @@ impl Report {
             }
         );
         println!("- machine: {cores} cores ({cpu}), Linux {}", kernel.trim());
+        let binary = std::path::Path::new(env!("CARGO_BIN_EXE_clawmux"));
+        println!(
+            "- binary: {} ({:.1} MiB on disk)",
+            binary.display(),
+            std::fs::metadata(binary).map_or(0, |m| m.len()) as f64 / (1024.0 * 1024.0)
+        );
         println!("- load average at start: {}", procfs::load_average());
         println!(
             "- {} clients, {}-byte events, {:.1} s windows after {:.1} s warmup, window {} events",
@@ -232,6 +238,74 @@ impl Report {
                 micros(pct(b, 0.99))
             ),
             added99 <= 2_000_000,
+        );
+        Ok(())
+    }
+
+    /// The broker path with its upstream over `wss://` against `ws://`, at
+    /// the max rate and at the latency point: `ws[k]` and `wss[k]` at `labels[k]`.
+    pub fn fanout_wss(
+        &mut self,
+        labels: [&str; 2],
+        ws: [&Phase; 2],
+        wss: &[Phase],
+        negotiated: Option<&str>,
+    ) -> Result<(), String> {
+        println!("\n## Fan-out with the broker's upstream over wss:// (TLS) vs ws://\n");
+        println!(
+            "The broker path above again, its one upstream connection over TLS on loopback \
+             ({}, a self-signed certificate pinned as `--tls-fingerprint` pins it); each wss \
+             window follows the ws one at the same offered rate.\n",
+            negotiated.unwrap_or("no TLS session was recorded")
+        );
+        println!("| upstream | offered | deliveries/s | MB/s | latency p50 | p99 | source CPU | broker CPU | clients CPU | others |");
+        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        if wss.len() != 2 {
+            return Err(format!("wss: {} windows measured, 2 expected", wss.len()));
+        }
+        for k in 0..2 {
+            for (scheme, p) in [("ws://", ws[k]), ("wss://", &wss[k])] {
+                self.check_moved(&format!("broker, {scheme} upstream"), p)?;
+                println!(
+                    "| {scheme} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {:.2} |",
+                    labels[k],
+                    count(p.per_second()),
+                    p.mb_per_second(),
+                    micros(pct(&p.latency, 0.5)),
+                    micros(pct(&p.latency, 0.99)),
+                    share(p, p.gateway_cpu),
+                    share(p, p.broker_cpu),
+                    share(p, p.clients_cpu),
+                    p.others,
+                );
+            }
+        }
+        let clients = self.cfg.clients as f64;
+        let per_event = |p: &Phase, cpu: std::time::Duration| {
+            cpu.as_nanos() as f64 / (p.deliveries as f64 / clients) / 1e3
+        };
+        let (ws_max, wss_max) = (ws[0], &wss[0]);
+        println!();
+        println!(
+            "- max rate: wss / ws deliveries/s **{:.2}**",
+            wss_max.per_second() / ws_max.per_second()
+        );
+        for k in 0..2 {
+            let (a, b) = (&ws[k].latency, &wss[k].latency);
+            println!(
+                "- at {}: latency added by TLS (wss − ws): p50 {}, p99 **{}**",
+                labels[k],
+                signed_micros(pct(b, 0.5) as i64 - pct(a, 0.5) as i64),
+                signed_micros(pct(b, 0.99) as i64 - pct(a, 0.99) as i64),
+            );
+        }
+        println!(
+            "- CPU per event at max rate, ws → wss: source (gateway) {:.1} → {:.1} µs, broker {:.1} → {:.1} µs ({} clients)",
+            per_event(ws_max, ws_max.gateway_cpu),
+            per_event(wss_max, wss_max.gateway_cpu),
+            per_event(ws_max, ws_max.broker_cpu),
+            per_event(wss_max, wss_max.broker_cpu),
+            self.cfg.clients,
         );
         Ok(())
     }

@@ -14,14 +14,19 @@
 //! The writer is one thread doing blocking writes: what it costs is read
 //! from that thread's CPU time, and a reader that falls behind slows it
 //! through the socket, as a real gateway's kernel buffers would.
+//!
+//! The same gateway can serve `wss://` ([`GatewayTls`]): the frames are then
+//! written through rustls, with the double's TLS configuration
+//! (`clawmux_mock::tls_server_config`) and a certificate made here with rcgen.
 
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use clawmux::upstream::REQUESTED_SCOPES;
+use clawmux_mock::rustls;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::{self, Message};
 
@@ -182,12 +187,40 @@ impl Source {
         window: u64,
         frame_bytes: usize,
     ) -> io::Result<(Source, SocketAddr)> {
+        Source::gateway_with(connections, None, receivers, window, frame_bytes)
+    }
+
+    /// The same gateway serving `wss://` with `tls`: every frame is
+    /// encrypted on this thread, so "source CPU" includes it.
+    pub fn gateway_tls(
+        connections: usize,
+        tls: &GatewayTls,
+        receivers: Receivers,
+        window: u64,
+        frame_bytes: usize,
+    ) -> io::Result<(Source, SocketAddr)> {
+        Source::gateway_with(
+            connections,
+            Some(tls.clone()),
+            receivers,
+            window,
+            frame_bytes,
+        )
+    }
+
+    fn gateway_with(
+        connections: usize,
+        tls: Option<GatewayTls>,
+        receivers: Receivers,
+        window: u64,
+        frame_bytes: usize,
+    ) -> io::Result<(Source, SocketAddr)> {
         let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let open = move || {
             (0..connections)
-                .map(|_| accept_session(&listener).map(|s| Box::new(s) as Box<dyn Write + Send>))
+                .map(|_| accept_session(&listener, tls.as_ref()))
                 .collect()
         };
         Ok((Source::spawn(open, receivers, window, frame_bytes), addr))
@@ -267,13 +300,82 @@ fn emit(
     }
 }
 
-/// One accepted gateway connection after the handshake: the raw socket,
-/// written to directly from now on (server frames are not masked).
-fn accept_session(listener: &TcpListener) -> io::Result<TcpStream> {
+/// A `wss://` gateway's TLS side: the server configuration and the pin
+/// the broker is given for it (`settings.tls.fingerprint`, as
+/// `--tls-fingerprint` sets it).
+#[derive(Clone)]
+pub struct GatewayTls {
+    server: Arc<rustls::ServerConfig>,
+    /// The certificate's SHA-256, 64 lowercase hex digits.
+    pub fingerprint: String,
+    /// What the first handshake settled on ("TLSv1_3, TLS13_AES_256_GCM_SHA384").
+    negotiated: Arc<std::sync::OnceLock<String>>,
+}
+
+impl GatewayTls {
+    /// A fresh self-signed certificate for `localhost` and `127.0.0.1`
+    /// (rcgen: ECDSA P-256), served with the double's TLS configuration
+    /// (`clawmux_mock::tls_server_config`: rustls with ring, TLS 1.2 and 1.3).
+    /// What the broker negotiated is [`negotiated`](Self::negotiated).
+    pub fn self_signed() -> io::Result<GatewayTls> {
+        let made = rcgen::generate_simple_self_signed(vec![
+            "localhost".to_owned(),
+            "127.0.0.1".to_owned(),
+        ])
+        .map_err(io::Error::other)?;
+        let server =
+            clawmux_mock::tls_server_config(&made.cert.pem(), &made.signing_key.serialize_pem())?;
+        let fingerprint = clawmux::upstream::tls::fingerprint_of(made.cert.der());
+        let fingerprint = clawmux::upstream::tls::normalize_fingerprint(&fingerprint)
+            .ok_or_else(|| io::Error::other("rcgen made a certificate without a fingerprint"))?;
+        Ok(GatewayTls {
+            server,
+            fingerprint,
+            negotiated: Arc::default(),
+        })
+    }
+
+    /// The protocol version and cipher suite of the first session, once there was one.
+    pub fn negotiated(&self) -> Option<&str> {
+        self.negotiated.get().map(String::as_str)
+    }
+}
+
+/// One accepted gateway connection after the handshake: the socket (or,
+/// with `tls`, the rustls stream over it), written to directly from now on
+/// (server frames are not masked).
+fn accept_session(
+    listener: &TcpListener,
+    tls: Option<&GatewayTls>,
+) -> io::Result<Box<dyn Write + Send>> {
     let tcp = accept_within(listener, ACCEPT_PATIENCE)?;
     tcp.set_nonblocking(false)?;
     tcp.set_nodelay(true)?;
-    let mut ws = tungstenite::accept(tcp).map_err(|e| io::Error::other(e.to_string()))?;
+    // The handshakes (TLS, WebSocket, connect) are the only reads: a peer
+    // that stops answering fails the run instead of blocking it.
+    tcp.set_read_timeout(Some(ACCEPT_PATIENCE))?;
+    Ok(match tls {
+        None => Box::new(gateway_handshake(tcp)?),
+        Some(tls) => {
+            let conn =
+                rustls::ServerConnection::new(tls.server.clone()).map_err(io::Error::other)?;
+            let stream = gateway_handshake(rustls::StreamOwned::new(conn, tcp))?;
+            if let (Some(version), Some(suite)) = (
+                stream.conn.protocol_version(),
+                stream.conn.negotiated_cipher_suite(),
+            ) {
+                let _ = tls
+                    .negotiated
+                    .set(format!("{version:?}, {:?}", suite.suite()));
+            }
+            Box::new(stream)
+        }
+    })
+}
+
+/// The WebSocket upgrade, the challenge and `hello-ok` on `stream`.
+fn gateway_handshake<S: Read + Write>(stream: S) -> io::Result<S> {
+    let mut ws = tungstenite::accept(stream).map_err(|e| io::Error::other(e.to_string()))?;
     let ws_err = |e: tungstenite::Error| io::Error::other(e.to_string());
     let challenge = json!({"type":"event","event":"connect.challenge",
         "payload":{"nonce": uuid::Uuid::new_v4().to_string(), "ts": clawmux::protocol::now_ms()}});
@@ -294,7 +396,8 @@ fn accept_session(listener: &TcpListener) -> io::Result<TcpStream> {
     Ok(ws.into_inner())
 }
 
-/// How long the gateway waits for each expected connection.
+/// How long the gateway waits for each expected connection, and for each
+/// read of its handshake.
 const ACCEPT_PATIENCE: Duration = Duration::from_secs(10);
 
 /// `accept` with a deadline, so a run whose clients never come does not

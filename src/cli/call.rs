@@ -46,15 +46,12 @@ pub async fn run(args: CallArgs) -> Result<u8, CliError> {
         .json(Method::POST, "/v1/rpc", Some(&body))
         .await?;
     if args.json {
-        println!("{res}");
+        super::print_line(&res.to_string());
     }
     if res["ok"] == true {
         if !args.json {
             let payload = res.get("payload").cloned().unwrap_or(Value::Null);
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&payload).unwrap_or_default()
-            );
+            super::print_line(&serde_json::to_string_pretty(&payload).unwrap_or_default());
         }
         return Ok(0);
     }

@@ -1,128 +1,282 @@
 //! `clawmux doctor`: where each setting comes from, and one real handshake.
+//!
+//! It changes nothing on disk: without a device key yet (the broker makes
+//! one at its first start) the handshake is tried with the token alone, and
+//! the report says so. `--json` prints the same report as one document.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::settings::{fingerprint, Resolved};
+use crate::upstream::identity::KEY_FILE;
 
 /// Prints the resolved settings (secrets only as fingerprints) and tries the
 /// upstream handshake once. Exit 0 when the gateway accepted the broker.
-pub async fn run(resolved: Result<Resolved, crate::protocol::ErrorShape>) -> ExitCode {
+pub async fn run(resolved: Result<Resolved, crate::protocol::ErrorShape>, json: bool) -> ExitCode {
+    let report = check(resolved).await;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).unwrap_or_default()
+        );
+    } else {
+        let paint = super::style::Paint::stdout();
+        print!("{}", render(&report, &paint));
+    }
+    if report["ok"] == true {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+/// The report as a document: `ok`, `settings` (or `settings_error`) and
+/// `gateway` (the handshake's outcome).
+pub async fn check(resolved: Result<Resolved, crate::protocol::ErrorShape>) -> Value {
     let resolved = match resolved {
         Ok(r) => r,
         Err(e) => {
-            println!("settings: FAILED");
-            println!("  {}: {}", e.code, e.message);
-            return ExitCode::from(1);
+            return json!({
+                "ok": false,
+                "settings_error": {"code": e.code, "message": e.message},
+            })
         }
     };
-    let s = &resolved.settings;
-    println!("settings:");
-    println!(
-        "  socket       {}  (from {})",
-        s.socket_path.display(),
-        resolved.socket_source
-    );
-    println!(
-        "  gateway url  {}  (from {})",
-        crate::config::redact_url(&s.gateway_url),
-        resolved.url_source
-    );
-    match (&s.token, &resolved.token_source) {
-        (Some(t), Some(src)) => println!("  token        {}  (from {src})", fingerprint(t)),
-        _ => println!("  token        none"),
+    let mut s = resolved.settings.clone();
+    let device_key = s.upstream.device_identity.as_ref().map(|dir| {
+        let exists = dir.join(KEY_FILE).exists();
+        json!({"dir": dir.display().to_string(), "exists": exists})
+    });
+    if device_key.as_ref().is_some_and(|k| k["exists"] == false) {
+        // Making the key is `serve`'s job; a check must not leave one behind.
+        s.upstream.device_identity = None;
     }
-    print_tls_settings(&resolved);
-    match &resolved.config_file {
-        Some(p) => println!("  config file  {}", p.display()),
-        None => println!("  config file  none"),
-    }
-    println!("  openclaw dir {}", resolved.openclaw_state_dir.display());
-    match &s.upstream.device_identity {
-        Some(dir) => println!("  device key   {}", dir.display()),
-        None => println!("  device key   off"),
-    }
-    for w in &resolved.warnings {
-        println!("  warning: {w}");
-    }
-    println!("gateway:");
+    let settings = json!({
+        "socket": {"value": s.socket_path.display().to_string(), "source": resolved.socket_source.to_string()},
+        "gateway_url": {"value": crate::config::redact_url(&s.gateway_url), "source": resolved.url_source.to_string()},
+        "token": match (&s.token, &resolved.token_source) {
+            (Some(t), Some(src)) => json!({"fingerprint": fingerprint(t), "source": src.to_string()}),
+            _ => Value::Null,
+        },
+        "config_file": resolved.config_file.as_ref().map(|p| p.display().to_string()),
+        "openclaw_dir": resolved.openclaw_state_dir.display().to_string(),
+        "device_key": device_key,
+        "tls": tls_settings(&resolved),
+        "warnings": resolved.warnings,
+    });
     let cancel = CancellationToken::new();
-    let core = crate::broker::Core::start(s, cancel.clone());
+    let core = crate::broker::Core::start(&s, cancel.clone());
     let (upstream, task) = (core.upstream, core.upstream_task);
     let deadline = Instant::now() + s.upstream.handshake_timeout + Duration::from_secs(1);
     let result = upstream.wait_first_attempt(deadline).await;
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
-    if let Some(cert) = upstream.peer_certificate() {
-        print_certificate("certificate", &cert);
+    let certificate = upstream.peer_certificate().map(|c| certificate_json(&c));
+    let mut gateway = match result {
+        Ok(hello) => json!({
+            "ok": true,
+            "server_version": hello.server_version,
+            "protocol": hello.protocol,
+            "scopes": hello.scopes,
+            "lost_scopes": hello.lost_scopes,
+        }),
+        Err(e) => json!({
+            "ok": false,
+            "code": e.code,
+            "message": e.message,
+            "gateway_code": e.details.as_ref().and_then(|d| d.pointer("/details/code")),
+        }),
+    };
+    if let Some(cert) = certificate {
+        gateway["certificate"] = cert;
     }
-    match result {
-        Ok(hello) => {
-            println!(
-                "  ok: server {} protocol {}",
-                hello.server_version, hello.protocol
-            );
-            println!("  scopes: {}", hello.scopes.join(", "));
-            if !hello.lost_scopes.is_empty() {
-                println!(
-                    "  warning: scopes not granted: {}",
-                    hello.lost_scopes.join(", ")
-                );
-            }
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            println!("  FAILED {}: {}", e.code, e.message);
-            if let Some(code) = e.details.as_ref().and_then(|d| d.pointer("/details/code")) {
-                println!("  gateway detail: {code}");
-            }
-            ExitCode::from(1)
-        }
-    }
+    json!({"ok": gateway["ok"], "settings": settings, "gateway": gateway})
 }
 
-/// The password, the TLS pin and CA file, and the plaintext break-glass,
-/// each with where it came from (secrets only as fingerprints).
-fn print_tls_settings(resolved: &Resolved) {
+/// The TLS and password settings, where each came from (secrets only as
+/// fingerprints), and the certificate a derived pin was taken from.
+fn tls_settings(resolved: &Resolved) -> Value {
     let s = &resolved.settings;
-    if let (Some(p), Some(src)) = (&s.password, &resolved.password_source) {
-        println!("  password     {}  (from {src})", fingerprint(p));
-    }
-    match (&s.tls.fingerprint, &resolved.tls_fingerprint_source) {
-        (Some(pin), Some(src)) => println!("  tls pin      sha256:{pin}  (from {src})"),
-        _ if s.gateway_url.trim().starts_with("wss://") => {
-            println!("  tls pin      none (the system trust store and the host name decide)")
+    let password = match (&s.password, &resolved.password_source) {
+        (Some(p), Some(src)) => json!({"fingerprint": fingerprint(p), "source": src.to_string()}),
+        _ => Value::Null,
+    };
+    let pin = match (&s.tls.fingerprint, &resolved.tls_fingerprint_source) {
+        (Some(pin), Some(src)) => {
+            json!({"value": format!("sha256:{pin}"), "source": src.to_string()})
         }
-        _ => {}
+        _ => Value::Null,
+    };
+    let ca_file = match (&s.tls.ca_file, &resolved.tls_ca_file_source) {
+        (Some(ca), Some(src)) => {
+            json!({"value": ca.display().to_string(), "source": src.to_string()})
+        }
+        _ => Value::Null,
+    };
+    let pinned_cert = match &resolved.tls_fingerprint_source {
+        Some(crate::settings::Source::Certificate(path)) => {
+            crate::upstream::tls::certificate_file_fingerprint(path)
+                .ok()
+                .map(|(der, _)| {
+                    certificate_json(&crate::upstream::tls::CertificateInfo::from_der(
+                        der.as_ref(),
+                    ))
+                })
+        }
+        _ => None,
+    };
+    json!({
+        "wss": s.gateway_url.trim().starts_with("wss://"),
+        "password": password,
+        "pin": pin,
+        "ca_file": ca_file,
+        "pinned_certificate": pinned_cert,
+        "break_glass": s.allow_insecure_private_ws,
+    })
+}
+
+fn certificate_json(c: &crate::upstream::tls::CertificateInfo) -> Value {
+    json!({
+        "subject": c.subject,
+        "issuer": c.issuer,
+        "not_before": c.not_before,
+        "not_after": c.not_after,
+        "sha256": c.fingerprint,
+    })
+}
+
+/// A certificate's lines: subject, issuer, validity and SHA-256 (pin with it).
+fn certificate_lines(label: &str, c: &Value) -> Vec<String> {
+    vec![
+        format!("  {label:<12} subject {}", text(&c["subject"])),
+        format!("  {:<12} issuer  {}", "", text(&c["issuer"])),
+        format!(
+            "  {:<12} valid   {} to {}",
+            "",
+            text(&c["not_before"]),
+            text(&c["not_after"])
+        ),
+        format!("  {:<12} sha256  {}", "", text(&c["sha256"])),
+    ]
+}
+
+/// The human report, one labelled line per setting.
+pub fn render(report: &Value, paint: &super::style::Paint) -> String {
+    let mut out = String::new();
+    let mut line = |text: String| {
+        out.push_str(&text);
+        out.push('\n');
+    };
+    if let Some(e) = report.get("settings_error") {
+        line(format!("settings: {}", paint.bad("FAILED")));
+        line(format!(
+            "  {}: {}",
+            e["code"].as_str().unwrap_or("?"),
+            text(&e["message"])
+        ));
+        return out;
     }
-    if let (Some(ca), Some(src)) = (&s.tls.ca_file, &resolved.tls_ca_file_source) {
-        println!("  tls ca file  {}  (from {src})", ca.display());
+    let s = &report["settings"];
+    let sourced = |v: &Value| format!("{}  (from {})", text(&v["value"]), text(&v["source"]));
+    line("settings:".into());
+    line(format!("  socket       {}", sourced(&s["socket"])));
+    line(format!("  gateway url  {}", sourced(&s["gateway_url"])));
+    match s["token"].as_object() {
+        Some(t) => line(format!(
+            "  token        {}  (from {})",
+            text(&t["fingerprint"]),
+            text(&t["source"])
+        )),
+        None => line("  token        none".into()),
     }
-    if let Some(crate::settings::Source::Certificate(path)) = &resolved.tls_fingerprint_source {
-        if let Ok((der, _)) = crate::upstream::tls::certificate_file_fingerprint(path) {
-            print_certificate(
-                "pinned cert",
-                &crate::upstream::tls::CertificateInfo::from_der(der.as_ref()),
-            );
+    let tls = &s["tls"];
+    if let Some(p) = tls["password"].as_object() {
+        line(format!(
+            "  password     {}  (from {})",
+            text(&p["fingerprint"]),
+            text(&p["source"])
+        ));
+    }
+    if tls["pin"].is_object() {
+        line(format!("  tls pin      {}", sourced(&tls["pin"])));
+    } else if tls["wss"] == true {
+        line("  tls pin      none (the system trust store and the host name decide)".into());
+    }
+    if tls["ca_file"].is_object() {
+        line(format!("  tls ca file  {}", sourced(&tls["ca_file"])));
+    }
+    if tls["pinned_certificate"].is_object() {
+        for l in certificate_lines("pinned cert", &tls["pinned_certificate"]) {
+            line(l);
         }
     }
-    if s.allow_insecure_private_ws {
-        println!(
+    if tls["break_glass"] == true {
+        line(format!(
             "  plaintext    {}=1: ws:// allowed to host names (break-glass)",
             crate::upstream::tls::BREAK_GLASS_ENV
-        );
+        ));
     }
+    line(format!(
+        "  config file  {}",
+        s["config_file"].as_str().unwrap_or("none")
+    ));
+    line(format!("  openclaw dir {}", text(&s["openclaw_dir"])));
+    match s["device_key"].as_object() {
+        Some(k) if k["exists"] == true => line(format!("  device key   {}", text(&k["dir"]))),
+        Some(k) => line(format!(
+            "  device key   none yet in {} (`serve` creates it at its first start; this check used the token alone)",
+            text(&k["dir"])
+        )),
+        None => line("  device key   off".into()),
+    }
+    for w in s["warnings"].as_array().into_iter().flatten() {
+        line(format!("  {}: {}", paint.warn("warning"), text(w)));
+    }
+    line("gateway:".into());
+    let g = &report["gateway"];
+    if g["certificate"].is_object() {
+        for l in certificate_lines("certificate", &g["certificate"]) {
+            line(l);
+        }
+    }
+    if g["ok"] == true {
+        line(format!(
+            "  {}: server {} protocol {}",
+            paint.good("ok"),
+            text(&g["server_version"]),
+            g["protocol"]
+        ));
+        line(format!("  scopes: {}", list(&g["scopes"])));
+        if g["lost_scopes"].as_array().is_some_and(|l| !l.is_empty()) {
+            line(format!(
+                "  {}: scopes not granted: {}",
+                paint.warn("warning"),
+                list(&g["lost_scopes"])
+            ));
+        }
+    } else {
+        line(format!(
+            "  {} {}: {}",
+            paint.bad("FAILED"),
+            text(&g["code"]),
+            text(&g["message"])
+        ));
+        if !g["gateway_code"].is_null() {
+            line(format!("  gateway detail: {}", g["gateway_code"]));
+        }
+    }
+    out
 }
 
-/// A certificate: subject, issuer, validity and SHA-256 (pin with it).
-fn print_certificate(label: &str, cert: &crate::upstream::tls::CertificateInfo) {
-    println!("  {label:<12} subject {}", cert.subject);
-    println!("  {:<12} issuer  {}", "", cert.issuer);
-    println!(
-        "  {:<12} valid   {} to {}",
-        "", cert.not_before, cert.not_after
-    );
-    println!("  {:<12} sha256  {}", "", cert.fingerprint);
+fn text(v: &Value) -> &str {
+    v.as_str().unwrap_or("?")
+}
+
+fn list(v: &Value) -> String {
+    v.as_array()
+        .map(|a| a.iter().map(text).collect::<Vec<_>>().join(", "))
+        .unwrap_or_default()
 }

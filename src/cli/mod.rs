@@ -1,9 +1,10 @@
 //! The everyday commands: `clawmux status`, `clawmux tail`, `clawmux call`,
-//! `clawmux record`.
+//! `clawmux record`, `clawmux metrics` (and `doctor`, `serve --demo`'s
+//! narrator, the colour rules in `style`).
 //!
 //! Each talks to a running broker over its unix socket with plain HTTP
-//! (`/v1/state`, `/v1/events`, `/v1/rpc`), exactly as `curl --unix-socket`
-//! would. Exit codes are shared by all of them:
+//! (`/v1/state`, `/v1/events`, `/v1/rpc`, `/metrics`), exactly as `curl
+//! --unix-socket` would. Exit codes are shared by all of them:
 //!
 //! | code | meaning |
 //! |---|---|
@@ -14,12 +15,31 @@
 
 pub mod call;
 pub mod client;
+pub mod demo;
 pub mod doctor;
+pub mod metrics;
 pub mod record;
 pub mod status;
+pub mod style;
 pub mod tail;
+pub mod top;
+pub mod watch;
 
 use std::path::PathBuf;
+
+/// Writes `text` and a newline to stdout. A reader that went away
+/// (`clawmux call … | head -1`) ends the command quietly with exit 0, as
+/// other Unix tools do, instead of a panic (Rust ignores `SIGPIPE`, so
+/// `println!` would panic on `EPIPE`).
+pub fn print_line(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = writeln!(out, "{text}").and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+    }
+}
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
@@ -44,6 +64,10 @@ pub enum ClientCommand {
     Call(call::CallArgs),
     /// Record the gateway session the broker shares (events, and with --requests every request and answer) as JSON Lines, for `mock-gateway --replay`.
     Record(record::RecordArgs),
+    /// Print the broker's Prometheus metrics, or write them for node_exporter (`--textfile DIR`).
+    Metrics(metrics::MetricsArgs),
+    /// Watch the broker and its agents live: clients, event rate, and each run's thinking and tool calls.
+    Top(top::TopArgs),
 }
 
 /// Where to find the broker.
@@ -55,12 +79,17 @@ pub struct BrokerArgs {
 }
 
 impl BrokerArgs {
+    /// The broker at `--socket` / `CLAWMUX_SOCKET`, else where `serve` would
+    /// listen (config.toml's `socket`, else the default path).
     pub fn client(&self) -> BrokerClient {
-        BrokerClient::new(
-            self.socket
-                .clone()
-                .unwrap_or_else(crate::config::default_socket_path),
-        )
+        BrokerClient::new(self.socket.clone().unwrap_or_else(|| {
+            crate::settings::resolve(
+                &crate::settings::Overrides::default(),
+                &crate::settings::Env::from_process(),
+            )
+            .map(|r| r.settings.socket_path)
+            .unwrap_or_else(|_| crate::config::default_socket_path())
+        }))
     }
 }
 
@@ -103,6 +132,8 @@ pub async fn run(command: ClientCommand) -> ExitCode {
         ClientCommand::Tail(args) => ("tail", tail::run(args).await),
         ClientCommand::Call(args) => ("call", call::run(args).await),
         ClientCommand::Record(args) => ("record", record::run(args).await),
+        ClientCommand::Metrics(args) => ("metrics", metrics::run(args).await),
+        ClientCommand::Top(args) => ("top", top::run(args).await),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -34,7 +34,7 @@ pub async fn run(args: StatusArgs) -> Result<u8, CliError> {
             serde_json::to_string_pretty(&state).unwrap_or_default()
         );
     } else {
-        print!("{}", render(&state));
+        print!("{}", render_styled(&state, &super::style::Paint::stdout()));
     }
     Ok(if state["upstream"]["phase"] == "ready" {
         0
@@ -55,9 +55,17 @@ fn list(v: &Value) -> String {
 
 /// The summary, one labelled line per topic.
 pub fn render(state: &Value) -> String {
+    render_styled(state, &super::style::Paint::plain())
+}
+
+/// [`render`] with colour: labels bold, the phase green/yellow/red, errors red.
+pub fn render_styled(state: &Value, paint: &super::style::Paint) -> String {
     let mut out = String::new();
     let mut line = |label: &str, value: String| {
-        out.push_str(&format!("{label:<10} {value}\n"));
+        out.push_str(&format!(
+            "{} {value}\n",
+            paint.strong(&format!("{label:<10}"))
+        ));
     };
     let b = &state["broker"];
     line(
@@ -70,7 +78,7 @@ pub fn render(state: &Value) -> String {
         ),
     );
     let up = &state["upstream"];
-    let mut upstream = format!("{} {}", text(&up["phase"]), text(&up["url"]));
+    let mut upstream = format!("{} {}", paint.phase(text(&up["phase"])), text(&up["url"]));
     if let Some(version) = up["server_version"].as_str() {
         upstream.push_str(&format!(
             ", gateway {version} (protocol {})",
@@ -85,16 +93,16 @@ pub fn render(state: &Value) -> String {
     if up["scopes"].is_array() {
         let mut scopes = list(&up["scopes"]);
         if up["lost_scopes"].as_array().is_some_and(|l| !l.is_empty()) {
-            scopes.push_str(&format!(
+            scopes.push_str(&paint.warn(&format!(
                 "  (NOT granted: {}; some methods will fail)",
                 list(&up["lost_scopes"])
-            ));
+            )));
         }
         line("scopes", scopes);
     }
     if up["last_error"].is_object() {
         let e = &up["last_error"];
-        let mut err = format!("{}: {}", text(&e["code"]), text(&e["message"]));
+        let mut err = format!("{}: {}", paint.bad(text(&e["code"])), text(&e["message"]));
         if let Some(ms) = up["retry_after_ms"].as_u64() {
             err.push_str(&format!(" (next try in {:.1} s)", ms as f64 / 1000.0));
         }

@@ -9,6 +9,7 @@
 //! a stream (`clawmux.gap`: an upstream reconnect, or events this stream
 //! fell behind on) are said on stderr too.
 
+use std::collections::VecDeque;
 use std::io::Write;
 use std::time::Duration;
 
@@ -19,30 +20,127 @@ use http::{Method, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::Value;
 
+use super::style::Paint;
+use super::watch::{LineMode, LineView};
 use super::{BrokerArgs, CliError};
 use crate::hub::replay::EventId;
-use crate::local::sse::{AFTER_SEQ_HEADER, EPOCH_HEADER};
+use crate::local::sse::{AFTER_SEQ_HEADER, EPOCH_HEADER, NEWEST_SEQ_HEADER};
+use crate::sharing::SessionDefaults;
 
 /// Reconnect delays while the broker is away.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
 /// Longest text preview on a line.
 const PREVIEW_CHARS: usize = 60;
+/// With `-n`/`--since`, the replayed events are held back until the last one
+/// the broker held at the start arrives; if it never does (it was filtered
+/// or dropped), what is held is printed after this long without an event.
+const BACKLOG_IDLE_FLUSH: Duration = Duration::from_millis(500);
+/// Events the broker itself adds (`/v1/events` always accepts them).
+const BROKER_EVENTS: [&str; 1] = ["clawmux.upstream"];
 
 #[derive(Args, Debug)]
 pub struct TailArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
-    /// Only these events (comma-separated gateway event names), e.g. chat,agent.
+    /// Only these events (comma-separated gateway event names), e.g. chat,agent; an unknown name is an error listing the known ones.
     #[arg(long, value_delimiter = ',', value_name = "NAMES")]
     pub events: Vec<String>,
     /// Start right after this event (replaying what the broker still holds) instead of now:
     /// an id as `EPOCH:SEQ`, or a bare SEQ of the running broker's life.
-    #[arg(long, value_name = "[EPOCH:]SEQ")]
+    #[arg(long, value_name = "[EPOCH:]SEQ", conflicts_with_all = ["lines", "since"])]
     pub after: Option<EventId>,
+    /// First print the last N matching events the broker still holds, then follow.
+    #[arg(short = 'n', long = "lines", value_name = "N")]
+    pub lines: Option<usize>,
+    /// First print the held events of the last DURATION (`90s`, `5m`, `2h`) or since a time (`2026-11-23T10:00:00Z`), then follow.
+    #[arg(long, value_name = "DURATION|TIME", value_parser = parse_since)]
+    pub since: Option<u64>,
+    /// Only events of this session (`agent:main:main`, or `main` / a bare key of the default agent).
+    #[arg(long, value_name = "KEY")]
+    pub session: Option<String>,
+    /// Only events of this run (its runId, or the 8-character prefix tail prints).
+    #[arg(long, value_name = "RUN_ID")]
+    pub run: Option<String>,
     /// Print each event's gateway frame as one JSON line (its `seq` is the broker cursor).
     #[arg(long)]
     pub json: bool,
+    /// Print the activity tree (runs, thinking, tool calls, ends) as indented lines; sees every tool call.
+    #[arg(long, conflicts_with_all = ["json", "hud"])]
+    pub tree: bool,
+    /// Print the activity as HUD JSON lines (turn/think/tool start and end); sees every tool call.
+    #[arg(long, conflicts_with_all = ["json"])]
+    pub hud: bool,
+}
+
+/// `--since`: a duration back from now, or an RFC 3339 time; as Unix ms.
+fn parse_since(text: &str) -> Result<u64, String> {
+    let now = std::time::SystemTime::now();
+    let at = match humantime::parse_duration(text.trim()) {
+        Ok(ago) => now.checked_sub(ago).ok_or("--since is too far back")?,
+        Err(_) => humantime::parse_rfc3339_weak(text.trim()).map_err(|_| {
+            format!("--since takes a duration (90s, 5m, 2h) or a time (2026-11-23T10:00:00Z), not {text:?}")
+        })?,
+    };
+    Ok(at
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64))
+}
+
+/// Which events are printed (`--events`, `--session`, `--run`), applied to
+/// every event, replayed or live.
+#[derive(Debug, Default)]
+pub struct Filter {
+    pub events: Vec<String>,
+    /// Canonical session key.
+    pub session: Option<String>,
+    pub run: Option<String>,
+    pub defaults: SessionDefaults,
+}
+
+impl Filter {
+    pub fn matches(&self, name: &str, payload: &Value) -> bool {
+        if !self.events.is_empty() && !self.events.iter().any(|e| e == name) {
+            return false;
+        }
+        if let Some(want) = &self.session {
+            let key = payload["sessionKey"].as_str();
+            if key.map(|k| self.defaults.canonical(k)).as_deref() != Some(want) {
+                return false;
+            }
+        }
+        if let Some(want) = &self.run {
+            if !payload["runId"]
+                .as_str()
+                .is_some_and(|r| r.starts_with(want.as_str()))
+            {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// Unknown `--events` names, checked against the names the gateway announced
+/// (`/v1/state` `upstream.events`) and the broker's own.
+fn unknown_events(wanted: &[String], announced: &[&str]) -> Result<(), String> {
+    let unknown: Vec<&str> = wanted
+        .iter()
+        .map(String::as_str)
+        .filter(|w| !announced.contains(w) && !BROKER_EVENTS.contains(w))
+        .collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    let mut valid: Vec<&str> = announced.iter().copied().chain(BROKER_EVENTS).collect();
+    valid.sort_unstable();
+    valid.dedup();
+    Err(format!(
+        "unknown event name{} {}; the gateway and the broker send: {}",
+        if unknown.len() > 1 { "s" } else { "" },
+        unknown.join(", "),
+        valid.join(", ")
+    ))
 }
 
 /// Where the next stream should start.
@@ -71,10 +169,75 @@ impl Cursor {
     }
 }
 
+/// Replayed events held back before printing (`-n`, `--since`).
+struct Backlog {
+    /// The newest cursor when tail started: events up to it are the backlog.
+    end: u64,
+    last: Option<usize>,
+    since_ms: Option<u64>,
+    held: VecDeque<String>,
+}
+
+impl Backlog {
+    fn hold(&mut self, line: String, ts_ms: Option<u64>) {
+        if let (Some(since), Some(ts)) = (self.since_ms, ts_ms) {
+            if ts < since {
+                return;
+            }
+        } else if self.since_ms.is_some() && self.held.is_empty() {
+            // No time on this event: kept only once a newer one qualified.
+            return;
+        }
+        self.held.push_back(line);
+        if let Some(n) = self.last {
+            while self.held.len() > n {
+                self.held.pop_front();
+            }
+        }
+    }
+}
+
 /// Runs until interrupted (or stdout closes). Fails at once only when the
 /// broker is unreachable at the start, or refuses the request as malformed.
 pub async fn run(args: TailArgs) -> Result<u8, CliError> {
     let client = args.broker.client();
+    let out_paint = if args.json {
+        Paint::plain()
+    } else {
+        Paint::stdout()
+    };
+    let err_paint = Paint::stderr();
+    let note = |text: String| eprintln!("{} {text}", err_paint.warn("clawmux tail:"));
+    let needs_state = matches!(&args.after, Some(EventId { epoch: None, .. }))
+        || args.lines.is_some()
+        || args.since.is_some()
+        || !args.events.is_empty()
+        || args.session.is_some();
+    let state = match needs_state {
+        true => Some(running_state(&client).await?),
+        false => None,
+    };
+    let state = state.unwrap_or(Value::Null);
+    if !args.events.is_empty() {
+        match state["upstream"]["events"].as_array() {
+            Some(names) => {
+                let names: Vec<&str> = names.iter().filter_map(Value::as_str).collect();
+                unknown_events(&args.events, &names).map_err(CliError::Usage)?;
+            }
+            None => note(
+                "the gateway session is not ready, so --events names cannot be checked yet".into(),
+            ),
+        }
+    }
+    let defaults = SessionDefaults::from_snapshot(&state["snapshot"]);
+    let filter = Filter {
+        events: args.events.clone(),
+        session: args.session.as_deref().map(|k| defaults.canonical(k)),
+        run: args.run.clone(),
+        defaults,
+    };
+    let epoch_now = || state["epoch"].as_str().map(str::to_owned);
+    let mut backlog = None;
     let mut cursor = match args.after {
         Some(EventId {
             epoch: Some(epoch),
@@ -84,23 +247,57 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
             epoch: Some(epoch),
         },
         // The broker resumes no cursor without its life; a bare one typed
-        // by the user means the running broker's, so ask which that is.
+        // by the user means the running broker's.
         Some(EventId {
             epoch: None,
             cursor,
         }) => Cursor {
             after: Some(cursor),
-            epoch: Some(running_epoch(&client).await?),
+            epoch: epoch_now(),
         },
+        None if args.lines.is_some() || args.since.is_some() => {
+            let end = state["newest_seq"].as_u64().unwrap_or(0);
+            backlog = Some(Backlog {
+                end,
+                last: args.lines,
+                since_ms: args.since,
+                held: VecDeque::new(),
+            });
+            Cursor {
+                after: Some(
+                    state["oldest_seq"]
+                        .as_u64()
+                        .unwrap_or(1)
+                        .saturating_sub(1)
+                        .min(end),
+                ),
+                epoch: epoch_now(),
+            }
+        }
         None => Cursor::default(),
+    };
+    // Filtered here when a backlog is held (its last event must be seen).
+    let server_events = if backlog.is_some() {
+        Vec::new()
+    } else {
+        args.events.clone()
     };
     let mut connected_before = false;
     let mut backoff = BACKOFF_MIN;
+    let mut stdout = std::io::stdout();
+    // --tree/--hud: the activity projection (crate::activity) prints instead.
+    let mut activity = match (args.tree, args.hud) {
+        (true, _) => Some(LineView::new(LineMode::Tree)),
+        (_, true) => Some(LineView::new(LineMode::Hud)),
+        _ => None,
+    };
     loop {
-        let resp = match client
-            .send(Method::GET, &cursor.path(&args.events), &[], None)
-            .await
-        {
+        let mut path = cursor.path(&server_events);
+        if activity.is_some() {
+            let sep = if path.contains('?') { '&' } else { '?' };
+            path = format!("{path}{sep}{}", super::watch::OBSERVER_QUERY);
+        }
+        let resp = match client.send(Method::GET, &path, &[], None).await {
             Ok(resp) => resp,
             Err(e @ CliError::Unreachable { .. }) if !connected_before => return Err(e),
             Err(CliError::Unreachable { .. }) => {
@@ -119,19 +316,11 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
                 .unwrap_or(Value::Null);
             match status {
                 StatusCode::GONE => {
-                    eprintln!(
-                        "clawmux tail: cannot resume after seq {}: {}; events in between were missed, continuing from seq {}",
-                        cursor.after.map_or("(start)".to_owned(), |s| s.to_string()),
-                        if body["epoch"].as_str() != cursor.epoch.as_deref() && cursor.epoch.is_some() {
-                            "the broker restarted"
-                        } else {
-                            "the broker cannot replay from there"
-                        },
-                        body["newest_seq"]
-                    );
+                    let window = &body["error"]["details"];
+                    note(gone_message(&cursor, window));
                     cursor = Cursor {
-                        after: body["newest_seq"].as_u64(),
-                        epoch: body["epoch"].as_str().map(str::to_owned),
+                        after: window["newest_seq"].as_u64(),
+                        epoch: window["epoch"].as_str().map(str::to_owned),
                     };
                     continue;
                 }
@@ -153,34 +342,75 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
                 .map(str::to_owned)
         };
         cursor.epoch = header(EPOCH_HEADER);
+        let newest_at_open = header(NEWEST_SEQ_HEADER).and_then(|v| v.parse().ok());
         if let Some(after) = header(AFTER_SEQ_HEADER).and_then(|v| v.parse().ok()) {
             cursor.after = Some(after);
         }
         if connected_before {
-            eprintln!(
-                "clawmux tail: reconnected; resuming after seq {}",
+            note(format!(
+                "reconnected; resuming after seq {}",
                 cursor.after.unwrap_or(0)
-            );
+            ));
         }
         connected_before = true;
         backoff = BACKOFF_MIN;
+        if backlog
+            .as_ref()
+            .is_some_and(|b| cursor.after.unwrap_or(0) >= b.end)
+        {
+            backlog = None; // nothing was held: the stream starts live
+        }
         let mut events = resp.into_body().into_data_stream().eventsource();
-        let mut stdout = std::io::stdout();
-        while let Some(Ok(event)) = events.next().await {
+        loop {
+            let next = match &backlog {
+                Some(_) => match tokio::time::timeout(BACKLOG_IDLE_FLUSH, events.next()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        if flush(&mut stdout, backlog.take()).is_err() {
+                            return Ok(0);
+                        }
+                        continue;
+                    }
+                },
+                None => events.next().await,
+            };
+            let Some(Ok(event)) = next else { break };
             match event.event.as_str() {
                 "clawmux.close" => {
-                    eprintln!("clawmux tail: the broker ended the stream: {}", event.data);
+                    note(format!("the broker ended the stream: {}", event.data));
                     break;
                 }
                 "clawmux.gap" => {
                     let gap: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
-                    eprintln!(
-                        "clawmux tail: events after seq {} and before seq {} were not delivered (an upstream gap or reconnect, or this stream fell behind)",
+                    note(format!(
+                        "events after seq {} and before seq {} were not delivered (an upstream gap or reconnect, or this stream fell behind)",
                         gap["after"], gap["next"]
-                    );
+                    ));
+                    if backlog
+                        .as_ref()
+                        .is_some_and(|b| gap["next"].as_u64().is_some_and(|n| n > b.end))
+                        && flush(&mut stdout, backlog.take()).is_err()
+                    {
+                        return Ok(0);
+                    }
                     continue;
                 }
                 _ => {}
+            }
+            if let Some(view) = activity.as_mut() {
+                // Tool-stream records have no id of their own (not in the log).
+                let frame: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
+                if let Some(seq) = frame["seq"].as_u64() {
+                    cursor.after = Some(seq);
+                }
+                let replay = super::watch::is_replayed(&frame, newest_at_open);
+                if view
+                    .feed(&event.event, &event.data, replay, &mut stdout)
+                    .is_err()
+                {
+                    return Ok(0); // stdout closed
+                }
+                continue;
             }
             let Ok(id) = event.id.parse::<EventId>() else {
                 continue;
@@ -190,31 +420,82 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
             if id.epoch.is_some() {
                 cursor.epoch = id.epoch;
             }
-            let line = if args.json {
-                event.data
-            } else {
-                let frame: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
-                format_line(seq, &event.event, &frame, crate::protocol::now_ms())
-            };
-            if writeln!(stdout, "{line}")
-                .and_then(|()| stdout.flush())
-                .is_err()
-            {
-                return Ok(0); // stdout closed (e.g. piped into `head`)
+            let frame: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
+            let line = filter.matches(&event.event, &frame["payload"]).then(|| {
+                if args.json {
+                    event.data.clone()
+                } else {
+                    format_line_styled(
+                        seq,
+                        &event.event,
+                        &frame,
+                        crate::protocol::now_ms(),
+                        &out_paint,
+                    )
+                }
+            });
+            if let Some(b) = &mut backlog {
+                if let Some(line) = line {
+                    b.hold(line, event_time_ms(&frame["payload"]));
+                }
+                if seq >= b.end && flush(&mut stdout, backlog.take()).is_err() {
+                    return Ok(0);
+                }
+                continue;
+            }
+            if let Some(line) = line {
+                if writeln!(stdout, "{line}")
+                    .and_then(|()| stdout.flush())
+                    .is_err()
+                {
+                    return Ok(0); // stdout closed (e.g. piped into `head`)
+                }
             }
         }
-        eprintln!(
-            "clawmux tail: lost the stream from {}; reconnecting…",
+        note(format!(
+            "lost the stream from {}; reconnecting…",
             client.socket().display()
-        );
+        ));
     }
 }
 
-/// The running broker's life (`epoch` of `/v1/state`).
-async fn running_epoch(client: &super::client::BrokerClient) -> Result<String, CliError> {
+/// Prints what a backlog held.
+fn flush(out: &mut impl Write, backlog: Option<Backlog>) -> std::io::Result<()> {
+    for line in backlog.map(|b| b.held).unwrap_or_default() {
+        writeln!(out, "{line}")?;
+    }
+    out.flush()
+}
+
+/// What tail says when the broker cannot resume where it asked (410).
+fn gone_message(cursor: &Cursor, window: &Value) -> String {
+    let asked = cursor.after.map_or("(start)".to_owned(), |s| s.to_string());
+    let newest = window["newest_seq"].as_u64().unwrap_or(0);
+    let why = if cursor.epoch.is_some() && window["epoch"].as_str() != cursor.epoch.as_deref() {
+        "the broker restarted since (another epoch), so its events are not those".to_owned()
+    } else if cursor.after.is_some_and(|a| a > newest) {
+        format!("seq {asked} is newer than the newest event this broker has sent ({newest}); nothing was missed")
+    } else {
+        format!(
+            "those events are no longer held (the broker holds seq {}..={newest}); events in between were missed",
+            window["oldest_seq"]
+        )
+    };
+    format!("cannot resume after seq {asked}: {why}; continuing after seq {newest}")
+}
+
+/// An event's own time, when it has one.
+fn event_time_ms(payload: &Value) -> Option<u64> {
+    payload["ts"]
+        .as_u64()
+        .or_else(|| payload["message"]["timestamp"].as_u64())
+}
+
+/// The running broker's `/v1/state`.
+async fn running_state(client: &super::client::BrokerClient) -> Result<Value, CliError> {
     let (status, state) = client.json(Method::GET, "/v1/state", None).await?;
     match state["epoch"].as_str() {
-        Some(epoch) if status.is_success() => Ok(epoch.to_owned()),
+        Some(_) if status.is_success() => Ok(state),
         _ => Err(CliError::Answer(format!(
             "the broker answered {status} without an epoch: {}",
             error_message(&state)
@@ -236,6 +517,18 @@ fn error_message(body: &Value) -> String {
 
 /// One line: local time, cursor, event name, and what the event is about.
 pub fn format_line(seq: u64, name: &str, frame: &Value, now_ms: u64) -> String {
+    format_line_styled(seq, name, frame, now_ms, &Paint::plain())
+}
+
+/// [`format_line`] with colour: time and cursor dimmed, the event name bold
+/// (errors red, broker events yellow).
+pub fn format_line_styled(
+    seq: u64,
+    name: &str,
+    frame: &Value,
+    now_ms: u64,
+    paint: &Paint,
+) -> String {
     let payload = &frame["payload"];
     let ts = payload["ts"]
         .as_i64()
@@ -248,7 +541,20 @@ pub fn format_line(seq: u64, name: &str, frame: &Value, now_ms: u64) -> String {
                 .to_string()
         })
         .unwrap_or_else(|| "--:--:--.---".into());
-    let line = format!("{time} {seq:>7} {name:<16} {}", describe(name, payload));
+    let padded = format!("{name:<16}");
+    let name_style = if payload["state"] == "error" {
+        paint.bad(&padded)
+    } else if name.starts_with("clawmux.") || name == "shutdown" {
+        paint.warn(&padded)
+    } else {
+        paint.strong(&padded)
+    };
+    let line = format!(
+        "{} {} {name_style} {}",
+        paint.dim(&time),
+        paint.dim(&format!("{seq:>7}")),
+        describe(name, payload)
+    );
     line.trim_end().to_owned()
 }
 
@@ -307,18 +613,20 @@ fn describe(name: &str, p: &Value) -> String {
             p["phase"].as_str().unwrap_or("?"),
             p["reason"].as_str().unwrap_or("")
         ),
-        "shutdown" => format!(
-            "{} (restart expected in {} ms)",
-            p["reason"].as_str().unwrap_or(""),
-            p["restartExpectedMs"]
-        ),
+        "shutdown" => {
+            let reason = p["reason"].as_str().unwrap_or("");
+            match p["restartExpectedMs"].as_u64() {
+                Some(ms) => format!("{reason} (restart expected in {ms} ms)"),
+                None => reason.to_owned(),
+            }
+        }
         _ if p.is_null() => String::new(),
         _ => compact(p),
     }
 }
 
 /// The text of a chat message (`content` as a string or as text parts).
-fn message_text(message: &Value) -> Option<String> {
+pub(crate) fn message_text(message: &Value) -> Option<String> {
     match &message["content"] {
         Value::String(s) => Some(s.clone()),
         Value::Array(parts) => {
@@ -330,7 +638,7 @@ fn message_text(message: &Value) -> Option<String> {
 }
 
 /// A quoted one-line preview; `tail_end` keeps the end of a cumulative text.
-fn preview(text: &str, tail_end: bool) -> String {
+pub(crate) fn preview(text: &str, tail_end: bool) -> String {
     let flat: String = text
         .chars()
         .map(|c| if c.is_control() { ' ' } else { c })
@@ -411,6 +719,73 @@ mod tests {
         );
         assert_eq!(after("12").unwrap().unwrap().epoch, None);
         assert!(after("5f0c:").is_err());
+    }
+
+    #[test]
+    fn a_shutdown_without_a_restart_hint_says_no_null() {
+        let f = json!({"payload":{"reason":"gateway stopping"}});
+        let line = format_line(5, "shutdown", &f, 0);
+        assert!(line.ends_with("gateway stopping"), "{line}");
+        assert!(!line.contains("null"), "{line}");
+        let f = json!({"payload":{"reason":"update","restartExpectedMs":1500}});
+        assert!(format_line(6, "shutdown", &f, 0).ends_with("update (restart expected in 1500 ms)"));
+    }
+
+    #[test]
+    fn unknown_event_names_are_refused_with_the_known_ones() {
+        assert!(unknown_events(
+            &["chat".into(), "clawmux.upstream".into()],
+            &["chat", "tick"]
+        )
+        .is_ok());
+        let e = unknown_events(&["chta".into()], &["chat", "tick"]).unwrap_err();
+        assert_eq!(
+            e,
+            "unknown event name chta; the gateway and the broker send: chat, clawmux.upstream, tick"
+        );
+    }
+
+    #[test]
+    fn filters_by_session_in_canonical_form_and_by_run_prefix() {
+        let f = Filter {
+            session: Some("agent:main:main".into()),
+            run: Some("abc".into()),
+            ..Filter::default()
+        };
+        assert!(f.matches("chat", &json!({"sessionKey":"main","runId":"abcdef"})));
+        assert!(!f.matches(
+            "chat",
+            &json!({"sessionKey":"agent:main:side","runId":"abcdef"})
+        ));
+        assert!(!f.matches("chat", &json!({"sessionKey":"main","runId":"xyz"})));
+        assert!(!f.matches("tick", &json!({})));
+    }
+
+    #[test]
+    fn a_future_cursor_is_not_called_evicted() {
+        let c = Cursor {
+            after: Some(99),
+            epoch: Some("e1".into()),
+        };
+        let future = gone_message(&c, &json!({"epoch":"e1","oldest_seq":1,"newest_seq":10}));
+        assert!(future.contains("newer than the newest event"), "{future}");
+        let c = Cursor {
+            after: Some(0),
+            epoch: Some("e1".into()),
+        };
+        let old = gone_message(&c, &json!({"epoch":"e1","oldest_seq":5,"newest_seq":10}));
+        assert!(old.contains("no longer held"), "{old}");
+        let restarted = gone_message(&c, &json!({"epoch":"e2","oldest_seq":1,"newest_seq":1}));
+        assert!(restarted.contains("the broker restarted"), "{restarted}");
+    }
+
+    #[test]
+    fn since_takes_a_duration_or_a_time() {
+        let now = crate::protocol::now_ms();
+        let ago = parse_since("5m").unwrap();
+        assert!(now - ago >= 299_000 && now - ago <= 301_000 + 5_000);
+        assert_eq!(parse_since("1970-01-01T00:00:01Z").unwrap(), 1000);
+        assert!(parse_since("soon").is_err());
     }
 
     #[test]

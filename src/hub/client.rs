@@ -221,6 +221,24 @@ pub enum Stall {
     Closed,
 }
 
+/// Who a client says it is (its `connect`'s `client` block) and where it
+/// came from, for `/v1/state` and `clawmux top`. Never used to decide anything.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ClientIdentity {
+    /// `client.id` as declared.
+    pub client_id: Option<String>,
+    /// `client.mode` as declared.
+    pub mode: Option<String>,
+    /// `client.version` as declared.
+    pub version: Option<String>,
+    /// `client.displayName` as declared.
+    pub display_name: Option<String>,
+    /// The peer's process id, from the kernel (`SO_PEERCRED`); `/v1/state`
+    /// shows it beside what the client declared.
+    #[serde(skip)]
+    pub peer_pid: Option<u32>,
+}
+
 /// A connected local client, shared by the hub, the router and its own tasks.
 #[derive(Debug)]
 pub struct Client {
@@ -228,6 +246,10 @@ pub struct Client {
     pub kind: ClientKind,
     /// The `server.connId` this client was given in its `hello-ok`.
     pub conn_id: String,
+    /// When the client's connection was accepted (ms since the epoch).
+    pub connected_at_ms: u64,
+    /// Who it says it is; set once, when known (connect, stream open).
+    pub identity: std::sync::OnceLock<ClientIdentity>,
     /// The client asked for tool-stream events at connect.
     pub tool_events: AtomicBool,
     /// What the client may do (its scopes, its socket's policy), set once
@@ -265,6 +287,8 @@ impl Client {
             id,
             kind: ClientKind::Ws,
             conn_id: uuid::Uuid::new_v4().to_string(),
+            connected_at_ms: crate::protocol::now_ms(),
+            identity: std::sync::OnceLock::new(),
             tool_events: AtomicBool::new(false),
             access: std::sync::OnceLock::new(),
             inflight: AtomicUsize::new(0),

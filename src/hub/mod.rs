@@ -19,7 +19,8 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 pub use client::{
-    Client, ClientKind, Outgoing, Pushed, QueueBudget, QueueLimits, SharedEvent, Stall,
+    Client, ClientIdentity, ClientKind, Outgoing, Pushed, QueueBudget, QueueLimits, SharedEvent,
+    Stall,
 };
 pub use replay::{ReplayLimits, ReplayWindow, SubscribeError};
 

@@ -102,10 +102,13 @@ pub async fn accept_loop(
             }
         };
         // Peer credentials come from the kernel, not from anything the peer says.
-        match stream.peer_cred() {
+        let peer_pid = match stream.peer_cred() {
             Ok(cred)
                 if socket.admits(cred.uid(), cred.gid(), me)
-                    || ctx.allowed_uids.contains(&cred.uid()) => {}
+                    || ctx.allowed_uids.contains(&cred.uid()) =>
+            {
+                super::PeerPid(cred.pid().and_then(|p| u32::try_from(p).ok()))
+            }
             Ok(cred) => {
                 tracing::warn!(
                     peer_uid = cred.uid(),
@@ -119,7 +122,7 @@ pub async fn accept_loop(
                 tracing::warn!("cannot read peer credentials, refusing: {e}");
                 continue;
             }
-        }
+        };
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             if let Some(unlogged) = cap_warn.ready(Instant::now()) {
                 tracing::warn!(
@@ -138,6 +141,7 @@ pub async fn accept_loop(
         let tracker = ctx.tracker.clone();
         tracker.spawn(serve_connection(
             stream,
+            peer_pid,
             Arc::clone(&socket),
             Arc::clone(&ctx),
         ));
@@ -145,7 +149,12 @@ pub async fn accept_loop(
 }
 
 /// One HTTP/1.1 connection, until it ends, is killed, or the broker stops.
-async fn serve_connection(stream: CountedStream, socket: Arc<SocketPolicy>, ctx: Arc<Ctx>) {
+async fn serve_connection(
+    stream: CountedStream,
+    peer_pid: super::PeerPid,
+    socket: Arc<SocketPolicy>,
+    ctx: Arc<Ctx>,
+) {
     let cancel = ctx.cancel.clone();
     let kill = CancellationToken::new();
     let kill_handle = ConnectionKill(kill.clone());
@@ -153,6 +162,7 @@ async fn serve_connection(stream: CountedStream, socket: Arc<SocketPolicy>, ctx:
     let service = hyper::service::service_fn(move |mut req: hyper::Request<_>| {
         req.extensions_mut().insert(kill_handle.clone());
         req.extensions_mut().insert(Arc::clone(&socket));
+        req.extensions_mut().insert(peer_pid);
         http::route(req, Arc::clone(&ctx))
     });
     let conn = http1::Builder::new()

@@ -1,4 +1,13 @@
 //! HTTP routes on the local socket.
+//!
+//! Every error answer of every endpoint has ONE body shape:
+//! `{"ok":false,"error":{"code","message","retryable"?,"retryAfterMs"?,"details"?}}`
+//! (the gateway's `ErrorShape` under `error`; endpoint-specific data such as
+//! `/v1/events`' replay window goes in `error.details`). `/v1/rpc`'s error
+//! answers are gateway `res` frames, which have the same `ok` and `error`
+//! (plus `type` and `id`). Built by [`error_response`] / [`shape_response`]
+//! only; the `503` written before hyper sees a request
+//! (`accept::busy_response`) has it too.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -16,6 +25,7 @@ use tokio_tungstenite::WebSocketStream;
 
 use crate::broker::Ctx;
 use crate::policy::SocketPolicy;
+use crate::protocol::ErrorShape;
 
 /// Every response body: whole (JSON documents) or streamed (`/v1/events`).
 pub type Body = UnsyncBoxBody<Bytes, Infallible>;
@@ -39,11 +49,22 @@ pub fn json_response(status: StatusCode, body: serde_json::Value) -> Response<Bo
     bytes_response(status, "application/json", Bytes::from(body.to_string()))
 }
 
+/// An error answer with just a code and a message (see the module docs for the shape).
 pub fn error_response(status: StatusCode, code: &str, message: String) -> Response<Body> {
     json_response(
         status,
-        json!({"ok": false, "error": {"code": code, "message": message}}),
+        error_body(&json!({"code": code, "message": message})),
     )
+}
+
+/// An error answer carrying a whole [`ErrorShape`] (retry hints, details).
+pub fn shape_response(status: StatusCode, error: &ErrorShape) -> Response<Body> {
+    json_response(status, error_body(&error.to_json()))
+}
+
+/// The one error body: `{"ok":false,"error":<ErrorShape>}`.
+pub fn error_body(error: &serde_json::Value) -> serde_json::Value {
+    json!({"ok": false, "error": error})
 }
 
 /// Paths that speak the gateway protocol over WebSocket (a drop-in for a
@@ -53,8 +74,9 @@ fn is_ws_path(path: &str) -> bool {
 }
 
 /// The plain-HTTP endpoints and the one method each answers.
-const HTTP_ENDPOINTS: [(&str, Method); 5] = [
+const HTTP_ENDPOINTS: [(&str, Method); 6] = [
     ("/healthz", Method::GET),
+    ("/readyz", Method::GET),
     ("/v1/state", Method::GET),
     ("/v1/events", Method::GET),
     ("/v1/rpc", Method::POST),
@@ -64,7 +86,8 @@ const HTTP_ENDPOINTS: [(&str, Method); 5] = [
 pub async fn route(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_owned();
     let resp = match (req.method(), path.as_str()) {
-        (&Method::GET, p) if is_ws_path(p) => upgrade(req, ctx),
+        (&Method::GET, p) if is_ws_path(p) => upgrade(req, ctx, Route::Shared),
+        (&Method::GET, "/ws/dedicated") => upgrade(req, ctx, Route::Dedicated),
         (&Method::GET, "/v1/state") => super::state::respond(&ctx),
         (&Method::GET, "/v1/events") => super::sse::open(&req, &ctx),
         (&Method::POST, "/v1/rpc") => super::rpc::respond(req, &ctx).await,
@@ -73,20 +96,8 @@ pub async fn route(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<Bod
             "text/plain; version=0.0.4; charset=utf-8",
             Bytes::from(crate::metrics::render(&ctx)),
         ),
-        (&Method::GET, "/healthz") => {
-            let status = ctx.upstream.status();
-            json_response(
-                StatusCode::OK,
-                json!({
-                    "ok": true,
-                    "upstream": status.phase.as_str(),
-                    "clients": ctx.hub.client_count(),
-                    "lastError": status.last_error.as_ref().map(|e| &e.code),
-                    "lostScopes": status.hello.as_ref().map(|h| &h.lost_scopes),
-                    "deviceId": status.device_id,
-                }),
-            )
-        }
+        (&Method::GET, "/healthz") => health(&ctx),
+        (&Method::GET, "/readyz") => ready(&ctx),
         (m, p) => match HTTP_ENDPOINTS.iter().find(|(path, _)| *path == p) {
             Some((_, allowed)) => {
                 let mut resp = error_response(
@@ -103,7 +114,7 @@ pub async fn route(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<Bod
                 StatusCode::NOT_FOUND,
                 "not_found",
                 format!(
-                    "no route for {m} {p}; try GET /ws (WebSocket), /healthz, /v1/state, /v1/events, /metrics, or POST /v1/rpc"
+                    "no route for {m} {p}; try GET /ws (WebSocket), /healthz, /readyz, /v1/state, /v1/events, /metrics, or POST /v1/rpc"
                 ),
             ),
         },
@@ -145,6 +156,40 @@ pub(crate) fn http_access(req: &Request<Incoming>, ctx: &Ctx) -> crate::policy::
     Access { grant, socket }
 }
 
+/// `GET /healthz`, liveness: `200` whenever the broker answers at all (a
+/// supervisor restarts it only when this fails). `ok` is true only while the
+/// gateway session is `ready`; `upstream` says the phase and `lastError` why
+/// it is not. `lostScopes` is always an array (empty before any session).
+fn health(ctx: &Ctx) -> Response<Body> {
+    let status = ctx.upstream.status();
+    let lost: &[String] = status.hello.as_ref().map_or(&[], |h| &h.lost_scopes);
+    json_response(
+        StatusCode::OK,
+        json!({
+            "ok": status.phase == crate::upstream::Phase::Ready,
+            "upstream": status.phase.as_str(),
+            "clients": ctx.hub.client_count(),
+            "lastError": status.last_error.as_ref().map(|e| &e.code),
+            "lostScopes": lost,
+            "deviceId": status.device_id,
+        }),
+    )
+}
+
+/// `GET /readyz`, readiness: `200 {"ok":true,"upstream":"ready"}` once the
+/// gateway session is ready, else `503` with the error a request would get
+/// now (`studio.upstream_closed` + `retryAfterMs` while it connects, the
+/// rejection while rejected) and `upstream` naming the phase, as on `/healthz`.
+fn ready(ctx: &Ctx) -> Response<Body> {
+    let status = ctx.upstream.status();
+    if status.phase == crate::upstream::Phase::Ready {
+        return json_response(StatusCode::OK, json!({"ok": true, "upstream": "ready"}));
+    }
+    let mut body = error_body(&status.not_ready_error().to_json());
+    body["upstream"] = status.phase.as_str().into();
+    json_response(StatusCode::SERVICE_UNAVAILABLE, body)
+}
+
 fn header_has(req: &Request<Incoming>, name: header::HeaderName, token: &str) -> bool {
     req.headers()
         .get_all(name)
@@ -162,9 +207,18 @@ fn header_has(req: &Request<Incoming>, name: header::HeaderName, token: &str) ->
 /// reads. Measured by `cargo bench --bench clawmux` (BENCHMARKS.md).
 const LOCAL_READ_BUFFER_BYTES: usize = 8 * 1024;
 
+/// Which session a WebSocket path gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// The shared upstream session (`/ws`, `/`, `/api/gateway/ws`).
+    Shared,
+    /// A gateway connection of its own (`/ws/dedicated`).
+    Dedicated,
+}
+
 /// Answers the WebSocket upgrade and spawns the session once hyper hands
 /// over the connection.
-fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
+fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<Body> {
     let key = req.headers().get(header::SEC_WEBSOCKET_KEY).cloned();
     let is_upgrade = header_has(&req, header::CONNECTION, "upgrade")
         && header_has(&req, header::UPGRADE, "websocket");
@@ -195,6 +249,17 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
         }
     };
     let socket = socket_policy(&req, &ctx);
+    if route == Route::Dedicated && !super::dedicated::served_on(&socket) {
+        return error_response(
+            StatusCode::FORBIDDEN,
+            crate::protocol::StudioCode::Forbidden.as_str(),
+            format!(
+                "the socket {:?} limits scopes or methods, and /ws/dedicated relays frames unchecked: use /ws here, or /ws/dedicated on an unrestricted socket",
+                socket.name
+            ),
+        );
+    }
+    let peer_pid = req.extensions().get::<super::PeerPid>().and_then(|p| p.0);
     let accept = derive_accept_key(key.as_bytes());
     let on_upgrade = hyper::upgrade::on(&mut req);
     let tracker = ctx.tracker.clone();
@@ -210,7 +275,12 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>) -> Response<Body> {
                 );
                 let io = super::preconnect::Limited::new(TokioIo::new(upgraded), budget.clone());
                 let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
-                super::ws::run(ws, budget, restarts, socket, ctx).await;
+                match route {
+                    Route::Shared => {
+                        super::ws::run(ws, budget, restarts, socket, peer_pid, ctx).await
+                    }
+                    Route::Dedicated => super::dedicated::run(ws, budget, ctx).await,
+                }
             }
             Err(e) => tracing::debug!("WebSocket upgrade failed: {e}"),
         }

@@ -2,6 +2,7 @@
 //! WebSocket sessions, and the HTTP API (`/v1/state`, `/v1/events`, `/v1/rpc`).
 
 mod accept;
+pub mod dedicated;
 pub mod fdlimit;
 pub mod http;
 pub mod preconnect;
@@ -18,5 +19,11 @@ pub mod ws;
 /// again until the socket drains). Handlers find it in the request extensions.
 #[derive(Debug, Clone)]
 pub struct ConnectionKill(pub tokio_util::sync::CancellationToken);
+
+/// The process id of the peer of a local connection, from `SO_PEERCRED`
+/// (the kernel, not the peer), for `/v1/state`. Handlers find it in the
+/// request extensions.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerPid(pub Option<u32>);
 
 pub use accept::accept_loop;

@@ -28,14 +28,31 @@ pub enum SocketError {
     Symlink(PathBuf),
     #[error("the socket directory {path} is unsafe: {why}")]
     UnsafeDir { path: PathBuf, why: String },
-    #[error("cannot set up the socket {path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
+    /// `path` is the socket asked for (whatever file the step touched), and
+    /// the cause is not a `#[source]`: printed once, in the message.
+    #[error("cannot set up the socket {path}: {cause}")]
+    Io { path: PathBuf, cause: io::Error },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SocketError + '_ {
-    move |source| SocketError::Io {
+    move |cause| SocketError::Io {
         path: path.to_owned(),
-        source,
+        cause,
+    }
+}
+
+/// An error at the lock file, reported against the socket `path` (the name
+/// the user gave) with the directory that must be writable.
+fn lock_err<'a>(path: &'a Path, dir: &Path) -> impl FnOnce(io::Error) -> SocketError + 'a {
+    let dir = dir.to_owned();
+    move |e| {
+        io_err(path)(io::Error::new(
+            e.kind(),
+            format!(
+                "cannot create its lock file in {} ({e}); pick a directory you can write, e.g. --socket $XDG_RUNTIME_DIR/clawmux.sock",
+                dir.display()
+            ),
+        ))
     }
 }
 
@@ -167,12 +184,12 @@ pub fn bind_with_mode(
             Some(code) if code == rustix::io::Errno::LOOP.raw_os_error() => {
                 SocketError::Symlink(lock_path.clone())
             }
-            _ => io_err(&lock_path)(e),
+            _ => lock_err(path, dir)(e),
         })?;
     match lock.try_lock() {
         Ok(()) => {}
         Err(fs::TryLockError::WouldBlock) => return Err(SocketError::InUse(path.to_owned())),
-        Err(fs::TryLockError::Error(e)) => return Err(io_err(&lock_path)(e)),
+        Err(fs::TryLockError::Error(e)) => return Err(lock_err(path, dir)(e)),
     }
     match fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => {

@@ -30,12 +30,12 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{error_response, json_response, Body};
+use super::http::{error_response, shape_response, Body};
 use super::ConnectionKill;
 use crate::broker::Ctx;
 use crate::hub::replay::{EventId, ResumePoint};
 use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
-use crate::protocol::{EventHead, StudioCode};
+use crate::protocol::{ErrorShape, EventHead, StudioCode};
 
 /// Response header naming the broker life the stream's cursors belong to.
 pub const EPOCH_HEADER: &str = "clawmux-epoch";
@@ -43,6 +43,9 @@ pub const EPOCH_HEADER: &str = "clawmux-epoch";
 /// one, or the newest at the moment a stream "from now" was admitted), so a
 /// client can resume exactly even before it has seen an event.
 pub const AFTER_SEQ_HEADER: &str = "clawmux-after-seq";
+/// Response header with the newest cursor when the stream was admitted:
+/// records up to it come from the replay log, later ones are live.
+pub const NEWEST_SEQ_HEADER: &str = "clawmux-newest-seq";
 
 /// How long a stream killed as a slow consumer (or at shutdown) may take to
 /// end on its own before its connection is cut.
@@ -66,6 +69,10 @@ struct EventsQuery {
     /// `1`: also the request tap ([`crate::tap`]) and a first
     /// `clawmux.hello` record (for `clawmux record`).
     tap: Option<String>,
+    /// `all`: every tool-stream event the broker receives (an observer's
+    /// opt-in, see [`crate::sharing::Sharing::observe_tools`]); `own`
+    /// (default): none, as for any client that started no run.
+    tool_events: Option<String>,
 }
 
 /// What a stream asked for, parsed (the hub checks the resume point).
@@ -74,13 +81,15 @@ struct StreamRequest {
     from: ResumePoint,
     filter: Option<HashSet<String>>,
     tap: bool,
+    /// The stream observes every tool-stream event (`tool_events=all`).
+    observe_tools: bool,
 }
 
 fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
     let query: EventsQuery =
         serde_urlencoded::from_str(req.uri().query().unwrap_or("")).map_err(|e| {
             format!(
-                "bad query: {e}; expected after_seq=<epoch>:<cursor>, epoch=<id>, events=<name,name>"
+                "bad query: {e}; expected after_seq=<epoch>:<cursor>, epoch=<id>, events=<name,name>, tool_events=own|all"
             )
         })?;
     let after_seq = query
@@ -110,7 +119,17 @@ fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
             .map(str::to_owned)
             .collect::<HashSet<_>>()
     });
+    let observe_tools = match query.tool_events.as_deref() {
+        None | Some("own") => false,
+        Some("all") => true,
+        Some(other) => {
+            return Err(format!(
+                "bad tool_events={other}: expected tool_events=own or tool_events=all"
+            ))
+        }
+    };
     Ok(StreamRequest {
+        observe_tools,
         from: ResumePoint::new(
             last_event_id,
             after_seq,
@@ -140,21 +159,25 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             "tap=1 shows every client's requests and answers: it needs operator.admin, which this caller does not hold (its socket's policy or X-Clawmux-Scopes)".into(),
         );
     }
+    let _ = client.identity.set(crate::hub::ClientIdentity {
+        peer_pid: req.extensions().get::<super::PeerPid>().and_then(|p| p.0),
+        ..Default::default()
+    });
+    // Before admission, so no tool event falls between the two.
+    let tool_observer = wanted
+        .observe_tools
+        .then(|| ctx.sharing.observe_tools(client.id));
     let (backlog, window) = match ctx.hub.admit_at_cursor(&client, &wanted.from) {
         Ok(admitted) => admitted,
         Err(SubscribeError::ReplayUnavailable(gone)) => {
-            return json_response(
-                StatusCode::GONE,
-                json!({
-                    "ok": false,
-                    "code": StudioCode::ReplayUnavailable.as_str(),
-                    "message": gone.to_string(),
-                    "retryable": false,
+            let error = ErrorShape::studio(StudioCode::ReplayUnavailable, gone.to_string())
+                .with_retryable(false)
+                .with_details(json!({
                     "oldest_seq": gone.window.oldest_seq,
                     "newest_seq": gone.window.newest_seq,
                     "epoch": &*gone.window.epoch,
-                }),
-            );
+                }));
+            return shape_response(StatusCode::GONE, &error);
         }
         Err(SubscribeError::TooManyClients(e)) => {
             return error_response(
@@ -196,6 +219,7 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             client_id: client.id,
             done,
             tapped: wanted.tap,
+            _tool_observer: tool_observer,
         },
     };
     let first = Bytes::from(format!(
@@ -223,6 +247,7 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         headers.insert(EPOCH_HEADER, v);
     }
     headers.insert(AFTER_SEQ_HEADER, HeaderValue::from(after));
+    headers.insert(NEWEST_SEQ_HEADER, HeaderValue::from(window.newest_seq));
     resp
 }
 
@@ -233,6 +258,8 @@ struct Registration {
     client_id: u64,
     done: CancellationToken,
     tapped: bool,
+    /// The stream's `tool_events=all` opt-in, ended with the stream.
+    _tool_observer: Option<crate::sharing::ToolObserver>,
 }
 
 impl Drop for Registration {
@@ -345,6 +372,15 @@ impl EventStream {
 
     fn write_event(&mut self, out: &mut BytesMut, head: &EventHead) {
         let cursor = head.cursor();
+        if cursor == 0 {
+            // A targeted event (a tool stream this stream observes) is not
+            // in the log: it has no cursor to resume from, so no `id:`.
+            let name = head.name();
+            if self.filter.as_ref().is_none_or(|f| f.contains(&*name)) {
+                write_unlogged(out, &name, &head.without_seq());
+            }
+            return;
+        }
         if cursor > self.last_cursor.saturating_add(1) {
             write_gap(out, self.last_cursor, cursor);
         }
@@ -370,7 +406,13 @@ fn write_record(out: &mut BytesMut, epoch: &str, cursor: u64, name: &str, data: 
     out.put_slice(epoch.as_bytes());
     out.put_u8(b':');
     out.put_slice(cursor.to_string().as_bytes());
-    out.put_slice(b"\nevent: ");
+    out.put_u8(b'\n');
+    write_event_body(out, name, data);
+}
+
+/// The `event:` and `data:` lines of a record, and its end.
+fn write_event_body(out: &mut BytesMut, name: &str, data: &[u8]) {
+    out.put_slice(b"event: ");
     // Event names come from the gateway; keep the record intact whatever they hold.
     out.put_slice(name.replace(['\n', '\r'], " ").as_bytes());
     out.put_slice(b"\ndata: ");
@@ -383,6 +425,12 @@ fn write_record(out: &mut BytesMut, epoch: &str, cursor: u64, name: &str, data: 
         out.put_slice(data);
     }
     out.put_slice(b"\n\n");
+}
+
+/// A record for an event outside the log: no `id:` (an `EventSource` keeps
+/// the last real one) and no `seq` in its frame.
+fn write_unlogged(out: &mut BytesMut, name: &str, data: &[u8]) {
+    write_event_body(out, name, data);
 }
 
 /// Says that events after cursor `after` and before `next` were not
@@ -413,6 +461,9 @@ mod tests {
         let mut out = BytesMut::new();
         write_record(&mut out, "5f0c", 7, "chat", b"{\"a\":\n 1}");
         assert_eq!(&out[..], b"id: 5f0c:7\nevent: chat\ndata: {\"a\":  1}\n\n");
+        let mut out = BytesMut::new();
+        write_unlogged(&mut out, "agent", b"{\"a\":\n1}");
+        assert_eq!(&out[..], b"event: agent\ndata: {\"a\": 1}\n\n");
         let mut out = BytesMut::new();
         write_gap(&mut out, 4, 6);
         assert_eq!(

@@ -39,6 +39,10 @@ pub fn document(ctx: &Ctx) -> Value {
                 "inflight": c.inflight.load(Ordering::Relaxed),
                 "scopes": c.grant(),
                 "socket": c.access().map(|a| a.socket.name.as_str()),
+                "connected_at_ms": c.connected_at_ms,
+                "declared": c.identity.get(),
+                "peer_pid": c.identity.get().and_then(|i| i.peer_pid),
+                "tool_observer": ctx.sharing.observes_tools(c.id),
             })
         })
         .collect();
@@ -49,6 +53,7 @@ pub fn document(ctx: &Ctx) -> Value {
         "broker": {
             "version": env!("CARGO_PKG_VERSION"),
             "pid": std::process::id(),
+            "uptime_ms": process_uptime_ms(),
             "socket": ctx.settings.socket_path.display().to_string(),
             "policy_sockets": ctx.settings.sockets.iter().map(|p| json!({
                 "name": p.name,
@@ -67,7 +72,9 @@ pub fn document(ctx: &Ctx) -> Value {
             "server_version": hello.map(|h| h.server_version.as_str()),
             "protocol": hello.map(|h| h.protocol),
             "scopes": hello.map(|h| &h.scopes),
-            "lost_scopes": hello.map(|h| &h.lost_scopes),
+            "lost_scopes": hello.map_or(&[][..], |h| &h.lost_scopes[..]),
+            // The event names the gateway announced (`hello-ok.features.events`).
+            "events": hello.and_then(|h| h.payload.pointer("/features/events")),
             "last_error": status.last_error.as_ref().map(|e| e.to_json()),
             "retry_after_ms": status.retry_after_ms(),
             "reconnects": status.reconnects,
@@ -75,12 +82,28 @@ pub fn document(ctx: &Ctx) -> Value {
         },
         "snapshot": snapshot,
         "clients": clients,
+        "dedicated": ctx.dedicated.to_json(),
         "requests_pending": ctx.router.pending_count(),
         "rpc_inflight": ctx.dispatcher.rpc_inflight(),
         "subscriptions": subscriptions_json(ctx),
         "broker_requests": ctx.dispatcher.own_requests(),
         "limits": limits_json(&ctx.settings.limits),
     })
+}
+
+/// How long this process has run, from `/proc` (Linux): the system's
+/// uptime less the process's start time (`/proc/self/stat` field 22, in
+/// clock ticks: `USER_HZ`, 100 on every Linux ABI). `None` elsewhere.
+fn process_uptime_ms() -> Option<u64> {
+    const USER_HZ: u64 = 100;
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) start at field 3.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let start_ticks: u64 = rest.split_whitespace().nth(22 - 3)?.parse().ok()?;
+    let uptime = std::fs::read_to_string("/proc/uptime").ok()?;
+    let system_secs: f64 = uptime.split_whitespace().next()?.parse().ok()?;
+    let system_ms = (system_secs * 1000.0) as u64;
+    Some(system_ms.saturating_sub(start_ticks * 1000 / USER_HZ))
 }
 
 /// Local subscriptions as the broker holds them upstream.
@@ -109,6 +132,7 @@ fn limits_json(l: &Limits) -> Value {
         "sse_keepalive_ms": ms(l.sse_keepalive),
         "max_connections": l.max_connections(),
         "header_read_timeout_ms": ms(l.header_read_timeout),
+        "max_dedicated": l.max_dedicated,
         "max_handshakes": crate::broker::MAX_HANDSHAKES,
         "max_subscriptions_per_client": crate::dispatch::MAX_SUBSCRIPTIONS_PER_CLIENT,
         "upstream_queue_frames": crate::upstream::UPSTREAM_QUEUE_FRAMES,
@@ -118,6 +142,13 @@ fn limits_json(l: &Limits) -> Value {
 #[cfg(test)]
 mod tests {
     use crate::config::redact_url;
+
+    #[test]
+    fn the_process_uptime_is_known_on_linux() {
+        let up = super::process_uptime_ms().expect("/proc is readable");
+        // This test process started moments ago, not days.
+        assert!(up < 24 * 3600 * 1000, "{up}");
+    }
 
     #[test]
     fn urls_lose_credentials() {

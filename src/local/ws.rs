@@ -116,11 +116,13 @@ impl Restarts {
 }
 
 /// Runs one local client to completion. `budget` is lifted once it is admitted.
+/// `peer_pid` is the peer's process id from the kernel, for `/v1/state`.
 pub async fn run(
     ws: Ws,
     budget: PreconnectBudget,
     restarts: Restarts,
     socket: Arc<SocketPolicy>,
+    peer_pid: Option<u32>,
     ctx: Arc<Ctx>,
 ) {
     let (sink, mut stream) = ws.split();
@@ -155,7 +157,7 @@ pub async fn run(
             let challenge = EventHead::from_value("connect.challenge", &Value::Object(payload));
             client.push_frame(challenge.without_seq());
             tokio::select! {
-                admitted = handshake(&mut stream, &client, &socket, &ctx) => admitted,
+                admitted = handshake(&mut stream, &client, &socket, peer_pid, &ctx) => admitted,
                 _ = ctx.cancel.cancelled() => {
                     client.close(1001, "going away");
                     false
@@ -192,6 +194,7 @@ async fn handshake(
     stream: &mut SplitStream<Ws>,
     client: &Arc<Client>,
     socket: &Arc<SocketPolicy>,
+    peer_pid: Option<u32>,
     ctx: &Arc<Ctx>,
 ) -> bool {
     let limits = &ctx.settings.limits;
@@ -233,6 +236,9 @@ async fn handshake(
             return false;
         }
     };
+    let _ = client
+        .identity
+        .set(declared_identity(&req.params, peer_pid));
     let deadline = crate::router::deadline_after(limits.connect_wait);
     let hello = match ctx
         .upstream
@@ -281,7 +287,13 @@ async fn handshake(
     let admitted = ctx.hub.admit(client, |snapshot| {
         encode_res_ok(
             &req.id,
-            &synthesize_hello(&hello, snapshot, &client.conn_id, max_frame, client.grant()),
+            &synthesize_hello(
+                &hello,
+                snapshot,
+                &client.conn_id,
+                max_frame,
+                &client.grant().in_order_of(&params.scopes),
+            ),
         )
     });
     if let Err(e) = admitted {
@@ -296,6 +308,25 @@ async fn handshake(
     true
 }
 
+/// What a `connect` says about its client (`client.id`, `mode`, `version`,
+/// `displayName`), for `/v1/state`; strings only, anything else is left out.
+fn declared_identity(params: &Value, peer_pid: Option<u32>) -> crate::hub::ClientIdentity {
+    let field = |key: &str| {
+        params
+            .get("client")
+            .and_then(|c| c.get(key))
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    };
+    crate::hub::ClientIdentity {
+        client_id: field("id"),
+        mode: field("mode"),
+        version: field("version"),
+        display_name: field("displayName"),
+        peer_pid,
+    }
+}
+
 /// The `hello-ok` a local client gets: the gateway's own, with this client's
 /// `connId`, the current snapshot, a `maxPayload` no larger than either side
 /// accepts, and the broker's effective auth (never its device token).
@@ -304,7 +335,7 @@ fn synthesize_hello(
     snapshot: &Value,
     conn_id: &str,
     max_frame: u64,
-    grant: &Grant,
+    scopes: &[String],
 ) -> Value {
     let mut hello = up.payload.clone();
     if !hello.is_object() {
@@ -345,7 +376,7 @@ fn synthesize_hello(
         }
     }
     auth["role"] = json!("operator");
-    auth["scopes"] = json!(grant);
+    auth["scopes"] = json!(scopes);
     hello["auth"] = auth;
     hello
 }

@@ -57,6 +57,24 @@ impl Grant {
         &self.0
     }
 
+    /// The granted scopes as the gateway lists them in `hello-ok.auth`: in
+    /// the order the client asked for them (the gateway keeps that order),
+    /// then any granted only by implication.
+    pub fn in_order_of(&self, requested: &[String]) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for s in requested.iter().map(|s| s.trim()) {
+            if self.0.iter().any(|g| g == s) && !out.iter().any(|o| o == s) {
+                out.push(s.to_owned());
+            }
+        }
+        for g in &self.0 {
+            if !out.contains(g) {
+                out.push(g.clone());
+            }
+        }
+        out
+    }
+
     pub fn satisfies(&self, required: &str) -> bool {
         satisfied(required, &self.0)
     }
@@ -113,6 +131,16 @@ mod tests {
             "operator scopes only"
         );
         assert!(!Grant::none().satisfies(READ));
+    }
+
+    #[test]
+    fn shown_in_the_order_asked() {
+        let asked: Vec<String> = [WRITE, READ, "node.x", WRITE].map(String::from).to_vec();
+        let grant = Grant::new(&asked).within(&g(&[ADMIN]));
+        assert_eq!(
+            grant.in_order_of(&asked),
+            vec![WRITE.to_string(), READ.to_string()]
+        );
     }
 
     #[test]

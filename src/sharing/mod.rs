@@ -8,12 +8,15 @@
 //! - [`runs`]: which local client started which run (tool-stream `agent`
 //!   events go to it alone; `chat.abort` of someone else's run needs admin).
 //! - [`Sharing::audience`]: who receives an upstream event.
+//! - [`Sharing::observe_tools`]: the observers' opt-in (`/v1/events?tool_events=all`)
+//!   to every tool-stream event the broker receives, for dashboards such as
+//!   `clawmux top`; ordinary clients' audiences are unchanged.
 
 pub mod runs;
 pub mod subscriptions;
 
 use std::collections::HashSet;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -122,11 +125,70 @@ pub struct Sharing {
     pub subscriptions: Subscriptions,
     pub runs: Runs,
     defaults: Mutex<SessionDefaults>,
+    /// Clients that opted in to every tool-stream event (`agent`
+    /// `stream:"tool"`, `session.tool`) the broker receives, not only those
+    /// of runs they started. Held by a [`ToolObserver`] guard.
+    tool_observers: Mutex<HashSet<u64>>,
+}
+
+/// A client's opt-in to every tool-stream event; dropping it ends the opt-in
+/// (the client's stream closed).
+#[derive(Debug)]
+pub struct ToolObserver {
+    sharing: Arc<Sharing>,
+    client_id: u64,
+}
+
+impl Drop for ToolObserver {
+    fn drop(&mut self) {
+        self.sharing.observers().remove(&self.client_id);
+    }
 }
 
 impl Sharing {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    fn observers(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
+        self.tool_observers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `client_id` sees every tool-stream event the broker receives while
+    /// the returned guard lives. Runs started through the broker deliver
+    /// theirs as `agent` `stream:"tool"` (the broker advertises
+    /// `tool-events` upstream); others as `session.tool`, which the gateway
+    /// sends only while some local client holds `sessions.subscribe`.
+    pub fn observe_tools(self: &Arc<Self>, client_id: u64) -> ToolObserver {
+        self.observers().insert(client_id);
+        ToolObserver {
+            sharing: Arc::clone(self),
+            client_id,
+        }
+    }
+
+    /// Whether `client_id` observes every tool-stream event.
+    pub fn observes_tools(&self, client_id: u64) -> bool {
+        self.observers().contains(&client_id)
+    }
+
+    /// A tool-stream audience widened to the observers.
+    fn with_tool_observers(&self, audience: Audience) -> Audience {
+        match audience {
+            Audience::Only(mut ids) => {
+                let observers = self.observers();
+                ids.extend(
+                    observers
+                        .iter()
+                        .filter(|o| !ids.contains(o))
+                        .collect::<Vec<_>>(),
+                );
+                Audience::Only(ids)
+            }
+            all => all,
+        }
     }
 
     /// Takes the gateway's session defaults from a new `hello-ok` snapshot.
@@ -186,12 +248,13 @@ impl Sharing {
                     .and_then(|r| self.runs.tool_events_owner(&r));
                 let mut ids = self.subscriptions.holders(&SubKey::Sessions);
                 ids.retain(|id| Some(*id) != owner);
-                Audience::Only(ids)
+                self.with_tool_observers(Audience::Only(ids))
             }
             "session.message" => {
                 self.sessions_and_key_holders(SessionEventHead::parse(payload).session_key)
             }
-            "agent" => self.runs.agent_audience(payload),
+            // Only tool streams are targeted (`Only`); observers get them too.
+            "agent" => self.with_tool_observers(self.runs.agent_audience(payload)),
             "chat" => {
                 self.runs.end_on_terminal_chat(payload);
                 Audience::All
@@ -259,5 +322,59 @@ mod tests {
         assert_eq!(tool, Audience::Only(vec![]));
         let other = sharing.audience("session.tool", Some(&raw(json!({"runId": "r2"}))));
         assert_eq!(other, Audience::Only(vec![1]));
+    }
+
+    #[test]
+    fn tool_observers_see_every_tool_stream_and_nothing_else_changes() {
+        let sharing = Arc::new(Sharing::new());
+        sharing.subscriptions.lock().subscribe(&SubKey::Sessions, 1);
+        // Client 2 started r1 without asking for tool events; 3 asked.
+        let owner = |client_id, tool_events| runs::RunOwner {
+            client_id,
+            session_key: None,
+            tool_events,
+        };
+        sharing.runs.start("r1", owner(2, false));
+        sharing.runs.start("r3", owner(3, true));
+        let tool =
+            |run: &str| raw(json!({"runId": run, "stream": "tool", "data": {"phase": "start"}}));
+        let agent = |run: &str| sorted(sharing.audience("agent", Some(&tool(run))));
+        let session_tool = |run: &str| sorted(sharing.audience("session.tool", Some(&tool(run))));
+        assert_eq!(agent("r1"), Audience::Only(vec![]));
+        assert_eq!(agent("r3"), Audience::Only(vec![3]));
+        let observer = sharing.observe_tools(9);
+        assert!(sharing.observes_tools(9));
+        assert_eq!(
+            agent("r1"),
+            Audience::Only(vec![9]),
+            "a run that asked for none"
+        );
+        assert_eq!(
+            agent("r3"),
+            Audience::Only(vec![3, 9]),
+            "the owner keeps its own"
+        );
+        assert_eq!(
+            agent("gone"),
+            Audience::Only(vec![9]),
+            "an ended or foreign run"
+        );
+        assert_eq!(session_tool("x"), Audience::Only(vec![1, 9]));
+        // Broadcast and other targeted events are untouched.
+        let text = raw(json!({"runId": "r1", "stream": "assistant"}));
+        assert_eq!(sharing.audience("agent", Some(&text)), Audience::All);
+        let message = sharing.audience(
+            "session.message",
+            Some(&raw(json!({"sessionKey": "agent:main:main"}))),
+        );
+        assert_eq!(message, Audience::Only(vec![1]));
+        drop(observer);
+        assert!(!sharing.observes_tools(9));
+        assert_eq!(
+            agent("r1"),
+            Audience::Only(vec![]),
+            "the opt-in ends with its guard"
+        );
+        assert_eq!(session_tool("x"), Audience::Only(vec![1]));
     }
 }

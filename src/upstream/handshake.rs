@@ -17,13 +17,13 @@ use crate::protocol::{now_ms, ErrorShape, StudioCode, PROTOCOL_MAX, PROTOCOL_MIN
 
 /// The byte stream under the upstream WebSocket: TCP, or a unix socket for
 /// the demo's built-in double.
-pub(super) trait UpstreamIo:
+pub trait UpstreamIo:
     tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static
 {
 }
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static> UpstreamIo for T {}
 
-pub(super) type Ws = WebSocketStream<Box<dyn UpstreamIo>>;
+pub type Ws = WebSocketStream<Box<dyn UpstreamIo>>;
 
 /// The broker's `client` identity upstream (gateway-protocol.md §2.5: the
 /// one that keeps its scopes on loopback with a token alone).
@@ -174,21 +174,10 @@ pub(super) async fn next_text(ws: &mut Ws) -> Result<String, AttemptError> {
                 let (code, reason) = frame
                     .map(|f| (u16::from(f.code), f.reason.as_str().to_owned()))
                     .unwrap_or((1005, String::new()));
-                return Err(if code == 1008 {
-                    AttemptError {
-                        error: ErrorShape::studio(
-                            StudioCode::UpstreamRejected,
-                            format!("Upstream gateway rejected connect (1008): {reason}"),
-                        )
-                        .with_details(json!({"closeCode": code, "closeReason": reason})),
-                        rejected: true,
-                        retry_after: None,
-                    }
-                } else {
-                    AttemptError::new(
-                        StudioCode::UpstreamClosed,
-                        format!("Upstream gateway closed ({code}): {reason}"),
-                    )
+                return Err(AttemptError {
+                    error: closed_before_answer(code, &reason),
+                    rejected: code == 1008,
+                    retry_after: None,
                 });
             }
             Some(Ok(_)) => {}
@@ -206,6 +195,47 @@ pub(super) async fn next_text(ws: &mut Ws) -> Result<String, AttemptError> {
             }
         }
     }
+}
+
+/// The gateway closed before answering a `connect`: `1008` is a refusal
+/// (`studio.upstream_rejected`, Claw3D's mapping), anything else
+/// `studio.upstream_closed`. Shared with the dedicated route.
+pub(crate) fn closed_before_answer(code: u16, reason: &str) -> ErrorShape {
+    if code == 1008 {
+        ErrorShape::studio(
+            StudioCode::UpstreamRejected,
+            format!("Upstream gateway rejected connect (1008): {reason}"),
+        )
+        .with_details(json!({"closeCode": code, "closeReason": reason}))
+    } else {
+        ErrorShape::studio(
+            StudioCode::UpstreamClosed,
+            format!("Upstream gateway closed ({code}): {reason}"),
+        )
+    }
+}
+
+/// Opening the gateway connection failed (TCP, TLS, WebSocket upgrade).
+pub(crate) fn open_failed(url: &str, e: impl std::fmt::Display) -> ErrorShape {
+    ErrorShape::studio(
+        StudioCode::UpstreamError,
+        format!(
+            "cannot open the gateway connection to {}: {e}; is the gateway running? (start it: openclaw gateway)",
+            crate::config::redact_url(url)
+        ),
+    )
+}
+
+/// The gateway did not complete its handshake within `timeout`.
+pub(crate) fn handshake_timed_out(url: &str, timeout: Duration) -> ErrorShape {
+    ErrorShape::studio(
+        StudioCode::UpstreamTimeout,
+        format!(
+            "the gateway at {} did not complete its handshake within {} ms",
+            crate::config::redact_url(url),
+            timeout.as_millis()
+        ),
+    )
 }
 
 /// Maps a gateway `connect` error to the broker's failure. A retryable error

@@ -20,6 +20,38 @@
 pub mod aux;
 mod connector;
 mod handshake;
+
+pub(crate) use handshake::{closed_before_answer, handshake_timed_out, open_failed};
+pub use handshake::{UpstreamIo, Ws as GatewaySocket};
+
+/// Opens a gateway WebSocket to `target` exactly as the shared session
+/// does: the same URL and transport checks (`ws://` only where plaintext is
+/// allowed), TCP or the configured unix socket, TLS with the configured
+/// trust and pin for `wss://`, frames bounded by `[upstream]
+/// max_frame_bytes`. The dedicated route ([`crate::local::dedicated`])
+/// calls this, so both routes reach the same gateways the same way.
+pub async fn open_socket(
+    target: &Target,
+    opts: &crate::config::UpstreamOptions,
+) -> Result<GatewaySocket, ErrorShape> {
+    let url = target.url.trim();
+    if let Some(e) = &target.load_error {
+        return Err(e.clone());
+    }
+    crate::config::validate_gateway_url(url)
+        .and_then(|()| tls::check_transport(url, &target.tls, target.allow_insecure_private_ws))?;
+    let mut tls_client = None;
+    connector::open_socket(
+        url,
+        opts,
+        &target.tls,
+        &mut tls_client,
+        &PeerCertificate::default(),
+    )
+    .await
+    .map_err(|e| e.error)
+}
+
 pub mod identity;
 mod private_files;
 pub mod tls;
@@ -520,6 +552,11 @@ impl Upstream {
     /// The ready session's `hello-ok`, if one is ready.
     pub fn hello(&self) -> Option<Arc<UpstreamHello>> {
         self.status.borrow().hello.clone()
+    }
+
+    /// The settings the connector is pointed at now (after any reload).
+    pub fn target(&self) -> Target {
+        self.target.borrow().clone()
     }
 
     /// The gateway URL the connector is pointed at now (after any reload).

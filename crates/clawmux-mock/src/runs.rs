@@ -131,6 +131,63 @@ fn agent_event(run: &RunScript, seq: u64, stream: &str, data: Value) -> Value {
     })
 }
 
+/// What a scripted run thinks, in streamed pieces.
+const THINKING: [&str; 2] = [
+    "The user wants a reply; ",
+    "let me check the workspace first.",
+];
+
+/// One scripted tool call: name, arguments, result text.
+struct ScriptedTool {
+    name: &'static str,
+    args: &'static str,
+    meta: &'static str,
+    output: &'static str,
+}
+
+/// The tool calls every scripted run makes (in parallel).
+const TOOL_CALLS: [ScriptedTool; 2] = [
+    ScriptedTool {
+        name: "exec",
+        args: r#"{"command":"ls"}"#,
+        meta: "ls",
+        output: "README.md\nsrc\n",
+    },
+    ScriptedTool {
+        name: "read",
+        args: r#"{"path":"README.md"}"#,
+        meta: "README.md",
+        output: "# Workspace\n",
+    },
+];
+
+/// A tool event's `data` in the real gateway's shape (openclaw 2026.9.6,
+/// embedded runner: `start` carries `args`, `result` carries `meta`,
+/// `isError` and the tool's `result`).
+fn tool_data(phase: &str, tool: &ScriptedTool, call_id: &str) -> Value {
+    let mut data = json!({ "phase": phase, "name": tool.name, "toolCallId": call_id });
+    if phase == "start" {
+        data["args"] = serde_json::from_str(tool.args).unwrap_or(Value::Null);
+    } else {
+        data["meta"] = json!(tool.meta);
+        data["isError"] = json!(false);
+        data["result"] = json!({ "content": [{ "type": "text", "text": tool.output }] });
+    }
+    data
+}
+
+/// Delivers a tool-stream event as the gateway does (`server-chat.ts`): as
+/// `agent` to the run's tool-events recipient, and as `session.tool` (same
+/// payload) to the other `sessions.subscribe` subscribers.
+fn emit_tool_event(inner: &Inner, payload: &Value, recipient: Option<u64>) {
+    if let Some(conn) = recipient {
+        inner.broadcast_filtered("agent", payload, None, false, |c| c.index == conn);
+    }
+    inner.broadcast_filtered("session.tool", payload, None, true, |c| {
+        c.sessions_subscribed && Some(c.index) != recipient
+    });
+}
+
 /// Plays one step if the run is still active; returns false once aborted.
 fn step(inner: &Inner, run_key: &str, play: impl FnOnce(&Inner, &mut ChatState)) -> bool {
     let mut chats = lock(&inner.chats);
@@ -179,27 +236,37 @@ async fn play_run(inner: Arc<Inner>, run_key: String, run: RunScript) {
     }) {
         return;
     }
-    if let Some(conn) = run.tool_recipient {
-        let call_id = format!("call_{}", uuid::Uuid::new_v4().simple());
-        for (phase, extra) in [
-            ("start", json!({ "args": { "command": "echo mock" } })),
-            (
-                "result",
-                json!({ "result": { "stdout": "mock\n", "exitCode": 0 } }),
-            ),
-        ] {
-            pause().await;
-            let mut data = json!({ "phase": phase, "name": "exec", "toolCallId": call_id });
-            if let (Some(d), Some(e)) = (data.as_object_mut(), extra.as_object()) {
-                d.extend(e.clone());
-            }
-            let tool = agent_event(&run, next_seq(), "tool", data);
-            let sent = step(&inner, &run_key, |i, _| {
-                i.broadcast_filtered("agent", &tool, None, false, |c| c.index == conn);
-            });
-            if !sent {
-                return;
-            }
+    // Thinking streams like assistant text: cumulative `text` and an
+    // incremental `delta` (openclaw 2026.9.6 emitReasoningStream), broadcast.
+    let mut thought = String::new();
+    for chunk in THINKING {
+        pause().await;
+        thought.push_str(chunk);
+        let thinking = agent_event(
+            &run,
+            next_seq(),
+            "thinking",
+            json!({ "text": thought, "delta": chunk }),
+        );
+        if !step(&inner, &run_key, |i, _| {
+            i.broadcast("agent", &thinking, None, false)
+        }) {
+            return;
+        }
+    }
+    // Two tool calls in parallel: both start, the second ends first.
+    let call_ids: Vec<String> = TOOL_CALLS
+        .iter()
+        .map(|_| format!("call_{}", uuid::Uuid::new_v4().simple()))
+        .collect();
+    for (phase, index) in [("start", 0), ("start", 1), ("result", 1), ("result", 0)] {
+        pause().await;
+        let data = tool_data(phase, &TOOL_CALLS[index], &call_ids[index]);
+        let tool = agent_event(&run, next_seq(), "tool", data);
+        if !step(&inner, &run_key, |i, _| {
+            emit_tool_event(i, &tool, run.tool_recipient)
+        }) {
+            return;
         }
     }
     let mut text = String::new();

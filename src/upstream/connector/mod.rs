@@ -402,13 +402,9 @@ impl Connector {
                 }
                 Err(_) => {
                     failures += 1;
-                    let e = ErrorShape::studio(
-                        StudioCode::UpstreamTimeout,
-                        format!(
-                            "the gateway at {} did not complete its handshake within {} ms",
-                            redact_url(&self.url),
-                            self.opts.handshake_timeout.as_millis()
-                        ),
+                    let e = super::handshake::handshake_timed_out(
+                        &self.url,
+                        self.opts.handshake_timeout,
                     );
                     tracing::warn!(code = %e.code, failures, "{}", e.message);
                     self.status.send_modify(|s| s.last_error = Some(e));
@@ -462,22 +458,14 @@ impl Connector {
     /// Opens the socket and performs the handshake. Events that arrive
     /// before `hello-ok` are returned so they can be published after it.
     async fn attempt(&mut self) -> Result<(Ws, UpstreamHello, EarlyEvents), AttemptError> {
-        let config = WebSocketConfig::default()
-            .max_message_size(Some(self.opts.max_frame_bytes))
-            .max_frame_size(Some(self.opts.max_frame_bytes));
-        let io = self.open_stream().await?;
-        let (mut ws, _) =
-            tokio_tungstenite::client_async_with_config(self.url.as_str(), io, Some(config))
-                .await
-                .map_err(|e| {
-                    AttemptError::new(
-                        StudioCode::UpstreamError,
-                        format!(
-                    "the WebSocket handshake with {} failed: {e}; is this the gateway's URL?",
-                    redact_url(&self.url)
-                ),
-                    )
-                })?;
+        let mut ws = open_socket(
+            &self.url,
+            &self.opts,
+            &self.tls,
+            &mut self.tls_client,
+            &self.peer_certificate,
+        )
+        .await?;
         self.set_phase(Phase::Handshaking);
         let challenge = loop {
             let text = next_text(&mut ws).await?;
@@ -596,79 +584,6 @@ impl Connector {
         }
     }
 
-    /// Opens the byte stream to the gateway: TCP to the URL's host and port
-    /// (Nagle off, as tokio-tungstenite's own `connect_async` does), then
-    /// TLS for `wss://` ([`TlsClient`]); or the configured unix socket.
-    async fn open_stream(&mut self) -> Result<Box<dyn super::handshake::UpstreamIo>, AttemptError> {
-        let unreachable = |e: std::io::Error| {
-            AttemptError::new(
-                StudioCode::UpstreamError,
-                format!(
-                    "cannot open the gateway connection to {}: {e}; is the gateway running? (start it: openclaw gateway)",
-                    redact_url(&self.url)
-                ),
-            )
-        };
-        if let Some(path) = &self.opts.unix_socket {
-            let unix = tokio::net::UnixStream::connect(path).await;
-            return Ok(Box::new(unix.map_err(unreachable)?));
-        }
-        let uri: http::Uri = self.url.parse().map_err(|e| {
-            AttemptError::new(StudioCode::GatewayUrlInvalid, format!("bad URL: {e}"))
-        })?;
-        let secure = uri.scheme_str() == Some("wss");
-        let host = uri.host().unwrap_or_default();
-        let host = host
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_owned();
-        let port = uri.port_u16().unwrap_or(if secure { 443 } else { 80 });
-        let tcp = tokio::net::TcpStream::connect((host.as_str(), port))
-            .await
-            .map_err(unreachable)?;
-        tcp.set_nodelay(true).map_err(unreachable)?;
-        if !secure {
-            return Ok(Box::new(tcp));
-        }
-        let client = self.tls_client().await?;
-        let (tls, seen) = client.connect(&self.url, &host, tcp).await;
-        *self
-            .peer_certificate
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = seen;
-        Ok(Box::new(tls?))
-    }
-
-    /// The TLS client for the current settings, loading the trust store
-    /// off the runtime's threads the first time. An unusable CA file is a
-    /// settings error: retried only every `backoff_max`.
-    async fn tls_client(&mut self) -> Result<Arc<TlsClient>, AttemptError> {
-        if let Some(client) = self.tls_client.as_ref().filter(|c| c.serves(&self.tls)) {
-            return Ok(Arc::clone(client));
-        }
-        let settings = self.tls.clone();
-        let loaded = tokio::task::spawn_blocking(move || TlsClient::load(&settings))
-            .await
-            .unwrap_or_else(|e| {
-                Err(crate::protocol::ErrorShape::studio(
-                    StudioCode::UpstreamError,
-                    format!("loading the TLS trust store failed: {e}"),
-                ))
-            });
-        match loaded {
-            Ok(client) => {
-                let client = Arc::new(client);
-                self.tls_client = Some(Arc::clone(&client));
-                Ok(client)
-            }
-            Err(error) => Err(AttemptError {
-                error,
-                rejected: true,
-                retry_after: None,
-            }),
-        }
-    }
-
     /// Persists the device token the gateway minted, so a later connect
     /// without a shared token can still authenticate. The store syncs the
     /// file to disk, so it runs off the runtime's threads.
@@ -694,6 +609,116 @@ impl Connector {
             Ok(Err(e)) => tracing::warn!(device_id, "cannot store the device token: {e}"),
             Err(e) => tracing::warn!(device_id, "cannot store the device token: {e}"),
         }
+    }
+}
+
+/// Opens a gateway WebSocket: [`open_stream`], then the upgrade, frames
+/// bounded by `[upstream] max_frame_bytes`. The shared session and the
+/// dedicated route ([`crate::upstream::open_socket`]) both open their
+/// connections with this, so both reach the same gateways the same way.
+pub(crate) async fn open_socket(
+    url: &str,
+    opts: &UpstreamOptions,
+    tls: &TlsSettings,
+    tls_client: &mut Option<Arc<TlsClient>>,
+    peer_certificate: &PeerCertificate,
+) -> Result<Ws, AttemptError> {
+    let config = WebSocketConfig::default()
+        .max_message_size(Some(opts.max_frame_bytes))
+        .max_frame_size(Some(opts.max_frame_bytes));
+    let io = open_stream(url, opts, tls, tls_client, peer_certificate).await?;
+    let (ws, _) = tokio_tungstenite::client_async_with_config(url, io, Some(config))
+        .await
+        .map_err(|e| {
+            AttemptError::new(
+                StudioCode::UpstreamError,
+                format!(
+                    "the WebSocket handshake with {} failed: {e}; is this the gateway's URL?",
+                    redact_url(url)
+                ),
+            )
+        })?;
+    Ok(ws)
+}
+
+/// Opens the byte stream to the gateway: TCP to the URL's host and port
+/// (Nagle off, as tokio-tungstenite's own `connect_async` does), then
+/// TLS for `wss://` ([`TlsClient`], loaded into `tls_client` the first
+/// time); or the configured unix socket. The certificate the gateway
+/// showed goes to `peer_certificate`.
+async fn open_stream(
+    url: &str,
+    opts: &UpstreamOptions,
+    tls: &TlsSettings,
+    tls_client: &mut Option<Arc<TlsClient>>,
+    peer_certificate: &PeerCertificate,
+) -> Result<Box<dyn super::handshake::UpstreamIo>, AttemptError> {
+    let unreachable = |e: std::io::Error| {
+        AttemptError::new(
+            StudioCode::UpstreamError,
+            format!(
+                "cannot open the gateway connection to {}: {e}; is the gateway running? (start it: openclaw gateway)",
+                redact_url(url)
+            ),
+        )
+    };
+    if let Some(path) = &opts.unix_socket {
+        let unix = tokio::net::UnixStream::connect(path).await;
+        return Ok(Box::new(unix.map_err(unreachable)?));
+    }
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| AttemptError::new(StudioCode::GatewayUrlInvalid, format!("bad URL: {e}")))?;
+    let secure = uri.scheme_str() == Some("wss");
+    let host = uri.host().unwrap_or_default();
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    let port = uri.port_u16().unwrap_or(if secure { 443 } else { 80 });
+    let tcp = tokio::net::TcpStream::connect((host.as_str(), port))
+        .await
+        .map_err(unreachable)?;
+    tcp.set_nodelay(true).map_err(unreachable)?;
+    if !secure {
+        return Ok(Box::new(tcp));
+    }
+    let client = load_tls_client(tls_client, tls).await?;
+    let (stream, seen) = client.connect(url, &host, tcp).await;
+    *peer_certificate.lock().unwrap_or_else(|p| p.into_inner()) = seen;
+    Ok(Box::new(stream?))
+}
+
+/// The TLS client for `settings`, loading the trust store off the
+/// runtime's threads the first time (kept in `cache`). An unusable CA file
+/// is a settings error: retried only every `backoff_max`.
+async fn load_tls_client(
+    cache: &mut Option<Arc<TlsClient>>,
+    settings: &TlsSettings,
+) -> Result<Arc<TlsClient>, AttemptError> {
+    if let Some(client) = cache.as_ref().filter(|c| c.serves(settings)) {
+        return Ok(Arc::clone(client));
+    }
+    let owned = settings.clone();
+    let loaded = tokio::task::spawn_blocking(move || TlsClient::load(&owned))
+        .await
+        .unwrap_or_else(|e| {
+            Err(crate::protocol::ErrorShape::studio(
+                StudioCode::UpstreamError,
+                format!("loading the TLS trust store failed: {e}"),
+            ))
+        });
+    match loaded {
+        Ok(client) => {
+            let client = Arc::new(client);
+            *cache = Some(Arc::clone(&client));
+            Ok(client)
+        }
+        Err(error) => Err(AttemptError {
+            error,
+            rejected: true,
+            retry_after: None,
+        }),
     }
 }
 

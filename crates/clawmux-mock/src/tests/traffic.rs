@@ -128,11 +128,17 @@ async fn chat_send_acks_then_streams_events_to_everyone() {
     }
     assert_eq!(kinds[0], "agent:lifecycle:start");
     assert_eq!(
-        kinds[1..3],
+        kinds[1..7],
         [
-            "agent:tool:start".to_string(),
-            "agent:tool:result".to_string()
+            "agent:thinking:",
+            "agent:thinking:",
+            "agent:tool:start",
+            "agent:tool:start",
+            "agent:tool:result",
+            "agent:tool:result"
         ]
+        .map(String::from),
+        "thinking, then two tool calls in parallel"
     );
     assert!(
         kinds.contains(&"agent:assistant:".to_string())
@@ -393,6 +399,53 @@ async fn simulated_runs_reach_every_ready_connection() {
         }
     }
     assert_eq!(gw.chat_history("agent:main:main").len(), 1);
+}
+
+#[tokio::test]
+async fn a_scripted_runs_thinking_is_broadcast_and_its_tools_reach_session_subscribers() {
+    let gw = MockGateway::start(fast_config()).await.expect("start");
+    let (mut subscriber, _) = ready_client(&gw, params(Some("secret"))).await;
+    let (mut other, _) = ready_client(&gw, params(Some("secret"))).await;
+    let ok = subscriber.request("sessions.subscribe", json!({})).await;
+    assert_eq!(ok["ok"], true, "{ok}");
+    let run_id = gw.simulate_run("agent:main:main", "Hello");
+    // Nobody started it: tool events go as session.tool (the agent payload)
+    // to sessions.subscribe holders, never as agent stream "tool".
+    let mut tools = Vec::new();
+    let mut thinking = 0;
+    loop {
+        let f = subscriber.recv_json().await;
+        let p = &f["payload"];
+        match (f["event"].as_str(), p["stream"].as_str()) {
+            (Some("session.tool"), _) => {
+                assert_eq!(
+                    (p["runId"].clone(), p["stream"].clone()),
+                    (json!(run_id), json!("tool"))
+                );
+                tools.push(format!(
+                    "{}:{}",
+                    p["data"]["name"].as_str().unwrap(),
+                    p["data"]["phase"].as_str().unwrap()
+                ));
+            }
+            (Some("agent"), Some("thinking")) => thinking += 1,
+            (Some("agent"), Some("tool")) => panic!("a run nobody started has no tool recipient"),
+            (Some("agent"), Some("lifecycle")) if p["data"]["phase"] == "end" => break,
+            _ => {}
+        }
+    }
+    assert_eq!(
+        tools,
+        ["exec:start", "read:start", "read:result", "exec:result"]
+    );
+    assert_eq!(thinking, 2);
+    loop {
+        let f = other.recv_json().await;
+        assert_ne!(f["event"], "session.tool", "not subscribed");
+        if f["event"] == "agent" && f["payload"]["data"]["phase"] == "end" {
+            break;
+        }
+    }
 }
 
 #[tokio::test]

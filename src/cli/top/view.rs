@@ -1,0 +1,585 @@
+//! `clawmux top`'s state and drawing: pure (no terminal, no socket), so it
+//! is tested with ratatui's `TestBackend`.
+
+use std::collections::{HashMap, VecDeque};
+
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{
+    Block, Borders, List, ListItem, ListState, Paragraph, Row, Sparkline, Table,
+};
+use ratatui::Frame;
+use serde_json::Value;
+
+use crate::activity::render::{
+    args_summary, bytes, cut, duration, one_line, preview, short_id, tool_outcome,
+};
+use crate::activity::{Activity, Item, Observed, Run, RunStatus};
+
+/// Seconds of event rate kept for the sparkline (wider than any terminal
+/// shows; older seconds are dropped).
+pub const RATE_SECONDS: usize = 256;
+/// Client rows shown at most (the title says how many there are).
+pub const MAX_CLIENT_ROWS: usize = 5;
+
+/// What a key asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    None,
+    Redraw,
+    Quit,
+}
+
+/// A key, as `top` reads it (decoupled from crossterm for tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Key {
+    Up,
+    Down,
+    Home,
+    End,
+    Toggle,
+    Expand,
+    Collapse,
+    Char(char),
+    Quit,
+    /// The terminal changed size.
+    Resize,
+}
+
+/// One line of the activity tree.
+#[derive(Debug, Clone)]
+struct TreeRow {
+    /// Stable identity, so the selection follows a row as others arrive.
+    key: String,
+    /// The run it belongs to (expand/collapse), if any.
+    run: Option<String>,
+    line: Line<'static>,
+}
+
+/// Everything `top` shows.
+#[derive(Debug)]
+pub struct App {
+    pub activity: Activity,
+    /// The activity as it was when paused (drawn instead of the live one).
+    frozen: Option<Activity>,
+    /// The last `/v1/state` document.
+    pub state: Value,
+    /// How the event stream is doing ("live", or why not).
+    pub link: String,
+    /// The last thing worth telling (missed events, a broker restart).
+    pub notice: Option<String>,
+    rates: VecDeque<u64>,
+    this_second: u64,
+    selected: Option<String>,
+    /// Runs expanded or collapsed by hand (others: expanded while running,
+    /// and the newest of each session).
+    expanded: HashMap<String, bool>,
+    pub session_filter: Option<String>,
+    pub color: bool,
+    /// Now (ms), for durations of what is still running.
+    pub now_ms: u64,
+}
+
+impl App {
+    pub fn new(color: bool, now_ms: u64) -> Self {
+        App {
+            activity: Activity::new(),
+            frozen: None,
+            state: Value::Null,
+            link: "connecting".into(),
+            notice: None,
+            rates: VecDeque::new(),
+            this_second: 0,
+            selected: None,
+            expanded: HashMap::new(),
+            session_filter: None,
+            color,
+            now_ms,
+        }
+    }
+
+    /// One gateway event from the stream.
+    pub fn on_event(&mut self, name: &str, frame: &Value) {
+        self.this_second += 1;
+        self.activity.apply(Observed {
+            name,
+            payload: &frame["payload"],
+            received_ms: self.now_ms,
+        });
+    }
+
+    /// A second passed: the rate sparkline moves on.
+    pub fn next_second(&mut self) {
+        self.rates.push_back(std::mem::take(&mut self.this_second));
+        while self.rates.len() > RATE_SECONDS {
+            self.rates.pop_front();
+        }
+    }
+
+    pub fn paused(&self) -> bool {
+        self.frozen.is_some()
+    }
+
+    fn shown(&self) -> &Activity {
+        self.frozen.as_ref().unwrap_or(&self.activity)
+    }
+
+    /// Handles a key.
+    pub fn key(&mut self, key: Key) -> Action {
+        let rows = self.rows();
+        let at = self.selected_index(&rows);
+        let select = |app: &mut App, i: usize| {
+            app.selected = rows
+                .get(i.min(rows.len().saturating_sub(1)))
+                .map(|r| r.key.clone());
+        };
+        match key {
+            Key::Quit | Key::Char('q') => return Action::Quit,
+            Key::Up | Key::Char('k') => select(self, at.saturating_sub(1)),
+            Key::Down | Key::Char('j') => select(self, at + 1),
+            Key::Home | Key::Char('g') => select(self, 0),
+            Key::End | Key::Char('G') => select(self, rows.len().saturating_sub(1)),
+            Key::Toggle | Key::Expand | Key::Collapse => {
+                if let Some(run) = rows.get(at).and_then(|r| r.run.clone()) {
+                    let open = self.is_expanded(&run);
+                    let want = match key {
+                        Key::Expand => true,
+                        Key::Collapse => false,
+                        _ => !open,
+                    };
+                    self.expanded.insert(run.clone(), want);
+                    self.selected = Some(format!("r:{run}"));
+                }
+            }
+            Key::Char('p') | Key::Char(' ') => {
+                self.frozen = match self.frozen.take() {
+                    Some(_) => None,
+                    None => Some(self.activity.clone()),
+                };
+            }
+            Key::Char('s') => {
+                // Cycle: all sessions, then each session in turn.
+                let sessions: Vec<String> = self
+                    .shown()
+                    .sessions()
+                    .into_iter()
+                    .map(|(k, _)| k)
+                    .collect();
+                self.session_filter = match &self.session_filter {
+                    None => sessions.first().cloned(),
+                    Some(cur) => sessions
+                        .iter()
+                        .position(|s| s == cur)
+                        .and_then(|i| sessions.get(i + 1))
+                        .cloned(),
+                };
+                self.selected = None;
+            }
+            Key::Resize => {}
+            Key::Char(_) => return Action::None,
+        }
+        Action::Redraw
+    }
+
+    fn is_expanded(&self, run_id: &str) -> bool {
+        if let Some(open) = self.expanded.get(run_id) {
+            return *open;
+        }
+        let activity = self.shown();
+        activity.run(run_id).is_some_and(|run| {
+            run.running()
+                || activity
+                    .sessions()
+                    .iter()
+                    .find(|(k, _)| *k == run.session_key)
+                    .and_then(|(_, runs)| runs.first())
+                    .is_some_and(|newest| newest.id == run.id)
+        })
+    }
+
+    fn selected_index(&self, rows: &[TreeRow]) -> usize {
+        self.selected
+            .as_ref()
+            .and_then(|k| rows.iter().position(|r| &r.key == k))
+            .unwrap_or(0)
+    }
+
+    fn style(&self, color: Color) -> Style {
+        if self.color {
+            Style::default().fg(color)
+        } else {
+            Style::default()
+        }
+    }
+
+    fn status_style(&self, status: &RunStatus) -> Style {
+        self.style(match status {
+            RunStatus::Running => Color::Yellow,
+            RunStatus::Ok => Color::Green,
+            RunStatus::Aborted => Color::Magenta,
+            RunStatus::Error(_) => Color::Red,
+        })
+    }
+
+    /// The activity tree as lines, sessions by latest activity, runs newest first.
+    fn rows(&self) -> Vec<TreeRow> {
+        let mut rows = Vec::new();
+        let dim = if self.color {
+            Style::default().add_modifier(Modifier::DIM)
+        } else {
+            Style::default()
+        };
+        for (session, runs) in self.shown().sessions() {
+            if self.session_filter.as_ref().is_some_and(|f| *f != session) {
+                continue;
+            }
+            let running = runs.iter().filter(|r| r.running()).count();
+            rows.push(TreeRow {
+                key: format!("s:{session}"),
+                run: None,
+                line: Line::from(vec![
+                    Span::styled(
+                        session.clone(),
+                        self.style(Color::Cyan).add_modifier(Modifier::BOLD),
+                    ),
+                    Span::styled(
+                        format!(
+                            "  {} run{}, {running} running",
+                            runs.len(),
+                            if runs.len() == 1 { "" } else { "s" }
+                        ),
+                        dim,
+                    ),
+                ]),
+            });
+            for run in runs {
+                let open = self.is_expanded(&run.id);
+                rows.push(self.run_row(run, open));
+                if open {
+                    self.run_children(run, &mut rows);
+                }
+            }
+        }
+        rows
+    }
+
+    fn run_row(&self, run: &Run, open: bool) -> TreeRow {
+        let took = duration(
+            run.ended_ms
+                .unwrap_or(self.now_ms)
+                .saturating_sub(run.started_ms),
+        );
+        let status = match &run.status {
+            RunStatus::Error(message) => format!("error: {}", one_line(message)),
+            other => other.as_str().to_owned(),
+        };
+        let tools = run
+            .items
+            .iter()
+            .filter(|i| matches!(i, Item::Tool(_)))
+            .count();
+        let mut spans = vec![
+            Span::raw(format!(
+                " {} run {} ",
+                if open { "▾" } else { "▸" },
+                short_id(&run.id)
+            )),
+            Span::styled(status, self.status_style(&run.status)),
+            Span::raw(format!(" {took}")),
+        ];
+        if tools > 0 {
+            spans.push(Span::raw(format!(
+                ", {tools} tool{}",
+                if tools == 1 { "" } else { "s" }
+            )));
+        }
+        if !open && !run.output.is_empty() {
+            spans.push(Span::raw(format!("  {}", preview(&run.output))));
+        }
+        TreeRow {
+            key: format!("r:{}", run.id),
+            run: Some(run.id.clone()),
+            line: Line::from(spans),
+        }
+    }
+
+    fn run_children(&self, run: &Run, rows: &mut Vec<TreeRow>) {
+        let child = |key: String, spans: Vec<Span<'static>>| TreeRow {
+            key,
+            run: Some(run.id.clone()),
+            line: Line::from(spans),
+        };
+        for (n, item) in run.items.iter().enumerate() {
+            let key = format!("i:{}:{n}", run.id);
+            match item {
+                Item::Thinking(t) => {
+                    let took = duration(
+                        t.ended_ms
+                            .unwrap_or(self.now_ms)
+                            .saturating_sub(t.started_ms),
+                    );
+                    rows.push(child(
+                        key,
+                        vec![
+                            Span::raw("     "),
+                            Span::styled("thinking", self.style(Color::Blue)),
+                            Span::raw(format!(" {took} {}", preview(&t.text))),
+                        ],
+                    ));
+                }
+                Item::Tool(call) => {
+                    let indent = if call.parent_call_id.is_some() {
+                        "       "
+                    } else {
+                        "     "
+                    };
+                    let mut call = call.clone();
+                    if call.ended_ms.is_none() {
+                        // A running call's duration so far.
+                        call.ended_ms = Some(self.now_ms.max(call.started_ms));
+                    }
+                    let outcome_style = match (call.is_error, call.interrupted) {
+                        (_, true) | (Some(true), _) => self.style(Color::Red),
+                        (None, _) => self.style(Color::Yellow),
+                        _ => self.style(Color::Green),
+                    };
+                    rows.push(child(
+                        key,
+                        vec![
+                            Span::raw(indent),
+                            Span::styled(format!("tool {}", call.name), self.style(Color::Magenta)),
+                            Span::raw(format!(" {} ", args_summary(&call.args))),
+                            Span::styled(tool_outcome(&call), outcome_style),
+                        ],
+                    ));
+                }
+            }
+        }
+        if run.dropped_items > 0 {
+            rows.push(child(
+                format!("d:{}", run.id),
+                vec![Span::raw(format!(
+                    "     … {} more not kept",
+                    run.dropped_items
+                ))],
+            ));
+        }
+        if !run.output.is_empty() {
+            let label = if run.running() {
+                "assistant (streaming)"
+            } else {
+                "assistant"
+            };
+            rows.push(child(
+                format!("o:{}", run.id),
+                vec![
+                    Span::raw("     "),
+                    Span::styled(label, self.style(Color::Cyan)),
+                    Span::raw(format!(" {}", preview(&run.output))),
+                ],
+            ));
+        }
+        if let Some(ended) = run.ended_ms {
+            let end = match &run.status {
+                RunStatus::Error(message) => format!("error: {}", preview(message)),
+                other => other.as_str().to_owned(),
+            };
+            rows.push(child(
+                format!("e:{}", run.id),
+                vec![
+                    Span::raw("     "),
+                    Span::styled(format!("end {end}"), self.status_style(&run.status)),
+                    Span::raw(format!(
+                        " after {}",
+                        duration(ended.saturating_sub(run.started_ms))
+                    )),
+                ],
+            ));
+        }
+    }
+}
+
+/// Draws the whole dashboard.
+pub fn draw(frame: &mut Frame, app: &App) {
+    let clients = app.state["clients"].as_array().cloned().unwrap_or_default();
+    let client_rows = clients.len().min(MAX_CLIENT_ROWS);
+    let [header, spark, table, tree, footer] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Length(1),
+        Constraint::Length(client_rows as u16 + 2),
+        Constraint::Min(3),
+        Constraint::Length(1),
+    ])
+    .areas(frame.area());
+    draw_header(frame, app, header);
+    draw_rate(frame, app, spark);
+    draw_clients(frame, app, &clients, table);
+    draw_tree(frame, app, tree);
+    let help = "q quit  ↑↓ move  ⏎ expand  s session  p pause";
+    let right = match (&app.notice, app.link.as_str()) {
+        (_, link) if link != "live" => link.to_owned(),
+        (Some(n), _) => n.clone(),
+        _ => String::new(),
+    };
+    let width = footer.width as usize;
+    let right = cut(&right, width.saturating_sub(help.chars().count() + 2));
+    let gap = width.saturating_sub(help.chars().count() + right.chars().count());
+    frame.render_widget(
+        Paragraph::new(Line::from(vec![
+            Span::styled(help, app.style(Color::DarkGray)),
+            Span::raw(" ".repeat(gap)),
+            Span::styled(right, app.style(Color::Yellow)),
+        ])),
+        footer,
+    );
+}
+
+fn draw_header(frame: &mut Frame, app: &App, area: Rect) {
+    let s = &app.state;
+    let phase = s["upstream"]["phase"].as_str().unwrap_or("unknown");
+    let phase_style = app.style(if phase == "ready" {
+        Color::Green
+    } else {
+        Color::Red
+    });
+    let version = s["upstream"]["server_version"].as_str().unwrap_or("-");
+    let up = s["broker"]["uptime_ms"]
+        .as_u64()
+        .map(uptime)
+        .unwrap_or_else(|| "-".into());
+    let rate = app.rates.back().copied().unwrap_or(0);
+    let mut spans = vec![Span::styled(
+        "clawmux top",
+        Style::default().add_modifier(Modifier::BOLD),
+    )];
+    if app.paused() {
+        spans.push(Span::styled(
+            " PAUSED",
+            app.style(Color::Yellow).add_modifier(Modifier::BOLD),
+        ));
+    }
+    spans.extend([
+        Span::raw("  upstream "),
+        Span::styled(phase.to_owned(), phase_style),
+        Span::raw(format!(
+            "  gateway {version}  up {up}  {rate} ev/s  {} running",
+            app.shown().running()
+        )),
+    ]);
+    frame.render_widget(Paragraph::new(Line::from(spans)), area);
+}
+
+/// `2d03h`, `1h02m`, `3m05s`, `42s`: short, for the header.
+fn uptime(ms: u64) -> String {
+    let s = ms / 1000;
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
+        3600..=86_399 => format!("{}h{:02}m", s / 3600, (s / 60) % 60),
+        _ => format!("{}d{:02}h", s / 86_400, (s / 3600) % 24),
+    }
+}
+
+fn draw_rate(frame: &mut Frame, app: &App, area: Rect) {
+    let [label, bars] = Layout::horizontal([Constraint::Length(9), Constraint::Min(1)]).areas(area);
+    frame.render_widget(Paragraph::new("events/s "), label);
+    let width = bars.width as usize;
+    let data: Vec<u64> = app.rates.iter().rev().take(width).rev().copied().collect();
+    frame.render_widget(
+        Sparkline::default()
+            .data(&data)
+            .style(app.style(Color::Green)),
+        bars,
+    );
+}
+
+fn draw_clients(frame: &mut Frame, app: &App, clients: &[Value], area: Rect) {
+    let header = Row::new([
+        "id",
+        "kind",
+        "client/mode",
+        "pid",
+        "since",
+        "queue",
+        "drops",
+        "infl",
+    ])
+    .style(Style::default().add_modifier(Modifier::BOLD));
+    let rows = clients.iter().take(MAX_CLIENT_ROWS).map(|c| {
+        let declared = &c["declared"];
+        let who = match (declared["client_id"].as_str(), declared["mode"].as_str()) {
+            (Some(id), Some(mode)) => format!("{id}/{mode}"),
+            (Some(id), None) => id.to_owned(),
+            _ if c["tool_observer"] == true => "(observer)".to_owned(),
+            _ => "-".to_owned(),
+        };
+        let since = c["connected_at_ms"]
+            .as_u64()
+            .map(|at| duration(app.now_ms.saturating_sub(at)))
+            .unwrap_or_default();
+        Row::new([
+            c["id"].to_string(),
+            c["kind"].as_str().unwrap_or("?").to_owned(),
+            who,
+            c["peer_pid"]
+                .as_u64()
+                .map(|p| p.to_string())
+                .unwrap_or_else(|| "-".into()),
+            since,
+            c["queue_bytes"]
+                .as_u64()
+                .map(|b| bytes(b as usize))
+                .unwrap_or_default(),
+            c["drops"].to_string(),
+            c["inflight"].to_string(),
+        ])
+    });
+    let widths = [
+        Constraint::Length(4),
+        Constraint::Length(4),
+        Constraint::Min(12),
+        Constraint::Length(7),
+        Constraint::Length(9),
+        Constraint::Length(9),
+        Constraint::Length(5),
+        Constraint::Length(4),
+    ];
+    let title = format!(" Clients ({}) ", clients.len());
+    frame.render_widget(
+        Table::new(rows, widths)
+            .header(header)
+            .block(Block::new().borders(Borders::TOP).title(title)),
+        area,
+    );
+}
+
+fn draw_tree(frame: &mut Frame, app: &App, area: Rect) {
+    let rows = app.rows();
+    let at = app.selected_index(&rows);
+    let title = format!(
+        " Activity · session: {} ",
+        app.session_filter.as_deref().unwrap_or("all")
+    );
+    let empty = rows.is_empty();
+    let items: Vec<ListItem> = rows.into_iter().map(|r| ListItem::new(r.line)).collect();
+    let block = Block::new().borders(Borders::TOP).title(title);
+    if empty {
+        frame.render_widget(
+            Paragraph::new("  no agent runs yet (runs appear here as they start)").block(block),
+            area,
+        );
+        return;
+    }
+    let mut state = ListState::default().with_selected(Some(at));
+    frame.render_stateful_widget(
+        List::new(items)
+            .block(block)
+            .highlight_style(Style::default().add_modifier(Modifier::REVERSED)),
+        area,
+        &mut state,
+    );
+}
+
+#[cfg(test)]
+mod tests;

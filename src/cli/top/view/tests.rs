@@ -1,0 +1,269 @@
+//! Snapshots of the dashboard with ratatui's `TestBackend`.
+
+use ratatui::backend::TestBackend;
+use ratatui::style::Color;
+use ratatui::Terminal;
+use serde_json::{json, Value};
+
+use super::*;
+
+const NOW: u64 = 1_700_000_010_000;
+const T0: u64 = 1_700_000_000_000;
+
+fn state(clients: usize) -> Value {
+    let clients: Vec<Value> = (1..=clients as u64)
+        .map(|id| {
+            json!({"id": id, "kind": "ws", "conn_id": "x", "queue_bytes": 1536, "drops": 0,
+                "inflight": 1, "connected_at_ms": T0 - 65_000, "peer_pid": 4242,
+                "declared": {"client_id": "cli", "mode": "cli", "version": "1", "display_name": null},
+                "tool_observer": false})
+        })
+        .chain(std::iter::once(json!({"id": 99, "kind": "sse", "queue_bytes": 0, "drops": 2,
+            "inflight": 0, "connected_at_ms": NOW - 5_000, "peer_pid": 77, "declared": null,
+            "tool_observer": true})))
+        .collect();
+    json!({"upstream": {"phase": "ready", "server_version": "2026.9.6"},
+        "broker": {"uptime_ms": 3_723_000}, "clients": clients})
+}
+
+fn ev(name: &str, payload: Value) -> (String, Value) {
+    (
+        name.to_owned(),
+        json!({"type": "event", "event": name, "payload": payload}),
+    )
+}
+
+fn agent(run: &str, ts: i64, stream: &str, data: Value) -> (String, Value) {
+    ev(
+        "agent",
+        json!({"runId": run, "stream": stream, "ts": (T0 as i64 + ts) as u64,
+        "sessionKey": "agent:main:main", "data": data}),
+    )
+}
+
+/// A run with thinking and two tool calls, still streaming its answer.
+fn running_run() -> Vec<(String, Value)> {
+    vec![
+        agent("7d7b1f2c-aaaa", 0, "lifecycle", json!({"phase": "start"})),
+        agent(
+            "7d7b1f2c-aaaa",
+            100,
+            "thinking",
+            json!({"delta": "The user wants a reply; "}),
+        ),
+        agent(
+            "7d7b1f2c-aaaa",
+            200,
+            "thinking",
+            json!({"delta": "let me check the workspace."}),
+        ),
+        agent(
+            "7d7b1f2c-aaaa",
+            300,
+            "tool",
+            json!({"phase": "start", "name": "exec", "toolCallId": "c1", "args": {"command": "ls"}}),
+        ),
+        agent(
+            "7d7b1f2c-aaaa",
+            400,
+            "tool",
+            json!({"phase": "start", "name": "read", "toolCallId": "c2", "args": {"path": "README.md"}}),
+        ),
+        agent(
+            "7d7b1f2c-aaaa",
+            600,
+            "tool",
+            json!({"phase": "result", "name": "read",
+            "toolCallId": "c2", "isError": false, "result": {"content": [{"type": "text", "text": "# W"}]}}),
+        ),
+        agent(
+            "7d7b1f2c-aaaa",
+            900,
+            "tool",
+            json!({"phase": "result", "name": "exec",
+            "toolCallId": "c1", "isError": true, "result": "permission denied"}),
+        ),
+        agent(
+            "7d7b1f2c-aaaa",
+            1000,
+            "assistant",
+            json!({"text": "Echo: hi", "delta": "Echo: hi"}),
+        ),
+    ]
+}
+
+fn older_run() -> Vec<(String, Value)> {
+    vec![
+        agent(
+            "0ld0ld00-bbbb",
+            -5000,
+            "lifecycle",
+            json!({"phase": "start"}),
+        ),
+        ev(
+            "chat",
+            json!({"runId": "0ld0ld00-bbbb", "sessionKey": "agent:main:main", "state": "final",
+            "message": {"role": "assistant", "content": [{"type": "text", "text": "Earlier answer"}]}}),
+        ),
+    ]
+}
+
+fn app_with(events: &[(String, Value)], color: bool) -> App {
+    let mut app = App::new(color, NOW - 8_000);
+    app.state = state(2);
+    app.link = "live".into();
+    for (name, frame) in events {
+        app.on_event(name, frame);
+    }
+    for n in [3, 0, 12, 7] {
+        for _ in 0..n {
+            app.this_second += 1;
+        }
+        app.next_second();
+    }
+    app.now_ms = NOW;
+    app
+}
+
+fn render(app: &App, w: u16, h: u16) -> Terminal<TestBackend> {
+    let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
+    t.draw(|f| draw(f, app)).unwrap();
+    t
+}
+
+fn screen(app: &App, w: u16, h: u16) -> String {
+    let t = render(app, w, h);
+    let buf = t.backend().buffer();
+    buf.content
+        .chunks(w as usize)
+        .map(|row| {
+            row.iter()
+                .map(|c| c.symbol())
+                .collect::<String>()
+                .trim_end()
+                .to_owned()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn dashboard_at_80x24_shows_header_clients_and_the_activity_tree() {
+    let mut events = older_run();
+    events.extend(running_run());
+    let app = app_with(&events, false);
+    let expected = r#"clawmux top  upstream ready  gateway 2026.9.6  up 1h02m  7 ev/s  1 running
+events/s █ ▇▄
+ Clients (3) ───────────────────────────────────────────────────────────────────
+id   kind client/mode                     pid     since     queue     drops infl
+1    ws   cli/cli                         4242    1 m 15 s  1.5 KiB   0     1
+2    ws   cli/cli                         4242    1 m 15 s  1.5 KiB   0     1
+99   sse  (observer)                      77      5.0 s     0 B       2     0
+ Activity · session: all ───────────────────────────────────────────────────────
+agent:main:main  2 runs, 1 running
+ ▾ run 7d7b1f2c running 10.0 s, 2 tools
+     thinking 200 ms "The user wants a reply; let me check the workspace."
+     tool exec command="ls" error 600 ms, 19 B
+     tool read path="README.md" ok 200 ms, 42 B
+     assistant (streaming) "Echo: hi"
+ ▸ run 0ld0ld00 ok 7.0 s  "Earlier answer"
+
+
+
+
+
+
+
+
+q quit  ↑↓ move  ⏎ expand  s session  p pause"#;
+    assert_eq!(screen(&app, 80, 24), expected);
+}
+
+#[test]
+fn keys_move_expand_filter_and_pause() {
+    let mut app = app_with(&older_run(), false);
+    // The newest run of a session is open at first; select it and fold it.
+    let shown = screen(&app, 80, 24);
+    assert!(shown.contains("end ok after 7.0 s"), "{shown}");
+    assert_eq!(app.key(Key::Down), Action::Redraw);
+    assert_eq!(app.key(Key::Toggle), Action::Redraw);
+    assert!(!screen(&app, 80, 24).contains("end ok"));
+    assert_eq!(app.key(Key::Expand), Action::Redraw);
+    assert!(screen(&app, 80, 24).contains("end ok"));
+    assert_eq!(app.key(Key::Collapse), Action::Redraw);
+    // Pause: new runs wait until resumed, but are not lost.
+    app.key(Key::Char('p'));
+    for (name, frame) in running_run() {
+        app.on_event(&name, &frame);
+    }
+    let paused = screen(&app, 80, 24);
+    assert!(
+        paused.contains("PAUSED") && !paused.contains("7d7b1f2c"),
+        "{paused}"
+    );
+    app.key(Key::Char('p'));
+    assert!(screen(&app, 80, 24).contains("run 7d7b1f2c running"));
+    // Filter by session: all → the first session → back to all.
+    let mut other = agent("ffff0000-cccc", 50, "lifecycle", json!({"phase": "start"}));
+    other.1["payload"]["sessionKey"] = json!("agent:main:other");
+    app.on_event(&other.0, &other.1);
+    app.key(Key::Char('s'));
+    let filtered = screen(&app, 80, 24);
+    let first = app.session_filter.clone().expect("a session");
+    assert!(
+        filtered.contains(&format!("session: {first}")),
+        "{filtered}"
+    );
+    assert_eq!(filtered.matches(" running\n").count(), 1 + 1, "{filtered}");
+    app.key(Key::Char('s'));
+    app.key(Key::Char('s'));
+    assert_eq!(app.session_filter, None);
+    assert_eq!(app.key(Key::Char('q')), Action::Quit);
+    assert_eq!(app.key(Key::Char('x')), Action::None);
+}
+
+#[test]
+fn no_color_means_no_colour_and_colour_marks_states() {
+    let t = render(&app_with(&running_run(), false), 80, 24);
+    assert!(
+        t.backend()
+            .buffer()
+            .content
+            .iter()
+            .all(|c| c.fg == Color::Reset && c.bg == Color::Reset),
+        "NO_COLOR: no cell is coloured"
+    );
+    let t = render(&app_with(&running_run(), true), 80, 24);
+    let buf = t.backend().buffer();
+    let fg_of = |text: &str| {
+        let w = buf.area.width as usize;
+        buf.content
+            .chunks(w)
+            .find_map(|row| {
+                let line: String = row.iter().map(|c| c.symbol()).collect();
+                line.find(text)
+                    .map(|byte| row[line[..byte].chars().count()].fg)
+            })
+            .unwrap_or_else(|| panic!("{text} on screen"))
+    };
+    assert_eq!(fg_of("ready"), Color::Green);
+    assert_eq!(fg_of("running 10.0 s"), Color::Yellow);
+    assert_eq!(fg_of("error 600 ms"), Color::Red);
+}
+
+#[test]
+fn an_empty_broker_and_a_small_terminal_still_draw() {
+    let mut app = App::new(false, NOW);
+    app.state = state(9);
+    let shown = screen(&app, 80, 24);
+    assert!(shown.contains("Clients (10)"), "{shown}");
+    assert_eq!(shown.matches("cli/cli").count(), MAX_CLIENT_ROWS, "{shown}");
+    assert!(shown.contains("no agent runs yet"), "{shown}");
+    assert!(
+        shown.contains("connecting"),
+        "the link status shows until live"
+    );
+    // Tiny terminals do not panic.
+    screen(&app, 20, 5);
+    screen(&app, 1, 1);
+}

@@ -1,0 +1,591 @@
+//! `GET /ws/dedicated`: a gateway connection of its own for one local client.
+//!
+//! Some clients cannot share the broker's session: a device-signed Control
+//! UI, a client that must appear under its own device in the gateway's
+//! pairing list, a `role: "node"` connection. For each of them the broker
+//! opens a separate upstream connection, the way Claw3D's studio proxy does
+//! (`server/gateway-proxy.js` in iamlukethedev/Claw3D, commit eeb6f31):
+//!
+//! - the upstream connection is opened as soon as the client's WebSocket
+//!   is, and the gateway's frames (its `connect.challenge` first) reach the
+//!   client verbatim, so a device signature covers the gateway's own nonce;
+//! - the client's first frame must be a `req` `connect` with a string id
+//!   (`1008 connect required` / `connect id required`, `1003 invalid json`),
+//!   held until the upstream socket is open, then forwarded;
+//! - the host token is put into `params.auth.token` only when the client sent
+//!   no token, password, device token or complete device block (Claw3D's
+//!   `forwardConnectFrame`: `hasNonEmptyToken || hasNonEmptyPassword ||
+//!   hasNonEmptyDeviceToken || hasCompleteDeviceAuth`); with neither,
+//!   `studio.gateway_token_missing`;
+//! - a failure before the gateway answered the `connect` is a `studio.*`
+//!   error on the connect id, built by the same functions as the shared
+//!   session's (`crate::upstream::{open_failed, closed_before_answer,
+//!   handshake_timed_out}`), then close `1011 connect failed` after the
+//!   same linger as on `/ws`;
+//! - after that, frames pass verbatim both ways (no id or `seq` rewriting)
+//!   and a close on either side is mirrored to the other with its code and
+//!   reason. Where there is no close frame to mirror, Claw3D's own choices:
+//!   `1012 upstream closed` to the client, `1001 going away` to the gateway.
+//!
+//! Differences from Claw3D, on purpose: no `Origin` header upstream (a local
+//! client of a unix socket is not a browser; without Origin a device-signed
+//! client is paired silently on loopback), no `openclaw-control-ui` →
+//! `webchat-ui` rename (the client asked for its own identity), frames are
+//! not re-serialized, and the limits are the broker's: `max_dedicated`
+//! connections, `preconnect_max_bytes` before the gateway admits the client,
+//! `max_frame_bytes` after, `connect_timeout` for the client's `connect`, and
+//! `[upstream] handshake_timeout` for opening the gateway connection and for
+//! the gateway's answer.
+
+mod close;
+mod connect_auth;
+mod registry;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::stream::{SplitSink, SplitStream};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::Value;
+use tokio_tungstenite::tungstenite::error::ProtocolError;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
+
+use super::preconnect::{PreconnectBudget, OVER_BUDGET};
+use super::ws::Ws;
+use crate::broker::Ctx;
+use crate::policy::{MethodFilter, SocketPolicy};
+use crate::protocol::frames::encode_res_error;
+use crate::protocol::{ConnectRequest, ErrorShape, StudioCode, UpstreamFrame};
+use crate::upstream::{
+    closed_before_answer, handshake_timed_out, open_failed, open_socket, GatewaySocket,
+};
+use close::{send_close, text_message};
+pub use connect_auth::client_auth;
+use connect_auth::inject_token;
+pub use registry::{Dedicated, Outcomes};
+use registry::{Listing, Slot};
+
+/// After a failed connect answer, how long the client may take to close
+/// first before the broker closes `1011 connect failed` (as on `/ws`).
+const CONNECT_FAILED_LINGER: Duration = Duration::from_secs(1);
+
+/// How long the side that did not start a close may take to answer it
+/// before its socket is dropped.
+const CLOSE_LINGER: Duration = Duration::from_secs(2);
+
+/// Whether `/ws/dedicated` is served on a socket with this policy: only
+/// where it limits neither scopes nor methods. The route relays frames
+/// unchecked (and may add the host token), so on a restricted socket it
+/// would hand out what the policy withholds.
+pub fn served_on(socket: &SocketPolicy) -> bool {
+    socket.scopes.is_none() && socket.methods == MethodFilter::default()
+}
+
+/// Runs one dedicated client to completion.
+pub async fn run(ws: Ws, budget: PreconnectBudget, ctx: Arc<Ctx>) {
+    let (mut local_tx, local_rx) = ws.split();
+    let Some(slot) = ctx.dedicated.try_open() else {
+        ctx.dedicated
+            .outcomes
+            .refused
+            .fetch_add(1, Ordering::Relaxed);
+        let max = ctx.dedicated.max;
+        tracing::warn!(limit = max, "too many dedicated connections; refusing one");
+        let reason = format!("too many dedicated connections ({max}); raise limits.max_dedicated");
+        send_close(&mut local_tx, 1013, &reason).await;
+        return;
+    };
+    let dedicated_id = slot.id;
+    tracing::info!(dedicated_id, "dedicated client opened");
+    let mut conn = Conn {
+        local_tx,
+        local_rx,
+        ctx: Arc::clone(&ctx),
+        slot,
+        budget,
+    };
+    let cancel = ctx.cancel.clone();
+    let upstream = tokio::select! {
+        up = conn.handshake() => up,
+        _ = cancel.cancelled() => {
+            send_close(&mut conn.local_tx, 1001, "going away").await;
+            None
+        }
+    };
+    if let Some((up, connect_id)) = upstream {
+        let (mut up_tx, mut up_rx) = up.split();
+        let end = tokio::select! {
+            end = conn.relay(&mut up_tx, &mut up_rx, &connect_id) => end,
+            _ = cancel.cancelled() => End::Shutdown,
+        };
+        conn.finish(end, up_tx, up_rx).await;
+    }
+    tracing::info!(dedicated_id, "dedicated client disconnected");
+}
+
+/// What a read from one side gave.
+enum Read {
+    /// A text or binary frame, to relay as it is.
+    Frame(Message),
+    /// A control frame (ping, pong): nothing to relay.
+    Skip,
+    /// The side sent a close frame (`None`: one without a code).
+    Closed(Option<CloseFrame>),
+    /// The connection ended without a close frame.
+    Ended,
+    /// A frame over the limit (the local `max_frame_bytes` or pre-connect
+    /// budget, or `[upstream] max_frame_bytes`).
+    TooLarge,
+    /// The peer broke the WebSocket protocol: close with this code.
+    Invalid(u16, &'static str),
+}
+
+fn classify(msg: Option<Result<Message, WsError>>, side: &str) -> Read {
+    match msg {
+        Some(Ok(Message::Close(frame))) => Read::Closed(frame),
+        Some(Ok(m @ (Message::Text(_) | Message::Binary(_)))) => Read::Frame(m),
+        // Pings and pongs belong to one hop: tungstenite answers a ping on
+        // each side itself.
+        Some(Ok(_)) => Read::Skip,
+        None => Read::Ended,
+        Some(Err(WsError::Capacity(_))) => Read::TooLarge,
+        Some(Err(WsError::Io(e))) if e.to_string() == OVER_BUDGET => Read::TooLarge,
+        Some(Err(WsError::Utf8(_))) => Read::Invalid(1007, "invalid utf-8"),
+        // The peer is gone (EOF with no close frame): nothing to tell it.
+        Some(Err(WsError::Protocol(ProtocolError::ResetWithoutClosingHandshake))) => Read::Ended,
+        Some(Err(WsError::Protocol(e))) => {
+            tracing::debug!("{side} broke the WebSocket protocol: {e}");
+            Read::Invalid(1002, "protocol error")
+        }
+        Some(Err(e)) => {
+            tracing::debug!("{side} read error: {e}");
+            Read::Ended
+        }
+    }
+}
+
+/// How the relay ended, and so how both sides are closed.
+enum End {
+    /// The client closed, left, or broke a limit (its close, if any).
+    Client(Read),
+    /// The gateway closed or went away.
+    Gateway(Read),
+    /// A `studio.*` error before the gateway answered the `connect`; it was
+    /// sent to the client.
+    Unanswered,
+    /// Writing to the client failed (it is gone).
+    ClientGone,
+    /// A write to the client made no progress for `limits.slow_grace`: it
+    /// does not read. (Not reading the gateway meanwhile would leave the
+    /// gateway's own slow-consumer close unseen.)
+    ClientSlow,
+    /// Writing to the gateway failed, or made no progress for
+    /// `[upstream] write_timeout` (it does not read).
+    GatewayGone,
+    /// The broker is stopping.
+    Shutdown,
+}
+
+/// Where the gateway connection is during the handshake.
+enum Upstream {
+    Opening,
+    Open(GatewaySocket),
+    Failed(ErrorShape),
+}
+
+/// One dedicated client's connection.
+struct Conn {
+    local_tx: SplitSink<Ws, Message>,
+    local_rx: SplitStream<Ws>,
+    ctx: Arc<Ctx>,
+    slot: Slot,
+    budget: PreconnectBudget,
+}
+
+impl Conn {
+    /// Opens the gateway connection while waiting for the client's
+    /// `connect`, relays the gateway's frames meanwhile, and forwards the
+    /// `connect` (with the host token when the client brought no auth).
+    /// Returns the gateway socket and the connect id, or `None` when the
+    /// connection ended here (its close already sent).
+    async fn handshake(&mut self) -> Option<(GatewaySocket, String)> {
+        let ctx = Arc::clone(&self.ctx);
+        let limits = &ctx.settings.limits;
+        let target = ctx.upstream.target();
+        let opts = ctx.settings.upstream.clone();
+        let url = target.url.trim().to_owned();
+        let opening = async {
+            tokio::time::timeout(opts.handshake_timeout, open_socket(&target, &opts))
+                .await
+                .unwrap_or_else(|_| Err(handshake_timed_out(&url, opts.handshake_timeout)))
+        };
+        tokio::pin!(opening);
+        let mut upstream = Upstream::Opening;
+        let connect_deadline = tokio::time::Instant::now() + limits.connect_timeout;
+        // The client's connect: its id, and the text to forward.
+        let mut connect: Option<(String, String)> = None;
+        loop {
+            if let Some((id, _)) = &connect {
+                match &mut upstream {
+                    Upstream::Opening => {}
+                    Upstream::Failed(error) => {
+                        let (id, error) = (id.clone(), error.clone());
+                        self.connect_failed(&id, &error).await;
+                        return None;
+                    }
+                    Upstream::Open(_) => break,
+                }
+            }
+            let opening_now = matches!(upstream, Upstream::Opening);
+            tokio::select! {
+                opened = &mut opening, if opening_now => {
+                    upstream = match opened {
+                        Ok(ws) => Upstream::Open(ws),
+                        Err(e) => {
+                            tracing::info!(dedicated_id = self.slot.id, code = %e.code, "dedicated upstream failed: {}", e.message);
+                            Upstream::Failed(e)
+                        }
+                    };
+                }
+                read = next_from_gateway(&mut upstream) => {
+                    match read {
+                        Read::Frame(m) => {
+                            if self.local_tx.send(m).await.is_err() {
+                                return None;
+                            }
+                        }
+                        Read::Skip => {}
+                        Read::Closed(frame) => {
+                            let (code, reason) = frame.map(|f| (u16::from(f.code), f.reason.to_string())).unwrap_or((1005, String::new()));
+                            upstream = Upstream::Failed(closed_before_answer(code, &reason));
+                        }
+                        Read::Ended | Read::Invalid(..) => {
+                            upstream = Upstream::Failed(closed_before_answer(1006, "the connection ended"));
+                        }
+                        Read::TooLarge => {
+                            upstream = Upstream::Failed(ErrorShape::studio(StudioCode::UpstreamError, "the gateway sent a frame over [upstream] max_frame_bytes"));
+                        }
+                    }
+                }
+                read = self.local_rx.next(), if connect.is_none() => {
+                    match classify(read, "dedicated client") {
+                        Read::Frame(m) => match self.take_connect(m, &target.token) {
+                            Ok(c) => connect = Some(c),
+                            Err(Refusal::Close(code, reason)) => {
+                                send_close(&mut self.local_tx, code, &reason).await;
+                                return None;
+                            }
+                            Err(Refusal::Answer(id, error)) => {
+                                self.connect_failed(&id, &error).await;
+                                close_quietly(upstream).await;
+                                return None;
+                            }
+                        },
+                        Read::Closed(_) | Read::Ended => {
+                            // Nothing was forwarded: the gateway sees an
+                            // ordinary close of a connection that never
+                            // connected.
+                            let _ = self.local_tx.flush().await;
+                            close_quietly(upstream).await;
+                            return None;
+                        }
+                        Read::TooLarge => {
+                            send_close(&mut self.local_tx, 1009, "frame too large").await;
+                            return None;
+                        }
+                        Read::Skip => {}
+                        Read::Invalid(code, reason) => {
+                            send_close(&mut self.local_tx, code, reason).await;
+                            return None;
+                        }
+                    }
+                }
+                _ = tokio::time::sleep_until(connect_deadline), if connect.is_none() => {
+                    send_close(&mut self.local_tx, 1008, "connect timeout").await;
+                    close_quietly(upstream).await;
+                    return None;
+                }
+            }
+        }
+        let (Some((id, text)), Upstream::Open(mut ws)) = (connect, upstream) else {
+            return None;
+        };
+        if let Err(e) = ws.send(Message::text(text)).await {
+            let error = open_failed(&url, e);
+            self.connect_failed(&id, &error).await;
+            return None;
+        }
+        self.slot.update(|l| l.phase = "connecting");
+        Some((ws, id))
+    }
+
+    /// Checks the client's first frame and prepares the `connect` to
+    /// forward: verbatim, or with the host token when it carries no auth.
+    fn take_connect(
+        &self,
+        msg: Message,
+        host_token: &Option<crate::config::Secret>,
+    ) -> Result<(String, String), Refusal> {
+        let limits = &self.ctx.settings.limits;
+        let text = match msg {
+            Message::Text(t) => t,
+            Message::Binary(b) => {
+                Utf8Bytes::try_from(b).map_err(|_| Refusal::Close(1003, "invalid json".into()))?
+            }
+            _ => return Err(Refusal::Close(1008, "connect required".into())),
+        };
+        if text.len() > limits.preconnect_max_bytes {
+            return Err(Refusal::Close(1009, "frame too large".into()));
+        }
+        let req = ConnectRequest::parse_first(text.as_str())
+            .map_err(|e| Refusal::Close(e.close_code(), e.to_string()))?;
+        let client_auth = client_auth(&req.params);
+        let identity = |l: &mut Listing, auth| {
+            let p = &req.params;
+            l.client = p.get("client").cloned().unwrap_or(Value::Null);
+            l.role = Some(
+                p.get("role")
+                    .and_then(Value::as_str)
+                    .unwrap_or("operator")
+                    .to_owned(),
+            );
+            l.device_id = p
+                .pointer("/device/id")
+                .and_then(Value::as_str)
+                .map(str::to_owned);
+            l.auth = auth;
+        };
+        if let Some(kind) = client_auth {
+            self.slot.update(|l| identity(l, Some(kind)));
+            return Ok((req.id, text.as_str().to_owned()));
+        }
+        self.slot.update(|l| identity(l, None));
+        let Some(token) = host_token else {
+            return Err(Refusal::Answer(
+                req.id,
+                Box::new(ErrorShape::studio(
+                    StudioCode::GatewayTokenMissing,
+                    "no gateway token on this host and the client sent no auth: set gateway.token_file in ~/.config/clawmux/config.toml, --token-file or CLAWMUX_GATEWAY_TOKEN, or connect with your own auth or device identity",
+                )),
+            ));
+        };
+        let injected = inject_token(text.as_str(), token.expose())
+            .ok_or_else(|| Refusal::Close(1003, "invalid json".into()))?;
+        self.slot.update(|l| l.auth = Some("host-token"));
+        Ok((req.id, injected))
+    }
+
+    /// Answers the connect with `error`, then closes `1011 connect failed`
+    /// unless the client closes first (as on `/ws`).
+    async fn connect_failed(&mut self, id: &str, error: &ErrorShape) {
+        tracing::info!(dedicated_id = self.slot.id, code = %error.code, "dedicated connect failed");
+        self.ctx
+            .dedicated
+            .outcomes
+            .failed
+            .fetch_add(1, Ordering::Relaxed);
+        let frame = encode_res_error(id, error);
+        if self.local_tx.send(text_message(frame)).await.is_err() {
+            return;
+        }
+        self.linger_then_close().await;
+    }
+
+    /// After a failed connect answer: the client may close first (Claw3D
+    /// closes `4008 connect failed: …` and shows that close), else the broker
+    /// closes `1011 connect failed` after [`CONNECT_FAILED_LINGER`].
+    async fn linger_then_close(&mut self) {
+        let closed_first = tokio::time::timeout(CONNECT_FAILED_LINGER, async {
+            loop {
+                match self.local_rx.next().await {
+                    Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return,
+                    Some(Ok(_)) => {}
+                }
+            }
+        })
+        .await
+        .is_ok();
+        if closed_first {
+            // Writes the echo of the client's close.
+            let _ = tokio::time::timeout(CLOSE_LINGER, self.local_tx.flush()).await;
+        } else {
+            send_close(&mut self.local_tx, 1011, "connect failed").await;
+        }
+    }
+
+    /// Relays frames both ways until one side ends. Until the gateway
+    /// answers the connect, its frames are looked at for that answer, and a
+    /// close or silence becomes a `studio.*` error for the client.
+    async fn relay(
+        &mut self,
+        up_tx: &mut SplitSink<GatewaySocket, Message>,
+        up_rx: &mut SplitStream<GatewaySocket>,
+        connect_id: &str,
+    ) -> End {
+        let handshake_timeout = self.ctx.settings.upstream.handshake_timeout;
+        let write_timeout = self.ctx.settings.upstream.write_timeout;
+        let slow_grace = self.ctx.settings.limits.slow_grace;
+        let url = self.ctx.upstream.target_url();
+        let Conn {
+            local_tx,
+            local_rx,
+            slot,
+            budget,
+            ctx,
+        } = self;
+        let outcomes = &ctx.dedicated.outcomes;
+        let down = async {
+            let answer_deadline = tokio::time::Instant::now() + handshake_timeout;
+            let mut answered = false;
+            loop {
+                let read = if answered {
+                    classify(up_rx.next().await, "gateway")
+                } else {
+                    match tokio::time::timeout_at(answer_deadline, up_rx.next()).await {
+                        Ok(read) => classify(read, "gateway"),
+                        Err(_) => {
+                            return unanswered(
+                                local_tx,
+                                connect_id,
+                                handshake_timed_out(&url, handshake_timeout),
+                            )
+                            .await
+                        }
+                    }
+                };
+                let msg = match read {
+                    Read::Frame(m) => m,
+                    Read::Skip => continue,
+                    Read::Closed(frame) if !answered => {
+                        let (code, reason) = frame
+                            .map(|f| (u16::from(f.code), f.reason.to_string()))
+                            .unwrap_or((1005, String::new()));
+                        return unanswered(
+                            local_tx,
+                            connect_id,
+                            closed_before_answer(code, &reason),
+                        )
+                        .await;
+                    }
+                    Read::Ended if !answered => {
+                        return unanswered(
+                            local_tx,
+                            connect_id,
+                            closed_before_answer(1006, "the connection ended"),
+                        )
+                        .await;
+                    }
+                    other => return End::Gateway(other),
+                };
+                if !answered {
+                    if let Message::Text(t) = &msg {
+                        if let Some(ok) = connect_answer(t.as_str(), connect_id, slot) {
+                            answered = true;
+                            if ok {
+                                budget.lift();
+                                outcomes.connected.fetch_add(1, Ordering::Relaxed);
+                                tracing::info!(
+                                    dedicated_id = slot.id,
+                                    "dedicated client connected"
+                                );
+                            } else {
+                                outcomes.rejected.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                }
+                match tokio::time::timeout(slow_grace, local_tx.send(msg)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => return End::ClientGone,
+                    Err(_) => return End::ClientSlow,
+                }
+            }
+        };
+        let up = async {
+            loop {
+                match classify(local_rx.next().await, "dedicated client") {
+                    Read::Frame(m) => {
+                        match tokio::time::timeout(write_timeout, up_tx.send(m)).await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(_)) | Err(_) => return End::GatewayGone,
+                        }
+                    }
+                    Read::Skip => {}
+                    other => return End::Client(other),
+                }
+            }
+        };
+        tokio::select! {
+            end = down => end,
+            end = up => end,
+        }
+    }
+}
+
+/// Why the client's first frame was not forwarded.
+enum Refusal {
+    /// Close with this code and reason (no answer: no usable connect id).
+    Close(u16, String),
+    /// Answer the connect id with this error, then close `1011`.
+    Answer(String, Box<ErrorShape>),
+}
+
+/// Reads the gateway during the handshake (pending while it is not open).
+async fn next_from_gateway(upstream: &mut Upstream) -> Read {
+    match upstream {
+        Upstream::Open(ws) => classify(ws.next().await, "gateway"),
+        _ => std::future::pending().await,
+    }
+}
+
+/// Closes a gateway connection nobody connected on.
+async fn close_quietly(upstream: Upstream) {
+    if let Upstream::Open(mut ws) = upstream {
+        let _ = tokio::time::timeout(CLOSE_LINGER, ws.close(None)).await;
+    }
+}
+
+/// Sends the client its `studio.*` error for a connect the gateway did not
+/// answer; the close follows in `finish`.
+async fn unanswered(
+    local_tx: &mut SplitSink<Ws, Message>,
+    connect_id: &str,
+    error: ErrorShape,
+) -> End {
+    tracing::info!(code = %error.code, "dedicated connect failed: {}", error.message);
+    let _ = local_tx
+        .send(text_message(encode_res_error(connect_id, &error)))
+        .await;
+    End::Unanswered
+}
+
+/// Whether `text` is the gateway's answer to the connect (`Some(ok)`); on
+/// `ok`, the listing takes the gateway's connection id and granted scopes.
+fn connect_answer(text: &str, connect_id: &str, slot: &Slot) -> Option<bool> {
+    let Some(UpstreamFrame::Res {
+        id, ok, payload, ..
+    }) = UpstreamFrame::parse(text)
+    else {
+        return None;
+    };
+    if id != connect_id {
+        return None;
+    }
+    let hello: Value = payload
+        .and_then(|p| serde_json::from_str(p.get()).ok())
+        .unwrap_or(Value::Null);
+    slot.update(|l| {
+        l.phase = if ok { "connected" } else { "rejected" };
+        l.conn_id = hello
+            .pointer("/server/connId")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        l.scopes = hello.pointer("/auth/scopes").cloned();
+        if let Some(role) = hello.pointer("/auth/role").and_then(Value::as_str) {
+            l.role = Some(role.to_owned());
+        }
+    });
+    Some(ok)
+}

@@ -1,0 +1,159 @@
+//! The open dedicated connections: the cap, the `/v1/state` listing, and
+//! the counters `/metrics` shows.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use serde_json::{json, Value};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// The open dedicated connections: the cap, what `/v1/state` lists, and
+/// the counters `/metrics` shows.
+#[derive(Debug)]
+pub struct Dedicated {
+    /// One permit per open connection (`limits.max_dedicated`).
+    slots: Arc<Semaphore>,
+    pub(super) max: usize,
+    open: Mutex<BTreeMap<u64, Listing>>,
+    next_id: AtomicU64,
+    /// How connections ended their handshake, for `/metrics`.
+    pub outcomes: Outcomes,
+}
+
+/// Counters of dedicated connections by how their handshake ended.
+#[derive(Debug, Default)]
+pub struct Outcomes {
+    /// The gateway answered the client's `connect` `ok`.
+    pub connected: AtomicU64,
+    /// The gateway answered the client's `connect` with an error.
+    pub rejected: AtomicU64,
+    /// A `studio.*` error before the gateway answered.
+    pub failed: AtomicU64,
+    /// Closed at once: `max_dedicated` connections were already open.
+    pub refused: AtomicU64,
+}
+
+impl Outcomes {
+    /// `(outcome label, count)` for every outcome.
+    pub fn counts(&self) -> [(&'static str, u64); 4] {
+        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            ("connected", n(&self.connected)),
+            ("rejected", n(&self.rejected)),
+            ("failed", n(&self.failed)),
+            ("refused", n(&self.refused)),
+        ]
+    }
+}
+
+/// One open dedicated connection as `/v1/state` shows it: who the client
+/// says it is (never its credentials), and how far it got.
+#[derive(Debug, Clone)]
+pub(super) struct Listing {
+    pub(super) opened: Instant,
+    /// `opening` (no `connect` forwarded yet), `connecting` (waiting for the
+    /// gateway's answer), `connected`, or `rejected`.
+    pub(super) phase: &'static str,
+    /// `client` of its connect params: id, mode, version, platform, …
+    pub(super) client: Value,
+    pub(super) role: Option<String>,
+    pub(super) device_id: Option<String>,
+    /// Which credential went upstream: `host-token` (injected by the
+    /// broker), or the client's own `token`, `password`, `device-token`,
+    /// `device` (a signature alone).
+    pub(super) auth: Option<&'static str>,
+    /// The gateway's `server.connId` and granted scopes, from its `hello-ok`.
+    pub(super) conn_id: Option<String>,
+    pub(super) scopes: Option<Value>,
+}
+
+impl Dedicated {
+    pub fn new(max: usize) -> Dedicated {
+        Dedicated {
+            slots: Arc::new(Semaphore::new(max)),
+            max,
+            open: Mutex::new(BTreeMap::new()),
+            next_id: AtomicU64::new(1),
+            outcomes: Outcomes::default(),
+        }
+    }
+
+    /// Dedicated connections open now.
+    pub fn count(&self) -> usize {
+        self.listings().len()
+    }
+
+    fn listings(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Listing>> {
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The `/v1/state` list, oldest first.
+    pub fn to_json(&self) -> Value {
+        let now = Instant::now();
+        let list: Vec<Value> = self
+            .listings()
+            .iter()
+            .map(|(id, l)| {
+                json!({
+                    "id": id,
+                    "phase": l.phase,
+                    "open_ms": now.saturating_duration_since(l.opened).as_millis() as u64,
+                    "client": l.client,
+                    "role": l.role,
+                    "device_id": l.device_id,
+                    "auth": l.auth,
+                    "conn_id": l.conn_id,
+                    "scopes": l.scopes,
+                })
+            })
+            .collect();
+        Value::Array(list)
+    }
+
+    /// Takes a slot, or `None` at the cap.
+    pub(super) fn try_open(self: &Arc<Self>) -> Option<Slot> {
+        let permit = Arc::clone(&self.slots).try_acquire_owned().ok()?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.listings().insert(
+            id,
+            Listing {
+                opened: Instant::now(),
+                phase: "opening",
+                client: Value::Null,
+                role: None,
+                device_id: None,
+                auth: None,
+                conn_id: None,
+                scopes: None,
+            },
+        );
+        Some(Slot {
+            registry: Arc::clone(self),
+            id,
+            _permit: permit,
+        })
+    }
+}
+
+/// One connection's slot; dropping it frees the slot and its listing.
+pub(super) struct Slot {
+    registry: Arc<Dedicated>,
+    pub(super) id: u64,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Slot {
+    pub(super) fn update(&self, f: impl FnOnce(&mut Listing)) {
+        if let Some(l) = self.registry.listings().get_mut(&self.id) {
+            f(l);
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.registry.listings().remove(&self.id);
+    }
+}
