@@ -8,78 +8,18 @@
 
 #[path = "support/http_api.rs"]
 mod http_api;
+#[path = "support/real_gateway.rs"]
+mod real_gateway;
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use clawmux::upstream::identity::{ConnectProof, DeviceIdentity};
+use real_gateway::*;
 use serde_json::json;
 use support::*;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
-
-const TOKEN: &str = "interop-token";
-/// The first start may include the install.
-const FIRST_START: Duration = Duration::from_secs(300);
-
-fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/peers/openclaw-gateway.sh")
-}
-
-/// The real gateway, run by the peers script in its own process group;
-/// stopped (SIGTERM, then SIGKILL to the group) when dropped.
-struct Gateway {
-    child: std::process::Child,
-    log: PathBuf,
-}
-
-impl Gateway {
-    fn start(port: u16, log: PathBuf) -> Gateway {
-        use std::os::unix::process::CommandExt;
-        let out = std::fs::File::create(&log).expect("gateway log file");
-        let child = std::process::Command::new("bash")
-            .arg(script())
-            .env("PORT", port.to_string())
-            .env("TOKEN", TOKEN)
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .process_group(0)
-            .spawn()
-            .expect("the peers script starts");
-        Gateway { child, log }
-    }
-
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) else {
-            return;
-        };
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        for _ in 0..300 {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
 
 #[tokio::test]
 #[ignore = "needs a real OpenClaw gateway: run by .ci/interop"]

@@ -52,7 +52,7 @@ pub fn run_line(p: &Value) -> Option<String> {
     let what = match state {
         "final" => format!(
             "answered {}",
-            super::tail::message_text(&p["message"])
+            crate::activity::message_text(&p["message"])
                 .map(|t| super::tail::preview(&t, false))
                 .unwrap_or_else(|| "(no text)".into())
         ),

@@ -23,6 +23,7 @@ use serde_json::Value;
 use super::style::Paint;
 use super::watch::{LineMode, LineView};
 use super::{BrokerArgs, CliError};
+use crate::activity::message_text;
 use crate::hub::replay::EventId;
 use crate::local::sse::{AFTER_SEQ_HEADER, EPOCH_HEADER, NEWEST_SEQ_HEADER};
 use crate::sharing::SessionDefaults;
@@ -622,18 +623,6 @@ fn describe(name: &str, p: &Value) -> String {
         }
         _ if p.is_null() => String::new(),
         _ => compact(p),
-    }
-}
-
-/// The text of a chat message (`content` as a string or as text parts).
-pub(crate) fn message_text(message: &Value) -> Option<String> {
-    match &message["content"] {
-        Value::String(s) => Some(s.clone()),
-        Value::Array(parts) => {
-            let text: String = parts.iter().filter_map(|p| p["text"].as_str()).collect();
-            (!text.is_empty()).then_some(text)
-        }
-        _ => None,
     }
 }
 
