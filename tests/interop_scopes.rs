@@ -42,6 +42,17 @@ fn json_of(run: &CliRun, what: &str) -> Value {
     })
 }
 
+/// `openclaw <command…> --url ws://127.0.0.1:<port> --token T --json`.
+fn cli_args(command: &[&str], port: u16) -> Vec<String> {
+    let url = format!("ws://127.0.0.1:{port}");
+    command
+        .iter()
+        .copied()
+        .chain(["--url", &url, "--token", TOKEN, "--json"])
+        .map(str::to_owned)
+        .collect()
+}
+
 #[tokio::test]
 #[ignore = "needs the real gateway (../shared/peers); run by .ci/interop"]
 async fn the_cli_reading_gets_the_same_answers_direct_and_through_the_broker() {
@@ -71,21 +82,7 @@ async fn the_cli_reading_gets_the_same_answers_direct_and_through_the_broker() {
     let mut diffs = Vec::new();
     let mut compared = Vec::new();
     for m in ["status", "sessions.list", "health"] {
-        let args = |p: u16| -> Vec<String> {
-            [
-                "gateway",
-                "call",
-                m,
-                "--url",
-                &url(p),
-                "--token",
-                TOKEN,
-                "--json",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
-        };
+        let args = |p: u16| cli_args(&["gateway", "call", m], p);
         let (ad, ab) = (args(port), args(relay.port));
         let (d, b) = tokio::join!(
             openclaw_cli(&ad, "", CLI_WAIT),
@@ -124,20 +121,7 @@ async fn the_cli_reading_gets_the_same_answers_direct_and_through_the_broker() {
     for p in differing_paths(&d, &b, "") {
         diffs.push(format!("status: {p}"));
     }
-    let probe = |p: u16| -> Vec<String> {
-        [
-            "gateway",
-            "probe",
-            "--url",
-            &url(p),
-            "--token",
-            TOKEN,
-            "--json",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    };
+    let probe = |p: u16| cli_args(&["gateway", "probe"], p);
     let (pd, pb) = (probe(port), probe(relay.port));
     let (d, b) = tokio::join!(
         openclaw_cli(&pd, "", CLI_WAIT),
