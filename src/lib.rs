@@ -47,6 +47,8 @@
 //! - [`broker`]: assembly and shutdown.
 //! - [`cli`]: the everyday commands (`status`, `tail`, `call`, `record`, `top`), which talk to a
 //!   running broker over its socket like any other client.
+//! - [`sanitize`]: the one sanitizer every string a human-facing command
+//!   prints goes through (controls, bidi and invisible characters escaped).
 //! - [`activity`]: the client-side projection of raw events into runs,
 //!   thinking and tool calls, for `clawmux top` and `tail --tree/--hud`.
 //! - [`systemd`]: socket activation (`LISTEN_FDS`), `READY=1`/`STATUS=`/
@@ -77,6 +79,7 @@ pub mod metrics;
 pub mod policy;
 pub mod protocol;
 pub mod router;
+pub mod sanitize;
 pub mod settings;
 pub mod sharing;
 pub mod systemd;

@@ -1,0 +1,180 @@
+//! The one sanitizer for text a human-facing command prints: every string
+//! that came from the gateway or from a local client (session keys, run
+//! ids, event and tool names, tool arguments, error codes and messages,
+//! `client.id`/`displayName`/`version`...) goes through it before it
+//! reaches a terminal, so nobody allowed to start a run can set the
+//! window title, write the clipboard (OSC 52), move the cursor, or reverse
+//! the text on the owner's screen.
+//!
+//! - C0 controls (and DEL) are shown escaped: `\e`, `\x07`, `\t`, `\r`,
+//!   `\n` (a newline inside a field is not the line's own), `\x7f`.
+//! - C1 controls (U+0080–U+009F) are shown as `\u{9b}`.
+//! - Bidi controls and other invisible format characters (U+061C,
+//!   U+200B–U+200F, U+202A–U+202E, U+2060–U+2064, U+2066–U+2069, U+FEFF)
+//!   are shown as `\u{202e}`.
+//! - [`field`] also cuts an overlong field with `…`.
+//!
+//! JSON outputs (`tail --json`, `--hud`, `call`'s payload) do not use this:
+//! serde already escapes every control character, and the output must stay
+//! exact JSON.
+//!
+//! Hand-written: the crates that strip ANSI sequences (`strip-ansi-escapes`,
+//! `console`) remove well-formed sequences but pass bare controls, C1 and
+//! bidi characters through; this is one `match` over chars.
+
+use std::borrow::Cow;
+use std::fmt::{self, Write as _};
+
+/// How one character is shown, if it must be escaped.
+fn escape_of(c: char, keep_newline: bool) -> Option<Escaped> {
+    Some(match c {
+        '\n' if keep_newline => return None,
+        '\x1b' => Escaped::Named("\\e"),
+        '\t' => Escaped::Named("\\t"),
+        '\r' => Escaped::Named("\\r"),
+        '\n' => Escaped::Named("\\n"),
+        '\0'..='\x1f' | '\x7f' => Escaped::Hex(c as u32),
+        '\u{80}'..='\u{9f}'
+        | '\u{061c}'
+        | '\u{200b}'..='\u{200f}'
+        | '\u{202a}'..='\u{202e}'
+        | '\u{2060}'..='\u{2064}'
+        | '\u{2066}'..='\u{2069}'
+        | '\u{feff}' => Escaped::Unicode(c as u32),
+        _ => return None,
+    })
+}
+
+enum Escaped {
+    Named(&'static str),
+    Hex(u32),
+    Unicode(u32),
+}
+
+impl fmt::Display for Escaped {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Escaped::Named(s) => f.write_str(s),
+            Escaped::Hex(n) => write!(f, "\\x{n:02x}"),
+            Escaped::Unicode(n) => write!(f, "\\u{{{n:x}}}"),
+        }
+    }
+}
+
+/// Whether `s` would be shown as it is.
+pub fn is_clean(s: &str) -> bool {
+    !s.chars().any(|c| escape_of(c, false).is_some())
+}
+
+fn escape_into(out: &mut String, s: &str, keep_newline: bool) {
+    for c in s.chars() {
+        match escape_of(c, keep_newline) {
+            Some(e) => {
+                let _ = write!(out, "{e}");
+            }
+            None => out.push(c),
+        }
+    }
+}
+
+/// `s` with every control and invisible format character escaped
+/// (newlines too: a field is one line).
+pub fn text(s: &str) -> Cow<'_, str> {
+    if is_clean(s) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    escape_into(&mut out, s, false);
+    Cow::Owned(out)
+}
+
+/// Like [`text`], but keeps newlines: for a message of several lines the
+/// command prints as they are (each line is still escaped).
+pub fn lines(s: &str) -> Cow<'_, str> {
+    if !s.chars().any(|c| escape_of(c, true).is_some()) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    escape_into(&mut out, s, true);
+    Cow::Owned(out)
+}
+
+/// [`text`], cut to at most `max_chars` characters of the original (the
+/// escapes do not count against it) with `…` at the end when cut.
+pub fn field(s: &str, max_chars: usize) -> Cow<'_, str> {
+    match s.char_indices().nth(max_chars) {
+        None => text(s),
+        Some((at, _)) => {
+            let mut out = String::with_capacity(at + 8);
+            escape_into(&mut out, &s[..at], false);
+            out.push('…');
+            Cow::Owned(out)
+        }
+    }
+}
+
+/// A value that shows its text escaped when formatted: `format!("{}",
+/// sanitize::Shown(name))`, without an allocation when it is clean.
+#[derive(Debug, Clone, Copy)]
+pub struct Shown<'a>(pub &'a str);
+
+impl fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for c in self.0.chars() {
+            match escape_of(c, false) {
+                Some(e) => write!(f, "{e}")?,
+                None => f.write_char(c)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No character a terminal would act on or hide is left.
+    fn visible(s: &str) -> bool {
+        s.chars().all(|c| escape_of(c, false).is_none())
+    }
+
+    #[test]
+    fn osc_and_csi_sequences_are_shown_escaped() {
+        let key = "main\x1b]0;pwned\x07\x1b]52;c;aGk=\x07";
+        let shown = text(key);
+        assert_eq!(shown, "main\\e]0;pwned\\x07\\e]52;c;aGk=\\x07");
+        assert!(visible(&shown));
+        assert_eq!(text("\u{9b}31m"), "\\u{9b}31m", "C1 CSI");
+        assert_eq!(text("a\tb\r\nc\x7f"), "a\\tb\\r\\nc\\x7f");
+        assert_eq!(Shown("\x1b[2J").to_string(), "\\e[2J");
+    }
+
+    #[test]
+    fn bidi_and_invisible_characters_are_escaped() {
+        assert_eq!(text("abc\u{202e}fed"), "abc\\u{202e}fed");
+        for c in [
+            '\u{061c}', '\u{200b}', '\u{200f}', '\u{202a}', '\u{2066}', '\u{2069}', '\u{feff}',
+        ] {
+            let s = c.to_string();
+            assert!(visible(&text(&s)), "{:?}", c);
+            assert_ne!(text(&s), s);
+        }
+        // Ordinary non-ASCII text is kept.
+        assert_eq!(text("Grüße — 日本 ✓"), "Grüße — 日本 ✓");
+        assert!(matches!(text("plain"), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn lines_keep_their_newlines_only() {
+        assert_eq!(lines("one\ntwo\x1b]0;x\x07"), "one\ntwo\\e]0;x\\x07");
+    }
+
+    #[test]
+    fn fields_are_cut_with_an_ellipsis() {
+        assert_eq!(field("abcdef", 3), "abc…");
+        assert_eq!(field("abc", 3), "abc");
+        assert_eq!(field("ab\x1bcd", 3), "ab\\e…");
+        assert_eq!(field("日本語です", 2), "日本…");
+    }
+}

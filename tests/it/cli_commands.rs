@@ -1,0 +1,556 @@
+//! The everyday commands, run as the real binary against a running broker:
+//! `clawmux status`, `clawmux call`, `clawmux tail` (output and exit codes).
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use crate::http_api::*;
+use crate::support::*;
+use clawmux::hub::ClientKind;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStderr, ChildStdout, Command};
+
+const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
+
+/// Runs a command to completion: (exit code, stdout, stderr).
+async fn clawmux(args: &[&str]) -> (i32, String, String) {
+    let out = tokio::time::timeout(
+        PATIENCE,
+        Command::new(BIN)
+            .args(args)
+            .env_remove("CLAWMUX_SOCKET")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the command finishes in time")
+    .expect("the binary runs");
+    (
+        out.status.code().expect("exit code"),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn s(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+#[tokio::test]
+async fn status_summarizes_a_running_broker() {
+    let h = start().await;
+    let state = until_ready(&h.socket()).await;
+    let (_ws, _) = h.connected().await;
+    let (code, out, err) = clawmux(&["status", "--socket", s(&h.socket())]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    for want in [
+        "upstream   ready ",
+        "gateway 2026.9.6-mock (protocol 4)",
+        "scopes     operator.admin",
+        "clients    1 ws, 0 sse",
+        &format!("epoch {}", state["epoch"].as_str().unwrap()),
+    ] {
+        assert!(out.contains(want), "{want:?} in\n{out}");
+    }
+    // The socket from the environment, and the raw document.
+    let out = tokio::time::timeout(
+        PATIENCE,
+        Command::new(BIN)
+            .args(["status", "--json"])
+            .env("CLAWMUX_SOCKET", h.socket())
+            .output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(out.status.success());
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("--json prints JSON");
+    assert_eq!(doc["epoch"], state["epoch"]);
+    assert_eq!(doc["upstream"]["phase"], "ready");
+}
+
+#[tokio::test]
+async fn status_exit_codes_for_a_broker_without_upstream_and_for_no_broker() {
+    let (broker, dir) = broker_only(|_| {}).await;
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !state(broker.socket_path()).await["upstream"]["last_error"].is_object() {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (code, out, _) = clawmux(&["status", "--socket", s(broker.socket_path())]).await;
+    assert_eq!(
+        code, 1,
+        "the broker runs but the gateway session does not: {out}"
+    );
+    assert!(out.contains("error      studio.upstream_error"), "{out}");
+
+    let missing = dir.path().join("nobody-here.sock");
+    let (code, out, err) = clawmux(&["status", "--socket", s(&missing)]).await;
+    assert_eq!(code, 3, "{err}");
+    assert!(out.is_empty());
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(
+        err.contains(s(&missing)) && err.contains("clawmux serve"),
+        "{err}"
+    );
+}
+
+/// A reader that goes away early (`clawmux call … | head -c 1`) ends
+/// `call` quietly (exit 0), not with a panic on the broken pipe.
+#[tokio::test]
+async fn call_into_a_closed_pipe_exits_quietly() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = tokio::time::timeout(
+        PATIENCE,
+        Command::new(BIN)
+            .args(["call", "--socket", s(&h.socket()), "health"])
+            .env_remove("CLAWMUX_SOCKET")
+            .stdout(writer)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the command finishes in time")
+    .expect("the binary runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[tokio::test]
+async fn call_prints_results_and_exits_by_outcome() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let sock = h.socket();
+    let sock = s(&sock);
+    let (code, out, err) = clawmux(&["call", "--socket", sock, "health"]).await;
+    assert_eq!(code, 0, "{err}");
+    let payload: Value = serde_json::from_str(&out).expect("the payload, as JSON");
+    assert!(payload.is_object(), "{out}");
+
+    let (code, out, _) = clawmux(&[
+        "call",
+        "--socket",
+        sock,
+        "--json",
+        "chat.history",
+        r#"{"sessionKey":"agent:main:main"}"#,
+    ])
+    .await;
+    assert_eq!(code, 0);
+    let frame: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(
+        (&frame["type"], &frame["ok"]),
+        (&json!("res"), &json!(true))
+    );
+    assert_eq!(frame["payload"]["sessionKey"], "agent:main:main");
+
+    let (code, out, err) = clawmux(&["call", "--socket", sock, "no.such.method", "{}"]).await;
+    assert_eq!(code, 1, "an error answer: {out}{err}");
+    assert!(
+        err.contains("INVALID_REQUEST") && err.contains("no.such.method"),
+        "{err}"
+    );
+
+    let (code, _, err) = clawmux(&["call", "--socket", sock, "health", "{not json"]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("PARAMS_JSON is not valid JSON"), "{err}");
+
+    let (code, _, err) = clawmux(&["call", "--socket", sock, "connect"]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("connect is handled by the broker"), "{err}");
+
+    let (code, _, _) = clawmux(&["call", "--socket", sock]).await;
+    assert_eq!(code, 2, "METHOD is required");
+
+    let gone = h.dir.path().join("gone.sock");
+    let (code, _, err) = clawmux(&["call", "--socket", s(&gone), "health"]).await;
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains(s(&gone)), "{err}");
+}
+
+/// A running `clawmux tail` with its output lines.
+struct Tail {
+    child: Child,
+    out: Lines<BufReader<ChildStdout>>,
+    err: Lines<BufReader<ChildStderr>>,
+}
+
+impl Tail {
+    fn spawn(args: &[&str]) -> Tail {
+        Tail::spawn_with_env(args, &[])
+    }
+
+    fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Tail {
+        let mut child = Command::new(BIN)
+            .arg("tail")
+            .args(args)
+            .env_remove("CLAWMUX_SOCKET")
+            .env_remove("NO_COLOR")
+            .env_remove("CLICOLOR_FORCE")
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("tail starts");
+        let out = BufReader::new(child.stdout.take().unwrap()).lines();
+        let err = BufReader::new(child.stderr.take().unwrap()).lines();
+        Tail { child, out, err }
+    }
+
+    async fn line(&mut self) -> String {
+        tokio::time::timeout(PATIENCE, self.out.next_line())
+            .await
+            .expect("a line in time")
+            .expect("stdout readable")
+            .expect("tail is still running")
+    }
+
+    /// Reads lines until one contains `needle`; returns all read.
+    async fn lines_until(&mut self, needle: &str) -> Vec<String> {
+        let mut seen = Vec::new();
+        loop {
+            let line = self.line().await;
+            let done = line.contains(needle);
+            seen.push(line);
+            if done {
+                return seen;
+            }
+        }
+    }
+
+    async fn err_line_containing(&mut self, needle: &str) -> String {
+        loop {
+            let line = tokio::time::timeout(PATIENCE, self.err.next_line())
+                .await
+                .unwrap_or_else(|_| panic!("stderr line with {needle:?} in time"))
+                .unwrap()
+                .expect("tail is still running");
+            if line.contains(needle) {
+                return line;
+            }
+        }
+    }
+}
+
+async fn wait_for_stream(h: &Harness) {
+    eventually("tail is streaming", || {
+        h.broker
+            .ctx()
+            .hub
+            .clients()
+            .iter()
+            .any(|c| c.kind == ClientKind::Sse)
+    })
+    .await;
+}
+
+/// The cursor (second column) of a human tail line.
+fn cursor_of(line: &str) -> u64 {
+    line.split_whitespace().nth(1).unwrap().parse().expect(line)
+}
+
+#[tokio::test]
+async fn tail_shows_runs_readably_and_survives_a_broker_restart() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let mut tail = Tail::spawn(&["--socket", s(&h.socket())]);
+    wait_for_stream(&h).await;
+    h.gw.simulate_run("agent:main:main", "Hello from tail");
+    let lines = tail.lines_until("final").await;
+    let run_line = lines
+        .iter()
+        .find(|l| l.contains(" chat "))
+        .expect("chat lines");
+    assert!(run_line.contains("session=agent:main:main"), "{run_line}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains(" agent ") && l.contains("stream=lifecycle start")),
+        "{lines:#?}"
+    );
+    let last = lines.last().unwrap();
+    assert!(last.contains("final \"Hello from tail\""), "{last}");
+    let before_restart = cursor_of(last);
+
+    // Restart the broker on the same socket: a new epoch, so tail cannot
+    // resume its cursor; it says so and carries on from the newest event.
+    let Harness { gw, broker, dir } = h;
+    let settings = test_settings(dir.path(), &gw.url(), Some("test-token"));
+    broker.shutdown(Duration::from_secs(2)).await;
+    tail.err_line_containing("lost the stream").await;
+    let broker = RunningBroker::start(settings).await.unwrap();
+    let h = Harness { gw, broker, dir };
+    until_ready(&h.socket()).await;
+    let said = tail.err_line_containing("cannot resume").await;
+    let resumed_from: u64 = said
+        .split("after seq ")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .expect(&said);
+    assert!(
+        resumed_from >= before_restart,
+        "tail's own last cursor: {said}"
+    );
+    assert!(said.contains("the broker restarted"), "{said}");
+    tail.err_line_containing("reconnected").await;
+    wait_for_stream(&h).await;
+    h.gw.broadcast("cron", json!({"job": "after-restart"}));
+    let lines = tail.lines_until("after-restart").await;
+    assert!(lines.last().unwrap().contains(" cron "), "{lines:#?}");
+    let _ = tail.child.start_kill();
+}
+
+#[tokio::test]
+async fn tail_resumes_exactly_after_its_stream_is_cut() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let mut tail = Tail::spawn(&["--socket", s(&h.socket()), "--events", "cron"]);
+    wait_for_stream(&h).await;
+    h.gw.broadcast("cron", json!({"n": 0}));
+    let first = cursor_of(&tail.line().await);
+    // The broker ends the stream (as it would for a slow consumer) while
+    // events keep coming; tail reconnects after its last cursor.
+    for c in h.broker.ctx().hub.clients() {
+        c.close(1008, "slow consumer");
+    }
+    for n in 1..=5 {
+        h.gw.broadcast("cron", json!({ "n": n }));
+        h.gw.broadcast("talk.mode", json!({}));
+    }
+    let mut cursors = Vec::new();
+    for _ in 1..=5 {
+        let line = tail.line().await;
+        assert!(line.contains(" cron "), "only the chosen events: {line}");
+        cursors.push(cursor_of(&line));
+    }
+    tail.err_line_containing("ended the stream").await;
+    let expected: Vec<u64> = (1..=5).map(|n| first + 2 * n - 1).collect();
+    assert_eq!(
+        cursors, expected,
+        "each cron event once, in order, none lost"
+    );
+    let _ = tail.child.start_kill();
+}
+
+#[tokio::test]
+async fn tail_json_replays_from_a_cursor() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    for n in 0..4 {
+        h.gw.broadcast("cron", json!({ "n": n }));
+    }
+    let s0 = wait_newest_seq(&h.socket(), 4).await;
+    let newest = s0["newest_seq"].as_u64().unwrap();
+    let after = (newest - 2).to_string();
+    let mut tail = Tail::spawn(&["--socket", s(&h.socket()), "--json", "--after", &after]);
+    for want in newest - 1..=newest {
+        let frame: Value =
+            serde_json::from_str(&tail.line().await).expect("one JSON frame per line");
+        assert_eq!(frame["type"], "event");
+        assert_eq!(frame["seq"], want, "seq is the broker cursor");
+    }
+    let _ = tail.child.start_kill();
+}
+
+#[tokio::test]
+async fn tail_without_a_broker_exits_3() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("none.sock");
+    let (code, _, err) = clawmux(&["tail", "--socket", s(&sock)]).await;
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("cannot reach the broker") && err.contains(s(&sock)),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn tail_rejects_unknown_event_names_with_the_known_ones() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let (code, _, err) =
+        clawmux(&["tail", "--socket", s(&h.socket()), "--events", "chat,chta"]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("unknown event name chta"), "{err}");
+    assert!(
+        err.contains("chat")
+            && err.contains("clawmux.upstream")
+            && err.contains("sessions.changed"),
+        "lists the valid names: {err}"
+    );
+}
+
+/// `-n N` prints the last N held events first, then follows; `--session`
+/// and `--run` keep one session's or one run's events.
+#[tokio::test]
+async fn tail_n_session_and_run_pick_what_is_printed() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    for n in 0..5 {
+        h.gw.broadcast("cron", json!({ "n": n }));
+    }
+    let chat = |run: &str, session: &str, text: &str| {
+        json!({"runId": run, "sessionKey": session, "state": "final",
+               "message": {"content": [{"type": "text", "text": text}]}})
+    };
+    h.gw.broadcast("chat", chat("aaaa1111-x", "agent:main:main", "in main"));
+    h.gw.broadcast("chat", chat("bbbb2222-y", "agent:main:side", "in side"));
+    let newest = wait_newest_seq(&h.socket(), 7).await["newest_seq"]
+        .as_u64()
+        .unwrap();
+
+    let mut tail = Tail::spawn(&["--socket", s(&h.socket()), "-n", "2", "--events", "cron"]);
+    let first = tail.line().await;
+    let second = tail.line().await;
+    assert!(
+        first.contains(r#"{"n":3}"#) && second.contains(r#"{"n":4}"#),
+        "{first}\n{second}"
+    );
+    h.gw.broadcast("cron", json!({"n": "live"}));
+    let live = tail.line().await;
+    assert!(live.contains(r#"{"n":"live"}"#), "then follows: {live}");
+    assert!(cursor_of(&live) > newest, "{live}");
+    let _ = tail.child.start_kill();
+
+    let mut tail = Tail::spawn(&["--socket", s(&h.socket()), "-n", "10", "--session", "main"]);
+    let line = tail.line().await;
+    assert!(line.contains("in main"), "{line}");
+    h.gw.broadcast(
+        "chat",
+        chat("cccc3333-z", "agent:main:main", "later in main"),
+    );
+    let line = tail.line().await;
+    assert!(
+        line.contains("later in main"),
+        "the side session is skipped: {line}"
+    );
+    let _ = tail.child.start_kill();
+
+    let mut tail = Tail::spawn(&["--socket", s(&h.socket()), "-n", "10", "--run", "bbbb2222"]);
+    let line = tail.line().await;
+    assert!(line.contains("in side"), "{line}");
+    let _ = tail.child.start_kill();
+}
+
+/// `--since` keeps the held events of the last DURATION (by the event's own time).
+#[tokio::test]
+async fn tail_since_prints_only_recent_held_events() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let now = clawmux::protocol::now_ms();
+    h.gw.broadcast("cron", json!({"ts": now - 3_600_000, "job": "an hour ago"}));
+    h.gw.broadcast("cron", json!({"ts": now, "job": "just now"}));
+    wait_newest_seq(&h.socket(), 2).await;
+    let mut tail = Tail::spawn(&[
+        "--socket",
+        s(&h.socket()),
+        "--since",
+        "10m",
+        "--events",
+        "cron",
+    ]);
+    let line = tail.line().await;
+    assert!(line.contains("just now"), "{line}");
+    let _ = tail.child.start_kill();
+    let (code, _, err) = clawmux(&["tail", "--since", "yesterday-ish"]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--since takes a duration"), "{err}");
+}
+
+/// A cursor from the future is called that, not "no longer held".
+#[tokio::test]
+async fn tail_after_a_future_cursor_says_so() {
+    let h = start().await;
+    let state = until_ready(&h.socket()).await;
+    let after = format!("{}:999999", state["epoch"].as_str().unwrap());
+    let mut tail = Tail::spawn(&["--socket", s(&h.socket()), "--after", &after]);
+    let said = tail.err_line_containing("cannot resume").await;
+    assert!(said.contains("newer than the newest event"), "{said}");
+    assert!(!said.contains("no longer held"), "{said}");
+    let _ = tail.child.start_kill();
+}
+
+/// Colour through anstream: off when piped, on with CLICOLOR_FORCE, and
+/// NO_COLOR wins over both.
+#[tokio::test]
+async fn tail_and_status_colour_follows_no_color_and_the_terminal() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    h.gw.broadcast("cron", json!({"n": 1}));
+    wait_newest_seq(&h.socket(), 1).await;
+    let sock = s(&h.socket()).to_owned();
+    for (env, colour) in [
+        (vec![], false),
+        (vec![("CLICOLOR_FORCE", "1")], true),
+        (vec![("CLICOLOR_FORCE", "1"), ("NO_COLOR", "1")], false),
+    ] {
+        let mut tail = Tail::spawn_with_env(&["--socket", &sock, "-n", "1"], &env);
+        let line = tail.line().await;
+        assert_eq!(line.contains("\x1b["), colour, "{env:?}: {line:?}");
+        let _ = tail.child.start_kill();
+        let out = Command::new(BIN)
+            .args(["status", "--socket", &sock])
+            .env_remove("NO_COLOR")
+            .env_remove("CLICOLOR_FORCE")
+            .envs(env.iter().copied())
+            .output()
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(text.contains("\x1b["), colour, "status {env:?}: {text:?}");
+        assert!(text.contains("ready"), "{text}");
+    }
+}
+
+/// `clawmux metrics` prints `/metrics`; `--textfile DIR` writes
+/// `DIR/clawmux.prom` for node_exporter, with `clawmux_up 0` (exit 3) when
+/// the broker is down.
+#[tokio::test]
+async fn metrics_textfile_for_node_exporter() {
+    let h = start().await;
+    until_ready(&h.socket()).await;
+    let (code, out, err) = clawmux(&["metrics", "--socket", s(&h.socket())]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("clawmux_upstream_phase{phase=\"ready\"} 1"),
+        "{out}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = clawmux(&[
+        "metrics",
+        "--socket",
+        s(&h.socket()),
+        "--textfile",
+        s(dir.path()),
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let file = dir.path().join("clawmux.prom");
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        text.contains("\nclawmux_up 1\n") && text.contains("process_cpu_seconds_total"),
+        "{text}"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "no temporary file left"
+    );
+    let gone = dir.path().join("gone.sock");
+    let (code, _, err) =
+        clawmux(&["metrics", "--socket", s(&gone), "--textfile", s(dir.path())]).await;
+    assert_eq!(code, 3, "{err}");
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        text.ends_with("\nclawmux_up 0\n") && !text.contains("process_"),
+        "{text}"
+    );
+}

@@ -1,0 +1,144 @@
+//! `/ws/dedicated` against a REAL OpenClaw Gateway (npm `openclaw`), started
+//! on loopback by `../shared/peers/openclaw-gateway.sh`: a device-signed
+//! client through the dedicated route is paired silently on loopback and
+//! keeps its own device identity (it is not the broker's device).
+//!
+//! Ignored by default (a ~1 GB gateway, 12-19 s to start): `.ci/interop`
+//! runs it with `--ignored`.
+
+use std::time::{Duration, Instant};
+
+use crate::real_gateway::*;
+use crate::support::*;
+use clawmux::upstream::identity::{ConnectProof, DeviceIdentity};
+use serde_json::json;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+
+#[tokio::test]
+#[ignore = "needs a real OpenClaw gateway: run by .ci/interop"]
+async fn a_device_signed_client_keeps_its_own_identity_through_the_dedicated_route() {
+    assert!(
+        script().exists(),
+        "{} is missing (CI clones shared/ beside the repo)",
+        script().display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let gw = Gateway::start(port, dir.path().join("gateway.log"));
+    let mut settings = test_settings(
+        &dir.path().join("broker"),
+        &format!("ws://127.0.0.1:{port}"),
+        Some(TOKEN),
+    );
+    settings.upstream.backoff_initial = Duration::from_secs(1);
+    settings.upstream.backoff_max = Duration::from_secs(4);
+    settings.upstream.handshake_timeout = Duration::from_secs(15);
+    let broker = RunningBroker::start(settings).await.expect("broker starts");
+    let sock = broker.socket_path().to_owned();
+
+    // The gateway is up once the broker's shared session is.
+    let deadline = Instant::now() + FIRST_START;
+    let broker_device = loop {
+        let (_, health) = http_get(&sock, "/healthz").await;
+        if health["upstream"] == "ready" {
+            break health["deviceId"].as_str().unwrap_or_default().to_owned();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the gateway did not come up: {health}\n{}",
+            gw.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+
+    // A client with a key of its own, signing the gateway's own nonce.
+    let key_dir = tempfile::tempdir().unwrap();
+    let identity = DeviceIdentity::load_or_create(key_dir.path()).unwrap();
+    assert_ne!(identity.device_id(), broker_device);
+    let mut c = WsClient::open(&sock, "/ws/dedicated").await;
+    let challenge = c.recv_json().await;
+    assert_eq!(challenge["event"], "connect.challenge", "{challenge}");
+    let scopes = ["operator.read", "operator.write"];
+    let device = identity.sign_connect(&ConnectProof {
+        client_id: "cli",
+        client_mode: "cli",
+        role: "operator",
+        scopes: &scopes,
+        signed_at_ms: challenge["payload"]["ts"].as_u64().unwrap(),
+        token: TOKEN,
+        nonce: challenge["payload"]["nonce"].as_str().unwrap(),
+        platform: "linux",
+        device_family: "",
+    });
+    c.send_json(
+        &json!({"type":"req","id":"dedicated-1","method":"connect","params":{
+        "minProtocol":3,"maxProtocol":4,
+        "client":{"id":"cli","version":"interop","platform":"linux","mode":"cli"},
+        "role":"operator","scopes":scopes,"auth":{"token":TOKEN},"device":device}}),
+    )
+    .await;
+    let res = c.response("dedicated-1").await;
+    assert_eq!(res["ok"], true, "{res}\n{}", gw.log_tail());
+    // Paired silently on loopback: the gateway minted a device token for
+    // this device, and passed it to the client (the route does not filter).
+    assert!(
+        res["payload"]["auth"]["deviceToken"].is_string(),
+        "a device token for the client's own device: {res}"
+    );
+    assert_eq!(
+        res["payload"]["auth"]["scopes"],
+        json!(scopes),
+        "scopes kept: {res}"
+    );
+    let health = c.request("health", json!({})).await;
+    assert_eq!(health["ok"], true, "{health}");
+
+    // The gateway knows the client's device as paired (silently) and
+    // connected. (The broker's own session, `gateway-client`/`backend` with
+    // the token on loopback, is not in the list: it skips pairing.)
+    let (status, list) =
+        crate::http_api::rpc(&sock, r#"{"method":"device.pair.list","params":{}}"#).await;
+    assert_eq!(status, 200, "{list}");
+    let paired = list["payload"]["paired"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let own = paired
+        .iter()
+        .find(|d| d["deviceId"] == identity.device_id())
+        .unwrap_or_else(|| panic!("the client's device is paired: {list}"));
+    assert_eq!(own["connected"], true, "{own}");
+    assert_eq!(own["approvedVia"], "silent", "{own}");
+    assert_eq!(own["clientId"], "cli", "{own}");
+
+    // Listed by the broker with its identity, never a secret.
+    let (_, state) = http_get(&sock, "/v1/state").await;
+    let listed = &state["dedicated"][0];
+    assert_eq!(listed["device_id"], identity.device_id(), "{state}");
+    assert_eq!(listed["auth"], "token", "{state}");
+    assert_eq!(listed["phase"], "connected", "{state}");
+    assert!(!state.to_string().contains(TOKEN));
+
+    // A normal close completes.
+    c.ws_mut()
+        .close(Some(CloseFrame {
+            code: CloseCode::Normal,
+            reason: "done".into(),
+        }))
+        .await
+        .unwrap();
+    let closed = loop {
+        match c.recv().await {
+            Got::Json(_) => continue,
+            other => break other,
+        }
+    };
+    assert!(matches!(closed, Got::Close(1000, _)), "{closed:?}");
+    eprintln!(
+        "interop: dedicated route: device {} paired and connected under its own identity",
+        &identity.device_id()[..12]
+    );
+    broker.shutdown(Duration::from_secs(5)).await;
+    drop(gw);
+}
