@@ -1,5 +1,6 @@
-//! Assembly: binds the socket, starts the connector, the request sweeper and
-//! the accept loop, and shuts them down in order.
+//! Assembly: binds the sockets, builds the core and the shared
+//! [`Ctx`], starts the sessions, the request sweeper and the accept loops,
+//! and shuts them down in order.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -8,57 +9,29 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::context::{Ctx, MAX_HANDSHAKES};
+
 use crate::config::Settings;
 use crate::dispatch::Dispatcher;
 use crate::hub::{Hub, QueueLimits, ReplayLimits};
 use crate::local::socket::{self, SocketError, SocketGuard};
 use crate::router::Router;
+use crate::sessions::Sessions;
 use crate::sharing::Sharing;
-use crate::upstream::Upstream;
-
-/// What every task of a running broker shares.
-#[derive(Debug)]
-pub struct Ctx {
-    pub settings: Settings,
-    pub hub: Arc<Hub>,
-    pub router: Arc<Router>,
-    pub sharing: Arc<Sharing>,
-    /// The one path every request takes upstream.
-    pub dispatcher: Arc<Dispatcher>,
-    pub upstream: Upstream,
-    /// Local WebSocket clients still before their `connect` is answered; a
-    /// client over [`MAX_HANDSHAKES`] is closed `1013` at once.
-    pub handshakes: Arc<tokio::sync::Semaphore>,
-    /// The open `/ws/dedicated` connections and their cap.
-    pub dedicated: Arc<crate::local::dedicated::Dedicated>,
-    /// Other uids (besides the broker's own) allowed to connect.
-    pub allowed_uids: Vec<u32>,
-    /// Cancelled at shutdown: every task reaches a safe point and ends.
-    pub cancel: CancellationToken,
-    /// Every connection and session task, so shutdown can wait for them.
-    pub tracker: TaskTracker,
-}
-
-/// Local WebSocket clients that may be in their handshake (before `hello-ok`)
-/// at once; one more is closed `1013 try again later` at once. A handshake
-/// holds a task and up to `preconnect_max_bytes` for up to `connect_timeout`
-/// (plus `connect_wait`), so this bounds what unauthenticated-protocol
-/// clients (all of the broker's own uid) can hold.
-pub const MAX_HANDSHAKES: usize = 128;
 
 /// The broker's core: everything between the local side and the gateway.
 pub struct Core {
     pub hub: Arc<Hub>,
     pub router: Arc<Router>,
     pub sharing: Arc<Sharing>,
+    pub sessions: Arc<Sessions>,
     pub dispatcher: Arc<Dispatcher>,
-    pub upstream: Upstream,
-    pub upstream_task: tokio::task::JoinHandle<()>,
 }
 
 impl Core {
-    /// Builds the core and starts the connector (it stops at `cancel`).
-    pub fn start(settings: &Settings, cancel: CancellationToken) -> Core {
+    /// Builds the core and starts the main session's connector (tracked by
+    /// `tracker`; it stops at `cancel`).
+    pub fn start(settings: &Settings, tracker: &TaskTracker, cancel: &CancellationToken) -> Core {
         let limits = &settings.limits;
         let hub = Arc::new(Hub::new(
             QueueLimits {
@@ -79,28 +52,21 @@ impl Core {
             limits.max_inflight,
         ));
         let sharing = Arc::new(Sharing::new());
-        let (upstream, seed) = Upstream::new(settings);
+        let sessions = Arc::new(Sessions::start(
+            settings, &hub, &router, &sharing, tracker, cancel,
+        ));
         let dispatcher = Arc::new(Dispatcher::new(
             Arc::clone(&hub),
             Arc::clone(&router),
             Arc::clone(&sharing),
-            upstream.clone(),
+            Arc::clone(&sessions),
         ));
-        let upstream_task = seed.spawn(
-            settings,
-            Arc::clone(&hub),
-            Arc::clone(&router),
-            Arc::clone(&sharing),
-            Arc::clone(&dispatcher),
-            cancel,
-        );
         Core {
             hub,
             router,
             sharing,
+            sessions,
             dispatcher,
-            upstream,
-            upstream_task,
         }
     }
 }
@@ -119,7 +85,6 @@ pub struct RunningBroker {
     guard: SocketGuard,
     /// The `[[sockets]]` sockets this broker bound.
     _policy_guards: Vec<SocketGuard>,
-    upstream_task: tokio::task::JoinHandle<()>,
     /// Cancelled first at shutdown: stop accepting before clients are told.
     accept_stop: CancellationToken,
     accept_task: tokio::task::JoinHandle<()>,
@@ -220,15 +185,15 @@ impl RunningBroker {
             );
         }
         let cancel = CancellationToken::new();
+        let tracker = TaskTracker::new();
         let Core {
             hub,
             router,
             sharing,
+            sessions,
             dispatcher,
-            upstream,
-            upstream_task,
-        } = Core::start(&settings, cancel.child_token());
-        let dedicated = Arc::new(crate::local::dedicated::Dedicated::new(
+        } = Core::start(&settings, &tracker, &cancel);
+        let dedicated = Arc::new(crate::local::dedicated::registry::Dedicated::new(
             settings.limits.max_dedicated,
         ));
         let ctx = Arc::new(Ctx {
@@ -236,16 +201,15 @@ impl RunningBroker {
             hub,
             router,
             sharing,
+            upstream: sessions.main.upstream.clone(),
+            sessions,
             dispatcher,
-            upstream,
             handshakes: Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES)),
             dedicated,
             allowed_uids: Vec::new(),
             cancel,
-            tracker: TaskTracker::new(),
+            tracker,
         });
-        ctx.tracker
-            .spawn(Arc::clone(&ctx.dispatcher).drain_own_answers(ctx.cancel.clone()));
         ctx.tracker.spawn(sweep_deadlines(Arc::clone(&ctx)));
         let accept_stop = ctx.cancel.child_token();
         let loops: Vec<_> = listeners
@@ -267,7 +231,6 @@ impl RunningBroker {
             ctx,
             guard,
             _policy_guards: policy_guards,
-            upstream_task,
             accept_stop,
             accept_task,
         })
@@ -292,7 +255,7 @@ impl RunningBroker {
     /// 2. queue the gateway's own `shutdown` event (`{reason}`, with each
     ///    client's next `seq`) for every connected client;
     /// 3. close every client `1001 going away` after what is queued, and the
-    ///    upstream session with a normal close;
+    ///    upstream sessions (main and narrower) with a normal close;
     /// 4. wait for all of it until the deadline; a client that does not read
     ///    is cut off (its writer is abandoned), so it cannot hold the exit.
     ///
@@ -317,15 +280,10 @@ impl RunningBroker {
             .await
             .is_err()
         {
-            tracing::warn!("some connections did not finish before the shutdown deadline");
-            clean = false;
-        }
-        if tokio::time::timeout_at(until, &mut self.upstream_task)
-            .await
-            .is_err()
-        {
-            tracing::warn!("the gateway connection did not close before the shutdown deadline");
-            self.upstream_task.abort();
+            tracing::warn!(
+                tasks = self.ctx.tracker.len(),
+                "some connections or gateway sessions did not finish before the shutdown deadline"
+            );
             clean = false;
         }
         clean

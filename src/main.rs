@@ -485,7 +485,7 @@ fn raise_open_file_limit() {
 /// `SIGHUP` re-reads the settings: a changed URL or token re-opens the
 /// upstream session; a broken file keeps the old settings running.
 async fn reload_on_sighup(
-    ctx: &clawmux::broker::Ctx,
+    ctx: &clawmux::context::Ctx,
     args: Option<(SettingsArgs, LimitArgs)>,
 ) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::broker::Ctx;
+use crate::context::Ctx;
 use crate::hub::ClientKind;
 use crate::upstream::Phase;
 
@@ -291,7 +291,7 @@ pub fn render(ctx: &Ctx) -> String {
         &[],
         ctx.hub.queue_budget().used(),
     );
-    let own = ctx.dispatcher.own_requests();
+    let own = ctx.sessions.own.snapshot();
     out.family(
         "clawmux_broker_requests_total",
         "counter",
@@ -341,7 +341,7 @@ pub fn render(ctx: &Ctx) -> String {
         "Upstream sessions re-established after the first.",
     );
     out.sample("clawmux_upstream_reconnects_total", &[], status.reconnects);
-    let (open, opened, fallbacks) = ctx.dispatcher.aux().counts();
+    let (open, opened, fallbacks) = ctx.sessions.narrower.counts();
     out.family(
         "clawmux_narrower_sessions",
         "gauge",

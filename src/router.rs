@@ -4,17 +4,18 @@
 //! The table is keyed by upstream id. An entry lives until the final answer
 //! (`agent` answers twice), its deadline, the loss of the upstream session it
 //! was sent on (its *generation*), or its requester's departure — whichever
-//! is first. Each [`Member`] lists its own pending ids, so a departure costs
+//! is first. Each [`Requester`] lists its own pending ids, so a departure costs
 //! what that requester holds, not a scan of the table.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
 use serde_json::value::RawValue;
 
-use crate::dispatch::Member;
+use crate::hub::Client;
 use crate::metrics::{Outcome, RequestMetrics};
 use crate::protocol::frames::{encode_res, encode_res_error, payload_status};
 use crate::protocol::{ErrorShape, StudioCode};
@@ -31,9 +32,105 @@ pub fn deadline_after(d: Duration) -> Instant {
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
+/// Whose in-flight budget a requester spends.
+#[derive(Debug)]
+enum Budget {
+    /// Its own (`Client::inflight`): a WebSocket client, the broker itself.
+    Own,
+    /// One shared by every requester of a kind (`/v1/rpc`: each HTTP request
+    /// is a fresh requester, so a per-request budget would bound nothing).
+    Shared(Arc<AtomicUsize>, &'static str),
+}
+
+/// Who a request answers to: the client whose queue gets the answer, the
+/// in-flight budget it spends, and the ids of its requests still waiting
+/// (so its departure costs what it holds, not a scan of the table).
+#[derive(Debug)]
+pub struct Requester {
+    /// Its queue: answers (and, once admitted, events) go here.
+    pub client: Arc<Client>,
+    budget: Budget,
+    pending: Mutex<HashSet<String>>,
+}
+
+impl Requester {
+    /// A requester spending its own in-flight budget.
+    pub fn new(client: Arc<Client>) -> Self {
+        Requester {
+            client,
+            budget: Budget::Own,
+            pending: Mutex::default(),
+        }
+    }
+
+    /// A requester spending a budget shared with others of its kind.
+    pub fn with_shared_budget(
+        client: Arc<Client>,
+        budget: Arc<AtomicUsize>,
+        name: &'static str,
+    ) -> Self {
+        Requester {
+            client,
+            budget: Budget::Shared(budget, name),
+            pending: Mutex::default(),
+        }
+    }
+
+    pub fn id(&self) -> u64 {
+        self.client.id
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn counter(&self) -> &AtomicUsize {
+        match &self.budget {
+            Budget::Own => &self.client.inflight,
+            Budget::Shared(n, _) => n,
+        }
+    }
+
+    /// Who the in-flight cap counts, for the refusal message.
+    pub fn budget_name(&self) -> &'static str {
+        match &self.budget {
+            Budget::Own => "this client",
+            Budget::Shared(_, name) => name,
+        }
+    }
+
+    /// Takes an in-flight slot for `upstream_id`; false at the cap.
+    fn take_slot(&self, upstream_id: &str, max: usize) -> bool {
+        let counter = self.counter();
+        if counter.fetch_add(1, Ordering::AcqRel) >= max {
+            counter.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        self.pending().insert(upstream_id.to_owned());
+        true
+    }
+
+    /// Gives back the slot of an answered, failed or forgotten request.
+    fn release_slot(&self, upstream_id: &str) {
+        if self.pending().remove(upstream_id) {
+            self.counter().fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// The ids of its pending requests.
+    fn pending_ids(&self) -> Vec<String> {
+        self.pending().iter().cloned().collect()
+    }
+
+    /// Requests in flight on its budget.
+    pub fn inflight(&self) -> usize {
+        self.counter().load(Ordering::Relaxed)
+    }
+}
+
 /// One request waiting for its upstream answer.
 struct Pending {
-    member: Arc<Member>,
+    member: Arc<Requester>,
     local_id: String,
     method: String,
     /// The upstream session generation the request was sent on.
@@ -100,7 +197,7 @@ impl Router {
     /// then dropped without running).
     pub fn register(
         &self,
-        member: &Arc<Member>,
+        member: &Arc<Requester>,
         local_id: &str,
         method: &str,
         generation: u64,
@@ -203,7 +300,7 @@ impl Router {
     /// was recorded for them is not undone here but released with the rest
     /// of what the requester holds (a pending subscribe is then
     /// unsubscribed, in order). Costs what it holds.
-    pub fn forget(&self, member: &Member) {
+    pub fn forget(&self, member: &Requester) {
         for id in member.pending_ids() {
             if let Some((_, mut p)) = self.pending.remove(&id) {
                 drop(p.settle.take());
@@ -256,8 +353,8 @@ mod tests {
     use crate::hub::{Client, Outgoing, QueueLimits};
     use serde_json::Value;
 
-    fn client(id: u64) -> Arc<Member> {
-        Arc::new(Member::new(Arc::new(Client::new(
+    fn client(id: u64) -> Arc<Requester> {
+        Arc::new(Requester::new(Arc::new(Client::new(
             id,
             QueueLimits {
                 soft_bytes: 1 << 20,
@@ -267,7 +364,7 @@ mod tests {
         ))))
     }
 
-    async fn frames(m: &Member) -> Vec<Value> {
+    async fn frames(m: &Requester) -> Vec<Value> {
         m.client
             .next_batch()
             .await

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use sd_notify::NotifyState;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::Ctx;
+use crate::context::Ctx;
 use crate::upstream::{Phase, Status};
 
 /// The `LoadCredential=` name the unit uses for the gateway token; clawmux

@@ -25,7 +25,7 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use clawmux::upstream::REQUESTED_SCOPES;
+use clawmux::policy::scopes::REQUESTED_SCOPES;
 use clawmux_mock::rustls;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::{self, Message};

@@ -67,9 +67,21 @@ pub async fn check(resolved: Result<Resolved, crate::protocol::ErrorShape>) -> V
         "tls": tls_settings(&resolved),
         "warnings": resolved.warnings,
     });
+    // One attempt of the broker's own transport, with the broker's own
+    // settings and device, reporting to nobody: what `serve` would see.
     let cancel = CancellationToken::new();
-    let core = crate::broker::Core::start(&s, cancel.clone());
-    let (upstream, task) = (core.upstream, core.upstream_task);
+    let (upstream, seed) = crate::upstream::Upstream::new(&s);
+    let identity = crate::upstream::identity::DeviceIdentity::load_configured(
+        s.upstream.device_identity.as_deref(),
+    )
+    .map(std::sync::Arc::new);
+    let task = tokio::spawn(seed.run(
+        &s,
+        crate::upstream::SessionSpec::main(),
+        identity,
+        std::sync::Arc::new(crate::upstream::NoOwner),
+        cancel.clone(),
+    ));
     let deadline = Instant::now() + s.upstream.handshake_timeout + Duration::from_secs(1);
     let result = upstream.wait_first_attempt(deadline).await;
     cancel.cancel();

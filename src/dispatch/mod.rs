@@ -1,36 +1,43 @@
-//! Dispatch: the one path every request takes to the gateway — WebSocket
-//! clients, `/v1/rpc`, and the broker's own requests (subscription releases,
-//! re-subscribes after a reconnect). Same caps, same metrics, real ids.
+//! Dispatch: the one path every local request takes to the gateway —
+//! WebSocket clients and `/v1/rpc` — with the same caps and metrics.
 //!
-//! A requester is a [`Member`]; its [`Registration`] owns its lifecycle.
+//! A request is parsed once into a [`Request`] (its [`Kind`] and the params
+//! the broker reads), checked against the client's access, then takes one
+//! path: the broker's rules for its kind, then [`Session::send`] on the
+//! session chosen for it. A requester is a [`Member`]; its
+//! [`Registration`] owns its lifecycle.
+//!
 //! What the broker answers or refuses itself, because the gateway's state is
 //! per connection (gateway-protocol.md §4.2):
 //! - subscriptions are reference-counted in [`crate::sharing::subscriptions`]
 //!   and every change is queued upstream while its lock is held (ordered);
-//! - runs belong to the client that started them (`chat.abort` of another
-//!   client's run needs `operator.admin`);
+//! - runs belong to the client that started them: every abort-like method
+//!   ([`crate::policy::methods::ABORT_LIKE`]) of another client's run needs
+//!   `operator.admin`;
 //! - node-only methods are refused here: every refusal upstream would count
 //!   toward the gateway's shared "repeated unauthorized calls" close.
 
 mod member;
+mod request;
 
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use serde::Serialize;
+use serde_json::json;
 use serde_json::value::RawValue;
-use serde_json::{json, Value};
 
 pub use member::{Book, Member, Registration};
+pub use request::{Kind, Request, Subscription};
 
-use crate::hub::{ClientKind, Hub, Outgoing};
-use crate::protocol::frames::{encode_req, encode_res_ok};
+use crate::hub::{Client, Hub};
+use crate::protocol::frames::encode_res_ok;
 use crate::protocol::{ErrorShape, StudioCode};
-use crate::router::{Router, Settle};
+use crate::router::{Requester, Router, Settle};
+use crate::sessions::narrower::Choice;
+use crate::sessions::{Outbound, Session, Sessions};
 use crate::sharing::runs::RunOwner;
-use crate::sharing::subscriptions::{Plan, SubscriptionState};
-use crate::sharing::{Sharing, SubKey};
-use crate::upstream::Upstream;
+use crate::sharing::subscriptions::Plan;
+use crate::sharing::Sharing;
 
 /// Subscription keys one client may hold at once (`sessions.subscribe`
 /// counts as one); one more is answered `studio.too_many_requests`. The
@@ -41,49 +48,15 @@ pub const MAX_SUBSCRIPTIONS_PER_CLIENT: usize = 1024;
 /// Runs a client may have recorded before its list is pruned of ended ones.
 const RUN_BOOK_PRUNE_AT: usize = 64;
 
-/// Methods only a `role:"node"` connection may call.
-/// A request's params as a value (`null` when absent or not JSON): only
-/// for the few methods the broker reads params of.
-fn parse_params(params: Option<&RawValue>) -> Value {
-    params
-        .and_then(|p| serde_json::from_str(p.get()).ok())
-        .unwrap_or(Value::Null)
-}
-
-fn param_str<'a>(params: &'a Value, key: &str) -> Option<&'a str> {
-    params
-        .get(key)
-        .and_then(Value::as_str)
-        .filter(|s| !s.is_empty())
-}
-
-/// A request registered and queued, whose failure must be answered after
-/// the subscription lock is let go (answering runs its settle, which takes it).
-type Deferred = Option<(String, ErrorShape)>;
-
-/// How the broker's own requests fared (shown in `/v1/state`).
-#[derive(Debug, Default, Clone, Serialize)]
-pub struct OwnRequests {
-    pub sent: u64,
-    pub failed: u64,
-    /// The last failure: the request (`<purpose>:<method>[:<key>]`) and the error.
-    pub last_failure: Option<Value>,
-}
-
-/// The dispatcher, shared by every session, `/v1/rpc` and the connector.
+/// The dispatcher, shared by every local session and `/v1/rpc`.
 #[derive(Debug)]
 pub struct Dispatcher {
     hub: Arc<Hub>,
     router: Arc<Router>,
     sharing: Arc<Sharing>,
-    upstream: Upstream,
+    sessions: Arc<Sessions>,
     /// The in-flight budget every `/v1/rpc` request shares (`max_inflight`).
     rpc_budget: Arc<AtomicUsize>,
-    /// The broker's own requester.
-    broker: Arc<Member>,
-    own: Mutex<OwnRequests>,
-    /// Narrower upstream sessions for clients holding fewer scopes.
-    aux: crate::upstream::aux::AuxSessions,
 }
 
 impl Dispatcher {
@@ -91,47 +64,36 @@ impl Dispatcher {
         hub: Arc<Hub>,
         router: Arc<Router>,
         sharing: Arc<Sharing>,
-        upstream: Upstream,
+        sessions: Arc<Sessions>,
     ) -> Self {
-        let broker = Arc::new(Member::new(hub.new_client_of_kind(ClientKind::Rpc)));
         Dispatcher {
             hub,
             router,
             sharing,
-            upstream,
+            sessions,
             rpc_budget: Arc::new(AtomicUsize::new(0)),
-            broker,
-            own: Mutex::new(OwnRequests::default()),
-            aux: Default::default(),
         }
     }
 
     /// A WebSocket (or SSE) client's registration: its own budget.
-    pub fn register(self: &Arc<Self>, client: Arc<crate::hub::Client>) -> Registration {
-        Registration::new(Arc::new(Member::new(client)), Arc::clone(self))
+    pub fn register(self: &Arc<Self>, client: Arc<Client>) -> Registration {
+        Registration::new(
+            Arc::new(Member::new(Requester::new(client))),
+            Arc::clone(self),
+        )
     }
 
     /// One `/v1/rpc` request's registration: it spends the budget every
     /// `/v1/rpc` request shares, so opening more HTTP requests cannot
     /// exceed `max_inflight` (one shared budget: simple, and bounded however
     /// many connections are open).
-    pub fn register_rpc(self: &Arc<Self>, client: Arc<crate::hub::Client>) -> Registration {
-        let member = Member::with_shared_budget(
+    pub fn register_rpc(self: &Arc<Self>, client: Arc<Client>) -> Registration {
+        let requester = Requester::with_shared_budget(
             client,
             Arc::clone(&self.rpc_budget),
             "/v1/rpc (all callers together)",
         );
-        Registration::new(Arc::new(member), Arc::clone(self))
-    }
-
-    /// The narrower upstream sessions.
-    pub fn aux(&self) -> &crate::upstream::aux::AuxSessions {
-        &self.aux
-    }
-
-    /// How the broker's own requests fared.
-    pub fn own_requests(&self) -> OwnRequests {
-        self.own.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        Registration::new(Arc::new(Member::new(requester)), Arc::clone(self))
     }
 
     /// `/v1/rpc` requests in flight (all callers together).
@@ -149,10 +111,11 @@ impl Dispatcher {
         method: &str,
         params: Option<&RawValue>,
     ) -> Result<(), ErrorShape> {
+        let request = Request::parse(id, method, params, |k| self.sharing.canonical(k));
         // What the gateway would refuse on a connection holding only this
         // client's scopes is refused here, before anything is forwarded.
-        match member.client.access() {
-            Some(access) => access.check(method, params)?,
+        match member.client().access() {
+            Some(access) => access.check_parsed(method, &request.parsed)?,
             None => {
                 return Err(crate::policy::methods::missing_scope(
                     crate::policy::scopes::READ,
@@ -160,238 +123,159 @@ impl Dispatcher {
                 ))
             }
         }
-        let Some(generation) = self.upstream.ready_generation() else {
-            let _ = self.upstream.nudge();
+        let main = &self.sessions.main;
+        if main.upstream.ready_generation().is_none() {
+            let _ = main.upstream.nudge();
             self.router.metrics.record_refused(method);
-            return Err(self.upstream.status().not_ready_error());
-        };
-        match method {
-            "sessions.subscribe"
-            | "sessions.unsubscribe"
-            | "sessions.messages.subscribe"
-            | "sessions.messages.unsubscribe" => {
-                self.subscription(member, id, method, params, generation)
+            return Err(main.not_ready_error());
+        }
+        match &request.kind {
+            Kind::Subscribe(sub) => self.subscribe(member, &request, sub),
+            Kind::Unsubscribe(sub) => self.unsubscribe(member, &request, sub),
+            Kind::StartRun {
+                run_id,
+                session_key,
+            } => self.start_run(member, &request, run_id, session_key.clone()),
+            Kind::Abort {
+                run_id,
+                session_key,
+            } => {
+                self.check_abort(member, run_id.as_deref(), session_key.as_deref())?;
+                self.send(main, member, &request, None)
             }
-            "chat.send" | "agent" => self.start_run(member, id, method, params, generation),
-            "chat.abort" => {
-                self.check_abort(member, params)?;
-                self.forward(member, id, method, params, generation, None)
+            Kind::Plain => {
+                let hello = main.upstream.hello();
+                let choice = self.sessions.narrower.choose(
+                    member.client().grant(),
+                    hello.as_deref(),
+                    method,
+                    &member.narrower,
+                    member.peer(),
+                )?;
+                match choice {
+                    Choice::Main => self.send(main, member, &request, None),
+                    Choice::Narrower(session) => self.send(&session, member, &request, None),
+                }
             }
-            _ => match self.narrower_session(member, method) {
-                Some(aux) => self.forward_aux(member, id, method, params, aux),
-                None => self.forward(member, id, method, params, generation, None),
-            },
         }
     }
 
-    /// The narrower session a request of `member` runs on, when its grant
-    /// holds fewer scopes than the main session (`upstream/aux.rs`).
-    fn narrower_session(&self, member: &Member, method: &str) -> Option<(Upstream, u64)> {
-        let grant = member.client.grant();
-        let hello = self.upstream.hello()?;
-        if hello.scopes.iter().all(|s| grant.scopes().contains(s))
-            || crate::upstream::aux::stays_on_main(method)
-        {
-            return None;
-        }
-        if self.upstream.status().on_client_credential {
-            return None;
-        }
-        self.aux
-            .session_for(grant, &member.aux_grant, || self.upstream.target_watch())
-    }
-
-    /// Registers a request and queues it on a narrower session (written
-    /// once its handshake is done). A session that has ended already fails
-    /// it at once; one that ends later fails it with the rest of its
-    /// generation.
-    fn forward_aux(
+    /// The one send path: `request` onto `session`, a failure answered at once.
+    fn send(
         &self,
-        member: &Arc<Member>,
-        id: &str,
-        method: &str,
-        params: Option<&RawValue>,
-        (aux, generation): (Upstream, u64),
+        session: &Session,
+        member: &Member,
+        request: &Request<'_>,
+        settle: Option<Settle>,
     ) -> Result<(), ErrorShape> {
-        let upstream_id = self.router.register(member, id, method, generation, None)?;
-        let text = encode_req(&upstream_id, method, params);
-        self.router.tap.outbound(&text);
-        let failed = match aux.try_send(generation, text) {
-            Err(error) => Some(error),
-            Ok(()) => {
-                let s = aux.status();
-                (s.phase == crate::upstream::Phase::Stopped).then(|| {
-                    s.last_error.unwrap_or_else(|| {
-                        ErrorShape::studio(
-                            StudioCode::UpstreamClosed,
-                            "the narrower gateway session ended",
-                        )
-                    })
-                })
-            }
-        };
-        if let Some(error) = failed {
-            self.router.fail(&upstream_id, &error);
-        }
+        session
+            .send(&self.router, outbound(member, request), settle)?
+            .answer(&self.router);
         Ok(())
     }
 
-    /// Registers and queues a request, answering a failure at once.
-    fn forward(
+    fn subscribe(
         &self,
         member: &Arc<Member>,
-        id: &str,
-        method: &str,
-        params: Option<&RawValue>,
-        generation: u64,
-        settle: Option<Settle>,
+        request: &Request<'_>,
+        sub: &Subscription,
     ) -> Result<(), ErrorShape> {
-        let deferred = self.queue(member, id, method, params, generation, settle)?;
-        self.answer_deferred(deferred);
-        Ok(())
-    }
-
-    /// Registers a request and queues it upstream without waiting. A refusal
-    /// before registration is returned (its settle is dropped unrun); a
-    /// failure after it is returned as [`Deferred`] for the caller to answer.
-    fn queue(
-        &self,
-        member: &Arc<Member>,
-        id: &str,
-        method: &str,
-        params: Option<&RawValue>,
-        generation: u64,
-        settle: Option<Settle>,
-    ) -> Result<Deferred, ErrorShape> {
-        let upstream_id = self
-            .router
-            .register(member, id, method, generation, settle)?;
-        let text = encode_req(&upstream_id, method, params);
-        self.router.tap.outbound(&text);
-        if let Err(error) = self.upstream.try_send(generation, text) {
-            return Ok(Some((upstream_id, error)));
-        }
-        // If the session ended meanwhile, the request may never be written:
-        // fail it now rather than at its deadline (a no-op if failed already).
-        if self.upstream.ready_generation() != Some(generation) {
-            return Ok(Some((
-                upstream_id,
-                self.upstream.status().not_ready_error(),
-            )));
-        }
-        Ok(None)
-    }
-
-    fn answer_deferred(&self, deferred: Deferred) {
-        if let Some((upstream_id, error)) = deferred {
-            self.router.fail(&upstream_id, &error);
-        }
-    }
-
-    fn subscription(
-        &self,
-        member: &Arc<Member>,
-        id: &str,
-        method: &str,
-        params: Option<&RawValue>,
-        generation: u64,
-    ) -> Result<(), ErrorShape> {
-        let parsed = parse_params(params);
-        let subscribe = !method.ends_with("unsubscribe");
-        let (key, asked) = if method.starts_with("sessions.messages.") {
-            let Some(asked) = param_str(&parsed, "key") else {
-                // Let the gateway word the schema error.
-                return self.forward(member, id, method, params, generation, None);
-            };
-            (
-                SubKey::Messages(self.sharing.canonical(asked)),
-                Some(asked.to_owned()),
-            )
-        } else {
-            (SubKey::Sessions, None)
-        };
-        let local_answer = |subscribed: bool| match &asked {
-            Some(k) => json!({"subscribed": subscribed, "key": k}),
-            None => json!({"subscribed": subscribed}),
-        };
         let cid = member.id();
+        let key = &sub.key;
         let mut st = self.sharing.subscriptions.lock();
-        let deferred = if subscribe {
-            {
-                let book = member.book();
-                if !book.subs.contains(&key) && book.subs.len() >= MAX_SUBSCRIPTIONS_PER_CLIENT {
-                    return Err(ErrorShape::studio(
-                        StudioCode::TooManyRequests,
-                        format!("this client already holds {MAX_SUBSCRIPTIONS_PER_CLIENT} subscriptions; unsubscribe some first"),
-                    ));
-                }
+        {
+            let book = member.book();
+            if !book.subs.contains(key) && book.subs.len() >= MAX_SUBSCRIPTIONS_PER_CLIENT {
+                return Err(ErrorShape::studio(
+                    StudioCode::TooManyRequests,
+                    format!("this client already holds {MAX_SUBSCRIPTIONS_PER_CLIENT} subscriptions; unsubscribe some first"),
+                ));
             }
-            let plan = st.subscribe(&key, cid);
-            member.book().subs.insert(key.clone());
-            let Plan::Forward { gen } = plan else {
-                member
-                    .client
-                    .push_frame(encode_res_ok(id, &local_answer(true)));
-                return Ok(());
-            };
-            let sharing = Arc::clone(&self.sharing);
-            let me = Arc::clone(member);
-            let settle_key = key.clone();
-            let settle: Settle = Box::new(move |ok| {
-                let mut st = sharing.subscriptions.lock();
-                st.settle_subscribe(&settle_key, cid, gen, ok);
-                if !ok {
-                    me.book().subs.remove(&settle_key);
-                }
-            });
-            match self.queue(member, id, method, params, generation, Some(settle)) {
+        }
+        let plan = st.subscribe(key, cid);
+        member.book().subs.insert(key.clone());
+        let Plan::Forward { gen } = plan else {
+            member
+                .client()
+                .push_frame(encode_res_ok(request.id, &local_answer(sub, true)));
+            return Ok(());
+        };
+        let sharing = Arc::clone(&self.sharing);
+        let me = Arc::clone(member);
+        let settle_key = key.clone();
+        let settle: Settle = Box::new(move |ok| {
+            let removed =
+                sharing
+                    .subscriptions
+                    .lock()
+                    .settle_subscribe(&settle_key, Some(cid), gen, ok);
+            if removed {
+                me.book().subs.remove(&settle_key);
+            }
+        });
+        let deferred =
+            match self
+                .sessions
+                .main
+                .send(&self.router, outbound(member, request), Some(settle))
+            {
                 Ok(deferred) => deferred,
                 Err(refused) => {
-                    st.settle_subscribe(&key, cid, gen, false);
-                    member.book().subs.remove(&key);
+                    if st.settle_subscribe(key, Some(cid), gen, false) {
+                        member.book().subs.remove(key);
+                    }
                     return Err(refused);
                 }
-            }
-        } else {
-            let plan = st.unsubscribe(&key, cid);
-            member.book().subs.remove(&key);
-            if plan == Plan::Answer {
-                member
-                    .client
-                    .push_frame(encode_res_ok(id, &local_answer(false)));
-                return Ok(());
-            }
-            self.queue(member, id, method, params, generation, None)?
-        };
+            };
         drop(st);
-        self.answer_deferred(deferred);
+        deferred.answer(&self.router);
+        Ok(())
+    }
+
+    fn unsubscribe(
+        &self,
+        member: &Arc<Member>,
+        request: &Request<'_>,
+        sub: &Subscription,
+    ) -> Result<(), ErrorShape> {
+        let mut st = self.sharing.subscriptions.lock();
+        let plan = st.unsubscribe(&sub.key, member.id());
+        member.book().subs.remove(&sub.key);
+        if plan == Plan::Answer {
+            member
+                .client()
+                .push_frame(encode_res_ok(request.id, &local_answer(sub, false)));
+            return Ok(());
+        }
+        let deferred = self
+            .sessions
+            .main
+            .send(&self.router, outbound(member, request), None)?;
+        drop(st);
+        deferred.answer(&self.router);
         Ok(())
     }
 
     fn start_run(
         &self,
         member: &Arc<Member>,
-        id: &str,
-        method: &str,
-        params: Option<&RawValue>,
-        generation: u64,
+        request: &Request<'_>,
+        run_id: &str,
+        session_key: Option<String>,
     ) -> Result<(), ErrorShape> {
-        let parsed = parse_params(params);
-        let Some(run_id) = param_str(&parsed, "idempotencyKey").map(str::to_owned) else {
-            return self.forward(member, id, method, params, generation, None);
-        };
+        let main = &self.sessions.main;
         let cid = member.id();
         let owner = RunOwner {
             client_id: cid,
-            session_key: param_str(&parsed, "sessionKey").map(|k| self.sharing.canonical(k)),
+            session_key,
             tool_events: member
-                .client
+                .client()
                 .tool_events
                 .load(std::sync::atomic::Ordering::Relaxed),
         };
-        if !self.sharing.runs.start(&run_id, owner) {
+        if !self.sharing.runs.start(run_id, owner) {
             // A duplicate key: the gateway answers it (in_flight / cached).
-            return self.forward(member, id, method, params, generation, None);
+            return self.send(main, member, request, None);
         }
         {
             let mut book = member.book();
@@ -399,130 +283,52 @@ impl Dispatcher {
                 book.runs
                     .retain(|r| self.sharing.runs.owner(r) == Some(cid));
             }
-            book.runs.insert(run_id.clone());
+            book.runs.insert(run_id.to_owned());
         }
         let sharing = Arc::clone(&self.sharing);
-        let settle_run = run_id.clone();
+        let settle_run = run_id.to_owned();
         let settle: Settle = Box::new(move |ok| {
             if !ok {
                 sharing.runs.end_if_owned(&settle_run, cid);
             }
         });
-        match self.queue(member, id, method, params, generation, Some(settle)) {
-            Ok(deferred) => {
-                self.answer_deferred(deferred);
-                Ok(())
-            }
-            Err(refused) => {
-                self.sharing.runs.end_if_owned(&run_id, cid);
-                Err(refused)
-            }
-        }
+        self.send(main, member, request, Some(settle))
+            .inspect_err(|_| self.sharing.runs.end_if_owned(run_id, cid))
     }
 
-    /// `chat.abort` of a run another local client started needs admin.
-    fn check_abort(&self, member: &Member, params: Option<&RawValue>) -> Result<(), ErrorShape> {
-        if member.client.grant().is_admin() {
+    /// An abort-like request of a run another local client started needs
+    /// admin: by run id, or, session-wide, when another client's run is live
+    /// in that session.
+    fn check_abort(
+        &self,
+        member: &Member,
+        run_id: Option<&str>,
+        session_key: Option<&str>,
+    ) -> Result<(), ErrorShape> {
+        if member.client().grant().is_admin() {
             return Ok(());
         }
-        let parsed = parse_params(params);
         let cid = member.id();
-        let foreign = match param_str(&parsed, "runId") {
+        let foreign = match run_id {
             Some(run_id) => self.sharing.runs.owner(run_id).is_some_and(|o| o != cid),
-            None => {
-                let key = param_str(&parsed, "sessionKey").map(|k| self.sharing.canonical(k));
-                self.sharing.runs.foreign_run_in(key.as_deref(), cid)
-            }
+            None => self.sharing.runs.foreign_run_in(session_key, cid),
         };
         if foreign {
             return Err(ErrorShape::studio(
                 StudioCode::Forbidden,
-                "this run was started by another local client; only that client or one connected with operator.admin may abort it",
+                "this run was started by another local client; only that client or one connected with operator.admin may stop or steer it",
             ));
         }
         Ok(())
-    }
-
-    /// Queues one of the broker's own requests (under the subscription lock,
-    /// so it keeps its place among subscription changes).
-    fn own_request_locked(
-        &self,
-        _st: &mut SubscriptionState,
-        purpose: &str,
-        key: &SubKey,
-        subscribe: bool,
-        generation: u64,
-        settle: Option<Settle>,
-    ) -> Deferred {
-        let (method, params) = key.request(subscribe);
-        let raw = serde_json::value::to_raw_value(&params).ok();
-        let label = match key {
-            SubKey::Sessions => format!("{purpose}:{method}"),
-            SubKey::Messages(k) => format!("{purpose}:{method}:{k}"),
-        };
-        self.own.lock().unwrap_or_else(|p| p.into_inner()).sent += 1;
-        match self.queue(
-            &self.broker,
-            &label,
-            method,
-            raw.as_deref(),
-            generation,
-            settle,
-        ) {
-            Ok(deferred) => deferred,
-            Err(refused) => {
-                self.record_own_failure(
-                    &label,
-                    &serde_json::to_value(&refused).unwrap_or(Value::Null),
-                );
-                None
-            }
-        }
-    }
-
-    fn record_own_failure(&self, label: &str, error: &Value) {
-        tracing::warn!(request = label, error = %error, "a request the broker sent on its own behalf failed");
-        let mut own = self.own.lock().unwrap_or_else(|p| p.into_inner());
-        own.failed += 1;
-        own.last_failure = Some(json!({"request": label, "error": error}));
-    }
-
-    /// A new upstream session (`generation`): re-issues every held
-    /// subscription before any client request can reach it.
-    pub fn resubscribe(&self, generation: u64) {
-        let mut st = self.sharing.subscriptions.lock();
-        let mut deferred = Vec::new();
-        for (key, gen) in st.resubscribe() {
-            let sharing = Arc::clone(&self.sharing);
-            let settle_key = key.clone();
-            let settle: Settle = Box::new(move |ok| {
-                sharing
-                    .subscriptions
-                    .lock()
-                    .settle_subscribe(&settle_key, 0, gen, ok);
-            });
-            deferred.push(self.own_request_locked(
-                &mut st,
-                "resubscribe",
-                &key,
-                true,
-                generation,
-                Some(settle),
-            ));
-        }
-        drop(st);
-        for d in deferred {
-            self.answer_deferred(d);
-        }
     }
 
     /// Releases everything a requester holds (its [`Registration`] dropped).
     fn release(&self, member: &Member) {
         let cid = member.id();
         self.hub.remove(cid);
-        self.router.forget(member);
-        if let Some(grant) = member.aux_grant.get() {
-            self.aux.release(grant);
+        self.router.forget(&member.requester);
+        if let Some(grant) = member.narrower.get() {
+            self.sessions.narrower.release(grant);
         }
         let (keys, runs) = {
             let mut book = member.book();
@@ -537,58 +343,50 @@ impl Dispatcher {
         if keys.is_empty() {
             return;
         }
+        let main = &self.sessions.main;
         let mut st = self.sharing.subscriptions.lock();
         let releases = st.release(cid, keys);
         // Without a session the gateway's state is gone already.
-        let Some(generation) = self.upstream.ready_generation() else {
+        if main.upstream.ready_generation().is_none() {
             return;
-        };
+        }
+        let hello = main.upstream.hello();
         // A gateway without the unsubscribe method (2026.9.6 has no
         // `sessions.unsubscribe`) is not sent one: it would only answer
         // "unknown method"; its subscription ends with the session.
-        let hello = self.upstream.status().hello;
-        let deferred: Vec<Deferred> = releases
+        let deferred: Vec<_> = releases
             .iter()
             .filter(|key| {
                 let method = key.request(false).0;
                 hello.as_ref().is_none_or(|h| h.supports(method))
             })
-            .map(|key| self.own_request_locked(&mut st, "release", key, false, generation, None))
+            .map(|key| {
+                self.sessions
+                    .own
+                    .subscription_change(&mut st, main, "release", key, false, None)
+            })
             .collect();
         drop(st);
         for d in deferred {
-            self.answer_deferred(d);
+            d.answer(&self.router);
         }
     }
+}
 
-    /// Reads the answers to the broker's own requests until `cancel`:
-    /// failures are logged and kept for `/v1/state`.
-    pub async fn drain_own_answers(self: Arc<Self>, cancel: tokio_util::sync::CancellationToken) {
-        loop {
-            let batch = tokio::select! {
-                _ = cancel.cancelled() => return,
-                batch = self.broker.client.next_batch() => batch,
-            };
-            for item in batch {
-                let Outgoing::Frame(frame) = item else {
-                    continue;
-                };
-                #[derive(serde::Deserialize)]
-                struct Res {
-                    #[serde(default)]
-                    id: String,
-                    #[serde(default)]
-                    ok: bool,
-                    #[serde(default)]
-                    error: Option<Value>,
-                }
-                if let Ok(res) = serde_json::from_slice::<Res>(&frame) {
-                    if !res.ok {
-                        self.record_own_failure(&res.id, &res.error.unwrap_or(Value::Null));
-                    }
-                }
-            }
-        }
+/// The broker's own answer to a subscription change it settles itself.
+fn local_answer(sub: &Subscription, subscribed: bool) -> serde_json::Value {
+    match &sub.asked {
+        Some(k) => json!({"subscribed": subscribed, "key": k}),
+        None => json!({"subscribed": subscribed}),
+    }
+}
+
+fn outbound<'a>(member: &'a Member, request: &'a Request<'a>) -> Outbound<'a> {
+    Outbound {
+        requester: &member.requester,
+        local_id: request.id,
+        method: request.method,
+        params: request.params,
     }
 }
 
@@ -624,9 +422,11 @@ mod tests {
             max_inflight,
         ));
         let sharing = Arc::new(Sharing::new());
-        let (upstream, seed) = Upstream::new(&Settings::new("/nonexistent.sock"));
+        let settings = Settings::new("/nonexistent.sock");
+        let (upstream, seed) = crate::upstream::Upstream::new(&settings);
         let (status, queue) = seed.fake_ready(1);
-        let dispatcher = Arc::new(Dispatcher::new(hub, Arc::clone(&router), sharing, upstream));
+        let sessions = Arc::new(Sessions::for_tests(&settings, &hub, &router, upstream));
+        let dispatcher = Arc::new(Dispatcher::new(hub, Arc::clone(&router), sharing, sessions));
         Fixture {
             dispatcher,
             router,
@@ -783,6 +583,35 @@ mod tests {
             "a departure ends its runs"
         );
         assert_eq!(methods(&sent(&mut f)), ["chat.send", "chat.abort"]);
+    }
+
+    #[test]
+    fn every_abort_like_method_has_the_ownership_rule() {
+        let mut f = fixture(8);
+        let (a, b) = (client(&f), client(&f));
+        let params = RawValue::from_string(
+            r#"{"idempotencyKey":"run-1","sessionKey":"main","message":"hi"}"#.into(),
+        )
+        .unwrap();
+        f.dispatcher
+            .dispatch(a.member(), "1", "chat.send", Some(&params))
+            .unwrap();
+        for (method, params) in [
+            ("sessions.abort", r#"{"key":"main"}"#),
+            ("sessions.abort", r#"{"key":"main","runId":"run-1"}"#),
+            (
+                "sessions.steer",
+                r#"{"key":"agent:main:main","message":"x"}"#,
+            ),
+        ] {
+            let raw = RawValue::from_string(params.into()).unwrap();
+            let e = f
+                .dispatcher
+                .dispatch(b.member(), "2", method, Some(&raw))
+                .unwrap_err();
+            assert_eq!(e.code, "studio.forbidden", "{method} {params}");
+        }
+        assert_eq!(methods(&sent(&mut f)), ["chat.send"]);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::fdlimit::{self, SpareFd};
 use super::{http, ConnectionKill};
-use crate::broker::Ctx;
+use crate::context::Ctx;
 use crate::policy::SocketPolicy;
 
 /// First pause after `accept` fails (out of descriptors, or any other

@@ -7,6 +7,7 @@ pub mod fdlimit;
 pub mod http;
 pub mod preconnect;
 pub mod rate;
+pub mod respond;
 pub mod rpc;
 pub mod socket;
 pub mod sse;

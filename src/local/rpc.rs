@@ -23,8 +23,8 @@ use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::http::{bytes_response, Body};
-use crate::broker::Ctx;
+use super::respond::{bytes_response, Body};
+use crate::context::Ctx;
 use crate::hub::{ClientKind, Outgoing};
 use crate::protocol::frames::{encode_res_error, payload_status};
 use crate::protocol::{ErrorShape, StudioCode};
@@ -72,7 +72,7 @@ impl BadRpc {
 }
 
 pub async fn respond(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
-    let access = super::http::http_access(&req, ctx);
+    let access = super::respond::http_access(&req, ctx);
     let rpc = match read_request(req, ctx.settings.limits.max_frame_bytes).await {
         Ok(rpc) => rpc,
         Err(bad) => {

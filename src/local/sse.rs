@@ -30,9 +30,9 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{error_response, shape_response, Body};
+use super::respond::{error_response, shape_response, Body};
 use super::ConnectionKill;
-use crate::broker::Ctx;
+use crate::context::Ctx;
 use crate::hub::replay::{EventId, ResumePoint};
 use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
 use crate::protocol::{ErrorShape, EventHead, StudioCode};
@@ -150,7 +150,7 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         Err(message) => return error_response(StatusCode::BAD_REQUEST, "INVALID_REQUEST", message),
     };
     let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
-    client.set_access(super::http::http_access(req, ctx));
+    client.set_access(super::respond::http_access(req, ctx));
     if wanted.tap && !client.grant().is_admin() {
         // The tap shows every client's requests and answers.
         return error_response(

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use http::{Response, StatusCode};
 use serde_json::{json, Value};
 
-use super::http::{json_response, Body};
-use crate::broker::Ctx;
+use super::respond::{json_response, Body};
 use crate::config::Limits;
+use crate::context::Ctx;
 
 pub fn respond(ctx: &Arc<Ctx>) -> Response<Body> {
     json_response(StatusCode::OK, document(ctx))
@@ -78,7 +78,7 @@ pub fn document(ctx: &Ctx) -> Value {
             "last_error": status.last_error.as_ref().map(|e| e.to_json()),
             "retry_after_ms": status.retry_after_ms(),
             "reconnects": status.reconnects,
-            "narrower_sessions": ctx.dispatcher.aux().to_json(),
+            "narrower_sessions": ctx.sessions.narrower.to_json(),
         },
         "snapshot": snapshot,
         "clients": clients,
@@ -86,7 +86,7 @@ pub fn document(ctx: &Ctx) -> Value {
         "requests_pending": ctx.router.pending_count(),
         "rpc_inflight": ctx.dispatcher.rpc_inflight(),
         "subscriptions": subscriptions_json(ctx),
-        "broker_requests": ctx.dispatcher.own_requests(),
+        "broker_requests": ctx.sessions.own.snapshot(),
         "limits": limits_json(&ctx.settings.limits),
     })
 }
@@ -133,7 +133,7 @@ fn limits_json(l: &Limits) -> Value {
         "max_connections": l.max_connections(),
         "header_read_timeout_ms": ms(l.header_read_timeout),
         "max_dedicated": l.max_dedicated,
-        "max_handshakes": crate::broker::MAX_HANDSHAKES,
+        "max_handshakes": crate::context::MAX_HANDSHAKES,
         "max_subscriptions_per_client": crate::dispatch::MAX_SUBSCRIPTIONS_PER_CLIENT,
         "upstream_queue_frames": crate::upstream::UPSTREAM_QUEUE_FRAMES,
     })

@@ -7,7 +7,7 @@
 use bytes::{BufMut, BytesMut};
 use serde_json::json;
 
-use crate::broker::Ctx;
+use crate::context::Ctx;
 
 /// `event: clawmux.hello` / `data: {"hello":<payload or null>,"server_version":…,"protocol":…}`:
 /// the upstream `hello-ok` payload (held without the device token, and

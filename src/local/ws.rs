@@ -17,7 +17,7 @@ use tokio_tungstenite::WebSocketStream;
 
 use super::preconnect::{Limited, PreconnectBudget, OVER_BUDGET};
 use super::rate::TokenBucket;
-use crate::broker::Ctx;
+use crate::context::Ctx;
 use crate::dispatch::{Member, Registration};
 use crate::hub::{Client, Outgoing};
 use crate::policy::{Access, Grant, SocketPolicy};
@@ -137,7 +137,7 @@ pub async fn run(
         Err(_) => {
             tracing::warn!(
                 client_id,
-                limit = crate::broker::MAX_HANDSHAKES,
+                limit = crate::context::MAX_HANDSHAKES,
                 "too many clients in their handshake; refusing one"
             );
             client.close(1013, "too many connecting clients; try again later");
@@ -395,7 +395,7 @@ async fn serve_requests(
     let mut upstream = ctx.upstream.subscribe();
     let admitted_on = upstream.borrow_and_update().generation;
     let mirror = restarts == Restarts::Mirror;
-    let client = &member.client;
+    let client = member.client();
     let mut bucket = TokenBucket::new(limits.request_rate, limits.request_burst);
     loop {
         let incoming = tokio::select! {

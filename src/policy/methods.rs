@@ -129,6 +129,30 @@ pub fn authorize(
     params: Option<&serde_json::value::RawValue>,
     grant: &Grant,
 ) -> Result<(), ErrorShape> {
+    let parsed = params
+        .filter(|_| reads_params(method))
+        .and_then(|p| serde_json::from_str(p.get()).ok())
+        .unwrap_or(Value::Null);
+    authorize_parsed(method, &parsed, grant)
+}
+
+/// Methods that stop or redirect a run (the gateway's method table:
+/// `chat.abort {sessionKey, runId?}`, `sessions.abort {key, runId?}`,
+/// `sessions.steer {key, message}`): every local client shares the broker's
+/// connection and device, so the gateway's own owner check cannot tell
+/// them apart, and the broker applies it (a run another local client
+/// started may be stopped only by that client or an admin).
+pub const ABORT_LIKE: [&str; 3] = ["chat.abort", "sessions.abort", "sessions.steer"];
+
+/// Whether the scope `method` needs depends on its params (they are then
+/// parsed once, by the caller, and given to [`authorize_parsed`]).
+pub fn reads_params(method: &str) -> bool {
+    table().get(method) == Some(&Rule::Dynamic) || SESSION_WRITE_METHODS.contains(&method)
+}
+
+/// [`authorize`] with the params already parsed (`Null` when absent, or
+/// when [`reads_params`] is false: they are not read then).
+pub fn authorize_parsed(method: &str, params: &Value, grant: &Grant) -> Result<(), ErrorShape> {
     if method == "health" {
         return Ok(());
     }
@@ -143,12 +167,6 @@ pub fn authorize(
     {
         return Ok(());
     }
-    // Params are read only for the few methods whose scope depends on them.
-    let params: Value = params
-        .filter(|_| rule == Some(Rule::Dynamic) || SESSION_WRITE_METHODS.contains(&method))
-        .and_then(|p| serde_json::from_str(p.get()).ok())
-        .unwrap_or(Value::Null);
-    let params = &params;
     let session_scope = session_scope(method, params);
     match rule {
         Some(Rule::Dynamic) => {

@@ -102,7 +102,7 @@ impl Access {
     /// Every operator scope on the main socket (the broker's own tools and tests).
     pub fn unrestricted() -> Access {
         Access {
-            grant: Grant::new(crate::upstream::REQUESTED_SCOPES),
+            grant: Grant::new(scopes::REQUESTED_SCOPES),
             socket: Arc::new(SocketPolicy::main(PathBuf::new())),
         }
     }
@@ -113,6 +113,18 @@ impl Access {
         method: &str,
         params: Option<&serde_json::value::RawValue>,
     ) -> Result<(), ErrorShape> {
+        self.check_socket(method)?;
+        methods::authorize(method, params, &self.grant)
+    }
+
+    /// [`Access::check`] with the params parsed already (`Null` when
+    /// absent; only read when [`methods::reads_params`] says so).
+    pub fn check_parsed(&self, method: &str, params: &Value) -> Result<(), ErrorShape> {
+        self.check_socket(method)?;
+        methods::authorize_parsed(method, params, &self.grant)
+    }
+
+    fn check_socket(&self, method: &str) -> Result<(), ErrorShape> {
         if !self.socket.methods.allows(method) {
             return Err(ErrorShape {
                 code: "FORBIDDEN".into(),
@@ -125,7 +137,7 @@ impl Access {
                 retry_after_ms: None,
             });
         }
-        methods::authorize(method, params, &self.grant)
+        Ok(())
     }
 }
 

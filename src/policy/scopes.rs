@@ -14,6 +14,11 @@ pub const TALK_SECRETS: &str = "operator.talk.secrets";
 pub const SESSIONS_READ: &str = "operator.sessions.read";
 pub const SESSIONS_WRITE: &str = "operator.sessions.write";
 
+/// The operator scopes the broker asks the gateway for on its main session
+/// (the full set, so that local clients can do whatever a direct operator
+/// connection could), in the order the gateway lists them.
+pub const REQUESTED_SCOPES: [&str; 5] = [ADMIN, READ, WRITE, APPROVALS, PAIRING];
+
 /// `operatorScopeSatisfied`: does `granted` cover `required`? Admin covers
 /// every operator scope; write covers read, talk, sessions.read and
 /// sessions.write; read or sessions.write cover sessions.read. Non-operator

@@ -217,6 +217,31 @@ impl Sharing {
         Audience::Only(ids.into_iter().collect())
     }
 
+    /// Who should receive this upstream event and, for a tool event of a
+    /// run a local client started, who should also receive it as
+    /// `session.tool`: the local `sessions.subscribe` holders other than
+    /// the run's own tool-events client (the gateway's rule,
+    /// server-chat.ts `excludeConnIds`; it sent the broker none, because the
+    /// broker's connection started the run).
+    pub fn audience_with_echo(
+        &self,
+        name: &str,
+        payload: Option<&RawValue>,
+    ) -> (Audience, Option<Audience>) {
+        if name != "agent" {
+            return (self.audience(name, payload), None);
+        }
+        let (audience, local_run) = self.runs.agent_delivery(payload);
+        let echo = local_run.and_then(|owner| {
+            let mut ids = self.subscriptions.holders(&SubKey::Sessions);
+            if owner.tool_events {
+                ids.retain(|id| *id != owner.client_id);
+            }
+            (!ids.is_empty()).then_some(Audience::Only(ids))
+        });
+        (self.with_tool_observers(audience), echo)
+    }
+
     /// Who should receive this upstream event.
     pub fn audience(&self, name: &str, payload: Option<&RawValue>) -> Audience {
         // The gateway's own rules (openclaw 2026.9.6,

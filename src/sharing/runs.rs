@@ -83,6 +83,14 @@ impl Runs {
     /// for them); the others are broadcast. A run's ownership ends with its
     /// lifecycle `end`/`error` event.
     pub fn agent_audience(&self, payload: Option<&RawValue>) -> Audience {
+        self.agent_delivery(payload).0
+    }
+
+    /// [`Runs::agent_audience`], and for a tool-stream event of a run a
+    /// local client started, that run's owner (the gateway counted the
+    /// broker's connection as the starter, so it sent no `session.tool`
+    /// for it: the broker delivers one to the other local subscribers).
+    pub fn agent_delivery(&self, payload: Option<&RawValue>) -> (Audience, Option<RunOwner>) {
         #[derive(serde::Deserialize)]
         struct AgentHead {
             #[serde(rename = "runId", default)]
@@ -94,13 +102,18 @@ impl Runs {
         }
         let Some(head) = payload.and_then(|p| serde_json::from_str::<AgentHead>(p.get()).ok())
         else {
-            return Audience::All;
+            return (Audience::All, None);
         };
-        match (head.stream.as_deref(), head.run_id) {
-            (Some("tool"), Some(run_id)) => match self.owners.get(&run_id) {
-                Some(o) if o.tool_events => Audience::Only(vec![o.client_id]),
-                _ => Audience::Only(Vec::new()),
-            },
+        let audience = match (head.stream.as_deref(), head.run_id) {
+            (Some("tool"), Some(run_id)) => {
+                return match self.owners.get(&run_id) {
+                    Some(o) if o.tool_events => {
+                        (Audience::Only(vec![o.client_id]), Some(o.clone()))
+                    }
+                    Some(o) => (Audience::Only(Vec::new()), Some(o.clone())),
+                    None => (Audience::Only(Vec::new()), None),
+                }
+            }
             (Some("tool"), None) => Audience::Only(Vec::new()),
             (Some("lifecycle"), Some(run_id)) => {
                 let phase = head
@@ -114,7 +127,8 @@ impl Runs {
                 Audience::All
             }
             _ => Audience::All,
-        }
+        };
+        (audience, None)
     }
 
     /// A run's ownership also ends with its terminal `chat` state, so a run

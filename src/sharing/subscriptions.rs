@@ -13,7 +13,7 @@
 //! apart); until then every subscribe is forwarded (the gateway's sets are
 //! idempotent), so one failed upstream subscribe cannot strand others.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use serde_json::{json, Value};
@@ -41,7 +41,10 @@ impl SubKey {
 
 #[derive(Debug, Default)]
 struct Holders {
-    clients: HashSet<u64>,
+    /// Each holder, with the generation of the subscribe that admitted it
+    /// (0: answered here, nothing sent), so the failure of an older
+    /// subscribe cannot remove a client that has subscribed again since.
+    clients: HashMap<u64, u64>,
     /// The gateway answered `ok` to the latest change sent for this key.
     confirmed: bool,
     /// The generation of the latest change sent for this key.
@@ -74,10 +77,11 @@ impl SubscriptionState {
     pub fn subscribe(&mut self, key: &SubKey, client: u64) -> Plan {
         let gen = self.next_gen + 1;
         let h = self.keys.entry(key.clone()).or_default();
-        h.clients.insert(client);
         if h.confirmed {
+            h.clients.entry(client).or_insert(0);
             return Plan::Answer;
         }
+        h.clients.insert(client, gen);
         h.sent_gen = gen;
         self.next_gen = gen;
         Plan::Forward { gen }
@@ -88,28 +92,44 @@ impl SubscriptionState {
         let Some(h) = self.keys.get_mut(key) else {
             return Plan::Answer;
         };
-        if !h.clients.remove(&client) || !h.clients.is_empty() {
+        if h.clients.remove(&client).is_none() || !h.clients.is_empty() {
             return Plan::Answer;
         }
         self.keys.remove(key);
         Plan::Forward { gen: self.gen() }
     }
 
-    /// The gateway answered the subscribe sent as `gen` for `client`.
-    pub fn settle_subscribe(&mut self, key: &SubKey, client: u64, gen: u64, ok: bool) {
+    /// The gateway answered the subscribe sent as `gen` for `client` (`None`:
+    /// the broker's own re-subscribe). Returns whether the client was
+    /// removed: a failed subscribe removes its client only if that very
+    /// subscribe admitted it (not a later one after an unsubscribe).
+    pub fn settle_subscribe(
+        &mut self,
+        key: &SubKey,
+        client: Option<u64>,
+        gen: u64,
+        ok: bool,
+    ) -> bool {
         let Some(h) = self.keys.get_mut(key) else {
-            return;
+            return false;
         };
         if ok {
             if h.sent_gen == gen && !h.clients.is_empty() {
                 h.confirmed = true;
             }
-        } else {
-            h.clients.remove(&client);
-            if h.clients.is_empty() {
-                self.keys.remove(key);
-            }
+            return false;
         }
+        let Some(client) = client else {
+            return false;
+        };
+        if h.clients.get(&client) != Some(&gen) {
+            return false;
+        }
+        h.clients.remove(&client);
+        if h.clients.is_empty() {
+            self.keys.remove(key);
+        }
+        true
     }
 
     /// A client left holding `keys`: the unsubscribes to send now, for the
@@ -146,7 +166,7 @@ impl SubscriptionState {
     pub fn holders(&self, key: &SubKey) -> Vec<u64> {
         self.keys
             .get(key)
-            .map(|h| h.clients.iter().copied().collect())
+            .map(|h| h.clients.keys().copied().collect())
             .unwrap_or_default()
     }
 
@@ -209,14 +229,14 @@ mod tests {
         let Plan::Forward { gen: g2 } = s.subscribe(&k, 2) else {
             panic!("unconfirmed: forwarded again")
         };
-        s.settle_subscribe(&k, 1, g1, true);
+        s.settle_subscribe(&k, Some(1), g1, true);
         assert!(
             matches!(s.subscribe(&k, 3), Plan::Forward { .. }),
             "an older answer does not confirm"
         );
         let g3 = s.keys[&k].sent_gen;
-        s.settle_subscribe(&k, 2, g2, true);
-        s.settle_subscribe(&k, 3, g3, true);
+        s.settle_subscribe(&k, Some(2), g2, true);
+        s.settle_subscribe(&k, Some(3), g3, true);
         assert_eq!(s.subscribe(&k, 4), Plan::Answer);
         assert_eq!(s.holders(&k).len(), 4);
     }
@@ -249,7 +269,7 @@ mod tests {
         };
         assert_eq!(s.release(1, [k.clone()]), vec![k.clone()]);
         assert!(matches!(s.subscribe(&k, 2), Plan::Forward { .. }));
-        s.settle_subscribe(&k, 1, g1, true);
+        s.settle_subscribe(&k, Some(1), g1, true);
         assert!(matches!(s.subscribe(&k, 3), Plan::Forward { .. }));
     }
 
@@ -260,11 +280,42 @@ mod tests {
         let Plan::Forward { gen } = s.subscribe(&k, 1) else {
             panic!()
         };
-        s.settle_subscribe(&k, 1, gen, false);
+        s.settle_subscribe(&k, Some(1), gen, false);
         assert!(s.counts().is_empty());
         s.subscribe(&SubKey::Sessions, 1);
         s.subscribe(&k, 2);
         let again: Vec<SubKey> = s.resubscribe().into_iter().map(|(k, _)| k).collect();
         assert_eq!(again, vec![SubKey::Sessions, k]);
+    }
+
+    /// Subscribe (pending) → unsubscribe → subscribe again → the first one
+    /// fails: the client keeps the subscription it holds now.
+    #[test]
+    fn an_old_failure_does_not_remove_a_newer_subscription() {
+        let mut s = SubscriptionState::default();
+        let k = SubKey::Sessions;
+        let Plan::Forward { gen: first } = s.subscribe(&k, 1) else {
+            panic!()
+        };
+        assert!(matches!(s.unsubscribe(&k, 1), Plan::Forward { .. }));
+        let Plan::Forward { gen: again } = s.subscribe(&k, 1) else {
+            panic!()
+        };
+        assert!(!s.settle_subscribe(&k, Some(1), first, false));
+        assert_eq!(s.holders(&k), vec![1], "still subscribed");
+        s.settle_subscribe(&k, Some(1), again, true);
+        assert_eq!(s.subscribe(&k, 2), Plan::Answer, "confirmed");
+        // Two clients on one unconfirmed key: each failure is its own.
+        let m = SubKey::Messages("agent:main:y".into());
+        let Plan::Forward { gen: a } = s.subscribe(&m, 1) else {
+            panic!()
+        };
+        let Plan::Forward { gen: b } = s.subscribe(&m, 2) else {
+            panic!()
+        };
+        assert!(s.settle_subscribe(&m, Some(1), a, false));
+        assert_eq!(s.holders(&m), vec![2]);
+        assert!(s.settle_subscribe(&m, Some(2), b, false));
+        assert!(s.holders(&m).is_empty());
     }
 }

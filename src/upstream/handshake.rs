@@ -10,7 +10,7 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
 use super::identity::{ConnectProof, DeviceIdentity};
-use super::{UpstreamHello, REQUESTED_SCOPES};
+use super::UpstreamHello;
 use crate::config::Secret;
 use crate::protocol::frames::string_array;
 use crate::protocol::{now_ms, ErrorShape, StudioCode, PROTOCOL_MAX, PROTOCOL_MIN};
@@ -329,8 +329,13 @@ pub(super) struct MintedToken {
 }
 
 /// Reads what the broker needs from a `hello-ok` payload, and takes the
-/// device token out of it.
-pub(super) fn parse_hello(mut payload: Value) -> (UpstreamHello, Option<MintedToken>) {
+/// device token out of it. `requested`: the scopes the connect asked for
+/// (what a gateway that does not list its grant is taken to have granted,
+/// and what `lost_scopes` is measured against).
+pub(super) fn parse_hello(
+    mut payload: Value,
+    requested: &[String],
+) -> (UpstreamHello, Option<MintedToken>) {
     let mut minted = None;
     if let Some(auth) = payload.get_mut("auth").and_then(Value::as_object_mut) {
         let token = auth.remove("deviceToken");
@@ -359,12 +364,11 @@ pub(super) fn parse_hello(mut payload: Value) -> (UpstreamHello, Option<MintedTo
         .unwrap_or("unknown")
         .to_owned();
     let granted = string_array(payload.pointer("/auth/scopes"));
-    let scopes =
-        granted.unwrap_or_else(|| REQUESTED_SCOPES.iter().map(|s| s.to_string()).collect());
-    let lost_scopes = REQUESTED_SCOPES
+    let scopes = granted.unwrap_or_else(|| requested.to_vec());
+    let lost_scopes = requested
         .iter()
-        .filter(|s| !scopes.iter().any(|g| g == *s))
-        .map(|s| s.to_string())
+        .filter(|s| !scopes.contains(s))
+        .cloned()
         .collect();
     let max_payload = payload
         .pointer("/policy/maxPayload")
@@ -384,7 +388,7 @@ pub(super) fn parse_hello(mut payload: Value) -> (UpstreamHello, Option<MintedTo
 /// The gateway granted fewer scopes than the broker asked for: every local
 /// client will get "missing scope" errors for the methods behind them. Said
 /// loudly, with the likely fix; `/healthz` also lists them (`lostScopes`).
-pub(super) fn warn_lost_scopes(hello: &UpstreamHello, has_device: bool) {
+pub(crate) fn warn_lost_scopes(hello: &UpstreamHello, has_device: bool) {
     let fix = if has_device {
         "approve the broker's scope upgrade on the gateway (openclaw devices list / approve)"
     } else {
@@ -401,14 +405,22 @@ pub(super) fn warn_lost_scopes(hello: &UpstreamHello, has_device: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::scopes::REQUESTED_SCOPES;
+
+    fn requested() -> Vec<String> {
+        REQUESTED_SCOPES.iter().map(|s| s.to_string()).collect()
+    }
 
     #[test]
     fn hello_parsing_detects_lost_scopes_and_takes_the_device_token() {
-        let (h, minted) = parse_hello(json!({
-            "protocol": 4, "server": {"version": "v"},
-            "auth": {"role": "operator", "scopes": ["operator.read"], "deviceToken": "dt", "issuedAtMs": 7},
-            "policy": {"maxPayload": 100}
-        }));
+        let (h, minted) = parse_hello(
+            json!({
+                "protocol": 4, "server": {"version": "v"},
+                "auth": {"role": "operator", "scopes": ["operator.read"], "deviceToken": "dt", "issuedAtMs": 7},
+                "policy": {"maxPayload": 100}
+            }),
+            &requested(),
+        );
         assert_eq!(h.protocol, 4);
         assert_eq!(h.max_payload, Some(100));
         assert!(h.lost_scopes.contains(&"operator.admin".to_string()));
@@ -417,7 +429,7 @@ mod tests {
         assert_eq!(minted.token.expose(), "dt");
         assert_eq!(minted.issued_at_ms, Some(7));
         // Without `auth` (v3.24 without a device token) nothing is lost.
-        let (h, minted) = parse_hello(json!({"protocol": 3}));
+        let (h, minted) = parse_hello(json!({"protocol": 3}), &requested());
         assert!(h.lost_scopes.is_empty() && minted.is_none());
     }
 

@@ -171,7 +171,7 @@ impl DeviceIdentity {
     /// The identity for `dir` when device identity is on (`Some`). A state
     /// dir that cannot be used does not stop the broker (a token-only
     /// connect still works on loopback), but it is logged as an error.
-    pub(super) fn load_configured(dir: Option<&Path>) -> Option<DeviceIdentity> {
+    pub fn load_configured(dir: Option<&Path>) -> Option<DeviceIdentity> {
         let Some(dir) = dir else {
             tracing::info!("device identity is off: the gateway sees a token-only backend client");
             return None;

@@ -1,26 +1,32 @@
-//! The one upstream session: a connector task that owns the gateway
-//! WebSocket, and a cheap [`Upstream`] handle the rest of the broker uses to
-//! see its phase and to send requests on it.
+//! The transport: one gateway WebSocket at a time, tagged with a session
+//! *generation*, and a cheap [`Upstream`] handle the rest of the broker uses
+//! to see its phase and to send requests on it.
 //!
-//! Each successful handshake starts a new session *generation*. Requests are
-//! tagged with the generation they were sent on, so a request meant for a
-//! session that has since died is never replayed on the next one. (The
-//! broker-life id of `/v1/events` is a different thing: the replay *epoch*.)
+//! The connector owns the connect loop (backoff, retry hints, the gateway's
+//! challenge and the broker's signed `connect`, TLS, the silence watchdog)
+//! and knows nothing about what a session is used for: it reports
+//! `ready`, every `frame`, and `ended` to the [`SessionOwner`] it was given
+//! (`crate::sessions` holds the owners: the main session and the narrower
+//! ones), which decides what they mean.
+//!
+//! Each successful handshake starts a new generation. Requests are tagged
+//! with the generation they were sent on, so a request meant for a session
+//! that has since died is never replayed on the next one. (The broker-life
+//! id of `/v1/events` is a different thing: the replay *epoch*.)
 //!
 //! The queue to the session is bounded ([`UPSTREAM_QUEUE_FRAMES`]) and never
 //! waited on: a full queue fails the request at once with a retryable error.
 //!
-//! - [`aux`]: narrower sessions for clients holding fewer scopes.
 //! - `connector`: the task, its reconnect loop, the session and its watchdog.
 //! - `handshake`: the `connect` the broker sends and how answers map to `studio.*`.
 //! - [`identity`]: the device key, the v3 signature, stored device tokens.
 //! - `private_files`: the 0700/0600 state dir they live in.
 //! - [`tls`]: `wss://` with rustls, certificate pins, the plaintext rule.
 
-pub mod aux;
 mod connector;
 mod handshake;
 
+pub(crate) use handshake::warn_lost_scopes;
 pub(crate) use handshake::{closed_before_answer, handshake_timed_out, open_failed};
 pub use handshake::{UpstreamIo, Ws as GatewaySocket};
 
@@ -64,26 +70,12 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Secret, Settings, TlsSettings};
-use crate::dispatch::Dispatcher;
-use crate::hub::Hub;
 use crate::protocol::{ErrorShape, StudioCode};
-use crate::router::Router;
-use crate::sharing::Sharing;
 
 /// Requests queued for the gateway at most. One more is answered
 /// `studio.too_many_requests` (retryable) at once: the gateway is not
 /// reading as fast as clients send, and waiting would stall every client.
 pub const UPSTREAM_QUEUE_FRAMES: usize = 1024;
-
-/// The operator scopes the broker asks for (the full set, so that local
-/// clients can do whatever a direct operator connection could).
-pub const REQUESTED_SCOPES: [&str; 5] = [
-    "operator.admin",
-    "operator.read",
-    "operator.write",
-    "operator.approvals",
-    "operator.pairing",
-];
 
 /// Where the upstream session is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -325,8 +317,102 @@ pub struct Outbound {
     pub text: String,
 }
 
-/// The connector, built but not started: it needs the dispatcher, which
-/// needs the [`Upstream`] handle.
+/// What the transport tells the owner of a session, in order, on the
+/// connector's task (so an event is handled on the thread that read it).
+/// The owner decides what each means; the transport only connects.
+pub trait SessionOwner: Send + Sync + 'static {
+    /// Session `generation` is ready: `hello` is what the gateway said.
+    /// `reconnected`: a session of this connector was ready before.
+    /// Events that arrived before `hello-ok` follow as [`SessionOwner::frame`]s.
+    fn ready(&self, generation: u64, hello: &Arc<UpstreamHello>, reconnected: bool);
+    /// One text frame of session `generation` (an event or an answer).
+    /// Returns the delay the gateway announced before it restarts, when
+    /// this frame was its `shutdown` event (the next attempt waits for it).
+    fn frame(&self, generation: u64, text: &str) -> Option<Duration>;
+    /// More events arrived before `hello-ok` than the transport keeps: some
+    /// of session `generation`'s events were lost.
+    fn early_events_lost(&self, generation: u64);
+    /// Session `generation` ended.
+    fn ended(&self, generation: u64, end: &SessionEnded);
+    /// The attempt that would have opened session `generation` failed
+    /// (requests queued for it while it was connecting must be failed).
+    fn attempt_failed(&self, generation: u64, error: &ErrorShape);
+}
+
+/// An owner that does nothing with what it is told (`clawmux doctor`'s
+/// one attempt: only the handle's status matters).
+#[derive(Debug)]
+pub struct NoOwner;
+
+impl SessionOwner for NoOwner {
+    fn ready(&self, _: u64, _: &Arc<UpstreamHello>, _: bool) {}
+    fn frame(&self, _: u64, _: &str) -> Option<Duration> {
+        None
+    }
+    fn early_events_lost(&self, _: u64) {}
+    fn ended(&self, _: u64, _: &SessionEnded) {}
+    fn attempt_failed(&self, _: u64, _: &ErrorShape) {}
+}
+
+/// How a ready session ended, for its owner.
+#[derive(Debug, Clone)]
+pub struct SessionEnded {
+    /// Why, in words (logged, and shown to clients).
+    pub reason: String,
+    /// The broker is stopping.
+    pub cancelled: bool,
+    /// The delay the gateway announced before restarting (its `shutdown`
+    /// event), if it did.
+    pub restart_hint: Option<Duration>,
+    /// The close code the gateway sent, if it closed the socket itself.
+    pub gateway_close_code: Option<u16>,
+    /// What requests still waiting on this session are answered with.
+    pub error: ErrorShape,
+}
+
+/// What one connector asks for and keeps; the same connect loop serves the
+/// main session and the narrower ones, with these as its only differences.
+#[derive(Debug, Clone)]
+pub struct SessionSpec {
+    /// The scopes its `connect` asks for.
+    pub scopes: Vec<String>,
+    /// Keep a device token the gateway mints (the main session's only: a
+    /// narrower session's token must not replace the broker's).
+    pub keep_device_token: bool,
+    /// Nudges from waiting clients shorten its backoff (the main session:
+    /// local connects wait for it; a narrower session just backs off).
+    pub nudgeable: bool,
+    /// For logs: `main`, or the narrower session's scopes.
+    pub label: String,
+}
+
+impl SessionSpec {
+    /// The main session: every operator scope.
+    pub fn main() -> Self {
+        SessionSpec {
+            scopes: crate::policy::scopes::REQUESTED_SCOPES
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            keep_device_token: true,
+            nudgeable: true,
+            label: "main".into(),
+        }
+    }
+
+    /// A narrower session holding exactly `scopes`.
+    pub fn narrower(scopes: &[String]) -> Self {
+        SessionSpec {
+            scopes: scopes.to_vec(),
+            keep_device_token: false,
+            nudgeable: false,
+            label: format!("narrower [{}]", scopes.join(",")),
+        }
+    }
+}
+
+/// The connector, built but not started: the owner of its sessions is
+/// usually built around the [`Upstream`] handle, so it is given at start.
 pub struct ConnectorSeed {
     nudge: Arc<tokio::sync::Notify>,
     status: watch::Sender<Status>,
@@ -355,32 +441,22 @@ impl ConnectorSeed {
         (self.status, self.rx)
     }
 
-    /// Starts the connector task.
-    pub fn spawn(
+    /// The connector's loop, to be spawned (and tracked) by the caller: it
+    /// connects as `spec` says, with the broker's device `identity` (loaded
+    /// once, at start), reports to `owner`, and stops at `cancel`.
+    pub fn run(
         self,
         settings: &Settings,
-        hub: Arc<Hub>,
-        router: Arc<Router>,
-        sharing: Arc<Sharing>,
-        dispatcher: Arc<Dispatcher>,
+        spec: SessionSpec,
+        identity: Option<Arc<identity::DeviceIdentity>>,
+        owner: Arc<dyn SessionOwner>,
         cancel: CancellationToken,
-    ) -> tokio::task::JoinHandle<()> {
-        dispatcher.aux().init(aux::AuxFactory {
-            settings: settings.clone(),
-            hub: Arc::clone(&hub),
-            router: Arc::clone(&router),
-            sharing: Arc::clone(&sharing),
-            dispatcher: Arc::downgrade(&dispatcher),
-            cancel: cancel.clone(),
-        });
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let connector = connector::Connector::new(
             settings,
-            connector::Shared {
-                hub,
-                router,
-                sharing,
-                dispatcher,
-            },
+            spec,
+            identity,
+            owner,
             connector::Channels {
                 nudge: self.nudge,
                 status: self.status,
@@ -391,46 +467,8 @@ impl ConnectorSeed {
             },
             cancel,
         );
-        tokio::spawn(connector.run())
+        connector.run()
     }
-}
-
-/// Starts a narrower session ([`aux`]): the connector code of the main
-/// session, asking for `grant`'s scopes, on the main session's current
-/// target. `None` when the broker is going away.
-fn open_aux(
-    factory: &aux::AuxFactory,
-    target: watch::Receiver<Target>,
-    grant: &crate::policy::Grant,
-    generation: u64,
-    cancel: CancellationToken,
-) -> Option<Upstream> {
-    let dispatcher = factory.dispatcher.upgrade()?;
-    let (upstream, seed) = Upstream::new(&factory.settings);
-    let connector = connector::Connector::new(
-        &factory.settings,
-        connector::Shared {
-            hub: Arc::clone(&factory.hub),
-            router: Arc::clone(&factory.router),
-            sharing: Arc::clone(&factory.sharing),
-            dispatcher,
-        },
-        connector::Channels {
-            nudge: seed.nudge,
-            status: seed.status,
-            rx: seed.rx,
-            target,
-            offers: seed.offers,
-            peer_certificate: seed.peer_certificate,
-        },
-        cancel,
-    )
-    .into_aux(connector::AuxRole {
-        scopes: grant.scopes().to_vec(),
-        generation,
-    });
-    tokio::spawn(connector.run_aux());
-    Some(upstream)
 }
 
 /// The handle to the upstream session.
@@ -447,11 +485,20 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    /// The handle, and the connector to start once the dispatcher exists.
+    /// The handle, and the connector to start once its owner exists.
     pub fn new(settings: &Settings) -> (Upstream, ConnectorSeed) {
-        let (status_tx, status_rx) = watch::channel(Status::initial());
+        Self::with_target(Target::from_settings(settings), 0)
+    }
+
+    /// A handle whose sessions are numbered from `generation_base + 1`, on
+    /// `target` (a narrower session: its own numbers, the main session's
+    /// current target).
+    pub fn with_target(target: Target, generation_base: u64) -> (Upstream, ConnectorSeed) {
+        let mut initial = Status::initial();
+        initial.generation = generation_base;
+        let (status_tx, status_rx) = watch::channel(initial);
         let (tx, rx) = mpsc::channel(UPSTREAM_QUEUE_FRAMES);
-        let (target_tx, target_rx) = watch::channel(Target::from_settings(settings));
+        let (target_tx, target_rx) = watch::channel(target);
         let (offer_tx, offer_rx) = mpsc::channel(16);
         let nudge = Arc::new(tokio::sync::Notify::new());
         let peer_certificate = PeerCertificate::default();
@@ -473,6 +520,16 @@ impl Upstream {
                 peer_certificate,
             },
         )
+    }
+
+    /// A handle for another session on the same target as this one (a
+    /// narrower session follows the main session's settings, reloads
+    /// included), its sessions numbered from `generation_base + 1`.
+    pub fn follow(&self, generation_base: u64) -> (Upstream, ConnectorSeed) {
+        let (mut upstream, mut seed) = Self::with_target(self.target(), generation_base);
+        seed.target = self.target.subscribe();
+        upstream.target = Arc::clone(&self.target);
+        (upstream, seed)
     }
 
     /// Points the connector at new settings (SIGHUP). Returns whether
@@ -543,9 +600,9 @@ impl Upstream {
         }
     }
 
-    /// Follows what the connector is pointed at (a narrower session ends
-    /// when it changes).
-    pub(crate) fn target_watch(&self) -> watch::Receiver<Target> {
+    /// Follows what the connector is pointed at (narrower sessions follow
+    /// the main session's target).
+    pub fn target_watch(&self) -> watch::Receiver<Target> {
         self.target.subscribe()
     }
 
@@ -602,6 +659,19 @@ impl Upstream {
     pub fn ready_generation(&self) -> Option<u64> {
         let s = self.status.borrow();
         (s.phase == Phase::Ready).then_some(s.generation)
+    }
+
+    /// The generation a request sent now would go out on: the ready
+    /// session's, or, while an attempt is under way, the one it will open
+    /// (requests queued for it are written once it is ready, and failed
+    /// through [`SessionOwner::attempt_failed`] if it never is).
+    pub fn next_generation(&self) -> Option<u64> {
+        let s = self.status.borrow();
+        match s.phase {
+            Phase::Ready => Some(s.generation),
+            Phase::Connecting | Phase::Handshaking => Some(s.generation + 1),
+            _ => None,
+        }
     }
 
     /// Waits until the session is ready, or fails with the reason it is not.

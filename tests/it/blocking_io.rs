@@ -91,3 +91,43 @@ async fn a_stuck_device_token_write_does_not_stall_the_broker() {
     })
     .await;
 }
+
+/// A request never waits on the state directory: the device key is loaded
+/// once, at start, and a narrower session opened by a request uses it. The
+/// key file is replaced by a FIFO (opening it for reading blocks until a
+/// writer comes, like a stuck disk) before a read-only client's first
+/// request opens its narrower session: the request is answered all the same.
+#[tokio::test]
+async fn opening_a_narrower_session_does_not_read_the_state_dir() {
+    let h = start().await;
+    let (mut admin, _) = h.connected().await;
+    assert_eq!(
+        admin.request("health", serde_json::json!({})).await["ok"],
+        true
+    );
+    let key = h
+        .dir
+        .path()
+        .join("state")
+        .join(clawmux::upstream::identity::KEY_FILE);
+    std::fs::remove_file(&key).unwrap();
+    rustix::fs::mkfifoat(rustix::fs::CWD, &key, rustix::fs::Mode::from(0o600)).unwrap();
+    // Whatever happens, the FIFO is opened for writing once, later, so a
+    // reader stuck on it (the defect) is released and the test can end.
+    let release = {
+        let key = key.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(PATIENCE * 2);
+            let _ = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(&key);
+        })
+    };
+    let (mut reader, _) = h.connected_as(&["operator.read"]).await;
+    let res = tokio::time::timeout(PATIENCE, reader.request("status", serde_json::json!({})))
+        .await
+        .expect("a request that opens a narrower session is answered without touching the disk");
+    assert_eq!(res["ok"], true, "{res}");
+    drop(release);
+}

@@ -390,7 +390,7 @@ async fn a_too_deeply_nested_connect_says_so() {
 async fn concurrent_handshakes_are_capped() {
     let h = start().await;
     let mut waiting = Vec::new();
-    for _ in 0..clawmux::broker::MAX_HANDSHAKES {
+    for _ in 0..clawmux::context::MAX_HANDSHAKES {
         let mut c = h.client().await;
         assert_eq!(c.recv_json().await["event"], "connect.challenge");
         waiting.push(c);

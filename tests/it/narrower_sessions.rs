@@ -101,7 +101,7 @@ async fn one_session_per_grant_closed_when_its_last_client_leaves() {
     assert!(connect["device"].is_object(), "signed: {connect}");
     a.close().await;
     drop(a);
-    let aux = || h.broker.ctx().dispatcher.aux().to_json();
+    let aux = || h.broker.ctx().sessions.narrower.to_json();
     eventually("a's departure is seen", || {
         aux()["sessions"][0]["holders"] == 1
     })
@@ -111,7 +111,7 @@ async fn one_session_per_grant_closed_when_its_last_client_leaves() {
     drop(b);
     // It lingers IDLE_LINGER (5 s) in case another client comes.
     let deadline = std::time::Instant::now()
-        + clawmux::upstream::aux::IDLE_LINGER
+        + clawmux::sessions::narrower::IDLE_LINGER
         + std::time::Duration::from_secs(20);
     while h.gw.open_connections() > 1 {
         assert!(
@@ -159,7 +159,7 @@ async fn beyond_the_cap_requests_run_on_the_main_session() {
         assert_eq!(res["ok"], true, "{g:?}: {res}");
         clients.push(c);
     }
-    assert_eq!(clawmux::upstream::aux::MAX_GRANT_SESSIONS, 8);
+    assert_eq!(clawmux::sessions::narrower::MAX_GRANT_SESSIONS, 8);
     assert_eq!(h.gw.total_connections(), 1 + 8);
     let state = narrower_state(&h).await;
     assert_eq!(
@@ -184,8 +184,11 @@ async fn beyond_the_cap_requests_run_on_the_main_session() {
     assert_eq!(last.0, 0, "{last:?}");
 }
 
+/// A narrower session that drops fails what was in flight on it, then
+/// reconnects by itself (the main session's connect loop and backoff):
+/// the next request runs on it again, and the main session is untouched.
 #[tokio::test]
-async fn a_lost_narrower_session_fails_its_requests_and_the_next_reopens_it() {
+async fn a_lost_narrower_session_fails_its_requests_and_reconnects() {
     let h = start_faulty(
         mock_config(),
         Faults {
@@ -212,16 +215,93 @@ async fn a_lost_narrower_session_fails_its_requests_and_the_next_reopens_it() {
     let res = reader.response("held").await;
     assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
     h.gw.set_faults(Faults::default());
+    eventually("the narrower session reconnects", || {
+        let s = h.broker.ctx().sessions.narrower.to_json();
+        s["sessions"][0]["phase"] == "ready" && h.gw.total_connections() == 3
+    })
+    .await;
     let again = reader.request("status", json!({})).await;
     assert_eq!(again["ok"], true, "{again}");
-    assert_eq!(h.gw.total_connections(), 3, "reopened");
     let state = narrower_state(&h).await;
-    assert_eq!(state["opened"], 2, "{state}");
+    assert_eq!(state["opened"], 1, "the same session, reconnected: {state}");
     assert_eq!(state["sessions"][0]["holders"], 1, "{state}");
     // The main session was not touched.
     let (mut admin, _) = h.connected().await;
     assert_eq!(admin.request("health", json!({})).await["ok"], true);
     assert_eq!(h.broker.ctx().upstream.status().generation, 1);
+}
+
+/// A narrower session the gateway refuses backs off like the main session
+/// instead of being reopened by every request, and its clients are told
+/// which session failed (not to check a token the main session uses fine).
+#[tokio::test]
+async fn a_refused_narrower_session_backs_off_and_names_itself() {
+    let h = start().await;
+    let (mut admin, _) = h.connected().await;
+    assert_eq!(admin.request("health", json!({})).await["ok"], true);
+    h.gw.set_faults(Faults {
+        reject_connect: Some(clawmux_mock::Rejection::token_mismatch()),
+        ..Faults::default()
+    });
+    let (mut reader, _) = h.connected_as(&["operator.read"]).await;
+    for i in 0..10 {
+        let res = reader.request("status", json!({})).await;
+        assert_eq!(res["ok"], false, "{i}: {res}");
+        let message = res["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("narrower gateway session"), "{res}");
+        assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
+    }
+    assert!(
+        h.gw.total_connections() <= 3,
+        "ten requests, {} upstream connections",
+        h.gw.total_connections()
+    );
+    // The main session still answers.
+    assert_eq!(admin.request("health", json!({})).await["ok"], true);
+}
+
+/// Rotating scope sets cannot churn upstream handshakes: opening narrower
+/// sessions is rate-limited per local process and in total.
+#[tokio::test]
+async fn rotating_scope_sets_are_rate_limited() {
+    let h = start().await;
+    let pool = [
+        "operator.read",
+        "operator.write",
+        "operator.approvals",
+        "operator.pairing",
+    ];
+    let mut throttled = 0;
+    // Fifteen distinct grants, one client after another (each leaves, so
+    // its idle session makes room for the next): the burst is
+    // PEER_OPENS_BURST, then one per second.
+    for bits in 1u32..16 {
+        let g: Vec<&str> = (0..4)
+            .filter(|i| bits & (1 << i) != 0)
+            .map(|i| pool[i])
+            .collect();
+        let (mut c, _) = h.connected_as(&g).await;
+        let res = c.request("status", json!({})).await;
+        if res["error"]["code"] == "studio.too_many_requests" {
+            assert!(res["error"]["retryAfterMs"].as_u64().is_some(), "{res}");
+            throttled += 1;
+        }
+        drop(c);
+        eventually("the client's hold is released", || {
+            let s = h.broker.ctx().sessions.narrower.to_json();
+            s["sessions"]
+                .as_array()
+                .is_some_and(|v| v.iter().all(|e| e["holders"] == 0))
+        })
+        .await;
+    }
+    assert!(throttled > 0, "no open was refused");
+    assert!(
+        h.gw.total_connections() <= 1 + clawmux::sessions::narrower::PEER_OPENS_BURST as usize + 2,
+        "{} upstream connections",
+        h.gw.total_connections()
+    );
+    assert!(narrower_state(&h).await["throttled"].as_u64() > Some(0));
 }
 
 /// `/v1/rpc` callers are a client per call: a narrowed one's session
@@ -250,4 +330,33 @@ async fn narrowed_rpc_calls_share_one_lingering_session() {
     let state = narrower_state(&h).await;
     assert_eq!(state["opened"], 1, "{state}");
     assert_eq!(h.gw.total_connections(), 2);
+}
+
+/// Shutdown waits for the narrower sessions too: their connectors are
+/// tracked, so each has closed its gateway connection (phase `stopped`)
+/// by the time `shutdown` returns.
+#[tokio::test]
+async fn shutdown_closes_narrower_sessions_before_it_returns() {
+    let h = start().await;
+    let (mut reader, _) = h.connected_as(&["operator.read"]).await;
+    assert_eq!(reader.request("status", json!({})).await["ok"], true);
+    let narrower = h.broker.ctx().sessions.narrower.to_json();
+    assert_eq!(narrower["sessions"][0]["phase"], "ready", "{narrower}");
+    let Harness {
+        gw,
+        broker,
+        dir: _dir,
+        ..
+    } = h;
+    let ctx = std::sync::Arc::clone(broker.ctx());
+    assert!(broker.shutdown(std::time::Duration::from_secs(5)).await);
+    let narrower = ctx.sessions.narrower.to_json();
+    for s in narrower["sessions"].as_array().unwrap() {
+        assert_eq!(s["phase"], "stopped", "{narrower}");
+    }
+    eventually("the gateway saw every connection close", || {
+        gw.open_connections() == 0
+    })
+    .await;
+    drop(reader);
 }

@@ -254,6 +254,90 @@ async fn chat_abort_of_another_clients_run_is_forbidden_unless_admin() {
     assert_eq!(own["ok"], true, "{own}");
 }
 
+/// `sessions.abort` and `sessions.steer` stop or redirect a run just as
+/// `chat.abort` does: the same ownership rule, by run id or session-wide.
+#[tokio::test]
+async fn every_abort_like_method_checks_run_ownership() {
+    let cfg = MockConfig {
+        run_step_delay: Duration::from_secs(30),
+        ..mock_config()
+    };
+    let h = start_with(cfg, |_| {}).await;
+    let (mut owner, _) = h.connected_as(&READ_WRITE).await;
+    let (mut other, _) = h.connected_as(&READ_WRITE).await;
+    let key = uuid::Uuid::new_v4().to_string();
+    owner
+        .request(
+            "chat.send",
+            json!({"sessionKey": "main", "message": "long", "idempotencyKey": key}),
+        )
+        .await;
+    for (method, params) in [
+        ("sessions.abort", json!({"key": "main"})),
+        (
+            "sessions.abort",
+            json!({"key": "agent:main:main", "runId": key}),
+        ),
+        (
+            "sessions.steer",
+            json!({"key": "main", "message": "stop that"}),
+        ),
+    ] {
+        let refused = other.request(method, params.clone()).await;
+        assert_eq!(
+            refused["error"]["code"], "studio.forbidden",
+            "{method} {params}: {refused}"
+        );
+    }
+    assert_eq!(upstream_methods(&h, "sessions.abort"), 0, "refused locally");
+    assert_eq!(upstream_methods(&h, "sessions.steer"), 0, "refused locally");
+    // The run's owner may.
+    owner
+        .request("sessions.abort", json!({"key": "main", "runId": key}))
+        .await;
+    assert_eq!(upstream_methods(&h, "sessions.abort"), 1);
+}
+
+/// A reconnect that is not a gateway restart leaves runs running: their
+/// ownership survives it (a restart forgets them, as the gateway does).
+#[tokio::test]
+async fn run_ownership_survives_a_reconnect_but_not_a_restart() {
+    let cfg = MockConfig {
+        run_step_delay: Duration::from_secs(30),
+        ..mock_config()
+    };
+    let h = start_with(cfg, |_| {}).await;
+    let (mut owner, _) = h.connected_as(&READ_WRITE).await;
+    let key = uuid::Uuid::new_v4().to_string();
+    owner
+        .request(
+            "chat.send",
+            json!({"sessionKey": "main", "message": "long", "idempotencyKey": key}),
+        )
+        .await;
+    // The connection drops without a restart (an abnormal close).
+    assert!(h.gw.close_connection(0, 1011, "internal error"));
+    eventually("the broker reconnects", || {
+        h.broker.ctx().upstream.status().generation == 2
+            && h.broker.ctx().upstream.ready_generation().is_some()
+    })
+    .await;
+    let (mut other, _) = h.connected_as(&READ_WRITE).await;
+    let refused = other
+        .request("chat.abort", json!({"sessionKey": "main", "runId": key}))
+        .await;
+    assert_eq!(refused["error"]["code"], "studio.forbidden", "{refused}");
+    // A restart: the gateway forgot the run, and so does the broker.
+    let conn = h.gw.total_connections() as u64 - 1;
+    assert!(h.gw.close_connection(conn, 1012, "service restart"));
+    eventually("the broker reconnects again", || {
+        h.broker.ctx().upstream.status().generation == 3
+            && h.broker.ctx().upstream.ready_generation().is_some()
+    })
+    .await;
+    assert!(h.broker.ctx().sharing.runs.is_empty());
+}
+
 #[tokio::test]
 async fn node_only_methods_are_refused_locally() {
     let h = start().await;
@@ -449,7 +533,7 @@ async fn no_release_is_sent_for_a_method_the_gateway_lacks() {
             .filter(|(_, r)| r["method"] == "sessions.unsubscribe")
             .count();
     assert_eq!(unsubscribes, 0);
-    let state = h.broker.ctx().dispatcher.own_requests();
+    let state = h.broker.ctx().sessions.own.snapshot();
     assert_eq!(state.failed, 0, "{state:?}");
 }
 

@@ -39,7 +39,7 @@
 
 mod close;
 mod connect_auth;
-mod registry;
+pub mod registry;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -54,7 +54,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
 use super::preconnect::{PreconnectBudget, OVER_BUDGET};
 use super::ws::Ws;
-use crate::broker::Ctx;
+use crate::context::Ctx;
 use crate::policy::{MethodFilter, SocketPolicy};
 use crate::protocol::frames::encode_res_error;
 use crate::protocol::{ConnectRequest, ErrorShape, StudioCode, UpstreamFrame};

@@ -1,6 +1,8 @@
 //! The connector task: opens the upstream WebSocket, performs the gateway
 //! handshake with the host credential, runs the session (`session.rs`), and
-//! reconnects.
+//! reconnects. The same loop, with the same backoff and retry-hint
+//! clamping, serves the main session and every narrower one; what differs
+//! is only their [`SessionSpec`] and their [`SessionOwner`].
 
 mod session;
 
@@ -21,18 +23,14 @@ use super::handshake::{
 use super::identity::DeviceIdentity;
 use super::tls::{check_transport, TlsClient};
 use super::{
-    backoff_delay, clamp_hint, ClientCredential, Outbound, PeerCertificate, Phase, Status, Target,
-    UpstreamHello, STABLE_SESSION,
+    backoff_delay, clamp_hint, ClientCredential, Outbound, PeerCertificate, Phase, SessionOwner,
+    SessionSpec, Status, Target, UpstreamHello, STABLE_SESSION,
 };
 use crate::config::{
     redact_url, validate_gateway_url, Secret, Settings, TlsSettings, UpstreamOptions,
 };
-use crate::dispatch::Dispatcher;
-use crate::hub::Hub;
 use crate::protocol::frames::encode_req;
 use crate::protocol::{ErrorShape, StudioCode, UpstreamFrame};
-use crate::router::Router;
-use crate::sharing::Sharing;
 
 /// Events the gateway sends between `connect` and `hello-ok` that are kept
 /// to publish after it; beyond this count (or [`EARLY_EVENTS_MAX_BYTES`])
@@ -62,7 +60,7 @@ impl EarlyEvents {
     }
 }
 
-/// How a ready session ended.
+/// How a ready session ended, as the connect loop needs it.
 struct SessionEnd {
     /// The gateway announced a restart (`shutdown` with `restartExpectedMs`).
     restart_expected: Option<Duration>,
@@ -79,14 +77,6 @@ pub(super) struct Channels {
     pub target: watch::Receiver<Target>,
     pub offers: mpsc::Receiver<ClientCredential>,
     pub peer_certificate: PeerCertificate,
-}
-
-/// The parts of the broker the connector feeds.
-pub(super) struct Shared {
-    pub hub: Arc<Hub>,
-    pub router: Arc<Router>,
-    pub sharing: Arc<Sharing>,
-    pub dispatcher: Arc<Dispatcher>,
 }
 
 /// How waiting for settings ended.
@@ -114,39 +104,29 @@ pub(super) struct Connector {
     target: watch::Receiver<Target>,
     offers: mpsc::Receiver<ClientCredential>,
     opts: UpstreamOptions,
-    hub: Arc<Hub>,
-    router: Arc<Router>,
-    sharing: Arc<Sharing>,
-    dispatcher: Arc<Dispatcher>,
+    /// What this connector's sessions ask for and keep.
+    spec: SessionSpec,
+    /// Who is told about each session.
+    owner: Arc<dyn SessionOwner>,
     status: watch::Sender<Status>,
     /// Rung when a local client is waiting for the session.
     nudge: Arc<tokio::sync::Notify>,
-    /// Gateway events whose `seq` was not a non-negative integer.
-    invalid_seqs: std::sync::atomic::AtomicU64,
     /// The queue of requests; lent to the session's writer while it runs.
     rx: Option<mpsc::Receiver<Outbound>>,
     cancel: CancellationToken,
     instance_id: String,
     next_connect_id: u64,
-    /// The broker's device key; `None` when device identity is off or the
-    /// state dir cannot be used (logged at start).
+    /// The broker's device key, loaded once at start; `None` when device
+    /// identity is off or the state dir cannot be used (logged then).
     identity: Option<Arc<DeviceIdentity>>,
-    /// `Some` for an auxiliary session (`upstream/aux.rs`).
-    aux: Option<AuxRole>,
-}
-
-/// What makes a connector an auxiliary session's: it asks for these
-/// scopes, runs exactly one session of a generation chosen beforehand (no
-/// reconnect), publishes no events and keeps no device token.
-pub(super) struct AuxRole {
-    pub scopes: Vec<String>,
-    pub generation: u64,
 }
 
 impl Connector {
     pub(super) fn new(
         settings: &Settings,
-        shared: Shared,
+        spec: SessionSpec,
+        identity: Option<Arc<DeviceIdentity>>,
+        owner: Arc<dyn SessionOwner>,
         channels: Channels,
         cancel: CancellationToken,
     ) -> Self {
@@ -158,15 +138,6 @@ impl Connector {
             offers,
             peer_certificate,
         } = channels;
-        let Shared {
-            hub,
-            router,
-            sharing,
-            dispatcher,
-        } = shared;
-        let identity =
-            DeviceIdentity::load_configured(settings.upstream.device_identity.as_deref())
-                .map(Arc::new);
         let device_id = identity.as_ref().map(|i| i.device_id().to_owned());
         status.send_modify(|s| s.device_id = device_id);
         Connector {
@@ -182,75 +153,15 @@ impl Connector {
             target,
             offers,
             opts: settings.upstream.clone(),
-            hub,
-            router,
-            sharing,
-            dispatcher,
+            spec,
+            owner,
             status,
             rx: Some(rx),
             nudge,
-            invalid_seqs: Default::default(),
             cancel,
             instance_id: uuid::Uuid::new_v4().to_string(),
             next_connect_id: 0,
-            aux: None,
         }
-    }
-
-    /// Makes this connector an auxiliary session's (see [`AuxRole`]).
-    pub(super) fn into_aux(mut self, role: AuxRole) -> Self {
-        let generation = role.generation;
-        self.status.send_modify(|s| s.generation = generation);
-        self.aux = Some(role);
-        self
-    }
-
-    /// An auxiliary session's one life: one attempt, one session. Whatever
-    /// ends it fails the requests queued for its generation; the next
-    /// request opens a new one.
-    pub(super) async fn run_aux(mut self) {
-        let Some(generation) = self.aux.as_ref().map(|a| a.generation) else {
-            return;
-        };
-        let failure = if let Some((error, _)) = self.take_target() {
-            Some(error)
-        } else {
-            self.set_phase(Phase::Connecting);
-            let cancel = self.cancel.clone();
-            let attempt = tokio::select! {
-                _ = cancel.cancelled() => None,
-                r = tokio::time::timeout(self.opts.handshake_timeout, self.attempt()) => Some(r),
-            };
-            match attempt {
-                Some(Ok(Ok((ws, hello, _early)))) => {
-                    // (Events are not published from auxiliary sessions.)
-                    self.run_session(ws, hello, EarlyEvents::default(), false)
-                        .await;
-                    None
-                }
-                Some(Ok(Err(e))) => Some(e.error),
-                Some(Err(_)) => Some(ErrorShape::studio(
-                    StudioCode::UpstreamTimeout,
-                    format!(
-                        "the gateway did not complete the handshake of a narrower session within {} ms",
-                        self.opts.handshake_timeout.as_millis()
-                    ),
-                )),
-                None => Some(ErrorShape::studio(
-                    StudioCode::UpstreamClosed,
-                    "the narrower gateway session was closed before it opened",
-                )),
-            }
-        };
-        if let Some(error) = failure {
-            tracing::warn!(generation, code = %error.code, "auxiliary upstream session failed: {}", error.message);
-            self.status.send_modify(|s| {
-                s.phase = Phase::Stopped;
-                s.last_error = Some(error.clone());
-            });
-            self.router.fail_generation(generation, &error);
-        }
-        self.set_phase(Phase::Stopped);
     }
 
     fn set_phase(&self, phase: Phase) {
@@ -289,7 +200,7 @@ impl Connector {
     }
 
     /// Takes the current settings; returns the reason they cannot work, if any.
-    fn take_target(&mut self) -> Option<(ErrorShape, bool)> {
+    async fn take_target(&mut self) -> Option<(ErrorShape, bool)> {
         let target = self.target.borrow_and_update().clone();
         self.url = target.url.trim().to_owned();
         self.token = target.token.clone();
@@ -304,14 +215,10 @@ impl Connector {
         {
             return Some((e, false));
         }
-        let stored = self
-            .identity
-            .as_ref()
-            .and_then(|i| i.stored_token(&self.url));
         if self.token.is_none()
             && self.password.is_none()
             && self.offered.is_none()
-            && stored.is_none()
+            && self.stored_device_token().await.is_none()
         {
             let e = ErrorShape::studio(
                 StudioCode::GatewayTokenMissing,
@@ -326,7 +233,7 @@ impl Connector {
         let mut failures: u32 = 0;
         let mut had_session = false;
         'attempts: loop {
-            if let Some((error, accept_offer)) = self.take_target() {
+            if let Some((error, accept_offer)) = self.take_target().await {
                 match self.park(error, accept_offer).await {
                     Parked::Cancelled => break,
                     Parked::Retargeted | Parked::Offered => {
@@ -339,7 +246,13 @@ impl Connector {
             let attempt_started = Instant::now();
             let cancel = self.cancel.clone();
             let attempt = tokio::select! {
-                _ = cancel.cancelled() => break,
+                _ = cancel.cancelled() => {
+                    self.attempt_failed(ErrorShape::studio(
+                        StudioCode::UpstreamClosed,
+                        "the broker is shutting down",
+                    ));
+                    break;
+                }
                 r = tokio::time::timeout(self.opts.handshake_timeout, self.attempt()) => r,
             };
             let mut phase_after = Phase::Backoff;
@@ -357,16 +270,30 @@ impl Connector {
                         failures = 0;
                         continue 'attempts;
                     }
-                    // A session that ended soon counts as a failed attempt.
-                    if started.elapsed() >= STABLE_SESSION {
+                    // A session that ended soon counts as a failed attempt,
+                    // and its delay grows like one whatever the gateway hinted
+                    // (a gateway that closes right after `hello-ok` with
+                    // `restartExpectedMs: 0` must not be reconnected to at a
+                    // fixed rate forever).
+                    let stable = started.elapsed() >= STABLE_SESSION;
+                    if stable {
                         failures = 0;
                     }
                     failures += 1;
-                    self.retry_delay(end.restart_expected, failures)
+                    let delay = self.retry_delay(end.restart_expected, failures);
+                    if stable {
+                        delay
+                    } else {
+                        delay.max(backoff_delay(
+                            self.opts.backoff_initial,
+                            self.opts.backoff_max,
+                            failures,
+                        ))
+                    }
                 }
                 Ok(Err(e)) => {
                     failures += 1;
-                    tracing::warn!(code = %e.error.code, failures, "upstream connect failed: {}", e.error.message);
+                    self.log_failure(&e.error, failures);
                     // (A refused TLS certificate says nothing about the credential.)
                     let gateway_refused = e.error.code == StudioCode::UpstreamRejected.as_str();
                     if e.rejected
@@ -397,6 +324,7 @@ impl Connector {
                         // The gateway's own hint, as the broker will honour it.
                         error.retry_after_ms = Some(delay.as_millis() as u64);
                     }
+                    self.attempt_failed(error.clone());
                     self.status.send_modify(|s| s.last_error = Some(error));
                     delay
                 }
@@ -406,7 +334,8 @@ impl Connector {
                         &self.url,
                         self.opts.handshake_timeout,
                     );
-                    tracing::warn!(code = %e.code, failures, "{}", e.message);
+                    self.log_failure(&e, failures);
+                    self.attempt_failed(e.clone());
                     self.status.send_modify(|s| s.last_error = Some(e));
                     backoff_delay(self.opts.backoff_initial, self.opts.backoff_max, failures)
                 }
@@ -422,7 +351,8 @@ impl Connector {
                 s.phase = phase_after;
                 s.retry_at = Some(retry_at);
             });
-            tracing::info!(
+            tracing::debug!(
+                session = %self.spec.label,
                 upstream_phase = phase_after.as_str(),
                 delay_ms = delay.as_millis() as u64,
                 "next upstream attempt scheduled"
@@ -433,7 +363,7 @@ impl Connector {
                 tokio::select! {
                     _ = self.cancel.cancelled() => break 'attempts,
                     _ = tokio::time::sleep_until(retry_at.into()) => break,
-                    _ = nudge.notified(), if !rejected => {
+                    _ = nudge.notified(), if !rejected && self.spec.nudgeable => {
                         let earliest = (attempt_started + super::NUDGE_MIN_INTERVAL).max(Instant::now());
                         if earliest < retry_at {
                             tracing::debug!("a local client is waiting: trying the gateway sooner");
@@ -485,9 +415,9 @@ impl Connector {
         // The stored device token is read per attempt (only needed when no
         // shared token is configured), so a token another broker sharing
         // the state dir just received is used.
-        let device_token = match (&self.token, &self.identity) {
-            (None, Some(identity)) => identity.stored_token(&self.url),
-            _ => None,
+        let device_token = match self.token {
+            None => self.stored_device_token().await,
+            Some(_) => None,
         };
         let offered = self.offered.as_ref();
         let credentials = Credentials {
@@ -501,10 +431,7 @@ impl Connector {
                 .as_ref()
                 .or(offered.and_then(|o| o.password.as_ref())),
         };
-        let scopes: Vec<&str> = match &self.aux {
-            Some(aux) => aux.scopes.iter().map(String::as_str).collect(),
-            None => super::REQUESTED_SCOPES.to_vec(),
-        };
+        let scopes: Vec<&str> = self.spec.scopes.iter().map(String::as_str).collect();
         let params = connect_params(
             &self.instance_id,
             credentials,
@@ -555,10 +482,9 @@ impl Connector {
                         let payload: Value = payload
                             .and_then(|p| serde_json::from_str(p.get()).ok())
                             .unwrap_or(Value::Null);
-                        let (mut hello, minted) = parse_hello(payload);
+                        let (mut hello, minted) = parse_hello(payload, &self.spec.scopes);
                         hello.challenge_extra = challenge.extra.clone();
-                        // (A narrower session's token must not replace the broker's.)
-                        if let Some(minted) = minted.filter(|_| self.aux.is_none()) {
+                        if let Some(minted) = minted.filter(|_| self.spec.keep_device_token) {
                             self.keep_device_token(minted, hello.scopes.clone()).await;
                         }
                         return Ok((ws, hello, early));
@@ -571,6 +497,43 @@ impl Connector {
                 Some(UpstreamFrame::Event { .. }) => early.push(text),
                 _ => {}
             }
+        }
+    }
+
+    /// The device token stored for this gateway, read off the runtime's
+    /// threads (it is a file; another broker sharing the state dir may
+    /// have just stored one).
+    async fn stored_device_token(&self) -> Option<Secret> {
+        let identity = self.identity.clone()?;
+        let url = self.url.clone();
+        tokio::task::spawn_blocking(move || identity.stored_token(&url))
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// The attempt that would have opened the next session failed.
+    fn attempt_failed(&self, error: ErrorShape) {
+        let next = self.status.borrow().generation + 1;
+        self.owner.attempt_failed(next, &error);
+    }
+
+    /// Logs a failed attempt: the first of a run of failures, a change of
+    /// cause, and then a summary at 2, 4, 8… failures (a gateway that is
+    /// down for an hour costs a dozen lines, not thousands).
+    fn log_failure(&self, error: &ErrorShape, failures: u32) {
+        let changed = self
+            .status
+            .borrow()
+            .last_error
+            .as_ref()
+            .is_none_or(|last| last.code != error.code);
+        if failures == 1 || changed {
+            tracing::warn!(session = %self.spec.label, code = %error.code, "upstream connect failed: {}", error.message);
+        } else if failures.is_power_of_two() {
+            tracing::warn!(session = %self.spec.label, code = %error.code, failures, "upstream connect still failing after {failures} attempts: {}", error.message);
+        } else {
+            tracing::debug!(session = %self.spec.label, code = %error.code, failures, "upstream connect failed: {}", error.message);
         }
     }
 

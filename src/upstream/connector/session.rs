@@ -1,5 +1,5 @@
-//! One ready upstream session: a reader that publishes events and routes
-//! answers, and a separate writer that drains the request queue. A write that
+//! One ready upstream session: a reader that hands every frame to the
+//! session's owner, and a separate writer that drains the request queue. A write that
 //! waits (a gateway that stopped reading) cannot stop the reader, the silence
 //! watchdog, a reload or shutdown; a write that makes no progress for
 //! `write_timeout` ends the session.
@@ -9,16 +9,41 @@ use std::time::{Duration, Instant};
 
 use futures_util::stream::SplitSink;
 use futures_util::{SinkExt, StreamExt};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 
 use super::{Connector, EarlyEvents, SessionEnd};
-use crate::protocol::{ErrorShape, EventSeq, StudioCode, UpstreamFrame};
+use crate::protocol::{ErrorShape, StudioCode};
 use crate::upstream::handshake::Ws;
-use crate::upstream::{Outbound, Phase, UpstreamHello};
+use crate::upstream::{Outbound, Phase, SessionEnded, UpstreamHello};
+
+/// The gateway's `tickIntervalMs` when it sends none, or 0 (which would
+/// make the watchdog end every session after a millisecond of silence).
+const DEFAULT_TICK: Duration = Duration::from_secs(30);
+
+/// The shortest tick interval believed: a smaller one is raised to this.
+const MIN_TICK: Duration = Duration::from_millis(100);
+
+/// The longest tick interval believed (the watchdog still fires after
+/// twice this much silence).
+const MAX_TICK: Duration = Duration::from_secs(3600);
+
+/// The silence after which a session is taken for dead: twice the
+/// gateway's tick interval, bounded (see [`MIN_TICK`], [`MAX_TICK`]).
+fn silence_limit(hello: &UpstreamHello) -> Duration {
+    let tick = match hello
+        .payload
+        .pointer("/policy/tickIntervalMs")
+        .and_then(Value::as_u64)
+    {
+        None | Some(0) => DEFAULT_TICK,
+        Some(ms) => Duration::from_millis(ms).clamp(MIN_TICK, MAX_TICK),
+    };
+    tick * 2
+}
 
 /// Requests written per flush at most.
 const WRITE_BATCH: usize = 64;
@@ -80,25 +105,10 @@ impl Connector {
         reconnected: bool,
     ) -> SessionEnd {
         let hello = Arc::new(hello);
-        let aux = self.aux.is_some();
-        if !aux && !hello.lost_scopes.is_empty() {
-            crate::upstream::handshake::warn_lost_scopes(&hello, self.identity.is_some());
-        }
-        let tick = hello
-            .payload
-            .pointer("/policy/tickIntervalMs")
-            .and_then(Value::as_u64)
-            .unwrap_or(30_000);
-        let silence_limit = Duration::from_millis(tick.saturating_mul(2).max(1));
-        if !aux {
-            self.adopt_session(&hello);
-        }
+        let silence_limit = silence_limit(&hello);
         let mut generation = 0;
         self.status.send_modify(|s| {
-            // An auxiliary session's generation was chosen when it was opened.
-            if !aux {
-                s.generation += 1;
-            }
+            s.generation += 1;
             generation = s.generation;
             s.phase = Phase::Ready;
             s.had_session = true;
@@ -111,35 +121,17 @@ impl Connector {
                 s.reconnects += 1;
             }
         });
-        tracing::info!(upstream_phase = "ready", generation, aux, server_version = %hello.server_version, protocol = hello.protocol, "upstream session ready");
-        if reconnected {
-            // Everything that happened while we were away is unknown to the
-            // clients: a gap makes them resync, the event says why.
-            self.hub.gap();
-            let mut event = json!({"phase": "ready", "serverVersion": hello.server_version, "reason": "reconnected"});
-            if !hello.lost_scopes.is_empty() {
-                event["lostScopes"] = json!(hello.lost_scopes);
-            }
-            // The gateway mints these per connection: the ones connected
-            // clients got in their hello-ok died with the old session.
-            if let Some(urls) = hello.payload.get("pluginSurfaceUrls") {
-                event["pluginSurfaceUrls"] = urls.clone();
-            }
-            self.hub.publish_local("clawmux.upstream", &event);
-        }
-        let mut last_seq: Option<u64> = None;
+        tracing::info!(session = %self.spec.label, upstream_phase = "ready", generation, server_version = %hello.server_version, protocol = hello.protocol, "upstream session ready");
+        self.owner.ready(generation, &hello, reconnected);
         let mut restart_expected = None;
         for text in &early.frames {
-            self.on_frame(text, &mut last_seq, &mut restart_expected);
+            if let Some(hint) = self.owner.frame(generation, text) {
+                restart_expected = Some(hint);
+            }
         }
         if early.overflowed {
-            tracing::warn!("the gateway sent more events before hello-ok than the broker keeps; clients see a gap");
-            self.hub.gap();
-        }
-        // Connection-scoped subscriptions died with the old session; they are
-        // queued first, in the same ordered place as every client's change.
-        if !aux {
-            self.dispatcher.resubscribe(generation);
+            tracing::warn!(session = %self.spec.label, "the gateway sent more events before hello-ok than the broker keeps");
+            self.owner.early_events_lost(generation);
         }
         let (mut sink, mut stream) = ws.split();
         let mut rx = self
@@ -162,7 +154,9 @@ impl Connector {
                         last_rx = Instant::now();
                         match msg {
                             Some(Ok(Message::Text(text))) => {
-                                self.on_frame(text.as_str(), &mut last_seq, &mut restart_expected);
+                                if let Some(hint) = self.owner.frame(generation, text.as_str()) {
+                                    restart_expected = Some(hint);
+                                }
                             }
                             Some(Ok(Message::Close(frame))) => {
                                 gateway_close = frame.as_ref().map(|f| (u16::from(f.code), f.reason.as_str().to_owned()));
@@ -230,7 +224,11 @@ impl Connector {
             let _ =
                 tokio::time::timeout(CLOSE_TIMEOUT, sink.send(Message::Close(Some(frame)))).await;
         }
-        tracing::warn!(generation, "upstream session ended: {end_reason}");
+        if cancelled {
+            tracing::info!(session = %self.spec.label, generation, "upstream session closed: {end_reason}");
+        } else {
+            tracing::warn!(session = %self.spec.label, generation, "upstream session ended: {end_reason}");
+        }
         let retry_ms = crate::upstream::clamp_hint(
             restart_expected.unwrap_or(self.opts.backoff_initial),
             self.opts.backoff_initial,
@@ -243,8 +241,9 @@ impl Connector {
             format!("the gateway session ended before the answer: {end_reason}"),
         )
         .with_retry_after_ms((!cancelled).then_some(retry_ms));
+        let gateway_close_code = gateway_close.as_ref().map(|(code, _)| *code);
         self.status.send_modify(|s| {
-            s.phase = if cancelled || aux {
+            s.phase = if cancelled {
                 Phase::Stopped
             } else {
                 Phase::Backoff
@@ -263,117 +262,20 @@ impl Connector {
                 end_reason.clone(),
             ));
         });
-        let failed = self.router.fail_generation(generation, &error);
-        if !aux {
-            self.sharing.runs.clear();
-        }
-        if failed > 0 {
-            tracing::info!(
-                generation,
-                failed,
-                "failed pending requests of the lost session"
-            );
-        }
-        if !cancelled && !aux {
-            self.hub.publish_local(
-                "clawmux.upstream",
-                &json!({"phase": "backoff", "serverVersion": hello.server_version, "reason": end_reason}),
-            );
-        }
+        self.owner.ended(
+            generation,
+            &SessionEnded {
+                reason: end_reason,
+                cancelled,
+                restart_hint: restart_expected,
+                gateway_close_code,
+                error,
+            },
+        );
         SessionEnd {
             restart_expected,
             cancelled,
             retargeted,
-        }
-    }
-
-    /// Takes what a new main session tells about the gateway.
-    fn adopt_session(&self, hello: &UpstreamHello) {
-        self.sharing
-            .set_session_defaults(crate::sharing::SessionDefaults::from_snapshot(
-                hello.payload.get("snapshot").unwrap_or(&Value::Null),
-            ));
-        self.hub.set_upstream_max_buffered(
-            hello
-                .payload
-                .pointer("/policy/maxBufferedBytes")
-                .and_then(Value::as_u64),
-        );
-        self.hub.reset_snapshot(
-            hello
-                .payload
-                .get("snapshot")
-                .cloned()
-                .unwrap_or(Value::Null),
-        );
-    }
-
-    fn on_frame(
-        &self,
-        text: &str,
-        last_seq: &mut Option<u64>,
-        restart_expected: &mut Option<Duration>,
-    ) {
-        match UpstreamFrame::parse(text) {
-            Some(UpstreamFrame::Event {
-                name,
-                payload,
-                seq,
-                state_version,
-            }) => {
-                if self.aux.is_some() {
-                    // The main session's events are the one source.
-                    return;
-                }
-                match seq {
-                    EventSeq::Valid(seq) => {
-                        if let Some(last) = *last_seq {
-                            if seq > last.saturating_add(1) {
-                                tracing::info!(
-                                    expected = last + 1,
-                                    received = seq,
-                                    "upstream seq gap"
-                                );
-                                self.hub.gap();
-                            }
-                        }
-                        *last_seq = Some(seq);
-                    }
-                    EventSeq::Invalid => {
-                        // Delivered all the same (clients get the broker's own
-                        // seq); counted and logged, never lost silently.
-                        let n = self
-                            .invalid_seqs
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                            + 1;
-                        tracing::warn!(event = %name, invalid_seqs = n, "the gateway sent an event whose seq is not a non-negative integer; delivering it");
-                    }
-                    EventSeq::Absent => {}
-                }
-                if name == "shutdown" {
-                    *restart_expected = payload
-                        .and_then(|p| serde_json::from_str::<Value>(p.get()).ok())
-                        .and_then(|p| p.get("restartExpectedMs").and_then(Value::as_u64))
-                        .map(Duration::from_millis);
-                }
-                let audience = self.sharing.audience(&name, payload);
-                if matches!(audience, crate::sharing::Audience::Only(_)) {
-                    self.router.tap.inbound(text);
-                }
-                self.hub.publish(&name, payload, state_version, &audience);
-            }
-            Some(UpstreamFrame::Res {
-                id,
-                ok,
-                payload,
-                error,
-            }) => {
-                self.router.tap.inbound(text);
-                if !self.router.complete(&id, ok, payload, error) {
-                    tracing::debug!(upstream_id = %id, "answer for an unknown or expired request");
-                }
-            }
-            None => tracing::debug!("ignoring a malformed frame from the gateway"),
         }
     }
 }

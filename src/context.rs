@@ -1,0 +1,51 @@
+//! The shared context every task of a running broker is handed: the
+//! settings, the core's parts, the local side's caps, and shutdown's
+//! signals. Built by [`crate::broker`]; the local routes, `/metrics` and
+//! systemd's notifier take it (they never reach into the assembly).
+
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::Settings;
+use crate::dispatch::Dispatcher;
+use crate::hub::Hub;
+use crate::local::dedicated::registry::Dedicated;
+use crate::router::Router;
+use crate::sessions::Sessions;
+use crate::sharing::Sharing;
+use crate::upstream::Upstream;
+
+/// Local WebSocket clients that may be in their handshake (before `hello-ok`)
+/// at once; one more is closed `1013 try again later` at once. A handshake
+/// holds a task and up to `preconnect_max_bytes` for up to `connect_timeout`
+/// (plus `connect_wait`), so this bounds what unauthenticated-protocol
+/// clients (all of the broker's own uid) can hold.
+pub const MAX_HANDSHAKES: usize = 128;
+
+/// What every task of a running broker shares.
+#[derive(Debug)]
+pub struct Ctx {
+    pub settings: Settings,
+    pub hub: Arc<Hub>,
+    pub router: Arc<Router>,
+    pub sharing: Arc<Sharing>,
+    /// The upstream sessions and their owners.
+    pub sessions: Arc<Sessions>,
+    /// The one path every request takes upstream.
+    pub dispatcher: Arc<Dispatcher>,
+    /// The main session's transport (its phase, its `hello-ok`, reloads).
+    pub upstream: Upstream,
+    /// Local WebSocket clients still before their `connect` is answered; a
+    /// client over [`MAX_HANDSHAKES`] is closed `1013` at once.
+    pub handshakes: Arc<tokio::sync::Semaphore>,
+    /// The open `/ws/dedicated` connections and their cap.
+    pub dedicated: Arc<Dedicated>,
+    /// Other uids (besides the broker's own) allowed to connect.
+    pub allowed_uids: Vec<u32>,
+    /// Cancelled at shutdown: every task reaches a safe point and ends.
+    pub cancel: CancellationToken,
+    /// Every connection and session task, so shutdown can wait for them.
+    pub tracker: TaskTracker,
+}

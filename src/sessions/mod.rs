@@ -1,0 +1,279 @@
+//! The owners of the upstream sessions: what a transport's `ready`,
+//! `frame` and `ended` mean, decided in one place per kind of session, and
+//! the one path every request takes onto a session.
+//!
+//! - [`main`]: the broker's shared session. Its events are the one source
+//!   for every local client (sequence gaps, the snapshot, the synthesized
+//!   `session.tool`), its answers complete the pending table, and a new
+//!   generation re-subscribes what local clients hold. Run ownership lasts
+//!   until the run ends or the gateway restarts, not until any reconnect.
+//! - [`narrower`]: sessions holding exactly a client's narrower grant, so the
+//!   answers the gateway tailors to the caller's scopes are the right ones.
+//!   Same connect loop and backoff as the main session; opened on demand,
+//!   rate-limited, closed after an idle linger.
+//! - [`own`]: the broker's own requests (re-subscribes, releases) and how
+//!   they fared.
+//! - [`Session::send`]: register in the pending table, encode once, queue on
+//!   the session's transport; the same for every requester and session.
+
+pub mod main;
+pub mod narrower;
+pub mod own;
+
+use std::sync::Arc;
+
+use serde_json::value::RawValue;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::Settings;
+use crate::hub::Hub;
+use crate::protocol::frames::encode_req;
+use crate::protocol::{ErrorShape, StudioCode};
+use crate::router::{Requester, Router, Settle};
+use crate::sharing::Sharing;
+use crate::upstream::identity::DeviceIdentity;
+use crate::upstream::{Phase, SessionSpec, Upstream};
+
+pub use narrower::Narrower;
+pub use own::{OwnRequests, OwnStats};
+
+/// Which session a [`Session`] handle is for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionKind {
+    /// The broker's shared session: only a ready session takes requests
+    /// (local clients wait for it in their `connect`).
+    Main,
+    /// A narrower session holding these scopes: a request sent while it
+    /// is connecting is queued for the session being opened.
+    Narrower(Vec<String>),
+}
+
+/// A handle to one upstream session: its transport and what it is.
+#[derive(Debug, Clone)]
+pub struct Session {
+    pub upstream: Upstream,
+    pub kind: SessionKind,
+}
+
+/// A request on its way to a session: who asked, under which id, what.
+#[derive(Debug, Clone, Copy)]
+pub struct Outbound<'a> {
+    pub requester: &'a Arc<Requester>,
+    pub local_id: &'a str,
+    pub method: &'a str,
+    pub params: Option<&'a RawValue>,
+}
+
+/// A request that was registered and queued but failed at once; it is
+/// answered after the caller let go of its locks (answering runs the
+/// request's settle, which may take them).
+#[must_use = "a failed request must be answered"]
+#[derive(Debug, Default)]
+pub struct Deferred(Option<(String, ErrorShape)>);
+
+impl Deferred {
+    /// Answers the failure, if there was one.
+    pub fn answer(self, router: &Router) {
+        if let Some((upstream_id, error)) = self.0 {
+            router.fail(&upstream_id, &error);
+        }
+    }
+}
+
+impl Session {
+    /// The generation a request sent now goes out on, if any.
+    fn generation(&self) -> Option<u64> {
+        match self.kind {
+            SessionKind::Main => self.upstream.ready_generation(),
+            SessionKind::Narrower(_) => self.upstream.next_generation(),
+        }
+    }
+
+    /// Why a request cannot be sent now.
+    pub fn not_ready_error(&self) -> ErrorShape {
+        let status = self.upstream.status();
+        match &self.kind {
+            SessionKind::Main => status.not_ready_error(),
+            SessionKind::Narrower(scopes) => narrower_error(
+                scopes,
+                status.last_error.as_ref(),
+                status.retry_after_ms(),
+                status.phase,
+            ),
+        }
+    }
+
+    /// The one send path: registers the request (its deadline, the
+    /// requester's in-flight slot, `settle`), encodes it once and queues it
+    /// on this session without waiting. `Err` is a refusal before anything
+    /// was registered (`settle` dropped unrun); a failure after that is
+    /// returned as [`Deferred`].
+    pub fn send(
+        &self,
+        router: &Router,
+        request: Outbound<'_>,
+        settle: Option<Settle>,
+    ) -> Result<Deferred, ErrorShape> {
+        let Some(generation) = self.generation() else {
+            if self.kind == SessionKind::Main {
+                let _ = self.upstream.nudge();
+            }
+            router.metrics.record_refused(request.method);
+            return Err(self.not_ready_error());
+        };
+        let upstream_id = router.register(
+            request.requester,
+            request.local_id,
+            request.method,
+            generation,
+            settle,
+        )?;
+        let text = encode_req(&upstream_id, request.method, request.params);
+        router.tap.outbound(&text);
+        if let Err(error) = self.upstream.try_send(generation, text) {
+            return Ok(Deferred(Some((upstream_id, error))));
+        }
+        // If the session ended meanwhile, the request may never be written:
+        // fail it now rather than at its deadline (a no-op if failed already).
+        if self.generation() != Some(generation) {
+            return Ok(Deferred(Some((upstream_id, self.not_ready_error()))));
+        }
+        Ok(Deferred(None))
+    }
+}
+
+/// The error a request on a narrower session gets while that session is
+/// not open: it names the session and its cause, and says the broker
+/// retries by itself (the host's token is not the problem when the main
+/// session is up).
+pub(crate) fn narrower_error(
+    scopes: &[String],
+    cause: Option<&ErrorShape>,
+    retry_after_ms: Option<u64>,
+    phase: Phase,
+) -> ErrorShape {
+    let what = format!(
+        "the narrower gateway session for this client's scopes [{}]",
+        scopes.join(",")
+    );
+    let message = match (cause, phase) {
+        (_, Phase::Stopped) => format!("{what} is closed"),
+        (Some(e), _) => format!(
+            "{what} is not open ({}: {}); the broker retries it by itself",
+            e.code, e.message
+        ),
+        (None, _) => format!("{what} is not open yet; the broker retries it by itself"),
+    };
+    let mut error = ErrorShape::studio(StudioCode::UpstreamClosed, message);
+    if let Some(e) = cause {
+        error = error.with_details(serde_json::json!({"cause": e.code, "session": "narrower"}));
+    }
+    error.with_retry_after_ms(retry_after_ms.or(Some(1000)))
+}
+
+/// Every upstream session and its owner.
+#[derive(Debug)]
+pub struct Sessions {
+    /// The shared session.
+    pub main: Session,
+    /// What the main session's owner keeps (the generation it resubscribed, counters).
+    pub main_owner: Arc<main::MainSession>,
+    /// Sessions for clients holding fewer scopes.
+    pub narrower: Narrower,
+    /// The broker's own requests.
+    pub own: Arc<OwnRequests>,
+}
+
+impl Sessions {
+    /// Starts the main session's connector (tracked by `tracker`, stopped
+    /// at `cancel`) and readies the narrower sessions. The device identity
+    /// is loaded here, once, before any connector runs: no request ever
+    /// waits on the state directory.
+    pub fn start(
+        settings: &Settings,
+        hub: &Arc<Hub>,
+        router: &Arc<Router>,
+        sharing: &Arc<Sharing>,
+        tracker: &TaskTracker,
+        cancel: &CancellationToken,
+    ) -> Sessions {
+        let identity =
+            DeviceIdentity::load_configured(settings.upstream.device_identity.as_deref())
+                .map(Arc::new);
+        let (upstream, seed) = Upstream::new(settings);
+        let main = Session {
+            upstream,
+            kind: SessionKind::Main,
+        };
+        let own = Arc::new(OwnRequests::new(hub, router));
+        let main_owner = Arc::new(main::MainSession::new(
+            main.clone(),
+            Arc::clone(hub),
+            Arc::clone(router),
+            Arc::clone(sharing),
+            Arc::clone(&own),
+            identity.is_some(),
+        ));
+        tracker.spawn(seed.run(
+            settings,
+            SessionSpec::main(),
+            identity.clone(),
+            Arc::clone(&main_owner) as Arc<dyn crate::upstream::SessionOwner>,
+            cancel.clone(),
+        ));
+        tracker.spawn(Arc::clone(&own).drain_answers(cancel.clone()));
+        let narrower = Narrower::new(narrower::Factory {
+            settings: settings.clone(),
+            identity,
+            main: main.upstream.clone(),
+            router: Arc::clone(router),
+            tracker: tracker.clone(),
+            cancel: cancel.clone(),
+        });
+        Sessions {
+            main,
+            main_owner,
+            narrower,
+            own,
+        }
+    }
+
+    /// Sessions around a main transport the test drives itself (no
+    /// connector runs).
+    #[cfg(test)]
+    pub(crate) fn for_tests(
+        settings: &Settings,
+        hub: &Arc<Hub>,
+        router: &Arc<Router>,
+        upstream: Upstream,
+    ) -> Sessions {
+        let main = Session {
+            upstream,
+            kind: SessionKind::Main,
+        };
+        let own = Arc::new(OwnRequests::new(hub, router));
+        let main_owner = Arc::new(main::MainSession::new(
+            main.clone(),
+            Arc::clone(hub),
+            Arc::clone(router),
+            Arc::new(Sharing::new()),
+            Arc::clone(&own),
+            false,
+        ));
+        let narrower = Narrower::new(narrower::Factory {
+            settings: settings.clone(),
+            identity: None,
+            main: main.upstream.clone(),
+            router: Arc::clone(router),
+            tracker: TaskTracker::new(),
+            cancel: CancellationToken::new(),
+        });
+        Sessions {
+            main,
+            main_owner,
+            narrower,
+            own,
+        }
+    }
+}
