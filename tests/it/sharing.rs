@@ -202,6 +202,56 @@ async fn tool_events_go_to_the_client_that_started_the_run() {
     }
 }
 
+/// A local `sessions.subscribe` holder gets `session.tool` for a run
+/// another local client started, as a direct subscriber of the gateway
+/// would: the gateway counted the broker's connection as the starter and
+/// sent it `agent` tool events instead, so the broker delivers them to the
+/// other subscribers as `session.tool` (same payload), and the starter
+/// keeps its `agent` tool stream only.
+#[tokio::test]
+async fn broker_subscribers_get_session_tool_for_another_clients_run() {
+    let h = start().await;
+    let (mut starter, _) = h.connected().await;
+    let (mut watcher, _) = h.connected().await;
+    for c in [&mut starter, &mut watcher] {
+        assert_eq!(c.request("sessions.subscribe", json!({})).await["ok"], true);
+    }
+    let key = uuid::Uuid::new_v4().to_string();
+    starter
+        .request(
+            "chat.send",
+            json!({"sessionKey": "agent:main:main", "message": "run a tool", "idempotencyKey": key}),
+        )
+        .await;
+    let mut agent_tools = Vec::new();
+    loop {
+        let e = starter.event("agent").await;
+        if e["payload"]["stream"] == "tool" {
+            agent_tools.push(e["payload"].clone());
+        }
+        if e["payload"]["stream"] == "lifecycle" && e["payload"]["data"]["phase"] == "end" {
+            break;
+        }
+    }
+    assert!(!agent_tools.is_empty());
+    let mut session_tools = Vec::new();
+    while session_tools.len() < agent_tools.len() {
+        let e = watcher.event("session.tool").await;
+        assert_eq!(e["payload"]["runId"], key.as_str(), "{e}");
+        session_tools.push(e["payload"].clone());
+    }
+    assert_eq!(session_tools, agent_tools, "the same payloads, in order");
+    // The starter got none as session.tool (its own run comes as agent).
+    let (mut probe, _) = h.connected().await;
+    assert_eq!(probe.request("health", json!({})).await["ok"], true);
+    assert_eq!(starter.request("health", json!({})).await["ok"], true);
+    assert!(
+        !starter.events.iter().any(|e| e["event"] == "session.tool"),
+        "{:?}",
+        starter.events
+    );
+}
+
 #[tokio::test]
 async fn chat_abort_of_another_clients_run_is_forbidden_unless_admin() {
     let cfg = MockConfig {
