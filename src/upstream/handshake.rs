@@ -267,6 +267,18 @@ pub(super) fn rejection(error: Value) -> AttemptError {
         .pointer("/details/code")
         .and_then(Value::as_str)
         .unwrap_or("");
+    // What to do comes first, short: clients such as Claw3D show the
+    // message in a close reason, which the WebSocket spec cuts at 123 bytes
+    // ("connect failed: <code> " takes 41 of them).
+    let first = match detail_code {
+        "AUTH_DEVICE_TOKEN_MISMATCH" => "set clawmux's gateway token (--token-file)",
+        c if c.starts_with("AUTH_") => "check clawmux's gateway token",
+        "PAIRING_REQUIRED" => "approve clawmux's device on the gateway host",
+        "DEVICE_IDENTITY_REQUIRED" => "turn clawmux's device identity on",
+        c if c.starts_with("DEVICE_AUTH_") => "check this host's clock",
+        "PROTOCOL_MISMATCH" => "upgrade clawmux or the gateway",
+        _ => "see clawmux's log",
+    };
     // A remote gateway asks for the broker's device to be approved: name
     // the exact command (the gateway's own remediation, with this request).
     let pairing_hint;
@@ -311,7 +323,9 @@ pub(super) fn rejection(error: Value) -> AttemptError {
     AttemptError {
         error: ErrorShape::studio(
             StudioCode::UpstreamRejected,
-            format!("the gateway refused the broker's connect: {message}{hint}{next_step}"),
+            format!(
+                "{first}: the gateway refused the broker's connect: {message}{hint}{next_step}"
+            ),
         )
         .with_details(error.clone()),
         rejected: true,
@@ -444,6 +458,11 @@ mod tests {
             e.error.details.as_ref().unwrap()["details"]["code"],
             "AUTH_TOKEN_MISMATCH"
         );
+        // The fix comes first and fits a close reason as Claw3D builds it
+        // (`connect failed: <code> <message>`, cut at 123 bytes).
+        let reason = format!("connect failed: {} {}", e.error.code, e.error.message);
+        let cut = &reason[..123];
+        assert!(cut.contains("check clawmux's gateway token"), "{cut}");
         let e = rejection(
             json!({"code":"UNAVAILABLE","message":"gateway starting; retry shortly","retryable":true,"retryAfterMs":500}),
         );

@@ -231,3 +231,50 @@ async fn an_unread_log_never_blocks_the_broker() {
 /// Clients the unread-log test connects: enough lines to fill a pipe
 /// several times over.
 const CLIENTS: u64 = 400;
+
+/// A gateway that is down costs a few log lines, not two per attempt: the
+/// first failure, then a summary after 2, 4, 8… attempts.
+#[tokio::test]
+async fn an_outage_logs_state_changes_not_every_attempt() {
+    let home = TestHome::new();
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let conf = home.path().join(".config/clawmux");
+    std::fs::create_dir_all(&conf).unwrap();
+    std::fs::write(
+        conf.join("config.toml"),
+        "[upstream]\nbackoff_initial_ms = 5\nbackoff_max_ms = 10\n",
+    )
+    .unwrap();
+    let socket = home.path().join("c.sock");
+    let err_path = home.path().join("stderr.log");
+    let mut cmd = home.clawmux();
+    cmd.arg("serve")
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--gateway-url", &format!("ws://127.0.0.1:{port}")])
+        .env("CLAWMUX_GATEWAY_TOKEN", "not-a-real-token")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&err_path).unwrap());
+    let mut broker = ChildGuard(cmd.spawn().expect("clawmux starts"));
+    let log = || std::fs::read_to_string(&err_path).unwrap_or_default();
+    eventually("32 failed attempts", || {
+        log().contains("still failing after 32 attempts")
+    })
+    .await;
+    sigterm(&broker.0);
+    assert!(wait_exit(&mut broker.0).await.success());
+    let log = log();
+    let failures = log
+        .lines()
+        .filter(|l| l.contains("upstream connect"))
+        .count();
+    assert!(failures <= 7, "{failures} lines for 32 attempts:\n{log}");
+    assert!(
+        !log.contains("next upstream attempt scheduled"),
+        "each attempt's schedule is not logged at info:\n{log}"
+    );
+}
