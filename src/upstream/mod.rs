@@ -795,6 +795,27 @@ pub fn clamp_hint(hint: Duration, initial: Duration, max: Duration, failures: u3
     hint.clamp(floor, max)
 }
 
+/// The delay before reconnecting after a ready session ended, the
+/// `failures`-th in a row: the gateway's hint (clamped) or the backoff; and
+/// for a session that did not last [`STABLE_SESSION`], never less than the
+/// backoff, so a gateway that drops every session right after `hello-ok`
+/// (with `restartExpectedMs: 0`, say) is retried at growing intervals.
+pub fn delay_after_session(
+    hint: Option<Duration>,
+    stable: bool,
+    initial: Duration,
+    max: Duration,
+    failures: u32,
+) -> Duration {
+    let backoff = backoff_delay(initial, max, failures);
+    let delay = hint.map_or(backoff, |h| clamp_hint(h, initial, max, failures));
+    if stable {
+        delay
+    } else {
+        delay.max(backoff)
+    }
+}
+
 /// The backoff delay after `failures` consecutive failures: initial × 2^(n-1),
 /// capped, with up to 20 % jitter taken off so many brokers do not retry in step.
 pub fn backoff_delay(initial: Duration, max: Duration, failures: u32) -> Duration {
@@ -828,6 +849,22 @@ mod tests {
         assert_eq!(clamp_hint(ms(5000), i, m, 1), ms(5000));
         // A backoff_max below the floor wins (tests use 200 ms).
         assert_eq!(clamp_hint(ms(0), ms(20), ms(200), 1), ms(200));
+    }
+
+    #[test]
+    fn short_sessions_back_off_whatever_the_hint() {
+        let (i, m) = (Duration::from_secs(1), Duration::from_secs(30));
+        let zero = Some(Duration::ZERO);
+        for (n, least) in [(1, 0.8), (3, 3.2), (5, 12.8), (8, 24.0)] {
+            let d = delay_after_session(zero, false, i, m, n).as_secs_f64();
+            assert!(d >= least, "failures={n}: {d} s");
+        }
+        // A session that lasted honours the gateway's hint.
+        let hint = Some(Duration::from_secs(5));
+        assert_eq!(
+            delay_after_session(hint, true, i, m, 1),
+            Duration::from_secs(5)
+        );
     }
 
     #[test]

@@ -280,16 +280,13 @@ impl Connector {
                         failures = 0;
                     }
                     failures += 1;
-                    let delay = self.retry_delay(end.restart_expected, failures);
-                    if stable {
-                        delay
-                    } else {
-                        delay.max(backoff_delay(
-                            self.opts.backoff_initial,
-                            self.opts.backoff_max,
-                            failures,
-                        ))
-                    }
+                    super::delay_after_session(
+                        end.restart_expected,
+                        stable,
+                        self.opts.backoff_initial,
+                        self.opts.backoff_max,
+                        failures,
+                    )
                 }
                 Ok(Err(e)) => {
                     failures += 1;

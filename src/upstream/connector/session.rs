@@ -279,3 +279,34 @@ impl Connector {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello(tick: Value) -> UpstreamHello {
+        UpstreamHello {
+            payload: serde_json::json!({"policy": {"tickIntervalMs": tick}}),
+            protocol: 4,
+            server_version: "v".into(),
+            scopes: Vec::new(),
+            lost_scopes: Vec::new(),
+            max_payload: None,
+            challenge_extra: Default::default(),
+        }
+    }
+
+    #[test]
+    fn the_gateways_tick_interval_is_bounded() {
+        let ms = Duration::from_millis;
+        assert_eq!(
+            silence_limit(&hello(0.into())),
+            DEFAULT_TICK * 2,
+            "0: the default"
+        );
+        assert_eq!(silence_limit(&hello(Value::Null)), DEFAULT_TICK * 2);
+        assert_eq!(silence_limit(&hello(1.into())), ms(200));
+        assert_eq!(silence_limit(&hello(30_000.into())), ms(60_000));
+        assert_eq!(silence_limit(&hello(u64::MAX.into())), MAX_TICK * 2);
+    }
+}
