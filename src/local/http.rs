@@ -5,7 +5,7 @@
 //! (the gateway's `ErrorShape` under `error`; endpoint-specific data such as
 //! `/v1/events`' replay window goes in `error.details`). `/v1/rpc`'s error
 //! answers are gateway `res` frames, which have the same `ok` and `error`
-//! (plus `type` and `id`). Built by [`error_response`] / [`shape_response`]
+//! (plus `type` and `id`). Built by `respond::error_response` / `respond::shape_response`
 //! only; the `503` written before hyper sees a request
 //! (`accept::busy_response`) has it too.
 
