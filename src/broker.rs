@@ -10,7 +10,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Settings;
 use crate::dispatch::Dispatcher;
-use crate::hub::{Hub, QueueLimits, ReplayLimits};
+use crate::hub::{Hub, QueueLimits};
 use crate::local::socket::{self, SocketError, SocketGuard};
 use crate::router::Router;
 use crate::sharing::Sharing;
@@ -69,10 +69,7 @@ impl Core {
             limits.max_clients,
         ));
         hub.set_queue_budget(limits.queue_total_bytes);
-        hub.set_replay_limits(ReplayLimits {
-            max_events: limits.replay_max_events,
-            max_bytes: limits.replay_max_bytes,
-        });
+        hub.open_replay_log(settings);
         let router = Arc::new(Router::new(
             limits.request_timeout,
             limits.run_timeout,
@@ -326,6 +323,13 @@ impl RunningBroker {
         {
             tracing::warn!("the gateway connection did not close before the shutdown deadline");
             self.upstream_task.abort();
+            clean = false;
+        }
+        if tokio::time::timeout_at(until, self.ctx.hub.close_replay_log())
+            .await
+            .is_err()
+        {
+            tracing::warn!("the replay log did not close before the shutdown deadline");
             clean = false;
         }
         clean

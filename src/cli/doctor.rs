@@ -67,6 +67,8 @@ pub async fn check(resolved: Result<Resolved, crate::protocol::ErrorShape>) -> V
         "tls": tls_settings(&resolved),
         "warnings": resolved.warnings,
     });
+    // A check must not touch the running broker's replay log either.
+    s.limits.replay_persist = false;
     let cancel = CancellationToken::new();
     let core = crate::broker::Core::start(&s, cancel.clone());
     let (upstream, task) = (core.upstream, core.upstream_task);
