@@ -68,15 +68,15 @@ pub fn file_name(socket: &Path) -> String {
     format!("replay-{hex}.jsonl")
 }
 
-/// The largest the file gets with these limits (and the most read back).
+/// The largest the file gets with these limits (and the most read back):
+/// twice what is kept, plus [`COMPACT_SLACK`], plus one line.
 pub fn file_bound(limits: ReplayLimits) -> u64 {
     let kept = limits
         .max_bytes
         .saturating_add(limits.max_events.saturating_mul(LINE_OVERHEAD)) as u64;
     kept.saturating_mul(2)
         .saturating_add(COMPACT_SLACK)
-        .saturating_add((BATCH_BYTES + LINE_OVERHEAD) as u64)
-        .saturating_add(limits.max_bytes as u64)
+        .saturating_add((limits.max_bytes + LINE_OVERHEAD) as u64)
 }
 
 fn event_line(out: &mut Vec<u8>, head: &EventHead, ts: u64) {
@@ -519,6 +519,11 @@ impl Writer {
         }
     }
 
+    /// The file (with what the batch holds) has outgrown what is kept.
+    fn over(&self) -> bool {
+        self.file_len + self.buf.len() as u64 > self.mirror_lines.saturating_mul(2) + COMPACT_SLACK
+    }
+
     fn flush(&mut self, stop: bool) -> io::Result<()> {
         if !self.buf.is_empty() {
             let file = self.file.as_mut().ok_or_else(|| io::Error::other("closed"))?;
@@ -527,7 +532,7 @@ impl Writer {
             self.buf.clear();
             self.dirty = true;
         }
-        if !stop && self.file_len > self.mirror_lines.saturating_mul(2) + COMPACT_SLACK {
+        if !stop && self.over() {
             return self.rewrite();
         }
         if self.dirty && (stop || self.last_sync.elapsed() >= SYNC_EVERY) {
@@ -556,7 +561,9 @@ impl Writer {
                     return;
                 }
             };
-            while !stop && self.buf.len() < BATCH_BYTES {
+            // A batch ends where the file would outgrow its bound, so a
+            // rewrite comes at most one line late.
+            while !stop && self.buf.len() < BATCH_BYTES && !self.over() {
                 match rx.try_recv() {
                     Ok(record) => stop = self.take(record),
                     Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
