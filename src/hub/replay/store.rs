@@ -49,6 +49,8 @@ use crate::upstream::private_files::{ensure_private_dir, write_private, Existing
 
 /// How often the writer fsyncs while events arrive.
 pub const SYNC_EVERY: Duration = Duration::from_secs(1);
+/// How long a start waits for the previous life's writer to let go.
+const LOCK_WAIT: Duration = Duration::from_secs(3);
 /// Records the channel holds before the hub leaves events out of the file.
 const CHANNEL_RECORDS: usize = 8192;
 /// The file may grow this much beyond twice what is kept before a rewrite.
@@ -283,14 +285,19 @@ pub fn open(path: &Path, limits: ReplayLimits) -> Result<Opened, String> {
     let lock_path = path.with_extension("lock");
     let lock =
         open_private(&lock_path, true, false).map_err(|e| format!("{}: {e}", lock_path.display()))?;
-    rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(
-        |e| {
-            format!(
+    // The previous life's writer holds the lock until its last fsync.
+    let deadline = Instant::now() + LOCK_WAIT;
+    while let Err(e) =
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+    {
+        if Instant::now() >= deadline {
+            return Err(format!(
                 "{} is locked ({e}): another broker on the same socket uses it",
                 lock_path.display()
-            )
-        },
-    )?;
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let loaded = match open_private(path, false, false) {
         Ok(mut file) => {
             let (bytes, cut) = read_capped(&mut file, file_bound(limits))
@@ -326,6 +333,7 @@ impl Opened {
         kept: Vec<(EventHead, u64)>,
     ) -> Result<Persist, String> {
         let mut writer = Writer {
+            _lock: self.lock,
             path: self.path.clone(),
             file: None,
             file_len: 0,
@@ -357,7 +365,6 @@ impl Opened {
             path: self.path,
             sink: Sink { tx, full: false },
             done,
-            _lock: self.lock,
         })
     }
 }
@@ -413,13 +420,13 @@ impl Sink {
     }
 }
 
-/// A running persistent log: its path, its writer, its lock.
+/// A running persistent log: its path and its writer (which holds the
+/// file's lock until it has written and synced its last record).
 #[derive(Debug)]
 pub struct Persist {
     pub path: PathBuf,
     pub sink: Sink,
     done: tokio::sync::oneshot::Receiver<()>,
-    _lock: File,
 }
 
 impl Persist {
@@ -443,6 +450,8 @@ struct Kept {
 
 /// The writer thread's state: the file and a mirror of the ring.
 struct Writer {
+    /// Held for the writer's whole life: no other broker uses the file.
+    _lock: File,
     path: PathBuf,
     file: Option<File>,
     file_len: u64,
