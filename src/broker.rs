@@ -13,7 +13,7 @@ use crate::context::{Ctx, MAX_HANDSHAKES};
 
 use crate::config::Settings;
 use crate::dispatch::Dispatcher;
-use crate::hub::{Hub, QueueLimits, ReplayLimits};
+use crate::hub::{Hub, QueueLimits};
 use crate::local::socket::{self, SocketError, SocketGuard};
 use crate::router::Router;
 use crate::sessions::Sessions;
@@ -42,10 +42,7 @@ impl Core {
             limits.max_clients,
         ));
         hub.set_queue_budget(limits.queue_total_bytes);
-        hub.set_replay_limits(ReplayLimits {
-            max_events: limits.replay_max_events,
-            max_bytes: limits.replay_max_bytes,
-        });
+        hub.open_replay_log(settings);
         let router = Arc::new(Router::new(
             limits.request_timeout,
             limits.run_timeout,
@@ -284,6 +281,13 @@ impl RunningBroker {
                 tasks = self.ctx.tracker.len(),
                 "some connections or gateway sessions did not finish before the shutdown deadline"
             );
+            clean = false;
+        }
+        if tokio::time::timeout_at(until, self.ctx.hub.close_replay_log())
+            .await
+            .is_err()
+        {
+            tracing::warn!("the replay log did not close before the shutdown deadline");
             clean = false;
         }
         clean

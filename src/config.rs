@@ -101,6 +101,11 @@ pub struct Limits {
     /// Encoded bytes the replay log keeps at most (the oldest events are
     /// evicted first, same answer as above). Default 16 MiB.
     pub replay_max_bytes: usize,
+    /// Keep the replay log on disk under the state dir (the device
+    /// identity's, `replay-<socket hash>.jsonl`), so cursors and history
+    /// survive a broker restart. Off, or without a state dir, history ends
+    /// at each restart (cursors still never repeat). Default on.
+    pub replay_persist: bool,
     /// An idle `/v1/events` stream gets a `: keep-alive` comment this often,
     /// so proxies and client timeouts do not cut it. Default 15 s.
     pub sse_keepalive: Duration,
@@ -158,6 +163,7 @@ impl Default for Limits {
             request_burst: 20_000,
             replay_max_events: 10_000,
             replay_max_bytes: 16 * 1024 * 1024,
+            replay_persist: true,
             sse_keepalive: Duration::from_secs(15),
             max_connections: None,
             header_read_timeout: Duration::from_secs(10),

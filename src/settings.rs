@@ -203,6 +203,7 @@ struct LimitsSection {
     request_burst: Option<u32>,
     replay_max_events: Option<usize>,
     replay_max_bytes: Option<usize>,
+    replay_persist: Option<bool>,
     sse_keepalive_ms: Option<u64>,
     max_connections: Option<usize>,
     header_read_timeout_ms: Option<u64>,
@@ -846,6 +847,7 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
         request_burst,
         replay_max_events,
         replay_max_bytes,
+        replay_persist,
         sse_keepalive_ms,
         max_connections,
         header_read_timeout_ms,
@@ -888,6 +890,9 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
     set!(lim.request_burst, "limits", request_burst, positive);
     set!(lim.replay_max_events, "limits", replay_max_events, any);
     set!(lim.replay_max_bytes, "limits", replay_max_bytes, any);
+    set!(lim.replay_persist, "limits", replay_persist, |_: &str, v: bool| {
+        Ok::<_, String>(v)
+    });
     set!(
         lim.sse_keepalive,
         "limits",

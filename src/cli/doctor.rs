@@ -67,6 +67,8 @@ pub async fn check(resolved: Result<Resolved, crate::protocol::ErrorShape>) -> V
         "tls": tls_settings(&resolved),
         "warnings": resolved.warnings,
     });
+    // A check must not touch the running broker's replay log either.
+    s.limits.replay_persist = false;
     // One attempt of the broker's own transport, with the broker's own
     // settings and device, reporting to nobody: what `serve` would see.
     let cancel = CancellationToken::new();

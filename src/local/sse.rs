@@ -5,14 +5,15 @@
 //! client; only its writer differs. Instead of a task writing to a socket,
 //! the response body *is* the writer: hyper polls it for the next chunk, and
 //! it formats what the queue holds as `id:`/`event:`/`data:` records, with
-//! `<epoch>:<cursor>` as `id:` (the broker life and the broker cursor
-//! `event_seq`), so the id a browser `EventSource` resends as
-//! `Last-Event-ID` can never resume in another broker life. Events after the
-//! requested cursor come from the replay log first; the hub admits the
-//! client in the same lock, so backlog and live events meet with no hole and
-//! no overlap. Where the cursors a stream receives skip (an upstream gap or
-//! reconnect, or events this stream's queue dropped) it also gets a
-//! `clawmux.gap` record, so even a filtered stream learns of the hole.
+//! the durable broker cursor `event_seq` as `id:` (a plain integer that no
+//! broker life repeats), so the id a browser `EventSource` resends as
+//! `Last-Event-ID` resumes, across broker restarts too, or is answered 410.
+//! Events after the requested cursor come from the replay log first; the
+//! hub admits the client in the same lock, so backlog and live events meet
+//! with no hole and no overlap. Where the cursors a stream receives skip (an
+//! upstream gap or reconnect, or events this stream's queue dropped) it also
+//! gets a `clawmux.gap` record, so even a filtered stream learns of the
+//! hole; a broker restart is a logged `clawmux.gap` record with an `id:`.
 //!
 //! Server-Sent Events are formatted by hand: the format is three kinds of
 //! line, and hyper (without a framework) has no helper for it.
@@ -33,11 +34,12 @@ use tokio_util::sync::CancellationToken;
 use super::respond::{error_response, shape_response, Body};
 use super::ConnectionKill;
 use crate::context::Ctx;
-use crate::hub::replay::{EventId, ResumePoint};
+use crate::hub::replay::{EventId, ResumePoint, GAP_EVENT};
 use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
 use crate::protocol::{ErrorShape, EventHead, StudioCode};
 
-/// Response header naming the broker life the stream's cursors belong to.
+/// Response header naming the broker life serving the stream (information:
+/// cursors are valid across lives).
 pub const EPOCH_HEADER: &str = "clawmux-epoch";
 /// Response header with the cursor the stream starts after (the requested
 /// one, or the newest at the moment a stream "from now" was admitted), so a
@@ -59,10 +61,10 @@ const CHUNK_BYTES: usize = 64 * 1024;
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct EventsQuery {
-    /// Resume after this event id (`<epoch>:<cursor>`, or a bare cursor
-    /// qualified by `epoch`), exclusive.
+    /// Resume after this cursor, exclusive (an old-style
+    /// `<epoch>:<cursor>` id is read as its cursor).
     after_seq: Option<String>,
-    /// The broker life the cursor is from; another one gets 410.
+    /// Accepted for older clients, information only: cursors are durable.
     epoch: Option<String>,
     /// Comma-separated event names to keep; all when absent.
     events: Option<String>,
@@ -89,7 +91,7 @@ fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
     let query: EventsQuery =
         serde_urlencoded::from_str(req.uri().query().unwrap_or("")).map_err(|e| {
             format!(
-                "bad query: {e}; expected after_seq=<epoch>:<cursor>, epoch=<id>, events=<name,name>, tool_events=own|all"
+                "bad query: {e}; expected after_seq=<cursor>, events=<name,name>, tool_events=own|all"
             )
         })?;
     let after_seq = query
@@ -141,9 +143,8 @@ fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
 }
 
 /// Answers `/v1/events`: 200 with a stream, 400 for a bad query, 403 for
-/// `tap=1` without `operator.admin`, 410 for a
-/// cursor the log cannot serve (from another broker life, of no named life,
-/// evicted, or from the future), 503 at the client limit.
+/// `tap=1` without `operator.admin`, 410 for a cursor the log cannot serve
+/// (older than the oldest kept, or never handed out), 503 at the client limit.
 pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     let wanted = match parse_request(req) {
         Ok(w) => w,
@@ -205,7 +206,6 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     }
     let stream = EventStream {
         client: Arc::clone(&client),
-        epoch: Arc::clone(&epoch),
         last_cursor: after,
         backlog: backlog.into_iter(),
         filter: wanted.filter,
@@ -299,8 +299,6 @@ async fn cut_when_stuck(
 /// The writer of one SSE client, driven by hyper polling the body.
 struct EventStream {
     client: Arc<Client>,
-    /// This broker life, the first half of every `id:`.
-    epoch: Arc<str>,
     /// The newest cursor this stream has received (written or filtered out),
     /// or where it started: a later cursor more than one past it is a gap.
     last_cursor: u64,
@@ -381,11 +379,18 @@ impl EventStream {
             }
             return;
         }
+        let name = head.name();
+        if name == GAP_EVENT {
+            // A logged gap (a broker restart): it says what it covers,
+            // whatever the filter, with an id to resume after.
+            self.last_cursor = self.last_cursor.max(cursor);
+            write_logged_gap(out, cursor, head);
+            return;
+        }
         if cursor > self.last_cursor.saturating_add(1) {
             write_gap(out, self.last_cursor, cursor);
         }
         self.last_cursor = self.last_cursor.max(cursor);
-        let name = head.name();
         if self.filter.as_ref().is_some_and(|f| !f.contains(&*name)) {
             return;
         }
@@ -393,18 +398,15 @@ impl EventStream {
         if !crate::policy::events::guard(&name).allows(self.client.grant()) {
             return;
         }
-        write_record(out, &self.epoch, cursor, &name, &head.with_seq(cursor));
+        write_record(out, cursor, &name, &head.with_seq(cursor));
     }
 }
 
-/// One SSE record, `id: <epoch>:<cursor>`. `data` is a JSON frame whose
-/// `seq` is the bare cursor: a raw newline can only be insignificant
-/// whitespace in JSON, so it becomes a space and the frame stays one
-/// `data:` line.
-fn write_record(out: &mut BytesMut, epoch: &str, cursor: u64, name: &str, data: &[u8]) {
+/// One SSE record, `id: <cursor>`. `data` is a JSON frame whose `seq` is
+/// the cursor: a raw newline can only be insignificant whitespace in JSON,
+/// so it becomes a space and the frame stays one `data:` line.
+fn write_record(out: &mut BytesMut, cursor: u64, name: &str, data: &[u8]) {
     out.put_slice(b"id: ");
-    out.put_slice(epoch.as_bytes());
-    out.put_u8(b':');
     out.put_slice(cursor.to_string().as_bytes());
     out.put_u8(b'\n');
     write_event_body(out, name, data);
@@ -444,6 +446,26 @@ fn write_gap(out: &mut BytesMut, after: u64, next: u64) {
     out.put_slice(b"\n\n");
 }
 
+/// A gap the log holds (a broker restart): `id: <cursor>` and, as `data`,
+/// its payload, shaped like [`write_gap`]'s (`after`, `next`) plus what
+/// the broker knows of the downtime.
+fn write_logged_gap(out: &mut BytesMut, cursor: u64, head: &EventHead) {
+    #[derive(Deserialize)]
+    struct Frame<'a> {
+        #[serde(borrow)]
+        payload: Option<&'a serde_json::value::RawValue>,
+    }
+    let frame = head.without_seq();
+    let payload = serde_json::from_slice::<Frame>(&frame)
+        .ok()
+        .and_then(|f| f.payload)
+        .map_or("{}", |p| p.get());
+    out.put_slice(b"id: ");
+    out.put_slice(cursor.to_string().as_bytes());
+    out.put_u8(b'\n');
+    write_event_body(out, GAP_EVENT, payload.as_bytes());
+}
+
 /// The last record of a stream the broker ends (slow consumer, shutdown).
 fn write_close(out: &mut BytesMut, code: u16, reason: &str) {
     let data = json!({"code": code, "reason": reason}).to_string();
@@ -459,8 +481,15 @@ mod tests {
     #[test]
     fn records_stay_on_one_data_line() {
         let mut out = BytesMut::new();
-        write_record(&mut out, "5f0c", 7, "chat", b"{\"a\":\n 1}");
-        assert_eq!(&out[..], b"id: 5f0c:7\nevent: chat\ndata: {\"a\":  1}\n\n");
+        write_record(&mut out, 7, "chat", b"{\"a\":\n 1}");
+        assert_eq!(&out[..], b"id: 7\nevent: chat\ndata: {\"a\":  1}\n\n");
+        let mut out = BytesMut::new();
+        let gap = EventHead::from_value(GAP_EVENT, &json!({"after": 4, "next": 9})).with_cursor(9);
+        write_logged_gap(&mut out, 9, &gap);
+        assert_eq!(
+            &out[..],
+            b"id: 9\nevent: clawmux.gap\ndata: {\"after\":4,\"next\":9}\n\n"
+        );
         let mut out = BytesMut::new();
         write_unlogged(&mut out, "agent", b"{\"a\":\n1}");
         assert_eq!(&out[..], b"event: agent\ndata: {\"a\": 1}\n\n");

@@ -1,8 +1,9 @@
 //! `GET /v1/state`: one self-consistent document of what the broker knows.
 //!
 //! The gateway snapshot and the replay cursor are taken under the hub's one
-//! lock, so a client that streams `/v1/events?after_seq=<epoch>:<newest_seq>` next
-//! sees exactly the events the snapshot does not include. Nothing secret is
+//! lock, so a client that streams `/v1/events?after_seq=<newest_seq>` next
+//! sees exactly the events the snapshot does not include (cursors are
+//! durable: that holds across broker restarts; `epoch` is information). Nothing secret is
 //! in it: no token, no device token (the upstream `hello-ok` is not copied
 //! whole), and the gateway URL without user info or query.
 
@@ -50,6 +51,8 @@ pub fn document(ctx: &Ctx) -> Value {
         "epoch": &*window.epoch,
         "newest_seq": window.newest_seq,
         "oldest_seq": window.oldest_seq,
+        // Where the replay log is kept (null: in memory, ends with this life).
+        "replay_file": ctx.hub.replay_file().map(|p| p.display().to_string()),
         "broker": {
             "version": env!("CARGO_PKG_VERSION"),
             "pid": std::process::id(),
@@ -129,6 +132,7 @@ fn limits_json(l: &Limits) -> Value {
         "max_inflight": l.max_inflight,
         "replay_max_events": l.replay_max_events,
         "replay_max_bytes": l.replay_max_bytes,
+        "replay_persist": l.replay_persist,
         "sse_keepalive_ms": ms(l.sse_keepalive),
         "max_connections": l.max_connections(),
         "header_read_timeout_ms": ms(l.header_read_timeout),

@@ -59,7 +59,7 @@ pub async fn open_socket(
 }
 
 pub mod identity;
-mod private_files;
+pub(crate) mod private_files;
 pub mod tls;
 
 use std::sync::Arc;

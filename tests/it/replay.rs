@@ -60,16 +60,12 @@ async fn resuming_from_every_cursor_in_the_window_loses_and_repeats_nothing() {
             "cursor {cursor}"
         );
     }
-    // Resuming at the newest cursor, named as the stream names it
-    // (`<epoch>:<cursor>`): nothing replayed, the next live event is next,
-    // and its id carries the broker life.
-    let mut sse = open_events(
-        &h.socket(),
-        &format!("/v1/events?after_seq={epoch}:{newest}"),
-        &[],
-    )
-    .await
-    .unwrap();
+    // Resuming at the newest cursor as /v1/state gives it (a bare
+    // integer, the Holon contract): nothing replayed, the next live event
+    // is next, and its id is the plain cursor.
+    let mut sse = open_events(&h.socket(), &format!("/v1/events?after_seq={newest}"), &[])
+        .await
+        .expect("a bare after_seq=<newest_seq> streams");
     h.gw.broadcast("test.event", json!({"i": "live"}));
     let (id, id_epoch, name, data) = loop {
         if let Item::Event {
@@ -82,7 +78,7 @@ async fn resuming_from_every_cursor_in_the_window_loses_and_repeats_nothing() {
             break (id, epoch, name, data);
         }
     };
-    assert_eq!(id_epoch, epoch, "id: <epoch>:<cursor>");
+    assert_eq!(id_epoch, "", "id: <cursor>, a plain integer");
     assert_eq!((id, name.as_str()), (newest + 1, "test.event"));
     assert_eq!(data["payload"]["i"], "live");
     assert_eq!(
@@ -148,8 +144,12 @@ async fn last_event_id_wins_over_after_seq_and_filters_apply_to_replay() {
     );
 }
 
+/// 410 is for cursors that are really gone (older than the oldest kept)
+/// or never existed (newer than the newest); the details name the window.
+/// `epoch` is information: an old-style `<epoch>:<cursor>` or an `epoch=`
+/// of any life resumes like the bare cursor.
 #[tokio::test]
-async fn old_cursor_future_cursor_and_other_epoch_get_410() {
+async fn only_cursors_gone_or_never_handed_out_get_410() {
     let h = start_with(mock_config(), |s| s.limits.replay_max_events = 5).await;
     let newest = publish(&h, 12).await;
     let s = state(&h.socket()).await;
@@ -168,24 +168,16 @@ async fn old_cursor_future_cursor_and_other_epoch_get_410() {
     };
     for (path, why) in [
         (
-            format!("/v1/events?after_seq={}&epoch={epoch}", oldest - 2),
+            format!("/v1/events?after_seq={}", oldest - 2),
             "no longer held",
         ),
         (
-            format!("/v1/events?after_seq={epoch}:{}", newest + 1),
+            format!("/v1/events?after_seq={epoch}:{}", oldest - 2),
+            "no longer held",
+        ),
+        (
+            format!("/v1/events?after_seq={}", newest + 1),
             "newer than the newest",
-        ),
-        (
-            format!("/v1/events?after_seq={newest}&epoch=not-this-one"),
-            "another broker life",
-        ),
-        (
-            "/v1/events?epoch=not-this-one".to_owned(),
-            "another broker life",
-        ),
-        (
-            format!("/v1/events?after_seq={epoch}:{newest}&epoch=not-this-one"),
-            "another broker life",
         ),
     ] {
         let (status, body) = gone(path.clone()).await;
@@ -196,43 +188,223 @@ async fn old_cursor_future_cursor_and_other_epoch_get_410() {
         assert_eq!(body["error"]["details"]["oldest_seq"], oldest, "{path}");
         assert_eq!(body["error"]["details"]["newest_seq"], newest, "{path}");
         assert_eq!(body["error"]["details"]["epoch"], epoch.as_str(), "{path}");
+        assert!(message.contains("/v1/state"), "{body}");
+    }
+    for path in [
+        format!("/v1/events?after_seq={}", oldest - 1),
+        format!("/v1/events?after_seq={}&epoch=another-life", oldest - 1),
+        format!("/v1/events?after_seq=another-life:{}", oldest - 1),
+        "/v1/events?epoch=another-life".to_owned(),
+    ] {
         assert!(
-            body["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("/v1/state"),
-            "{body}"
+            open_events(&h.socket(), &path, &[]).await.is_ok(),
+            "{path}: the oldest resumable cursor is oldest_seq - 1, whatever the epoch"
         );
     }
-    assert!(
-        open_events(
-            &h.socket(),
-            &format!("/v1/events?after_seq={epoch}:{}", oldest - 1),
-            &[]
-        )
-        .await
-        .is_ok(),
-        "the oldest resumable cursor is oldest_seq - 1"
-    );
+}
 
-    // A broker restart is a new epoch: the old cursor is refused even though
-    // the new broker's numbers overlap it.
+/// Stops the harness's broker cleanly and starts another on the same
+/// socket and state dir.
+async fn restart(h: Harness, tweak: impl FnOnce(&mut Settings)) -> Harness {
     let Harness { gw, broker, dir } = h;
-    let settings = test_settings(dir.path(), &gw.url(), Some("test-token"));
-    broker.shutdown(Duration::from_secs(2)).await;
+    let mut settings = test_settings(dir.path(), &gw.url(), Some("test-token"));
+    tweak(&mut settings);
+    assert!(broker.shutdown(Duration::from_secs(5)).await, "clean stop");
     let broker = RunningBroker::start(settings).await.unwrap();
+    Harness { gw, broker, dir }
+}
+
+/// Reads records up to and including the event with cursor `last`: the
+/// events (id, name, data) and the `clawmux.gap` records (as items).
+async fn records_through(sse: &mut Sse, last: u64) -> Vec<(u64, String, serde_json::Value)> {
+    let mut out = Vec::new();
+    loop {
+        match sse.next_item().await {
+            Item::Event { id, name, data, .. } => {
+                out.push((id, name, data));
+                if id >= last {
+                    return out;
+                }
+            }
+            Item::Other(o) if o.contains("event: clawmux.gap") => {
+                let data = o.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+                out.push((0, "clawmux.gap".into(), serde_json::from_str(data).unwrap()));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The Holon contract across a broker restart: a cursor taken before it
+/// replays the rest of the old life, then one `clawmux.gap` for the
+/// downtime (with an id, so resuming after it works), then the new life's
+/// events; the new life's cursors continue the old ones (never repeat).
+#[tokio::test]
+async fn a_cursor_from_before_a_restart_resumes_with_the_rest_a_gap_then_new_events() {
+    let h = start().await;
+    let before = publish(&h, 3).await;
+    let s = state(&h.socket()).await;
+    let old_epoch = s["epoch"].as_str().unwrap().to_owned();
+    let file = s["replay_file"].as_str().expect("the log is kept on disk").to_owned();
+    assert!(file.starts_with(&h.dir.path().join("state").display().to_string()), "{file}");
+    let cursor = before - 1;
+    let h = restart(h, |_| {}).await;
+    until_ready(&h.socket()).await;
+    h.gw.broadcast("test.event", json!({"i": "new"}));
+    let is_new = |r: &(u64, String, serde_json::Value)| r.2["payload"]["i"] == "new";
+    let mut newest = 0;
+    while newest == 0 {
+        let mut sse = open_events(&h.socket(), &format!("/v1/events?after_seq={before}"), &[])
+            .await
+            .unwrap();
+        let s = state(&h.socket()).await;
+        assert_ne!(s["epoch"], old_epoch.as_str());
+        let got = records_through(&mut sse, s["newest_seq"].as_u64().unwrap()).await;
+        newest = got.iter().find(|r| is_new(r)).map_or(0, |r| r.0);
+    }
+
+    // As /v1/state gave it, as an EventSource resends it, and old-style.
+    for (path, headers) in [
+        (format!("/v1/events?after_seq={cursor}"), vec![]),
+        ("/v1/events".to_owned(), vec![("last-event-id", cursor.to_string())]),
+        (format!("/v1/events?after_seq={old_epoch}:{cursor}"), vec![]),
+    ] {
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut sse = open_events(&h.socket(), &path, &headers)
+            .await
+            .unwrap_or_else(|e| panic!("{path}: a cursor from the previous life resumes: {e:?}"));
+        let got = records_through(&mut sse, newest).await;
+        // The old life's last event first, the new event last, one gap between.
+        assert_eq!((got[0].0, &*got[0].1), (before, "test.event"), "{path}: {got:#?}");
+        assert_eq!(got[0].2["payload"]["i"], 2);
+        assert!(is_new(got.last().unwrap()), "{path}: {got:#?}");
+        let gaps: Vec<usize> = (0..got.len()).filter(|&i| got[i].1 == "clawmux.gap").collect();
+        let [g] = gaps[..] else {
+            panic!("{path}: one gap: {got:#?}")
+        };
+        assert!(
+            got[..g].iter().any(|r| r.1 == "shutdown"),
+            "{path}: the old life ends with its shutdown: {got:#?}"
+        );
+        let ids: Vec<u64> = got.iter().map(|r| r.0).collect();
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "{path}: {ids:?}");
+        let (gap_id, _, gap) = &got[g];
+        assert_eq!(*gap_id, got[g - 1].0 + 1, "a clean stop: cursors continue");
+        assert_eq!(gap["reason"], "broker_restart");
+        assert_eq!(gap["clean"], true);
+        assert_eq!(gap["after"], got[g - 1].0);
+        assert_eq!(gap["next"], *gap_id);
+        assert!(gap["down_ms"].is_u64(), "{gap}");
+    }
+}
+
+/// A crash mid-write leaves a torn last line (and no clean-stop record):
+/// the next life keeps every valid event, logs the rest, and starts its
+/// cursors above anything the crashed life may have handed out unwritten.
+#[tokio::test]
+async fn a_torn_log_file_is_recovered() {
+    let h = start().await;
+    let newest = publish(&h, 5).await;
+    let file = std::path::PathBuf::from(state(&h.socket()).await["replay_file"].as_str().unwrap());
+    let Harness { gw, broker, dir } = h;
+    assert!(broker.shutdown(Duration::from_secs(5)).await);
+    // Cut the file inside the line of event `newest` (dropping the shutdown
+    // event and the clean-stop record after it).
+    let text = std::fs::read_to_string(&file).unwrap();
+    let at = text
+        .find(&format!(r#"{{"seq":{newest},"#))
+        .expect("the last published event is in the file");
+    std::fs::write(&file, &text[..at + 20]).unwrap();
+    let broker = RunningBroker::start(test_settings(dir.path(), &gw.url(), Some("test-token")))
+        .await
+        .unwrap();
     let h = Harness { gw, broker, dir };
-    publish(&h, 3).await;
-    let (status, body) = gone(format!("/v1/events?after_seq=1&epoch={epoch}")).await;
+    let mut sse = open_events(&h.socket(), &format!("/v1/events?after_seq={}", newest - 3), &[])
+        .await
+        .unwrap();
+    let got = records_through(&mut sse, newest + 1).await;
+    let ids: Vec<u64> = got.iter().map(|(id, _, _)| *id).collect();
+    assert_eq!(&ids[..2], [newest - 2, newest - 1], "{got:#?}");
+    assert_eq!(got.len(), 3, "{got:#?}");
+    assert_eq!(got[2].1, "clawmux.gap");
+    assert!(ids[2] > newest + 1_000_000, "after a crash cursors jump: {got:#?}");
+    assert_eq!(got[2].2["clean"], false);
+    assert_eq!(got[2].2["after"], newest - 1);
+    // The file was rewritten whole: every line parses.
+    let text = std::fs::read_to_string(&file).unwrap();
+    for line in text.lines() {
+        serde_json::from_str::<serde_json::Value>(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+    }
+}
+
+/// The file is rewritten from what the log keeps whenever it outgrows it,
+/// so it stays under `file_bound` of the limits, and is private.
+#[tokio::test]
+async fn the_log_file_stays_under_its_bound() {
+    use std::os::unix::fs::PermissionsExt;
+    let h = start_with(mock_config(), |s| {
+        s.limits.replay_max_events = 20;
+        s.limits.replay_max_bytes = 64 * 1024;
+    })
+    .await;
+    let file = std::path::PathBuf::from(state(&h.socket()).await["replay_file"].as_str().unwrap());
+    let limits = clawmux::hub::ReplayLimits {
+        max_events: 20,
+        max_bytes: 64 * 1024,
+    };
+    let bound = clawmux::hub::replay::file_bound(limits);
+    let pad = "p".repeat(2000);
+    let mut largest = 0;
+    for round in 0..20 {
+        let before = state(&h.socket()).await["newest_seq"].as_u64().unwrap();
+        for i in 0..50 {
+            h.gw.broadcast("test.event", json!({ "round": round, "i": i, "pad": pad }));
+        }
+        wait_newest_seq(&h.socket(), before + 50).await;
+        largest = largest.max(std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0));
+    }
+    assert!(largest > 0);
+    assert!(largest <= bound, "{largest} > {bound}");
+    // 1000 events of 2 KB went through; the file holds about 2 × 20 of them.
+    assert!(largest < 200 * 1024, "compacted: {largest}");
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&file), 0o600);
+    assert_eq!(mode(file.parent().unwrap()), 0o700);
+    let h = restart(h, |s| {
+        s.limits.replay_max_events = 20;
+        s.limits.replay_max_bytes = 64 * 1024;
+    })
+    .await;
+    let s = state(&h.socket()).await;
+    assert_eq!(s["newest_seq"].as_u64().unwrap() - s["oldest_seq"].as_u64().unwrap() + 1, 20);
+}
+
+/// Without persistence (`[limits] replay_persist = false`) history ends at
+/// a restart, but cursors still never repeat: an old one is gone (410).
+#[tokio::test]
+async fn without_persistence_cursors_still_never_repeat() {
+    let off = |s: &mut Settings| s.limits.replay_persist = false;
+    let h = start_with(mock_config(), off).await;
+    let old = publish(&h, 3).await;
+    assert!(state(&h.socket()).await["replay_file"].is_null());
+    let h = restart(h, off).await;
+    let s = until_ready(&h.socket()).await;
+    assert!(s["oldest_seq"].as_u64().unwrap() > old, "{s}");
+    let (status, body) = open_events(&h.socket(), &format!("/v1/events?after_seq={old}"), &[])
+        .await
+        .err()
+        .expect("an earlier life's cursor is gone");
     assert_eq!(status, 410);
-    assert_ne!(body["error"]["details"]["epoch"], epoch.as_str());
-    assert!(
-        body["error"]["message"]
-            .as_str()
+    assert_eq!(body["error"]["details"]["oldest_seq"], s["oldest_seq"]);
+    assert!(std::fs::read_dir(h.dir.path().join("state"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+        == 0
+        || !h.dir.path().join("state").read_dir().unwrap().any(|e| e
             .unwrap()
-            .contains("another broker life"),
-        "{body}"
-    );
+            .file_name()
+            .to_string_lossy()
+            .starts_with("replay-")));
 }
 
 /// The promise of `/v1/state`: streaming after its `newest_seq` continues
@@ -379,118 +551,6 @@ async fn a_stuck_sse_reader_is_closed_as_a_slow_consumer() {
     );
     let (status, res) = rpc(&h.socket(), r#"{"method":"health"}"#).await;
     assert_eq!((status, &res["ok"]), (200, &json!(true)));
-}
-
-/// The id of an event as the stream wrote it, which is what a browser
-/// `EventSource` sends back as `Last-Event-ID`.
-fn raw_id(epoch: &str, cursor: u64) -> String {
-    if epoch.is_empty() {
-        cursor.to_string()
-    } else {
-        format!("{epoch}:{cursor}")
-    }
-}
-
-/// The next event record with the raw id it carried.
-async fn next_with_raw_id(sse: &mut Sse) -> (String, u64, String) {
-    loop {
-        if let Item::Event {
-            id, epoch, name, ..
-        } = sse.next_item().await
-        {
-            return (raw_id(&epoch, id), id, name);
-        }
-    }
-}
-
-/// A browser `EventSource` never changes its URL: after a broker restart it
-/// resends only the last id it saw. That id names the old broker life, so
-/// the new broker refuses it (410) even though its own cursors overlap it,
-/// and a bare cursor that names no life is refused the same way.
-#[tokio::test]
-async fn a_last_event_id_from_an_earlier_broker_life_never_resumes() {
-    let h = start().await;
-    let newest = publish(&h, 3).await;
-    let old_epoch = state(&h.socket()).await["epoch"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let mut sse = open_events(&h.socket(), "/v1/events", &[]).await.unwrap();
-    h.gw.broadcast("test.event", json!({"i": "seen"}));
-    let (seen, cursor, _) = next_with_raw_id(&mut sse).await;
-    assert_eq!(cursor, newest + 1);
-    drop(sse);
-
-    let Harness { gw, broker, dir } = h;
-    let settings = test_settings(dir.path(), &gw.url(), Some("test-token"));
-    broker.shutdown(Duration::from_secs(2)).await;
-    let broker = RunningBroker::start(settings).await.unwrap();
-    let h = Harness { gw, broker, dir };
-    // The new life has handed out more cursors than the old id names.
-    let newest = publish(&h, cursor as usize + 3).await;
-    let s = state(&h.socket()).await;
-    let epoch = s["epoch"].as_str().unwrap().to_owned();
-    assert_ne!(epoch, old_epoch);
-
-    let (status, body) = open_events(&h.socket(), "/v1/events", &[("last-event-id", &seen)])
-        .await
-        .err()
-        .expect("the old life's id must not resume");
-    assert_eq!(status, 410);
-    assert_eq!(body["error"]["code"], "studio.replay_unavailable");
-    assert_eq!(body["error"]["details"]["epoch"], epoch.as_str());
-    assert_eq!(body["error"]["details"]["newest_seq"], newest);
-    let message = body["error"]["message"].as_str().unwrap();
-    assert!(message.contains("another broker life"), "{message}");
-
-    // A bare cursor (no epoch anywhere) could be from any life: refused.
-    let bare = cursor.to_string();
-    for (path, header) in [
-        ("/v1/events".to_owned(), Some(bare.as_str())),
-        (format!("/v1/events?after_seq={bare}"), None),
-    ] {
-        let headers: Vec<(&str, &str)> = header.map(|v| ("last-event-id", v)).into_iter().collect();
-        let (status, body) = open_events(&h.socket(), &path, &headers)
-            .await
-            .err()
-            .unwrap_or_else(|| panic!("a bare cursor must not resume: {path} {header:?}"));
-        assert_eq!(status, 410, "{path}");
-        assert_eq!(body["error"]["code"], "studio.replay_unavailable");
-        assert!(
-            body["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("<epoch>:<cursor>"),
-            "{body}"
-        );
-    }
-
-    // A bare cursor qualified by `epoch=` (as built from /v1/state) resumes,
-    // as does this life's own id.
-    for (path, headers) in [
-        (
-            format!("/v1/events?epoch={epoch}"),
-            vec![("last-event-id", bare.clone())],
-        ),
-        (format!("/v1/events?after_seq={bare}&epoch={epoch}"), vec![]),
-        (
-            "/v1/events".to_owned(),
-            vec![("last-event-id", format!("{epoch}:{bare}"))],
-        ),
-    ] {
-        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let mut sse = open_events(&h.socket(), &path, &headers)
-            .await
-            .unwrap_or_else(|e| panic!("{path}: {e:?}"));
-        let (id, cursor_next, _) = next_with_raw_id(&mut sse).await;
-        assert_eq!(cursor_next, cursor + 1, "{path}");
-        assert_eq!(id, format!("{epoch}:{}", cursor + 1));
-    }
-    assert_eq!(
-        seen,
-        format!("{old_epoch}:{cursor}"),
-        "id: <epoch>:<cursor>"
-    );
 }
 
 /// Reads records until the next event, returning it and any `clawmux.gap`
