@@ -113,7 +113,7 @@ fn app_with(events: &[(String, Value)], color: bool) -> App {
     app.state = state(2);
     app.link = "live".into();
     for (name, frame) in events {
-        app.on_event(name, frame);
+        app.on_event(name, frame, Some(app.now_ms));
     }
     for n in [3, 0, 12, 7] {
         for _ in 0..n {
@@ -194,7 +194,7 @@ fn keys_move_expand_filter_and_pause() {
     // Pause: new runs wait until resumed, but are not lost.
     app.key(Key::Char('p'));
     for (name, frame) in running_run() {
-        app.on_event(&name, &frame);
+        app.on_event(&name, &frame, Some(app.now_ms));
     }
     let paused = screen(&app, 80, 24);
     assert!(
@@ -206,7 +206,7 @@ fn keys_move_expand_filter_and_pause() {
     // Filter by session: all → the first session → back to all.
     let mut other = agent("ffff0000-cccc", 50, "lifecycle", json!({"phase": "start"}));
     other.1["payload"]["sessionKey"] = json!("agent:main:other");
-    app.on_event(&other.0, &other.1);
+    app.on_event(&other.0, &other.1, Some(app.now_ms));
     app.key(Key::Char('s'));
     let filtered = screen(&app, 80, 24);
     let first = app.session_filter.clone().expect("a session");
