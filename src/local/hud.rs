@@ -109,7 +109,7 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     }
     let source = match HudSource::open(req, ctx, query, history) {
         Ok(source) => source,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     let first = Bytes::from_static(b": clawmux HUD events\n\nretry: 1000\n\n");
     let keepalive = ctx.settings.limits.sse_keepalive;
@@ -219,7 +219,7 @@ impl HudSource {
         ctx: &Arc<Ctx>,
         query: HudQuery,
         history: bool,
-    ) -> Result<HudSource, Response<Body>> {
+    ) -> Result<HudSource, Box<Response<Body>>> {
         let last_event_id = req
             .headers()
             .get("last-event-id")
@@ -234,16 +234,16 @@ impl HudSource {
         match uri.parse() {
             Ok(uri) => *req.uri_mut() = uri,
             Err(_) => {
-                return Err(error_response(
+                return Err(Box::new(error_response(
                     StatusCode::BAD_REQUEST,
                     "INVALID_REQUEST",
                     "bad after_seq or epoch".into(),
-                ))
+                )))
             }
         }
         let resp = super::sse::open(&req, ctx);
         if resp.status() != StatusCode::OK {
-            return Err(resp);
+            return Err(Box::new(resp));
         }
         let header = |name: &str| {
             resp.headers()
@@ -441,7 +441,7 @@ fn upgrade(
     let on_upgrade = hyper::upgrade::on(&mut req);
     let mut source = match HudSource::open(req, ctx, query, history) {
         Ok(source) => source,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     let max_frame = ctx.settings.limits.max_frame_bytes;
     let keepalive = ctx.settings.limits.sse_keepalive;

@@ -366,6 +366,9 @@ async fn top_without_a_terminal_or_a_broker_says_what_to_do() {
         err.contains("needs a terminal") && err.contains("tail --tree"),
         "{err}"
     );
+    // Said once: the command is named by the prefix only.
+    assert!(err.starts_with("clawmux top: needs a terminal"), "{err}");
+    assert_eq!(err.matches("clawmux top").count(), 1, "{err}");
 }
 
 /// `clawmux tail <args>` against the harness, its stdout lines on a channel.
