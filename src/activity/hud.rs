@@ -92,7 +92,9 @@ pub fn hud_event(change: &Change, replay: bool) -> Value {
         }
         Change::ToolStart { run_id, call } => {
             tool_fields(&mut put, run_id, call);
-            put("args", tool_args(call));
+            if !call.args.is_null() {
+                put("args", tool_args(call));
+            }
             ("tool_start", call.started_ms)
         }
         Change::ToolEnd { run_id, call } => {
@@ -187,7 +189,9 @@ pub fn tool_result(call: &ToolCall) -> Value {
     let result = &call.result;
     let details = &result["details"];
     let text = content_text(result);
+    // Whether the text is cut: said only where there is a text.
     let truncated = details["truncated"] == true || call.cut;
+    let has_text = text.is_some() || details["aggregated"].is_string();
     let mut out = Map::new();
     out.insert("ok".into(), json!(ok));
     let path = call.args["path"]
@@ -218,8 +222,8 @@ pub fn tool_result(call: &ToolCall) -> Value {
                 out.insert("text".into(), json!(text));
                 let bytes = call.text_bytes.unwrap_or(text.len());
                 out.insert("bytes".into(), json!(bytes));
+                out.insert("truncated".into(), json!(truncated));
             }
-            out.insert("truncated".into(), json!(truncated));
         }
         "write" | "edit" | "append" => {
             file(&mut out);
@@ -243,10 +247,11 @@ pub fn tool_result(call: &ToolCall) -> Value {
             let stdout = details["aggregated"]
                 .as_str()
                 .map(str::to_owned)
-                .or(text.clone())
-                .unwrap_or_default();
-            out.insert("stdout".into(), json!(stdout));
-            out.insert("truncated".into(), json!(truncated));
+                .or(text.clone());
+            if let Some(stdout) = stdout {
+                out.insert("stdout".into(), json!(stdout));
+                out.insert("truncated".into(), json!(truncated));
+            }
             let paths = mentioned_paths(call.args["command"].as_str().unwrap_or(""));
             if !paths.is_empty() {
                 out.insert("mentionedPaths".into(), json!(paths));
@@ -263,11 +268,15 @@ pub fn tool_result(call: &ToolCall) -> Value {
             }
         }
         "web_search" | "web_fetch" => {
-            out.insert("text".into(), json!(text.unwrap_or_default()));
+            if let Some(text) = &text {
+                out.insert("text".into(), json!(text));
+            }
             if let Some(url) = details["url"].as_str().or(call.args["url"].as_str()) {
                 out.insert("url".into(), json!(url));
             }
-            out.insert("truncated".into(), json!(truncated));
+            if has_text {
+                out.insert("truncated".into(), json!(truncated));
+            }
         }
         name if matches!(name, "browser" | "canvas" | "nodes" | "message")
             || name.starts_with("sessions_") =>
@@ -275,15 +284,18 @@ pub fn tool_result(call: &ToolCall) -> Value {
             let summary = text
                 .as_deref()
                 .or(call.meta.as_deref())
-                .map(|t| cut(&one_line(t.trim()), SUMMARY_CHARS))
-                .unwrap_or_default();
-            out.insert("summary".into(), json!(summary));
+                .map(|t| cut(&one_line(t.trim()), SUMMARY_CHARS));
+            if let Some(summary) = summary {
+                out.insert("summary".into(), json!(summary));
+            }
             if !details.is_null() {
                 out.insert("raw".into(), details.clone());
             }
         }
         _ => {
-            out.insert("raw".into(), result.clone());
+            if !result.is_null() {
+                out.insert("raw".into(), result.clone());
+            }
         }
     }
     Value::Object(out)

@@ -412,6 +412,12 @@ impl Activity {
                         keep_tail(&mut run.output);
                     }
                     "tool" => self.apply_tool(run_id, p, at, &mut changes),
+                    // A tool call's item, replayed: the tool stream is not in
+                    // the broker's log, its items are (live, the tool stream
+                    // says more and comes first).
+                    "item" if data["kind"] == "tool" && ev.received_ms.is_none() => {
+                        self.apply_tool_item(run_id, p, at, &mut changes)
+                    }
                     // Other streams (`run_status`, `usage`, `item`, …) say
                     // nothing the tree shows: they do not make a run appear.
                     _ => {
@@ -610,6 +616,62 @@ impl Activity {
                 call: call.clone(),
             });
         }
+    }
+
+    /// An `item` event of kind `tool` (`phase` `start`/`end`, `startedAt`,
+    /// `endedAt`, `status`, `meta`): a tool call without its arguments or
+    /// result, as the replay log holds it.
+    fn apply_tool_item(
+        &mut self,
+        run_id: &str,
+        p: &Value,
+        at: Option<u64>,
+        changes: &mut Vec<Change>,
+    ) {
+        let data = &p["data"];
+        let mut tool = p.clone();
+        tool["data"] = json!({
+            "toolCallId": data["toolCallId"],
+            "name": data["name"],
+            "phase": match data["phase"].as_str() {
+                Some("start") => "start",
+                Some("end") => "item_end",
+                _ => "update",
+            },
+        });
+        let started = positive(&data["startedAt"]).or(at);
+        let Some(call_id) = data["toolCallId"].as_str() else {
+            return;
+        };
+        let known = self.runs.get(run_id).is_some_and(|r| {
+            r.items
+                .iter()
+                .any(|i| matches!(i, Item::Tool(t) if t.call_id == call_id))
+        });
+        if !known {
+            self.apply_tool(run_id, &tool, started, changes);
+        }
+        if data["phase"] != "end" {
+            return;
+        }
+        let Some(run) = self.runs.get_mut(run_id) else {
+            return;
+        };
+        let run_id = run.id.clone();
+        let Some(call) = run.tool_mut(call_id) else {
+            return;
+        };
+        if call.ended() {
+            return;
+        }
+        let ended = positive(&data["endedAt"]).or(at);
+        call.ended_ms = ended.map(|at| call.started_ms.map_or(at, |s| at.max(s)));
+        call.is_error = Some(data["status"] != "completed");
+        call.meta = data["meta"].as_str().map(str::to_owned);
+        changes.push(Change::ToolEnd {
+            run_id,
+            call: call.clone(),
+        });
     }
 
     /// The run `run_id`, created (with a `TurnStart`) if this is the first

@@ -516,30 +516,39 @@ fn hud_events_follow_the_protocol_ids_pairing_parents_times_and_replay() {
     );
 }
 
-/// The recorded real gateway run (openclaw 2026.9.6): its events, replayed.
-fn fixture_events() -> Vec<Value> {
+/// The recorded real gateway run (openclaw 2026.9.6), as an observer
+/// received it: each event, its broker cursor (none for the tool stream:
+/// not in the log) and when it arrived.
+fn fixture_events() -> Vec<(Value, Option<u64>, u64)> {
     include_str!("../../tests/fixtures/real-gateway-run.jsonl")
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|r| r["dir"] == "in" && r["frame"]["type"] == "event")
-        .map(|r| r["frame"].clone())
+        .map(|r| {
+            (
+                r["frame"].clone(),
+                r["cursor"].as_u64(),
+                r["ms"].as_u64().unwrap(),
+            )
+        })
         .collect()
 }
 
 #[test]
 fn the_real_gateways_run_projects_to_protocol_events_with_its_own_times() {
+    // Live, as recorded.
     let mut a = Activity::new();
     let changes: Vec<Change> = fixture_events()
         .iter()
-        .flat_map(|e| {
+        .flat_map(|(e, _, ms)| {
             a.apply(Observed {
                 name: e["event"].as_str().unwrap(),
                 payload: &e["payload"],
-                received_ms: None,
+                received_ms: Some(*ms),
             })
         })
         .collect();
-    let lines: Vec<Value> = changes.iter().map(|c| hud_line(c, true)).collect();
+    let lines: Vec<Value> = changes.iter().map(|c| hud_line(c, false)).collect();
     let kinds: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
     assert_eq!(
         kinds,
@@ -578,7 +587,51 @@ fn the_real_gateways_run_projects_to_protocol_events_with_its_own_times() {
     assert_eq!(turn_end["status"], "ok");
     assert!(lines
         .iter()
-        .all(|l| l["replay"] == true && is_uuid(&l["id"])));
+        .all(|l| l.get("replay").is_none() && is_uuid(&l["id"])));
+}
+
+#[test]
+fn the_real_gateways_run_replayed_from_the_log_keeps_its_tool_call_from_the_item_stream() {
+    // What the broker's log holds of it (the tool stream is not logged).
+    let mut a = Activity::new();
+    let changes: Vec<Change> = fixture_events()
+        .iter()
+        .filter(|(_, cursor, _)| cursor.is_some())
+        .flat_map(|(e, _, _)| {
+            a.apply(Observed {
+                name: e["event"].as_str().unwrap(),
+                payload: &e["payload"],
+                received_ms: None,
+            })
+        })
+        .collect();
+    let lines: Vec<Value> = changes.iter().map(|c| hud_line(c, true)).collect();
+    let kinds: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "turn_start",
+            "think_start",
+            "think_end",
+            "tool_start",
+            "tool_end",
+            "think_start",
+            "think_end",
+            "turn_end"
+        ]
+    );
+    let (start, end) = (&lines[3], &lines[4]);
+    assert_eq!(start["correlationId"], "call_1");
+    assert_eq!(start["ts"], 1795431469871_u64, "the item's startedAt");
+    assert!(start.get("args").is_none(), "not in the log: left out");
+    assert_eq!(end["durationMs"], 1795431470344_u64 - 1795431469871);
+    assert_eq!(
+        end["result"],
+        json!({"ok": true}),
+        "only what the item says"
+    );
+    assert_eq!(lines[7]["durationMs"], 1795431472110_u64 - 1795431469131);
+    assert!(lines.iter().all(|l| l["replay"] == true));
 }
 
 #[test]
