@@ -23,14 +23,15 @@
 //! lifecycle event, its terminal chat event, or both, in either order: the
 //! first end ends it, a later one only adds what it knows.
 
+pub mod hud;
 pub mod render;
 
 use std::collections::HashMap;
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// Runs kept. Past this the oldest *ended* run is forgotten (a running one
-/// is kept however old), so a dashboard left open for days stays small.
+/// is kept until a gap or an upstream reconnect: [`Activity::forget_unfinished`]).
 pub const MAX_RUNS: usize = 200;
 /// Thinking segments and tool calls kept per run; later ones are counted in
 /// [`Run::dropped_items`] and shown as a number, not kept.
@@ -38,6 +39,9 @@ pub const MAX_ITEMS_PER_RUN: usize = 256;
 /// Characters of assistant output or thinking kept per node (the end of the
 /// text: the newest part is what a watcher wants to see).
 pub const MAX_TEXT_CHARS: usize = 16 * 1024;
+/// Bytes (as JSON) of a tool call's arguments or result kept; past it the
+/// longest strings inside are cut ([`bound`]).
+pub const MAX_VALUE_BYTES: usize = 16 * 1024;
 
 /// One raw event as a client received it.
 #[derive(Debug, Clone, Copy)]
@@ -46,8 +50,10 @@ pub struct Observed<'a> {
     pub name: &'a str,
     /// Its payload.
     pub payload: &'a Value,
-    /// When the client received it (ms), for events that carry no `ts`.
-    pub received_ms: u64,
+    /// When the client received it (ms) if it was live; `None` for an event
+    /// replayed from the broker's log (its arrival says nothing of when it
+    /// happened). Used only for events that carry no time of their own.
+    pub received_ms: Option<u64>,
 }
 
 /// How a run ended, or that it has not.
@@ -74,11 +80,16 @@ impl RunStatus {
 /// of another kind in the same run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Thinking {
-    /// `<runId>:think:<n>`, n from 1.
+    /// `<runId>:think:<n>`, n from 1 (stable, for views).
     pub id: String,
+    /// A fresh UUID made when it began (the HUD `correlationId`).
+    pub correlation_id: String,
     pub text: String,
-    pub started_ms: u64,
+    /// The gateway's time of its first event.
+    pub started_ms: Option<u64>,
+    /// The time of the event that ended it, when known.
     pub ended_ms: Option<u64>,
+    pub done: bool,
 }
 
 /// One tool call.
@@ -86,20 +97,39 @@ pub struct Thinking {
 pub struct ToolCall {
     pub call_id: String,
     pub name: String,
+    /// The arguments as the gateway sent them (bounded: [`MAX_VALUE_BYTES`]).
     pub args: Value,
     /// The call this one runs inside (`parentToolCallId`), if any.
     pub parent_call_id: Option<String>,
-    pub started_ms: u64,
+    pub started_ms: Option<u64>,
     pub ended_ms: Option<u64>,
     /// `isError` of the result (`None` while running, or when the run ended
     /// before the result: [`ToolCall::interrupted`]).
     pub is_error: Option<bool>,
-    /// The result as the gateway sent it.
+    /// The result as the gateway sent it (bounded: [`MAX_VALUE_BYTES`]).
     pub result: Value,
-    /// Bytes of the result as JSON.
+    /// `meta` of the result, if sent.
+    pub meta: Option<String>,
+    /// Bytes of the result as JSON, before bounding.
     pub result_bytes: Option<usize>,
+    /// Bytes of the result's text (its `content` text parts), before bounding.
+    pub text_bytes: Option<usize>,
+    /// Strings of `args` or `result` were cut to fit [`MAX_VALUE_BYTES`].
+    pub cut: bool,
     /// The run ended before this call's result arrived.
     pub interrupted: bool,
+}
+
+impl ToolCall {
+    pub fn ended(&self) -> bool {
+        self.is_error.is_some() || self.interrupted
+    }
+
+    /// From start to end (or to `now` while running), when both are known.
+    pub fn duration_ms(&self, now: Option<u64>) -> Option<u64> {
+        let end = if self.ended() { self.ended_ms } else { now };
+        Some(end?.saturating_sub(self.started_ms?))
+    }
 }
 
 /// A child of a run, in the order it began.
@@ -114,7 +144,12 @@ pub enum Item {
 pub struct Run {
     pub id: String,
     pub session_key: String,
-    pub started_ms: u64,
+    /// When it started, by the gateway (`startedAt`, or the lifecycle
+    /// start's `ts`); `None` when the start was not seen and no later event
+    /// said it.
+    pub started_ms: Option<u64>,
+    /// When it ended, by the gateway (`endedAt`, `ts`, `message.timestamp`)
+    /// or by its live arrival; `None` while running or when not known.
     pub ended_ms: Option<u64>,
     pub status: RunStatus,
     pub items: Vec<Item>,
@@ -122,7 +157,7 @@ pub struct Run {
     pub dropped_items: usize,
     /// The assistant's output so far (the final message once it ended).
     pub output: String,
-    /// Last activity (ms), for ordering.
+    /// The newest time known of it (ms; 0 when none), for ordering.
     pub last_ms: u64,
     /// Thinking segments begun, for their ids.
     thinks: usize,
@@ -134,9 +169,15 @@ impl Run {
         self.status == RunStatus::Running
     }
 
+    /// From start to end (or to `now` while running), when both are known.
+    pub fn duration_ms(&self, now: Option<u64>) -> Option<u64> {
+        let end = if self.running() { now } else { self.ended_ms };
+        Some(end?.saturating_sub(self.started_ms?))
+    }
+
     fn open_thinking(&mut self) -> Option<&mut Thinking> {
         match self.items.last_mut() {
-            Some(Item::Thinking(t)) if t.ended_ms.is_none() => Some(t),
+            Some(Item::Thinking(t)) if !t.done => Some(t),
             _ => None,
         }
     }
@@ -156,27 +197,36 @@ impl Run {
         self.items.push(item);
         true
     }
+
+    fn saw(&mut self, at: Option<u64>) {
+        if let Some(at) = at {
+            self.last_ms = self.last_ms.max(at);
+        }
+    }
 }
 
 /// What one event changed, for the line-oriented renderings
-/// ([`render::hud_line`], [`render::tree_line`]).
+/// ([`hud::hud_event`], [`render::TreePrinter`]). Times are the gateway's
+/// (or a live event's arrival); `None` where neither is known.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Change {
     TurnStart {
         run_id: String,
         session_key: String,
-        ts: u64,
+        ts: Option<u64>,
     },
     ThinkStart {
         run_id: String,
         think_id: String,
-        ts: u64,
+        correlation_id: String,
+        ts: Option<u64>,
     },
     ThinkEnd {
         run_id: String,
         think_id: String,
-        ts: u64,
-        duration_ms: u64,
+        correlation_id: String,
+        ts: Option<u64>,
+        duration_ms: Option<u64>,
         text: String,
     },
     ToolStart {
@@ -190,10 +240,18 @@ pub enum Change {
     TurnEnd {
         run_id: String,
         session_key: String,
-        ts: u64,
-        duration_ms: u64,
+        ts: Option<u64>,
+        duration_ms: Option<u64>,
         status: RunStatus,
         output: String,
+    },
+    /// Something the broker saw happen at once (HUD `received`): a message
+    /// sent, an abort, a session reset, the upstream back after an outage.
+    Received {
+        subtype: &'static str,
+        label: String,
+        payload: Value,
+        ts: Option<u64>,
     },
 }
 
@@ -203,6 +261,18 @@ pub struct Activity {
     runs: HashMap<String, Run>,
     /// Events applied, for rates.
     pub events_seen: u64,
+}
+
+/// An event's own time: `ts`, else its message's `timestamp`, else its
+/// live arrival.
+fn event_time(p: &Value, received_ms: Option<u64>) -> Option<u64> {
+    positive(&p["ts"])
+        .or_else(|| positive(&p["message"]["timestamp"]))
+        .or(received_ms)
+}
+
+fn positive(v: &Value) -> Option<u64> {
+    v.as_u64().filter(|t| *t > 0)
 }
 
 impl Activity {
@@ -221,10 +291,11 @@ impl Activity {
         for run in self.runs.values() {
             by_key.entry(&run.session_key).or_default().push(run);
         }
+        let order = |r: &Run| r.started_ms.unwrap_or(r.last_ms);
         let mut sessions: Vec<(String, Vec<&Run>)> = by_key
             .into_iter()
             .map(|(key, mut runs)| {
-                runs.sort_by(|a, b| (b.started_ms, &b.id).cmp(&(a.started_ms, &a.id)));
+                runs.sort_by(|a, b| (order(b), &b.id).cmp(&(order(a), &a.id)));
                 (key.to_owned(), runs)
             })
             .collect();
@@ -238,43 +309,61 @@ impl Activity {
         self.runs.values().filter(|r| r.running()).count()
     }
 
+    /// Forgets the runs whose end was not seen: after a gap in the events
+    /// or an upstream reconnect their end may have been missed, and they
+    /// would show as running forever. A later event of one brings it back.
+    pub fn forget_unfinished(&mut self) {
+        self.runs.retain(|_, r| !r.running());
+    }
+
     /// Applies one event; returns what it changed (nothing for events that
     /// are not about runs).
     pub fn apply(&mut self, ev: Observed<'_>) -> Vec<Change> {
         self.events_seen += 1;
         let p = ev.payload;
+        let at = event_time(p, ev.received_ms);
+        if ev.name == "clawmux.upstream" {
+            return self.upstream(p, at);
+        }
         let Some(run_id) = p["runId"].as_str().filter(|r| !r.is_empty()) else {
             return Vec::new();
         };
-        let ts = p["ts"].as_u64().unwrap_or(ev.received_ms);
         let mut changes = Vec::new();
         match ev.name {
             "agent" | "session.tool" => {
-                let stream = p["stream"].as_str().unwrap_or("");
                 let data = &p["data"];
-                let stream = if ev.name == "session.tool" {
-                    "tool"
-                } else {
-                    stream
+                let stream = match ev.name {
+                    "session.tool" => "tool",
+                    _ => p["stream"].as_str().unwrap_or(""),
                 };
                 match stream {
                     "lifecycle" => {
                         let phase = data["phase"].as_str().unwrap_or("");
-                        let run = self.run_entry(run_id, p, ts, &mut changes);
+                        let started = positive(&data["startedAt"]);
+                        let start_at = if phase == "start" {
+                            started.or(at)
+                        } else {
+                            started
+                        };
+                        let run = self.run_entry(run_id, p, start_at, at, &mut changes);
+                        if run.started_ms.is_none() {
+                            run.started_ms = start_at;
+                        }
+                        let end_at = positive(&data["endedAt"]).or(at);
                         match phase {
                             "end" if data["aborted"] == true => {
-                                end_run(run, ts, RunStatus::Aborted, &mut changes)
+                                end_run(run, end_at, RunStatus::Aborted, &mut changes)
                             }
-                            "end" => end_run(run, ts, RunStatus::Ok, &mut changes),
+                            "end" => end_run(run, end_at, RunStatus::Ok, &mut changes),
                             "error" => {
                                 let message = data["error"].as_str().unwrap_or("error").to_owned();
-                                end_run(run, ts, RunStatus::Error(message), &mut changes)
+                                end_run(run, end_at, RunStatus::Error(message), &mut changes)
                             }
                             _ => {}
                         }
                     }
                     "thinking" => {
-                        let run = self.run_entry(run_id, p, ts, &mut changes);
+                        let run = self.run_entry(run_id, p, None, at, &mut changes);
                         if !run.running() {
                             return changes;
                         }
@@ -282,17 +371,21 @@ impl Activity {
                         if run.open_thinking().is_none() {
                             run.thinks += 1;
                             let think_id = format!("{}:think:{}", run.id, run.thinks);
+                            let correlation_id = uuid::Uuid::new_v4().to_string();
                             let begun = run.push_item(Item::Thinking(Thinking {
                                 id: think_id.clone(),
+                                correlation_id: correlation_id.clone(),
                                 text: String::new(),
-                                started_ms: ts,
+                                started_ms: at,
                                 ended_ms: None,
+                                done: false,
                             }));
                             if begun {
                                 changes.push(Change::ThinkStart {
                                     run_id: run.id.clone(),
                                     think_id,
-                                    ts,
+                                    correlation_id,
+                                    ts: at,
                                 });
                             }
                         }
@@ -306,11 +399,11 @@ impl Activity {
                         }
                     }
                     "assistant" => {
-                        let run = self.run_entry(run_id, p, ts, &mut changes);
+                        let run = self.run_entry(run_id, p, None, at, &mut changes);
                         if !run.running() {
                             return changes;
                         }
-                        close_thinking(run, ts, &mut changes);
+                        close_thinking(run, at, &mut changes);
                         match (data["text"].as_str(), data["delta"].as_str()) {
                             (Some(text), _) => run.output = text.to_owned(),
                             (None, Some(delta)) => run.output.push_str(delta),
@@ -318,27 +411,50 @@ impl Activity {
                         }
                         keep_tail(&mut run.output);
                     }
-                    "tool" => self.apply_tool(run_id, p, ts, &mut changes),
+                    "tool" => self.apply_tool(run_id, p, at, &mut changes),
+                    // A tool call's item, replayed: the tool stream is not in
+                    // the broker's log, its items are (live, the tool stream
+                    // says more and comes first).
+                    "item" if data["kind"] == "tool" && ev.received_ms.is_none() => {
+                        self.apply_tool_item(run_id, p, at, &mut changes)
+                    }
+                    // Other streams (`run_status`, `usage`, `item`, …) say
+                    // nothing the tree shows: they do not make a run appear.
                     _ => {
-                        self.run_entry(run_id, p, ts, &mut changes);
+                        if let Some(run) = self.runs.get_mut(run_id) {
+                            run.saw(at);
+                        }
                     }
                 }
             }
             "chat" => {
                 let state = p["state"].as_str().unwrap_or("");
-                let run = self.run_entry(run_id, p, ts, &mut changes);
-                if let Some(text) = message_text(&p["message"]) {
+                if !matches!(state, "delta" | "final" | "aborted" | "error") {
+                    // `status` (preparing, queued, …): not yet the run proper.
+                    if let Some(run) = self.runs.get_mut(run_id) {
+                        run.saw(at);
+                    }
+                    return changes;
+                }
+                let run = self.run_entry(run_id, p, None, at, &mut changes);
+                let text = message_text(&p["message"]);
+                if let Some(text) = &text {
                     if state == "final" || (state == "delta" && run.running()) {
-                        run.output = text;
+                        run.output = text.clone();
                         keep_tail(&mut run.output);
                     }
                 }
                 match state {
-                    "final" => end_run(run, ts, RunStatus::Ok, &mut changes),
-                    "aborted" => end_run(run, ts, RunStatus::Aborted, &mut changes),
+                    // A run aborted while queued ends with a final that
+                    // carries no message.
+                    "final" if p["message"].is_null() && run.running() => {
+                        end_run(run, at, RunStatus::Aborted, &mut changes)
+                    }
+                    "final" => end_run(run, at, RunStatus::Ok, &mut changes),
+                    "aborted" => end_run(run, at, RunStatus::Aborted, &mut changes),
                     "error" => {
                         let message = p["errorMessage"].as_str().unwrap_or("error").to_owned();
-                        end_run(run, ts, RunStatus::Error(message), &mut changes)
+                        end_run(run, at, RunStatus::Error(message), &mut changes)
                     }
                     _ => {}
                 }
@@ -349,29 +465,123 @@ impl Activity {
         changes
     }
 
-    fn apply_tool(&mut self, run_id: &str, p: &Value, ts: u64, changes: &mut Vec<Change>) {
+    /// `clawmux.upstream`: the gateway session is back after an outage.
+    /// What happened meanwhile is unknown: runs not seen ending are forgotten.
+    fn upstream(&mut self, p: &Value, at: Option<u64>) -> Vec<Change> {
+        if p["phase"] != "ready" || p["reason"] != "reconnected" {
+            return Vec::new();
+        }
+        self.forget_unfinished();
+        let mut payload = json!({});
+        if let Some(v) = p["serverVersion"].as_str() {
+            payload["serverVersion"] = json!(v);
+        }
+        vec![Change::Received {
+            subtype: "reconnect",
+            label: "reconnected — the gateway session is back".into(),
+            payload,
+            ts: at,
+        }]
+    }
+
+    /// A request the broker sent to the gateway (`method`, `params`), at
+    /// `at`: the HUD's `received` events for a message sent (`chat.send`,
+    /// with a preview), an abort (`chat.abort`, `/stop`) and a session
+    /// reset (`sessions.reset`, `/new`, `/reset`). Other requests change
+    /// nothing.
+    pub fn apply_request(&mut self, method: &str, params: &Value, at: u64) -> Vec<Change> {
+        let session = params["sessionKey"].as_str().or(params["key"].as_str());
+        let with_session = |mut payload: Value| {
+            if let Some(key) = session {
+                payload["sessionKey"] = json!(key);
+            }
+            payload
+        };
+        let received = |subtype, label: &str, payload| {
+            vec![Change::Received {
+                subtype,
+                label: label.to_owned(),
+                payload,
+                ts: Some(at),
+            }]
+        };
+        match method {
+            "chat.send" => {
+                let text = match &params["message"] {
+                    Value::String(s) => s.clone(),
+                    other => message_text(other).unwrap_or_default(),
+                };
+                let command = text.trim().to_ascii_lowercase();
+                if command == "/new" || command == "/reset" {
+                    return received(
+                        "new_session",
+                        &format!("{command} received — resetting session"),
+                        with_session(json!({})),
+                    );
+                }
+                if command == "/stop" {
+                    return received(
+                        "stop",
+                        "stop received — aborting turn",
+                        with_session(json!({})),
+                    );
+                }
+                let preview = render::cut(&render::one_line(&text), render::PREVIEW_CHARS);
+                received(
+                    "message",
+                    "message received",
+                    with_session(json!({"preview": preview})),
+                )
+            }
+            "chat.abort" => {
+                let mut payload = with_session(json!({}));
+                if let Some(run) = params["runId"].as_str() {
+                    payload["runId"] = json!(run);
+                }
+                received("stop", "stop received — aborting turn", payload)
+            }
+            "sessions.reset" => {
+                let mut payload = with_session(json!({}));
+                if let Some(reason) = params["reason"].as_str() {
+                    payload["reason"] = json!(reason);
+                }
+                received(
+                    "new_session",
+                    "session reset received — resetting session",
+                    payload,
+                )
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    fn apply_tool(&mut self, run_id: &str, p: &Value, at: Option<u64>, changes: &mut Vec<Change>) {
         let data = &p["data"];
         let Some(call_id) = data["toolCallId"].as_str() else {
             return;
         };
         let phase = data["phase"].as_str().unwrap_or("");
         let name = data["name"].as_str().unwrap_or("tool").to_owned();
-        let run = self.run_entry(run_id, p, ts, changes);
+        let run = self.run_entry(run_id, p, None, at, changes);
         if run.tool_mut(call_id).is_none() {
             if !run.running() {
                 return;
             }
-            close_thinking(run, ts, changes);
+            close_thinking(run, at, changes);
+            let (args, cut) = bound(&data["args"]);
             let call = ToolCall {
                 call_id: call_id.to_owned(),
                 name,
-                args: data["args"].clone(),
+                args,
                 parent_call_id: data["parentToolCallId"].as_str().map(str::to_owned),
-                started_ms: ts,
+                started_ms: at,
                 ended_ms: None,
                 is_error: None,
                 result: Value::Null,
+                meta: None,
                 result_bytes: None,
+                text_bytes: None,
+                cut,
                 interrupted: false,
             };
             if !run.push_item(Item::Tool(call.clone())) {
@@ -387,13 +597,20 @@ impl Activity {
             return;
         };
         if call.args.is_null() && !data["args"].is_null() {
-            call.args = data["args"].clone();
+            let (args, cut) = bound(&data["args"]);
+            call.args = args;
+            call.cut |= cut;
         }
-        if phase == "result" && call.ended_ms.is_none() {
-            call.ended_ms = Some(ts.max(call.started_ms));
+        if phase == "result" && !call.ended() {
+            call.ended_ms = at.map(|at| call.started_ms.map_or(at, |s| at.max(s)));
             call.is_error = Some(data["isError"] == true);
-            call.result = data["result"].clone();
-            call.result_bytes = (!call.result.is_null()).then(|| call.result.to_string().len());
+            let result = &data["result"];
+            call.result_bytes = (!result.is_null()).then(|| result.to_string().len());
+            call.text_bytes = content_text(result).map(|t| t.len());
+            let (result, cut) = bound(result);
+            call.result = result;
+            call.cut |= cut;
+            call.meta = data["meta"].as_str().map(str::to_owned);
             changes.push(Change::ToolEnd {
                 run_id,
                 call: call.clone(),
@@ -401,13 +618,70 @@ impl Activity {
         }
     }
 
+    /// An `item` event of kind `tool` (`phase` `start`/`end`, `startedAt`,
+    /// `endedAt`, `status`, `meta`): a tool call without its arguments or
+    /// result, as the replay log holds it.
+    fn apply_tool_item(
+        &mut self,
+        run_id: &str,
+        p: &Value,
+        at: Option<u64>,
+        changes: &mut Vec<Change>,
+    ) {
+        let data = &p["data"];
+        let mut tool = p.clone();
+        tool["data"] = json!({
+            "toolCallId": data["toolCallId"],
+            "name": data["name"],
+            "phase": match data["phase"].as_str() {
+                Some("start") => "start",
+                Some("end") => "item_end",
+                _ => "update",
+            },
+        });
+        let started = positive(&data["startedAt"]).or(at);
+        let Some(call_id) = data["toolCallId"].as_str() else {
+            return;
+        };
+        let known = self.runs.get(run_id).is_some_and(|r| {
+            r.items
+                .iter()
+                .any(|i| matches!(i, Item::Tool(t) if t.call_id == call_id))
+        });
+        if !known {
+            self.apply_tool(run_id, &tool, started, changes);
+        }
+        if data["phase"] != "end" {
+            return;
+        }
+        let Some(run) = self.runs.get_mut(run_id) else {
+            return;
+        };
+        let run_id = run.id.clone();
+        let Some(call) = run.tool_mut(call_id) else {
+            return;
+        };
+        if call.ended() {
+            return;
+        }
+        let ended = positive(&data["endedAt"]).or(at);
+        call.ended_ms = ended.map(|at| call.started_ms.map_or(at, |s| at.max(s)));
+        call.is_error = Some(data["status"] != "completed");
+        call.meta = data["meta"].as_str().map(str::to_owned);
+        changes.push(Change::ToolEnd {
+            run_id,
+            call: call.clone(),
+        });
+    }
+
     /// The run `run_id`, created (with a `TurnStart`) if this is the first
-    /// event seen of it.
+    /// event seen of it. `started` is its start, when this event says it.
     fn run_entry(
         &mut self,
         run_id: &str,
         p: &Value,
-        ts: u64,
+        started: Option<u64>,
+        at: Option<u64>,
         changes: &mut Vec<Change>,
     ) -> &mut Run {
         let session_key = p["sessionKey"].as_str().unwrap_or("(no session)");
@@ -415,22 +689,23 @@ impl Activity {
             changes.push(Change::TurnStart {
                 run_id: run_id.to_owned(),
                 session_key: session_key.to_owned(),
-                ts,
+                // First seen after its start: when it was seen.
+                ts: started.or(at),
             });
             Run {
                 id: run_id.to_owned(),
                 session_key: session_key.to_owned(),
-                started_ms: ts,
+                started_ms: started,
                 ended_ms: None,
                 status: RunStatus::Running,
                 items: Vec::new(),
                 dropped_items: 0,
                 output: String::new(),
-                last_ms: ts,
+                last_ms: 0,
                 thinks: 0,
             }
         });
-        run.last_ms = run.last_ms.max(ts);
+        run.saw(at);
         run
     }
 
@@ -453,36 +728,42 @@ impl Activity {
     }
 }
 
-/// Ends open thinking of `run` at `ts`.
-fn close_thinking(run: &mut Run, ts: u64, changes: &mut Vec<Change>) {
+/// Ends open thinking of `run` at `at`.
+fn close_thinking(run: &mut Run, at: Option<u64>, changes: &mut Vec<Change>) {
     let run_id = run.id.clone();
     if let Some(t) = run.open_thinking() {
-        t.ended_ms = Some(ts.max(t.started_ms));
+        t.done = true;
+        t.ended_ms = at.map(|at| t.started_ms.map_or(at, |s| at.max(s)));
         changes.push(Change::ThinkEnd {
             run_id,
             think_id: t.id.clone(),
-            ts,
-            duration_ms: ts.saturating_sub(t.started_ms),
+            correlation_id: t.correlation_id.clone(),
+            ts: t.ended_ms,
+            duration_ms: t.ended_ms.zip(t.started_ms).map(|(e, s)| e - s),
             text: t.text.clone(),
         });
     }
 }
 
 /// Ends `run` (the first end wins; a later one of another kind only fills
-/// in an error message or an abort the first did not know).
-fn end_run(run: &mut Run, ts: u64, status: RunStatus, changes: &mut Vec<Change>) {
+/// in an error message or an abort the first did not know, and a time the
+/// first did not have).
+fn end_run(run: &mut Run, at: Option<u64>, status: RunStatus, changes: &mut Vec<Change>) {
     if !run.running() {
         if run.status == RunStatus::Ok && status != RunStatus::Ok {
             run.status = status;
         }
+        if run.ended_ms.is_none() {
+            run.ended_ms = at;
+        }
         return;
     }
-    close_thinking(run, ts, changes);
+    close_thinking(run, at, changes);
     let run_id = run.id.clone();
     for item in &mut run.items {
         if let Item::Tool(call) = item {
-            if call.ended_ms.is_none() {
-                call.ended_ms = Some(ts.max(call.started_ms));
+            if !call.ended() {
+                call.ended_ms = at.map(|at| call.started_ms.map_or(at, |s| at.max(s)));
                 call.interrupted = true;
                 changes.push(Change::ToolEnd {
                     run_id: run_id.clone(),
@@ -491,13 +772,13 @@ fn end_run(run: &mut Run, ts: u64, status: RunStatus, changes: &mut Vec<Change>)
             }
         }
     }
-    run.ended_ms = Some(ts.max(run.started_ms));
+    run.ended_ms = at.map(|at| run.started_ms.map_or(at, |s| at.max(s)));
     run.status = status.clone();
     changes.push(Change::TurnEnd {
         run_id,
         session_key: run.session_key.clone(),
-        ts,
-        duration_ms: ts.saturating_sub(run.started_ms),
+        ts: run.ended_ms,
+        duration_ms: run.duration_ms(None),
         status,
         output: run.output.clone(),
     });
@@ -509,6 +790,48 @@ fn keep_tail(text: &mut String) {
     if n > MAX_TEXT_CHARS {
         *text = text.chars().skip(n - MAX_TEXT_CHARS).collect();
     }
+}
+
+/// `value` within [`MAX_VALUE_BYTES`] as JSON: its longest strings cut
+/// (keeping their start, with `…`) until it fits; whether anything was cut.
+/// A value that still does not fit (very many small parts) is replaced by
+/// `null`.
+pub fn bound(value: &Value) -> (Value, bool) {
+    if value.is_null() || value.to_string().len() <= MAX_VALUE_BYTES {
+        return (value.clone(), false);
+    }
+    let mut limit = MAX_VALUE_BYTES / 2;
+    while limit >= 16 {
+        let mut v = value.clone();
+        cut_strings(&mut v, limit);
+        if v.to_string().len() <= MAX_VALUE_BYTES {
+            return (v, true);
+        }
+        limit /= 2;
+    }
+    (Value::Null, true)
+}
+
+fn cut_strings(v: &mut Value, max_chars: usize) {
+    match v {
+        Value::String(s) if s.chars().count() > max_chars => {
+            *s = render::cut(s, max_chars);
+        }
+        Value::Array(items) => items.iter_mut().for_each(|i| cut_strings(i, max_chars)),
+        Value::Object(map) => map.values_mut().for_each(|i| cut_strings(i, max_chars)),
+        _ => {}
+    }
+}
+
+/// The text parts of a tool result (`{content:[{type:"text",text}]}`).
+pub fn content_text(result: &Value) -> Option<String> {
+    let parts = result["content"].as_array()?;
+    let texts: Vec<&str> = parts
+        .iter()
+        .filter(|p| p["type"] == "text" || p["type"].is_null())
+        .filter_map(|p| p["text"].as_str())
+        .collect();
+    (!texts.is_empty()).then(|| texts.concat())
 }
 
 /// The text of a chat message (`content` as a string or as text parts).

@@ -1,9 +1,9 @@
-//! Line renderings of the projection's [`Change`]s: the HUD activity JSON
-//! lines of `clawmux tail --hud` and the indented lines of `clawmux tail
-//! --tree`; and the short texts `clawmux top` shows (durations, sizes,
-//! argument summaries, previews).
+//! Line renderings of the projection's [`Change`]s: the indented lines of
+//! `clawmux tail --tree` (the HUD JSON of `tail --hud` is [`super::hud`]);
+//! and the short texts `clawmux top` shows (durations, sizes, argument
+//! summaries, previews).
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::{Change, RunStatus, ToolCall};
 
@@ -12,74 +12,8 @@ pub const PREVIEW_CHARS: usize = 60;
 /// Characters of an argument summary.
 pub const ARGS_CHARS: usize = 48;
 
-/// One HUD activity event (`turn_start`/`turn_end`, `think_start`/
-/// `think_end`, `tool_start`/`tool_end`): `id`, `correlationId` (the run id
-/// for turns and thinking, the tool call id for tools), `parentId` (the run
-/// for thinking and tools, or the enclosing tool call), `ts`, `durationMs`
-/// on ends, and `replay: true` for events read from the broker's replay
-/// window.
-pub fn hud_line(change: &Change, replay: bool) -> Value {
-    let mut v = match change {
-        Change::TurnStart {
-            run_id,
-            session_key,
-            ts,
-        } => json!({"type": "turn_start", "id": run_id, "correlationId": run_id,
-            "parentId": null, "ts": ts, "sessionKey": session_key}),
-        Change::TurnEnd {
-            run_id,
-            session_key,
-            ts,
-            duration_ms,
-            status,
-            output,
-        } => {
-            let mut v = json!({"type": "turn_end", "id": run_id, "correlationId": run_id,
-                "parentId": null, "ts": ts, "durationMs": duration_ms, "sessionKey": session_key,
-                "status": status.as_str(), "text": output});
-            if let RunStatus::Error(message) = status {
-                v["error"] = json!(message);
-            }
-            v
-        }
-        Change::ThinkStart {
-            run_id,
-            think_id,
-            ts,
-        } => json!({"type": "think_start", "id": think_id, "correlationId": run_id,
-            "parentId": run_id, "ts": ts}),
-        Change::ThinkEnd {
-            run_id,
-            think_id,
-            ts,
-            duration_ms,
-            text,
-        } => json!({"type": "think_end", "id": think_id, "correlationId": run_id,
-            "parentId": run_id, "ts": ts, "durationMs": duration_ms, "text": text}),
-        Change::ToolStart { run_id, call } => json!({"type": "tool_start", "id": call.call_id,
-            "correlationId": call.call_id, "parentId": call.parent_call_id.as_deref().unwrap_or(run_id),
-            "runId": run_id, "ts": call.started_ms, "tool": call.name, "args": call.args}),
-        Change::ToolEnd { run_id, call } => {
-            let mut v = json!({"type": "tool_end", "id": call.call_id,
-                "correlationId": call.call_id, "parentId": call.parent_call_id.as_deref().unwrap_or(run_id),
-                "runId": run_id, "ts": call.ended_ms, "durationMs": tool_duration(call),
-                "tool": call.name, "args": call.args, "result": call.result,
-                "isError": call.is_error.unwrap_or(false)});
-            if call.interrupted {
-                v["interrupted"] = json!(true);
-            }
-            v
-        }
-    };
-    if replay {
-        v["replay"] = json!(true);
-    }
-    v
-}
-
-fn tool_duration(call: &ToolCall) -> u64 {
-    call.ended_ms.unwrap_or(call.started_ms) - call.started_ms
-}
+/// One HUD event per change (the protocol's wire format: [`super::hud`]).
+pub use super::hud::hud_event as hud_line;
 
 /// `clawmux tail --tree`: prints each change as an indented line, with a
 /// session line whenever the session changes.
@@ -98,7 +32,8 @@ impl TreePrinter {
         Self::default()
     }
 
-    /// The lines for one change (`time` formats a ms timestamp).
+    /// The lines for one change (`time` formats a ms timestamp; a line
+    /// whose time is not known gets blanks as wide as a time).
     pub fn lines(
         &mut self,
         change: &Change,
@@ -114,7 +49,7 @@ impl TreePrinter {
                 self.sessions.insert(run_id.clone(), session_key.clone());
                 (run_id, *ts, 1, format!("run {} started", short_id(run_id)))
             }
-            Change::ThinkStart { .. } => return Vec::new(),
+            Change::ThinkStart { .. } | Change::Received { .. } => return Vec::new(),
             Change::ThinkEnd {
                 run_id,
                 ts,
@@ -125,7 +60,7 @@ impl TreePrinter {
                 run_id,
                 *ts,
                 2,
-                format!("thinking {} {}", duration(*duration_ms), preview(text)),
+                format!("thinking {}{}", took(*duration_ms), preview(text)),
             ),
             Change::ToolStart { run_id, call } => (
                 run_id,
@@ -137,7 +72,7 @@ impl TreePrinter {
             ),
             Change::ToolEnd { run_id, call } => (
                 run_id,
-                call.ended_ms.unwrap_or(call.started_ms),
+                call.ended_ms.or(call.started_ms),
                 2 + usize::from(call.parent_call_id.is_some()),
                 format!("tool {} {}", call.name, tool_outcome(call)),
             ),
@@ -157,16 +92,13 @@ impl TreePrinter {
                     line(2, format!("assistant {}", preview(output)), self);
                 }
                 let end = match status {
-                    RunStatus::Error(message) => format!("error: {}", preview(message)),
+                    RunStatus::Error(message) => format!("error: {}", preview_head(message)),
                     other => other.as_str().to_owned(),
                 };
+                let took = duration_ms.map(|d| format!(" in {}", duration(d)));
                 line(
                     1,
-                    format!(
-                        "run {} {end} in {}",
-                        short_id(run_id),
-                        duration(*duration_ms)
-                    ),
+                    format!("run {} {end}{}", short_id(run_id), took.unwrap_or_default()),
                     self,
                 );
                 return lines;
@@ -178,12 +110,16 @@ impl TreePrinter {
     fn line(
         &mut self,
         run_id: &str,
-        ts: u64,
+        ts: Option<u64>,
         depth: usize,
         text: String,
         replay: bool,
         time: &impl Fn(u64) -> String,
     ) -> Vec<String> {
+        let time = |ts: Option<u64>| {
+            ts.map(time)
+                .unwrap_or_else(|| " ".repeat(time(0).chars().count()))
+        };
         let mut out = Vec::new();
         let session = self.sessions.get(run_id).cloned().unwrap_or_default();
         if self.last_session.as_deref() != Some(session.as_str()) {
@@ -201,21 +137,44 @@ impl TreePrinter {
 }
 
 /// `ok 120 ms, 30 B` / `error 1.2 s, 12 B` / `interrupted after 3.0 s` /
-/// `running 2.0 s`.
+/// `running 2.0 s` (a duration whose times are not known is left out).
 pub fn tool_outcome(call: &ToolCall) -> String {
-    let took = duration(tool_duration(call));
+    tool_outcome_at(call, None)
+}
+
+/// [`tool_outcome`], a running call's duration counted to `now`.
+pub fn tool_outcome_at(call: &ToolCall, now: Option<u64>) -> String {
+    let took = call.duration_ms(now).map(duration);
     if call.interrupted {
-        return format!("interrupted after {took}");
+        return match took {
+            Some(took) => format!("interrupted after {took}"),
+            None => "interrupted".to_owned(),
+        };
     }
-    let size = call.result_bytes.map(bytes).unwrap_or_default();
-    match call.is_error {
-        None => format!("running {took}"),
-        Some(true) => format!("error {took}, {size}")
-            .trim_end_matches(", ")
-            .to_owned(),
-        Some(false) => format!("ok {took}, {size}")
-            .trim_end_matches(", ")
-            .to_owned(),
+    let state = match call.is_error {
+        None => "running",
+        Some(true) => "error",
+        Some(false) => "ok",
+    };
+    let mut out = state.to_owned();
+    if let Some(took) = &took {
+        out.push(' ');
+        out.push_str(took);
+    }
+    if call.is_error.is_some() {
+        if let Some(size) = call.result_bytes {
+            out.push_str(if took.is_some() { ", " } else { " " });
+            out.push_str(&bytes(size));
+        }
+    }
+    out
+}
+
+/// ` 850 ms ` before a preview, or a single space when not known.
+fn took(duration_ms: Option<u64>) -> String {
+    match duration_ms {
+        Some(d) => format!("{} ", duration(d)),
+        None => String::new(),
     }
 }
 
@@ -272,6 +231,13 @@ pub fn preview(text: &str) -> String {
         )
     };
     format!("{cut:?}")
+}
+
+/// A quoted one-line preview of the start of a text (an error message:
+/// its beginning says what went wrong), cut at the end with `…`.
+pub fn preview_head(text: &str) -> String {
+    let flat = crate::sanitize::text(&one_line(text)).into_owned();
+    format!("{:?}", cut(&flat, PREVIEW_CHARS))
 }
 
 /// Control characters (newlines included) as spaces.

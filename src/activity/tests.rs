@@ -41,7 +41,7 @@ fn feed(a: &mut Activity, events: &[Value]) -> Vec<Change> {
             a.apply(Observed {
                 name: e["event"].as_str().unwrap(),
                 payload: &e["payload"],
-                received_ms: 5000,
+                received_ms: Some(5000),
             })
         })
         .collect()
@@ -50,7 +50,7 @@ fn feed(a: &mut Activity, events: &[Value]) -> Vec<Change> {
 fn kinds(changes: &[Change]) -> Vec<String> {
     changes
         .iter()
-        .map(|c| hud_line(c, false)["type"].as_str().unwrap().to_owned())
+        .map(|c| hud_line(c, false)["event"].as_str().unwrap().to_owned())
         .collect()
 }
 
@@ -174,11 +174,11 @@ fn parallel_tool_calls_each_get_their_own_duration_and_outcome() {
     };
     assert_eq!(
         (t.text.as_str(), t.started_ms, t.ended_ms),
-        ("Let me look.", 1100, Some(1300))
+        ("Let me look.", Some(1100), Some(1300))
     );
     assert_eq!(
         (exec.name.as_str(), exec.started_ms, exec.ended_ms),
-        ("exec", 1300, Some(1900))
+        ("exec", Some(1300), Some(1900))
     );
     assert_eq!(exec.is_error, Some(true));
     assert_eq!(exec.args, json!({"command": "ls"}));
@@ -220,7 +220,7 @@ fn a_run_without_a_final_chat_event_ends_with_its_lifecycle() {
     };
     assert_eq!(
         (*duration_ms, status, output.as_str()),
-        (500, &RunStatus::Ok, "partial")
+        (Some(500), &RunStatus::Ok, "partial")
     );
     // A late terminal chat event does not end it twice.
     assert!(feed(
@@ -378,7 +378,7 @@ fn thinking_streams_split_into_segments_around_tool_calls() {
     else {
         panic!()
     };
-    assert_eq!((text.as_str(), *duration_ms), ("first thought", 100));
+    assert_eq!((text.as_str(), *duration_ms), ("first thought", Some(100)));
 }
 
 #[test]
@@ -435,39 +435,537 @@ fn old_ended_runs_are_forgotten_past_the_bound_running_ones_are_kept() {
     assert!(a.run("r0").is_none() && a.run(&format!("r{}", MAX_RUNS + 9)).is_some());
 }
 
+fn is_uuid(v: &Value) -> bool {
+    v.as_str().is_some_and(|s| uuid::Uuid::parse_str(s).is_ok())
+}
+
 #[test]
-fn hud_lines_carry_ids_parents_times_and_replay() {
+fn hud_events_follow_the_protocol_ids_pairing_parents_times_and_replay() {
     let mut a = Activity::new();
     let changes = feed(&mut a, &parallel_run("r1"));
     let lines: Vec<Value> = changes.iter().map(|c| hud_line(c, true)).collect();
+    for l in &lines {
+        assert_eq!(l["type"], "hud", "{l}");
+        assert!(is_uuid(&l["id"]), "every id a fresh UUID: {l}");
+        assert_eq!(l["replay"], true);
+    }
+    let ids: std::collections::HashSet<&str> =
+        lines.iter().map(|l| l["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), lines.len(), "no id twice");
+    let start = &lines[0];
     assert_eq!(
-        lines[0],
-        json!({"type": "turn_start", "id": "r1", "correlationId": "r1",
-        "parentId": null, "ts": 1000, "sessionKey": S, "replay": true})
+        (
+            start["event"].clone(),
+            start["correlationId"].clone(),
+            start["ts"].clone()
+        ),
+        (json!("turn_start"), json!("r1"), json!(1000))
     );
-    assert_eq!(lines[2]["id"], "r1:think:1");
+    assert!(start.get("parentId").is_none());
+    // Thinking: a UUID made at think_start, the same at think_end.
+    let (think_start, think_end) = (&lines[1], &lines[2]);
+    assert!(is_uuid(&think_start["correlationId"]));
+    assert_eq!(think_start["correlationId"], think_end["correlationId"]);
+    assert_ne!(think_start["correlationId"], think_start["id"]);
     assert_eq!(
-        (lines[2]["parentId"].clone(), lines[2]["durationMs"].clone()),
+        (
+            think_end["parentId"].clone(),
+            think_end["durationMs"].clone()
+        ),
         (json!("r1"), json!(200))
     );
-    let read_end = &lines[5];
-    assert_eq!(read_end["type"], "tool_end");
+    assert!(think_start.get("durationMs").is_none(), "only ends");
+    // Tools: the provider's call id, the turn as parent.
+    let read_start = &lines[4];
     assert_eq!(
-        (read_end["id"].clone(), read_end["correlationId"].clone()),
-        (json!("c2"), json!("c2"))
+        (
+            read_start["event"].clone(),
+            read_start["correlationId"].clone()
+        ),
+        (json!("tool_start"), json!("c2"))
     );
+    assert_eq!(read_start["args"], json!({"path": "README.md"}));
+    let read_end = &lines[5];
+    assert_eq!(read_end["event"], "tool_end");
+    assert_eq!(read_end["correlationId"], "c2");
     assert_eq!(
         (read_end["parentId"].clone(), read_end["durationMs"].clone()),
         (json!("r1"), json!(200))
     );
     assert_eq!(read_end["tool"], "read");
-    assert_eq!(read_end["isError"], false);
-    assert_eq!(read_end["result"]["content"][0]["text"], "# W\n");
+    assert_eq!(
+        read_end["result"],
+        json!({"ok": true, "file": {"path": "README.md", "viewerPath": "README.md"},
+            "text": "# W\n", "bytes": 4, "truncated": false}),
+        "no area: the call gave no offset/limit"
+    );
+    let exec_end = &lines[6];
+    assert_eq!(exec_end["result"]["ok"], false);
+    assert_eq!(exec_end["result"]["stdout"], "denied");
+    assert_eq!(exec_end["result"]["error"], "denied");
+    assert!(
+        exec_end["result"].get("exitCode").is_none(),
+        "not sent: left out"
+    );
+    assert_eq!(lines[7]["event"], "turn_end");
     assert_eq!(lines[7]["status"], "ok");
     assert_eq!(lines[7]["durationMs"], 4000);
     assert!(
         hud_line(&changes[0], false).get("replay").is_none(),
         "only replayed events say so"
+    );
+}
+
+/// The recorded real gateway run (openclaw 2026.9.6), as an observer
+/// received it: each event, its broker cursor (none for the tool stream:
+/// not in the log) and when it arrived.
+fn fixture_events() -> Vec<(Value, Option<u64>, u64)> {
+    include_str!("../../tests/fixtures/real-gateway-run.jsonl")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|r| r["dir"] == "in" && r["frame"]["type"] == "event")
+        .map(|r| {
+            (
+                r["frame"].clone(),
+                r["cursor"].as_u64(),
+                r["ms"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn the_real_gateways_run_projects_to_protocol_events_with_its_own_times() {
+    // Live, as recorded.
+    let mut a = Activity::new();
+    let changes: Vec<Change> = fixture_events()
+        .iter()
+        .flat_map(|(e, _, ms)| {
+            a.apply(Observed {
+                name: e["event"].as_str().unwrap(),
+                payload: &e["payload"],
+                received_ms: Some(*ms),
+            })
+        })
+        .collect();
+    let lines: Vec<Value> = changes.iter().map(|c| hud_line(c, false)).collect();
+    let kinds: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "turn_start",
+            "think_start",
+            "think_end",
+            "tool_start",
+            "tool_end",
+            "think_start",
+            "think_end",
+            "turn_end"
+        ]
+    );
+    assert_eq!(lines[0]["correlationId"], "fixture-run-1");
+    assert_eq!(
+        lines[0]["ts"], 1795431469131_u64,
+        "the lifecycle's startedAt"
+    );
+    assert_eq!(lines[0]["sessionKey"], "agent:main:main");
+    assert_eq!(lines[3]["correlationId"], "call_1");
+    assert_eq!(lines[3]["parentId"], "fixture-run-1");
+    assert_eq!(lines[3]["args"], json!({"path": "notes.txt"}));
+    let end = &lines[4];
+    assert_eq!(
+        end["result"],
+        json!({"ok": true, "file": {"path": "notes.txt", "viewerPath": "notes.txt"},
+            "text": "Remember to water the plants.\n", "bytes": 30, "truncated": false})
+    );
+    assert_eq!(end["durationMs"], 1795431470344_u64 - 1795431469879);
+    assert_eq!(lines[5]["correlationId"], lines[6]["correlationId"]);
+    assert_ne!(lines[1]["correlationId"], lines[5]["correlationId"]);
+    let turn_end = &lines[7];
+    assert_eq!(turn_end["ts"], 1795431472110_u64, "the lifecycle's endedAt");
+    assert_eq!(turn_end["durationMs"], 1795431472110_u64 - 1795431469131);
+    assert_eq!(turn_end["status"], "ok");
+    assert!(lines
+        .iter()
+        .all(|l| l.get("replay").is_none() && is_uuid(&l["id"])));
+}
+
+#[test]
+fn the_real_gateways_run_replayed_from_the_log_keeps_its_tool_call_from_the_item_stream() {
+    // What the broker's log holds of it (the tool stream is not logged).
+    let mut a = Activity::new();
+    let changes: Vec<Change> = fixture_events()
+        .iter()
+        .filter(|(_, cursor, _)| cursor.is_some())
+        .flat_map(|(e, _, _)| {
+            a.apply(Observed {
+                name: e["event"].as_str().unwrap(),
+                payload: &e["payload"],
+                received_ms: None,
+            })
+        })
+        .collect();
+    let lines: Vec<Value> = changes.iter().map(|c| hud_line(c, true)).collect();
+    let kinds: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "turn_start",
+            "think_start",
+            "think_end",
+            "tool_start",
+            "tool_end",
+            "think_start",
+            "think_end",
+            "turn_end"
+        ]
+    );
+    let (start, end) = (&lines[3], &lines[4]);
+    assert_eq!(start["correlationId"], "call_1");
+    assert_eq!(start["ts"], 1795431469871_u64, "the item's startedAt");
+    assert!(start.get("args").is_none(), "not in the log: left out");
+    assert_eq!(end["durationMs"], 1795431470344_u64 - 1795431469871);
+    assert_eq!(
+        end["result"],
+        json!({"ok": true}),
+        "only what the item says"
+    );
+    assert_eq!(lines[7]["durationMs"], 1795431472110_u64 - 1795431469131);
+    assert!(lines.iter().all(|l| l["replay"] == true));
+}
+
+#[test]
+fn replayed_ends_take_the_gateways_times_never_the_replays() {
+    // A 0.2 s run that ended before the view started: its final chat
+    // event (no ts) says when by its message's timestamp.
+    let replayed = |a: &mut Activity, e: &Value| {
+        a.apply(Observed {
+            name: e["event"].as_str().unwrap(),
+            payload: &e["payload"],
+            received_ms: None,
+        })
+    };
+    let mut a = Activity::new();
+    replayed(
+        &mut a,
+        &agent("r1", 1000, "lifecycle", json!({"phase": "start"})),
+    );
+    let mut done = message("ok");
+    done["timestamp"] = json!(1200);
+    let changes = replayed(&mut a, &chat("r1", "final", json!({"message": done})));
+    let Change::TurnEnd {
+        duration_ms, ts, ..
+    } = &changes[0]
+    else {
+        panic!("{changes:?}")
+    };
+    assert_eq!((*duration_ms, *ts), (Some(200), Some(1200)));
+    // An end with no time of its own, replayed: no duration is made up.
+    let changes = replayed(&mut a, &chat("r2", "aborted", json!({})));
+    let Change::TurnEnd {
+        duration_ms, ts, ..
+    } = &changes[1]
+    else {
+        panic!("{changes:?}")
+    };
+    assert_eq!((*duration_ms, *ts), (None, None));
+    let mut printer = TreePrinter::new();
+    let lines: Vec<String> = changes
+        .iter()
+        .flat_map(|c| printer.lines(c, true, |ts| format!("{ts:>5}")))
+        .collect();
+    assert_eq!(lines.last().unwrap(), "        run r2 aborted (replay)");
+    let hud = hud_line(&changes[1], true);
+    assert!(
+        hud.get("durationMs").is_none() && hud.get("ts").is_none(),
+        "{hud}"
+    );
+}
+
+#[test]
+fn a_run_aborted_while_queued_ends_aborted_not_ok() {
+    let mut a = Activity::new();
+    let changes = feed(
+        &mut a,
+        &[chat("q1", "final", json!({"stopReason": "aborted"}))],
+    );
+    assert_eq!(a.run("q1").unwrap().status, RunStatus::Aborted);
+    assert_eq!(
+        hud_line(changes.last().unwrap(), false)["status"],
+        "aborted"
+    );
+    // A final with its message after a clean lifecycle end stays ok.
+    let mut b = Activity::new();
+    feed(
+        &mut b,
+        &[
+            agent("q2", 1000, "lifecycle", json!({"phase": "end"})),
+            chat("q2", "final", json!({"message": message("hi")})),
+        ],
+    );
+    assert_eq!(b.run("q2").unwrap().status, RunStatus::Ok);
+}
+
+#[test]
+fn unfinished_runs_are_forgotten_on_an_upstream_reconnect_or_a_gap_only() {
+    let mut a = Activity::new();
+    feed(
+        &mut a,
+        &[
+            agent("open", 1000, "lifecycle", json!({"phase": "start"})),
+            agent("done", 1000, "lifecycle", json!({"phase": "start"})),
+            agent("done", 1100, "lifecycle", json!({"phase": "end"})),
+            json!({"event": "clawmux.upstream", "payload": {"phase": "backoff", "reason": "closed"}}),
+        ],
+    );
+    assert!(a.run("open").is_some(), "an outage alone forgets nothing");
+    let changes = feed(
+        &mut a,
+        &[
+            json!({"event": "clawmux.upstream", "payload": {"phase": "ready", "reason": "reconnected", "serverVersion": "2026.9.6"}}),
+        ],
+    );
+    assert!(a.run("open").is_none() && a.run("done").is_some());
+    let hud = hud_line(&changes[0], false);
+    assert_eq!(
+        (
+            hud["event"].clone(),
+            hud["subtype"].clone(),
+            hud["payload"].clone()
+        ),
+        (
+            json!("received"),
+            json!("reconnect"),
+            json!({"serverVersion": "2026.9.6"})
+        )
+    );
+    assert!(hud["label"].is_string() && hud.get("correlationId").is_none());
+    feed(
+        &mut a,
+        &[agent("open2", 2000, "lifecycle", json!({"phase": "start"}))],
+    );
+    a.forget_unfinished();
+    assert!(a.run("open2").is_none());
+}
+
+#[test]
+fn tool_arguments_and_results_are_bounded() {
+    let mut a = Activity::new();
+    let big = "x".repeat(MAX_VALUE_BYTES * 4);
+    feed(
+        &mut a,
+        &[
+            tool(
+                "b1",
+                1000,
+                "start",
+                "write",
+                "c1",
+                json!({"args": {"path": "a.txt", "content": big}}),
+            ),
+            tool(
+                "b1",
+                1100,
+                "result",
+                "write",
+                "c1",
+                json!({"isError": false, "result": {"content": [{"type": "text", "text": big}]}}),
+            ),
+        ],
+    );
+    let Item::Tool(call) = &a.run("b1").unwrap().items[0] else {
+        panic!()
+    };
+    assert!(
+        call.args.to_string().len() <= MAX_VALUE_BYTES,
+        "args bounded"
+    );
+    assert!(
+        call.result.to_string().len() <= MAX_VALUE_BYTES,
+        "result bounded"
+    );
+    assert_eq!(call.args["path"], "a.txt", "short fields kept");
+    assert!(call.cut);
+    assert!(
+        call.result_bytes.unwrap() > MAX_VALUE_BYTES * 4,
+        "the size as sent"
+    );
+    let result = super::hud::tool_result(call);
+    assert!(
+        result.get("bytes").is_none() && result.get("area").is_none(),
+        "not from cut content: {result}"
+    );
+}
+
+#[test]
+fn requests_the_broker_sees_are_received_events() {
+    let mut a = Activity::new();
+    let hud = |changes: Vec<Change>| hud_line(&changes[0], false);
+    let sent = hud(a.apply_request(
+        "chat.send",
+        &json!({"sessionKey": "main", "message": "hello world", "idempotencyKey": "k"}),
+        7,
+    ));
+    assert_eq!(
+        (
+            sent["event"].clone(),
+            sent["subtype"].clone(),
+            sent["ts"].clone()
+        ),
+        (json!("received"), json!("message"), json!(7))
+    );
+    assert_eq!(
+        sent["payload"],
+        json!({"preview": "hello world", "sessionKey": "main"})
+    );
+    let long = "y".repeat(500);
+    let sent = hud(a.apply_request("chat.send", &json!({"message": long}), 7));
+    assert!(sent["payload"]["preview"].as_str().unwrap().chars().count() <= render::PREVIEW_CHARS);
+    let stop = hud(a.apply_request(
+        "chat.abort",
+        &json!({"sessionKey": "main", "runId": "r1"}),
+        8,
+    ));
+    assert_eq!(
+        (stop["subtype"].clone(), stop["payload"]["runId"].clone()),
+        (json!("stop"), json!("r1"))
+    );
+    let new = hud(a.apply_request(
+        "sessions.reset",
+        &json!({"key": "main", "reason": "new"}),
+        9,
+    ));
+    assert_eq!(new["subtype"], "new_session");
+    let slash = hud(a.apply_request(
+        "chat.send",
+        &json!({"sessionKey": "main", "message": "/new"}),
+        9,
+    ));
+    assert_eq!(slash["subtype"], "new_session");
+    assert!(a.apply_request("sessions.list", &json!({}), 9).is_empty());
+}
+
+#[test]
+fn tool_results_take_the_protocols_per_tool_shapes() {
+    let call = |name: &str, args: Value, result: Value, is_error: bool| ToolCall {
+        call_id: "c".into(),
+        name: name.into(),
+        args,
+        parent_call_id: None,
+        started_ms: Some(1),
+        ended_ms: Some(2),
+        is_error: Some(is_error),
+        result,
+        meta: None,
+        result_bytes: None,
+        text_bytes: None,
+        cut: false,
+        interrupted: false,
+    };
+    let text = |t: &str| json!([{"type": "text", "text": t}]);
+    use super::hud::tool_result;
+    // exec as the real gateway sends it.
+    let exec = tool_result(&call(
+        "exec",
+        json!({"command": "cat src/main.rs > /tmp/out.txt"}),
+        json!({"content": text("fn main"), "details": {"status": "completed", "exitCode": 0,
+            "exitSignal": null, "durationMs": 12, "aggregated": "fn main"}}),
+        false,
+    ));
+    assert_eq!(
+        exec,
+        json!({"ok": true, "exitCode": 0, "stdout": "fn main", "truncated": false,
+            "mentionedPaths": [{"path": "src/main.rs", "viewerPath": "src/main.rs"},
+                {"path": "/tmp/out.txt", "viewerPath": "/tmp/out.txt"}]})
+    );
+    let read = tool_result(&call(
+        "read",
+        json!({"path": "/home/openclaw/.openclaw/workspace/SOUL.md", "offset": 10, "limit": 40}),
+        json!({"content": text("# SOUL"), "details": {"kind": "text", "content": "# SOUL"}}),
+        false,
+    ));
+    assert_eq!(
+        read,
+        json!({"ok": true, "file": {"path": "/home/openclaw/.openclaw/workspace/SOUL.md",
+            "viewerPath": "workspace/SOUL.md", "area": {"startLine": 10, "endLine": 50}},
+            "area": {"startLine": 10, "endLine": 50}, "text": "# SOUL", "bytes": 6, "truncated": false})
+    );
+    let write = tool_result(&call(
+        "write",
+        json!({"path": "a.md", "content": "one
+two
+"}),
+        json!({"content": text("ok")}),
+        false,
+    ));
+    assert_eq!(
+        write,
+        json!({"ok": true, "file": {"path": "a.md", "viewerPath": "a.md"},
+            "area": {"startLine": 1, "endLine": 2}, "bytes": 8})
+    );
+    let edit = tool_result(&call("edit", json!({"path": "a.md"}), json!({}), false));
+    assert_eq!(
+        edit,
+        json!({"ok": true, "file": {"path": "a.md", "viewerPath": "a.md"}})
+    );
+    let fetch = tool_result(&call(
+        "web_fetch",
+        json!({"url": "https://example.com"}),
+        json!({"content": text("Example")}),
+        false,
+    ));
+    assert_eq!(
+        fetch,
+        json!({"ok": true, "text": "Example", "url": "https://example.com", "truncated": false})
+    );
+    let browser = tool_result(&call(
+        "browser",
+        json!({"action": "open"}),
+        json!({"content": text("Opened\npage"), "details": {"tab": 1}}),
+        false,
+    ));
+    assert_eq!(
+        browser,
+        json!({"ok": true, "summary": "Opened page", "raw": {"tab": 1}})
+    );
+    let other = tool_result(&call(
+        "cron",
+        json!({}),
+        json!({"content": text("x")}),
+        true,
+    ));
+    assert_eq!(other, json!({"ok": false, "raw": {"content": text("x")}}));
+}
+
+#[test]
+fn tree_error_lines_keep_the_start_of_the_message() {
+    let mut a = Activity::new();
+    let message = format!(
+        "No API key found for provider anthropic; {}",
+        "detail ".repeat(20)
+    );
+    let changes = feed(
+        &mut a,
+        &[
+            agent("e1", 1000, "lifecycle", json!({"phase": "start"})),
+            agent(
+                "e1",
+                1300,
+                "lifecycle",
+                json!({"phase": "error", "error": message}),
+            ),
+        ],
+    );
+    let mut printer = TreePrinter::new();
+    let last = changes
+        .iter()
+        .flat_map(|c| printer.lines(c, false, |ts| format!("{ts}")))
+        .last()
+        .unwrap();
+    assert!(
+        last.contains("error: \"No API key found for provider anthropic; detail")
+            && last.contains("…\" in 300 ms"),
+        "{last}"
     );
 }
 

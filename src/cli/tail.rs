@@ -14,23 +14,15 @@ use std::io::Write;
 use std::time::Duration;
 
 use clap::Args;
-use eventsource_stream::Eventsource;
-use futures_util::StreamExt;
-use http::{Method, StatusCode};
-use http_body_util::BodyExt;
+use http::Method;
 use serde_json::Value;
 
 use super::style::Paint;
-use super::watch::{LineMode, LineView};
+use super::watch::{error_message, follow_with, Feed, Follow, LineMode, LineView, Start};
 use super::{BrokerArgs, CliError};
 use crate::activity::message_text;
 use crate::hub::replay::EventId;
-use crate::local::sse::{AFTER_SEQ_HEADER, EPOCH_HEADER, NEWEST_SEQ_HEADER};
 use crate::sharing::SessionDefaults;
-
-/// Reconnect delays while the broker is away.
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(2);
 /// Longest text preview on a line.
 const PREVIEW_CHARS: usize = 60;
 /// With `-n`/`--since`, the replayed events are held back until the last one
@@ -144,32 +136,6 @@ fn unknown_events(wanted: &[String], announced: &[&str]) -> Result<(), String> {
     ))
 }
 
-/// Where the next stream should start.
-#[derive(Debug, Default)]
-struct Cursor {
-    after: Option<u64>,
-    epoch: Option<String>,
-}
-
-impl Cursor {
-    fn path(&self, events: &[String]) -> String {
-        let mut query = Vec::new();
-        if let Some(after) = self.after {
-            query.push(("after_seq", after.to_string()));
-        }
-        if let Some(epoch) = &self.epoch {
-            query.push(("epoch", epoch.clone()));
-        }
-        if !events.is_empty() {
-            query.push(("events", events.join(",")));
-        }
-        match serde_urlencoded::to_string(&query) {
-            Ok(q) if !q.is_empty() => format!("/v1/events?{q}"),
-            _ => "/v1/events".to_owned(),
-        }
-    }
-}
-
 /// Replayed events held back before printing (`-n`, `--since`).
 struct Backlog {
     /// The newest cursor when tail started: events up to it are the backlog.
@@ -208,26 +174,24 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
         Paint::stdout()
     };
     let err_paint = Paint::stderr();
-    let note = |text: String| eprintln!("{} {text}", err_paint.warn("clawmux tail:"));
-    let needs_state = matches!(&args.after, Some(EventId { epoch: None, .. }))
-        || args.lines.is_some()
-        || args.since.is_some()
-        || !args.events.is_empty()
-        || args.session.is_some();
-    let state = match needs_state {
-        true => Some(running_state(&client).await?),
-        false => None,
+    let note = |text: &str| {
+        eprintln!(
+            "{} {}",
+            err_paint.warn("clawmux tail:"),
+            crate::sanitize::text(text)
+        )
     };
-    let state = state.unwrap_or(Value::Null);
+    // Also says at once when there is no broker.
+    let state = running_state(&client).await?;
     if !args.events.is_empty() {
         match state["upstream"]["events"].as_array() {
             Some(names) => {
                 let names: Vec<&str> = names.iter().filter_map(Value::as_str).collect();
                 unknown_events(&args.events, &names).map_err(CliError::Usage)?;
             }
-            None => note(
-                "the gateway session is not ready, so --events names cannot be checked yet".into(),
-            ),
+            None => {
+                note("the gateway session is not ready, so --events names cannot be checked yet")
+            }
         }
     }
     let defaults = SessionDefaults::from_snapshot(&state["snapshot"]);
@@ -239,23 +203,13 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
     };
     let epoch_now = || state["epoch"].as_str().map(str::to_owned);
     let mut backlog = None;
-    let mut cursor = match args.after {
-        Some(EventId {
-            epoch: Some(epoch),
-            cursor,
-        }) => Cursor {
-            after: Some(cursor),
-            epoch: Some(epoch),
-        },
+    let start = match args.after.clone() {
         // The broker resumes no cursor without its life; a bare one typed
         // by the user means the running broker's.
-        Some(EventId {
-            epoch: None,
+        Some(EventId { epoch, cursor }) => Start::After(EventId {
+            epoch: epoch.or_else(epoch_now),
             cursor,
-        }) => Cursor {
-            after: Some(cursor),
-            epoch: epoch_now(),
-        },
+        }),
         None if args.lines.is_some() || args.since.is_some() => {
             let end = state["newest_seq"].as_u64().unwrap_or(0);
             backlog = Some(Backlog {
@@ -264,199 +218,147 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
                 since_ms: args.since,
                 held: VecDeque::new(),
             });
-            Cursor {
-                after: Some(
-                    state["oldest_seq"]
-                        .as_u64()
-                        .unwrap_or(1)
-                        .saturating_sub(1)
-                        .min(end),
-                ),
+            Start::After(EventId {
                 epoch: epoch_now(),
-            }
+                cursor: state["oldest_seq"]
+                    .as_u64()
+                    .unwrap_or(1)
+                    .saturating_sub(1)
+                    .min(end),
+            })
         }
-        None => Cursor::default(),
+        None => Start::Now,
     };
-    // Filtered here when a backlog is held (its last event must be seen).
-    let server_events = if backlog.is_some() {
-        Vec::new()
-    } else {
-        args.events.clone()
-    };
-    let mut connected_before = false;
-    let mut backoff = BACKOFF_MIN;
-    let mut stdout = std::io::stdout();
     // --tree/--hud: the activity projection (crate::activity) prints instead.
     let mut activity = match (args.tree, args.hud) {
         (true, _) => Some(LineView::new(LineMode::Tree)),
         (_, true) => Some(LineView::new(LineMode::Hud)),
         _ => None,
     };
+    let how = Follow {
+        start,
+        // Filtered here when a backlog is held (its last event must be seen).
+        events: match backlog {
+            Some(_) => Vec::new(),
+            None => args.events.clone(),
+        },
+        observer: activity.is_some(),
+    };
+    let (tx, mut feed) = tokio::sync::mpsc::channel(FEED_CHANNEL);
+    let follower = tokio::spawn(follow_with(client.clone(), how, tx));
+    let _stop = AbortOnDrop(follower);
+    let mut connected_before = false;
+    let mut lost_said = false;
+    let mut stdout = std::io::stdout();
     loop {
-        let mut path = cursor.path(&server_events);
-        if activity.is_some() {
-            let sep = if path.contains('?') { '&' } else { '?' };
-            path = format!("{path}{sep}{}", super::watch::OBSERVER_QUERY);
-        }
-        let resp = match client.send(Method::GET, &path, &[], None).await {
-            Ok(resp) => resp,
-            Err(e @ CliError::Unreachable { .. }) if !connected_before => return Err(e),
-            Err(CliError::Unreachable { .. }) => {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(BACKOFF_MAX);
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
-        let status = resp.status();
-        if status != StatusCode::OK {
-            let body = resp.into_body().collect().await.map(|b| b.to_bytes());
-            let body: Value = body
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok())
-                .unwrap_or(Value::Null);
-            match status {
-                StatusCode::GONE => {
-                    let window = &body["error"]["details"];
-                    note(gone_message(&cursor, window));
-                    cursor = Cursor {
-                        after: window["newest_seq"].as_u64(),
-                        epoch: window["epoch"].as_str().map(str::to_owned),
-                    };
-                    continue;
-                }
-                StatusCode::BAD_REQUEST => {
-                    return Err(CliError::Usage(error_message(&body)));
-                }
-                _ => {
-                    return Err(CliError::Answer(format!(
-                        "the broker answered {status}: {}",
-                        error_message(&body)
-                    )))
-                }
-            }
-        }
-        let header = |name: &str| {
-            resp.headers()
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned)
-        };
-        cursor.epoch = header(EPOCH_HEADER);
-        let newest_at_open = header(NEWEST_SEQ_HEADER).and_then(|v| v.parse().ok());
-        if let Some(after) = header(AFTER_SEQ_HEADER).and_then(|v| v.parse().ok()) {
-            cursor.after = Some(after);
-        }
-        if connected_before {
-            note(format!(
-                "reconnected; resuming after seq {}",
-                cursor.after.unwrap_or(0)
-            ));
-        }
-        connected_before = true;
-        backoff = BACKOFF_MIN;
-        if backlog
-            .as_ref()
-            .is_some_and(|b| cursor.after.unwrap_or(0) >= b.end)
-        {
-            backlog = None; // nothing was held: the stream starts live
-        }
-        let mut events = resp.into_body().into_data_stream().eventsource();
-        loop {
-            let next = match &backlog {
-                Some(_) => match tokio::time::timeout(BACKLOG_IDLE_FLUSH, events.next()).await {
-                    Ok(next) => next,
-                    Err(_) => {
-                        if flush(&mut stdout, backlog.take()).is_err() {
-                            return Ok(0);
-                        }
-                        continue;
-                    }
-                },
-                None => events.next().await,
-            };
-            let Some(Ok(event)) = next else { break };
-            match event.event.as_str() {
-                "clawmux.close" => {
-                    note(format!("the broker ended the stream: {}", event.data));
-                    break;
-                }
-                "clawmux.gap" => {
-                    let gap: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
-                    note(format!(
-                        "events after seq {} and before seq {} were not delivered (an upstream gap or reconnect, or this stream fell behind)",
-                        gap["after"], gap["next"]
-                    ));
-                    if backlog
-                        .as_ref()
-                        .is_some_and(|b| gap["next"].as_u64().is_some_and(|n| n > b.end))
-                        && flush(&mut stdout, backlog.take()).is_err()
-                    {
+        let next = match &backlog {
+            Some(_) => match tokio::time::timeout(BACKLOG_IDLE_FLUSH, feed.recv()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    // Nothing for a while: what is held is all there is.
+                    if flush(&mut stdout, backlog.take()).is_err() {
                         return Ok(0);
                     }
                     continue;
                 }
-                _ => {}
-            }
-            if let Some(view) = activity.as_mut() {
-                // Tool-stream records have no id of their own (not in the log).
-                let frame: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
-                if let Some(seq) = frame["seq"].as_u64() {
-                    cursor.after = Some(seq);
+            },
+            None => feed.recv().await,
+        };
+        let Some(next) = next else { return Ok(0) };
+        let (name, frame, replay, seq, data) = match next {
+            Feed::Failed(e) => return Err(e),
+            Feed::Connected { after, .. } => {
+                if connected_before {
+                    note(&format!(
+                        "reconnected; resuming after seq {}",
+                        after.unwrap_or(0)
+                    ));
                 }
-                let replay = super::watch::is_replayed(&frame, newest_at_open);
-                if view
-                    .feed(&event.event, &event.data, replay, &mut stdout)
-                    .is_err()
+                connected_before = true;
+                lost_said = false;
+                if backlog
+                    .as_ref()
+                    .is_some_and(|b| after.unwrap_or(0) >= b.end)
                 {
-                    return Ok(0); // stdout closed
+                    backlog = None; // nothing was held: the stream starts live
                 }
                 continue;
             }
-            let Ok(id) = event.id.parse::<EventId>() else {
-                continue;
-            };
-            let seq = id.cursor;
-            cursor.after = Some(seq);
-            if id.epoch.is_some() {
-                cursor.epoch = id.epoch;
-            }
-            let frame: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
-            let line = filter.matches(&event.event, &frame["payload"]).then(|| {
-                if args.json {
-                    event.data.clone()
-                } else {
-                    format_line_styled(
-                        seq,
-                        &event.event,
-                        &frame,
-                        crate::protocol::now_ms(),
-                        &out_paint,
-                    )
-                }
-            });
-            if let Some(b) = &mut backlog {
-                if let Some(line) = line {
-                    b.hold(line, event_time_ms(&frame["payload"]));
-                }
-                if seq >= b.end && flush(&mut stdout, backlog.take()).is_err() {
-                    return Ok(0);
+            Feed::Lost(why) => {
+                if !lost_said {
+                    note(&format!(
+                        "{why} ({}); reconnecting…",
+                        client.socket().display()
+                    ));
+                    lost_said = true;
                 }
                 continue;
             }
-            if let Some(line) = line {
-                if writeln!(stdout, "{line}")
-                    .and_then(|()| stdout.flush())
-                    .is_err()
-                {
-                    return Ok(0); // stdout closed (e.g. piped into `head`)
+            Feed::Missed(what) => {
+                note(&what);
+                if let Some(view) = activity.as_mut() {
+                    view.gap();
                 }
+                continue;
+            }
+            Feed::Event {
+                name,
+                frame,
+                replay,
+                seq,
+                data,
+            } => (name, frame, replay, seq, data),
+        };
+        let lines = match activity.as_mut() {
+            Some(view) => view.lines(&name, &frame, replay),
+            None => {
+                // Every record of a plain stream is logged: it has a cursor.
+                let Some(seq) = seq else { continue };
+                let line = filter.matches(&name, &frame["payload"]).then(|| {
+                    if args.json {
+                        data
+                    } else {
+                        format_line_styled(
+                            seq,
+                            &name,
+                            &frame,
+                            crate::protocol::now_ms(),
+                            &out_paint,
+                        )
+                    }
+                });
+                line.into_iter().collect()
+            }
+        };
+        if let Some(b) = &mut backlog {
+            for line in lines {
+                b.hold(line, event_time_ms(&frame["payload"]));
+            }
+            if seq.is_some_and(|seq| seq >= b.end) && flush(&mut stdout, backlog.take()).is_err() {
+                return Ok(0);
+            }
+            continue;
+        }
+        for line in lines {
+            if writeln!(stdout, "{line}").is_err() {
+                return Ok(0); // stdout closed (e.g. piped into `head`)
             }
         }
-        note(format!(
-            "lost the stream from {}; reconnecting…",
-            client.socket().display()
-        ));
+        if stdout.flush().is_err() {
+            return Ok(0);
+        }
+    }
+}
+
+/// Events waiting between the follower and the output.
+const FEED_CHANNEL: usize = 4096;
+
+/// Stops the follower when tail returns.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -466,23 +368,6 @@ fn flush(out: &mut impl Write, backlog: Option<Backlog>) -> std::io::Result<()> 
         writeln!(out, "{line}")?;
     }
     out.flush()
-}
-
-/// What tail says when the broker cannot resume where it asked (410).
-fn gone_message(cursor: &Cursor, window: &Value) -> String {
-    let asked = cursor.after.map_or("(start)".to_owned(), |s| s.to_string());
-    let newest = window["newest_seq"].as_u64().unwrap_or(0);
-    let why = if cursor.epoch.is_some() && window["epoch"].as_str() != cursor.epoch.as_deref() {
-        "the broker restarted since (another epoch), so its events are not those".to_owned()
-    } else if cursor.after.is_some_and(|a| a > newest) {
-        format!("seq {asked} is newer than the newest event this broker has sent ({newest}); nothing was missed")
-    } else {
-        format!(
-            "those events are no longer held (the broker holds seq {}..={newest}); events in between were missed",
-            window["oldest_seq"]
-        )
-    };
-    format!("cannot resume after seq {asked}: {why}; continuing after seq {newest}")
 }
 
 /// An event's own time, when it has one.
@@ -501,18 +386,6 @@ async fn running_state(client: &super::client::BrokerClient) -> Result<Value, Cl
             "the broker answered {status} without an epoch: {}",
             error_message(&state)
         ))),
-    }
-}
-
-fn error_message(body: &Value) -> String {
-    let e = if body["error"].is_object() {
-        &body["error"]
-    } else {
-        body
-    };
-    match (e["code"].as_str(), e["message"].as_str()) {
-        (Some(code), Some(message)) => format!("{code}: {message}"),
-        _ => body.to_string(),
     }
 }
 
@@ -592,7 +465,7 @@ fn describe(name: &str, p: &Value) -> String {
             parts.push(format!("stream={stream}"));
             let d = &p["data"];
             let detail = match stream {
-                "assistant" => d["delta"]
+                "assistant" | "thinking" => d["delta"]
                     .as_str()
                     .map(|t| preview(t, false))
                     .or_else(|| d["text"].as_str().map(|t| preview(t, true))),
@@ -751,24 +624,6 @@ mod tests {
     }
 
     #[test]
-    fn a_future_cursor_is_not_called_evicted() {
-        let c = Cursor {
-            after: Some(99),
-            epoch: Some("e1".into()),
-        };
-        let future = gone_message(&c, &json!({"epoch":"e1","oldest_seq":1,"newest_seq":10}));
-        assert!(future.contains("newer than the newest event"), "{future}");
-        let c = Cursor {
-            after: Some(0),
-            epoch: Some("e1".into()),
-        };
-        let old = gone_message(&c, &json!({"epoch":"e1","oldest_seq":5,"newest_seq":10}));
-        assert!(old.contains("no longer held"), "{old}");
-        let restarted = gone_message(&c, &json!({"epoch":"e2","oldest_seq":1,"newest_seq":1}));
-        assert!(restarted.contains("the broker restarted"), "{restarted}");
-    }
-
-    #[test]
     fn since_takes_a_duration_or_a_time() {
         let now = crate::protocol::now_ms();
         let ago = parse_since("5m").unwrap();
@@ -778,15 +633,20 @@ mod tests {
     }
 
     #[test]
-    fn resume_paths_carry_cursor_epoch_and_filter() {
-        let c = Cursor {
-            after: Some(5),
-            epoch: Some("ab".into()),
-        };
-        assert_eq!(
-            c.path(&["chat".into(), "agent".into()]),
-            "/v1/events?after_seq=5&epoch=ab&events=chat%2Cagent"
+    fn thinking_deltas_read_as_text_like_assistant_deltas() {
+        let thinking = json!({"payload":{"runId":"r1","stream":"thinking","ts":1,
+            "data":{"text":"Let me check","delta":" check"}}});
+        let line = format_line(7, "agent", &thinking, 0);
+        assert!(
+            line.ends_with(r#"run=r1 stream=thinking " check""#),
+            "{line}"
         );
-        assert_eq!(Cursor::default().path(&[]), "/v1/events");
+        let assistant = json!({"payload":{"runId":"r1","stream":"assistant","ts":1,
+            "data":{"text":"Hi there","delta":" there"}}});
+        let line = format_line(8, "agent", &assistant, 0);
+        assert!(
+            line.ends_with(r#"run=r1 stream=assistant " there""#),
+            "{line}"
+        );
     }
 }

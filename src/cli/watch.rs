@@ -3,7 +3,6 @@
 //! across disconnects and broker restarts), and the line renderings of the
 //! [`crate::activity`] projection.
 
-use std::io::Write;
 use std::time::Duration;
 
 use eventsource_stream::Eventsource;
@@ -40,31 +39,106 @@ pub fn is_replayed(frame: &Value, newest: Option<u64>) -> bool {
 /// What a follower reports.
 #[derive(Debug)]
 pub enum Feed {
-    /// A gateway event: its name, its frame, whether it was replayed.
+    /// A gateway event: its name, its frame, whether it was replayed, and
+    /// its cursor (`None` for events outside the log: tool streams).
     Event {
         name: String,
         frame: Value,
         replay: bool,
+        seq: Option<u64>,
+        /// The record's `data` as the broker sent it.
+        data: String,
     },
-    /// Connected (again): the broker life the stream belongs to.
-    Connected { epoch: String },
+    /// Connected (again): the broker life the stream belongs to, the cursor
+    /// it starts after, and the newest cursor when it was admitted (records
+    /// up to it are replayed).
+    Connected {
+        epoch: String,
+        after: Option<u64>,
+        newest: Option<u64>,
+    },
     /// The broker is not answering; the follower keeps trying.
     Lost(String),
     /// Events were missed (a gap, or a resume the broker could not serve).
     Missed(String),
+    /// The broker refused the request for good (a bad query): the follower
+    /// stopped.
+    Failed(CliError),
 }
 
-/// Follows `/v1/events` as an observer until `tx` closes, starting with
-/// what the broker's replay log still holds (so a dashboard opens on recent
-/// activity), resuming after each disconnect from the last cursor seen, and
-/// from the newest event when the broker cannot replay (it restarted).
+/// Where a follower starts.
+#[derive(Debug, Clone)]
+pub enum Start {
+    /// With the newest event.
+    Now,
+    /// Right after this event.
+    After(EventId),
+    /// With the oldest event the broker's log holds (a dashboard opens on
+    /// recent activity).
+    WindowStart,
+}
+
+/// What a follower asks `/v1/events` for.
+#[derive(Debug, Clone)]
+pub struct Follow {
+    pub start: Start,
+    /// Only these event names (`events=`); all when empty.
+    pub events: Vec<String>,
+    /// Every tool-stream event too ([`OBSERVER_QUERY`]).
+    pub observer: bool,
+}
+
+impl Follow {
+    /// What `top` follows: everything, as an observer, from the log's start.
+    pub fn observer() -> Self {
+        Follow {
+            start: Start::WindowStart,
+            events: Vec::new(),
+            observer: true,
+        }
+    }
+
+    fn path(&self, after: Option<&EventId>) -> String {
+        let mut query = Vec::new();
+        if self.observer {
+            query.push(("tool_events", "all".to_owned()));
+        }
+        if let Some(EventId { epoch, cursor }) = after {
+            query.push(("after_seq", cursor.to_string()));
+            if let Some(epoch) = epoch {
+                query.push(("epoch", epoch.clone()));
+            }
+        }
+        if !self.events.is_empty() {
+            query.push(("events", self.events.join(",")));
+        }
+        match serde_urlencoded::to_string(&query) {
+            Ok(q) if !q.is_empty() => format!("/v1/events?{q}"),
+            _ => "/v1/events".to_owned(),
+        }
+    }
+}
+
+/// Follows `/v1/events` as an observer from the log's start ([`Follow::observer`]).
 pub async fn follow(client: BrokerClient, tx: mpsc::Sender<Feed>) {
-    let mut after: Option<EventId> = None;
+    follow_with(client, Follow::observer(), tx).await
+}
+
+/// Follows `/v1/events` until `tx` closes: resuming after each disconnect
+/// right after the last cursor seen, so nothing is lost or seen twice; when
+/// the broker cannot resume there (`410`: it restarted, or the events were
+/// evicted) it says so ([`Feed::Missed`]) and goes on with the oldest event
+/// the broker still holds (after a restart: everything the new broker
+/// logged), or the newest one for a cursor from the future.
+pub async fn follow_with(client: BrokerClient, how: Follow, tx: mpsc::Sender<Feed>) {
+    let mut after: Option<EventId> = match &how.start {
+        Start::After(id) => Some(id.clone()),
+        _ => None,
+    };
     let mut backoff = BACKOFF_MIN;
-    let mut from_window_start = true;
+    let mut from_window_start = matches!(how.start, Start::WindowStart);
     loop {
         if from_window_start {
-            // Start at the oldest event the log holds.
             if let Ok((status, state)) = client.json(Method::GET, "/v1/state", None).await {
                 if status.is_success() {
                     after = state["epoch"].as_str().map(|epoch| EventId {
@@ -75,14 +149,7 @@ pub async fn follow(client: BrokerClient, tx: mpsc::Sender<Feed>) {
                 }
             }
         }
-        let mut query = vec![OBSERVER_QUERY.to_owned()];
-        if let Some(EventId { epoch, cursor }) = &after {
-            query.push(format!("after_seq={cursor}"));
-            if let Some(epoch) = epoch {
-                query.push(format!("epoch={epoch}"));
-            }
-        }
-        let path = format!("/v1/events?{}", query.join("&"));
+        let path = how.path(after.as_ref());
         let resp = match client.send(Method::GET, &path, &[], None).await {
             Ok(resp) => resp,
             Err(e) => {
@@ -105,60 +172,74 @@ pub async fn follow(client: BrokerClient, tx: mpsc::Sender<Feed>) {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned)
         };
-        if status == StatusCode::GONE {
+        if status != StatusCode::OK {
             let body = resp.into_body().collect().await.map(|b| b.to_bytes());
             let body: Value = body
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok())
                 .unwrap_or(Value::Null);
-            // Another broker life: everything in its log is new to us.
-            let restarted =
-                body["epoch"].as_str() != after.as_ref().and_then(|a| a.epoch.as_deref());
-            let cursor = if restarted {
-                body["oldest_seq"].as_u64().unwrap_or(1).saturating_sub(1)
-            } else {
-                body["newest_seq"].as_u64().unwrap_or(0)
+            let feed = match status {
+                StatusCode::GONE => {
+                    let window = &body["error"]["details"];
+                    let (message, next) = gone(after.as_ref(), window);
+                    after = next;
+                    Feed::Missed(message)
+                }
+                StatusCode::BAD_REQUEST => {
+                    let _ = tx
+                        .send(Feed::Failed(CliError::Usage(error_message(&body))))
+                        .await;
+                    return;
+                }
+                _ => Feed::Lost(format!(
+                    "the broker answered {status}: {}",
+                    error_message(&body)
+                )),
             };
-            after = body["epoch"].as_str().map(|epoch| EventId {
-                epoch: Some(epoch.to_owned()),
-                cursor,
-            });
-            let what = if restarted {
-                "the broker restarted; events in between were missed"
-            } else {
-                "the broker could not replay from the last event seen; continuing from now"
-            };
-            if tx.send(Feed::Missed(what.into())).await.is_err() {
+            let lost = matches!(feed, Feed::Lost(_));
+            if tx.send(feed).await.is_err() {
                 return;
             }
-            continue;
-        }
-        if status != StatusCode::OK {
-            let _ = tx
-                .send(Feed::Lost(format!("the broker answered {status}")))
-                .await;
-            tokio::time::sleep(BACKOFF_MAX).await;
+            if lost {
+                tokio::time::sleep(BACKOFF_MAX).await;
+            }
             continue;
         }
         backoff = BACKOFF_MIN;
         let epoch = header(EPOCH_HEADER).unwrap_or_default();
         let newest = header(NEWEST_SEQ_HEADER).and_then(|v| v.parse().ok());
-        if let Some(cursor) = header(AFTER_SEQ_HEADER).and_then(|v| v.parse().ok()) {
+        let start = header(AFTER_SEQ_HEADER).and_then(|v| v.parse().ok());
+        if let Some(cursor) = start {
             after = Some(EventId {
                 epoch: Some(epoch.clone()),
                 cursor,
             });
         }
-        if tx.send(Feed::Connected { epoch }).await.is_err() {
+        let connected = Feed::Connected {
+            epoch: epoch.clone(),
+            after: start,
+            newest,
+        };
+        if tx.send(connected).await.is_err() {
             return;
         }
         let mut events = resp.into_body().into_data_stream().eventsource();
         while let Some(Ok(event)) = events.next().await {
             match event.event.as_str() {
-                "clawmux.close" => break,
+                "clawmux.close" => {
+                    let what = format!("the broker ended the stream: {}", event.data);
+                    if tx.send(Feed::Lost(what)).await.is_err() {
+                        return;
+                    }
+                    break;
+                }
                 "clawmux.gap" => {
-                    let what = "some events were not delivered (an upstream reconnect, or this view fell behind)";
-                    if tx.send(Feed::Missed(what.into())).await.is_err() {
+                    let gap: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
+                    let what = format!(
+                        "events after seq {} and before seq {} were not delivered (an upstream gap or reconnect, or this stream fell behind)",
+                        gap["after"], gap["next"]
+                    );
+                    if tx.send(Feed::Missed(what)).await.is_err() {
                         return;
                     }
                     continue;
@@ -166,16 +247,20 @@ pub async fn follow(client: BrokerClient, tx: mpsc::Sender<Feed>) {
                 _ => {}
             }
             let frame: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
-            if let Some(seq) = frame["seq"].as_u64() {
-                if let Some(a) = after.as_mut() {
-                    a.cursor = seq;
-                }
+            let seq = frame["seq"].as_u64().filter(|_| !event.id.is_empty());
+            if let Some(seq) = seq {
+                after = Some(EventId {
+                    epoch: Some(epoch.clone()),
+                    cursor: seq,
+                });
             }
             let replay = is_replayed(&frame, newest);
             let feed = Feed::Event {
                 name: event.event,
                 frame,
                 replay,
+                seq,
+                data: event.data,
             };
             if tx.send(feed).await.is_err() {
                 return;
@@ -188,6 +273,56 @@ pub async fn follow(client: BrokerClient, tx: mpsc::Sender<Feed>) {
         {
             return;
         }
+    }
+}
+
+/// What to say when the broker cannot resume after `asked` (`410`, its
+/// replay window in `error.details`), and where to go on: the oldest held
+/// event after a restart or an eviction (what is still held was not seen),
+/// the newest for a cursor from the future.
+pub fn gone(asked: Option<&EventId>, window: &Value) -> (String, Option<EventId>) {
+    let newest = window["newest_seq"].as_u64().unwrap_or(0);
+    let oldest = window["oldest_seq"].as_u64().unwrap_or(1);
+    let epoch = window["epoch"].as_str().map(str::to_owned);
+    let cursor = asked.map(|a| a.cursor);
+    let shown = cursor.map_or("(start)".to_owned(), |s| s.to_string());
+    let asked_epoch = asked.and_then(|a| a.epoch.as_deref());
+    let (why, next) = if asked_epoch.is_some() && epoch.as_deref() != asked_epoch {
+        (
+            "the broker restarted since (another epoch): events in between were missed".to_owned(),
+            oldest.saturating_sub(1),
+        )
+    } else if cursor.is_some_and(|a| a > newest) {
+        (
+            format!("seq {shown} is newer than the newest event this broker has sent ({newest}); nothing was missed"),
+            newest,
+        )
+    } else {
+        (
+            format!("those events are no longer held (the broker holds seq {oldest}..={newest}); events in between were missed"),
+            oldest.saturating_sub(1),
+        )
+    };
+    let message = format!("cannot resume after seq {shown}: {why}; continuing after seq {next}");
+    (
+        message,
+        epoch.map(|epoch| EventId {
+            epoch: Some(epoch),
+            cursor: next,
+        }),
+    )
+}
+
+/// An error body's `code: message`.
+pub fn error_message(body: &Value) -> String {
+    let e = if body["error"].is_object() {
+        &body["error"]
+    } else {
+        body
+    };
+    match (e["code"].as_str(), e["message"].as_str()) {
+        (Some(code), Some(message)) => format!("{code}: {message}"),
+        _ => body.to_string(),
     }
 }
 
@@ -217,35 +352,28 @@ impl LineView {
         }
     }
 
-    /// Applies one event (its SSE name and `data`) and writes what it
-    /// changed. An error is the output's (e.g. a closed pipe).
-    pub fn feed(
-        &mut self,
-        name: &str,
-        data: &str,
-        replay: bool,
-        out: &mut impl Write,
-    ) -> std::io::Result<()> {
-        let frame: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+    /// Applies one event (its name and frame; `replay`: read from the
+    /// broker's log, so its arrival time says nothing) and returns the
+    /// lines of what it changed.
+    pub fn lines(&mut self, name: &str, frame: &Value, replay: bool) -> Vec<String> {
         let changes = self.activity.apply(Observed {
             name,
             payload: &frame["payload"],
-            received_ms: crate::protocol::now_ms(),
+            received_ms: (!replay).then(crate::protocol::now_ms),
         });
+        let mut out = Vec::new();
         for change in &changes {
             match self.mode {
-                LineMode::Hud => writeln!(out, "{}", hud_line(change, replay))?,
-                LineMode::Tree => {
-                    for line in self.printer.lines(change, replay, local_time) {
-                        writeln!(out, "{line}")?;
-                    }
-                }
+                LineMode::Hud => out.push(hud_line(change, replay).to_string()),
+                LineMode::Tree => out.extend(self.printer.lines(change, replay, local_time)),
             }
         }
-        if !changes.is_empty() {
-            out.flush()?;
-        }
-        Ok(())
+        out
+    }
+
+    /// Events were missed: runs whose end may be among them are forgotten.
+    pub fn gap(&mut self) {
+        self.activity.forget_unfinished();
     }
 }
 
@@ -279,20 +407,78 @@ mod tests {
     #[test]
     fn line_view_prints_hud_json_per_change() {
         let mut view = LineView::new(LineMode::Hud);
-        let mut out = Vec::new();
         let start = json!({"event": "agent", "payload": {"runId": "r1", "ts": 7, "sessionKey": "s",
             "stream": "lifecycle", "data": {"phase": "start"}}});
-        view.feed("agent", &start.to_string(), true, &mut out)
-            .unwrap();
-        view.feed("tick", r#"{"payload":{"ts":1}}"#, false, &mut out)
-            .unwrap();
-        let text = String::from_utf8(out).unwrap();
-        let lines: Vec<Value> = text
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        assert_eq!(lines.len(), 1, "{text}");
-        assert_eq!(lines[0]["type"], "turn_start");
-        assert_eq!(lines[0]["replay"], true);
+        let mut lines = view.lines("agent", &start, true);
+        lines.extend(view.lines("tick", &json!({"payload":{"ts":1}}), false));
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        let line: Value = serde_json::from_str(&lines[0]).unwrap();
+        assert_eq!(
+            (line["type"].clone(), line["event"].clone()),
+            (json!("hud"), json!("turn_start"))
+        );
+        assert_eq!(line["replay"], true);
+    }
+
+    #[test]
+    fn a_410_is_read_from_error_details_and_a_restart_resumes_at_the_new_logs_start() {
+        // The broker's 410 body: the window is under error.details.
+        let body = json!({"ok": false, "error": {"code": "studio.replay_unavailable", "message": "gone",
+            "details": {"epoch": "e2", "oldest_seq": 1, "newest_seq": 40}}});
+        let asked = EventId {
+            epoch: Some("e1".into()),
+            cursor: 99,
+        };
+        let (message, next) = gone(Some(&asked), &body["error"]["details"]);
+        assert!(message.contains("restarted"), "{message}");
+        assert_eq!(
+            next,
+            Some(EventId {
+                epoch: Some("e2".into()),
+                cursor: 0
+            }),
+            "everything the new broker logged"
+        );
+        let asked = EventId {
+            epoch: Some("e2".into()),
+            cursor: 99,
+        };
+        let (message, next) = gone(Some(&asked), &body["error"]["details"]);
+        assert!(message.contains("newer than the newest"), "{message}");
+        assert_eq!(next.unwrap().cursor, 40);
+        let details = json!({"epoch": "e2", "oldest_seq": 20, "newest_seq": 40});
+        let asked = EventId {
+            epoch: Some("e2".into()),
+            cursor: 5,
+        };
+        let (message, next) = gone(Some(&asked), &details);
+        assert!(message.contains("no longer held"), "{message}");
+        assert_eq!(next.unwrap().cursor, 19, "what is still held was not seen");
+    }
+
+    #[test]
+    fn follow_paths_carry_cursor_epoch_filter_and_the_observer_switch() {
+        let how = Follow {
+            start: Start::Now,
+            events: vec!["chat".into(), "agent".into()],
+            observer: false,
+        };
+        let after = EventId {
+            epoch: Some("ab".into()),
+            cursor: 5,
+        };
+        assert_eq!(
+            how.path(Some(&after)),
+            "/v1/events?after_seq=5&epoch=ab&events=chat%2Cagent"
+        );
+        assert_eq!(
+            Follow {
+                events: vec![],
+                ..how
+            }
+            .path(None),
+            "/v1/events"
+        );
+        assert_eq!(Follow::observer().path(None), "/v1/events?tool_events=all");
     }
 }

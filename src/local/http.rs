@@ -49,6 +49,7 @@ pub async fn route(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<Bod
         (&Method::GET, "/ws/dedicated") => upgrade(req, ctx, Route::Dedicated),
         (&Method::GET, "/v1/state") => super::state::respond(&ctx),
         (&Method::GET, "/v1/events") => super::sse::open(&req, &ctx),
+        (&Method::GET, "/v1/hud" | "/ws/hud") => super::hud::open(req, &ctx).await,
         (&Method::POST, "/v1/rpc") => super::rpc::respond(req, &ctx).await,
         (&Method::GET, "/metrics") => bytes_response(
             StatusCode::OK,

@@ -5,6 +5,7 @@ mod accept;
 pub mod dedicated;
 pub mod fdlimit;
 pub mod http;
+pub mod hud;
 pub mod preconnect;
 pub mod rate;
 pub mod respond;

@@ -366,6 +366,9 @@ async fn top_without_a_terminal_or_a_broker_says_what_to_do() {
         err.contains("needs a terminal") && err.contains("tail --tree"),
         "{err}"
     );
+    // Said once: the command is named by the prefix only.
+    assert!(err.starts_with("clawmux top: needs a terminal"), "{err}");
+    assert_eq!(err.matches("clawmux top").count(), 1, "{err}");
 }
 
 /// `clawmux tail <args>` against the harness, its stdout lines on a channel.
@@ -453,13 +456,14 @@ async fn tail_hud_prints_turns_thinking_and_tools_and_marks_replayed_ones() {
         .iter()
         .map(|l| serde_json::from_str(l).expect("a JSON line"))
         .collect();
-    assert_eq!(replayed[0]["type"], "turn_start");
-    assert_eq!(replayed[0]["id"], old.as_str());
+    assert_eq!(replayed[0]["type"], "hud");
+    assert_eq!(replayed[0]["event"], "turn_start");
+    assert_eq!(replayed[0]["correlationId"], old.as_str());
     assert!(
         replayed.iter().all(|l| l["replay"] == true),
         "{replayed:#?}"
     );
-    assert!(replayed.iter().any(|l| l["type"] == "think_end"));
+    assert!(replayed.iter().any(|l| l["event"] == "think_end"));
     // Live: both tool calls with ids, parents and durations.
     let live = run_to_end(&h).await;
     let lines: Vec<Value> = lines_until(&mut rx, "turn_end")
@@ -467,7 +471,7 @@ async fn tail_hud_prints_turns_thinking_and_tools_and_marks_replayed_ones() {
         .iter()
         .map(|l| serde_json::from_str(l).expect("a JSON line"))
         .collect();
-    let types: Vec<&str> = lines.iter().map(|l| l["type"].as_str().unwrap()).collect();
+    let types: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
     assert_eq!(
         types,
         [
@@ -484,7 +488,11 @@ async fn tail_hud_prints_turns_thinking_and_tools_and_marks_replayed_ones() {
     for l in &lines {
         assert!(l.get("replay").is_none(), "live: {l}");
         assert!(
-            l["ts"].is_u64() && l["id"].is_string() && l["correlationId"].is_string(),
+            l["ts"].is_u64() && l["correlationId"].is_string() && l["type"] == "hud",
+            "{l}"
+        );
+        assert!(
+            uuid::Uuid::parse_str(l["id"].as_str().unwrap()).is_ok(),
             "{l}"
         );
     }
@@ -494,15 +502,18 @@ async fn tail_hud_prints_turns_thinking_and_tools_and_marks_replayed_ones() {
         (json!("read"), json!(live))
     );
     assert!(
-        read_end["durationMs"].is_u64() && read_end["isError"] == false,
+        read_end["durationMs"].is_u64() && read_end["result"]["ok"] == true,
         "{read_end}"
     );
     assert_eq!(
-        read_end["correlationId"], lines[4]["id"],
+        read_end["correlationId"], lines[4]["correlationId"],
         "start and end of one call"
     );
+    assert!(read_end["correlationId"]
+        .as_str()
+        .unwrap()
+        .starts_with("call_"));
     assert_eq!(lines[7]["status"], "ok");
-    assert_eq!(lines[7]["text"], "Echo: hi");
 }
 
 #[tokio::test]
@@ -573,7 +584,7 @@ async fn the_observer_follower_resumes_after_a_broker_restart_with_the_new_broke
     let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
     let follower = tokio::spawn(follow(clawmux::cli::BrokerClient::new(socket.clone()), tx));
     let first = match next(&mut rx).await {
-        Feed::Connected { epoch } => epoch,
+        Feed::Connected { epoch, .. } => epoch,
         other => panic!("{other:?}"),
     };
     assert!(
@@ -589,7 +600,7 @@ async fn the_observer_follower_resumes_after_a_broker_restart_with_the_new_broke
     let (mut reports, mut second) = (Vec::new(), None);
     while second.is_none() {
         match next(&mut rx).await {
-            Feed::Connected { epoch } if epoch != first => second = Some(epoch),
+            Feed::Connected { epoch, .. } if epoch != first => second = Some(epoch),
             other => reports.push(format!("{other:?}")),
         }
     }
@@ -603,6 +614,7 @@ async fn the_observer_follower_resumes_after_a_broker_restart_with_the_new_broke
                 name,
                 frame,
                 replay,
+                ..
             } => {
                 if name == "agent"
                     && frame["payload"]["runId"] == key.as_str()
@@ -619,4 +631,264 @@ async fn the_observer_follower_resumes_after_a_broker_restart_with_the_new_broke
     assert!(reports.iter().any(|r| r.contains("Lost")), "{reports:#?}");
     assert!(missed, "the restart gap was reported");
     follower.abort();
+}
+
+#[tokio::test]
+async fn after_a_broker_restart_the_follower_replays_what_the_new_broker_logged() {
+    use clawmux::cli::watch::{follow_with, Feed, Follow, Start};
+    let h = start().await;
+    // Events the "new" broker logged before the follower came back.
+    let key = run_to_end(&h).await;
+    let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
+    let how = Follow {
+        // A cursor of another broker life: the broker answers 410, with its
+        // window under error.details.
+        start: Start::After(clawmux::hub::replay::EventId {
+            epoch: Some("an-earlier-life".into()),
+            cursor: 3,
+        }),
+        events: Vec::new(),
+        observer: true,
+    };
+    let follower = tokio::spawn(follow_with(
+        clawmux::cli::BrokerClient::new(h.socket()),
+        how,
+        tx,
+    ));
+    let mut said = Vec::new();
+    loop {
+        match next(&mut rx).await {
+            Feed::Event {
+                name,
+                frame,
+                replay,
+                ..
+            } => {
+                if name == "agent" && frame["payload"]["runId"] == key.as_str() {
+                    assert!(replay, "from the log");
+                    break;
+                }
+            }
+            other => said.push(format!("{other:?}")),
+        }
+    }
+    assert!(
+        said.iter()
+            .any(|s| s.contains("Missed") && s.contains("restarted")),
+        "{said:#?}"
+    );
+    follower.abort();
+}
+
+#[tokio::test]
+async fn tail_tree_n_prints_the_last_n_lines_of_what_is_held_then_follows() {
+    let h = start().await;
+    let home = TestHome::new();
+    let first = run_to_end(&h).await;
+    let second = run_to_end(&h).await;
+    let (_tail, mut rx) = spawn_tail(&home, &h.socket(), &["--tree", "-n", "3"]);
+    // The held lines come once tail has read through the newest held event.
+    let held = lines_until(&mut rx, &format!("run {} ok", &second[..8])).await;
+    assert_eq!(held.len(), 3, "{held:#?}");
+    assert!(
+        held.iter().all(|l| !l.contains(&first[..8])),
+        "only the last 3: {held:#?}"
+    );
+    let live = run_to_end(&h).await;
+    let lines = lines_until(&mut rx, &format!("run {} ok", &live[..8])).await;
+    assert!(
+        lines[0].contains(&format!("run {} started", &live[..8])),
+        "then live: {lines:#?}"
+    );
+}
+
+/// The next HUD record of a `/v1/hud` stream: its `id:` (if any) and event.
+async fn next_hud(sse: &mut crate::http_api::Sse) -> (Option<String>, Value) {
+    loop {
+        let record = match sse.next_item().await {
+            Item::Other(record) => record,
+            Item::Event { name, .. } => panic!("a named record on /v1/hud: {name}"),
+            Item::Comment(_) => continue,
+        };
+        if record
+            .lines()
+            .any(|l| l.starts_with("event: ") || l.starts_with("retry:"))
+        {
+            continue;
+        }
+        let id = record
+            .lines()
+            .find_map(|l| l.strip_prefix("id: "))
+            .map(str::to_owned);
+        let data = record
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .unwrap_or_else(|| panic!("a data line: {record}"));
+        return (
+            id,
+            serde_json::from_str(data).expect("one HUD event per data line"),
+        );
+    }
+}
+
+/// HUD records until the `turn_end` of `run`.
+async fn hud_until_turn_end(
+    sse: &mut crate::http_api::Sse,
+    run: &str,
+) -> Vec<(Option<String>, Value)> {
+    let mut out = Vec::new();
+    loop {
+        let (id, event) = next_hud(sse).await;
+        let end = event["event"] == "turn_end" && event["correlationId"] == run;
+        out.push((id, event));
+        if end {
+            return out;
+        }
+    }
+}
+
+#[tokio::test]
+async fn v1_hud_serves_history_flagged_replay_then_live_events_with_received_and_resumes() {
+    let h = start().await;
+    let old = run_to_end(&h).await;
+    let mut hud = open_events(&h.socket(), "/v1/hud?history=1", &[])
+        .await
+        .expect("a HUD stream");
+    let history = hud_until_turn_end(&mut hud, &old).await;
+    assert_eq!(history[0].1["event"], "turn_start");
+    assert_eq!(history[0].1["correlationId"], old.as_str());
+    for (_, e) in &history {
+        assert_eq!(
+            (e["type"].clone(), e["replay"].clone()),
+            (json!("hud"), json!(true)),
+            "{e}"
+        );
+        assert!(
+            uuid::Uuid::parse_str(e["id"].as_str().unwrap()).is_ok(),
+            "{e}"
+        );
+    }
+    // Live: a message sent, then the run with its two parallel tool calls.
+    let (mut c, _) = h.connected().await;
+    let key = uuid::Uuid::new_v4().to_string();
+    c.request(
+        "chat.send",
+        json!({"sessionKey": "main", "message": "hi there", "idempotencyKey": key}),
+    )
+    .await;
+    let live = hud_until_turn_end(&mut hud, &key).await;
+    let events: Vec<&Value> = live.iter().map(|(_, e)| e).collect();
+    let received = events
+        .iter()
+        .find(|e| e["event"] == "received")
+        .expect("a received event");
+    assert_eq!(received["subtype"], "message");
+    assert_eq!(received["payload"]["preview"], "hi there");
+    assert!(events.iter().all(|e| e.get("replay").is_none()), "live");
+    let kinds: Vec<&str> = events
+        .iter()
+        .filter(|e| e["event"] != "received")
+        .map(|e| e["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "turn_start",
+            "think_start",
+            "think_end",
+            "tool_start",
+            "tool_start",
+            "tool_end",
+            "tool_end",
+            "turn_end"
+        ]
+    );
+    let tools: Vec<&&Value> = events.iter().filter(|e| e["tool"].is_string()).collect();
+    for end in tools.iter().filter(|e| e["event"] == "tool_end") {
+        let start = tools
+            .iter()
+            .find(|s| s["event"] == "tool_start" && s["correlationId"] == end["correlationId"])
+            .expect("paired by correlationId");
+        assert_eq!(start["tool"], end["tool"]);
+        assert_eq!(end["parentId"], key.as_str());
+        assert!(
+            end["durationMs"].is_u64() && end["result"]["ok"] == true,
+            "{end}"
+        );
+    }
+    let exec_end = tools
+        .iter()
+        .find(|e| e["event"] == "tool_end" && e["tool"] == "exec")
+        .unwrap();
+    assert_eq!(exec_end["result"]["stdout"], "README.md\nsrc\n");
+    // Resume after the last logged event seen: nothing again, then the next run.
+    let last_id = live
+        .iter()
+        .rev()
+        .find_map(|(id, _)| id.clone())
+        .expect("a logged event's id");
+    drop(hud);
+    let mut resumed = open_events(&h.socket(), "/v1/hud", &[("last-event-id", &last_id)])
+        .await
+        .expect("resumed");
+    let next_run = run_to_end(&h).await;
+    let after = hud_until_turn_end(&mut resumed, &next_run).await;
+    assert!(
+        after
+            .iter()
+            .all(|(_, e)| e["correlationId"] != key.as_str() && e["correlationId"] != old.as_str()),
+        "nothing seen before: {after:#?}"
+    );
+    let first = after
+        .iter()
+        .find(|(_, e)| e["event"] != "received")
+        .unwrap();
+    assert_eq!(first.1["event"], "turn_start");
+    assert_eq!(first.1["correlationId"], next_run.as_str());
+}
+
+#[tokio::test]
+async fn ws_hud_sends_one_hud_event_per_text_frame() {
+    let h = start().await;
+    let old = run_to_end(&h).await;
+    let mut ws = WsClient::open(&h.socket(), "/ws/hud?history=1").await;
+    let mut kinds = Vec::new();
+    loop {
+        let e = ws.recv_json().await;
+        assert_eq!(
+            (e["type"].clone(), e["replay"].clone()),
+            (json!("hud"), json!(true)),
+            "{e}"
+        );
+        kinds.push(e["event"].as_str().unwrap().to_owned());
+        if e["event"] == "turn_end" && e["correlationId"] == old.as_str() {
+            break;
+        }
+    }
+    assert_eq!(kinds[0], "turn_start");
+    assert!(kinds.contains(&"think_end".to_owned()));
+}
+
+#[tokio::test]
+async fn the_hud_feed_needs_what_tool_events_need() {
+    let h = start().await;
+    let refused = open_events(
+        &h.socket(),
+        "/v1/hud",
+        &[("x-clawmux-scopes", "operator.approvals")],
+    )
+    .await;
+    let Err((status, body)) = refused else {
+        panic!("a HUD stream without operator.read")
+    };
+    assert_eq!(status, 403, "{body}");
+    let bad = open_events(&h.socket(), "/v1/hud?history=maybe", &[]).await;
+    assert!(matches!(bad, Err((400, _))));
+    assert!(open_events(
+        &h.socket(),
+        "/v1/hud",
+        &[("x-clawmux-scopes", "operator.read")]
+    )
+    .await
+    .is_ok());
 }

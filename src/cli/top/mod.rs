@@ -44,6 +44,11 @@ pub struct TopArgs {
     pub session: Option<String>,
 }
 
+/// What `top` says when its output is not a terminal (the caller prefixes
+/// `clawmux top:`, so the message does not name the command again).
+pub const NOT_A_TERMINAL: &str =
+    "needs a terminal (its output is not one); for pipes and logs use `clawmux tail --tree` (or --hud)";
+
 /// Gives the terminal back when dropped (every return path, and unwinding).
 struct TerminalGuard;
 
@@ -64,10 +69,7 @@ pub async fn run(args: TopArgs) -> Result<u8, CliError> {
     let client = args.broker.client();
     let (_, state) = client.json(Method::GET, "/v1/state", None).await?;
     if !std::io::stdout().is_terminal() {
-        return Err(CliError::Usage(
-            "clawmux top needs a terminal; for pipes and logs use `clawmux tail --tree` (or --hud)"
-                .into(),
-        ));
+        return Err(CliError::Usage(NOT_A_TERMINAL.into()));
     }
     let color = std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let mut app = App::new(color, crate::protocol::now_ms());
@@ -113,10 +115,14 @@ pub async fn run(args: TopArgs) -> Result<u8, CliError> {
             }
             Some(item) = feed.recv() => {
                 match item {
-                    Feed::Event { name, frame, .. } => app.on_event(&name, &frame),
+                    Feed::Event { name, frame, replay, .. } => {
+                        let received = (!replay).then(crate::protocol::now_ms);
+                        app.on_event(&name, &frame, received)
+                    }
                     Feed::Connected { .. } => app.link = "live".into(),
                     Feed::Lost(why) => app.link = why,
-                    Feed::Missed(what) => app.notice = Some(what),
+                    Feed::Missed(what) => app.on_gap(what),
+                    Feed::Failed(e) => break Err(e),
                 }
                 dirty = true;
             }

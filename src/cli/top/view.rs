@@ -13,7 +13,7 @@ use ratatui::Frame;
 use serde_json::Value;
 
 use crate::activity::render::{
-    args_summary, bytes, cut, duration, one_line, preview, short_id, tool_outcome,
+    args_summary, bytes, cut, duration, one_line, preview, preview_head, short_id, tool_outcome_at,
 };
 use crate::activity::{Activity, Item, Observed, Run, RunStatus};
 
@@ -99,14 +99,24 @@ impl App {
         }
     }
 
-    /// One gateway event from the stream.
-    pub fn on_event(&mut self, name: &str, frame: &Value) {
+    /// One gateway event from the stream, received at `received_ms` if it
+    /// is live (`None`: replayed from the broker's log; its arrival says
+    /// nothing of when it happened). The time is taken when the event
+    /// arrives, not the clock of the last frame drawn.
+    pub fn on_event(&mut self, name: &str, frame: &Value, received_ms: Option<u64>) {
         self.this_second += 1;
         self.activity.apply(Observed {
             name,
             payload: &frame["payload"],
-            received_ms: self.now_ms,
+            received_ms,
         });
+    }
+
+    /// Events were missed (a gap, an upstream reconnect, a broker restart):
+    /// runs whose end may be among them are forgotten.
+    pub fn on_gap(&mut self, what: String) {
+        self.activity.forget_unfinished();
+        self.notice = Some(what);
     }
 
     /// A second passed: the rate sparkline moves on.
@@ -265,11 +275,10 @@ impl App {
     }
 
     fn run_row(&self, run: &Run, open: bool) -> TreeRow {
-        let took = duration(
-            run.ended_ms
-                .unwrap_or(self.now_ms)
-                .saturating_sub(run.started_ms),
-        );
+        let took = run
+            .duration_ms(Some(self.now_ms))
+            .map(|d| format!(" {}", duration(d)))
+            .unwrap_or_default();
         let status = match &run.status {
             RunStatus::Error(message) => format!("error: {}", one_line(message)),
             other => other.as_str().to_owned(),
@@ -286,7 +295,7 @@ impl App {
                 short_id(&run.id)
             )),
             Span::styled(status, self.status_style(&run.status)),
-            Span::raw(format!(" {took}")),
+            Span::raw(took),
         ];
         if tools > 0 {
             spans.push(Span::raw(format!(
@@ -314,17 +323,21 @@ impl App {
             let key = format!("i:{}:{n}", run.id);
             match item {
                 Item::Thinking(t) => {
-                    let took = duration(
+                    let end = if t.done {
                         t.ended_ms
-                            .unwrap_or(self.now_ms)
-                            .saturating_sub(t.started_ms),
-                    );
+                    } else {
+                        Some(self.now_ms)
+                    };
+                    let took = end
+                        .zip(t.started_ms)
+                        .map(|(e, s)| format!(" {}", duration(e.saturating_sub(s))))
+                        .unwrap_or_default();
                     rows.push(child(
                         key,
                         vec![
                             Span::raw("     "),
                             Span::styled("thinking", self.style(Color::Blue)),
-                            Span::raw(format!(" {took} {}", preview(&t.text))),
+                            Span::raw(format!("{took} {}", preview(&t.text))),
                         ],
                     ));
                 }
@@ -334,11 +347,6 @@ impl App {
                     } else {
                         "     "
                     };
-                    let mut call = call.clone();
-                    if call.ended_ms.is_none() {
-                        // A running call's duration so far.
-                        call.ended_ms = Some(self.now_ms.max(call.started_ms));
-                    }
                     let outcome_style = match (call.is_error, call.interrupted) {
                         (_, true) | (Some(true), _) => self.style(Color::Red),
                         (None, _) => self.style(Color::Yellow),
@@ -350,7 +358,7 @@ impl App {
                             Span::raw(indent),
                             Span::styled(format!("tool {}", call.name), self.style(Color::Magenta)),
                             Span::raw(format!(" {} ", args_summary(&call.args))),
-                            Span::styled(tool_outcome(&call), outcome_style),
+                            Span::styled(tool_outcome_at(call, Some(self.now_ms)), outcome_style),
                         ],
                     ));
                 }
@@ -380,20 +388,21 @@ impl App {
                 ],
             ));
         }
-        if let Some(ended) = run.ended_ms {
+        if !run.running() {
             let end = match &run.status {
-                RunStatus::Error(message) => format!("error: {}", preview(message)),
+                RunStatus::Error(message) => format!("error: {}", preview_head(message)),
                 other => other.as_str().to_owned(),
             };
+            let took = run
+                .duration_ms(None)
+                .map(|d| format!(" after {}", duration(d)))
+                .unwrap_or_default();
             rows.push(child(
                 format!("e:{}", run.id),
                 vec![
                     Span::raw("     "),
                     Span::styled(format!("end {end}"), self.status_style(&run.status)),
-                    Span::raw(format!(
-                        " after {}",
-                        duration(ended.saturating_sub(run.started_ms))
-                    )),
+                    Span::raw(took),
                 ],
             ));
         }
@@ -449,24 +458,52 @@ fn draw_header(frame: &mut Frame, app: &App, area: Rect) {
         .map(uptime)
         .unwrap_or_else(|| "-".into());
     let rate = app.rates.back().copied().unwrap_or(0);
+    // What does not fit the width is left out, least useful first (the
+    // version, then the uptime, then the rate), rather than cut mid-word.
+    let running = format!("  {} running", app.shown().running());
+    let optional = [
+        format!("  gateway {version}"),
+        format!("  up {up}"),
+        format!("  {rate} ev/s"),
+    ];
+    let paused = if app.paused() { " PAUSED" } else { "" };
+    let fixed = "clawmux top".len()
+        + paused.len()
+        + "  upstream ".len()
+        + phase.chars().count()
+        + running.len();
+    let width = area.width as usize;
+    let mut keep = [true; 3];
+    let mut used = fixed + optional.iter().map(|o| o.chars().count()).sum::<usize>();
+    for (i, part) in optional.iter().enumerate() {
+        if used <= width {
+            break;
+        }
+        keep[i] = false;
+        used -= part.chars().count();
+    }
     let mut spans = vec![Span::styled(
         "clawmux top",
         Style::default().add_modifier(Modifier::BOLD),
     )];
     if app.paused() {
         spans.push(Span::styled(
-            " PAUSED",
+            paused,
             app.style(Color::Yellow).add_modifier(Modifier::BOLD),
         ));
     }
     spans.extend([
         Span::raw("  upstream "),
         Span::styled(phase.to_owned(), phase_style),
-        Span::raw(format!(
-            "  gateway {version}  up {up}  {rate} ev/s  {} running",
-            app.shown().running()
-        )),
     ]);
+    let rest: String = optional
+        .iter()
+        .zip(keep)
+        .filter(|(_, k)| *k)
+        .map(|(o, _)| o.as_str())
+        .chain([running.as_str()])
+        .collect();
+    spans.push(Span::raw(rest));
     frame.render_widget(Paragraph::new(Line::from(spans)), area);
 }
 

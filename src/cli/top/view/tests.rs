@@ -113,7 +113,7 @@ fn app_with(events: &[(String, Value)], color: bool) -> App {
     app.state = state(2);
     app.link = "live".into();
     for (name, frame) in events {
-        app.on_event(name, frame);
+        app.on_event(name, frame, Some(app.now_ms));
     }
     for n in [3, 0, 12, 7] {
         for _ in 0..n {
@@ -194,7 +194,7 @@ fn keys_move_expand_filter_and_pause() {
     // Pause: new runs wait until resumed, but are not lost.
     app.key(Key::Char('p'));
     for (name, frame) in running_run() {
-        app.on_event(&name, &frame);
+        app.on_event(&name, &frame, Some(app.now_ms));
     }
     let paused = screen(&app, 80, 24);
     assert!(
@@ -206,7 +206,7 @@ fn keys_move_expand_filter_and_pause() {
     // Filter by session: all → the first session → back to all.
     let mut other = agent("ffff0000-cccc", 50, "lifecycle", json!({"phase": "start"}));
     other.1["payload"]["sessionKey"] = json!("agent:main:other");
-    app.on_event(&other.0, &other.1);
+    app.on_event(&other.0, &other.1, Some(app.now_ms));
     app.key(Key::Char('s'));
     let filtered = screen(&app, 80, 24);
     let first = app.session_filter.clone().expect("a session");
@@ -266,4 +266,65 @@ fn an_empty_broker_and_a_small_terminal_still_draw() {
     // Tiny terminals do not panic.
     screen(&app, 20, 5);
     screen(&app, 1, 1);
+}
+
+#[test]
+fn the_paused_header_fits_80_columns_leaving_out_what_does_not_fit() {
+    let mut app = app_with(&running_run(), false);
+    app.key(Key::Char('p'));
+    let shown = screen(&app, 80, 24);
+    let header = shown.lines().next().unwrap();
+    assert!(
+        header.starts_with("clawmux top PAUSED  upstream ready") && header.ends_with("1 running"),
+        "{header}"
+    );
+    assert!(header.chars().count() <= 80, "{header}");
+    // Wide enough: everything.
+    let wide = screen(&app, 120, 24);
+    assert!(
+        wide.lines()
+            .next()
+            .unwrap()
+            .contains("gateway 2026.9.6  up 1h02m  7 ev/s  1 running"),
+        "{wide}"
+    );
+}
+
+#[test]
+fn events_are_timed_when_they_arrive_not_by_the_clock_of_the_last_frame() {
+    let mut app = App::new(false, T0);
+    // The frame clock is stale (T0); the final chat event (no ts) arrives 700 ms later.
+    app.on_event(
+        &agent("a1", 0, "lifecycle", json!({"phase": "start"})).0,
+        &agent("a1", 0, "lifecycle", json!({"phase": "start"})).1,
+        Some(T0),
+    );
+    let (name, frame) = ev(
+        "chat",
+        json!({"runId": "a1", "sessionKey": "agent:main:main", "state": "final",
+            "message": {"role": "assistant", "content": [{"type": "text", "text": "hi"}]}}),
+    );
+    app.on_event(&name, &frame, Some(T0 + 700));
+    let run = app.activity.run("a1").unwrap();
+    assert_eq!(run.duration_ms(None), Some(700));
+    // Replayed (no arrival time): no made-up end time.
+    let (name, frame) = ev(
+        "chat",
+        json!({"runId": "b2", "sessionKey": "agent:main:main", "state": "aborted"}),
+    );
+    app.on_event(&name, &frame, None);
+    assert_eq!(app.activity.run("b2").unwrap().ended_ms, None);
+    app.now_ms = T0 + 60_000;
+    let shown = screen(&app, 80, 24);
+    assert!(shown.contains("run b2 aborted"), "{shown}");
+    assert!(!shown.contains("run b2 aborted 1"), "no duration: {shown}");
+}
+
+#[test]
+fn a_gap_forgets_runs_whose_end_was_not_seen() {
+    let mut app = app_with(&running_run(), false);
+    assert_eq!(app.activity.running(), 1);
+    app.on_gap("events were missed".into());
+    assert_eq!(app.activity.running(), 0);
+    assert_eq!(app.notice.as_deref(), Some("events were missed"));
 }

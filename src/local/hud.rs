@@ -1,0 +1,529 @@
+//! `GET /v1/hud` and `/ws/hud`: the HUD protocol's activity feed
+//! ([`crate::activity::hud`]) live from the socket, so a webchat HUD panel
+//! consumes clawmux directly.
+//!
+//! - `GET /v1/hud`: Server-Sent Events, one HUD event per `data:` record.
+//!   A record made from a logged gateway event carries that event's `id:`
+//!   (the `/v1/events` cursor), so a browser `EventSource` resumes with
+//!   `Last-Event-ID` (or `?after_seq=`) where it left off. `?history=1`
+//!   sends what the broker's replay log holds first, each event flagged
+//!   `replay: true`. `event: clawmux.gap` / `clawmux.close` records say
+//!   what `/v1/events` says (an `EventSource` delivers only unnamed records
+//!   to `onmessage`, so a HUD panel sees HUD events only).
+//! - `GET /ws/hud`: a WebSocket with one HUD event per text frame (same
+//!   query).
+//!
+//! Built on `/v1/events` itself ([`super::sse::open`], as an observer of
+//! every tool stream): one stream per HUD client, its events run through
+//! the one activity projection ([`crate::activity`], the same as `clawmux
+//! top` and `tail --tree/--hud`). The stream always starts at the oldest
+//! event the log holds, so runs that began earlier have their start and
+//! times; what the client did not ask for (history, or what it saw before
+//! resuming) is applied silently. `received` events for requests (a
+//! message sent, an abort, a reset) come from the request tap
+//! ([`crate::tap`]): only requests, as they happen (they are not in the
+//! log, so history has none).
+//!
+//! Who may: the same as `tool_events=all` on `/v1/events` ([`may_observe`]).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use eventsource_stream::Eventsource;
+use futures_util::{SinkExt, StreamExt};
+use http::{header, HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper_util::rt::TokioIo;
+use serde::Deserialize;
+use serde_json::Value;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::WebSocketStream;
+
+use super::respond::{error_response, full, Body};
+use crate::activity::hud::hud_event;
+use crate::activity::{Activity, Observed};
+use crate::context::Ctx;
+use crate::hub::replay::EventId;
+use crate::hub::{Client, ClientKind, Outgoing};
+use crate::policy::Grant;
+use crate::protocol::StudioCode;
+
+/// The query of `/v1/hud` and `/ws/hud`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HudQuery {
+    /// `1`: the replay log's events first, flagged `replay: true`.
+    history: Option<String>,
+    /// Resume after this event id, as on `/v1/events`.
+    after_seq: Option<String>,
+    /// The broker life `after_seq` is from, as on `/v1/events`.
+    epoch: Option<String>,
+}
+
+/// Whether a caller may watch every run's tool calls: the rule of
+/// `/v1/events?tool_events=all` (the events it carries need
+/// `operator.read`, as `agent` events do). One function, so a socket-level
+/// observer switch can replace it.
+pub fn may_observe(grant: &Grant) -> bool {
+    crate::policy::events::guard("agent").allows(grant)
+}
+
+/// Answers `GET /v1/hud` (SSE) and `GET /ws/hud` (WebSocket).
+pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
+    let websocket = req.uri().path() == "/ws/hud";
+    let access = super::respond::http_access(&req, ctx);
+    if !may_observe(&access.grant) {
+        return error_response(
+            StatusCode::FORBIDDEN,
+            StudioCode::Forbidden.as_str(),
+            "the HUD feed shows every run's tool calls: it needs operator.read, which this caller does not hold (its socket's policy or X-Clawmux-Scopes)".into(),
+        );
+    }
+    let query: HudQuery = match serde_urlencoded::from_str(req.uri().query().unwrap_or("")) {
+        Ok(q) => q,
+        Err(e) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "INVALID_REQUEST",
+                format!("bad query: {e}; expected history=1, after_seq=<event id>, epoch=<id>"),
+            )
+        }
+    };
+    let history = match query.history.as_deref() {
+        None | Some("0") | Some("false") => false,
+        Some("1") | Some("true") => true,
+        Some(other) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "INVALID_REQUEST",
+                format!("bad history={other}: expected history=1 or history=0"),
+            )
+        }
+    };
+    if websocket {
+        return upgrade(req, ctx, query, history);
+    }
+    let source = match HudSource::open(req, ctx, query, history) {
+        Ok(source) => source,
+        Err(resp) => return *resp,
+    };
+    let first = Bytes::from_static(b": clawmux HUD events\n\nretry: 1000\n\n");
+    let keepalive = ctx.settings.limits.sse_keepalive;
+    let chunks = futures_util::stream::once(async move { first }).chain(
+        futures_util::stream::unfold(source, move |mut s| async move {
+            let idle_until = tokio::time::Instant::now() + keepalive;
+            loop {
+                match tokio::time::timeout_at(idle_until, s.next_records()).await {
+                    Ok(None) => return None,
+                    Ok(Some(records)) if records.is_empty() => continue,
+                    Ok(Some(records)) => return Some((sse_chunk(&records), s)),
+                    Err(_) => return Some((Bytes::from_static(b": keep-alive\n\n"), s)),
+                }
+            }
+        }),
+    );
+    let body = StreamBody::new(chunks.map(|chunk| Ok(Frame::data(chunk)))).boxed_unsync();
+    let mut resp = Response::new(body);
+    let headers = resp.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
+}
+
+/// One record for a HUD client.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Record {
+    /// A HUD event, with the id of the gateway event it came from (none
+    /// for tool streams and requests: not in the log).
+    Hud { id: Option<String>, event: Value },
+    /// A `/v1/events` record passed on (`clawmux.gap`, `clawmux.close`).
+    Broker { name: String, data: String },
+}
+
+fn sse_chunk(records: &[Record]) -> Bytes {
+    let mut out = String::new();
+    for record in records {
+        match record {
+            Record::Hud { id, event } => {
+                if let Some(id) = id {
+                    out.push_str("id: ");
+                    out.push_str(&id.replace(['\n', '\r'], ""));
+                    out.push('\n');
+                }
+                out.push_str("data: ");
+                out.push_str(&event.to_string());
+                out.push_str("\n\n");
+            }
+            Record::Broker { name, data } => {
+                out.push_str("event: ");
+                out.push_str(name);
+                out.push_str("\ndata: ");
+                out.push_str(&data.replace(['\n', '\r'], " "));
+                out.push_str("\n\n");
+            }
+        }
+    }
+    Bytes::from(out)
+}
+
+/// Stops copying requests to a HUD stream when it ends.
+struct TapListener {
+    ctx: Arc<Ctx>,
+    client: Arc<Client>,
+}
+
+impl Drop for TapListener {
+    fn drop(&mut self) {
+        self.ctx.router.tap.detach(self.client.id);
+    }
+}
+
+type Events = std::pin::Pin<
+    Box<
+        dyn futures_util::Stream<
+                Item = Result<
+                    eventsource_stream::Event,
+                    eventsource_stream::EventStreamError<std::convert::Infallible>,
+                >,
+            > + Send,
+    >,
+>;
+
+/// One HUD client's feed: its `/v1/events` stream through the projection.
+struct HudSource {
+    events: Events,
+    activity: Activity,
+    /// Records up to this cursor are applied but not sent (what the client
+    /// did not ask for, or already saw).
+    quiet_until: Option<u64>,
+    /// The newest cursor when the stream was admitted: records up to it
+    /// are replayed.
+    newest: Option<u64>,
+    tap: Option<TapListener>,
+    done: bool,
+}
+
+impl HudSource {
+    /// Opens the underlying `/v1/events` stream (as an observer, from the
+    /// log's start) on `req`, rewritten; an error answer is passed on.
+    fn open(
+        mut req: Request<Incoming>,
+        ctx: &Arc<Ctx>,
+        query: HudQuery,
+        history: bool,
+    ) -> Result<HudSource, Box<Response<Body>>> {
+        let last_event_id = req
+            .headers()
+            .get("last-event-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .map(str::to_owned);
+        let resume = last_event_id.or(query.after_seq.clone());
+        let (events_query, resumed) = events_query(ctx, resume.as_deref(), query.epoch.as_deref());
+        req.headers_mut().remove("last-event-id");
+        let uri = format!("/v1/events?{events_query}");
+        match uri.parse() {
+            Ok(uri) => *req.uri_mut() = uri,
+            Err(_) => {
+                return Err(Box::new(error_response(
+                    StatusCode::BAD_REQUEST,
+                    "INVALID_REQUEST",
+                    "bad after_seq or epoch".into(),
+                )))
+            }
+        }
+        let resp = super::sse::open(&req, ctx);
+        if resp.status() != StatusCode::OK {
+            return Err(Box::new(resp));
+        }
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok())
+        };
+        let newest = header(super::sse::NEWEST_SEQ_HEADER);
+        let quiet_until = match (resumed, history) {
+            (Some(cursor), _) => Some(cursor),
+            (None, true) => None,
+            (None, false) => newest,
+        };
+        let events: Events = Box::pin(resp.into_body().into_data_stream().eventsource());
+        // Requests: copied from the tap into a queue of this stream's own
+        // (not a hub client: it receives no events).
+        let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
+        ctx.router.tap.attach(Arc::clone(&client));
+        Ok(HudSource {
+            events,
+            activity: Activity::new(),
+            quiet_until,
+            newest,
+            tap: Some(TapListener {
+                ctx: Arc::clone(ctx),
+                client,
+            }),
+            done: false,
+        })
+    }
+
+    /// The next records (possibly none: an event that changed nothing);
+    /// `None` once the stream ended.
+    async fn next_records(&mut self) -> Option<Vec<Record>> {
+        if self.done {
+            return None;
+        }
+        let tap = self.tap.as_ref().map(|t| Arc::clone(&t.client));
+        let batch = async {
+            match &tap {
+                Some(client) => client.next_batch().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            next = self.events.next() => {
+                let Some(Ok(event)) = next else {
+                    self.done = true;
+                    return None;
+                };
+                Some(self.on_event(event))
+            }
+            batch = batch => Some(self.on_requests(batch)),
+        }
+    }
+
+    fn on_event(&mut self, event: eventsource_stream::Event) -> Vec<Record> {
+        match event.event.as_str() {
+            "clawmux.close" => {
+                self.done = true;
+                return vec![Record::Broker {
+                    name: event.event,
+                    data: event.data,
+                }];
+            }
+            "clawmux.gap" => {
+                self.activity.forget_unfinished();
+                return vec![Record::Broker {
+                    name: event.event,
+                    data: event.data,
+                }];
+            }
+            _ => {}
+        }
+        let frame: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
+        let seq = frame["seq"].as_u64().filter(|_| !event.id.is_empty());
+        let replay = matches!((seq, self.newest), (Some(s), Some(n)) if s <= n);
+        let changes = self.activity.apply(Observed {
+            name: &event.event,
+            payload: &frame["payload"],
+            received_ms: (!replay).then(crate::protocol::now_ms),
+        });
+        let quiet = matches!((seq, self.quiet_until), (Some(s), Some(q)) if s <= q);
+        if quiet {
+            return Vec::new();
+        }
+        let id = seq.map(|_| event.id.clone());
+        changes
+            .iter()
+            .enumerate()
+            .map(|(n, change)| Record::Hud {
+                // The id goes on the last record of the event: a client
+                // that resumes from it has seen all of them.
+                id: id.clone().filter(|_| n + 1 == changes.len()),
+                event: hud_event(change, replay),
+            })
+            .collect()
+    }
+
+    fn on_requests(&mut self, batch: Vec<Outgoing>) -> Vec<Record> {
+        let mut out = Vec::new();
+        for item in batch {
+            match item {
+                Outgoing::Frame(bytes) => {
+                    let Ok(record) = serde_json::from_slice::<Value>(&bytes) else {
+                        continue;
+                    };
+                    let frame = &record["frame"];
+                    if record["dir"] != "out" || frame["type"] != "req" {
+                        continue;
+                    }
+                    let Some(method) = frame["method"].as_str() else {
+                        continue;
+                    };
+                    let changes = self.activity.apply_request(
+                        method,
+                        &frame["params"],
+                        crate::protocol::now_ms(),
+                    );
+                    out.extend(changes.iter().map(|c| Record::Hud {
+                        id: None,
+                        event: hud_event(c, false),
+                    }));
+                }
+                // The tap's queue was closed (this stream fell far behind):
+                // no more requests.
+                Outgoing::Close(..) => self.tap = None,
+                Outgoing::Event(..) => {}
+            }
+        }
+        out
+    }
+}
+
+/// The `/v1/events` query for a HUD stream: an observer's, from the log's
+/// start when the client's resume point (if any) is in this broker's log
+/// (then also that cursor, to stay quiet until it), else the client's own
+/// resume point, for `/v1/events` to answer (`410` and why).
+fn events_query(ctx: &Ctx, resume: Option<&str>, epoch: Option<&str>) -> (String, Option<u64>) {
+    let window = ctx.hub.replay_window();
+    let from_start = EventId {
+        epoch: Some(window.epoch.to_string()),
+        cursor: window.oldest_seq.saturating_sub(1),
+    };
+    let mut query = vec![("tool_events", "all".to_owned())];
+    let mut resumed = None;
+    match resume {
+        None => query.push(("after_seq", from_start.to_string())),
+        Some(text) => {
+            let id = text.parse::<EventId>().ok();
+            let life = id.as_ref().and_then(|id| id.epoch.as_deref()).or(epoch);
+            let held = id.as_ref().is_some_and(|id| {
+                life == Some(&*window.epoch)
+                    && id.cursor >= from_start.cursor
+                    && id.cursor <= window.newest_seq
+            });
+            if held {
+                query.push(("after_seq", from_start.to_string()));
+                resumed = id.map(|id| id.cursor);
+            } else {
+                query.push(("after_seq", text.to_owned()));
+                if let Some(epoch) = epoch {
+                    query.push(("epoch", epoch.to_owned()));
+                }
+            }
+        }
+    }
+    (
+        serde_urlencoded::to_string(&query).unwrap_or_default(),
+        resumed,
+    )
+}
+
+/// Answers the `/ws/hud` upgrade; the feed runs once hyper hands over the
+/// connection.
+fn upgrade(
+    mut req: Request<Incoming>,
+    ctx: &Arc<Ctx>,
+    query: HudQuery,
+    history: bool,
+) -> Response<Body> {
+    let key = req.headers().get(header::SEC_WEBSOCKET_KEY).cloned();
+    let is_upgrade = req
+        .headers()
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("websocket"));
+    let Some(key) = key.filter(|_| is_upgrade) else {
+        return error_response(
+            StatusCode::UPGRADE_REQUIRED,
+            "upgrade_required",
+            "/ws/hud sends HUD events over WebSocket; connect with a WebSocket client (or GET /v1/hud for Server-Sent Events)".into(),
+        );
+    };
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    let mut source = match HudSource::open(req, ctx, query, history) {
+        Ok(source) => source,
+        Err(resp) => return *resp,
+    };
+    let max_frame = ctx.settings.limits.max_frame_bytes;
+    let keepalive = ctx.settings.limits.sse_keepalive;
+    let cancel = ctx.cancel.clone();
+    ctx.tracker.spawn(async move {
+        let Ok(upgraded) = on_upgrade.await else {
+            return;
+        };
+        let config = WebSocketConfig::default()
+            .max_message_size(Some(max_frame))
+            .max_frame_size(Some(max_frame));
+        let ws =
+            WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(config))
+                .await;
+        let (mut sink, mut incoming) = ws.split();
+        let mut last_write = Instant::now();
+        loop {
+            let idle = last_write + keepalive;
+            tokio::select! {
+                records = source.next_records() => {
+                    let Some(records) = records else { break };
+                    for record in records {
+                        // One HUD event per text frame; the broker's own
+                        // records are for SSE readers only.
+                        if let Record::Hud { event, .. } = record {
+                            if sink.send(Message::text(event.to_string())).await.is_err() {
+                                return;
+                            }
+                            last_write = Instant::now();
+                        }
+                    }
+                }
+                msg = incoming.next() => match msg {
+                    Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
+                    Some(Ok(_)) => {}
+                },
+                _ = tokio::time::sleep_until(idle.into()) => {
+                    if sink.send(Message::Ping(Bytes::new())).await.is_err() {
+                        return;
+                    }
+                    last_write = Instant::now();
+                }
+                _ = cancel.cancelled() => break,
+            }
+        }
+        let _ = sink.close().await;
+    });
+    let mut resp = Response::new(full(Bytes::new()));
+    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let headers = resp.headers_mut();
+    headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    if let Ok(v) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) {
+        headers.insert(header::SEC_WEBSOCKET_ACCEPT, v);
+    }
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn sse_records_carry_the_id_only_when_the_event_is_logged() {
+        let records = [
+            Record::Hud {
+                id: Some("e1:7".into()),
+                event: json!({"type": "hud", "event": "turn_start"}),
+            },
+            Record::Hud {
+                id: None,
+                event: json!({"type": "hud"}),
+            },
+            Record::Broker {
+                name: "clawmux.gap".into(),
+                data: "{\"after\":1,\n\"next\":3}".into(),
+            },
+        ];
+        assert_eq!(
+            &sse_chunk(&records)[..],
+            &b"id: e1:7\ndata: {\"event\":\"turn_start\",\"type\":\"hud\"}\n\ndata: {\"type\":\"hud\"}\n\nevent: clawmux.gap\ndata: {\"after\":1, \"next\":3}\n\n"[..]
+        );
+    }
+}
