@@ -1,13 +1,15 @@
 //! `clawmux tail`: follows `/v1/events`, one readable line per event.
 //!
-//! It remembers the id of the last event it printed (`<epoch>:<cursor>`:
-//! the broker life and the cursor). When the stream drops it reconnects and
-//! resumes right after that cursor of that life, so nothing is lost or
-//! printed twice. If the broker cannot replay from there (it restarted, or
-//! the gap outgrew its replay window) the broker answers 410; tail says so on
-//! stderr and goes on from the newest event. Gaps the broker reports inside
-//! a stream (`clawmux.gap`: an upstream reconnect, or events this stream
-//! fell behind on) are said on stderr too.
+//! It follows with the one follower `top` uses too ([`super::watch::follow_with`]):
+//! when the stream drops it reconnects and resumes right after the last
+//! cursor seen, so nothing is lost or printed twice. If the broker cannot
+//! replay from there (it restarted, or the gap outgrew its replay window)
+//! the broker answers 410; tail says so on stderr and goes on with the
+//! oldest event the broker still holds (after a restart: everything the new
+//! broker logged). Gaps the broker reports inside a stream (`clawmux.gap`:
+//! an upstream reconnect, or events this stream fell behind on) are said on
+//! stderr too. `--tree`/`--hud` print the activity projection
+//! ([`crate::activity`]) instead of events.
 
 use std::collections::VecDeque;
 use std::io::Write;
@@ -248,7 +250,9 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
     let follower = tokio::spawn(follow_with(client.clone(), how, tx));
     let _stop = AbortOnDrop(follower);
     let mut connected_before = false;
-    let mut lost_said = false;
+    // What tail last said about a lost stream (each attempt while the
+    // broker is away says the same: once is enough).
+    let mut lost_said: Option<String> = None;
     let mut stdout = std::io::stdout();
     loop {
         let next = match &backlog {
@@ -275,7 +279,7 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
                     ));
                 }
                 connected_before = true;
-                lost_said = false;
+                lost_said = None;
                 if backlog
                     .as_ref()
                     .is_some_and(|b| after.unwrap_or(0) >= b.end)
@@ -285,12 +289,12 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
                 continue;
             }
             Feed::Lost(why) => {
-                if !lost_said {
+                if lost_said.as_deref() != Some(why.as_str()) {
                     note(&format!(
                         "{why} ({}); reconnecting…",
                         client.socket().display()
                     ));
-                    lost_said = true;
+                    lost_said = Some(why);
                 }
                 continue;
             }

@@ -266,11 +266,7 @@ pub async fn follow_with(client: BrokerClient, how: Follow, tx: mpsc::Sender<Fee
                 return;
             }
         }
-        if tx
-            .send(Feed::Lost("lost the event stream; reconnecting".into()))
-            .await
-            .is_err()
-        {
+        if tx.send(Feed::Lost("lost the stream".into())).await.is_err() {
             return;
         }
     }

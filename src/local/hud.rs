@@ -348,6 +348,12 @@ impl HudSource {
         for item in batch {
             match item {
                 Outgoing::Frame(bytes) => {
+                    // Only requests matter; answers (some large) are not
+                    // parsed. The tap writes `dir` first (serde_json's
+                    // sorted keys).
+                    if !bytes.starts_with(br#"{"dir":"out""#) {
+                        continue;
+                    }
                     let Ok(record) = serde_json::from_slice::<Value>(&bytes) else {
                         continue;
                     };
