@@ -625,7 +625,10 @@ mod tests {
         assert!(wb.newest_seq > wa.newest_seq, "{wa:?} {wb:?}");
         assert!(wb.newest_seq < 1 << 53, "exact in JavaScript");
         // An earlier life's cursor is gone here, never misread.
-        assert_eq!(b.after(&at(&b, wa.newest_seq)).err(), Some(Unresumable::Evicted));
+        assert_eq!(
+            b.after(&at(&b, wa.newest_seq)).err(),
+            Some(Unresumable::Evicted)
+        );
         assert!(b.after(&at(&b, wb.newest_seq)).unwrap().is_empty());
     }
 

@@ -283,8 +283,8 @@ pub fn open(path: &Path, limits: ReplayLimits) -> Result<Opened, String> {
     let dir = path.parent().unwrap_or(Path::new("."));
     ensure_private_dir(dir).map_err(|e| e.to_string())?;
     let lock_path = path.with_extension("lock");
-    let lock =
-        open_private(&lock_path, true, false).map_err(|e| format!("{}: {e}", lock_path.display()))?;
+    let lock = open_private(&lock_path, true, false)
+        .map_err(|e| format!("{}: {e}", lock_path.display()))?;
     // The previous life's writer holds the lock until its last fsync.
     let deadline = Instant::now() + LOCK_WAIT;
     while let Err(e) =
@@ -491,7 +491,9 @@ impl Writer {
             self.mirror_lines -= old.line as u64;
             self.floor = old.head.cursor();
         }
-        self.mirror.back().is_some_and(|k| k.head.cursor() == cursor)
+        self.mirror
+            .back()
+            .is_some_and(|k| k.head.cursor() == cursor)
     }
 
     /// Replaces the file with the floor and what the mirror keeps.
@@ -535,7 +537,10 @@ impl Writer {
 
     fn flush(&mut self, stop: bool) -> io::Result<()> {
         if !self.buf.is_empty() {
-            let file = self.file.as_mut().ok_or_else(|| io::Error::other("closed"))?;
+            let file = self
+                .file
+                .as_mut()
+                .ok_or_else(|| io::Error::other("closed"))?;
             file.write_all(&self.buf)?;
             self.file_len += self.buf.len() as u64;
             self.buf.clear();
@@ -652,7 +657,10 @@ mod tests {
     #[test]
     fn file_names_differ_by_socket() {
         let a = file_name(Path::new("/run/a.sock"));
-        assert!(a.starts_with("replay-") && a.ends_with(".jsonl") && a.len() == 29, "{a}");
+        assert!(
+            a.starts_with("replay-") && a.ends_with(".jsonl") && a.len() == 29,
+            "{a}"
+        );
         assert_ne!(a, file_name(Path::new("/run/b.sock")));
     }
 }
