@@ -346,8 +346,11 @@ impl Opened {
             last_sync: Instant::now(),
             buf: Vec::new(),
         };
+        let mut line = Vec::new();
         for (head, ts) in kept {
-            writer.keep(head, ts);
+            line.clear();
+            event_line(&mut line, &head, ts);
+            writer.keep(head, ts, line.len());
         }
         writer
             .rewrite()
@@ -470,17 +473,12 @@ struct Writer {
 impl Writer {
     /// Adds an event to the mirror and evicts as the ring does; false when
     /// the event itself did not stay (it is larger than the limits).
-    fn keep(&mut self, head: EventHead, ts: u64) -> bool {
+    /// `line`: the bytes of its line in the file.
+    fn keep(&mut self, head: EventHead, ts: u64, line: usize) -> bool {
         let cursor = head.cursor();
-        let mut line = Vec::new();
-        event_line(&mut line, &head, ts);
         self.mirror_bytes += head.len();
-        self.mirror_lines += line.len() as u64;
-        self.mirror.push_back(Kept {
-            head,
-            ts,
-            line: line.len(),
-        });
+        self.mirror_lines += line as u64;
+        self.mirror.push_back(Kept { head, ts, line });
         while self.mirror.len() > self.limits.max_events
             || self.mirror_bytes > self.limits.max_bytes
         {
@@ -516,9 +514,12 @@ impl Writer {
         match record {
             Record::Event(head) => {
                 let ts = now_ms();
-                if self.keep(head.clone(), ts) {
-                    event_line(&mut self.buf, &head, ts);
-                } else {
+                let start = self.buf.len();
+                event_line(&mut self.buf, &head, ts);
+                let line = self.buf.len() - start;
+                if !self.keep(head, ts, line) {
+                    // Too large to keep: a floor record instead.
+                    self.buf.truncate(start);
                     floor_line(&mut self.buf, self.floor);
                 }
                 false
