@@ -192,14 +192,30 @@ async fn only_cursors_gone_or_never_handed_out_get_410() {
     }
     for path in [
         format!("/v1/events?after_seq={}", oldest - 1),
+        format!("/v1/events?after_seq={}&epoch={epoch}", oldest - 1),
+        format!("/v1/events?after_seq={epoch}:{}", oldest - 1),
+        format!("/v1/events?epoch={epoch}"),
+    ] {
+        assert!(
+            open_events(&h.socket(), &path, &[]).await.is_ok(),
+            "{path}: the oldest resumable cursor is oldest_seq - 1"
+        );
+    }
+    // A life the log does not remember (e.g. an older clawmux whose
+    // cursors restarted at 1): its cursors mean nothing here, said clearly.
+    for path in [
         format!("/v1/events?after_seq={}&epoch=another-life", oldest - 1),
         format!("/v1/events?after_seq=another-life:{}", oldest - 1),
         "/v1/events?epoch=another-life".to_owned(),
     ] {
+        let (status, body) = gone(path.clone()).await;
+        assert_eq!(status, 410, "{path}");
+        let message = body["error"]["message"].as_str().unwrap();
         assert!(
-            open_events(&h.socket(), &path, &[]).await.is_ok(),
-            "{path}: the oldest resumable cursor is oldest_seq - 1, whatever the epoch"
+            message.contains("epoch another-life is not a broker life this replay log remembers"),
+            "{path}: {message}"
         );
+        assert_eq!(body["error"]["details"]["oldest_seq"], oldest, "{path}");
     }
 }
 

@@ -92,12 +92,25 @@ fn event_line(out: &mut Vec<u8>, head: &EventHead, ts: u64) {
     out.extend_from_slice(b"}\n");
 }
 
-fn floor_line(out: &mut Vec<u8>, floor: u64) {
-    let _ = writeln!(out, r#"{{"v":{FORMAT},"floor":{floor}}}"#);
+fn floor_line(out: &mut Vec<u8>, floor: u64, lives: &[String]) {
+    let lives = serde_json::to_string(lives).unwrap_or_else(|_| "[]".into());
+    let _ = writeln!(out, r#"{{"v":{FORMAT},"floor":{floor},"lives":{lives}}}"#);
 }
 
 fn stop_line(out: &mut Vec<u8>, newest: u64, ts: u64) {
     let _ = writeln!(out, r#"{{"stop":{newest},"ts":{ts}}}"#);
+}
+
+/// The broker lives (epochs) a log remembers, newest last: enough to tell
+/// an old-style `<epoch>:<cursor>` id of this log from a stranger's.
+pub const MAX_LIVES: usize = 32;
+
+/// Adds `epoch` to `lives` (newest last, at most [`MAX_LIVES`]).
+pub fn remember(lives: &mut Vec<String>, epoch: &str) {
+    lives.retain(|e| e != epoch);
+    lives.push(epoch.to_owned());
+    let over = lives.len().saturating_sub(MAX_LIVES);
+    lives.drain(..over);
 }
 
 /// What a previous life left in the file.
@@ -120,6 +133,8 @@ pub struct Loaded {
     pub bad_lines: usize,
     /// Bytes at the start left unread (the file was over the read cap).
     pub skipped_bytes: u64,
+    /// The broker lives that wrote the file, oldest first.
+    pub lives: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -130,6 +145,7 @@ struct Line<'a> {
     frame: Option<&'a RawValue>,
     floor: Option<u64>,
     stop: Option<u64>,
+    lives: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -194,8 +210,12 @@ fn record(loaded: &mut Loaded, line: &[u8]) -> bool {
         Line {
             floor: Some(floor),
             seq: None,
+            lives,
             ..
         } => {
+            for life in lives.iter().flatten() {
+                remember(&mut loaded.lives, life);
+            }
             loaded.floor = loaded.floor.max(floor);
             loaded.newest = loaded.newest.max(floor);
             let keep = loaded.events.partition_point(|(e, _)| e.cursor() <= floor);
@@ -331,6 +351,7 @@ impl Opened {
         limits: ReplayLimits,
         floor: u64,
         kept: Vec<(EventHead, u64)>,
+        lives: Vec<String>,
     ) -> Result<Persist, String> {
         let mut writer = Writer {
             _lock: self.lock,
@@ -342,6 +363,7 @@ impl Opened {
             mirror_bytes: 0,
             mirror_lines: 0,
             floor,
+            lives,
             dirty: false,
             last_sync: Instant::now(),
             buf: Vec::new(),
@@ -465,6 +487,8 @@ struct Writer {
     /// Their lines' bytes in the file.
     mirror_lines: u64,
     floor: u64,
+    /// Written with every floor record (the first line of each rewrite).
+    lives: Vec<String>,
     dirty: bool,
     last_sync: Instant,
     buf: Vec<u8>,
@@ -497,7 +521,7 @@ impl Writer {
     /// Replaces the file with the floor and what the mirror keeps.
     fn rewrite(&mut self) -> io::Result<()> {
         let mut out = Vec::with_capacity(self.mirror_lines as usize + 32);
-        floor_line(&mut out, self.floor);
+        floor_line(&mut out, self.floor, &self.lives);
         for k in &self.mirror {
             event_line(&mut out, &k.head, k.ts);
         }
@@ -520,7 +544,7 @@ impl Writer {
                 if !self.keep(head, ts, line) {
                     // Too large to keep: a floor record instead.
                     self.buf.truncate(start);
-                    floor_line(&mut self.buf, self.floor);
+                    floor_line(&mut self.buf, self.floor, &self.lives);
                 }
                 false
             }
@@ -606,13 +630,14 @@ mod tests {
     #[test]
     fn lines_round_trip_and_a_torn_tail_is_dropped() {
         let mut out = Vec::new();
-        floor_line(&mut out, 2);
+        floor_line(&mut out, 2, &["a".into(), "b".into()]);
         for n in [3, 4, 6] {
             event_line(&mut out, &event(n), 100 + n);
         }
         let whole = parse(&out, false);
         assert_eq!(whole.bad_lines, 0);
         assert_eq!((whole.floor, whole.newest), (2, 6));
+        assert_eq!(whole.lives, ["a", "b"]);
         let cursors: Vec<u64> = whole.events.iter().map(|(e, _)| e.cursor()).collect();
         assert_eq!(cursors, [3, 4, 6]);
         assert_eq!(whole.events[2].0.without_seq(), event(6).without_seq());
@@ -645,7 +670,7 @@ mod tests {
         for n in 1..=4 {
             event_line(&mut out, &event(n), n);
         }
-        floor_line(&mut out, 3);
+        floor_line(&mut out, 3, &[]);
         event_line(&mut out, &event(7), 7);
         let all = parse(&out, false);
         let cursors: Vec<u64> = all.events.iter().map(|(e, _)| e.cursor()).collect();
@@ -653,6 +678,18 @@ mod tests {
         let cut = parse(&out[10..], true);
         assert_eq!(cut.bad_lines, 0);
         assert!(cut.skipped_bytes > 0);
+    }
+
+    #[test]
+    fn lives_are_remembered_newest_last_and_bounded() {
+        let mut lives = Vec::new();
+        for n in 0..40 {
+            remember(&mut lives, &format!("e{n}"));
+        }
+        remember(&mut lives, "e20");
+        assert_eq!(lives.len(), MAX_LIVES);
+        assert_eq!(lives.last().unwrap(), "e20");
+        assert_eq!(lives[0], "e8");
     }
 
     #[test]
