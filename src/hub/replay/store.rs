@@ -692,6 +692,32 @@ mod tests {
         assert_eq!(lives[0], "e8");
     }
 
+    /// The hub's side never waits for the disk: with the writer stuck (a
+    /// full channel), sending returns at once and leaves the event out.
+    #[test]
+    fn a_full_channel_never_blocks_the_hub() {
+        let (tx, rx) = std::sync::mpsc::sync_channel(2);
+        let mut sink = Sink { tx, full: false };
+        let started = Instant::now();
+        for n in 1..=1000 {
+            assert!(sink.send(&event(n)), "the writer is alive");
+        }
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(sink.full);
+        let queued: Vec<u64> = rx
+            .try_iter()
+            .map(|r| match r {
+                Record::Event(h) => h.cursor(),
+                Record::Stop(_) => 0,
+            })
+            .collect();
+        assert_eq!(queued, [1, 2]);
+        assert!(sink.send(&event(1001)), "room again");
+        assert!(!sink.full);
+        drop(rx);
+        assert!(!sink.send(&event(1002)), "the writer is gone");
+    }
+
     #[test]
     fn file_names_differ_by_socket() {
         let a = file_name(Path::new("/run/a.sock"));
