@@ -890,9 +890,12 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
     set!(lim.request_burst, "limits", request_burst, positive);
     set!(lim.replay_max_events, "limits", replay_max_events, any);
     set!(lim.replay_max_bytes, "limits", replay_max_bytes, any);
-    set!(lim.replay_persist, "limits", replay_persist, |_: &str, v: bool| {
-        Ok::<_, String>(v)
-    });
+    set!(
+        lim.replay_persist,
+        "limits",
+        replay_persist,
+        |_: &str, v: bool| { Ok::<_, String>(v) }
+    );
     set!(
         lim.sse_keepalive,
         "limits",

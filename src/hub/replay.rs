@@ -127,20 +127,30 @@ impl std::fmt::Display for EventId {
 pub struct ResumePoint {
     /// Resume after this cursor (exclusive); `None`: from now on.
     pub cursor: Option<u64>,
+    /// The broker lives the request names (an old-style id's, `epoch=`):
+    /// each must be one this log remembers, else its cursor could be a
+    /// stranger's (an older clawmux's, whose cursors restarted at 1).
+    pub lives: Vec<String>,
 }
 
 impl ResumePoint {
     /// `last_event_id` wins over `after_seq`: a reconnecting `EventSource`
-    /// repeats its original URL and adds the last id it saw. `epoch` (the
-    /// `epoch=` parameter, or the life in an old-style id) is information
-    /// only: cursors are durable, so every broker life reads them alike.
+    /// repeats its original URL and adds the last id it saw. A life named
+    /// (`epoch=`, or the life in an old-style id) only has to be one of
+    /// this log's: cursors are durable, so every life of the log reads them alike.
     pub fn new(
         last_event_id: Option<EventId>,
         after_seq: Option<EventId>,
-        _epoch: Option<String>,
+        epoch: Option<String>,
     ) -> Self {
+        let id = last_event_id.or(after_seq);
         ResumePoint {
-            cursor: last_event_id.or(after_seq).map(|id| id.cursor),
+            cursor: id.as_ref().map(|id| id.cursor),
+            lives: id
+                .and_then(|id| id.epoch)
+                .into_iter()
+                .chain(epoch)
+                .collect(),
         }
     }
 }
@@ -153,6 +163,9 @@ pub enum Unresumable {
     Evicted,
     /// No broker life handed out this cursor (it is newer than the newest).
     Future,
+    /// The request names a broker life this log does not remember (an
+    /// older clawmux without durable cursors, or another state dir).
+    UnknownLife(String),
 }
 
 /// A stream that cannot start: the client reloads `/v1/state` and streams
@@ -182,6 +195,11 @@ impl std::fmt::Display for ReplayUnavailable {
                 f,
                 "the cursor is newer than the newest the broker has handed out ({})",
                 w.newest_seq
+            )?,
+            Unresumable::UnknownLife(e) => write!(
+                f,
+                "epoch {e} is not a broker life this replay log remembers (an older clawmux, or another state dir), so its cursors mean nothing here; cursors are plain numbers now (this broker is epoch {})",
+                w.epoch
             )?,
         }
         write!(f, "; reload /v1/state and stream after its newest_seq")
@@ -222,6 +240,8 @@ pub struct ReplayLog {
     floor: u64,
     /// The file the log is kept in, when it is.
     persist: Option<store::Persist>,
+    /// The broker lives whose cursors this log holds, this one last.
+    lives: Vec<String>,
 }
 
 impl Default for ReplayLog {
@@ -238,8 +258,10 @@ impl ReplayLog {
     }
 
     fn starting_at(limits: ReplayLimits, base: u64) -> Self {
+        let epoch = format!("{:016x}", rand::random::<u64>());
         ReplayLog {
-            epoch: format!("{:016x}", rand::random::<u64>()).into(),
+            lives: vec![epoch.clone()],
+            epoch: epoch.into(),
             limits,
             events: VecDeque::new(),
             bytes: 0,
@@ -272,6 +294,9 @@ impl ReplayLog {
         };
         let loaded = std::mem::take(&mut opened.loaded);
         let mut log = ReplayLog::starting_at(limits, loaded.floor);
+        let mut lives = loaded.lives.clone();
+        store::remember(&mut lives, &log.epoch);
+        log.lives = lives;
         for (head, _) in &loaded.events {
             log.push(head.clone());
         }
@@ -300,7 +325,7 @@ impl ReplayLog {
             .into_iter()
             .filter(|(head, _)| head.cursor() > log.floor)
             .collect();
-        match opened.start(limits, log.floor, kept) {
+        match opened.start(limits, log.floor, kept, log.lives.clone()) {
             Ok(persist) => log.persist = Some(persist),
             Err(why) => {
                 tracing::warn!(%why, "replay log: cannot write the file; history will not survive a restart")
@@ -383,6 +408,9 @@ impl ReplayLog {
     /// The events to send first to a stream starting at `from`: those after
     /// its cursor (none for a stream from now), if the log holds them all.
     pub fn after(&self, from: &ResumePoint) -> Result<Vec<EventHead>, Unresumable> {
+        if let Some(stranger) = from.lives.iter().find(|e| !self.lives.contains(e)) {
+            return Err(Unresumable::UnknownLife(stranger.clone()));
+        }
         let Some(cursor) = from.cursor else {
             return Ok(Vec::new());
         };
@@ -532,6 +560,7 @@ mod tests {
     fn at(_log: &ReplayLog, cursor: u64) -> ResumePoint {
         ResumePoint {
             cursor: Some(cursor),
+            lives: vec![],
         }
     }
 
@@ -579,11 +608,14 @@ mod tests {
     }
 
     #[test]
-    fn resume_points_take_the_header_first_and_ignore_lives() {
+    fn resume_points_take_the_header_first_and_collect_lives() {
         let p = ResumePoint::new(Some(id("a:7")), Some(id("b:3")), Some("c".into()));
-        assert_eq!(p.cursor, Some(7));
-        let p = ResumePoint::new(None, Some(id("3")), Some("c".into()));
-        assert_eq!(p.cursor, Some(3));
+        assert_eq!(
+            (p.cursor, &p.lives[..]),
+            (Some(7), &["a".to_owned(), "c".to_owned()][..])
+        );
+        let p = ResumePoint::new(None, Some(id("3")), None);
+        assert_eq!((p.cursor, p.lives.is_empty()), (Some(3), true));
         assert_eq!(ResumePoint::new(None, None, None), ResumePoint::default());
     }
 
@@ -625,8 +657,21 @@ mod tests {
         assert!(wb.newest_seq > wa.newest_seq, "{wa:?} {wb:?}");
         assert!(wb.newest_seq < 1 << 53, "exact in JavaScript");
         // An earlier life's cursor is gone here, never misread.
-        assert_eq!(b.after(&at(&b, wa.newest_seq)).err(), Some(Unresumable::Evicted));
+        assert_eq!(
+            b.after(&at(&b, wa.newest_seq)).err(),
+            Some(Unresumable::Evicted)
+        );
         assert!(b.after(&at(&b, wb.newest_seq)).unwrap().is_empty());
+        // A life it does not know is refused, whatever the cursor; its own is fine.
+        let named = |life: &str| ResumePoint {
+            cursor: Some(wb.newest_seq),
+            lives: vec![life.to_owned()],
+        };
+        assert_eq!(
+            b.after(&named(&wa.epoch)).err(),
+            Some(Unresumable::UnknownLife(wa.epoch.to_string()))
+        );
+        assert!(b.after(&named(&wb.epoch)).is_ok());
     }
 
     #[test]
@@ -705,7 +750,12 @@ mod tests {
             old.contains("no longer held") && old.contains("10..=20") && old.contains("oldest_seq"),
             "{old}"
         );
-        for m in [future, old] {
+        let stranger = msg(Some(3), Unresumable::UnknownLife("e1".into()));
+        assert!(
+            stranger.contains("epoch e1 is not a broker life"),
+            "{stranger}"
+        );
+        for m in [future, old, stranger] {
             assert!(
                 m.ends_with("reload /v1/state and stream after its newest_seq"),
                 "{m}"

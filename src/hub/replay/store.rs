@@ -92,12 +92,25 @@ fn event_line(out: &mut Vec<u8>, head: &EventHead, ts: u64) {
     out.extend_from_slice(b"}\n");
 }
 
-fn floor_line(out: &mut Vec<u8>, floor: u64) {
-    let _ = writeln!(out, r#"{{"v":{FORMAT},"floor":{floor}}}"#);
+fn floor_line(out: &mut Vec<u8>, floor: u64, lives: &[String]) {
+    let lives = serde_json::to_string(lives).unwrap_or_else(|_| "[]".into());
+    let _ = writeln!(out, r#"{{"v":{FORMAT},"floor":{floor},"lives":{lives}}}"#);
 }
 
 fn stop_line(out: &mut Vec<u8>, newest: u64, ts: u64) {
     let _ = writeln!(out, r#"{{"stop":{newest},"ts":{ts}}}"#);
+}
+
+/// The broker lives (epochs) a log remembers, newest last: enough to tell
+/// an old-style `<epoch>:<cursor>` id of this log from a stranger's.
+pub const MAX_LIVES: usize = 32;
+
+/// Adds `epoch` to `lives` (newest last, at most [`MAX_LIVES`]).
+pub fn remember(lives: &mut Vec<String>, epoch: &str) {
+    lives.retain(|e| e != epoch);
+    lives.push(epoch.to_owned());
+    let over = lives.len().saturating_sub(MAX_LIVES);
+    lives.drain(..over);
 }
 
 /// What a previous life left in the file.
@@ -120,6 +133,8 @@ pub struct Loaded {
     pub bad_lines: usize,
     /// Bytes at the start left unread (the file was over the read cap).
     pub skipped_bytes: u64,
+    /// The broker lives that wrote the file, oldest first.
+    pub lives: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -130,6 +145,7 @@ struct Line<'a> {
     frame: Option<&'a RawValue>,
     floor: Option<u64>,
     stop: Option<u64>,
+    lives: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -194,8 +210,12 @@ fn record(loaded: &mut Loaded, line: &[u8]) -> bool {
         Line {
             floor: Some(floor),
             seq: None,
+            lives,
             ..
         } => {
+            for life in lives.iter().flatten() {
+                remember(&mut loaded.lives, life);
+            }
             loaded.floor = loaded.floor.max(floor);
             loaded.newest = loaded.newest.max(floor);
             let keep = loaded.events.partition_point(|(e, _)| e.cursor() <= floor);
@@ -283,8 +303,8 @@ pub fn open(path: &Path, limits: ReplayLimits) -> Result<Opened, String> {
     let dir = path.parent().unwrap_or(Path::new("."));
     ensure_private_dir(dir).map_err(|e| e.to_string())?;
     let lock_path = path.with_extension("lock");
-    let lock =
-        open_private(&lock_path, true, false).map_err(|e| format!("{}: {e}", lock_path.display()))?;
+    let lock = open_private(&lock_path, true, false)
+        .map_err(|e| format!("{}: {e}", lock_path.display()))?;
     // The previous life's writer holds the lock until its last fsync.
     let deadline = Instant::now() + LOCK_WAIT;
     while let Err(e) =
@@ -331,6 +351,7 @@ impl Opened {
         limits: ReplayLimits,
         floor: u64,
         kept: Vec<(EventHead, u64)>,
+        lives: Vec<String>,
     ) -> Result<Persist, String> {
         let mut writer = Writer {
             _lock: self.lock,
@@ -342,12 +363,16 @@ impl Opened {
             mirror_bytes: 0,
             mirror_lines: 0,
             floor,
+            lives,
             dirty: false,
             last_sync: Instant::now(),
             buf: Vec::new(),
         };
+        let mut line = Vec::new();
         for (head, ts) in kept {
-            writer.keep(head, ts);
+            line.clear();
+            event_line(&mut line, &head, ts);
+            writer.keep(head, ts, line.len());
         }
         writer
             .rewrite()
@@ -462,6 +487,8 @@ struct Writer {
     /// Their lines' bytes in the file.
     mirror_lines: u64,
     floor: u64,
+    /// Written with every floor record (the first line of each rewrite).
+    lives: Vec<String>,
     dirty: bool,
     last_sync: Instant,
     buf: Vec<u8>,
@@ -470,17 +497,12 @@ struct Writer {
 impl Writer {
     /// Adds an event to the mirror and evicts as the ring does; false when
     /// the event itself did not stay (it is larger than the limits).
-    fn keep(&mut self, head: EventHead, ts: u64) -> bool {
+    /// `line`: the bytes of its line in the file.
+    fn keep(&mut self, head: EventHead, ts: u64, line: usize) -> bool {
         let cursor = head.cursor();
-        let mut line = Vec::new();
-        event_line(&mut line, &head, ts);
         self.mirror_bytes += head.len();
-        self.mirror_lines += line.len() as u64;
-        self.mirror.push_back(Kept {
-            head,
-            ts,
-            line: line.len(),
-        });
+        self.mirror_lines += line as u64;
+        self.mirror.push_back(Kept { head, ts, line });
         while self.mirror.len() > self.limits.max_events
             || self.mirror_bytes > self.limits.max_bytes
         {
@@ -491,13 +513,15 @@ impl Writer {
             self.mirror_lines -= old.line as u64;
             self.floor = old.head.cursor();
         }
-        self.mirror.back().is_some_and(|k| k.head.cursor() == cursor)
+        self.mirror
+            .back()
+            .is_some_and(|k| k.head.cursor() == cursor)
     }
 
     /// Replaces the file with the floor and what the mirror keeps.
     fn rewrite(&mut self) -> io::Result<()> {
         let mut out = Vec::with_capacity(self.mirror_lines as usize + 32);
-        floor_line(&mut out, self.floor);
+        floor_line(&mut out, self.floor, &self.lives);
         for k in &self.mirror {
             event_line(&mut out, &k.head, k.ts);
         }
@@ -514,10 +538,13 @@ impl Writer {
         match record {
             Record::Event(head) => {
                 let ts = now_ms();
-                if self.keep(head.clone(), ts) {
-                    event_line(&mut self.buf, &head, ts);
-                } else {
-                    floor_line(&mut self.buf, self.floor);
+                let start = self.buf.len();
+                event_line(&mut self.buf, &head, ts);
+                let line = self.buf.len() - start;
+                if !self.keep(head, ts, line) {
+                    // Too large to keep: a floor record instead.
+                    self.buf.truncate(start);
+                    floor_line(&mut self.buf, self.floor, &self.lives);
                 }
                 false
             }
@@ -535,7 +562,10 @@ impl Writer {
 
     fn flush(&mut self, stop: bool) -> io::Result<()> {
         if !self.buf.is_empty() {
-            let file = self.file.as_mut().ok_or_else(|| io::Error::other("closed"))?;
+            let file = self
+                .file
+                .as_mut()
+                .ok_or_else(|| io::Error::other("closed"))?;
             file.write_all(&self.buf)?;
             self.file_len += self.buf.len() as u64;
             self.buf.clear();
@@ -600,13 +630,14 @@ mod tests {
     #[test]
     fn lines_round_trip_and_a_torn_tail_is_dropped() {
         let mut out = Vec::new();
-        floor_line(&mut out, 2);
+        floor_line(&mut out, 2, &["a".into(), "b".into()]);
         for n in [3, 4, 6] {
             event_line(&mut out, &event(n), 100 + n);
         }
         let whole = parse(&out, false);
         assert_eq!(whole.bad_lines, 0);
         assert_eq!((whole.floor, whole.newest), (2, 6));
+        assert_eq!(whole.lives, ["a", "b"]);
         let cursors: Vec<u64> = whole.events.iter().map(|(e, _)| e.cursor()).collect();
         assert_eq!(cursors, [3, 4, 6]);
         assert_eq!(whole.events[2].0.without_seq(), event(6).without_seq());
@@ -639,7 +670,7 @@ mod tests {
         for n in 1..=4 {
             event_line(&mut out, &event(n), n);
         }
-        floor_line(&mut out, 3);
+        floor_line(&mut out, 3, &[]);
         event_line(&mut out, &event(7), 7);
         let all = parse(&out, false);
         let cursors: Vec<u64> = all.events.iter().map(|(e, _)| e.cursor()).collect();
@@ -650,9 +681,50 @@ mod tests {
     }
 
     #[test]
+    fn lives_are_remembered_newest_last_and_bounded() {
+        let mut lives = Vec::new();
+        for n in 0..40 {
+            remember(&mut lives, &format!("e{n}"));
+        }
+        remember(&mut lives, "e20");
+        assert_eq!(lives.len(), MAX_LIVES);
+        assert_eq!(lives.last().unwrap(), "e20");
+        assert_eq!(lives[0], "e8");
+    }
+
+    /// The hub's side never waits for the disk: with the writer stuck (a
+    /// full channel), sending returns at once and leaves the event out.
+    #[test]
+    fn a_full_channel_never_blocks_the_hub() {
+        let (tx, rx) = std::sync::mpsc::sync_channel(2);
+        let mut sink = Sink { tx, full: false };
+        let started = Instant::now();
+        for n in 1..=1000 {
+            assert!(sink.send(&event(n)), "the writer is alive");
+        }
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(sink.full);
+        let queued: Vec<u64> = rx
+            .try_iter()
+            .map(|r| match r {
+                Record::Event(h) => h.cursor(),
+                Record::Stop(_) => 0,
+            })
+            .collect();
+        assert_eq!(queued, [1, 2]);
+        assert!(sink.send(&event(1001)), "room again");
+        assert!(!sink.full);
+        drop(rx);
+        assert!(!sink.send(&event(1002)), "the writer is gone");
+    }
+
+    #[test]
     fn file_names_differ_by_socket() {
         let a = file_name(Path::new("/run/a.sock"));
-        assert!(a.starts_with("replay-") && a.ends_with(".jsonl") && a.len() == 29, "{a}");
+        assert!(
+            a.starts_with("replay-") && a.ends_with(".jsonl") && a.len() == 29,
+            "{a}"
+        );
         assert_ne!(a, file_name(Path::new("/run/b.sock")));
     }
 }
