@@ -1,6 +1,16 @@
 //! A minimal HTTP/1.1 client for the broker's unix socket: one connection
 //! per request (the commands make one or two), hyper's client connection
 //! over a `tokio::net::UnixStream`.
+//!
+//! Why not `hyperlocal` (the usual crate for this): before sending a byte,
+//! the CLI checks on the very connection it will use that the process
+//! serving the socket runs as this user (`SO_PEERCRED`, see
+//! [`BrokerClient::check_it_is_ours`]). hyperlocal's `UnixConnector` keeps
+//! its `UnixStream` private and hyper-util's pooled client never hands it
+//! out, so that check would need a second connection (a window for another
+//! process to take the path in between) or a connector of our own, which is
+//! what the few lines of `send` are. No pool is needed for one or two
+//! requests.
 
 use std::io::ErrorKind;
 use std::os::unix::fs::MetadataExt;
