@@ -25,3 +25,13 @@ trap 'rm -rf "$root"' EXIT
 dpkg -x "$deb" "$root"
 version=$("$root/usr/bin/clawmux" --version)
 echo "deb: $deb ($(du -h "$deb" | cut -f1)): $version from $root/usr/bin/clawmux"
+# The size the README states must be the built one (within 10 %).
+stated=$(tr '\n' ' ' < README.md | grep -o 'binary is [0-9.]* MiB' | grep -o '[0-9.]*')
+actual=$(stat -c %s "$target/release/clawmux")
+python3 - "$stated" "$actual" <<'PY'
+import sys
+stated, actual = float(sys.argv[1]), int(sys.argv[2]) / 2**20
+if abs(actual - stated) > 0.1 * stated:
+    sys.exit(f"README says the binary is {stated} MiB; the release binary is {actual:.1f} MiB: update README.md and docs/src/benchmarks.md")
+print(f"deb: binary {actual:.1f} MiB, README says {stated} MiB")
+PY

@@ -82,9 +82,10 @@ pub fn user_manager_present() -> Result<(), String> {
         }
     };
     let candidates = [runtime.join("systemd/private"), runtime.join("bus")];
-    if candidates.iter().any(|p| {
-        fs::metadata(p).is_ok_and(|m| m.file_type().is_socket())
-    }) {
+    if candidates
+        .iter()
+        .any(|p| fs::metadata(p).is_ok_and(|m| m.file_type().is_socket()))
+    {
         return Ok(());
     }
     Err(format!(

@@ -148,8 +148,7 @@ async fn run_example(home: &TestHome, with_xdg: bool, ex: &Example) -> Option<St
     let (program, args): (&str, Vec<String>) = match ex.lang.as_str() {
         "sh" => {
             for tool in ["curl", "jq"] {
-                if ex.code.contains(&format!("{tool} ")) && !available(tool, &["--version"]).await
-                {
+                if ex.code.contains(&format!("{tool} ")) && !available(tool, &["--version"]).await {
                     skip(&format!("{tool} not installed"), ex);
                     return None;
                 }

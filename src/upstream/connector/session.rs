@@ -230,7 +230,12 @@ impl Connector {
             let _ =
                 tokio::time::timeout(CLOSE_TIMEOUT, sink.send(Message::Close(Some(frame)))).await;
         }
-        tracing::warn!(generation, "upstream session ended: {end_reason}");
+        if cancelled {
+            // Our own stop (Ctrl-C, SIGTERM): expected, not a warning.
+            tracing::info!(generation, "upstream session ended: {end_reason}");
+        } else {
+            tracing::warn!(generation, "upstream session ended: {end_reason}");
+        }
         let retry_ms = crate::upstream::clamp_hint(
             restart_expected.unwrap_or(self.opts.backoff_initial),
             self.opts.backoff_initial,
