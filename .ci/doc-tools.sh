@@ -1,7 +1,8 @@
 # Sourced by .ci/run: the tools the README's and the book's examples need
 # (tests/it/readme.rs fails under CI=true when one is missing): curl, jq,
 # Python with `websockets` (in a venv: a system Python refuses pip, PEP 668)
-# and Node with `ws`. Exports PATH and NODE_PATH for the test run.
+# and Node with `ws`; and man and script for the `clawmux man` test
+# (tests/it/serve_messages.rs). Exports PATH and NODE_PATH for the test run.
 tools="${CLAWMUX_CI_TOOLS:-${HOME:-/root}/.cache/clawmux-ci}"
 mkdir -p "$tools"
 apt_install() {
@@ -16,6 +17,8 @@ command -v curl >/dev/null || missing+=(curl)
 command -v jq >/dev/null || missing+=(jq)
 command -v node >/dev/null || missing+=(nodejs)
 command -v npm >/dev/null || missing+=(npm)
+command -v man >/dev/null || missing+=(man-db)
+command -v script >/dev/null || missing+=(bsdutils)
 [ ${#missing[@]} -eq 0 ] || apt_install "${missing[@]}"
 if [ ! -x "$tools/venv/bin/python3" ] || ! "$tools/venv/bin/python3" -c 'import websockets' 2>/dev/null; then
     rm -rf "$tools/venv"

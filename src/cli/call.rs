@@ -131,7 +131,7 @@ pub fn nearest<'a>(wanted: &str, known: &[&'a str]) -> Vec<&'a str> {
         .filter_map(|k| {
             let edits = strsim::damerau_levenshtein(wanted, k);
             let similar = strsim::jaro_winkler(wanted, k);
-            (edits <= 2 || similar >= 0.9).then(|| (similar - edits as f64, *k))
+            (edits <= 2 || similar >= 0.9).then_some((similar - edits as f64, *k))
         })
         .collect();
     scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(b.1)));
