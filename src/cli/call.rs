@@ -112,9 +112,13 @@ async fn unknown_method_hint(client: &super::BrokerClient, method: &str) -> Opti
     if known.contains(&method) {
         return None;
     }
-    let near = nearest(method, &known);
+    let near: Vec<String> = nearest(method, &known)
+        .into_iter()
+        .map(|m| crate::sanitize::field(m, 80).into_owned())
+        .collect();
+    let method = crate::sanitize::Shown(method);
     Some(if near.is_empty() {
-        format!("; `{method}` is not a method the gateway announced (clawmux call --json status lists the gateway's features)")
+        format!("; `{method}` is not a method the gateway announced (`/v1/state` lists them under upstream.methods)")
     } else {
         format!(
             "; `{method}` is not a method the gateway announced; did you mean {}?",

@@ -256,7 +256,7 @@ pub fn render(report: &Value, paint: &super::style::Paint) -> String {
             demo["pid"],
             text(&demo["socket"]),
             text(&demo["phase"]),
-            text(&demo["server_version"])
+            crate::sanitize::text(text(&demo["server_version"]))
         ));
         line(
             "  the settings above are what `clawmux serve` without --demo would use; stop the demo to check them against your gateway"
