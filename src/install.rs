@@ -32,6 +32,8 @@ pub enum InstallError {
     Changed(Vec<PathBuf>),
     #[error("cannot write {path}: {source}")]
     Io { path: PathBuf, source: io::Error },
+    #[error("there is no systemd user manager for you here ({0}), so `systemctl --user` cannot enable the units (it fails with \"Failed to connect to bus\"). Either:\n  - start one that runs without a login session: `loginctl enable-linger $USER` (an administrator may have to), then log in again (or `export XDG_RUNTIME_DIR=/run/user/$(id -u)`) and rerun `clawmux install-service`;\n  - or run `clawmux serve` under the supervisor you have (a system unit with User=, runit, s6, supervisord, a container's entry point): it needs no systemd.\nNothing was written (--force writes the units anyway, e.g. to prepare this home for later).")]
+    NoUserManager(String),
 }
 
 fn list(paths: &[PathBuf]) -> String {
@@ -61,6 +63,36 @@ pub enum UnitState {
     Missing,
     Unchanged,
     Differs,
+}
+
+/// Whether this user has a running systemd user manager that `systemctl
+/// --user` can reach: its private socket (`$XDG_RUNTIME_DIR/systemd/private`,
+/// which systemctl tries first) or the user bus (`$XDG_RUNTIME_DIR/bus`).
+/// Only the file system is looked at: nothing is started or asked, so a
+/// check cannot half-succeed. `Err` says why there is none.
+pub fn user_manager_present() -> Result<(), String> {
+    use std::os::unix::fs::FileTypeExt;
+    let runtime = match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if Path::new(&dir).is_absolute() => PathBuf::from(dir),
+        _ => {
+            return Err(
+                "XDG_RUNTIME_DIR is not set: no login session (su, sudo, a container, SSH without lingering?)"
+                    .into(),
+            )
+        }
+    };
+    let candidates = [runtime.join("systemd/private"), runtime.join("bus")];
+    if candidates
+        .iter()
+        .any(|p| fs::metadata(p).is_ok_and(|m| m.file_type().is_socket()))
+    {
+        return Ok(());
+    }
+    Err(format!(
+        "neither {} nor {} is a socket",
+        candidates[0].display(),
+        candidates[1].display()
+    ))
 }
 
 /// `$XDG_CONFIG_HOME` (if set and absolute, as the XDG spec requires), else `~/.config`.
@@ -168,6 +200,12 @@ pub fn install_service(opts: InstallOptions, out: &mut impl Write) -> Result<(),
     let print = |out: &mut dyn Write, text: String| {
         let _ = writeln!(out, "{text}");
     };
+    let manager = user_manager_present();
+    if let Err(why) = &manager {
+        if !opts.force && !opts.dry_run {
+            return Err(InstallError::NoUserManager(why.clone()));
+        }
+    }
     let verb = if opts.dry_run { "would be " } else { "" };
     for unit in &units {
         let what = match unit.state {
@@ -205,6 +243,16 @@ pub fn install_service(opts: InstallOptions, out: &mut impl Write) -> Result<(),
                 token.display(),
                 dir = token.parent().unwrap_or(&config).display(),
                 file = token.display(),
+            ),
+        );
+    }
+    if let Err(why) = manager {
+        print(
+            out,
+            format!(
+                "\nnote: there is no systemd user manager for you here ({why}); the steps below \
+                 fail until there is one (`loginctl enable-linger $USER`, then log in again), or run \
+                 `clawmux serve` under another supervisor"
             ),
         );
     }

@@ -163,6 +163,20 @@ impl SettingsArgs {
         Ok(resolved)
     }
 
+    /// Whether `e` is an error in clawmux's own settings: its config.toml
+    /// (unreadable, a typo, a bad value) or inconsistent limits. At start that
+    /// is a usage error (exit 2): nothing was wrong but what the user wrote.
+    /// Errors in files clawmux only borrows (Claw3D's, OpenClaw's, a systemd
+    /// credential) are served to clients instead, who learn what to fix.
+    fn is_own_config_error(&self, e: &clawmux::protocol::ErrorShape) -> bool {
+        let config = settings::config_file_path(&self.overrides(), &Env::from_process());
+        e.message.starts_with("inconsistent limits")
+            || config.is_some_and(|path| {
+                e.message
+                    .starts_with(&format!("cannot load settings from {}:", path.display()))
+            })
+    }
+
     /// Settings to serve with: resolved ones, or — when a settings file is
     /// broken — defaults that answer every connect with the load error, so
     /// the broker still runs and clients learn what to fix.
@@ -300,6 +314,11 @@ fn secs_arg(flag: &str, text: &str, zero: Zero) -> Result<Duration, String> {
     bounds::duration_secs(flag, secs, zero)
 }
 
+/// An error that ends the command with exit 2 (a usage error) rather than 1.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct UsageExit(String);
+
 fn main() -> ExitCode {
     // SAFETY: first thing in main, before anything opens a file descriptor, so
     // the descriptors systemd passed are owned by nothing else (see its docs).
@@ -326,6 +345,14 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Command::Man(args) => return man(args),
+        Command::Serve(args) if args.replay.replay.is_some() && !args.demo => {
+            <Cli as clap::CommandFactory>::command()
+                .error(
+                    clap::error::ErrorKind::MissingRequiredArgument,
+                    "--replay needs --demo: the recording is served by the demo's gateway double (clawmux serve --demo --replay FILE)",
+                )
+                .exit();
+        }
         _ => {}
     }
     let runtime = match tokio::runtime::Runtime::new() {
@@ -365,7 +392,11 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("clawmux: {e:#}");
-            ExitCode::from(1)
+            if e.downcast_ref::<UsageExit>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::from(1)
+            }
         }
     }
 }
@@ -394,6 +425,15 @@ async fn serve(
     raise_open_file_limit();
     if !args.demo {
         check_startup_token_file(&args.settings)?;
+        if let Err(e) = args.settings.resolve(&args.limits) {
+            if args.settings.is_own_config_error(&e) {
+                return Err(UsageExit(format!(
+                    "{} ({}); nothing started. `clawmux doctor` shows every setting and where it comes from",
+                    e.message, e.code
+                ))
+                .into());
+            }
+        }
     }
     let mut settings = args.settings.serve_settings(&args.limits);
     let shutdown_timeout = args.shutdown_timeout;
@@ -401,8 +441,11 @@ async fn serve(
         // The demo's throwaway gateway must not leave device tokens in your state dir.
         settings.upstream.device_identity = None;
     }
-    if args.replay.replay.is_some() && !args.demo {
-        anyhow::bail!("--replay needs --demo (serve --demo --replay FILE)");
+    let activated = activated?;
+    if args.demo && activated.is_none() {
+        // Before the double starts: a second demo on a busy socket fails
+        // here, having started nothing.
+        clawmux::local::socket::ensure_free(&settings.socket_path)?;
     }
     let _demo = if args.demo {
         let replay = args.replay.load()?;
@@ -435,7 +478,7 @@ async fn serve(
     } else {
         None
     };
-    let broker = match activated? {
+    let broker = match activated {
         Some(socket) => {
             RunningBroker::start_with_activated(settings, socket.listener, socket.others)?
         }
@@ -588,14 +631,46 @@ fn socket_path(args: &SocketPathArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// On a terminal the page is shown formatted, through `man -l -` (and its
+/// pager); piped, or where `man` is missing, it is printed as roff.
+fn show_man_page(roff: &[u8]) -> std::io::Result<()> {
+    use std::io::{IsTerminal, Write};
+    if std::io::stdout().is_terminal() {
+        let child = std::process::Command::new("man")
+            .args(["-l", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn();
+        if let Ok(mut child) = child {
+            if let Some(mut stdin) = child.stdin.take() {
+                // A pager quit early closes its input: not an error.
+                let _ = stdin.write_all(roff);
+            }
+            return child.wait().map(drop);
+        }
+    }
+    let mut out = std::io::stdout().lock();
+    out.write_all(roff).and_then(|()| out.flush())
+}
+
 /// `clawmux man`: the page for `clawmux`, or (with `--dir`) one page per command.
 fn man(args: &ManArgs) -> ExitCode {
     let command = <Cli as clap::CommandFactory>::command();
     let result = match &args.dir {
         Some(dir) => std::fs::create_dir_all(dir)
             .and_then(|()| clap_mangen::generate_to(command, dir))
-            .map(|()| eprintln!("clawmux: man pages written to {}", dir.display())),
-        None => clap_mangen::Man::new(command).render(&mut std::io::stdout()),
+            .map(|()| {
+                eprintln!(
+                    "clawmux: man pages written to {}; `man clawmux` finds them when {} is on man's search path (MANPATH)",
+                    dir.display(),
+                    dir.parent().unwrap_or(dir).display()
+                )
+            }),
+        None => {
+            let mut roff = Vec::new();
+            clap_mangen::Man::new(command)
+                .render(&mut roff)
+                .and_then(|()| show_man_page(&roff))
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

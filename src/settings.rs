@@ -432,13 +432,10 @@ fn token_from_file(path: &Path, warnings: &mut Vec<String>) -> Result<Secret, Er
     })
 }
 
-/// Resolves every setting. `Err` is a `studio.settings_load_failed` (or an
-/// unusable token file); the caller keeps serving and reports it to clients.
-pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
-    let mut warnings = Vec::new();
-    // config.toml: --config, CLAWMUX_CONFIG, else $XDG_CONFIG_HOME/clawmux/config.toml.
-    let config_path = over
-        .config
+/// clawmux's own config.toml: --config, CLAWMUX_CONFIG, else
+/// $XDG_CONFIG_HOME/clawmux/config.toml (`~/.config/…`).
+pub fn config_file_path(over: &Overrides, env: &Env) -> Option<PathBuf> {
+    over.config
         .clone()
         .or_else(|| env.get("CLAWMUX_CONFIG").map(|p| env.expand(p)))
         .or_else(|| {
@@ -447,7 +444,14 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
                 .map(PathBuf::from)
                 .or_else(|| env.home().map(|h| h.join(".config")))?;
             Some(base.join("clawmux/config.toml"))
-        });
+        })
+}
+
+/// Resolves every setting. `Err` is a `studio.settings_load_failed` (or an
+/// unusable token file); the caller keeps serving and reports it to clients.
+pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
+    let mut warnings = Vec::new();
+    let config_path = config_file_path(over, env);
     let explicit_config = over.config.is_some() || env.get("CLAWMUX_CONFIG").is_some();
     let mut file = ConfigFile::default();
     let mut config_file = None;

@@ -20,6 +20,19 @@ pub struct CallArgs {
     /// Wait for the final answer of a method that answers twice (`agent`).
     #[arg(long)]
     pub expect_final: bool,
+    /// Act with only these scopes (comma-separated, e.g. operator.read or just read), never more than the socket allows [default: all the broker's session holds].
+    #[arg(long, value_delimiter = ',', value_name = "SCOPES")]
+    pub scopes: Option<Vec<String>>,
+}
+
+/// `read` means `operator.read`; full names pass as they are.
+fn scope_name(s: &str) -> String {
+    let s = s.trim();
+    if s.contains('.') {
+        s.to_owned()
+    } else {
+        format!("operator.{s}")
+    }
 }
 
 /// Prints the payload (pretty JSON) and exits 0 on `ok`; prints the error
@@ -40,11 +53,22 @@ pub async fn run(args: CallArgs) -> Result<u8, CliError> {
     if args.expect_final {
         body["expectFinal"] = json!(true);
     }
-    let (status, res) = args
-        .broker
-        .client()
-        .json(Method::POST, "/v1/rpc", Some(&body))
-        .await?;
+    let client = args.broker.client();
+    let (status, res) = match &args.scopes {
+        None => client.json(Method::POST, "/v1/rpc", Some(&body)).await?,
+        Some(scopes) => {
+            let scopes: Vec<String> = scopes
+                .iter()
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| scope_name(s))
+                .collect();
+            // The broker narrows this request to these scopes (`X-Clawmux-Scopes`).
+            let header = [(crate::protocol::SCOPES_HEADER, scopes.join(","))];
+            client
+                .json_with(Method::POST, "/v1/rpc", &header, Some(&body))
+                .await?
+        }
+    };
     if args.json {
         super::print_line(&res.to_string());
     }
@@ -67,8 +91,79 @@ pub async fn run(args: CallArgs) -> Result<u8, CliError> {
     if let Some(details) = error.get("details") {
         message.push_str(&format!(" details: {details}"));
     }
+    if let Some(hint) = unknown_method_hint(&client, &args.method).await {
+        message.push_str(&hint);
+    }
     match status {
         StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => Err(CliError::Usage(message)),
         _ => Err(CliError::Answer(message)),
+    }
+}
+
+/// When `method` is not one the gateway announced (`hello-ok.features.methods`,
+/// from `/v1/state`): says so and names the nearest known ones.
+async fn unknown_method_hint(client: &super::BrokerClient, method: &str) -> Option<String> {
+    let (_, state) = client.json(Method::GET, "/v1/state", None).await.ok()?;
+    let known: Vec<&str> = state["upstream"]["methods"]
+        .as_array()?
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    if known.contains(&method) {
+        return None;
+    }
+    let near: Vec<String> = nearest(method, &known)
+        .into_iter()
+        .map(|m| crate::sanitize::field(m, 80).into_owned())
+        .collect();
+    let method = crate::sanitize::Shown(method);
+    Some(if near.is_empty() {
+        format!("; `{method}` is not a method the gateway announced (`/v1/state` lists them under upstream.methods)")
+    } else {
+        format!(
+            "; `{method}` is not a method the gateway announced; did you mean {}?",
+            near.join(", ")
+        )
+    })
+}
+
+/// Up to three known names nearest to `wanted`: a small edit distance, or
+/// a close Jaro-Winkler similarity (as clap's own suggestions use), best first.
+pub fn nearest<'a>(wanted: &str, known: &[&'a str]) -> Vec<&'a str> {
+    let mut scored: Vec<(f64, &str)> = known
+        .iter()
+        .filter_map(|k| {
+            let edits = strsim::damerau_levenshtein(wanted, k);
+            let similar = strsim::jaro_winkler(wanted, k);
+            (edits <= 2 || similar >= 0.9).then_some((similar - edits as f64, *k))
+        })
+        .collect();
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(b.1)));
+    scored.into_iter().take(3).map(|(_, k)| k).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_methods_are_suggested() {
+        let known = [
+            "health",
+            "status",
+            "chat.send",
+            "chat.history",
+            "sessions.list",
+        ];
+        assert_eq!(nearest("helth", &known), ["health"]);
+        assert_eq!(nearest("chat.sned", &known), ["chat.send"]);
+        assert_eq!(nearest("sessions.lst", &known), ["sessions.list"]);
+        assert!(nearest("zzzzzz", &known).is_empty());
+    }
+
+    #[test]
+    fn short_scope_names_mean_operator_scopes() {
+        assert_eq!(scope_name("read"), "operator.read");
+        assert_eq!(scope_name(" operator.admin "), "operator.admin");
     }
 }

@@ -1,6 +1,16 @@
 //! A minimal HTTP/1.1 client for the broker's unix socket: one connection
 //! per request (the commands make one or two), hyper's client connection
 //! over a `tokio::net::UnixStream`.
+//!
+//! Why not `hyperlocal` (the usual crate for this): before sending a byte,
+//! the CLI checks on the very connection it will use that the process
+//! serving the socket runs as this user (`SO_PEERCRED`, see
+//! [`BrokerClient::check_it_is_ours`]). hyperlocal's `UnixConnector` keeps
+//! its `UnixStream` private and hyper-util's pooled client never hands it
+//! out, so that check would need a second connection (a window for another
+//! process to take the path in between) or a connector of our own, which is
+//! what the few lines of `send` are. No pool is needed for one or two
+//! requests.
 
 use std::io::ErrorKind;
 use std::os::unix::fs::MetadataExt;
@@ -35,11 +45,55 @@ fn ensure_ours(what: &str, uid: u32, me: u32) -> Result<(), String> {
 #[derive(Debug, Clone)]
 pub struct BrokerClient {
     socket: PathBuf,
+    /// How the path was chosen, said when nothing answers there.
+    origin: Option<String>,
 }
 
 impl BrokerClient {
     pub fn new(socket: PathBuf) -> Self {
-        BrokerClient { socket }
+        BrokerClient {
+            socket,
+            origin: None,
+        }
+    }
+
+    /// Says how the socket path was chosen (`--socket`, config.toml, the
+    /// default with or without `XDG_RUNTIME_DIR`) when nothing answers.
+    pub fn with_origin(mut self, origin: impl Into<String>) -> Self {
+        self.origin = Some(origin.into());
+        self
+    }
+
+    /// Why nothing answered at the socket, with where it was looked for and
+    /// any clawmux socket of this user listening elsewhere (a broker started
+    /// with another `XDG_RUNTIME_DIR` or `--socket`).
+    fn not_there(&self, what: &str) -> String {
+        let mut cause = what.to_owned();
+        if let Some(origin) = &self.origin {
+            cause.push_str(&format!("; tried {} ({origin})", self.socket.display()));
+        }
+        let elsewhere = listening_clawmux_sockets(&self.socket);
+        if let Some(other) = elsewhere.first() {
+            let dir = other.parent().unwrap_or(Path::new("/"));
+            let hint = if other.file_name() == Some(std::ffi::OsStr::new("clawmux.sock")) {
+                format!(
+                    " (or `export XDG_RUNTIME_DIR={}` if the broker was started with that)",
+                    dir.display()
+                )
+            } else {
+                String::new()
+            };
+            let more = match elsewhere.len() - 1 {
+                0 => String::new(),
+                n => format!(" ({n} more listening elsewhere)"),
+            };
+            cause.push_str(&format!(
+                "; but a clawmux socket of yours is listening at {}{more}: the broker was started with another XDG_RUNTIME_DIR or --socket than this shell has; use `--socket {}`{hint}",
+                other.display(),
+                other.display()
+            ));
+        }
+        cause
     }
 
     pub fn socket(&self) -> &Path {
@@ -82,22 +136,23 @@ impl BrokerClient {
         headers: &[(&str, String)],
         body: Option<Bytes>,
     ) -> Result<Response<Incoming>, CliError> {
-        let stream = match tokio::time::timeout(CONNECT_TIMEOUT, UnixStream::connect(&self.socket))
-            .await
-        {
-            Err(_) => return Err(self.unreachable("timed out connecting")),
-            Ok(Err(e)) => {
-                return Err(self.unreachable(match e.kind() {
-                    ErrorKind::NotFound => "no socket there (is the broker running?)".to_owned(),
-                    ErrorKind::ConnectionRefused => {
-                        "nothing is listening (a stale socket?)".to_owned()
-                    }
-                    ErrorKind::PermissionDenied => "permission denied".to_owned(),
-                    _ => e.to_string(),
-                }))
-            }
-            Ok(Ok(stream)) => stream,
-        };
+        let stream =
+            match tokio::time::timeout(CONNECT_TIMEOUT, UnixStream::connect(&self.socket)).await {
+                Err(_) => return Err(self.unreachable("timed out connecting")),
+                Ok(Err(e)) => {
+                    return Err(self.unreachable(match e.kind() {
+                        ErrorKind::NotFound => {
+                            self.not_there("no socket there (is the broker running?)")
+                        }
+                        ErrorKind::ConnectionRefused => {
+                            self.not_there("nothing is listening (a stale socket?)")
+                        }
+                        ErrorKind::PermissionDenied => "permission denied".to_owned(),
+                        _ => e.to_string(),
+                    }))
+                }
+                Ok(Ok(stream)) => stream,
+            };
         self.check_it_is_ours(&stream)?;
         let (mut sender, conn) = tokio::time::timeout(
             CONNECT_TIMEOUT,
@@ -138,8 +193,19 @@ impl BrokerClient {
         path: &str,
         body: Option<&Value>,
     ) -> Result<(StatusCode, Value), CliError> {
+        self.json_with(method, path, &[], body).await
+    }
+
+    /// [`Self::json`] with extra request headers.
+    pub async fn json_with(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, String)],
+        body: Option<&Value>,
+    ) -> Result<(StatusCode, Value), CliError> {
         let body = body.map(|b| Bytes::from(b.to_string()));
-        let resp = self.send(method, path, &[], body).await?;
+        let resp = self.send(method, path, headers, body).await?;
         let status = resp.status();
         let bytes = resp
             .into_body()
@@ -154,6 +220,107 @@ impl BrokerClient {
         })?;
         Ok((status, value))
     }
+}
+
+/// A `clawmux serve --demo` serving on `socket`, if one does: its pid, its
+/// upstream phase and the double's version. Known by the command line of
+/// the process `/v1/state` names (`/proc/PID/cmdline`, a process of this
+/// user: the client checked the socket is ours), so the broker needs no
+/// extra field. `None` when nothing (or a broker that is not a demo) answers.
+pub async fn running_demo(socket: &Path) -> Option<Value> {
+    if !socket.exists() {
+        return None;
+    }
+    let client = BrokerClient::new(socket.to_owned());
+    let (status, state) =
+        tokio::time::timeout(CONNECT_TIMEOUT, client.json(Method::GET, "/v1/state", None))
+            .await
+            .ok()?
+            .ok()?;
+    if status != StatusCode::OK {
+        return None;
+    }
+    let pid = state["broker"]["pid"].as_u64()?;
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let demo = cmdline.split(|b| *b == 0).any(|arg| arg == b"--demo");
+    demo.then(|| {
+        serde_json::json!({
+            "pid": pid,
+            "socket": socket.display().to_string(),
+            "phase": state["upstream"]["phase"],
+            "server_version": state["upstream"]["server_version"],
+        })
+    })
+}
+
+/// The listening unix sockets named `clawmux*.sock` whose file is this
+/// user's, other than `except`, from the kernel's table (`/proc/net/unix`:
+/// flag `00010000` is a listening socket; the path is the last column).
+/// The table has the path a socket was bound at: `serve` binds in a private
+/// `.clawmux-bind-*` directory beside the socket and renames it into place,
+/// so for those the socket's own directory is searched. Nothing is
+/// connected to.
+fn listening_clawmux_sockets(except: &Path) -> Vec<PathBuf> {
+    let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
+        return Vec::new();
+    };
+    let me = rustix::process::getuid().as_raw();
+    let named = |p: &Path| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("clawmux") && n.ends_with(".sock"))
+    };
+    let mut candidates = Vec::new();
+    for line in table.lines().skip(1) {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        let (Some(flags), Some(path)) = (cols.get(3), cols.get(7)) else {
+            continue;
+        };
+        if *flags != "00010000" {
+            continue;
+        }
+        let path = Path::new(path);
+        let bind_dir = path.parent().filter(|d| {
+            d.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(".clawmux-bind-"))
+        });
+        match bind_dir.and_then(Path::parent) {
+            Some(dir) => {
+                if let Ok(entries) = std::fs::read_dir(dir) {
+                    candidates.extend(entries.flatten().map(|e| e.path()).filter(|p| named(p)));
+                }
+            }
+            None if named(path) => candidates.push(path.to_owned()),
+            None => {}
+        }
+    }
+    let mut found: Vec<PathBuf> = candidates
+        .into_iter()
+        .filter(|p| p != except)
+        .filter(|p| {
+            std::fs::symlink_metadata(p).is_ok_and(|m| {
+                use std::os::unix::fs::FileTypeExt;
+                m.file_type().is_socket() && m.uid() == me
+            })
+        })
+        .collect();
+    found.sort();
+    found.dedup();
+    // The likeliest first: the usual runtime dir, then anything in this
+    // user's home; others (another session's, a test's) after.
+    let runtime = PathBuf::from(format!("/run/user/{me}"));
+    let home = std::env::var_os("HOME").map(PathBuf::from);
+    found.sort_by_key(|p| {
+        if p.starts_with(&runtime) {
+            0
+        } else if home.as_ref().is_some_and(|h| p.starts_with(h)) {
+            1
+        } else {
+            2
+        }
+    });
+    found
 }
 
 #[cfg(test)]

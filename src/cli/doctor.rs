@@ -67,8 +67,13 @@ pub async fn check(resolved: Result<Resolved, crate::protocol::ErrorShape>) -> V
         "tls": tls_settings(&resolved),
         "warnings": resolved.warnings,
     });
-    // A check must not touch the running broker's replay log either.
-    s.limits.replay_persist = false;
+    if let Some(demo) = super::client::running_demo(&s.socket_path).await {
+        // The broker there talks to its built-in double, not to the gateway
+        // these settings name: no handshake (it would only say what a real
+        // `serve` would lack, e.g. a token the demo does not need).
+        let ok = demo["phase"] == "ready";
+        return json!({"ok": ok, "settings": settings, "gateway": {"ok": ok, "demo": demo}});
+    }
     // One attempt of the broker's own transport, with the broker's own
     // settings and device, reporting to nobody: what `serve` would see.
     let cancel = CancellationToken::new();
@@ -256,7 +261,20 @@ pub fn render(report: &Value, paint: &super::style::Paint) -> String {
             line(l);
         }
     }
-    if g["ok"] == true {
+    if let Some(demo) = g["demo"].as_object() {
+        line(format!(
+            "  {}: `clawmux serve --demo` (pid {}) serves {} with its built-in gateway double (upstream {}, {})",
+            if g["ok"] == true { paint.good("demo") } else { paint.warn("demo") },
+            demo["pid"],
+            text(&demo["socket"]),
+            text(&demo["phase"]),
+            crate::sanitize::text(text(&demo["server_version"]))
+        ));
+        line(
+            "  the settings above are what `clawmux serve` without --demo would use; stop the demo to check them against your gateway"
+                .into(),
+        );
+    } else if g["ok"] == true {
         line(format!(
             "  {}: server {} protocol {}",
             paint.good("ok"),

@@ -78,6 +78,7 @@ async fn scrape(broker: &BrokerArgs) -> Result<String, CliError> {
 /// `dir/clawmux.prom`, replaced in one rename so the collector never reads
 /// half a file.
 fn write_atomically(dir: &Path, text: &str) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
     let tmp = dir.join(format!(".{TEXTFILE_NAME}.{}", std::process::id()));
     std::fs::write(&tmp, text)?;
     std::fs::rename(&tmp, dir.join(TEXTFILE_NAME)).inspect_err(|_| {

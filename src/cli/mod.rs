@@ -82,14 +82,24 @@ impl BrokerArgs {
     /// The broker at `--socket` / `CLAWMUX_SOCKET`, else where `serve` would
     /// listen (config.toml's `socket`, else the default path).
     pub fn client(&self) -> BrokerClient {
-        BrokerClient::new(self.socket.clone().unwrap_or_else(|| {
-            crate::settings::resolve(
-                &crate::settings::Overrides::default(),
-                &crate::settings::Env::from_process(),
-            )
-            .map(|r| r.settings.socket_path)
-            .unwrap_or_else(|_| crate::config::default_socket_path())
-        }))
+        if let Some(socket) = &self.socket {
+            return BrokerClient::new(socket.clone()).with_origin("--socket or CLAWMUX_SOCKET");
+        }
+        let default = crate::config::default_socket_path();
+        let socket = crate::settings::resolve(
+            &crate::settings::Overrides::default(),
+            &crate::settings::Env::from_process(),
+        )
+        .map(|r| r.settings.socket_path)
+        .unwrap_or_else(|_| default.clone());
+        let origin = if socket != default {
+            "`socket` in config.toml".to_owned()
+        } else if std::env::var_os("XDG_RUNTIME_DIR").is_some_and(|d| !d.is_empty()) {
+            "the default, $XDG_RUNTIME_DIR/clawmux.sock".to_owned()
+        } else {
+            "the default without XDG_RUNTIME_DIR, which is not set here".to_owned()
+        };
+        BrokerClient::new(socket).with_origin(origin)
     }
 }
 

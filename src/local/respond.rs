@@ -66,9 +66,7 @@ pub(crate) fn socket_policy(req: &Request<Incoming>, ctx: &Ctx) -> Arc<SocketPol
         .unwrap_or_else(|| Arc::new(SocketPolicy::main(ctx.settings.socket_path.clone())))
 }
 
-/// `X-Clawmux-Scopes`: an HTTP caller's own (narrower) scopes, separated
-/// by commas or spaces.
-pub const SCOPES_HEADER: &str = "x-clawmux-scopes";
+pub use crate::protocol::SCOPES_HEADER;
 
 /// What an HTTP caller (`/v1/rpc`, `/v1/events`) may do: its socket's
 /// ceiling over the broker's session, narrowed by [`SCOPES_HEADER`] when

@@ -20,8 +20,13 @@ use std::path::{Path, PathBuf};
 /// Why the socket could not be set up; each message says what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum SocketError {
-    #[error("another clawmux is already serving on {0}; stop it first (systemctl --user stop clawmux) or pass --socket PATH")]
-    InUse(PathBuf),
+    #[error("{}", in_use_message(.path, *.pid))]
+    InUse {
+        path: PathBuf,
+        /// The process serving there, from the kernel (`SO_PEERCRED` on a
+        /// test connection); `None` while it is still starting.
+        pid: Option<u32>,
+    },
     #[error("{0} exists and is not a socket; remove it or pass --socket PATH")]
     NotASocket(PathBuf),
     #[error("{0} is a symbolic link; clawmux follows no links where its socket and lock live: remove it or pass --socket PATH")]
@@ -32,6 +37,68 @@ pub enum SocketError {
     /// the cause is not a `#[source]`: printed once, in the message.
     #[error("cannot set up the socket {path}: {cause}")]
     Io { path: PathBuf, cause: io::Error },
+}
+
+fn in_use_message(path: &Path, pid: Option<u32>) -> String {
+    match pid {
+        Some(pid) => format!(
+            "another clawmux is already serving on {} (pid {pid}); stop it first (kill {pid}, or systemctl --user stop clawmux.socket clawmux.service if systemd runs it) or pass --socket PATH",
+            path.display()
+        ),
+        None => format!(
+            "another clawmux is starting or serving on {} (it holds the lock file); stop it first (systemctl --user stop clawmux) or pass --socket PATH",
+            path.display()
+        ),
+    }
+}
+
+/// The pid of the process serving the socket at `path`, as the kernel
+/// reports it for a test connection (`SO_PEERCRED`); the connection is
+/// closed at once, without a byte sent.
+fn serving_pid(path: &Path) -> Option<u32> {
+    let stream = std::os::unix::net::UnixStream::connect(path).ok()?;
+    let cred = rustix::net::sockopt::socket_peercred(&stream).ok()?;
+    u32::try_from(cred.pid.as_raw_nonzero().get()).ok()
+}
+
+fn in_use(path: &Path) -> SocketError {
+    SocketError::InUse {
+        path: path.to_owned(),
+        pid: serving_pid(path),
+    }
+}
+
+/// Fails with [`SocketError::InUse`] when another broker holds `path` (its
+/// lock, or a socket that answers), creating and changing nothing. For
+/// checks before work that [`bind`] would waste (`serve --demo` starts its
+/// gateway double only after this); `bind` checks again.
+pub fn ensure_free(path: &Path) -> Result<(), SocketError> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let Some(file_name) = path.file_name() else {
+        return Ok(());
+    };
+    let lock_path = dir.join(format!(".{}.lock", file_name.to_string_lossy()));
+    if let Ok(lock) = OpenOptions::new()
+        .write(true)
+        .private_no_follow()
+        .open(&lock_path)
+    {
+        if let Err(fs::TryLockError::WouldBlock) = lock.try_lock() {
+            return Err(in_use(path));
+        }
+    }
+    match fs::symlink_metadata(path) {
+        Ok(meta)
+            if meta.file_type().is_socket()
+                && std::os::unix::net::UnixStream::connect(path).is_ok() =>
+        {
+            Err(in_use(path))
+        }
+        _ => Ok(()),
+    }
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SocketError + '_ {
@@ -188,13 +255,13 @@ pub fn bind_with_mode(
         })?;
     match lock.try_lock() {
         Ok(()) => {}
-        Err(fs::TryLockError::WouldBlock) => return Err(SocketError::InUse(path.to_owned())),
+        Err(fs::TryLockError::WouldBlock) => return Err(in_use(path)),
         Err(fs::TryLockError::Error(e)) => return Err(lock_err(path, dir)(e)),
     }
     match fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => {
             match std::os::unix::net::UnixStream::connect(path) {
-                Ok(_) => return Err(SocketError::InUse(path.to_owned())),
+                Ok(_) => return Err(in_use(path)),
                 Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
                     tracing::info!(path = %path.display(), "replacing a stale socket file");
                 }
@@ -373,7 +440,7 @@ mod tests {
         fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o700)).unwrap();
         let path = tmp.path().join("c.sock");
         let (live, guard) = bind(&path).unwrap();
-        assert!(matches!(bind(&path), Err(SocketError::InUse(_))));
+        assert!(matches!(bind(&path), Err(SocketError::InUse { .. })));
         // Simulate a crashed broker: the socket file stays, nothing listens, lock released.
         drop(live);
         std::mem::forget(guard); // keep the file as a crash would

@@ -78,6 +78,8 @@ pub fn document(ctx: &Ctx) -> Value {
             "lost_scopes": hello.map_or(&[][..], |h| &h.lost_scopes[..]),
             // The event names the gateway announced (`hello-ok.features.events`).
             "events": hello.and_then(|h| h.payload.pointer("/features/events")),
+            // And the methods (`hello-ok.features.methods`): `clawmux call` suggests from them.
+            "methods": hello.and_then(|h| h.payload.pointer("/features/methods")),
             "last_error": status.last_error.as_ref().map(|e| e.to_json()),
             "retry_after_ms": status.retry_after_ms(),
             "reconnects": status.reconnects,

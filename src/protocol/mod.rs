@@ -21,3 +21,8 @@ pub fn now_ms() -> u64 {
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
 }
+
+/// `X-Clawmux-Scopes`: an HTTP caller's own (narrower) scopes, separated
+/// by commas or spaces (the broker's routes read it; `clawmux call
+/// --scopes` sends it).
+pub const SCOPES_HEADER: &str = "x-clawmux-scopes";

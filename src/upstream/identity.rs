@@ -146,7 +146,13 @@ impl DeviceIdentity {
         if let Some(bytes) = private_files::read_private(&path)? {
             return Self::from_key_file(dir, &path, &bytes);
         }
-        let key = SigningKey::generate(&mut rand_core::OsRng);
+        // 32 bytes from the OS, as `SigningKey::generate(&mut OsRng)` takes:
+        // through rand 0.9 (which tungstenite needs anyway), so the tree has
+        // one random-number stack, not rand_core 0.6 beside it.
+        let mut seed = [0u8; 32];
+        rand::TryRngCore::try_fill_bytes(&mut rand::rngs::OsRng, &mut seed)
+            .expect("the operating system's random number generator");
+        let key = SigningKey::from_bytes(&seed);
         let public = key.verifying_key().to_bytes();
         let file = KeyFile {
             version: 1,

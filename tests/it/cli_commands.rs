@@ -543,6 +543,19 @@ async fn metrics_textfile_for_node_exporter() {
         1,
         "no temporary file left"
     );
+    // A directory that does not exist yet is made (as node_exporter's
+    // textfile directory often is not, before the first run).
+    let fresh = dir.path().join("textfile/collector");
+    let (code, _, err) = clawmux(&[
+        "metrics",
+        "--socket",
+        s(&h.socket()),
+        "--textfile",
+        s(&fresh),
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(fresh.join("clawmux.prom").is_file());
     let gone = dir.path().join("gone.sock");
     let (code, _, err) =
         clawmux(&["metrics", "--socket", s(&gone), "--textfile", s(dir.path())]).await;

@@ -47,12 +47,16 @@ async fn refused(socket: &Path) -> serde_json::Value {
     res["error"].clone()
 }
 
+/// A broken file clawmux only borrows (OpenClaw's, needed for the URL and
+/// token) is served to clients as the reason; the broker keeps running. (A
+/// broken config.toml of its own stops `serve` at start with exit 2:
+/// `serve_messages::a_config_typo_stops_serve_at_start_with_exit_2`.)
 #[tokio::test]
 async fn a_broken_settings_file_is_reported_to_clients_and_the_broker_keeps_serving() {
     let home = tempfile::tempdir().unwrap();
-    let cfg = home.path().join(".config/clawmux/config.toml");
+    let cfg = home.path().join(".openclaw/openclaw.json");
     std::fs::create_dir_all(cfg.parent().unwrap()).unwrap();
-    std::fs::write(&cfg, "[gateway]\nurl = \"ws://127.0.0.1:9\"\ntoken = \n").unwrap();
+    std::fs::write(&cfg, "{\n  gateway: {\n    port: ,\n  },\n}\n").unwrap();
     let socket = home.path().join("c.sock");
     let _broker = ChildGuard(
         clawmux(home.path())
@@ -67,7 +71,7 @@ async fn a_broken_settings_file_is_reported_to_clients_and_the_broker_keeps_serv
     let e = refused(&socket).await;
     assert_eq!(e["code"], "studio.settings_load_failed", "{e}");
     assert!(
-        e["message"].as_str().unwrap().contains("config.toml"),
+        e["message"].as_str().unwrap().contains("openclaw.json"),
         "{e}"
     );
     assert!(e["message"].as_str().unwrap().contains("line 3"), "{e}");

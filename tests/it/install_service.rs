@@ -16,12 +16,38 @@ fn which(program: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// `clawmux install-service ARGS` with its config home in `config`.
+/// A private runtime dir that looks like a running user manager's: its
+/// private socket at `systemd/private` (nothing listens; only its presence
+/// is checked, so no real user manager is involved).
+fn runtime_with_user_manager() -> tempfile::TempDir {
+    let runtime = tempfile::tempdir().unwrap();
+    std::fs::create_dir(runtime.path().join("systemd")).unwrap();
+    drop(std::os::unix::net::UnixListener::bind(runtime.path().join("systemd/private")).unwrap());
+    runtime
+}
+
+/// `clawmux install-service ARGS` with its config home in `config` and,
+/// where a user manager is wanted, a runtime dir that has one.
 fn install_service(config: &Path, args: &[&str]) -> (Option<i32>, String, String) {
-    let out = Command::new(BIN)
-        .arg("install-service")
+    let runtime = runtime_with_user_manager();
+    install_service_in(config, Some(runtime.path()), args)
+}
+
+fn install_service_in(
+    config: &Path,
+    runtime: Option<&Path>,
+    args: &[&str],
+) -> (Option<i32>, String, String) {
+    let mut cmd = Command::new(BIN);
+    cmd.arg("install-service")
         .args(args)
-        .env("XDG_CONFIG_HOME", config)
+        .env("HOME", config)
+        .env("XDG_CONFIG_HOME", config);
+    match runtime {
+        Some(dir) => cmd.env("XDG_RUNTIME_DIR", dir),
+        None => cmd.env_remove("XDG_RUNTIME_DIR"),
+    };
+    let out = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .output()
@@ -97,6 +123,39 @@ fn install_service_writes_units_idempotently_and_keeps_changed_files() {
     assert_eq!(std::fs::read_to_string(&service).unwrap(), written);
 }
 
+/// Without a user manager (no runtime dir, or one without its sockets)
+/// install-service writes nothing, says why and what to do, and exits 1;
+/// `--dry-run` still shows the plan with the note; `--force` writes anyway.
+#[test]
+fn install_service_without_a_user_manager_says_what_to_do() {
+    let config = tempfile::tempdir().unwrap();
+    let units = config.path().join("systemd/user");
+    let empty_runtime = tempfile::tempdir().unwrap();
+    for runtime in [None, Some(empty_runtime.path())] {
+        let (code, out, err) = install_service_in(config.path(), runtime, &[]);
+        assert_eq!(code, Some(1), "{out}{err}");
+        assert!(err.contains("no systemd user manager"), "{err}");
+        assert!(err.contains("loginctl enable-linger $USER"), "{err}");
+        assert!(err.contains("clawmux serve"), "{err}");
+        assert!(err.contains("Nothing was written"), "{err}");
+        if runtime.is_none() {
+            assert!(err.contains("XDG_RUNTIME_DIR is not set"), "{err}");
+        } else {
+            assert!(err.contains("systemd/private"), "{err}");
+        }
+        assert!(!units.exists(), "nothing written");
+    }
+    let (code, out, err) = install_service_in(config.path(), None, &["--dry-run"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("would be written"), "{out}");
+    assert!(out.contains("no systemd user manager"), "{out}");
+    assert!(!units.exists(), "a dry run writes nothing");
+    let (code, out, err) = install_service_in(config.path(), None, &["--force"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(units.join("clawmux.service").exists(), "{out}");
+    assert!(out.contains("loginctl enable-linger"), "{out}");
+}
+
 /// `systemd-analyze` on the units as installed (with this binary in
 /// ExecStart), run with a private runtime dir.
 fn systemd_analyze(args: &[&str]) -> std::process::Output {
@@ -112,7 +171,7 @@ fn systemd_analyze(args: &[&str]) -> std::process::Output {
 }
 
 #[test]
-#[ignore = "needs systemd-analyze: bash .ci/systemd-tools.sh, then cargo test --test install_service -- --ignored (.ci/run does)"]
+#[ignore = "needs systemd-analyze: bash .ci/systemd-tools.sh, then cargo test --test it -- --ignored install_service:: (.ci/run does)"]
 fn installed_units_pass_systemd_analyze_verify_and_security() {
     let config = tempfile::tempdir().unwrap();
     let (code, _, err) = install_service(config.path(), &[]);

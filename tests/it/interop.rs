@@ -343,13 +343,14 @@ async fn real_gateway_interop() {
 }
 
 /// The `studio.*` codes Claw3D's client treats as final or retryable
-/// (support/claw3d.rs, from its GatewayClient.ts) against the README's
-/// error table: every code the README names is classified as it says,
+/// (support/claw3d.rs, from its GatewayClient.ts) against the book's
+/// error table (docs/src/errors.md): every code it names is classified as it says,
 /// transient conditions are retryable, configuration faults are final.
 #[test]
 fn claw3d_retry_policy_matches_the_readme_error_table() {
     let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/src/errors.md"))
+            .unwrap();
     let table: Vec<&str> = readme
         .lines()
         .filter(|l| l.starts_with("| `studio."))

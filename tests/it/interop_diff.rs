@@ -3,7 +3,7 @@
 //! once straight against the gateway and once through the broker, every
 //! frame normalised (only volatile values: ids minted per connection or run,
 //! `seq`, clocks, durations) and diffed. Every difference must be one of the
-//! README table "Differences from a direct connection" rows named in
+//! book table (docs/src/protocol.md) "Differences from a direct connection" rows named in
 //! [`ALLOWED`]; anything else fails. Then the real `openclaw` CLI, direct and
 //! through a test-only TCP relay to the broker's socket, compared the same way.
 //!
@@ -567,7 +567,8 @@ async fn differential_conformance() {
         diffs.join("\n")
     );
     let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/src/protocol.md"))
+            .unwrap();
     for row in ALLOWED
         .iter()
         .map(|a| a.row)

@@ -39,6 +39,7 @@ mod readme;
 mod record_replay;
 mod replay;
 mod request_frames;
+mod serve_messages;
 mod settings;
 mod sharing;
 mod socket;

@@ -1,11 +1,14 @@
-//! The README's client examples, run as written against `clawmux serve
-//! --demo`, with `XDG_RUNTIME_DIR` set and unset, so the README cannot rot.
+//! The README's and the book's client examples, run as written against
+//! `clawmux serve --demo`, with `XDG_RUNTIME_DIR` set and unset, so the
+//! documentation cannot rot.
 //!
 //! A block is tested when the line before its fence is
-//! `<!-- readme-test: sh|python|node -->`. `clawmux` on `PATH` is the binary
-//! under test; nothing gets a `--socket`: the examples must find the broker
-//! the way a newcomer's shell would. A tool that is not installed here
-//! (websocat, Python's `websockets`, Node's `ws`) is reported as SKIPPED.
+//! `<!-- readme-test: sh|python|node -->`, in README.md or any page under
+//! docs/src/. `clawmux` on `PATH` is the binary under test; nothing gets a
+//! `--socket`: the examples must find the broker the way a newcomer's shell
+//! would. A tool that is not installed here (`jq`, `curl`, Python's
+//! `websockets`, Node's `ws`) makes the test print SKIPPED and pass locally,
+//! and FAIL under `CI=true` (`.ci/run` installs them all).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -20,18 +23,62 @@ const EXAMPLE_PATIENCE: Duration = Duration::from_secs(60);
 /// The demo broker must be ready within this (a cold start under a CPU hog).
 const START_PATIENCE: Duration = Duration::from_secs(20);
 
+/// Under CI every example must run: a missing tool is a failure there.
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// Says an example cannot run here: SKIPPED locally, a failure in CI.
+fn skip(why: &str, ex: &Example) {
+    assert!(
+        !in_ci(),
+        "{} line {}: {why}, and CI=true: every documented example must run in CI (.ci/run installs its tools)",
+        ex.file,
+        ex.line
+    );
+    eprintln!("SKIPPED ({why}): {} line {}", ex.file, ex.line);
+}
+
 #[derive(Debug)]
 struct Example {
+    /// README.md or docs/src/<page>.md.
+    file: String,
     lang: String,
     code: String,
     /// 1-based line of the fence, for messages.
     line: usize,
 }
 
+/// The documents whose examples are run: the README and every book page.
+fn documents() -> Vec<(String, String)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut docs = vec![(
+        "README.md".to_owned(),
+        std::fs::read_to_string(root.join("README.md")).unwrap(),
+    )];
+    let mut pages: Vec<PathBuf> = std::fs::read_dir(root.join("docs/src"))
+        .expect("the book's pages")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    pages.sort();
+    for page in pages {
+        let name = page.strip_prefix(root).unwrap().display().to_string();
+        docs.push((name, std::fs::read_to_string(&page).unwrap()));
+    }
+    docs
+}
+
 fn examples() -> Vec<Example> {
-    let readme = include_str!("../../README.md");
-    let lines: Vec<&str> = readme.lines().collect();
     let mut out = Vec::new();
+    for (file, text) in documents() {
+        examples_in(&file, &text, &mut out);
+    }
+    out
+}
+
+fn examples_in(file: &str, text: &str, out: &mut Vec<Example>) {
+    let lines: Vec<&str> = text.lines().collect();
     let mut i = 0;
     while i < lines.len() {
         if let Some(lang) = lines[i]
@@ -40,7 +87,7 @@ fn examples() -> Vec<Example> {
         {
             assert!(
                 lines.get(i + 1).is_some_and(|l| l.starts_with("```")),
-                "README line {}: a readme-test marker must precede a fence",
+                "{file} line {}: a readme-test marker must precede a fence",
                 i + 1
             );
             let start = i + 2;
@@ -48,6 +95,7 @@ fn examples() -> Vec<Example> {
                 .find(|&j| lines[j].starts_with("```"))
                 .expect("a closed fence");
             out.push(Example {
+                file: file.to_owned(),
                 lang: lang.to_owned(),
                 code: lines[start..end].join("\n") + "\n",
                 line: i + 2,
@@ -56,7 +104,6 @@ fn examples() -> Vec<Example> {
         }
         i += 1;
     }
-    out
 }
 
 /// The environment of a newcomer's shell: a private home, `clawmux` on
@@ -94,54 +141,37 @@ async fn available(program: &str, args: &[&str]) -> bool {
 }
 
 /// Runs one example; `None` when its tool is missing here (SKIPPED).
+///
+/// Shell examples run under `bash -eu` without `pipefail`, as in a reader's
+/// shell: `… | head -n 4` ends a follow the way a reader would.
 async fn run_example(home: &TestHome, with_xdg: bool, ex: &Example) -> Option<String> {
     let (program, args): (&str, Vec<String>) = match ex.lang.as_str() {
         "sh" => {
-            let websocat = available("websocat", &["--version"]).await;
-            let code: String = ex
-                .code
-                .lines()
-                .map(|l| {
-                    if l.starts_with("websocat ") && !websocat {
-                        eprintln!(
-                            "SKIPPED (websocat not installed): README line {}: {l}",
-                            ex.line
-                        );
-                        "true".to_owned()
-                    } else {
-                        l.to_owned()
-                    }
-                })
-                .collect::<Vec<_>>()
-                .join("\n");
-            (
-                "bash",
-                vec!["-euo".into(), "pipefail".into(), "-c".into(), code],
-            )
+            for tool in ["curl", "jq"] {
+                if ex.code.contains(&format!("{tool} ")) && !available(tool, &["--version"]).await {
+                    skip(&format!("{tool} not installed"), ex);
+                    return None;
+                }
+            }
+            ("bash", vec!["-eu".into(), "-c".into(), ex.code.clone()])
         }
         "python" => {
             if !available("python3", &["-c", "import websockets"]).await {
-                eprintln!(
-                    "SKIPPED (python3 with websockets not installed): README line {}",
-                    ex.line
-                );
+                skip("python3 with websockets not installed", ex);
                 return None;
             }
             ("python3", vec!["-c".into(), ex.code.clone()])
         }
         "node" => {
             if !available("node", &["-e", "require('ws')"]).await {
-                eprintln!(
-                    "SKIPPED (node with ws not installed): README line {}",
-                    ex.line
-                );
+                skip("node with ws not installed", ex);
                 return None;
             }
             ("node", vec!["-e".into(), ex.code.clone()])
         }
         other => panic!(
-            "README line {}: unknown readme-test language {other}",
-            ex.line
+            "{} line {}: unknown readme-test language {other}",
+            ex.file, ex.line
         ),
     };
     let mut cmd = Command::new(program);
@@ -153,12 +183,13 @@ async fn run_example(home: &TestHome, with_xdg: bool, ex: &Example) -> Option<St
     shell_env(home, with_xdg, &mut cmd);
     let out = tokio::time::timeout(EXAMPLE_PATIENCE, cmd.output())
         .await
-        .unwrap_or_else(|_| panic!("README line {} ({}) did not finish", ex.line, ex.lang))
+        .unwrap_or_else(|_| panic!("{} line {} ({}) did not finish", ex.file, ex.line, ex.lang))
         .expect("the interpreter runs");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
-        "README line {} ({}, XDG_RUNTIME_DIR {}) failed: {:?}\nstdout:\n{stdout}\nstderr:\n{}",
+        "{} line {} ({}, XDG_RUNTIME_DIR {}) failed: {:?}\nstdout:\n{stdout}\nstderr:\n{}",
+        ex.file,
         ex.line,
         ex.lang,
         if with_xdg { "set" } else { "unset" },
@@ -213,36 +244,41 @@ async fn readme_examples_work(with_xdg: bool) {
         let Some(out) = run_example(&home, with_xdg, ex).await else {
             continue;
         };
+        let at = format!("{} line {}", ex.file, ex.line);
         match ex.lang.as_str() {
             "sh" if ex.code.contains("/healthz") => {
-                assert!(
-                    out.contains(r#""upstream":"ready""#),
-                    "line {}: {out}",
-                    ex.line
-                )
+                assert!(out.contains(r#""upstream":"ready""#), "{at}: {out}")
             }
             "sh" if ex.code.contains("/v1/rpc") => {
-                assert!(!out.contains(r#""ok":false"#), "line {}: {out}", ex.line);
-                assert!(out.contains(r#""type":"res""#), "line {}: {out}", ex.line);
+                assert!(!out.contains(r#""ok":false"#), "{at}: {out}");
+                assert!(out.contains(r#""type":"res""#), "{at}: {out}");
             }
             "sh" if ex.code.contains("/metrics") => {
+                assert!(out.contains("clawmux_upstream_phase"), "{at}: {out}")
+            }
+            "sh" if ex.code.contains("/v1/events") => {
+                assert!(out.contains(r#""phase": "ready""#), "{at}: {out}");
                 assert!(
-                    out.contains("clawmux_upstream_phase"),
-                    "line {}: {out}",
-                    ex.line
-                )
+                    out.contains("event: chat") || out.contains("event: agent"),
+                    "{at}: no event streamed: {out}"
+                );
+            }
+            "sh" if ex.code.contains("--run") => {
+                let events = out
+                    .lines()
+                    .filter(|l| l.contains(" chat ") || l.contains(" agent "))
+                    .count();
+                assert!(events >= 1, "{at}: no event of the run: {out}");
             }
             "python" => assert!(
                 out.contains("connect.challenge")
                     && out.contains("hello-ok")
                     && out.contains("res h1 ok=True"),
-                "line {}: {out}",
-                ex.line
+                "{at}: {out}"
             ),
             "node" => assert!(
                 out.contains("hello-ok") && out.contains("health ok: true"),
-                "line {}: {out}",
-                ex.line
+                "{at}: {out}"
             ),
             _ => {}
         }
