@@ -271,8 +271,10 @@ pub fn render(report: &Value, paint: &super::style::Paint) -> String {
     out
 }
 
-fn text(v: &Value) -> &str {
-    v.as_str().unwrap_or("?")
+/// A string of the report, escaped: gateway messages, certificate
+/// subjects and file paths are not the user's own text.
+fn text(v: &Value) -> std::borrow::Cow<'_, str> {
+    crate::sanitize::field(v.as_str().unwrap_or("?"), 500)
 }
 
 fn list(v: &Value) -> String {

@@ -45,5 +45,6 @@ mod socket;
 mod studio_errors;
 mod subscriptions;
 mod systemd;
+mod terminal_injection;
 mod tls;
 mod upstream_faults;
