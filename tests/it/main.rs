@@ -31,6 +31,7 @@ mod interop_diff;
 mod interop_scopes;
 mod least_privilege;
 mod limits;
+mod local_files;
 mod logging;
 mod multiplex;
 mod narrower_sessions;
