@@ -375,10 +375,11 @@ pub fn default_state_dir() -> Option<PathBuf> {
         .or_else(|| absolute("HOME").map(|h| h.join(".local/state/clawmux")))
 }
 
-/// Reads a token file: trimmed, non-empty. The error names the file, never its contents.
+/// Reads a token file: trimmed, non-empty; a regular file of at most
+/// [`crate::files::SECRET_MAX_BYTES`]. The error names the file, never its contents.
 pub fn read_token_file(path: &Path) -> Result<Secret, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read token file {}: {e}", path.display()))?;
+    let text = crate::files::read_string(path, crate::files::SECRET_MAX_BYTES)
+        .map_err(|e| format!("token file: {e}"))?;
     let token = text.trim();
     if token.is_empty() {
         return Err(format!("token file {} is empty", path.display()));

@@ -60,6 +60,7 @@
 //!   config.toml, Claw3D's and OpenClaw's own files) for `serve` and `doctor`.
 //!   [`bounds`] is the range each duration and count may take (at most one
 //!   day; zero only where it means something), checked where a value is read.
+//!   [`files`] reads every local file clawmux trusts: regular files only, up to a cap.
 //!
 //! Not in this library: the gateway test double is its own crate,
 //! `clawmux-mock` (`crates/clawmux-mock`), used by the tests, `clawmux
@@ -72,6 +73,7 @@ pub mod cli;
 pub mod config;
 pub mod context;
 pub mod dispatch;
+pub mod files;
 pub mod hub;
 pub mod install;
 pub mod lifecycle;

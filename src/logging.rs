@@ -70,7 +70,7 @@ pub fn init(directives: &str) -> LogGuard {
         .lossy(true)
         .buffered_lines_limit(LOG_BUFFER_LINES)
         .thread_name("clawmux-log")
-        .finish(std::io::stderr());
+        .finish(Escaping(std::io::stderr()));
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(writer)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
@@ -81,6 +81,28 @@ pub fn init(directives: &str) -> LogGuard {
         .with(fmt)
         .try_init();
     LogGuard(guard)
+}
+
+/// Shows every control and invisible character of a log line escaped
+/// ([`crate::sanitize::styled_lines`]) but the formatter's own colours and
+/// the line's newline: logged values (client ids, session keys, gateway
+/// messages) cannot drive the terminal the log is read on.
+/// (`tracing-subscriber` escapes ESC in fields, not C1 or bidi characters.)
+pub struct Escaping<W>(pub W);
+
+impl<W: std::io::Write> std::io::Write for Escaping<W> {
+    /// Takes one whole formatted line (the appender's worker writes each
+    /// line with one call).
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let text = String::from_utf8_lossy(buf);
+        self.0
+            .write_all(crate::sanitize::styled_lines(&text).as_bytes())?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
 }
 
 /// Holds back lines repeated more than [`REPEATS_PER_WINDOW`] times per
@@ -157,6 +179,18 @@ impl<S: Subscriber> Layer<S> for RepeatLimiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_lines_reach_the_terminal_escaped() {
+        use std::io::Write as _;
+        let mut out = Escaping(Vec::new());
+        out.write_all("\x1b[32mINFO\x1b[0m client=\x1b]52;c;aGk=\x07 \u{202e}x\n".as_bytes())
+            .unwrap();
+        assert_eq!(
+            String::from_utf8(out.0).unwrap(),
+            "\x1b[32mINFO\x1b[0m client=\\e]52;c;aGk=\\x07 \\u{202e}x\n"
+        );
+    }
 
     #[test]
     fn repeats_are_held_back_and_counted() {

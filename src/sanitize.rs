@@ -130,6 +130,125 @@ impl fmt::Display for Shown<'_> {
     }
 }
 
+/// `s` on one line for a preview: line breaks and tabs become spaces, every
+/// other control and invisible character is escaped.
+pub fn one_line(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\n' | '\r' | '\t' => out.push(' '),
+            _ => match escape_of(c, false) {
+                Some(e) => {
+                    let _ = write!(out, "{e}");
+                }
+                None => out.push(c),
+            },
+        }
+    }
+    out
+}
+
+/// `s` in double quotes, like Rust's `{:?}`: `"` and `\` are escaped (so
+/// a literal `\e` in the text is told apart from an escaped ESC) and every
+/// control and invisible character is shown escaped as in [`text`].
+pub fn quoted(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            _ => match escape_of(c, false) {
+                Some(e) => {
+                    let _ = write!(out, "{e}");
+                }
+                None => out.push(c),
+            },
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// Which end of an overlong text a [`preview`] keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keep {
+    /// The beginning, `…` at the end.
+    Start,
+    /// The end (of a cumulative text), `…` at the beginning.
+    End,
+}
+
+/// A quoted one-line preview: line breaks and tabs as spaces, at most
+/// `max_chars` characters of the original kept (cut with `…`), then
+/// [`quoted`] (escapes do not count against the length and are never cut).
+pub fn preview(s: &str, max_chars: usize, keep: Keep) -> String {
+    let flat: String = s
+        .chars()
+        .map(|c| {
+            if matches!(c, '\n' | '\r' | '\t') {
+                ' '
+            } else {
+                c
+            }
+        })
+        .collect();
+    let n = flat.chars().count();
+    if n <= max_chars {
+        return quoted(&flat);
+    }
+    match keep {
+        Keep::Start => {
+            let head: String = flat.chars().take(max_chars).collect();
+            quoted(&format!("{head}…"))
+        }
+        Keep::End => {
+            let tail: String = flat.chars().skip(n - max_chars).collect();
+            quoted(&format!("…{tail}"))
+        }
+    }
+}
+
+/// For text a program's own formatter wrote (a log line): newlines and SGR
+/// colour sequences (`ESC [ digits/; m`, which only colour) are kept, every
+/// other control and invisible character is escaped, so a value logged from
+/// a client or the gateway cannot carry an OSC, a cursor move or a bidi
+/// override to the terminal.
+pub fn styled_lines(s: &str) -> Cow<'_, str> {
+    if lines(s) == s {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    let mut rest = s;
+    while let Some(c) = rest.chars().next() {
+        if c == '\x1b' {
+            if let Some(len) = sgr_len(rest) {
+                out.push_str(&rest[..len]);
+                rest = &rest[len..];
+                continue;
+            }
+        }
+        match escape_of(c, true) {
+            Some(e) => {
+                let _ = write!(out, "{e}");
+            }
+            None => out.push(c),
+        }
+        rest = &rest[c.len_utf8()..];
+    }
+    Cow::Owned(out)
+}
+
+/// The length of the SGR sequence `s` starts with, if it starts with one.
+fn sgr_len(s: &str) -> Option<usize> {
+    let body = s.strip_prefix("\x1b[")?;
+    let params = body
+        .bytes()
+        .take_while(|b| b.is_ascii_digit() || *b == b';')
+        .count();
+    (body.as_bytes().get(params) == Some(&b'm')).then_some(2 + params + 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -176,5 +295,29 @@ mod tests {
         assert_eq!(field("abc", 3), "abc");
         assert_eq!(field("ab\x1bcd", 3), "ab\\e…");
         assert_eq!(field("日本語です", 2), "日本…");
+    }
+
+    #[test]
+    fn previews_flatten_quote_and_cut_without_splitting_an_escape() {
+        assert_eq!(preview("Hello\nthere", 60, Keep::Start), "\"Hello there\"");
+        assert_eq!(preview("abcdef", 3, Keep::Start), "\"abc…\"");
+        assert_eq!(preview("abcdef", 3, Keep::End), "\"…def\"");
+        assert_eq!(
+            preview("a\u{202e}b\x1b]0;x\x07", 60, Keep::Start),
+            "\"a\\u{202e}b\\e]0;x\\x07\""
+        );
+        assert_eq!(quoted(r#"say "\e""#), r#""say \"\\e\"""#);
+        assert_eq!(one_line("a\nb\u{9b}"), "a b\\u{9b}");
+    }
+
+    #[test]
+    fn log_lines_keep_colours_and_newlines_only() {
+        let line = "\x1b[2m10:00\x1b[0m \x1b[32mINFO\x1b[0m client=\x1b]0;x\x07\u{202e}\n";
+        assert_eq!(
+            styled_lines(line),
+            "\x1b[2m10:00\x1b[0m \x1b[32mINFO\x1b[0m client=\\e]0;x\\x07\\u{202e}\n"
+        );
+        assert_eq!(styled_lines("\x1b[2Jx"), "\\e[2Jx", "only SGR is kept");
+        assert!(matches!(styled_lines("plain\n"), Cow::Borrowed(_)));
     }
 }

@@ -232,13 +232,12 @@ fn load_failed(path: &Path, why: impl std::fmt::Display) -> ErrorShape {
     )
 }
 
-/// Reads a settings file: `None` when it does not exist.
+/// Reads a settings file: `None` when it does not exist. Only a regular
+/// file of at most [`crate::files::CONFIG_MAX_BYTES`] is read (a FIFO or
+/// `/dev/zero` is refused at once).
 fn read_optional(path: &Path) -> Result<Option<String>, ErrorShape> {
-    match std::fs::read_to_string(path) {
-        Ok(text) => Ok(Some(text)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(load_failed(path, e)),
-    }
+    crate::files::read_optional_string(path, crate::files::CONFIG_MAX_BYTES)
+        .map_err(|e| load_failed(path, e))
 }
 
 /// Blanks quoted text in a parser message: serde messages can quote the

@@ -6,6 +6,7 @@
 use serde_json::Value;
 
 use super::{Change, RunStatus, ToolCall};
+use crate::sanitize::{self, Shown};
 
 /// Characters of a text preview on one line.
 pub const PREVIEW_CHARS: usize = 60;
@@ -66,7 +67,7 @@ impl TreePrinter {
                 run_id,
                 call.started_ms,
                 2 + usize::from(call.parent_call_id.is_some()),
-                format!("tool {} {}", call.name, args_summary(&call.args))
+                format!("tool {} {}", Shown(&call.name), args_summary(&call.args))
                     .trim_end()
                     .to_owned(),
             ),
@@ -74,7 +75,7 @@ impl TreePrinter {
                 run_id,
                 call.ended_ms.or(call.started_ms),
                 2 + usize::from(call.parent_call_id.is_some()),
-                format!("tool {} {}", call.name, tool_outcome(call)),
+                format!("tool {} {}", Shown(&call.name), tool_outcome(call)),
             ),
             Change::TurnEnd {
                 run_id,
@@ -123,7 +124,7 @@ impl TreePrinter {
         let mut out = Vec::new();
         let session = self.sessions.get(run_id).cloned().unwrap_or_default();
         if self.last_session.as_deref() != Some(session.as_str()) {
-            out.push(format!("{} {session}", time(ts)));
+            out.push(format!("{} {}", time(ts), Shown(&session)));
             self.last_session = Some(session);
         }
         let mark = if replay { " (replay)" } else { "" };
@@ -196,9 +197,10 @@ pub fn bytes(n: usize) -> String {
     }
 }
 
-/// The first 8 characters of a run id.
+/// The first 8 characters of a run id (escaped: [`sanitize::text`]).
 pub fn short_id(id: &str) -> String {
-    id.chars().take(8).collect()
+    let short: String = id.chars().take(8).collect();
+    sanitize::text(&short).into_owned()
 }
 
 /// Tool arguments in one short line: `command="ls"`, `path="a" limit=3`.
@@ -207,44 +209,32 @@ pub fn args_summary(args: &Value) -> String {
         Value::Object(map) => map
             .iter()
             .map(|(k, v)| match v {
-                Value::String(s) => format!("{k}={:?}", one_line(s)),
-                other => format!("{k}={other}"),
+                Value::String(s) => format!("{}={}", Shown(k), sanitize::quoted(s)),
+                other => format!("{}={}", Shown(k), sanitize::text(&other.to_string())),
             })
             .collect::<Vec<_>>()
             .join(" "),
         Value::Null => String::new(),
-        other => other.to_string(),
+        other => sanitize::text(&other.to_string()).into_owned(),
     };
     cut(&text, ARGS_CHARS)
 }
 
-/// A quoted one-line preview of the end of a text.
+/// A quoted one-line preview of the end of a text (escaped).
 pub fn preview(text: &str) -> String {
-    let flat = one_line(text);
-    let n = flat.chars().count();
-    let cut = if n <= PREVIEW_CHARS {
-        flat
-    } else {
-        format!(
-            "…{}",
-            flat.chars().skip(n - PREVIEW_CHARS).collect::<String>()
-        )
-    };
-    format!("{cut:?}")
+    sanitize::preview(text, PREVIEW_CHARS, sanitize::Keep::End)
 }
 
 /// A quoted one-line preview of the start of a text (an error message:
-/// its beginning says what went wrong), cut at the end with `…`.
+/// its beginning says what went wrong), cut at the end with `…` (escaped).
 pub fn preview_head(text: &str) -> String {
-    let flat = crate::sanitize::text(&one_line(text)).into_owned();
-    format!("{:?}", cut(&flat, PREVIEW_CHARS))
+    sanitize::preview(text, PREVIEW_CHARS, sanitize::Keep::Start)
 }
 
-/// Control characters (newlines included) as spaces.
+/// Line breaks and tabs as spaces, every other control and invisible
+/// character escaped ([`sanitize::one_line`]).
 pub fn one_line(text: &str) -> String {
-    text.chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect()
+    sanitize::one_line(text)
 }
 
 /// At most `max` characters, with `…` when cut.

@@ -5,6 +5,7 @@ use http::{Method, StatusCode};
 use serde_json::{json, Value};
 
 use super::{BrokerArgs, CliError};
+use crate::sanitize;
 
 #[derive(Args, Debug)]
 pub struct CallArgs {
@@ -79,17 +80,21 @@ pub async fn run(args: CallArgs) -> Result<u8, CliError> {
         }
         return Ok(0);
     }
+    // The code, message and details are the gateway's: shown escaped.
     let error = &res["error"];
     let mut message = format!(
         "{}: {}",
-        error["code"].as_str().unwrap_or("error"),
-        error["message"].as_str().unwrap_or("(no message)")
+        sanitize::field(error["code"].as_str().unwrap_or("error"), 200),
+        sanitize::lines(error["message"].as_str().unwrap_or("(no message)"))
     );
     if let Some(ms) = error["retryAfterMs"].as_u64() {
         message.push_str(&format!(" (retry after {ms} ms)"));
     }
     if let Some(details) = error.get("details") {
-        message.push_str(&format!(" details: {details}"));
+        message.push_str(&format!(
+            " details: {}",
+            sanitize::text(&details.to_string())
+        ));
     }
     if let Some(hint) = unknown_method_hint(&client, &args.method).await {
         message.push_str(&hint);

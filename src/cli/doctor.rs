@@ -268,7 +268,7 @@ pub fn render(report: &Value, paint: &super::style::Paint) -> String {
             demo["pid"],
             text(&demo["socket"]),
             text(&demo["phase"]),
-            crate::sanitize::text(text(&demo["server_version"]))
+            text(&demo["server_version"])
         ));
         line(
             "  the settings above are what `clawmux serve` without --demo would use; stop the demo to check them against your gateway"
@@ -303,8 +303,10 @@ pub fn render(report: &Value, paint: &super::style::Paint) -> String {
     out
 }
 
-fn text(v: &Value) -> &str {
-    v.as_str().unwrap_or("?")
+/// A string of the report, escaped: gateway messages, certificate
+/// subjects and file paths are not the user's own text.
+fn text(v: &Value) -> std::borrow::Cow<'_, str> {
+    crate::sanitize::field(v.as_str().unwrap_or("?"), 500)
 }
 
 fn list(v: &Value) -> String {

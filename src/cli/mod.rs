@@ -148,7 +148,8 @@ pub async fn run(command: ClientCommand) -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("clawmux {name}: {e}");
+            // An error may quote the gateway or a client (codes, messages).
+            eprintln!("clawmux {name}: {}", crate::sanitize::lines(&e.to_string()));
             ExitCode::from(e.exit_code())
         }
     }

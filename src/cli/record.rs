@@ -70,18 +70,23 @@ impl Sink {
             None => Box::new(std::io::stdout()),
             Some(p) if p.as_os_str() == "-" => Box::new(std::io::stdout()),
             Some(p) => {
-                use std::os::unix::fs::OpenOptionsExt;
-                Box::new(
-                    std::fs::OpenOptions::new()
-                        .write(true)
-                        .create(true)
-                        .truncate(true)
-                        .mode(0o600)
-                        .open(p)
-                        .map_err(|e| {
-                            CliError::Usage(format!("cannot write {}: {e}", p.display()))
-                        })?,
-                )
+                use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+                let cannot = |e: std::io::Error| {
+                    CliError::Usage(format!("cannot write {}: {e}", p.display()))
+                };
+                let file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o600)
+                    .open(p)
+                    .map_err(cannot)?;
+                // `mode` applies only to a file this creates: an existing
+                // one keeps its mode unless it is set (the recording holds
+                // the session's traffic, so it is the owner's only).
+                file.set_permissions(std::fs::Permissions::from_mode(0o600))
+                    .map_err(cannot)?;
+                Box::new(file)
             }
         };
         Ok(Sink {
@@ -157,7 +162,8 @@ pub async fn run(args: RecordArgs) -> Result<u8, CliError> {
             .map(|b| String::from_utf8_lossy(&b).into_owned())
             .unwrap_or_default();
         return Err(CliError::Answer(format!(
-            "the broker refused the event stream ({status}): {text}"
+            "the broker refused the event stream ({status}): {}",
+            crate::sanitize::text(&text)
         )));
     }
     let after_seq: Option<u64> = resp
@@ -179,7 +185,7 @@ pub async fn run(args: RecordArgs) -> Result<u8, CliError> {
     let Some(mut hello_payload) = hello.get("hello").filter(|h| h.is_object()).cloned() else {
         return Err(CliError::Answer(format!(
             "the broker has no gateway session now (phase {}); record once `clawmux status` says ready",
-            hello["phase"].as_str().unwrap_or("unknown")
+            crate::sanitize::text(hello["phase"].as_str().unwrap_or("unknown"))
         )));
     };
     redact(&mut hello_payload);
@@ -214,7 +220,7 @@ pub async fn run(args: RecordArgs) -> Result<u8, CliError> {
         args.out
             .as_ref()
             .map_or("to stdout".to_owned(), |p| p.display().to_string()),
-        hello["server_version"].as_str().unwrap_or("?")
+        crate::sanitize::field(hello["server_version"].as_str().unwrap_or("?"), 100)
     );
 
     let stop = loop {
@@ -230,7 +236,10 @@ pub async fn run(args: RecordArgs) -> Result<u8, CliError> {
         };
         let Some(line) = to_line(&record, &args) else {
             if record.event == "clawmux.close" {
-                break Stop::StreamEnded(format!("the broker ended the stream: {}", record.data));
+                break Stop::StreamEnded(format!(
+                    "the broker ended the stream: {}",
+                    crate::sanitize::text(&record.data)
+                ));
             }
             continue;
         };

@@ -3,6 +3,7 @@
 use clap::Args;
 use http::Method;
 use serde_json::Value;
+use std::borrow::Cow;
 
 use super::{BrokerArgs, CliError, EXIT_ERROR_ANSWER};
 
@@ -25,7 +26,8 @@ pub async fn run(args: StatusArgs) -> Result<u8, CliError> {
         .await?;
     if !status.is_success() {
         return Err(CliError::Answer(format!(
-            "the broker answered {status}: {state}"
+            "the broker answered {status}: {}",
+            crate::sanitize::text(&state.to_string())
         )));
     }
     if args.json {
@@ -43,8 +45,13 @@ pub async fn run(args: StatusArgs) -> Result<u8, CliError> {
     })
 }
 
-fn text(v: &Value) -> &str {
-    v.as_str().unwrap_or("?")
+/// Longest value shown on a line (a gateway's error message, a URL...).
+const FIELD_CHARS: usize = 300;
+
+/// A string of the state, escaped ([`crate::sanitize`]): most of them
+/// come from the gateway or from clients.
+fn text(v: &Value) -> Cow<'_, str> {
+    crate::sanitize::field(v.as_str().unwrap_or("?"), FIELD_CHARS)
 }
 
 fn list(v: &Value) -> String {
@@ -78,11 +85,12 @@ pub fn render_styled(state: &Value, paint: &super::style::Paint) -> String {
         ),
     );
     let up = &state["upstream"];
-    let mut upstream = format!("{} {}", paint.phase(text(&up["phase"])), text(&up["url"]));
+    let mut upstream = format!("{} {}", paint.phase(&text(&up["phase"])), text(&up["url"]));
     if let Some(version) = up["server_version"].as_str() {
         upstream.push_str(&format!(
-            ", gateway {version} (protocol {})",
-            up["protocol"]
+            ", gateway {} (protocol {})",
+            crate::sanitize::field(version, FIELD_CHARS),
+            crate::sanitize::text(&up["protocol"].to_string())
         ));
     }
     upstream.push_str(&format!(
@@ -102,7 +110,7 @@ pub fn render_styled(state: &Value, paint: &super::style::Paint) -> String {
     }
     if up["last_error"].is_object() {
         let e = &up["last_error"];
-        let mut err = format!("{}: {}", paint.bad(text(&e["code"])), text(&e["message"]));
+        let mut err = format!("{}: {}", paint.bad(&text(&e["code"])), text(&e["message"]));
         if let Some(ms) = up["retry_after_ms"].as_u64() {
             err.push_str(&format!(" (next try in {:.1} s)", ms as f64 / 1000.0));
         }
@@ -114,13 +122,20 @@ pub fn render_styled(state: &Value, paint: &super::style::Paint) -> String {
         let sv = &snap["stateVersion"];
         let mut gw = format!(
             "{presence} presence entries, stateVersion presence {} health {}",
-            sv["presence"], sv["health"]
+            crate::sanitize::text(&sv["presence"].to_string()),
+            crate::sanitize::text(&sv["health"].to_string())
         );
         if let Some(agent) = snap["sessionDefaults"]["defaultAgentId"].as_str() {
-            gw.push_str(&format!(", default agent {agent}"));
+            gw.push_str(&format!(
+                ", default agent {}",
+                crate::sanitize::field(agent, FIELD_CHARS)
+            ));
         }
         if let Some(key) = snap["sessionDefaults"]["mainSessionKey"].as_str() {
-            gw.push_str(&format!(", main session {key}"));
+            gw.push_str(&format!(
+                ", main session {}",
+                crate::sanitize::field(key, FIELD_CHARS)
+            ));
         }
         line("gateway", gw);
     }
@@ -193,5 +208,31 @@ mod tests {
             text.contains("newest seq 42, replay holds 1..=42, epoch abc"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn gateway_strings_are_shown_escaped() {
+        let osc = "\x1b]0;pwned\x07";
+        let state = json!({
+            "upstream": {"phase": format!("ready{osc}"), "url": "ws://x",
+                "server_version": format!("9\u{202e}{osc}"), "scopes": [format!("a\u{9b}")],
+                "last_error": {"code": format!("E{osc}"), "message": format!("m\u{2066}{osc}")}},
+            "snapshot": {"sessionDefaults": {"mainSessionKey": format!("k{osc}")}},
+        });
+        let text = render(&state);
+        assert!(
+            !text
+                .chars()
+                .any(|c| (c.is_control() && c != '\n') || matches!(c, '\u{202e}' | '\u{2066}')),
+            "{text:?}"
+        );
+        for want in [
+            "gateway 9\\u{202e}\\e]0;pwned\\x07",
+            "E\\e]0;pwned\\x07: m\\u{2066}",
+            "main session k\\e]0;",
+            "a\\u{9b}",
+        ] {
+            assert!(text.contains(want), "{want:?} in {text}");
+        }
     }
 }

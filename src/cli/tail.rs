@@ -419,7 +419,7 @@ pub fn format_line_styled(
                 .to_string()
         })
         .unwrap_or_else(|| "--:--:--.---".into());
-    let padded = format!("{name:<16}");
+    let padded = format!("{:<16}", crate::sanitize::text(name));
     let name_style = if payload["state"] == "error" {
         paint.bad(&padded)
     } else if name.starts_with("clawmux.") || name == "shutdown" {
@@ -431,7 +431,8 @@ pub fn format_line_styled(
         "{} {} {name_style} {}",
         paint.dim(&time),
         paint.dim(&format!("{seq:>7}")),
-        describe(name, payload)
+        // Session keys, run ids, texts, tool names: the gateway's strings.
+        crate::sanitize::text(&describe(name, payload))
     );
     line.trim_end().to_owned()
 }
@@ -503,23 +504,14 @@ fn describe(name: &str, p: &Value) -> String {
     }
 }
 
-/// A quoted one-line preview; `tail_end` keeps the end of a cumulative text.
+/// A quoted one-line preview (escaped: [`crate::sanitize::preview`]);
+/// `tail_end` keeps the end of a cumulative text.
 pub(crate) fn preview(text: &str, tail_end: bool) -> String {
-    let flat: String = text
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
-    let n = flat.chars().count();
-    let cut = if n <= PREVIEW_CHARS {
-        flat
-    } else if tail_end {
-        let tail: String = flat.chars().skip(n - PREVIEW_CHARS).collect();
-        format!("…{tail}")
-    } else {
-        let head: String = flat.chars().take(PREVIEW_CHARS).collect();
-        format!("{head}…")
+    let keep = match tail_end {
+        true => crate::sanitize::Keep::End,
+        false => crate::sanitize::Keep::Start,
     };
-    format!("{cut:?}")
+    crate::sanitize::preview(text, PREVIEW_CHARS, keep)
 }
 
 fn compact(v: &Value) -> String {

@@ -22,6 +22,9 @@ pub enum PrivateFileError {
     Io { path: PathBuf, source: io::Error },
     #[error("refusing to use {path}: {reason}")]
     Unsafe { path: PathBuf, reason: String },
+    /// Not a regular file, or above [`crate::files::PRIVATE_MAX_BYTES`].
+    #[error(transparent)]
+    Read(#[from] crate::files::ReadError),
 }
 
 fn io_error(path: &Path) -> impl FnOnce(io::Error) -> PrivateFileError + '_ {
@@ -80,7 +83,10 @@ pub fn read_private(path: &Path) -> Result<Option<Vec<u8>>, PrivateFileError> {
         tracing::warn!(file = %path.display(), mode = format!("{:o}", meta.mode() & 0o777), "private file is open to other users; setting it to 0600");
         std::fs::set_permissions(path, Permissions::from_mode(0o600)).map_err(io_error(path))?;
     }
-    std::fs::read(path).map(Some).map_err(io_error(path))
+    Ok(Some(crate::files::read(
+        path,
+        crate::files::PRIVATE_MAX_BYTES,
+    )?))
 }
 
 /// How [`write_private`] treats an existing file.
@@ -190,5 +196,25 @@ mod tests {
         let f = tmp.path().join("f");
         std::fs::write(&f, b"").unwrap();
         assert!(ensure_private_dir(&f).is_err());
+    }
+
+    #[test]
+    fn a_fifo_or_an_oversized_file_is_refused_not_read() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fifo = tmp.path().join("device.json");
+        rustix::fs::mkfifoat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+        )
+        .unwrap();
+        let e = read_private(&fifo).unwrap_err();
+        assert!(e.to_string().contains("a FIFO, not a regular file"), "{e}");
+        let big = tmp.path().join("device-auth.json");
+        let f = std::fs::File::create(&big).unwrap();
+        f.set_len(crate::files::PRIVATE_MAX_BYTES + 1).unwrap();
+        std::fs::set_permissions(&big, Permissions::from_mode(0o600)).unwrap();
+        let e = read_private(&big).unwrap_err();
+        assert!(e.to_string().contains("larger than 1 MiB"), "{e}");
     }
 }

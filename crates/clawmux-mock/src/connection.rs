@@ -470,6 +470,10 @@ impl Reader {
             methods::respond(&self.inner, self.index, &id, Err(error));
             return;
         }
+        if let Some((_, error)) = faults.fail_methods.iter().find(|(m, _)| *m == method) {
+            methods::respond(&self.inner, self.index, &id, Err(error.clone()));
+            return;
+        }
         let Some(session) = self.session.clone() else {
             return;
         };

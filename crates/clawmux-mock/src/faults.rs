@@ -38,6 +38,10 @@ pub struct Faults {
     /// Requests with these methods are recorded but never answered (a stuck
     /// handler), e.g. to exercise a client's per-request timeout.
     pub hold_methods: Vec<String>,
+    /// Requests with these methods are answered with this error shape
+    /// (`{code, message, details?}`) exactly as given: a gateway whose
+    /// errors carry whatever text it likes (e.g. terminal escapes).
+    pub fail_methods: Vec<(String, Value)>,
     /// Delay every response by this much (requests are still handled in
     /// arrival order relative to each other's start).
     pub response_delay: Option<Duration>,

@@ -16,6 +16,7 @@ use crate::activity::render::{
     args_summary, bytes, cut, duration, one_line, preview, preview_head, short_id, tool_outcome_at,
 };
 use crate::activity::{Activity, Item, Observed, Run, RunStatus};
+use crate::sanitize::{self, Shown};
 
 /// Seconds of event rate kept for the sparkline (wider than any terminal
 /// shows; older seconds are dropped).
@@ -250,7 +251,7 @@ impl App {
                 run: None,
                 line: Line::from(vec![
                     Span::styled(
-                        session.clone(),
+                        sanitize::text(&session).into_owned(),
                         self.style(Color::Cyan).add_modifier(Modifier::BOLD),
                     ),
                     Span::styled(
@@ -356,7 +357,10 @@ impl App {
                         key,
                         vec![
                             Span::raw(indent),
-                            Span::styled(format!("tool {}", call.name), self.style(Color::Magenta)),
+                            Span::styled(
+                                format!("tool {}", Shown(&call.name)),
+                                self.style(Color::Magenta),
+                            ),
                             Span::raw(format!(" {} ", args_summary(&call.args))),
                             Span::styled(tool_outcome_at(call, Some(self.now_ms)), outcome_style),
                         ],
@@ -427,8 +431,8 @@ pub fn draw(frame: &mut Frame, app: &App) {
     draw_tree(frame, app, tree);
     let help = "q quit  ↑↓ move  ⏎ expand  s session  p pause";
     let right = match (&app.notice, app.link.as_str()) {
-        (_, link) if link != "live" => link.to_owned(),
-        (Some(n), _) => n.clone(),
+        (_, link) if link != "live" => sanitize::text(link).into_owned(),
+        (Some(n), _) => sanitize::text(n).into_owned(),
         _ => String::new(),
     };
     let width = footer.width as usize;
@@ -462,7 +466,7 @@ fn draw_header(frame: &mut Frame, app: &App, area: Rect) {
     // version, then the uptime, then the rate), rather than cut mid-word.
     let running = format!("  {} running", app.shown().running());
     let optional = [
-        format!("  gateway {version}"),
+        format!("  gateway {}", sanitize::field(version, 40)),
         format!("  up {up}"),
         format!("  {rate} ev/s"),
     ];
@@ -494,7 +498,7 @@ fn draw_header(frame: &mut Frame, app: &App, area: Rect) {
     }
     spans.extend([
         Span::raw("  upstream "),
-        Span::styled(phase.to_owned(), phase_style),
+        Span::styled(sanitize::field(phase, 24).into_owned(), phase_style),
     ]);
     let rest: String = optional
         .iter()
@@ -546,8 +550,8 @@ fn draw_clients(frame: &mut Frame, app: &App, clients: &[Value], area: Rect) {
     let rows = clients.iter().take(MAX_CLIENT_ROWS).map(|c| {
         let declared = &c["declared"];
         let who = match (declared["client_id"].as_str(), declared["mode"].as_str()) {
-            (Some(id), Some(mode)) => format!("{id}/{mode}"),
-            (Some(id), None) => id.to_owned(),
+            (Some(id), Some(mode)) => format!("{}/{}", Shown(id), Shown(mode)),
+            (Some(id), None) => sanitize::text(id).into_owned(),
             _ if c["tool_observer"] == true => "(observer)".to_owned(),
             _ => "-".to_owned(),
         };
@@ -557,7 +561,7 @@ fn draw_clients(frame: &mut Frame, app: &App, clients: &[Value], area: Rect) {
             .unwrap_or_default();
         Row::new([
             c["id"].to_string(),
-            c["kind"].as_str().unwrap_or("?").to_owned(),
+            sanitize::text(c["kind"].as_str().unwrap_or("?")).into_owned(),
             who,
             c["peer_pid"]
                 .as_u64()
@@ -596,7 +600,7 @@ fn draw_tree(frame: &mut Frame, app: &App, area: Rect) {
     let at = app.selected_index(&rows);
     let title = format!(
         " Activity · session: {} ",
-        app.session_filter.as_deref().unwrap_or("all")
+        Shown(app.session_filter.as_deref().unwrap_or("all"))
     );
     let empty = rows.is_empty();
     let items: Vec<ListItem> = rows.into_iter().map(|r| ListItem::new(r.line)).collect();

@@ -328,3 +328,56 @@ fn a_gap_forgets_runs_whose_end_was_not_seen() {
     assert_eq!(app.activity.running(), 0);
     assert_eq!(app.notice.as_deref(), Some("events were missed"));
 }
+
+/// Gateway and client strings carrying OSC sequences, C1 controls and bidi
+/// overrides are drawn escaped (ratatui drops ESC itself, not U+202E).
+#[test]
+fn injected_controls_and_bidi_overrides_are_drawn_escaped() {
+    const OSC: &str = "\x1b]0;pwned\x07";
+    let run = format!("r\u{202e}{OSC}");
+    let session = format!("agent:main:\u{202e}{OSC}");
+    let payload = |stream: &str, data: Value| {
+        json!({"runId": run, "stream": stream, "ts": T0 + 10, "sessionKey": session,
+            "data": data})
+    };
+    let events = vec![
+        ev("agent", payload("lifecycle", json!({"phase": "start"}))),
+        ev(
+            "agent",
+            payload("thinking", json!({"delta": format!("hmm\u{202e}{OSC}")})),
+        ),
+        ev(
+            "agent",
+            payload(
+                "tool",
+                json!({"phase": "start", "name": format!("ex\u{202e}ec"), "toolCallId": "c1",
+                    "args": {"command": format!("ls\u{9b}2J{OSC}")}}),
+            ),
+        ),
+        ev(
+            "agent",
+            payload("assistant", json!({"text": format!("out\u{202e}{OSC}")})),
+        ),
+    ];
+    let mut app = app_with(&events, false);
+    app.state["upstream"]["server_version"] = json!(format!("9\u{202e}{OSC}"));
+    app.state["clients"][0]["declared"]["client_id"] = json!(format!("cli\u{202e}{OSC}"));
+    app.state["clients"][0]["declared"]["mode"] = json!(format!("\u{2066}x"));
+    let shown = screen(&app, 160, 30);
+    let bad = shown.chars().find(|&c| {
+        (c.is_control() && c != '\n')
+            || matches!(c, '\u{061c}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}'
+                | '\u{2066}'..='\u{2069}' | '\u{feff}')
+    });
+    assert_eq!(bad, None, "{shown}");
+    for want in [
+        "gateway 9\\u{202e}\\e]0;pwned\\x07",
+        "cli\\u{202e}\\e]0;pwned\\x07/\\u{2066}x",
+        "agent:main:\\u{202e}\\e]0;pwned\\x07",
+        "tool ex\\u{202e}ec",
+        "run r\\u{202e}\\e]0;",
+        "hmm\\u{202e}",
+    ] {
+        assert!(shown.contains(want), "{want:?} in\n{shown}");
+    }
+}

@@ -1,0 +1,249 @@
+//! What reaches a terminal: gateway data and local clients' strings carrying
+//! OSC 0 (window title), OSC 52 (clipboard write), C1 controls and bidi
+//! overrides are printed by `clawmux tail`, `tail --tree`, `status` and
+//! `call` only as visible, escaped text (issue 24, point 1).
+
+use std::process::Stdio;
+
+use crate::http_api::until_ready;
+use crate::support::*;
+use clawmux::hub::ClientKind;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout, Command};
+
+const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
+
+/// Sets the window title, then writes "hi" to the clipboard.
+const OSC: &str = "\x1b]0;pwned\x07\x1b]52;c;aGk=\x07";
+/// How [`OSC`] must be shown.
+const OSC_SHOWN: &str = "\\e]0;pwned\\x07\\e]52;c;aGk=\\x07";
+
+/// The first character a terminal would act on or hide, if any.
+fn hidden_char(s: &str) -> Option<char> {
+    s.chars().find(|&c| {
+        (c.is_control() && c != '\n')
+            || matches!(c, '\u{061c}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}'
+                | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{2069}' | '\u{feff}')
+    })
+}
+
+fn assert_visible(what: &str, out: &str) {
+    if let Some(c) = hidden_char(out) {
+        panic!("{what} printed {c:?} raw:\n{out:?}");
+    }
+}
+
+/// A running `clawmux tail` (stdout only; stderr is checked at the end).
+struct Tail {
+    child: Child,
+    out: Lines<BufReader<ChildStdout>>,
+}
+
+impl Tail {
+    fn spawn(socket: &std::path::Path, extra: &[&str]) -> Tail {
+        let mut child = Command::new(BIN)
+            .arg("tail")
+            .arg("--socket")
+            .arg(socket)
+            .args(extra)
+            .env_remove("CLAWMUX_SOCKET")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("tail starts");
+        let out = BufReader::new(child.stdout.take().unwrap()).lines();
+        Tail { child, out }
+    }
+
+    /// Lines up to the first one containing `needle` (bounded by PATIENCE).
+    async fn until(&mut self, needle: &str) -> String {
+        let mut seen = String::new();
+        loop {
+            let line = tokio::time::timeout(PATIENCE, self.out.next_line())
+                .await
+                .unwrap_or_else(|_| panic!("{needle:?} in time; got:\n{seen}"))
+                .expect("stdout readable")
+                .expect("tail still running");
+            seen.push_str(&line);
+            seen.push('\n');
+            if line.contains(needle) {
+                return seen;
+            }
+        }
+    }
+
+    /// Stops tail; its stderr.
+    async fn stop(mut self) -> String {
+        let _ = self.child.start_kill();
+        let out = self.child.wait_with_output().await.expect("tail ends");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+}
+
+async fn clawmux(args: &[&str]) -> (i32, String, String) {
+    let out = tokio::time::timeout(
+        PATIENCE,
+        Command::new(BIN)
+            .args(args)
+            .env_remove("CLAWMUX_SOCKET")
+            .env("NO_COLOR", "1")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the command finishes in time")
+    .expect("the binary runs");
+    (
+        out.status.code().expect("exit code"),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn injected_escapes_reach_tail_tree_status_and_call_only_escaped() {
+    let h = start().await;
+    let socket = h.socket();
+    until_ready(&socket).await;
+    let mut plain = Tail::spawn(&socket, &[]);
+    let mut tree = Tail::spawn(&socket, &["--tree"]);
+    eventually("both tails are streaming", || {
+        h.broker
+            .ctx()
+            .hub
+            .clients()
+            .iter()
+            .filter(|c| c.kind == ClientKind::Sse)
+            .count()
+            == 2
+    })
+    .await;
+
+    // A local client with a hostile self-description starts a run on a
+    // hostile session key (the mock echoes it in every event of the run).
+    let mut starter = h.client().await;
+    starter.recv_json().await;
+    let mut frame = connect_frame("c1");
+    frame["params"]["client"]["displayName"] = json!(format!("evil\u{202e}txt.exe{OSC}"));
+    frame["params"]["client"]["version"] = json!(format!("1\u{9b}31m{OSC}"));
+    starter.send_json(&frame).await;
+    assert_eq!(starter.response("c1").await["ok"], true);
+    let key = format!("main{OSC}");
+    let answer = starter
+        .request(
+            "chat.send",
+            json!({"sessionKey": key, "message": "hi", "idempotencyKey": uuid::Uuid::new_v4().to_string()}),
+        )
+        .await;
+    assert_eq!(answer["ok"], true, "{answer}");
+    loop {
+        let e = starter.event("chat").await;
+        if e["payload"]["state"] == "final" {
+            break;
+        }
+    }
+
+    // The gateway itself sends hostile run ids, tool names and arguments,
+    // error messages and event names.
+    let run = format!("r{OSC}");
+    let session = format!("agent:main:x\u{202e}{OSC}");
+    let ts = clawmux::protocol::now_ms();
+    let agent = |stream: &str, data: Value| json!({"runId": run, "sessionKey": session, "stream": stream, "ts": ts, "data": data});
+    h.gw.broadcast("agent", agent("lifecycle", json!({"phase": "start"})));
+    h.gw.broadcast(
+        "agent",
+        agent(
+            "tool",
+            json!({"phase": "start", "name": format!("exec{OSC}"), "toolCallId": "call_1",
+                "args": {format!("k\u{202e}"): format!("ls{OSC}"), "n": format!("\u{9b}2J")}}),
+        ),
+    );
+    h.gw.broadcast(
+        "agent",
+        agent(
+            "tool",
+            json!({"phase": "result", "name": format!("exec{OSC}"), "toolCallId": "call_1",
+                "isError": true, "result": {"content": [{"type": "text", "text": OSC}]}}),
+        ),
+    );
+    h.gw.broadcast(
+        "agent",
+        agent(
+            "assistant",
+            json!({"text": format!("out{OSC}"), "delta": format!("out{OSC}")}),
+        ),
+    );
+    h.gw.broadcast(
+        "chat",
+        json!({"runId": run, "sessionKey": session, "state": "error",
+            "errorMessage": format!("boom\u{202e}{OSC}"), "ts": ts}),
+    );
+    h.gw.broadcast(
+        "agent",
+        agent(
+            "lifecycle",
+            json!({"phase": "error", "error": format!("boom{OSC}")}),
+        ),
+    );
+    h.gw.broadcast(&format!("cron{OSC}"), json!({"job": OSC}));
+    h.gw.broadcast("cron", json!({"job": "done-marker"}));
+
+    let out = plain.until("done-marker").await;
+    assert_visible("tail", &out);
+    assert!(out.contains(OSC_SHOWN), "escaped, not dropped:\n{out}");
+    assert!(out.contains("cron\\e]0;pwned"), "event name:\n{out}");
+    assert!(out.contains("run=r\\e]0;pwn"), "run id prefix:\n{out}");
+    assert!(out.contains("\\u{202e}"), "bidi override:\n{out}");
+    let err = plain.stop().await;
+    assert_visible("tail's stderr", &err);
+
+    let out = tree.until("boom").await;
+    assert_visible("tail --tree", &out);
+    assert!(out.contains("tool exec\\e]0;pwned"), "tool name:\n{out}");
+    assert!(out.contains("k\\u{202e}="), "argument name:\n{out}");
+    assert!(out.contains(&format!("main{OSC_SHOWN}")), "session:\n{out}");
+    let err = tree.stop().await;
+    assert_visible("tail --tree's stderr", &err);
+
+    let (code, out, err) = clawmux(&["status", "--socket", socket.to_str().unwrap()]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert_visible("status", &format!("{out}{err}"));
+
+    // A gateway error whose code, message and details carry escapes.
+    h.gw.set_faults(clawmux_mock::Faults {
+        fail_methods: vec![(
+            "health".into(),
+            json!({"code": format!("E{OSC}"), "message": format!("bad\u{202e}{OSC}"),
+                "details": {"why": "\u{9b}31m\u{2066}"}}),
+        )],
+        ..Default::default()
+    });
+    let (code, out, err) = clawmux(&["call", "--socket", socket.to_str().unwrap(), "health"]).await;
+    assert_eq!(code, 1, "an error answer: {out}{err}");
+    assert_visible("call", &format!("{out}{err}"));
+    assert!(err.contains(&format!("E{OSC_SHOWN}")), "{err}");
+    assert!(err.contains("bad\\u{202e}"), "{err}");
+    // `--json` stays exact JSON (serde escapes the C0 controls).
+    let (_, out, _) = clawmux(&[
+        "call",
+        "--socket",
+        socket.to_str().unwrap(),
+        "--json",
+        "health",
+    ])
+    .await;
+    let frame: Value = serde_json::from_str(out.trim()).expect("JSON");
+    assert_eq!(frame["error"]["code"], format!("E{OSC}"));
+    // An unknown method's name is echoed by the gateway.
+    let (_, out, err) = clawmux(&[
+        "call",
+        "--socket",
+        socket.to_str().unwrap(),
+        &format!("no.such{OSC}"),
+    ])
+    .await;
+    assert_visible("call of an unknown method", &format!("{out}{err}"));
+}
