@@ -249,6 +249,9 @@ struct MockArgs {
 
 /// Fastest `--speed` accepted: beyond it, use `--instant`.
 const MAX_REPLAY_SPEED: f64 = 1000.0;
+/// Slowest `--speed` accepted: a recording's day then lasts 1000 days; a
+/// slower factor (1e-300) made the pause overflow and panic a worker.
+const MIN_REPLAY_SPEED: f64 = 0.001;
 
 /// Serving a recording (README "Record and replay").
 #[derive(Args, Debug)]
@@ -256,7 +259,7 @@ struct ReplayArgs {
     /// Serve this recorded session (`clawmux record`): its hello-ok, its events in order, its recorded answers.
     #[arg(long, value_name = "FILE")]
     replay: Option<PathBuf>,
-    /// Play events this many times faster than recorded (0.5 = half speed), above 0 and at most 1000 [default: 1].
+    /// Play events this many times faster than recorded (0.5 = half speed), from 0.001 to 1000 [default: 1].
     #[arg(long, value_name = "X", requires = "replay", conflicts_with = "instant", value_parser = speed_arg)]
     speed: Option<f64>,
     /// Send all recorded events at once (in order), without the recorded pauses.
@@ -296,9 +299,9 @@ impl ReplayArgs {
 
 fn speed_arg(text: &str) -> Result<f64, String> {
     match text.trim().parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 && x <= MAX_REPLAY_SPEED => Ok(x),
+        Ok(x) if (MIN_REPLAY_SPEED..=MAX_REPLAY_SPEED).contains(&x) => Ok(x),
         _ => Err(format!(
-            "--speed takes a number above 0 and at most {MAX_REPLAY_SPEED} (or use --instant)"
+            "--speed takes a number from {MIN_REPLAY_SPEED} to {MAX_REPLAY_SPEED} (or use --instant)"
         )),
     }
 }

@@ -109,26 +109,99 @@ async fn token_files_that_are_devices_or_too_large_are_refused_at_start() {
             "larger than 64 KiB (the limit for this file)".to_owned(),
         ),
     ] {
-        let mut cmd = clawmux(home.path());
-        cmd.args([
-            "serve",
-            "--gateway-url",
-            "ws://127.0.0.1:9",
-            "--token-file",
-            file,
-            "--socket",
-        ])
-        .arg(home.path().join("c.sock"));
-        let out = tokio::time::timeout(
-            PATIENCE,
-            tokio::task::spawn_blocking(move || cmd.output().unwrap()),
+        let sock = home.path().join("c.sock");
+        let (code, err) = run(
+            home.path(),
+            &[
+                "serve",
+                "--gateway-url",
+                "ws://127.0.0.1:9",
+                "--token-file",
+                file,
+                "--socket",
+                sock.to_str().unwrap(),
+            ],
         )
-        .await
-        .expect("refused at once, not after reading without end")
-        .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{err}");
+        .await;
+        assert_ne!(code, Some(0), "{err}");
         assert!(err.contains(&want), "{file}: {err}");
         assert!(err.contains(file), "names the file: {err}");
     }
+}
+
+/// Runs the binary to completion (killed if it does not end in time):
+/// (exit code, stderr).
+async fn run(home: &Path, args: &[&str]) -> (Option<i32>, String) {
+    let mut cmd = tokio::process::Command::from(clawmux(home));
+    cmd.args(args).kill_on_drop(true);
+    let out = tokio::time::timeout(PATIENCE, cmd.output())
+        .await
+        .expect("finishes in time")
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn a_replay_speed_out_of_range_is_a_usage_error() {
+    let home = tempfile::tempdir().unwrap();
+    let file = home.path().join("r.jsonl");
+    std::fs::write(
+        &file,
+        "{\"format\":\"clawmux-recording\",\"version\":1,\"hello\":{}}\n{\"ms\":1,\"dir\":\"in\",\"frame\":{\"type\":\"event\",\"event\":\"tick\",\"payload\":{}}}\n",
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    for speed in ["1e-300", "0.0001", "1001", "NaN"] {
+        let (code, err) = run(
+            home.path(),
+            &[
+                "mock-gateway",
+                "--port",
+                "0",
+                "--replay",
+                f,
+                "--speed",
+                speed,
+            ],
+        )
+        .await;
+        assert_eq!(code, Some(2), "--speed {speed}: {err}");
+        assert!(
+            err.contains("--speed takes a number from 0.001 to 1000"),
+            "{err}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn record_out_onto_an_existing_readable_file_leaves_it_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let h = start().await;
+    crate::http_api::until_ready(&h.socket()).await;
+    let home = tempfile::tempdir().unwrap();
+    let out = home.path().join("session.jsonl");
+    std::fs::write(&out, "old contents\n").unwrap();
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mut record = ChildGuard(
+        clawmux(home.path())
+            .arg("record")
+            .arg("--socket")
+            .arg(h.socket())
+            .arg("--out")
+            .arg(&out)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("the header is written", || {
+        std::fs::read_to_string(&out).is_ok_and(|t| t.contains("clawmux-recording"))
+    })
+    .await;
+    let mode = std::fs::metadata(&out).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "mode {mode:o}");
+    sigterm(&record.0);
+    wait_exit(&mut record.0).await;
 }

@@ -378,7 +378,10 @@ async fn bad_requests_to_record_and_replay_are_refused_clearly() {
     assert!(err.contains("--replay needs --demo"), "{err}");
     let (code, err) = run_clawmux(&home, &["mock-gateway", "--replay", f, "--speed", "0"]).await;
     assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--speed takes a number above 0"), "{err}");
+    assert!(
+        err.contains("--speed takes a number from 0.001 to 1000"),
+        "{err}"
+    );
     let (code, err) = run_clawmux(&home, &["mock-gateway", "--speed", "2"]).await;
     assert_eq!(code, Some(2), "--speed without --replay: {err}");
     let missing = home.path().join("missing.jsonl");

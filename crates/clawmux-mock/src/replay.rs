@@ -42,15 +42,20 @@ pub struct Replay {
     pub looped: bool,
     /// How many times each group of identical requests was answered.
     served: Mutex<HashMap<usize, usize>>,
+    /// The timeline encoded once, shared by every playing connection (not
+    /// one copy per connection).
+    encoded: Vec<(u64, Option<Arc<EncodedEvent>>)>,
 }
 
 impl Replay {
     pub fn new(recording: Recording, pace: Pace, looped: bool) -> Arc<Replay> {
+        let encoded = encode(&recording);
         Arc::new(Replay {
             recording,
             pace,
             looped,
             served: Mutex::new(HashMap::new()),
+            encoded,
         })
     }
 
@@ -118,12 +123,9 @@ impl Replay {
     }
 }
 
-/// Plays the recorded events to connection `index` until it ends (or the
-/// recording does, without looping).
-pub(crate) async fn play(inner: Arc<Inner>, index: u64, replay: Arc<Replay>) {
-    let mut shutdown = inner.shutdown.subscribe();
-    let events: Vec<(u64, Option<Arc<EncodedEvent>>)> = replay
-        .recording
+/// The timeline as the frames' encoded parts.
+fn encode(recording: &Recording) -> Vec<(u64, Option<Arc<EncodedEvent>>)> {
+    recording
         .timeline
         .iter()
         .map(|item| match item {
@@ -142,14 +144,30 @@ pub(crate) async fn play(inner: Arc<Inner>, index: u64, replay: Arc<Replay>) {
             ),
             Played::Gap { at_ms } => (*at_ms, None),
         })
-        .collect();
+        .collect()
+}
+
+/// Plays the recorded events to connection `index` until it ends (or the
+/// recording does, without looping).
+pub(crate) async fn play(inner: Arc<Inner>, index: u64, replay: Arc<Replay>) {
+    let mut shutdown = inner.shutdown.subscribe();
+    let events = &replay.encoded;
     loop {
         let start = Instant::now();
-        for (at_ms, event) in &events {
+        for (at_ms, event) in events {
             if let Pace::Speed(speed) = replay.pace {
-                let offset = Duration::from_secs_f64(*at_ms as f64 / 1000.0 / speed);
+                // A pause too long to represent (a tiny speed) never ends:
+                // waited out until shutdown instead of panicking.
+                let due = Duration::try_from_secs_f64(*at_ms as f64 / 1000.0 / speed)
+                    .ok()
+                    .and_then(|offset| start.checked_add(offset));
                 tokio::select! {
-                    _ = sleep_until(start + offset) => {}
+                    _ = async {
+                        match due {
+                            Some(due) => sleep_until(due).await,
+                            None => std::future::pending().await,
+                        }
+                    } => {}
                     _ = crate::state::until_shutdown(&mut shutdown) => return,
                 }
             }
