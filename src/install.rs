@@ -146,11 +146,16 @@ pub fn plan(dir: &Path, binary: &Path) -> Result<Vec<UnitFile>, InstallError> {
         .into_iter()
         .map(|(name, contents)| {
             let path = dir.join(name);
-            let state = match fs::read(&path) {
+            let state = match crate::files::read(&path, crate::files::CONFIG_MAX_BYTES) {
                 Ok(bytes) if bytes == contents.as_bytes() => UnitState::Unchanged,
                 Ok(_) => UnitState::Differs,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => UnitState::Missing,
-                Err(source) => return Err(InstallError::Io { path, source }),
+                Err(e) if e.is_not_found() => UnitState::Missing,
+                // A unit that is not a regular file, or is absurdly large, is
+                // one to replace, not to read.
+                Err(crate::files::ReadError::Io { source, .. }) => {
+                    return Err(InstallError::Io { path, source })
+                }
+                Err(_) => UnitState::Differs,
             };
             Ok(UnitFile {
                 path,

@@ -73,7 +73,9 @@ pub fn fingerprint_of(der: &[u8]) -> String {
 pub fn certificate_file_fingerprint(
     path: &Path,
 ) -> Result<(CertificateDer<'static>, String), String> {
-    let cert = CertificateDer::from_pem_file(path)
+    let pem =
+        crate::files::read(path, crate::files::CONFIG_MAX_BYTES).map_err(|e| e.to_string())?;
+    let cert = CertificateDer::from_pem_slice(&pem)
         .map_err(|e| format!("cannot read a PEM certificate from {}: {e}", path.display()))?;
     let fp = fingerprint_of(cert.as_ref());
     Ok((cert, fp))
@@ -342,8 +344,10 @@ impl TlsClient {
                     ),
                 )
             };
-            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
-                .map_err(|e| bad(e.to_string()))?
+            // Read like every local file: a regular file under a cap.
+            let pem = crate::files::read(path, crate::files::CONFIG_MAX_BYTES)
+                .map_err(|e| bad(e.to_string()))?;
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
                 .collect::<Result<_, _>>()
                 .map_err(|e| bad(e.to_string()))?;
             if certs.is_empty() {
