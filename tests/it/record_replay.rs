@@ -374,7 +374,7 @@ async fn bad_requests_to_record_and_replay_are_refused_clearly() {
     std::fs::write(&file, synthetic(&[0], None)).unwrap();
     let f = file.to_str().unwrap();
     let (code, err) = run_clawmux(&home, &["serve", "--replay", f, "--socket", sock]).await;
-    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(code, Some(2), "a usage error: {err}");
     assert!(err.contains("--replay needs --demo"), "{err}");
     let (code, err) = run_clawmux(&home, &["mock-gateway", "--replay", f, "--speed", "0"]).await;
     assert_eq!(code, Some(2), "{err}");
