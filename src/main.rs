@@ -349,7 +349,11 @@ fn main() -> ExitCode {
         }
         Command::Man(args) => return man(args),
         Command::Serve(args) if args.replay.replay.is_some() && !args.demo => {
-            <Cli as clap::CommandFactory>::command()
+            let mut cli = <Cli as clap::CommandFactory>::command();
+            cli.build();
+            cli.find_subcommand_mut("serve")
+                .expect("the serve command")
+                .clone()
                 .error(
                     clap::error::ErrorKind::MissingRequiredArgument,
                     "--replay needs --demo: the recording is served by the demo's gateway double (clawmux serve --demo --replay FILE)",
