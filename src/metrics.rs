@@ -316,10 +316,28 @@ pub fn render(ctx: &Ctx) -> String {
     out.family(
         "clawmux_dedicated_total",
         "counter",
-        "Connections on /ws/dedicated by how their handshake ended: connected, rejected (by the gateway), failed (studio.* before its answer), refused (max_dedicated).",
+        "Connections on /ws/dedicated by how their handshake ended: connected, rejected (by the gateway), failed (studio.* before its answer), refused (max_dedicated), rate_limited (over [limits] upstream_open_*), abandoned (the client left before its connect), invalid (first frame not a connect), timed_out (no connect in time).",
     );
     for (outcome, n) in ctx.dedicated.outcomes.counts() {
         out.sample("clawmux_dedicated_total", &[("outcome", outcome)], n);
+    }
+    out.family(
+        "clawmux_dedicated_upstream_opens_total",
+        "counter",
+        "Gateway connections opened for /ws/dedicated clients (after their connect, or after 100 ms of waiting for the gateway's challenge).",
+    );
+    out.sample(
+        "clawmux_dedicated_upstream_opens_total",
+        &[],
+        ctx.dedicated.outcomes.upstream_opens.load(Ordering::Relaxed),
+    );
+    out.family(
+        "clawmux_dedicated_ends_total",
+        "counter",
+        "Dedicated connections that reached the relay, by how it ended: client_closed, gateway_closed, unanswered, client_gone, client_slow, gateway_gone, shutdown.",
+    );
+    for (reason, n) in ctx.dedicated.outcomes.ends() {
+        out.sample("clawmux_dedicated_ends_total", &[("reason", reason)], n);
     }
     let status = ctx.upstream.status();
     out.family(

@@ -260,6 +260,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
         );
     }
     let peer_pid = req.extensions().get::<super::PeerPid>().and_then(|p| p.0);
+    let peer_uid = req.extensions().get::<super::PeerPid>().and_then(|p| p.1);
     let accept = derive_accept_key(key.as_bytes());
     let on_upgrade = hyper::upgrade::on(&mut req);
     let tracker = ctx.tracker.clone();
@@ -279,7 +280,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
                     Route::Shared => {
                         super::ws::run(ws, budget, restarts, socket, peer_pid, ctx).await
                     }
-                    Route::Dedicated => super::dedicated::run(ws, budget, ctx).await,
+                    Route::Dedicated => super::dedicated::run(ws, budget, peer_uid, ctx).await,
                 }
             }
             Err(e) => tracing::debug!("WebSocket upgrade failed: {e}"),
