@@ -171,6 +171,9 @@ struct SocketSection {
     allow_methods: Vec<String>,
     #[serde(default)]
     deny_methods: Vec<String>,
+    /// Observer powers (the request tap, `tool_events=all`); default off.
+    #[serde(default)]
+    observe: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -812,6 +815,7 @@ fn socket_policies(
                 allow: s.allow_methods.clone(),
                 deny: s.deny_methods.clone(),
             },
+            observe: s.observe,
         });
     }
     Ok(out)

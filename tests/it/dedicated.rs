@@ -778,6 +778,7 @@ async fn a_restricted_policy_socket_refuses_the_dedicated_route() {
         gids: Vec::new(),
         scopes: Some(Grant::new(["operator.read"])),
         methods: MethodFilter::default(),
+        observe: false,
     };
     let h = start_with(mock_config(), |s| s.sockets = vec![policy]).await;
     let upgrade = [
