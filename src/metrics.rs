@@ -334,7 +334,10 @@ pub fn render(ctx: &Ctx) -> String {
     out.sample(
         "clawmux_dedicated_upstream_opens_total",
         &[],
-        ctx.dedicated.outcomes.upstream_opens.load(Ordering::Relaxed),
+        ctx.dedicated
+            .outcomes
+            .upstream_opens
+            .load(Ordering::Relaxed),
     );
     out.family(
         "clawmux_dedicated_ends_total",

@@ -916,8 +916,18 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
         ms(Zero::Refused)
     );
     set!(lim.max_dedicated, "limits", max_dedicated, positive);
-    set!(lim.upstream_open_rate, "limits", upstream_open_rate, positive);
-    set!(lim.upstream_open_burst, "limits", upstream_open_burst, positive);
+    set!(
+        lim.upstream_open_rate,
+        "limits",
+        upstream_open_rate,
+        positive
+    );
+    set!(
+        lim.upstream_open_burst,
+        "limits",
+        upstream_open_burst,
+        positive
+    );
     set!(
         lim.upstream_open_rate_total,
         "limits",

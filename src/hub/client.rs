@@ -515,11 +515,15 @@ impl Client {
 
     /// Whether the next push would grow the ring buffer by more than the
     /// broker-wide budget has left (`VecDeque` doubles when full).
-    /// Only a backlog is judged: a ring buffer of at most
-    /// [`SHRINK_ABOVE_ENTRIES`] slots grows freely (a reader's queue).
+    /// Only a backlog past the soft limit is judged: a reader's queue grows
+    /// freely (it counts, and the hub sheds the largest backlogs after the
+    /// publish, which are not a reader's).
     fn growth_over_budget(&self, q: &Queue) -> bool {
         let slots = q.items.capacity();
-        if q.items.len() < slots || slots < SHRINK_ABOVE_ENTRIES {
+        if q.items.len() < slots
+            || slots < SHRINK_ABOVE_ENTRIES
+            || q.bytes <= self.limits.soft_bytes
+        {
             return false;
         }
         let growth = slots * ENTRY_BYTES;
@@ -853,7 +857,11 @@ mod tests {
             "the frame left the queue"
         );
         drop(batch);
-        assert_eq!(budget.used(), len + slots(&a) + slots(&b), "b still holds the event");
+        assert_eq!(
+            budget.used(),
+            len + slots(&a) + slots(&b),
+            "b still holds the event"
+        );
         assert!(b.close_slow_consumer());
         assert_eq!(
             budget.used(),

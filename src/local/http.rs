@@ -207,6 +207,13 @@ fn header_has(req: &Request<Incoming>, name: header::HeaderName, token: &str) ->
 /// reads. Measured by `cargo bench --bench clawmux` (BENCHMARKS.md).
 const LOCAL_READ_BUFFER_BYTES: usize = 8 * 1024;
 
+/// Bytes a client's WebSocket buffers before writing to the socket (the
+/// library's default is 128 KiB). A client that does not read holds this
+/// much of serialized copies outside the queue budget until it is closed
+/// (issue 24: 980 such clients held ~160 MiB beyond `queue_total_bytes`);
+/// a writer still flushes once per batch.
+const LOCAL_WRITE_BUFFER_BYTES: usize = 16 * 1024;
+
 /// Which session a WebSocket path gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Route {
@@ -269,6 +276,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
             Ok(upgraded) => {
                 let config = WebSocketConfig::default()
                     .read_buffer_size(LOCAL_READ_BUFFER_BYTES)
+                    .write_buffer_size(LOCAL_WRITE_BUFFER_BYTES)
                     .max_message_size(Some(ctx.settings.limits.max_frame_bytes))
                     .max_frame_size(Some(ctx.settings.limits.max_frame_bytes));
                 let budget = super::preconnect::PreconnectBudget::new(

@@ -251,7 +251,11 @@ async fn opening_and_closing_without_a_connect_opens_nothing_upstream() {
         c.close().await;
     }
     let socket = h.socket();
-    let m = wait_metric(&socket, "clawmux_dedicated_total{outcome=\"abandoned\"} 20\n").await;
+    let m = wait_metric(
+        &socket,
+        "clawmux_dedicated_total{outcome=\"abandoned\"} 20\n",
+    )
+    .await;
     assert!(
         m.contains("clawmux_dedicated_upstream_opens_total 0\n"),
         "{m}"
@@ -289,7 +293,11 @@ async fn opens_over_the_rate_are_refused_with_retry_after() {
     assert!(message.contains("upstream_open_rate"), "{message}");
     let (code, _) = second.expect_close().await;
     assert_eq!(code, 1011);
-    assert_eq!(h.gw.total_connections(), before + 1, "nothing opened for it");
+    assert_eq!(
+        h.gw.total_connections(),
+        before + 1,
+        "nothing opened for it"
+    );
     first.close().await;
     let socket = h.socket();
     let m = wait_metric(

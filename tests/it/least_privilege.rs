@@ -482,7 +482,10 @@ async fn state_on_a_further_socket_shows_only_its_own_clients() {
 
     let (status, _, text) = request_text(&extra, "GET", "/v1/state", b"").await;
     assert_eq!(status, 200);
-    assert!(!text.contains(&main_conn), "another socket's client: {text}");
+    assert!(
+        !text.contains(&main_conn),
+        "another socket's client: {text}"
+    );
     assert!(!text.contains("owner-tool"), "{text}");
     assert!(!text.contains("65534") && !text.contains("65533"), "{text}");
     let main_path = h.socket().display().to_string();
@@ -500,6 +503,9 @@ async fn state_on_a_further_socket_shows_only_its_own_clients() {
 
     // The main socket (the owner) still sees everything.
     let (_, _, full) = request_text(&h.socket(), "GET", "/v1/state", b"").await;
-    assert!(full.contains(&main_conn) && full.contains(&extra_conn), "{full}");
+    assert!(
+        full.contains(&main_conn) && full.contains(&extra_conn),
+        "{full}"
+    );
     assert!(full.contains("65534"), "{full}");
 }
