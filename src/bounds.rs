@@ -3,7 +3,7 @@
 //! clear error at start and never a panic later (an `Instant` plus a
 //! near-`u64::MAX` duration overflows on the first request).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The longest duration any setting accepts: one day. Every timeout, wait,
 /// grace period and backoff in clawmux is meant in seconds or minutes; a
@@ -71,43 +71,6 @@ pub fn positive<T: Copy + PartialEq + Default + std::fmt::Display>(
     Ok(value)
 }
 
-/// Allows `rate` events per second on average and bursts of `burst`: frames
-/// a client sends, upstream connections local clients cause. Hand-written:
-/// a dozen lines, and the crates for this (governor) bring clocks and
-/// generics this one counter does not need.
-#[derive(Debug)]
-pub struct TokenBucket {
-    rate: f64,
-    burst: f64,
-    tokens: f64,
-    last: Instant,
-}
-
-impl TokenBucket {
-    pub fn new(rate: u32, burst: u32) -> Self {
-        let burst = f64::from(burst.max(1));
-        TokenBucket {
-            rate: f64::from(rate.max(1)),
-            burst,
-            tokens: burst,
-            last: Instant::now(),
-        }
-    }
-
-    /// Takes one token at `now`; `Err(wait)` says how long until one is available.
-    pub fn take(&mut self, now: Instant) -> Result<(), Duration> {
-        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
-        self.last = now;
-        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            Ok(())
-        } else {
-            Err(Duration::from_secs_f64((1.0 - self.tokens) / self.rate))
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,22 +108,5 @@ mod tests {
             .unwrap_err()
             .contains("limits.max_clients"));
         assert!(positive("limits.request_rate", 0u32).is_err());
-    }
-
-    #[test]
-    fn buckets_burst_then_refill_at_the_rate() {
-        let t0 = Instant::now();
-        let mut b = TokenBucket::new(10, 3);
-        for _ in 0..3 {
-            assert!(b.take(t0).is_ok());
-        }
-        let wait = b.take(t0).unwrap_err();
-        assert!(wait <= Duration::from_millis(100) && wait > Duration::ZERO);
-        assert!(b.take(t0 + Duration::from_millis(100)).is_ok());
-        assert!(b.take(t0 + Duration::from_millis(100)).is_err());
-        assert!(
-            b.take(t0 + Duration::from_secs(10)).is_ok(),
-            "refills up to the burst"
-        );
     }
 }

@@ -128,6 +128,21 @@ pub struct Limits {
     /// One more is closed at once `1013` with a reason naming this limit,
     /// before anything is sent to the gateway. Default 64.
     pub max_dedicated: usize,
+
+    // --- Upstream connections opened for local clients ---
+    /// Gateway connections one local peer (one uid, as the kernel reports
+    /// it) may cause to be opened per second on average (`/ws/dedicated`
+    /// today); one more is answered `studio.too_many_requests` with
+    /// `retryAfterMs` and nothing is opened. Default 2.
+    pub upstream_open_rate: u32,
+    /// Such opens one peer may make at once above its rate. Default 10.
+    pub upstream_open_burst: u32,
+    /// The same for every peer together: the most gateway connections per
+    /// second local clients can make the broker open. Default 10.
+    pub upstream_open_rate_total: u32,
+    /// Opens all peers together may make at once above the total rate.
+    /// Default 30.
+    pub upstream_open_burst_total: u32,
 }
 
 /// Connections allowed beyond `max_clients` when `max_connections` is not
@@ -168,6 +183,10 @@ impl Default for Limits {
             max_connections: None,
             header_read_timeout: Duration::from_secs(10),
             max_dedicated: 64,
+            upstream_open_rate: 2,
+            upstream_open_burst: 10,
+            upstream_open_rate_total: 10,
+            upstream_open_burst_total: 30,
         }
     }
 }

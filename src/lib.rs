@@ -44,7 +44,8 @@
 //!   (subscriptions, run ownership, who receives each event).
 //! - At the bottom, pure: [`config`] (settings and every limit),
 //!   [`policy`] (scopes, the gateway's method table, socket policies),
-//!   [`protocol`] (frames with raw payloads, the `studio.*` errors).
+//!   [`protocol`] (frames with raw payloads, the `studio.*` errors),
+//!   [`rate`] (token buckets, the upstream-open limiter).
 //! - [`tap`]: a broker-side copy of requests, answers and targeted events
 //!   for `clawmux record --requests` (secrets redacted).
 //! - [`logging`]: the log never blocks fan-out (a lossy writer thread),
@@ -82,6 +83,7 @@ pub mod logging;
 pub mod metrics;
 pub mod policy;
 pub mod protocol;
+pub mod rate;
 pub mod router;
 pub mod sanitize;
 pub mod sessions;

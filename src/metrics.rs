@@ -19,8 +19,8 @@ use crate::hub::ClientKind;
 use crate::upstream::Phase;
 
 /// Distinct method names counted separately at most; later new names are
-/// counted as `other`, so a client inventing method names cannot grow the
-/// metrics (and the scrape) without bound.
+/// counted as `other`, so the metrics (and the scrape) cannot grow without
+/// bound. Names the gateway's method table does not know are `other` too.
 pub const MAX_METHOD_LABELS: usize = 128;
 
 /// Upper bounds (seconds) of the request latency buckets: from a local
@@ -99,7 +99,12 @@ impl RequestMetrics {
     pub fn record(&self, method: &str, outcome: Outcome, elapsed: Option<Duration>) {
         {
             let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
-            let label = if counts.methods.contains(method) {
+            // Only the gateway's own method names become labels: a
+            // method is whatever a client sent, and may carry user data
+            // (a session key sent as a method name ended up in a label).
+            let label = if !crate::policy::methods::is_known(method) {
+                "other".to_owned()
+            } else if counts.methods.contains(method) {
                 method.to_owned()
             } else if counts.methods.len() < MAX_METHOD_LABELS {
                 counts.methods.insert(method.to_owned());
@@ -316,10 +321,31 @@ pub fn render(ctx: &Ctx) -> String {
     out.family(
         "clawmux_dedicated_total",
         "counter",
-        "Connections on /ws/dedicated by how their handshake ended: connected, rejected (by the gateway), failed (studio.* before its answer), refused (max_dedicated).",
+        "Connections on /ws/dedicated by how their handshake ended: connected, rejected (by the gateway), failed (studio.* before its answer), refused (max_dedicated), rate_limited (over [limits] upstream_open_*), abandoned (the client left before its connect), invalid (first frame not a connect), timed_out (no connect in time).",
     );
     for (outcome, n) in ctx.dedicated.outcomes.counts() {
         out.sample("clawmux_dedicated_total", &[("outcome", outcome)], n);
+    }
+    out.family(
+        "clawmux_dedicated_upstream_opens_total",
+        "counter",
+        "Gateway connections opened for /ws/dedicated clients (after their connect, or after 100 ms of waiting for the gateway's challenge).",
+    );
+    out.sample(
+        "clawmux_dedicated_upstream_opens_total",
+        &[],
+        ctx.dedicated
+            .outcomes
+            .upstream_opens
+            .load(Ordering::Relaxed),
+    );
+    out.family(
+        "clawmux_dedicated_ends_total",
+        "counter",
+        "Dedicated connections that reached the relay, by how it ended: client_closed, gateway_closed, unanswered, client_gone, client_slow, gateway_gone, shutdown.",
+    );
+    for (reason, n) in ctx.dedicated.outcomes.ends() {
+        out.sample("clawmux_dedicated_ends_total", &[("reason", reason)], n);
     }
     let status = ctx.upstream.status();
     out.family(
@@ -522,16 +548,27 @@ mod tests {
         for i in 0..MAX_METHOD_LABELS + 5 {
             m.record(&format!("m{i}"), Outcome::Ok, None);
         }
-        m.record("m0", Outcome::Error, Some(Duration::from_millis(3)));
+        m.record("health", Outcome::Error, Some(Duration::from_millis(3)));
         let counts = m.counts();
         let other = counts.iter().find(|(name, ..)| name == "other").unwrap();
-        assert_eq!(other.2, 5);
+        assert_eq!(other.2, MAX_METHOD_LABELS as u64 + 5);
         assert!(counts
             .iter()
-            .any(|(n, o, c)| n == "m0" && *o == Outcome::Error && *c == 1));
+            .any(|(n, o, c)| n == "health" && *o == Outcome::Error && *c == 1));
         let mut out = Exposition::default();
         out.sample("x", &[("method", "a\"b\\c\nd")], 1);
         assert_eq!(out.finish(), "x{method=\"a\\\"b\\\\c\\nd\"} 1\n");
+    }
+
+    /// Issue 24: a request whose method was a session key put the key in a
+    /// label of `/metrics`, which every socket may read.
+    #[test]
+    fn only_gateway_method_names_become_labels() {
+        let m = RequestMetrics::default();
+        m.record("agent:main:secret-session", Outcome::Rejected, None);
+        m.record("chat.send", Outcome::Ok, None);
+        let names: Vec<String> = m.counts().into_iter().map(|(n, ..)| n).collect();
+        assert_eq!(names, vec!["chat.send".to_owned(), "other".to_owned()]);
     }
 
     #[test]

@@ -171,6 +171,9 @@ struct SocketSection {
     allow_methods: Vec<String>,
     #[serde(default)]
     deny_methods: Vec<String>,
+    /// Observer powers (the request tap, `tool_events=all`); default off.
+    #[serde(default)]
+    observe: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -208,6 +211,10 @@ struct LimitsSection {
     max_connections: Option<usize>,
     header_read_timeout_ms: Option<u64>,
     max_dedicated: Option<usize>,
+    upstream_open_rate: Option<u32>,
+    upstream_open_burst: Option<u32>,
+    upstream_open_rate_total: Option<u32>,
+    upstream_open_burst_total: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -812,6 +819,7 @@ fn socket_policies(
                 allow: s.allow_methods.clone(),
                 deny: s.deny_methods.clone(),
             },
+            observe: s.observe,
         });
     }
     Ok(out)
@@ -855,6 +863,10 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
         max_connections,
         header_read_timeout_ms,
         max_dedicated,
+        upstream_open_rate,
+        upstream_open_burst,
+        upstream_open_rate_total,
+        upstream_open_burst_total,
     } = *l;
     let any = |_: &str, v| Ok::<_, String>(v);
     set!(
@@ -915,6 +927,30 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
         ms(Zero::Refused)
     );
     set!(lim.max_dedicated, "limits", max_dedicated, positive);
+    set!(
+        lim.upstream_open_rate,
+        "limits",
+        upstream_open_rate,
+        positive
+    );
+    set!(
+        lim.upstream_open_burst,
+        "limits",
+        upstream_open_burst,
+        positive
+    );
+    set!(
+        lim.upstream_open_rate_total,
+        "limits",
+        upstream_open_rate_total,
+        positive
+    );
+    set!(
+        lim.upstream_open_burst_total,
+        "limits",
+        upstream_open_burst_total,
+        positive
+    );
     let UpstreamSection {
         handshake_timeout_ms,
         backoff_initial_ms,

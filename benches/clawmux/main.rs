@@ -281,6 +281,8 @@ async fn run(
         let binary = std::path::Path::new(env!("CARGO_BIN_EXE_clawmux"));
         let memory = memory::run(&cfg, binary).await?;
         report.memory(&memory)?;
+        let many = memory::many_stalled(&cfg, binary).await?;
+        report.many_stalled(&many);
     }
     report.print_targets();
     if cfg.smoke {

@@ -304,3 +304,130 @@ fn rate_between(samples: &[(Duration, u64)], from: Duration) -> Option<f64> {
     let span = t1.checked_sub(t0)?;
     (span >= Duration::from_millis(500)).then(|| (n1 - n0) as f64 / span.as_secs_f64())
 }
+
+/// Issue 24's memory scenario: many clients, almost all of them never
+/// reading, and many small events. Before the queues' slots counted against
+/// `queue_total_bytes`, 980 stalled clients × 50,000 events of 1 KiB held
+/// 1,176 MiB against a 256 MiB budget.
+pub struct ManyStalled {
+    pub readers: usize,
+    pub stalled: usize,
+    pub frame_bytes: usize,
+    /// Events the source offered (per sink: the broker's one connection).
+    pub events: u64,
+    /// `limits.queue_total_bytes` of the broker child (its default).
+    pub budget: u64,
+    pub idle_rss: u64,
+    pub max_rss: u64,
+    /// After the stalled clients were closed and the readers had drained.
+    pub rss_after_cut: u64,
+    /// Closes beyond the stalled clients: readers cut too.
+    pub slow_closes: u64,
+}
+
+/// Frame size of [`many_stalled`], as in the issue.
+const MANY_STALLED_FRAME_BYTES: usize = 1024;
+
+pub async fn many_stalled(cfg: &Config, binary: &Path) -> Result<ManyStalled, String> {
+    let total = cfg.idle_clients.max(2);
+    let readers = (total / 50).clamp(1, 20);
+    let stalled = total - readers;
+    let (events, offer_for) = if cfg.smoke {
+        (2_000u64, Duration::from_millis(500))
+    } else {
+        (50_000u64, Duration::from_secs(5))
+    };
+    let receivers = Receivers::new(readers, stalled);
+    let (mut source, addr) =
+        Source::gateway(1, receivers.clone(), cfg.window, MANY_STALLED_FRAME_BYTES)
+            .map_err(|e| e.to_string())?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let socket = dir.path().join("clawmux.sock");
+    let log: PathBuf = dir.path().join("broker.log");
+    let broker = BrokerChild::spawn(binary, &socket, &format!("ws://{addr}"), &log).await?;
+    let result = async {
+        tokio::time::sleep(SETTLE).await;
+        let idle_rss = broker.rss();
+        let open = || UnixStream::connect(socket.clone());
+        let mut tasks = fanout::open_ws_clients(readers, 0, open, None, &receivers, None).await?;
+        let stall = CancellationToken::new();
+        for chunk_start in (0..stalled).step_by(100) {
+            let count = 100.min(stalled - chunk_start);
+            tasks.extend(
+                fanout::open_ws_clients(
+                    count,
+                    readers + chunk_start,
+                    open,
+                    None,
+                    &receivers,
+                    Some(stall.clone()),
+                )
+                .await?,
+            );
+        }
+        let n = total as u64;
+        broker
+            .wait_until(Duration::from_secs(20), |h| h["clients"] == n)
+            .await?;
+        let closes_before = broker.slow_closes().await.unwrap_or(0);
+        source.start(crate::source::Offer {
+            rate: Some(events as f64 / offer_for.as_secs_f64()),
+            duration: offer_for,
+        });
+        let mut max_rss = broker.rss();
+        let offered = loop {
+            tokio::select! {
+                done = source.finish() => break done.map_err(|e| format!("source: {e}"))?,
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {
+                    max_rss = max_rss.max(broker.rss());
+                }
+            }
+        };
+        // The stalled clients are closed by the budget or, at the latest,
+        // after `slow_grace` (10 s) without progress.
+        let r = readers as u64;
+        let settled = async {
+            loop {
+                max_rss = max_rss.max(broker.rss());
+                if broker
+                    .healthz()
+                    .await
+                    .is_some_and(|h| h["clients"].as_u64().is_some_and(|n| n <= r))
+                {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), settled)
+            .await
+            .map_err(|_| "the stalled clients were not closed within 30 s".to_owned())?;
+        tokio::time::sleep(SETTLE).await;
+        let rss_after_cut = broker.rss();
+        let slow_closes = broker.slow_closes().await.unwrap_or(0) - closes_before;
+        stall.cancel();
+        for task in tasks {
+            task.abort();
+        }
+        Ok(ManyStalled {
+            readers,
+            stalled,
+            frame_bytes: MANY_STALLED_FRAME_BYTES,
+            events: offered,
+            budget: clawmux::config::Limits::default().queue_total_bytes as u64,
+            idle_rss,
+            max_rss,
+            rss_after_cut,
+            slow_closes,
+        })
+    }
+    .await;
+    broker.stop().await;
+    drop(source);
+    if result.is_err() {
+        if let Ok(text) = std::fs::read_to_string(&log) {
+            eprintln!("broker child log:\n{text}");
+        }
+    }
+    result
+}

@@ -460,6 +460,46 @@ impl Report {
         Ok(())
     }
 
+    /// Issue 24's scenario: peak RSS against the queue budget.
+    pub fn many_stalled(&mut self, m: &crate::memory::ManyStalled) {
+        println!(
+            "\n### {} clients, {} never reading, {} events of {} B\n",
+            m.readers + m.stalled,
+            m.stalled,
+            count(m.events as f64),
+            m.frame_bytes
+        );
+        println!("| measure | value |");
+        println!("|---|---:|");
+        println!("| idle broker RSS | {:.1} MiB |", m.idle_rss as f64 / MIB);
+        println!(
+            "| RSS max (queue_total_bytes {:.0} MiB) | {:.1} MiB |",
+            m.budget as f64 / MIB,
+            m.max_rss as f64 / MIB
+        );
+        println!(
+            "| RSS after the stalled clients were closed | {:.1} MiB |",
+            m.rss_after_cut as f64 / MIB
+        );
+        println!(
+            "| slow-consumer closes (stalled clients: {}) | {} |",
+            m.stalled, m.slow_closes
+        );
+        // The bound: the budget plus a fixed baseline (the idle broker, and
+        // per client its socket buffers and writer batch: 64 MiB for 1,000).
+        let bound = m.idle_rss + m.budget + (64 << 20);
+        self.target(
+            "RSS with many stalled clients and small events",
+            "≤ idle + queue_total_bytes + 64 MiB",
+            format!(
+                "{:.1} MiB max ({:.1} MiB after the cut)",
+                m.max_rss as f64 / MIB,
+                m.rss_after_cut as f64 / MIB
+            ),
+            m.max_rss <= bound,
+        );
+    }
+
     fn target(&mut self, what: &str, budget: &str, measured: String, met: bool) {
         self.targets
             .push((what.to_owned(), budget.to_owned(), measured, met));

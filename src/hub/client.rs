@@ -25,14 +25,34 @@ pub const SLOW_CONSUMER_CLOSE: (u16, &str) = (1008, "slow consumer");
 /// the fan-out cheap.
 pub const MAX_BATCH_BYTES: usize = 256 * 1024;
 
-/// Broker-wide accounting of queued bytes, shared by every client of a hub.
+/// What one queued entry costs a client's queue, besides the bytes it
+/// points at: the [`Outgoing`] slot in the queue's ring buffer. A client
+/// that does not read holds one per event, so with many such clients and
+/// small events the slots outweigh the events (issue 24: 980 stalled
+/// clients × 50,000 events of 1 KiB was 1.2 GiB of slots and ring-buffer
+/// slack against a 256 MiB budget that counted only the shared events).
+pub const ENTRY_BYTES: usize = std::mem::size_of::<Outgoing>();
+
+/// What a published event costs besides its encoded bytes: the shared
+/// allocation holding it (`Arc` counts, the [`SharedEvent`], the `Bytes`
+/// header) and the allocator's rounding, counted once like the bytes.
+pub const EVENT_OVERHEAD_BYTES: usize = std::mem::size_of::<SharedEvent>() + 2 * 8 + 64;
+
+/// A queue whose ring buffer has room for more than this many entries gives
+/// the memory back when it empties: a client that fell behind once does not
+/// keep its high-water allocation (a reader's queue rarely holds more).
+const SHRINK_ABOVE_ENTRIES: usize = 256;
+
+/// Broker-wide accounting of queued memory, shared by every client of a hub.
 ///
 /// What counts: each event once, however many queues hold it (queues share
-/// its bytes), from the moment it is published until the last client's
-/// writer has written it or dropped it; and each client-only frame
-/// (responses) while it waits in its queue. That is the memory the queues
+/// its bytes), with its allocation's overhead, from the moment it is
+/// published until the last client's writer has written it or dropped it;
+/// each client-only frame (responses) while it waits in its queue; and
+/// every queue's ring buffer as allocated ([`ENTRY_BYTES`] per slot,
+/// including the slack of its last doubling). That is the memory the queues
 /// really pin, so the budget is a real memory bound, not a multiple of the
-/// number of clients.
+/// number of clients or of the events each one holds.
 #[derive(Debug)]
 pub struct QueueBudget {
     /// Bytes counted now.
@@ -105,7 +125,7 @@ pub struct SharedEvent {
 
 impl SharedEvent {
     pub fn new(head: EventHead, budget: &Arc<QueueBudget>) -> Arc<Self> {
-        budget.add(head.len());
+        budget.add(head.len() + EVENT_OVERHEAD_BYTES);
         Arc::new(SharedEvent {
             head,
             budget: Arc::clone(budget),
@@ -122,7 +142,7 @@ impl std::ops::Deref for SharedEvent {
 
 impl Drop for SharedEvent {
     fn drop(&mut self) {
-        self.budget.sub(self.head.len());
+        self.budget.sub(self.head.len() + EVENT_OVERHEAD_BYTES);
     }
 }
 
@@ -138,10 +158,11 @@ pub enum Outgoing {
 }
 
 impl Outgoing {
+    /// What the item costs the client's own limits: its bytes and its slot.
     fn cost(&self) -> usize {
         match self {
-            Outgoing::Event(head, _) => head.len(),
-            Outgoing::Frame(b) => b.len(),
+            Outgoing::Event(head, _) => head.len() + ENTRY_BYTES,
+            Outgoing::Frame(b) => b.len() + ENTRY_BYTES,
             Outgoing::Close(..) => 0,
         }
     }
@@ -197,6 +218,9 @@ pub struct QueueLimits {
 #[derive(Debug, Default)]
 struct Queue {
     items: VecDeque<Outgoing>,
+    /// The ring buffer's capacity as counted in the budget (slots).
+    slots_counted: usize,
+    /// Bytes queued, each item with its slot ([`Outgoing::cost`]).
     bytes: usize,
     next_seq: u64,
     /// Batches the writer has taken: its progress.
@@ -371,7 +395,7 @@ impl Client {
         }
         let seq = q.next_seq;
         q.next_seq += 1;
-        let cost = event.len();
+        let cost = event.len() + ENTRY_BYTES;
         // A healthy client is under its soft limit: one comparison.
         if q.bytes + cost > self.limits.soft_bytes {
             if droppable && q.bytes >= self.limits.soft_bytes {
@@ -385,9 +409,18 @@ impl Client {
                 return Pushed::SlowConsumer;
             }
         }
+        // A backlog whose ring buffer must grow past what the broker-wide
+        // budget has left is closed instead of growing: growing first and
+        // shedding after would take every such queue's doubling past the
+        // budget at once (stalled clients grow in step).
+        if self.growth_over_budget(&q) {
+            self.close_slow(&mut q);
+            return Pushed::SlowConsumer;
+        }
         q.bytes += cost;
         let was_empty = q.items.is_empty();
         q.items.push_back(Outgoing::Event(Arc::clone(event), seq));
+        self.recount_slots(&mut q);
         drop(q);
         // The writer takes batches until the queue is empty before it waits
         // again, so only the push that makes it non-empty needs to wake it: a
@@ -407,13 +440,14 @@ impl Client {
         if q.closing {
             return false;
         }
-        if q.bytes + frame.len() > self.hard_bytes() && !q.items.is_empty() {
+        if q.bytes + frame.len() + ENTRY_BYTES > self.hard_bytes() && !q.items.is_empty() {
             self.close_slow(&mut q);
             return false;
         }
-        q.bytes += frame.len();
+        q.bytes += frame.len() + ENTRY_BYTES;
         self.budget.add(frame.len());
         q.items.push_back(Outgoing::Frame(frame));
+        self.recount_slots(&mut q);
         drop(q);
         self.wake.notify_one();
         true
@@ -427,6 +461,7 @@ impl Client {
         }
         q.closing = true;
         q.items.push_back(Outgoing::Close(code, reason.to_owned()));
+        self.recount_slots(&mut q);
         drop(q);
         self.wake.notify_one();
     }
@@ -446,10 +481,13 @@ impl Client {
         for item in q.items.drain(..) {
             self.release(&item);
         }
+        // The backlog's ring buffer goes too, not only its items.
+        q.items = VecDeque::new();
         q.bytes = 0;
         q.closing = true;
         let (code, reason) = SLOW_CONSUMER_CLOSE;
         q.items.push_back(Outgoing::Close(code, reason.into()));
+        self.recount_slots(q);
         tracing::warn!(client_id = self.id, "closing slow consumer");
         self.killed.cancel();
         self.wake.notify_one();
@@ -463,6 +501,35 @@ impl Client {
         }
     }
 
+    /// Brings the budget's count of this queue's ring buffer up to date
+    /// after it may have grown or shrunk.
+    fn recount_slots(&self, q: &mut Queue) {
+        let slots = q.items.capacity();
+        if slots > q.slots_counted {
+            self.budget.add((slots - q.slots_counted) * ENTRY_BYTES);
+        } else if slots < q.slots_counted {
+            self.budget.sub((q.slots_counted - slots) * ENTRY_BYTES);
+        }
+        q.slots_counted = slots;
+    }
+
+    /// Whether the next push would grow the ring buffer by more than the
+    /// broker-wide budget has left (`VecDeque` doubles when full).
+    /// Only a backlog past the soft limit is judged: a reader's queue grows
+    /// freely (it counts, and the hub sheds the largest backlogs after the
+    /// publish, which are not a reader's).
+    fn growth_over_budget(&self, q: &Queue) -> bool {
+        let slots = q.items.capacity();
+        if q.items.len() < slots
+            || slots < SHRINK_ABOVE_ENTRIES
+            || q.bytes <= self.limits.soft_bytes
+        {
+            return false;
+        }
+        let growth = slots * ENTRY_BYTES;
+        self.budget.used().saturating_add(growth) > self.budget.limit()
+    }
+
     /// Consumes one seq number so the client's gap detection fires.
     pub fn skip_seq(&self) {
         self.lock().next_seq += 1;
@@ -471,6 +538,11 @@ impl Client {
     /// Whether a close has been queued.
     pub fn is_closing(&self) -> bool {
         self.lock().closing
+    }
+
+    /// Memory the queue's ring buffer holds now (its slots, used or not).
+    pub fn slot_bytes(&self) -> usize {
+        self.lock().items.capacity() * std::mem::size_of::<Outgoing>()
     }
 
     /// Bytes queued and not yet taken by the writer.
@@ -527,11 +599,30 @@ impl Client {
                     }
                     q.bytes -= taken;
                     q.batches_taken += 1;
-                    return q.items.drain(..n).collect();
+                    let batch = q.items.drain(..n).collect();
+                    if q.items.is_empty() && q.items.capacity() > SHRINK_ABOVE_ENTRIES {
+                        q.items = VecDeque::new();
+                        self.recount_slots(&mut q);
+                    }
+                    return batch;
                 }
             }
             self.wake.notified().await;
         }
+    }
+}
+
+impl Drop for Client {
+    /// A client dropped with items still queued (its session ended without
+    /// draining them) gives their count back; events uncount themselves.
+    fn drop(&mut self) {
+        let q = self.queue.get_mut().unwrap_or_else(|p| p.into_inner());
+        for item in &q.items {
+            if let Outgoing::Frame(b) = item {
+                self.budget.sub(b.len());
+            }
+        }
+        self.budget.sub(q.slots_counted * ENTRY_BYTES);
     }
 }
 
@@ -698,8 +789,9 @@ mod tests {
         }
         let first = c.next_batch().await;
         let bytes: usize = first.iter().map(Outgoing::cost).sum();
-        assert!(bytes <= MAX_BATCH_BYTES && bytes + small.len() > MAX_BATCH_BYTES);
-        assert_eq!(c.queued_bytes(), 100 * small.len() - bytes);
+        let each = small.len() + ENTRY_BYTES;
+        assert!(bytes <= MAX_BATCH_BYTES && bytes + each > MAX_BATCH_BYTES);
+        assert_eq!(c.queued_bytes(), 100 * each - bytes);
         let huge = Client::new(2, limits(1 << 30, 1 << 30));
         huge.push_event(&head(MAX_BATCH_BYTES * 3), false);
         huge.push_event(&small, false);
@@ -711,7 +803,7 @@ mod tests {
     /// one queued (a client one maximal frame behind keeps up).
     #[tokio::test]
     async fn two_large_frames_fit_under_the_hard_limit() {
-        let c = Client::new(1, limits(1024, 2 * 100_000 + 64));
+        let c = Client::new(1, limits(1024, 2 * 100_000 + 64 + 2 * ENTRY_BYTES));
         assert!(c.push_frame(Bytes::from(vec![b' '; 100_000])));
         assert_eq!(c.push_event(&head(100_000 - 40), false), Pushed::Queued);
         assert!(!c.is_closing());
@@ -732,8 +824,10 @@ mod tests {
         assert!(!c.push_frame(Bytes::from(vec![b' '; 1000])));
     }
 
-    /// The budget counts an event once however many queues hold it, and
-    /// releases it when its last holder lets go; frames count while queued.
+    /// The budget counts an event once however many queues hold it (with
+    /// its allocation's overhead), and releases it when its last holder
+    /// lets go; frames count while queued; every queue's ring buffer counts
+    /// as allocated, until the client is dropped.
     #[tokio::test]
     async fn the_budget_counts_shared_events_once() {
         let budget = Arc::new(QueueBudget::new());
@@ -743,19 +837,60 @@ mod tests {
             EventHead::from_value("x", &serde_json::json!({"pad": "y".repeat(1000)})),
             &budget,
         );
-        let len = ev.len();
+        let len = ev.len() + EVENT_OVERHEAD_BYTES;
         a.push_event(&ev, false);
         b.push_event(&ev, false);
         drop(ev);
-        assert_eq!(budget.used(), len, "shared: counted once");
+        let slots = |c: &Client| c.lock().items.capacity() * ENTRY_BYTES;
+        assert!(slots(&a) > 0);
+        assert_eq!(
+            budget.used(),
+            len + slots(&a) + slots(&b),
+            "shared: counted once"
+        );
         a.push_frame(Bytes::from_static(b"12345"));
-        assert_eq!(budget.used(), len + 5);
+        assert_eq!(budget.used(), len + 5 + slots(&a) + slots(&b));
         let batch = a.next_batch().await;
-        assert_eq!(budget.used(), len, "the frame left the queue");
+        assert_eq!(
+            budget.used(),
+            len + slots(&a) + slots(&b),
+            "the frame left the queue"
+        );
         drop(batch);
-        assert_eq!(budget.used(), len, "b still holds the event");
+        assert_eq!(
+            budget.used(),
+            len + slots(&a) + slots(&b),
+            "b still holds the event"
+        );
         assert!(b.close_slow_consumer());
-        assert_eq!(budget.used(), 0, "released with its last holder");
+        assert_eq!(
+            budget.used(),
+            slots(&a) + slots(&b),
+            "released with its last holder"
+        );
+        b.push_frame(Bytes::from_static(b"ignored: closing"));
+        a.push_frame(Bytes::from_static(b"left queued"));
+        drop(a);
+        drop(b);
+        assert_eq!(budget.used(), 0, "dropped clients give everything back");
+    }
+
+    /// A reader that catches up gives its high-water ring buffer back.
+    #[tokio::test]
+    async fn a_queue_that_empties_gives_its_ring_buffer_back() {
+        let budget = Arc::new(QueueBudget::new());
+        let reader = Client::with_budget(1, limits(1 << 30, 1 << 30), Arc::clone(&budget));
+        let ev = SharedEvent::new(EventHead::from_value("x", &serde_json::json!({})), &budget);
+        for _ in 0..5_000 {
+            reader.push_event(&ev, false);
+        }
+        assert!(reader.lock().items.capacity() >= 5_000);
+        let high = budget.used();
+        while !reader.lock().items.is_empty() {
+            let _ = reader.next_batch().await;
+        }
+        assert_eq!(reader.lock().items.capacity(), 0, "shrunk when emptied");
+        assert!(budget.used() + 5_000 * ENTRY_BYTES <= high);
     }
 
     /// Bytes accepted by the socket within one large batch count as

@@ -502,4 +502,57 @@ mod tests {
         let batch = clients[0].next_batch().await;
         assert!(matches!(&batch[..], [Outgoing::Close(1008, r)] if r == "slow consumer"));
     }
+
+    /// With many clients that do not read and small events, the queues'
+    /// slots outweigh the shared events: they count, so the budget closes
+    /// backlogs instead of letting slots grow with every event (issue 24:
+    /// 980 stalled clients × 50,000 events of 1 KiB reached 1.2 GiB of RSS
+    /// against a 256 MiB budget that counted only the shared events).
+    #[tokio::test]
+    async fn many_small_events_to_stalled_clients_stay_within_the_budget() {
+        let hub = Hub::new(
+            QueueLimits {
+                soft_bytes: 1 << 20,
+                hard_bytes: 50 << 20,
+                grace: Duration::from_secs(3600),
+            },
+            200,
+        );
+        let limit = 2 << 20;
+        hub.set_queue_budget(limit);
+        let clients: Vec<_> = (0..100)
+            .map(|_| {
+                let c = hub.new_client();
+                c.set_access(crate::policy::Access::unrestricted());
+                hub.admit(&c, |_| Bytes::new()).unwrap();
+                c
+            })
+            .collect();
+        let pad = "p".repeat(100);
+        for n in 0..20_000u32 {
+            hub.publish(
+                "test.event",
+                Some(&raw(json!({"n": n, "pad": pad}))),
+                None,
+                &Audience::All,
+            );
+            let used = hub.queue_budget().used();
+            assert!(used <= limit, "event {n}: {used} counted, budget {limit}");
+            // What the queues really hold: their slots (and the events,
+            // shared, at most `n` of them).
+            let slots: usize = clients.iter().map(|c| c.slot_bytes()).sum();
+            assert!(
+                slots <= used,
+                "event {n}: the queues hold {slots} bytes of slots, the budget counts {used}"
+            );
+        }
+        let closed = clients.iter().filter(|c| c.is_closing()).count();
+        assert!(closed >= 90, "backlogs were closed, not grown: {closed}");
+        assert!(hub.stats.slow_closes.load(Ordering::Relaxed) >= 90);
+        drop(clients);
+        for id in 1..=100 {
+            hub.remove(id);
+        }
+        assert_eq!(hub.queue_budget().used(), 0, "all given back");
+    }
 }

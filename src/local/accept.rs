@@ -107,7 +107,10 @@ pub async fn accept_loop(
                 if socket.admits(cred.uid(), cred.gid(), me)
                     || ctx.allowed_uids.contains(&cred.uid()) =>
             {
-                super::PeerPid(cred.pid().and_then(|p| u32::try_from(p).ok()))
+                super::PeerPid(
+                    cred.pid().and_then(|p| u32::try_from(p).ok()),
+                    Some(cred.uid()),
+                )
             }
             Ok(cred) => {
                 tracing::warn!(

@@ -47,7 +47,7 @@ pub async fn route(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<Bod
     let resp = match (req.method(), path.as_str()) {
         (&Method::GET, p) if is_ws_path(p) => upgrade(req, ctx, Route::Shared),
         (&Method::GET, "/ws/dedicated") => upgrade(req, ctx, Route::Dedicated),
-        (&Method::GET, "/v1/state") => super::state::respond(&ctx),
+        (&Method::GET, "/v1/state") => super::state::respond(&ctx, &socket_policy(&req, &ctx)),
         (&Method::GET, "/v1/events") => super::sse::open(&req, &ctx),
         (&Method::GET, "/v1/hud" | "/ws/hud") => super::hud::open(req, &ctx).await,
         (&Method::POST, "/v1/rpc") => super::rpc::respond(req, &ctx).await,
@@ -133,6 +133,13 @@ fn header_has(req: &Request<Incoming>, name: header::HeaderName, token: &str) ->
 /// reads. Measured by `cargo bench --bench clawmux` (BENCHMARKS.md).
 const LOCAL_READ_BUFFER_BYTES: usize = 8 * 1024;
 
+/// Bytes a client's WebSocket buffers before writing to the socket (the
+/// library's default is 128 KiB). A client that does not read holds this
+/// much of serialized copies outside the queue budget until it is closed
+/// (issue 24: 980 such clients held ~160 MiB beyond `queue_total_bytes`);
+/// a writer still flushes once per batch.
+const LOCAL_WRITE_BUFFER_BYTES: usize = 16 * 1024;
+
 /// Which session a WebSocket path gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Route {
@@ -186,6 +193,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
         );
     }
     let peer_pid = req.extensions().get::<super::PeerPid>().and_then(|p| p.0);
+    let peer_uid = req.extensions().get::<super::PeerPid>().and_then(|p| p.1);
     let accept = derive_accept_key(key.as_bytes());
     let on_upgrade = hyper::upgrade::on(&mut req);
     let tracker = ctx.tracker.clone();
@@ -194,6 +202,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
             Ok(upgraded) => {
                 let config = WebSocketConfig::default()
                     .read_buffer_size(LOCAL_READ_BUFFER_BYTES)
+                    .write_buffer_size(LOCAL_WRITE_BUFFER_BYTES)
                     .max_message_size(Some(ctx.settings.limits.max_frame_bytes))
                     .max_frame_size(Some(ctx.settings.limits.max_frame_bytes));
                 let budget = super::preconnect::PreconnectBudget::new(
@@ -205,7 +214,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
                     Route::Shared => {
                         super::ws::run(ws, budget, restarts, socket, peer_pid, ctx).await
                     }
-                    Route::Dedicated => super::dedicated::run(ws, budget, ctx).await,
+                    Route::Dedicated => super::dedicated::run(ws, budget, peer_uid, ctx).await,
                 }
             }
             Err(e) => tracing::debug!("WebSocket upgrade failed: {e}"),

@@ -23,9 +23,10 @@ pub mod ws;
 pub struct ConnectionKill(pub tokio_util::sync::CancellationToken);
 
 /// The process id of the peer of a local connection, from `SO_PEERCRED`
-/// (the kernel, not the peer), for `/v1/state`. Handlers find it in the
-/// request extensions.
+/// (the kernel, not the peer), for `/v1/state`; and its uid (the second
+/// field), which keys its share of the upstream-open rates. Handlers find it
+/// in the request extensions.
 #[derive(Debug, Clone, Copy)]
-pub struct PeerPid(pub Option<u32>);
+pub struct PeerPid(pub Option<u32>, pub Option<u32>);
 
 pub use accept::accept_loop;

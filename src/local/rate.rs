@@ -1,4 +1,4 @@
-//! Rate limits for what local clients send: the token bucket lives in
-//! [`crate::bounds`] (the sessions layer uses it too).
+//! The rate limits local clients meet live in [`crate::rate`] (the
+//! sessions layer uses them too); re-exported for the routes.
 
-pub use crate::bounds::TokenBucket;
+pub use crate::rate::{Exceeded, Limited, OpenLimiter, Rate, TokenBucket};

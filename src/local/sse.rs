@@ -152,6 +152,15 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     };
     let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
     client.set_access(super::respond::http_access(req, ctx));
+    if let Some(refusal) = client.access().and_then(|a| {
+        crate::local::tap_stream::observer_refusal(a, wanted.tap, wanted.observe_tools)
+    }) {
+        return error_response(
+            StatusCode::FORBIDDEN,
+            StudioCode::Forbidden.as_str(),
+            refusal,
+        );
+    }
     if wanted.tap && !client.grant().is_admin() {
         // The tap shows every client's requests and answers.
         return error_response(

@@ -16,20 +16,35 @@ use serde_json::{json, Value};
 use super::respond::{json_response, Body};
 use crate::config::Limits;
 use crate::context::Ctx;
+use crate::policy::SocketPolicy;
 
-pub fn respond(ctx: &Arc<Ctx>) -> Response<Body> {
-    json_response(StatusCode::OK, document(ctx))
+/// Answers `/v1/state` for a caller on `socket`: the whole document on the
+/// main socket; on any other socket only what concerns that socket's own
+/// clients ([`document_on`]).
+pub fn respond(ctx: &Arc<Ctx>, socket: &SocketPolicy) -> Response<Body> {
+    json_response(StatusCode::OK, document_on(ctx, socket))
 }
 
-/// The `/v1/state` document.
+/// The `/v1/state` document as the main socket sees it.
 pub fn document(ctx: &Ctx) -> Value {
+    document_on(ctx, &SocketPolicy::main(ctx.settings.socket_path.clone()))
+}
+
+/// The `/v1/state` document for a caller on `socket`. On a further socket
+/// (`[[sockets]]`, maybe another user's) it lists only the clients of that
+/// socket, its own policy without the uid and gid lists, the main socket's
+/// path not at all, and the dedicated connections as a count (issue 24:
+/// every socket saw every client's peer pid, identity, scopes and
+/// connection id, every policy's users, and the dedicated clients' blocks).
+pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
+    let full = socket.is_main();
     let (snapshot, window) = ctx.hub.snapshot_with_window();
     let status = ctx.upstream.status();
     let hello = status.hello.as_deref();
-    let clients: Vec<Value> = ctx
-        .hub
-        .clients()
+    let all = ctx.hub.clients();
+    let clients: Vec<Value> = all
         .iter()
+        .filter(|c| full || c.access().is_some_and(|a| a.socket.name == socket.name))
         .map(|c| {
             json!({
                 "id": c.id,
@@ -47,6 +62,38 @@ pub fn document(ctx: &Ctx) -> Value {
             })
         })
         .collect();
+    let policy_json = |p: &SocketPolicy| {
+        let mut v = json!({
+            "name": p.name,
+            "path": p.path.display().to_string(),
+            "scopes": p.scopes,
+            "allow_methods": p.methods.allow,
+            "deny_methods": p.methods.deny,
+            "observe": p.observe,
+        });
+        if full {
+            v["uids"] = json!(p.uids);
+            v["gids"] = json!(p.gids);
+        }
+        v
+    };
+    let policy_sockets: Vec<Value> = ctx
+        .settings
+        .sockets
+        .iter()
+        .filter(|p| full || p.name == socket.name)
+        .map(policy_json)
+        .collect();
+    let main_socket = if full {
+        ctx.settings.socket_path.display().to_string()
+    } else {
+        socket.path.display().to_string()
+    };
+    let dedicated = if full {
+        ctx.dedicated.to_json()
+    } else {
+        Value::Array(Vec::new())
+    };
     json!({
         "epoch": &*window.epoch,
         "newest_seq": window.newest_seq,
@@ -57,16 +104,8 @@ pub fn document(ctx: &Ctx) -> Value {
             "version": env!("CARGO_PKG_VERSION"),
             "pid": std::process::id(),
             "uptime_ms": process_uptime_ms(),
-            "socket": ctx.settings.socket_path.display().to_string(),
-            "policy_sockets": ctx.settings.sockets.iter().map(|p| json!({
-                "name": p.name,
-                "path": p.path.display().to_string(),
-                "scopes": p.scopes,
-                "allow_methods": p.methods.allow,
-                "deny_methods": p.methods.deny,
-                "uids": p.uids,
-                "gids": p.gids,
-            })).collect::<Vec<_>>(),
+            "socket": main_socket,
+            "policy_sockets": policy_sockets,
         },
         "upstream": {
             "phase": status.phase.as_str(),
@@ -87,7 +126,10 @@ pub fn document(ctx: &Ctx) -> Value {
         },
         "snapshot": snapshot,
         "clients": clients,
-        "dedicated": ctx.dedicated.to_json(),
+        // On a further socket: how many clients there are in all, not who.
+        "clients_total": all.len(),
+        "dedicated": dedicated,
+        "dedicated_open": ctx.dedicated.count(),
         "requests_pending": ctx.router.pending_count(),
         "rpc_inflight": ctx.dispatcher.rpc_inflight(),
         "subscriptions": subscriptions_json(ctx),
@@ -139,6 +181,10 @@ fn limits_json(l: &Limits) -> Value {
         "max_connections": l.max_connections(),
         "header_read_timeout_ms": ms(l.header_read_timeout),
         "max_dedicated": l.max_dedicated,
+        "upstream_open_rate": l.upstream_open_rate,
+        "upstream_open_burst": l.upstream_open_burst,
+        "upstream_open_rate_total": l.upstream_open_rate_total,
+        "upstream_open_burst_total": l.upstream_open_burst_total,
         "max_handshakes": crate::context::MAX_HANDSHAKES,
         "max_subscriptions_per_client": crate::dispatch::MAX_SUBSCRIPTIONS_PER_CLIENT,
         "upstream_queue_frames": crate::upstream::UPSTREAM_QUEUE_FRAMES,

@@ -8,6 +8,27 @@ use bytes::{BufMut, BytesMut};
 use serde_json::json;
 
 use crate::context::Ctx;
+use crate::policy::Access;
+
+/// Why a stream asking for observer powers (`tap=1`, `tool_events=all`) is
+/// refused on this caller's socket, if it is: they show other clients'
+/// traffic, and only a socket with `observe` on grants them
+/// ([`crate::policy::may_observe`]). `None`: allowed (the tap still needs
+/// `operator.admin`).
+pub fn observer_refusal(access: &Access, tap: bool, all_tool_events: bool) -> Option<String> {
+    if !(tap || all_tool_events) || crate::policy::may_observe(access) {
+        return None;
+    }
+    let what = if tap {
+        "tap=1 shows every client's requests and answers"
+    } else {
+        "tool_events=all shows every client's tool-stream events"
+    };
+    Some(format!(
+        "{what}: the socket {:?} does not allow observers (set observe = true in its [[sockets]] entry)",
+        access.socket.name
+    ))
+}
 
 /// `event: clawmux.hello` / `data: {"hello":<payload or null>,"server_version":…,"protocol":…}`:
 /// the upstream `hello-ok` payload (held without the device token, and

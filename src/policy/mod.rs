@@ -38,6 +38,13 @@ pub struct SocketPolicy {
     /// the broker's session.
     pub scopes: Option<Grant>,
     pub methods: MethodFilter,
+    /// Observer powers: the request tap (`/v1/events?tap=1`, every client's
+    /// requests and answers) and every client's tool-stream events
+    /// (`tool_events=all`), and the HUD. On for the main socket; off unless
+    /// set (`observe = true`) on every `[[sockets]]` entry — never derived
+    /// from `operator.admin` (issue 24: a socket with only `allow_methods`
+    /// granted admin, and so the tap, to another user).
+    pub observe: bool,
 }
 
 impl SocketPolicy {
@@ -51,7 +58,13 @@ impl SocketPolicy {
             gids: Vec::new(),
             scopes: None,
             methods: MethodFilter::default(),
+            observe: true,
         }
+    }
+
+    /// Whether this is the main socket (owner only, no policy).
+    pub fn is_main(&self) -> bool {
+        self.name == "default"
     }
 
     /// May a peer with these credentials connect? The broker's own user
@@ -139,6 +152,14 @@ impl Access {
         }
         Ok(())
     }
+}
+
+/// Whether a client may observe other clients: the request tap,
+/// `tool_events=all`, the HUD. Its socket's `observe` switch decides
+/// ([`SocketPolicy::observe`]); the tap also needs `operator.admin`, as it
+/// always did.
+pub fn may_observe(access: &Access) -> bool {
+    access.socket.observe
 }
 
 /// Parses `scopes` from a client (a list of strings), ignoring non-strings.

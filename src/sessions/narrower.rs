@@ -11,10 +11,10 @@
 //!   needs it, shared by every client holding that grant, closed
 //!   [`IDLE_LINGER`] after the last such client left. At most
 //!   [`MAX_GRANT_SESSIONS`] at once.
-//! - Opening one is rate-limited ([`OPENS_PER_SECOND`], [`OPENS_BURST`] in
-//!   all; [`PEER_OPENS_PER_SECOND`], [`PEER_OPENS_BURST`] per local process):
-//!   a client rotating its scopes cannot make the broker churn upstream
-//!   handshakes.
+//! - Opening one is rate-limited (`[limits] upstream_open_rate`/`_burst`
+//!   per local process, `upstream_open_rate_total`/`_burst_total` in all, as
+//!   for `/ws/dedicated`): a client rotating its scopes cannot make the
+//!   broker churn upstream handshakes.
 //! - It publishes no events: the main session's stream stays the one
 //!   source. So subscriptions and runs ([`stays_on_main`]) stay on the main
 //!   session, whose per-connection state delivers their events.
@@ -35,10 +35,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::{narrower_error, Session, SessionKind};
-use crate::bounds::TokenBucket;
 use crate::config::Settings;
 use crate::policy::Grant;
 use crate::protocol::{ErrorShape, StudioCode, UpstreamFrame};
+use crate::rate::{Exceeded, OpenLimiter};
 use crate::router::Router;
 use crate::upstream::identity::DeviceIdentity;
 use crate::upstream::{SessionEnded, SessionOwner, SessionSpec, Upstream, UpstreamHello};
@@ -55,19 +55,6 @@ pub const MAX_GRANT_SESSIONS: usize = 8;
 /// then it is closed. At the cap, an idle one is closed at once to make
 /// room.
 pub const IDLE_LINGER: Duration = Duration::from_secs(5);
-
-/// Narrower sessions opened per second on average, all clients together.
-pub const OPENS_PER_SECOND: u32 = 2;
-/// Narrower sessions opened at once before [`OPENS_PER_SECOND`] applies.
-pub const OPENS_BURST: u32 = 8;
-/// Narrower sessions one local process (by its pid; a client without one
-/// counts on its own) may cause to open per second on average.
-pub const PEER_OPENS_PER_SECOND: u32 = 1;
-/// Narrower sessions one local process may cause to open at once.
-pub const PEER_OPENS_BURST: u32 = 8;
-/// Local processes whose open rate is remembered at most (the oldest is
-/// forgotten beyond this: the total rate still holds).
-const PEERS_REMEMBERED: usize = 1024;
 
 /// The first generation of a narrower session; the main session counts
 /// from 1 and would need 2^48 reconnects to get here.
@@ -126,44 +113,18 @@ impl Drop for Entry {
     }
 }
 
-/// How fast local clients may cause narrower sessions to open.
-#[derive(Debug)]
-struct OpenRate {
-    total: TokenBucket,
-    peers: HashMap<u64, TokenBucket>,
-}
-
-impl OpenRate {
-    fn new() -> Self {
-        OpenRate {
-            total: TokenBucket::new(OPENS_PER_SECOND, OPENS_BURST),
-            peers: HashMap::new(),
-        }
-    }
-
-    /// Takes one open for `peer`; `Err(wait)` when over either rate.
-    fn take(&mut self, peer: u64, now: Instant) -> Result<(), Duration> {
-        if self.peers.len() >= PEERS_REMEMBERED && !self.peers.contains_key(&peer) {
-            self.peers.clear();
-        }
-        self.peers
-            .entry(peer)
-            .or_insert_with(|| TokenBucket::new(PEER_OPENS_PER_SECOND, PEER_OPENS_BURST))
-            .take(now)?;
-        self.total.take(now)
-    }
-}
-
 #[derive(Debug)]
 struct State {
     entries: HashMap<Grant, Entry>,
-    rate: OpenRate,
 }
 
 /// The narrower sessions, by grant.
 #[derive(Debug)]
 pub struct Narrower {
     factory: Factory,
+    /// How fast local clients may cause narrower sessions to open (the
+    /// `[limits] upstream_open_*` rates, per local process and in total).
+    opens: OpenLimiter<u64>,
     state: Arc<Mutex<State>>,
     /// Sessions opened since start.
     opened: AtomicU64,
@@ -185,10 +146,10 @@ pub enum Choice {
 impl Narrower {
     pub fn new(factory: Factory) -> Self {
         Narrower {
+            opens: OpenLimiter::from_limits(&factory.settings.limits),
             factory,
             state: Arc::new(Mutex::new(State {
                 entries: HashMap::new(),
-                rate: OpenRate::new(),
             })),
             opened: AtomicU64::new(0),
             fallbacks: AtomicU64::new(0),
@@ -246,17 +207,24 @@ impl Narrower {
                 );
                 return Ok(Choice::Main);
             }
-            if let Err(wait) = state.rate.take(peer, Instant::now()) {
+            if let Err(limited) = self.opens.try_acquire(&peer, Instant::now()) {
                 drop(state);
                 self.throttled.fetch_add(1, Ordering::Relaxed);
+                let limits = &self.factory.settings.limits;
+                let (setting, rate) = match limited.exceeded {
+                    Exceeded::Peer => ("upstream_open_rate", limits.upstream_open_rate),
+                    Exceeded::Total => {
+                        ("upstream_open_rate_total", limits.upstream_open_rate_total)
+                    }
+                };
                 return Err(ErrorShape::studio(
                     StudioCode::TooManyRequests,
                     format!(
-                        "too many narrower gateway sessions opened lately (at most {PEER_OPENS_PER_SECOND}/s per process, {OPENS_PER_SECOND}/s in all): this client's scopes [{}] need one of their own; try again shortly",
+                        "too many gateway sessions opened lately ([limits] {setting} = {rate}/s): this client's scopes [{}] need a narrower session of their own; try again shortly",
                         grant.scopes().join(",")
                     ),
                 )
-                .with_retry_after_ms(Some(wait.as_millis().max(1) as u64)));
+                .with_retry_after_ms(Some(limited.retry_after_ms())));
             }
             let entry = self.open(grant);
             state.entries.insert(grant.clone(), entry);

@@ -210,6 +210,110 @@ async fn the_cap_refuses_one_more_with_a_clear_close_and_frees_slots() {
     assert_eq!(third.recv_json().await["event"], "connect.challenge");
 }
 
+/// Waits until `/metrics` has `needle` (a whole sample line).
+async fn wait_metric(socket: &std::path::Path, needle: &str) -> String {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let m = metrics(socket).await;
+        if m.contains(needle) {
+            return m;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no {needle:?} within {PATIENCE:?}: {m}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The gateway double's connection count once the shared session is up.
+async fn connections_once_ready(gw: &MockGateway) -> usize {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while gw.ready_connections() < 1 {
+        assert!(tokio::time::Instant::now() < deadline, "no shared session");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    gw.total_connections()
+}
+
+/// Issue 24: opening and closing `/ws/dedicated` without a `connect` made
+/// an upstream connection each time (41.6 per second) and counted nothing.
+/// Now the gateway connection waits for the client's `connect` (or for
+/// the client to wait for the challenge): a client that leaves at once
+/// costs the gateway nothing, and is counted.
+#[tokio::test]
+async fn opening_and_closing_without_a_connect_opens_nothing_upstream() {
+    init_test_log();
+    let h = start().await;
+    let before = connections_once_ready(&h.gw).await;
+    for _ in 0..20 {
+        let mut c = dedicated(&h).await;
+        c.close().await;
+    }
+    let socket = h.socket();
+    let m = wait_metric(
+        &socket,
+        "clawmux_dedicated_total{outcome=\"abandoned\"} 20\n",
+    )
+    .await;
+    assert!(
+        m.contains("clawmux_dedicated_upstream_opens_total 0\n"),
+        "{m}"
+    );
+    assert_eq!(h.gw.total_connections(), before, "no gateway connection");
+    // A client that waits for the gateway's challenge still gets it.
+    let mut waiting = dedicated(&h).await;
+    assert_eq!(waiting.recv_json().await["event"], "connect.challenge");
+    assert_eq!(h.gw.total_connections(), before + 1);
+}
+
+/// Opens beyond `[limits] upstream_open_rate` (per peer) are answered
+/// `studio.too_many_requests` with `retryAfterMs`, and open nothing; every
+/// outcome is counted.
+#[tokio::test]
+async fn opens_over_the_rate_are_refused_with_retry_after() {
+    init_test_log();
+    let h = start_with(mock_config(), |s| {
+        s.limits.upstream_open_rate = 1;
+        s.limits.upstream_open_burst = 1;
+    })
+    .await;
+    let before = connections_once_ready(&h.gw).await;
+    let mut first = dedicated(&h).await;
+    first.send_json(&connect_frame("c1")).await;
+    assert_eq!(first.response("c1").await["ok"], true);
+    let mut second = dedicated(&h).await;
+    second.send_json(&connect_frame("c2")).await;
+    let res = second.response("c2").await;
+    assert_eq!(res["ok"], false, "{res}");
+    assert_eq!(res["error"]["code"], "studio.too_many_requests", "{res}");
+    let retry = res["error"]["retryAfterMs"].as_u64().expect("retryAfterMs");
+    assert!(retry > 0 && retry <= 1_001, "{res}");
+    let message = res["error"]["message"].as_str().unwrap();
+    assert!(message.contains("upstream_open_rate"), "{message}");
+    let (code, _) = second.expect_close().await;
+    assert_eq!(code, 1011);
+    assert_eq!(
+        h.gw.total_connections(),
+        before + 1,
+        "nothing opened for it"
+    );
+    first.close().await;
+    let socket = h.socket();
+    let m = wait_metric(
+        &socket,
+        "clawmux_dedicated_ends_total{reason=\"client_closed\"} 1\n",
+    )
+    .await;
+    for line in [
+        "clawmux_dedicated_total{outcome=\"connected\"} 1\n",
+        "clawmux_dedicated_total{outcome=\"rate_limited\"} 1\n",
+        "clawmux_dedicated_upstream_opens_total 1\n",
+    ] {
+        assert!(m.contains(line), "{line}: {m}");
+    }
+}
+
 #[tokio::test]
 async fn state_and_metrics_list_dedicated_clients_without_secrets() {
     init_test_log();
@@ -682,6 +786,7 @@ async fn a_restricted_policy_socket_refuses_the_dedicated_route() {
         gids: Vec::new(),
         scopes: Some(Grant::new(["operator.read"])),
         methods: MethodFilter::default(),
+        observe: false,
     };
     let h = start_with(mock_config(), |s| s.sockets = vec![policy]).await;
     let upgrade = [

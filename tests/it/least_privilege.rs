@@ -4,6 +4,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 
+use crate::http_api::{open_events, request_text};
 use crate::support::*;
 use clawmux::policy::{Grant, MethodFilter, SocketPolicy};
 use serde_json::{json, Value};
@@ -201,6 +202,7 @@ async fn a_read_only_socket_caps_every_client() {
             allow: Vec::new(),
             deny: vec!["chat.history".into()],
         },
+        observe: false,
     };
     let h = start_with(mock_config(), |s| s.sockets = vec![policy]).await;
     let mode = std::fs::metadata(&ro).unwrap().permissions().mode() & 0o777;
@@ -355,6 +357,7 @@ async fn a_socket_for_another_uid_admits_only_that_uid() {
         gids: Vec::new(),
         scopes: Some(Grant::new(["operator.read"])),
         methods: MethodFilter::default(),
+        observe: false,
     };
     let h = start_with(mock_config(), |s| s.sockets = vec![policy]).await;
     let _ready = h.connected().await;
@@ -396,4 +399,113 @@ async fn a_socket_for_another_uid_admits_only_that_uid() {
         !theirs_main.status.success() && theirs_main.stdout.is_empty(),
         "the main socket refuses it: {theirs_main:?}"
     );
+}
+
+/// A further socket limited only by methods (no `scopes`): its clients
+/// hold `operator.admin` within the session, as issue 24 found.
+fn methods_only_socket(path: &std::path::Path, observe: bool) -> SocketPolicy {
+    SocketPolicy {
+        name: "methods-only".into(),
+        path: path.to_owned(),
+        mode: 0o600,
+        uids: vec![65534],
+        gids: vec![65533],
+        scopes: None,
+        methods: MethodFilter {
+            allow: vec!["health".into(), "status".into()],
+            deny: Vec::new(),
+        },
+        observe,
+    }
+}
+
+/// Issue 24: a `[[sockets]]` entry with only `allow_methods` granted admin,
+/// and so the request tap (every client's requests and answers) and every
+/// client's tool events. Observer powers now need `observe = true` on the
+/// socket; the main socket keeps them.
+#[tokio::test]
+async fn observer_powers_need_the_sockets_observe_switch() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = dir.path().join("extra.sock");
+    let h = start_with(mock_config(), |s| {
+        s.sockets = vec![methods_only_socket(&extra, false)]
+    })
+    .await;
+    let _ready = h.connected().await;
+    for path in ["/v1/events?tap=1", "/v1/events?tool_events=all"] {
+        let (status, body) = open_events(&extra, path, &[])
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{path} was served on a socket without observe"));
+        assert_eq!(status, 403, "{path}: {body}");
+        assert_eq!(body["error"]["code"], "studio.forbidden", "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains("observe = true"), "{message}");
+    }
+    // Plain streams still work there, and the main socket observes.
+    assert!(open_events(&extra, "/v1/events", &[]).await.is_ok());
+    for path in ["/v1/events?tap=1", "/v1/events?tool_events=all"] {
+        assert!(open_events(&h.socket(), path, &[]).await.is_ok(), "{path}");
+    }
+}
+
+#[tokio::test]
+async fn a_socket_with_observe_on_may_tap() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = dir.path().join("extra.sock");
+    let h = start_with(mock_config(), |s| {
+        s.sockets = vec![methods_only_socket(&extra, true)]
+    })
+    .await;
+    let _ready = h.connected().await;
+    for path in ["/v1/events?tap=1", "/v1/events?tool_events=all"] {
+        assert!(open_events(&extra, path, &[]).await.is_ok(), "{path}");
+    }
+}
+
+/// Issue 24: `/v1/state` answered every socket with every client's peer
+/// pid, declared identity, scopes and connection id, and every policy
+/// socket's uid and gid lists. On a further socket it now shows that
+/// socket's own clients only, and its own policy without the user lists.
+#[tokio::test]
+async fn state_on_a_further_socket_shows_only_its_own_clients() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = dir.path().join("extra.sock");
+    let h = start_with(mock_config(), |s| {
+        s.sockets = vec![methods_only_socket(&extra, false)]
+    })
+    .await;
+    let (_main_client, main_hello) = client_asking(&h.socket(), None, ("owner-tool", "cli")).await;
+    let (_extra_client, extra_hello) = client_asking(&extra, None, ("guest-tool", "cli")).await;
+    let conn = |hello: &Value| hello["server"]["connId"].as_str().unwrap().to_owned();
+    let (main_conn, extra_conn) = (conn(&main_hello), conn(&extra_hello));
+
+    let (status, _, text) = request_text(&extra, "GET", "/v1/state", b"").await;
+    assert_eq!(status, 200);
+    assert!(
+        !text.contains(&main_conn),
+        "another socket's client: {text}"
+    );
+    assert!(!text.contains("owner-tool"), "{text}");
+    assert!(!text.contains("65534") && !text.contains("65533"), "{text}");
+    let main_path = h.socket().display().to_string();
+    assert!(!text.contains(&main_path), "{text}");
+    let state: Value = serde_json::from_str(&text).unwrap();
+    let clients = state["clients"].as_array().unwrap();
+    assert_eq!(clients.len(), 1, "{text}");
+    assert_eq!(clients[0]["conn_id"], extra_conn.as_str());
+    assert_eq!(clients[0]["declared"]["client_id"], "guest-tool");
+    assert_eq!(state["clients_total"], 2);
+    let policies = state["broker"]["policy_sockets"].as_array().unwrap();
+    assert_eq!(policies.len(), 1);
+    assert_eq!(policies[0]["name"], "methods-only");
+    assert!(policies[0].get("uids").is_none(), "{text}");
+
+    // The main socket (the owner) still sees everything.
+    let (_, _, full) = request_text(&h.socket(), "GET", "/v1/state", b"").await;
+    assert!(
+        full.contains(&main_conn) && full.contains(&extra_conn),
+        "{full}"
+    );
+    assert!(full.contains("65534"), "{full}");
 }

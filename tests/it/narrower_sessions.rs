@@ -297,7 +297,8 @@ async fn rotating_scope_sets_are_rate_limited() {
     }
     assert!(throttled > 0, "no open was refused");
     assert!(
-        h.gw.total_connections() <= 1 + clawmux::sessions::narrower::PEER_OPENS_BURST as usize + 2,
+        h.gw.total_connections()
+            <= 1 + clawmux::Settings::new("x").limits.upstream_open_burst as usize + 2,
         "{} upstream connections",
         h.gw.total_connections()
     );

@@ -6,9 +6,19 @@
 //! opens a separate upstream connection, the way Claw3D's studio proxy does
 //! (`server/gateway-proxy.js` in iamlukethedev/Claw3D, commit eeb6f31):
 //!
-//! - the upstream connection is opened as soon as the client's WebSocket
-//!   is, and the gateway's frames (its `connect.challenge` first) reach the
-//!   client verbatim, so a device signature covers the gateway's own nonce;
+//! - the gateway's frames (its `connect.challenge` first) reach the client
+//!   verbatim, so a device signature covers the gateway's own nonce. Unlike
+//!   Claw3D, the upstream connection is not opened with the client's
+//!   WebSocket (issue 24: opening and closing the route without a `connect`
+//!   made 41.6 gateway connections per second): it is opened when the
+//!   client's `connect` arrives, or — for a client that waits for the
+//!   gateway's challenge before it connects, as device-signed OpenClaw
+//!   clients do for up to 750 ms — once the client has stayed open and
+//!   silent for [`CHALLENGE_WAIT`]. A client that leaves sooner costs the
+//!   gateway nothing. Every open takes a token from the per-peer and total
+//!   rates of `[limits] upstream_open_*` ([`crate::local::rate::OpenLimiter`],
+//!   keyed by the peer's uid); over either, the `connect` is answered
+//!   `studio.too_many_requests` with `retryAfterMs` and nothing is opened;
 //! - the client's first frame must be a `req` `connect` with a string id
 //!   (`1008 connect required` / `connect id required`, `1003 invalid json`),
 //!   held until the upstream socket is open, then forwarded;
@@ -55,6 +65,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use super::preconnect::{PreconnectBudget, OVER_BUDGET};
 use super::ws::Ws;
 use crate::context::Ctx;
+use crate::local::rate::Exceeded;
 use crate::policy::{MethodFilter, SocketPolicy};
 use crate::protocol::frames::encode_res_error;
 use crate::protocol::{ConnectRequest, ErrorShape, StudioCode, UpstreamFrame};
@@ -66,6 +77,12 @@ pub use connect_auth::client_auth;
 use connect_auth::inject_token;
 pub use registry::{Dedicated, Outcomes};
 use registry::{Listing, Slot};
+
+/// How long a client may stay open without sending its `connect` before the
+/// gateway connection is opened anyway, so a client that waits for the
+/// gateway's `connect.challenge` (to sign its nonce) gets it. OpenClaw's
+/// client waits 750 ms for it: this leaves the gateway most of that to answer.
+pub const CHALLENGE_WAIT: Duration = Duration::from_millis(100);
 
 /// After a failed connect answer, how long the client may take to close
 /// first before the broker closes `1011 connect failed` (as on `/ws`).
@@ -84,7 +101,9 @@ pub fn served_on(socket: &SocketPolicy) -> bool {
 }
 
 /// Runs one dedicated client to completion.
-pub async fn run(ws: Ws, budget: PreconnectBudget, ctx: Arc<Ctx>) {
+/// `peer_uid` (from the kernel) keys the client's share of the
+/// upstream-open rate.
+pub async fn run(ws: Ws, budget: PreconnectBudget, peer_uid: Option<u32>, ctx: Arc<Ctx>) {
     let (mut local_tx, local_rx) = ws.split();
     let Some(slot) = ctx.dedicated.try_open() else {
         ctx.dedicated
@@ -105,6 +124,7 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, ctx: Arc<Ctx>) {
         ctx: Arc::clone(&ctx),
         slot,
         budget,
+        peer_uid,
     };
     let cancel = ctx.cancel.clone();
     let upstream = tokio::select! {
@@ -120,6 +140,7 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, ctx: Arc<Ctx>) {
             end = conn.relay(&mut up_tx, &mut up_rx, &connect_id) => end,
             _ = cancel.cancelled() => End::Shutdown,
         };
+        ctx.dedicated.outcomes.ended(end.label());
         conn.finish(end, up_tx, up_rx).await;
     }
     tracing::info!(dedicated_id, "dedicated client disconnected");
@@ -188,11 +209,30 @@ enum End {
     Shutdown,
 }
 
+impl End {
+    /// How `/metrics` counts it (`clawmux_dedicated_ends_total{reason}`).
+    fn label(&self) -> &'static str {
+        match self {
+            End::Client(_) => "client_closed",
+            End::Gateway(_) => "gateway_closed",
+            End::Unanswered => "unanswered",
+            End::ClientGone => "client_gone",
+            End::ClientSlow => "client_slow",
+            End::GatewayGone => "gateway_gone",
+            End::Shutdown => "shutdown",
+        }
+    }
+}
+
 /// Where the gateway connection is during the handshake.
 enum Upstream {
+    /// Not opened yet: waiting for the client's `connect` (or [`CHALLENGE_WAIT`]).
+    NotYet,
     Opening,
     Open(GatewaySocket),
     Failed(ErrorShape),
+    /// Not opened: over the upstream-open rate.
+    Limited(ErrorShape),
 }
 
 /// One dedicated client's connection.
@@ -202,9 +242,54 @@ struct Conn {
     ctx: Arc<Ctx>,
     slot: Slot,
     budget: PreconnectBudget,
+    peer_uid: Option<u32>,
 }
 
 impl Conn {
+    /// Takes a token for one gateway connection from the open rates, or
+    /// the `studio.too_many_requests` answer for the client's `connect`.
+    fn may_open(&self) -> Result<(), ErrorShape> {
+        let limits = &self.ctx.settings.limits;
+        // A peer whose uid the kernel did not give shares one bucket.
+        let peer = self.peer_uid.unwrap_or(u32::MAX);
+        let limited = match self
+            .ctx
+            .dedicated
+            .opens(limits)
+            .try_acquire(&peer, std::time::Instant::now())
+        {
+            Ok(()) => return Ok(()),
+            Err(limited) => limited,
+        };
+        self.ctx
+            .dedicated
+            .outcomes
+            .rate_limited
+            .fetch_add(1, Ordering::Relaxed);
+        let (setting, rate) = match limited.exceeded {
+            Exceeded::Peer => ("upstream_open_rate", limits.upstream_open_rate),
+            Exceeded::Total => ("upstream_open_rate_total", limits.upstream_open_rate_total),
+        };
+        let whose = match limited.exceeded {
+            Exceeded::Peer => "this user's",
+            Exceeded::Total => "all local clients'",
+        };
+        tracing::warn!(
+            dedicated_id = self.slot.id,
+            peer_uid = peer,
+            limit = setting,
+            "dedicated connection refused: over the upstream-open rate"
+        );
+        Err(ErrorShape::studio(
+            StudioCode::TooManyRequests,
+            format!(
+                "too many gateway connections opened for local clients: over {whose} rate of {rate}/s ([limits] {setting}); retry later"
+            ),
+        )
+        .with_retry_after_ms(Some(limited.retry_after_ms()))
+        .with_details(serde_json::json!({"limit": setting, "rate_per_second": rate})))
+    }
+
     /// Opens the gateway connection while waiting for the client's
     /// `connect`, relays the gateway's frames meanwhile, and forwards the
     /// `connect` (with the host token when the client brought no auth).
@@ -216,43 +301,63 @@ impl Conn {
         let target = ctx.upstream.target();
         let opts = ctx.settings.upstream.clone();
         let url = target.url.trim().to_owned();
-        let opening = async {
-            tokio::time::timeout(opts.handshake_timeout, open_socket(&target, &opts))
-                .await
-                .unwrap_or_else(|_| Err(handshake_timed_out(&url, opts.handshake_timeout)))
+        let open = || {
+            let (target, opts, url) = (target.clone(), opts.clone(), url.clone());
+            async move {
+                tokio::time::timeout(opts.handshake_timeout, open_socket(&target, &opts))
+                    .await
+                    .unwrap_or_else(|_| Err(handshake_timed_out(&url, opts.handshake_timeout)))
+            }
         };
-        tokio::pin!(opening);
-        let mut upstream = Upstream::Opening;
-        let connect_deadline = tokio::time::Instant::now() + limits.connect_timeout;
+        let mut opening = std::pin::pin!(futures_util::future::OptionFuture::from(None));
+        let mut upstream = Upstream::NotYet;
+        let started = tokio::time::Instant::now();
+        let connect_deadline = started + limits.connect_timeout;
+        let challenge_wait = started + CHALLENGE_WAIT;
         // The client's connect: its id, and the text to forward.
         let mut connect: Option<(String, String)> = None;
         loop {
             if let Some((id, _)) = &connect {
+                if matches!(upstream, Upstream::NotYet) {
+                    upstream = self.start_open(&mut opening, &open);
+                }
                 match &mut upstream {
-                    Upstream::Opening => {}
+                    Upstream::NotYet | Upstream::Opening => {}
                     Upstream::Failed(error) => {
                         let (id, error) = (id.clone(), error.clone());
                         self.connect_failed(&id, &error).await;
+                        return None;
+                    }
+                    Upstream::Limited(error) => {
+                        let (id, error) = (id.clone(), error.clone());
+                        self.answer_and_close(&id, &error).await;
                         return None;
                     }
                     Upstream::Open(_) => break,
                 }
             }
             let opening_now = matches!(upstream, Upstream::Opening);
+            let not_yet = matches!(upstream, Upstream::NotYet);
             tokio::select! {
                 opened = &mut opening, if opening_now => {
                     upstream = match opened {
-                        Ok(ws) => Upstream::Open(ws),
-                        Err(e) => {
+                        Some(Ok(ws)) => Upstream::Open(ws),
+                        Some(Err(e)) => {
                             tracing::info!(dedicated_id = self.slot.id, code = %e.code, "dedicated upstream failed: {}", e.message);
                             Upstream::Failed(e)
                         }
+                        None => Upstream::NotYet,
                     };
+                }
+                _ = tokio::time::sleep_until(challenge_wait), if not_yet && connect.is_none() => {
+                    // The client may be waiting for the gateway's challenge.
+                    upstream = self.start_open(&mut opening, &open);
                 }
                 read = next_from_gateway(&mut upstream) => {
                     match read {
                         Read::Frame(m) => {
                             if self.local_tx.send(m).await.is_err() {
+                                self.ended_early(Early::Abandoned);
                                 return None;
                             }
                         }
@@ -274,7 +379,9 @@ impl Conn {
                         Read::Frame(m) => match self.take_connect(m, &target.token) {
                             Ok(c) => connect = Some(c),
                             Err(Refusal::Close(code, reason)) => {
+                                self.ended_early(Early::Invalid);
                                 send_close(&mut self.local_tx, code, &reason).await;
+                                close_quietly(upstream).await;
                                 return None;
                             }
                             Err(Refusal::Answer(id, error)) => {
@@ -284,25 +391,31 @@ impl Conn {
                             }
                         },
                         Read::Closed(_) | Read::Ended => {
-                            // Nothing was forwarded: the gateway sees an
-                            // ordinary close of a connection that never
-                            // connected.
+                            // Nothing was forwarded: the gateway (if it was
+                            // reached at all) sees an ordinary close of a
+                            // connection that never connected.
+                            self.ended_early(Early::Abandoned);
                             let _ = self.local_tx.flush().await;
                             close_quietly(upstream).await;
                             return None;
                         }
                         Read::TooLarge => {
+                            self.ended_early(Early::Invalid);
                             send_close(&mut self.local_tx, 1009, "frame too large").await;
+                            close_quietly(upstream).await;
                             return None;
                         }
                         Read::Skip => {}
                         Read::Invalid(code, reason) => {
+                            self.ended_early(Early::Invalid);
                             send_close(&mut self.local_tx, code, reason).await;
+                            close_quietly(upstream).await;
                             return None;
                         }
                     }
                 }
                 _ = tokio::time::sleep_until(connect_deadline), if connect.is_none() => {
+                    self.ended_early(Early::TimedOut);
                     send_close(&mut self.local_tx, 1008, "connect timeout").await;
                     close_quietly(upstream).await;
                     return None;
@@ -319,6 +432,39 @@ impl Conn {
         }
         self.slot.update(|l| l.phase = "connecting");
         Some((ws, id))
+    }
+
+    /// Starts opening the gateway connection if the open rates allow it.
+    fn start_open<F, Fut>(
+        &self,
+        opening: &mut std::pin::Pin<&mut futures_util::future::OptionFuture<Fut>>,
+        open: &F,
+    ) -> Upstream
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Result<GatewaySocket, ErrorShape>>,
+    {
+        if let Err(error) = self.may_open() {
+            return Upstream::Limited(error);
+        }
+        self.ctx
+            .dedicated
+            .outcomes
+            .upstream_opens
+            .fetch_add(1, Ordering::Relaxed);
+        opening.set(Some(open()).into());
+        Upstream::Opening
+    }
+
+    /// Counts a connection that ended before its `connect` was forwarded.
+    fn ended_early(&self, how: Early) {
+        let o = &self.ctx.dedicated.outcomes;
+        match how {
+            Early::Abandoned => &o.abandoned,
+            Early::Invalid => &o.invalid,
+            Early::TimedOut => &o.timed_out,
+        }
+        .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Checks the client's first frame and prepares the `connect` to
@@ -386,6 +532,12 @@ impl Conn {
             .outcomes
             .failed
             .fetch_add(1, Ordering::Relaxed);
+        self.answer_and_close(id, error).await;
+    }
+
+    /// Answers the connect with `error` (already counted), then closes as
+    /// [`Conn::connect_failed`] does.
+    async fn answer_and_close(&mut self, id: &str, error: &ErrorShape) {
         let frame = encode_res_error(id, error);
         if self.local_tx.send(text_message(frame)).await.is_err() {
             return;
@@ -434,6 +586,7 @@ impl Conn {
             slot,
             budget,
             ctx,
+            ..
         } = self;
         let outcomes = &ctx.dedicated.outcomes;
         let down = async {
@@ -522,6 +675,17 @@ impl Conn {
             end = up => end,
         }
     }
+}
+
+/// How a connection ended before its `connect` was forwarded.
+#[derive(Debug, Clone, Copy)]
+enum Early {
+    /// The client left (or stopped reading) first.
+    Abandoned,
+    /// Its first frame was not a usable `connect`.
+    Invalid,
+    /// No `connect` within `limits.connect_timeout`.
+    TimedOut,
 }
 
 /// Why the client's first frame was not forwarded.

@@ -3,11 +3,13 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use serde_json::{json, Value};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::local::rate::OpenLimiter;
 
 /// The open dedicated connections: the cap, what `/v1/state` lists, and
 /// the counters `/metrics` shows.
@@ -18,11 +20,14 @@ pub struct Dedicated {
     pub(super) max: usize,
     open: Mutex<BTreeMap<u64, Listing>>,
     next_id: AtomicU64,
-    /// How connections ended their handshake, for `/metrics`.
+    /// How connections went, for `/metrics`.
     pub outcomes: Outcomes,
+    /// The upstream-open rates (`[limits] upstream_open_*`), built from the
+    /// settings at the first open.
+    opens: OnceLock<OpenLimiter<u32>>,
 }
 
-/// Counters of dedicated connections by how their handshake ended.
+/// Counters of dedicated connections by how they went, for `/metrics`.
 #[derive(Debug, Default)]
 pub struct Outcomes {
     /// The gateway answered the client's `connect` `ok`.
@@ -33,18 +38,51 @@ pub struct Outcomes {
     pub failed: AtomicU64,
     /// Closed at once: `max_dedicated` connections were already open.
     pub refused: AtomicU64,
+    /// Answered `studio.too_many_requests`: over an upstream-open rate
+    /// (`[limits] upstream_open_*`); no gateway connection was opened.
+    pub rate_limited: AtomicU64,
+    /// The client left before its `connect` was forwarded.
+    pub abandoned: AtomicU64,
+    /// The client's first frame was not a usable `connect`.
+    pub invalid: AtomicU64,
+    /// No `connect` within `limits.connect_timeout`.
+    pub timed_out: AtomicU64,
+    /// Gateway connections opened for the route (whatever came of them).
+    pub upstream_opens: AtomicU64,
+    /// Connections that got as far as the relay, by how it ended.
+    ends: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 impl Outcomes {
     /// `(outcome label, count)` for every outcome.
-    pub fn counts(&self) -> [(&'static str, u64); 4] {
+    pub fn counts(&self) -> [(&'static str, u64); 8] {
         let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
         [
             ("connected", n(&self.connected)),
             ("rejected", n(&self.rejected)),
             ("failed", n(&self.failed)),
             ("refused", n(&self.refused)),
+            ("rate_limited", n(&self.rate_limited)),
+            ("abandoned", n(&self.abandoned)),
+            ("invalid", n(&self.invalid)),
+            ("timed_out", n(&self.timed_out)),
         ]
+    }
+
+    /// Counts a relay that ended (`reason`: a fixed label).
+    pub(super) fn ended(&self, reason: &'static str) {
+        *self
+            .ends
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(reason)
+            .or_default() += 1;
+    }
+
+    /// `(reason, count)` of ended relays, sorted.
+    pub fn ends(&self) -> Vec<(&'static str, u64)> {
+        let ends = self.ends.lock().unwrap_or_else(|e| e.into_inner());
+        ends.iter().map(|(k, v)| (*k, *v)).collect()
     }
 }
 
@@ -77,7 +115,13 @@ impl Dedicated {
             open: Mutex::new(BTreeMap::new()),
             next_id: AtomicU64::new(1),
             outcomes: Outcomes::default(),
+            opens: OnceLock::new(),
         }
+    }
+
+    /// The upstream-open rate limiter, keyed by the peer's uid.
+    pub fn opens(&self, limits: &crate::config::Limits) -> &OpenLimiter<u32> {
+        self.opens.get_or_init(|| OpenLimiter::from_limits(limits))
     }
 
     /// Dedicated connections open now.
