@@ -54,7 +54,7 @@ pub async fn route(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<Bod
         (&Method::GET, "/metrics") => bytes_response(
             StatusCode::OK,
             "text/plain; version=0.0.4; charset=utf-8",
-            Bytes::from(crate::metrics::render(&ctx)),
+            Bytes::from(super::metrics::render(&ctx)),
         ),
         (&Method::GET, "/healthz") => health(&ctx),
         (&Method::GET, "/readyz") => ready(&ctx),

@@ -6,6 +6,7 @@ pub mod dedicated;
 pub mod fdlimit;
 pub mod http;
 pub mod hud;
+pub mod metrics;
 pub mod preconnect;
 pub mod rate;
 pub mod respond;
