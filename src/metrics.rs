@@ -10,7 +10,7 @@
 //! accounting the router feeds: counts by method and outcome, and a latency
 //! histogram.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt::{Display, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -44,6 +44,19 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in the order of [`Outcome::index`].
+    pub const ALL: [Outcome; 5] = [
+        Outcome::Ok,
+        Outcome::Error,
+        Outcome::Timeout,
+        Outcome::UpstreamClosed,
+        Outcome::Rejected,
+    ];
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Ok => "ok",
@@ -64,10 +77,12 @@ impl Outcome {
     }
 }
 
+/// Counts per method label, one slot per [`Outcome`]. Looked up by `&str`:
+/// a request of a method already seen allocates nothing.
 #[derive(Debug, Default)]
 struct Counts {
-    by_label: HashMap<(String, Outcome), u64>,
-    methods: HashSet<String>,
+    by_method: HashMap<String, [u64; Outcome::ALL.len()]>,
+    other: [u64; Outcome::ALL.len()],
 }
 
 /// Request counts and latencies, fed by the router.
@@ -100,17 +115,20 @@ impl RequestMetrics {
             // Only the gateway's own method names become labels: a
             // method is whatever a client sent, and may carry user data
             // (a session key sent as a method name ended up in a label).
-            let label = if !crate::policy::methods::is_known(method) {
-                "other".to_owned()
-            } else if counts.methods.contains(method) {
-                method.to_owned()
-            } else if counts.methods.len() < MAX_METHOD_LABELS {
-                counts.methods.insert(method.to_owned());
-                method.to_owned()
+            let Counts { by_method, other } = &mut *counts;
+            let labelled = by_method.contains_key(method)
+                || (crate::policy::methods::is_known(method)
+                    && by_method.len() < MAX_METHOD_LABELS);
+            let slots = if labelled {
+                // (Allocates only the first time a method is seen.)
+                match by_method.get_mut(method) {
+                    Some(slots) => slots,
+                    None => by_method.entry(method.to_owned()).or_default(),
+                }
             } else {
-                "other".to_owned()
+                other
             };
-            *counts.by_label.entry((label, outcome)).or_default() += 1;
+            slots[outcome.index()] += 1;
         }
         if let Some(elapsed) = elapsed {
             let secs = elapsed.as_secs_f64();
@@ -134,10 +152,18 @@ impl RequestMetrics {
     /// `(method, outcome, count)`, sorted for a stable scrape.
     pub fn counts(&self) -> Vec<(String, Outcome, u64)> {
         let counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
-        let mut v: Vec<_> = counts
-            .by_label
+        let labelled = counts
+            .by_method
             .iter()
-            .map(|((m, o), n)| (m.clone(), *o, *n))
+            .map(|(m, slots)| (m.as_str(), slots))
+            .chain([("other", &counts.other)]);
+        let mut v: Vec<_> = labelled
+            .flat_map(|(m, slots)| {
+                Outcome::ALL
+                    .iter()
+                    .filter(|o| slots[o.index()] > 0)
+                    .map(move |o| (m.to_owned(), *o, slots[o.index()]))
+            })
             .collect();
         v.sort_by(|a, b| (&a.0, a.1.as_str()).cmp(&(&b.0, b.1.as_str())));
         v
