@@ -556,10 +556,9 @@ mod tests {
         assert_eq!(methods(&sent(&mut f)), ["status"]);
     }
 
-    #[test]
-    fn aborting_another_clients_run_needs_admin() {
-        let mut f = fixture(8);
-        let (a, b) = (client(&f), client(&f));
+    /// Two clients; the first has started `run-1` in the main session.
+    fn a_run_of_the_first(f: &Fixture) -> (Registration, Registration) {
+        let (a, b) = (client(f), client(f));
         let params = RawValue::from_string(
             r#"{"idempotencyKey":"run-1","sessionKey":"main","message":"hi"}"#.into(),
         )
@@ -567,6 +566,13 @@ mod tests {
         f.dispatcher
             .dispatch(a.member(), "1", "chat.send", Some(&params))
             .unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn aborting_another_clients_run_needs_admin() {
+        let mut f = fixture(8);
+        let (a, b) = a_run_of_the_first(&f);
         let abort =
             RawValue::from_string(r#"{"runId":"run-1","sessionKey":"main"}"#.into()).unwrap();
         let e = f
@@ -588,14 +594,7 @@ mod tests {
     #[test]
     fn every_abort_like_method_has_the_ownership_rule() {
         let mut f = fixture(8);
-        let (a, b) = (client(&f), client(&f));
-        let params = RawValue::from_string(
-            r#"{"idempotencyKey":"run-1","sessionKey":"main","message":"hi"}"#.into(),
-        )
-        .unwrap();
-        f.dispatcher
-            .dispatch(a.member(), "1", "chat.send", Some(&params))
-            .unwrap();
+        let (_a, b) = a_run_of_the_first(&f);
         for (method, params) in [
             ("sessions.abort", r#"{"key":"main"}"#),
             ("sessions.abort", r#"{"key":"main","runId":"run-1"}"#),

@@ -33,8 +33,8 @@ use bytes::Bytes;
 use eventsource_stream::Eventsource;
 use futures_util::{SinkExt, StreamExt};
 use http::{header, HeaderValue, Request, Response, StatusCode};
-use http_body_util::{BodyExt, StreamBody};
-use hyper::body::{Frame, Incoming};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use serde_json::Value;
@@ -126,16 +126,7 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             }
         }),
     );
-    let body = StreamBody::new(chunks.map(|chunk| Ok(Frame::data(chunk)))).boxed_unsync();
-    let mut resp = Response::new(body);
-    let headers = resp.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
-    resp
+    super::respond::event_stream_response(chunks)
 }
 
 /// One record for a HUD client.

@@ -88,3 +88,32 @@ pub(crate) fn http_access(req: &Request<Incoming>, ctx: &Ctx) -> crate::policy::
     }
     Access { grant, socket }
 }
+
+/// A `text/event-stream` response of `chunks`: never cached, and the
+/// connection closes with the stream (a stream ends only when the broker
+/// ends it — slow consumer, shutdown — and a reader blocked on it must
+/// see EOF).
+pub fn event_stream_response(
+    chunks: impl futures_util::Stream<Item = Bytes> + Send + 'static,
+) -> Response<Body> {
+    use futures_util::StreamExt;
+    let body = http_body_util::StreamBody::new(
+        chunks.map(|chunk| Ok::<_, Infallible>(hyper::body::Frame::data(chunk))),
+    )
+    .boxed_unsync();
+    let mut resp = Response::new(body);
+    let headers = resp.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-store"),
+    );
+    headers.insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    resp
+}

@@ -24,9 +24,8 @@ use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use futures_util::StreamExt;
-use http::{header, HeaderValue, Request, Response, StatusCode};
-use http_body_util::{BodyExt, StreamBody};
-use hyper::body::{Frame, Incoming};
+use http::{HeaderValue, Request, Response, StatusCode};
+use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -241,17 +240,8 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             Some((chunk, s))
         }),
     );
-    let body = StreamBody::new(chunks.map(|chunk| Ok(Frame::data(chunk)))).boxed_unsync();
-    let mut resp = Response::new(body);
+    let mut resp = super::respond::event_stream_response(chunks);
     let headers = resp.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    // A stream ends only when the broker ends it (slow consumer, shutdown):
-    // then the connection goes too, so a reader blocked on it sees EOF.
-    headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
     if let Ok(v) = HeaderValue::from_str(&epoch) {
         headers.insert(EPOCH_HEADER, v);
     }

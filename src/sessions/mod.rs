@@ -202,34 +202,52 @@ impl Sessions {
             DeviceIdentity::load_configured(settings.upstream.device_identity.as_deref())
                 .map(Arc::new);
         let (upstream, seed) = Upstream::new(settings);
+        let parts = Parts {
+            settings,
+            hub,
+            router,
+            sharing,
+            tracker,
+            cancel,
+        };
+        let sessions = Self::assemble(&parts, upstream, identity.clone());
+        tracker.spawn(seed.run(
+            settings,
+            SessionSpec::main(),
+            identity,
+            Arc::clone(&sessions.main_owner) as Arc<dyn crate::upstream::SessionOwner>,
+            cancel.clone(),
+        ));
+        tracker.spawn(Arc::clone(&sessions.own).drain_answers(cancel.clone()));
+        sessions
+    }
+
+    /// The owners around the main session's transport `upstream`.
+    fn assemble(
+        p: &Parts<'_>,
+        upstream: Upstream,
+        identity: Option<Arc<DeviceIdentity>>,
+    ) -> Sessions {
         let main = Session {
             upstream,
             kind: SessionKind::Main,
         };
-        let own = Arc::new(OwnRequests::new(hub, router));
+        let own = Arc::new(OwnRequests::new(p.hub, p.router));
         let main_owner = Arc::new(main::MainSession::new(
             main.clone(),
-            Arc::clone(hub),
-            Arc::clone(router),
-            Arc::clone(sharing),
+            Arc::clone(p.hub),
+            Arc::clone(p.router),
+            Arc::clone(p.sharing),
             Arc::clone(&own),
             identity.is_some(),
         ));
-        tracker.spawn(seed.run(
-            settings,
-            SessionSpec::main(),
-            identity.clone(),
-            Arc::clone(&main_owner) as Arc<dyn crate::upstream::SessionOwner>,
-            cancel.clone(),
-        ));
-        tracker.spawn(Arc::clone(&own).drain_answers(cancel.clone()));
         let narrower = Narrower::new(narrower::Factory {
-            settings: settings.clone(),
+            settings: p.settings.clone(),
             identity,
             main: main.upstream.clone(),
-            router: Arc::clone(router),
-            tracker: tracker.clone(),
-            cancel: cancel.clone(),
+            router: Arc::clone(p.router),
+            tracker: p.tracker.clone(),
+            cancel: p.cancel.clone(),
         });
         Sessions {
             main,
@@ -248,32 +266,24 @@ impl Sessions {
         router: &Arc<Router>,
         upstream: Upstream,
     ) -> Sessions {
-        let main = Session {
-            upstream,
-            kind: SessionKind::Main,
+        let parts = Parts {
+            settings,
+            hub,
+            router,
+            sharing: &Arc::new(Sharing::new()),
+            tracker: &TaskTracker::new(),
+            cancel: &CancellationToken::new(),
         };
-        let own = Arc::new(OwnRequests::new(hub, router));
-        let main_owner = Arc::new(main::MainSession::new(
-            main.clone(),
-            Arc::clone(hub),
-            Arc::clone(router),
-            Arc::new(Sharing::new()),
-            Arc::clone(&own),
-            false,
-        ));
-        let narrower = Narrower::new(narrower::Factory {
-            settings: settings.clone(),
-            identity: None,
-            main: main.upstream.clone(),
-            router: Arc::clone(router),
-            tracker: TaskTracker::new(),
-            cancel: CancellationToken::new(),
-        });
-        Sessions {
-            main,
-            main_owner,
-            narrower,
-            own,
-        }
+        Self::assemble(&parts, upstream, None)
     }
+}
+
+/// What the sessions are built from.
+struct Parts<'a> {
+    settings: &'a Settings,
+    hub: &'a Arc<Hub>,
+    router: &'a Arc<Router>,
+    sharing: &'a Arc<Sharing>,
+    tracker: &'a TaskTracker,
+    cancel: &'a CancellationToken,
 }
