@@ -557,17 +557,39 @@ impl Upstream {
         deadline: Instant,
         auth: Option<&Value>,
     ) -> Result<Arc<UpstreamHello>, ErrorShape> {
-        let mut rx = self.status.clone();
-        let needs_credential = {
-            let s = rx.borrow_and_update();
-            s.phase == Phase::Rejected && s.awaiting_credential
+        let Some(credential) = auth.and_then(ClientCredential::from_auth) else {
+            return self.wait_ready(deadline).await;
         };
-        if let (true, Some(credential)) =
-            (needs_credential, auth.and_then(ClientCredential::from_auth))
-        {
-            if self.offers.try_send(credential).is_ok() {
-                // Wait until the connector picked it up (its phase moves on).
-                let _ = tokio::time::timeout_at(deadline.into(), rx.changed()).await;
+        // Until the connector has decided whether the host has a credential
+        // (its first attempt may still be under way), watch: offer this one
+        // as soon as it asks for one.
+        let mut rx = self.status.clone();
+        loop {
+            let needs_credential = {
+                let s = rx.borrow_and_update();
+                match s.phase {
+                    Phase::Connecting | Phase::Handshaking if !s.had_session => None,
+                    Phase::Rejected if s.awaiting_credential => Some(true),
+                    _ => Some(false),
+                }
+            };
+            match needs_credential {
+                Some(true) => {
+                    if self.offers.try_send(credential).is_ok() {
+                        // Wait until the connector picked it up (its phase moves on).
+                        let _ = tokio::time::timeout_at(deadline.into(), rx.changed()).await;
+                    }
+                    break;
+                }
+                Some(false) => break,
+                None => {
+                    if tokio::time::timeout_at(deadline.into(), rx.changed())
+                        .await
+                        .map_or(true, |changed| changed.is_err())
+                    {
+                        break;
+                    }
+                }
             }
         }
         self.wait_ready(deadline).await
