@@ -42,8 +42,9 @@ pub struct TailArgs {
     #[arg(long, value_delimiter = ',', value_name = "NAMES")]
     pub events: Vec<String>,
     /// Start right after this event (replaying what the broker still holds) instead of now:
-    /// an id as `EPOCH:SEQ`, or a bare SEQ of the running broker's life.
-    #[arg(long, value_name = "[EPOCH:]SEQ", conflicts_with_all = ["lines", "since"])]
+    /// a cursor as in the stream's `id:` lines and /v1/state's `newest_seq`. Cursors survive
+    /// broker restarts (an old `EPOCH:SEQ` id is still accepted).
+    #[arg(long, value_name = "SEQ", conflicts_with_all = ["lines", "since"])]
     pub after: Option<EventId>,
     /// First print the last N matching events the broker still holds, then follow.
     #[arg(short = 'n', long = "lines", value_name = "N")]

@@ -285,7 +285,7 @@ pub fn gone(asked: Option<&EventId>, window: &Value) -> (String, Option<EventId>
     let asked_epoch = asked.and_then(|a| a.epoch.as_deref());
     let (why, next) = if asked_epoch.is_some() && epoch.as_deref() != asked_epoch {
         (
-            "the broker restarted since (another epoch): events in between were missed".to_owned(),
+            "the broker's log no longer holds that broker life: events since were missed".to_owned(),
             oldest.saturating_sub(1),
         )
     } else if cursor.is_some_and(|a| a > newest) {
