@@ -426,7 +426,7 @@ mod tests {
             cursor: 99,
         };
         let (message, next) = gone(Some(&asked), &body["error"]["details"]);
-        assert!(message.contains("restarted"), "{message}");
+        assert!(message.contains("no longer holds that broker life"), "{message}");
         assert_eq!(
             next,
             Some(EventId {
