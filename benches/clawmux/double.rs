@@ -1,7 +1,7 @@
 //! Scenarios that use the library's gateway double (`clawmux_mock::MockGateway`)
 //! itself: how fast `broadcast` can feed one reader (why the fan-out uses the
 //! in-bench source instead), and scenario 2, closed-loop `health` requests
-//! through the broker and straight to the double.
+//! through the broker, through a bare relay and straight to the double.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clients::{self, Receivers, Ws};
 use crate::fanout::{self, Phase, BENCH_TOKEN};
 use crate::procfs::{CpuSnapshot, MachineCpu, BROKER_THREAD, CLIENTS_THREAD, GATEWAY_THREAD};
+use crate::relay::Relay;
 use crate::source::{now_ns, FrameEncoder, EVENT_NAME};
 use crate::Config;
 
@@ -167,48 +168,82 @@ async fn sample_window(receivers: &Receivers, cfg: &Config) -> Phase {
 /// Scenario 2's figures for one path: `deliveries` are round trips and
 /// `latency` their round-trip times.
 pub struct Requests {
+    pub path: RequestPath,
+    pub clients: usize,
     pub phase: Phase,
     pub errors: u64,
 }
 
-/// `cfg.request_clients` clients, each with one `health` request in flight
-/// at a time, through the broker (`via_broker`) or straight to the double.
+/// The paths of the requests scenario.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestPath {
+    /// Over the broker's unix socket; the broker holds one upstream connection.
+    Broker,
+    /// Over the bare relay's unix socket (`relay.rs`): the same bytes, untouched.
+    Relay,
+    /// Loopback TCP straight to the double.
+    Direct,
+}
+
+impl RequestPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            RequestPath::Broker => "broker",
+            RequestPath::Relay => "bare relay",
+            RequestPath::Direct => "direct (TCP)",
+        }
+    }
+}
+
+/// `clients` clients, each with one `health` request in flight at a time,
+/// over `path`. The broker and the relay run on `broker_rt`, so the phase's
+/// `broker_cpu` is the forwarder's CPU time in the window.
 pub async fn requests(
     cfg: &Config,
     broker_rt: Handle,
-    via_broker: bool,
+    path: RequestPath,
+    clients: usize,
 ) -> Result<Requests, String> {
     let mock = MockThread::start()?;
-    let n = cfg.request_clients;
+    let n = clients.max(1);
     let receivers = Receivers::new(n, 0);
     let errors = Arc::new(AtomicU64::new(0));
     let stop = CancellationToken::new();
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let socket = dir.path().join("clawmux.sock");
     let mut broker = None;
+    let mut relay = None;
     let mut tasks: Vec<JoinHandle<()>> = Vec::new();
     let spawn = |slot: usize| (receivers.clone(), stop.clone(), errors.clone(), slot);
-    if via_broker {
-        let socket = dir.path().join("clawmux.sock");
-        broker = Some(
-            fanout::start_broker(&broker_rt, fanout::broker_settings(&socket, &mock.gw.url()))
-                .await?,
-        );
-        for slot in 0..n {
-            let stream = UnixStream::connect(&socket)
-                .await
-                .map_err(|e| e.to_string())?;
-            let ws = clients::handshake(stream, None).await?;
-            let (r, s, e, slot) = spawn(slot);
-            tasks.push(tokio::spawn(closed_loop(ws, r, slot, s, e)));
+    match path {
+        RequestPath::Broker => {
+            broker = Some(
+                fanout::start_broker(&broker_rt, fanout::broker_settings(&socket, &mock.gw.url()))
+                    .await?,
+            );
         }
-    } else {
-        for slot in 0..n {
+        RequestPath::Relay => {
+            relay = Some(Relay::start(&broker_rt, &socket, mock.gw.addr()).await?);
+        }
+        RequestPath::Direct => {}
+    }
+    for slot in 0..n {
+        let (r, s, e, slot) = spawn(slot);
+        if path == RequestPath::Direct {
             let tcp = TcpStream::connect(mock.gw.addr())
                 .await
                 .map_err(|e| e.to_string())?;
             tcp.set_nodelay(true).map_err(|e| e.to_string())?;
             let ws = clients::handshake(tcp, Some(BENCH_TOKEN)).await?;
-            let (r, s, e, slot) = spawn(slot);
+            tasks.push(tokio::spawn(closed_loop(ws, r, slot, s, e)));
+        } else {
+            let stream = UnixStream::connect(&socket)
+                .await
+                .map_err(|e| e.to_string())?;
+            // Through the relay the client talks to the double itself, so it
+            // brings the token; the broker injects its own upstream.
+            let token = (path == RequestPath::Relay).then_some(BENCH_TOKEN);
+            let ws = clients::handshake(stream, token).await?;
             tasks.push(tokio::spawn(closed_loop(ws, r, slot, s, e)));
         }
     }
@@ -228,11 +263,23 @@ pub async fn requests(
             .spawn(broker.shutdown(Duration::from_secs(5)))
             .await;
     }
+    if let Some(relay) = relay {
+        relay.stop().await;
+    }
     drop(mock);
     Ok(Requests {
+        path,
+        clients: n,
         phase,
         errors: errors.load(Ordering::Relaxed),
     })
+}
+
+impl Requests {
+    /// CPU time of the forwarder (broker or relay) per round trip, in µs.
+    pub fn forwarder_cpu_per_request(&self) -> f64 {
+        self.phase.broker_cpu.as_secs_f64() * 1e6 / self.phase.deliveries.max(1) as f64
+    }
 }
 
 /// The fields of an answer the loop looks at.

@@ -6,7 +6,9 @@
 //!   frames over bare unix sockets (ceiling) and N clients on the gateway
 //!   directly (baseline); max rate and half of it. The broker path also with
 //!   its upstream over `wss://` (TLS), as a ratio to `ws://`.
-//! - requests: closed-loop `health` through the broker vs straight to the double.
+//! - requests: closed-loop `health` through the broker, through a bare relay
+//!   (bytes copied untouched: the floor for a forwarder) and straight to the
+//!   double; 10 clients and one at a time, with the forwarder's CPU per request.
 //! - memory and isolation: `clawmux serve` as a child process (its RSS is its
 //!   own): idle, per idle client, and full fan-out with one client that never reads.
 //!
@@ -22,6 +24,7 @@ mod double;
 mod fanout;
 mod memory;
 mod procfs;
+mod relay;
 mod report;
 mod source;
 
@@ -273,9 +276,26 @@ async fn run(
         )?;
     }
     if scenarios.contains(&Scenario::Requests) {
-        let through = double::requests(&cfg, broker_rt.clone(), true).await?;
-        let direct = double::requests(&cfg, broker_rt.clone(), false).await?;
-        report.requests(&through, &direct)?;
+        // With `--request-clients` clients, then one at a time (a single
+        // client's closed loop); each set's three paths measured in turn, so
+        // the ratios compare windows seconds apart.
+        let mut sets = vec![cfg.request_clients];
+        if cfg.request_clients != 1 {
+            sets.push(1);
+        }
+        let mut measured = Vec::new();
+        for clients in sets {
+            let mut set = Vec::new();
+            for path in [
+                double::RequestPath::Broker,
+                double::RequestPath::Relay,
+                double::RequestPath::Direct,
+            ] {
+                set.push(double::requests(&cfg, broker_rt.clone(), path, clients).await?);
+            }
+            measured.push(set);
+        }
+        report.requests(&measured)?;
     }
     if scenarios.contains(&Scenario::Memory) {
         let binary = std::path::Path::new(env!("CARGO_BIN_EXE_clawmux"));

@@ -6,7 +6,7 @@
 
 use hdrhistogram::Histogram;
 
-use crate::double::Requests;
+use crate::double::{RequestPath, Requests};
 use crate::fanout::{PathPhases, Phase};
 use crate::memory::Memory;
 use crate::procfs;
@@ -310,59 +310,118 @@ impl Report {
         Ok(())
     }
 
-    pub fn requests(&mut self, through: &Requests, direct: &Requests) -> Result<(), String> {
-        println!(
-            "\n## Requests: {} clients, one `health` in flight each (closed loop), gateway double\n",
-            self.cfg.request_clients
-        );
-        println!(
-            "| path | round trips/s | p50 | p99 | double CPU | broker CPU | clients CPU | errors | others |"
-        );
-        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
-        for (path, r) in [("broker", through), ("direct (TCP)", direct)] {
-            self.check_moved(path, &r.phase)?;
-            if self.cfg.smoke && r.errors > 0 {
-                return Err(format!("{path}: {} requests failed", r.errors));
+    /// `sets[i]` holds the broker, bare-relay and direct runs with one
+    /// number of clients: `--request-clients` first, then one at a time.
+    pub fn requests(&mut self, sets: &[Vec<Requests>]) -> Result<(), String> {
+        for (i, set) in sets.iter().enumerate() {
+            let find = |path: RequestPath| {
+                set.iter()
+                    .find(|r| r.path == path)
+                    .ok_or_else(|| format!("no {} run", path.name()))
+            };
+            let (broker, relay, direct) = (
+                find(RequestPath::Broker)?,
+                find(RequestPath::Relay)?,
+                find(RequestPath::Direct)?,
+            );
+            let n = broker.clients;
+            if n == 1 {
+                println!(
+                    "\n## Requests one at a time: 1 client, one `health` in flight (closed loop), gateway double\n"
+                );
+            } else {
+                println!(
+                    "\n## Requests: {n} clients, one `health` in flight each (closed loop), gateway double\n"
+                );
             }
-            let p = &r.phase;
             println!(
-                "| {path} | {} | {} | {} | {} | {} | {} | {} | {:.2} |",
-                count(p.per_second()),
-                micros(pct(&p.latency, 0.5)),
-                micros(pct(&p.latency, 0.99)),
-                share(p, p.gateway_cpu),
-                if path == "broker" {
-                    share(p, p.broker_cpu)
-                } else {
-                    "–".into()
-                },
-                share(p, p.clients_cpu),
-                r.errors,
-                p.others
+                "| path | round trips/s | p50 | p99 | double CPU | forwarder CPU | forwarder CPU / request | clients CPU | errors | others |"
+            );
+            println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            for r in set {
+                let path = r.path.name();
+                self.check_moved(path, &r.phase)?;
+                if self.cfg.smoke && r.errors > 0 {
+                    return Err(format!("{path}: {} requests failed", r.errors));
+                }
+                let p = &r.phase;
+                let forwards = r.path != RequestPath::Direct;
+                println!(
+                    "| {path} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} |",
+                    count(p.per_second()),
+                    micros(pct(&p.latency, 0.5)),
+                    micros(pct(&p.latency, 0.99)),
+                    share(p, p.gateway_cpu),
+                    if forwards {
+                        share(p, p.broker_cpu)
+                    } else {
+                        "–".into()
+                    },
+                    if forwards {
+                        format!("{:.1} µs", r.forwarder_cpu_per_request())
+                    } else {
+                        "–".into()
+                    },
+                    share(p, p.clients_cpu),
+                    r.errors,
+                    p.others
+                );
+            }
+            let added = |r: &Requests, q: f64| {
+                pct(&r.phase.latency, q).saturating_sub(pct(&direct.phase.latency, q))
+            };
+            let (added50, added99) = (added(broker, 0.5), added(broker, 0.99));
+            let rt_ratio = broker.phase.per_second() / direct.phase.per_second();
+            let cpu_ratio = broker.forwarder_cpu_per_request() / relay.forwarder_cpu_per_request();
+            println!(
+                "\n- broker / direct round trips/s: **{rt_ratio:.2}**; added latency p50 {}, p99 {}",
+                micros(added50),
+                micros(added99)
+            );
+            println!(
+                "- bare relay / direct round trips/s: {:.2}; added latency p50 {}, p99 {}",
+                relay.phase.per_second() / direct.phase.per_second(),
+                micros(added(relay, 0.5)),
+                micros(added(relay, 0.99))
+            );
+            println!(
+                "- broker / bare relay: round trips/s {:.2}; CPU per request {:.1} / {:.1} µs = **{cpu_ratio:.2}×**",
+                broker.phase.per_second() / relay.phase.per_second(),
+                broker.forwarder_cpu_per_request(),
+                relay.forwarder_cpu_per_request(),
+            );
+            let clients = if n == 1 {
+                "one at a time".to_owned()
+            } else {
+                format!("{n} clients")
+            };
+            if i == 0 {
+                self.target(
+                    &format!("round trips/s through the broker, {clients}"),
+                    "≥ 50,000",
+                    count(broker.phase.per_second()),
+                    broker.phase.per_second() >= 50_000.0,
+                );
+                self.target(
+                    &format!("broker / direct round trips/s, {clients} (issue 27)"),
+                    "≥ 0.8",
+                    format!("{rt_ratio:.2}"),
+                    rt_ratio >= 0.8,
+                );
+                self.target(
+                    "added p50 per request",
+                    "≤ 100 µs",
+                    micros(added50),
+                    added50 <= 100_000,
+                );
+            }
+            self.target(
+                &format!("broker CPU per request / bare relay's, {clients} (issue 27)"),
+                "≤ 1.2×",
+                format!("{cpu_ratio:.2}×"),
+                cpu_ratio <= 1.2,
             );
         }
-        let added50 =
-            pct(&through.phase.latency, 0.5).saturating_sub(pct(&direct.phase.latency, 0.5));
-        let added99 =
-            pct(&through.phase.latency, 0.99).saturating_sub(pct(&direct.phase.latency, 0.99));
-        println!(
-            "\n- broker / direct round trips/s: **{:.2}**; added latency p50 {}, p99 {}",
-            through.phase.per_second() / direct.phase.per_second(),
-            micros(added50),
-            micros(added99)
-        );
-        self.target(
-            "round trips/s through the broker, 10 clients",
-            "≥ 50,000",
-            count(through.phase.per_second()),
-            through.phase.per_second() >= 50_000.0,
-        );
-        self.target(
-            "added p50 per request",
-            "≤ 100 µs",
-            micros(added50),
-            added50 <= 100_000,
-        );
         Ok(())
     }
 
@@ -507,7 +566,7 @@ impl Report {
 
     pub fn print_targets(&self) {
         if !self.targets.is_empty() {
-            println!("\n## Design §10 targets\n");
+            println!("\n## Targets (design §10, issue 27)\n");
             println!("| target | budget | measured | |");
             println!("|---|---|---:|---|");
             for (what, budget, measured, met) in &self.targets {
