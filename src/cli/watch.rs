@@ -285,7 +285,8 @@ pub fn gone(asked: Option<&EventId>, window: &Value) -> (String, Option<EventId>
     let asked_epoch = asked.and_then(|a| a.epoch.as_deref());
     let (why, next) = if asked_epoch.is_some() && epoch.as_deref() != asked_epoch {
         (
-            "the broker's log no longer holds that broker life: events since were missed".to_owned(),
+            "the broker's log no longer holds that broker life: events since were missed"
+                .to_owned(),
             oldest.saturating_sub(1),
         )
     } else if cursor.is_some_and(|a| a > newest) {
@@ -426,7 +427,10 @@ mod tests {
             cursor: 99,
         };
         let (message, next) = gone(Some(&asked), &body["error"]["details"]);
-        assert!(message.contains("no longer holds that broker life"), "{message}");
+        assert!(
+            message.contains("no longer holds that broker life"),
+            "{message}"
+        );
         assert_eq!(
             next,
             Some(EventId {

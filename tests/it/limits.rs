@@ -71,8 +71,20 @@ fn serve_under_shell(home: &Path, setup: &str, socket: &Path, gateway: &str) -> 
 }
 
 /// Stops the child and returns its log.
+/// Stops the broker the way a supervisor does (SIGTERM: the log writer
+/// drains before exit; a SIGKILL could cut off lines still queued for it on
+/// a loaded machine), killing it only if it has not exited within the
+/// patience, and returns what it logged.
 fn stop_and_read_log(child: &mut Child) -> String {
-    let _ = child.kill();
+    sigterm(child);
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while child.try_wait().ok().flatten().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     let _ = child.wait();
     let mut log = String::new();
     child
