@@ -294,15 +294,30 @@ impl RunningBroker {
     }
 }
 
+/// Queued bytes whose release, since the last time memory was handed
+/// back, makes the sweep hand free memory back to the system.
+const RETURN_MEMORY_AFTER: usize = 32 * 1024 * 1024;
+
 async fn sweep_deadlines(ctx: Arc<Ctx>) {
     let mut interval = tokio::time::interval(SWEEP_INTERVAL);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The most the queues held since memory was last handed back.
+    let mut queued_peak = 0usize;
     loop {
         tokio::select! {
             _ = ctx.cancel.cancelled() => return,
             _ = interval.tick() => {
                 let now = Instant::now();
                 ctx.hub.sweep_stalled(now);
+                // After a burst (slow clients cut, queues drained) the
+                // allocator keeps the freed pages: hand them back, so the
+                // broker's memory comes back near idle.
+                let queued = ctx.hub.queue_budget().used();
+                queued_peak = queued_peak.max(queued);
+                if queued_peak.saturating_sub(queued) >= RETURN_MEMORY_AFTER {
+                    crate::bounds::return_free_memory();
+                    queued_peak = queued;
+                }
                 let expired = ctx.router.expire(now);
                 if expired > 0 {
                     tracing::info!(expired, "requests timed out");
