@@ -2,7 +2,7 @@
 //! `frame` and `ended` mean, decided in one place per kind of session, and
 //! the one path every request takes onto a session.
 //!
-//! - [`main`]: the broker's shared session. Its events are the one source
+//! - [`main_session`]: the broker's shared session. Its events are the one source
 //!   for every local client (sequence gaps, the snapshot, the synthesized
 //!   `session.tool`), its answers complete the pending table, and a new
 //!   generation re-subscribes what local clients hold. Run ownership lasts
@@ -16,7 +16,7 @@
 //! - [`Session::send`]: register in the pending table, encode once, queue on
 //!   the session's transport; the same for every requester and session.
 
-pub mod main;
+pub mod main_session;
 pub mod narrower;
 pub mod own;
 
@@ -178,7 +178,7 @@ pub struct Sessions {
     /// The shared session.
     pub main: Session,
     /// What the main session's owner keeps (the generation it resubscribed, counters).
-    pub main_owner: Arc<main::MainSession>,
+    pub main_owner: Arc<main_session::MainSession>,
     /// Sessions for clients holding fewer scopes.
     pub narrower: Narrower,
     /// The broker's own requests.
@@ -233,7 +233,7 @@ impl Sessions {
             kind: SessionKind::Main,
         };
         let own = Arc::new(OwnRequests::new(p.hub, p.router));
-        let main_owner = Arc::new(main::MainSession::new(
+        let main_owner = Arc::new(main_session::MainSession::new(
             main.clone(),
             Arc::clone(p.hub),
             Arc::clone(p.router),
