@@ -45,7 +45,8 @@
 //! - At the bottom, pure: [`config`] (settings and every limit),
 //!   [`policy`] (scopes, the gateway's method table, socket policies),
 //!   [`protocol`] (frames with raw payloads, the `studio.*` errors),
-//!   [`rate`] (token buckets, the upstream-open limiter).
+//!   [`rate`] (token buckets, the upstream-open limiter), [`files`] and
+//!   [`private_files`] (local files read with a bound; the 0700/0600 state dir).
 //! - [`tap`]: a broker-side copy of requests, answers and targeted events
 //!   for `clawmux record --requests` (secrets redacted).
 //! - [`logging`]: the log never blocks fan-out (a lossy writer thread),
@@ -82,6 +83,7 @@ pub mod local;
 pub mod logging;
 pub mod metrics;
 pub mod policy;
+pub mod private_files;
 pub mod protocol;
 pub mod rate;
 pub mod router;

@@ -25,8 +25,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest as _, Sha256};
 
-use super::private_files::{self, Existing, PrivateFileError, Written};
 use crate::config::Secret;
+use crate::private_files::{self, Existing, PrivateFileError, Written};
 use crate::protocol::now_ms;
 
 /// The key file's name inside the state dir.

@@ -20,7 +20,7 @@
 //! - `connector`: the task, its reconnect loop, the session and its watchdog.
 //! - `handshake`: the `connect` the broker sends and how answers map to `studio.*`.
 //! - [`identity`]: the device key, the v3 signature, stored device tokens.
-//! - `private_files`: the 0700/0600 state dir they live in.
+//! - the 0700/0600 state dir they live in: [`crate::private_files`].
 //! - [`tls`]: `wss://` with rustls, certificate pins, the plaintext rule.
 
 mod connector;
@@ -59,7 +59,7 @@ pub async fn open_socket(
 }
 
 pub mod identity;
-pub(crate) mod private_files;
+
 pub mod tls;
 
 use std::sync::Arc;

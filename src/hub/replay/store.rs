@@ -44,8 +44,8 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::ReplayLimits;
+use crate::private_files::{ensure_private_dir, write_private, Existing};
 use crate::protocol::{now_ms, EventHead};
-use crate::upstream::private_files::{ensure_private_dir, write_private, Existing};
 
 /// How often the writer fsyncs while events arrive.
 pub const SYNC_EVERY: Duration = Duration::from_secs(1);
@@ -239,7 +239,7 @@ fn record(loaded: &mut Loaded, line: &[u8]) -> bool {
 }
 
 /// Refuses a file or directory owned by another user; tightens loose modes
-/// (the rules of [`crate::upstream::private_files`]).
+/// (the rules of [`crate::private_files`]).
 fn check_private(path: &Path, file: &File) -> io::Result<()> {
     let meta = file.metadata()?;
     let me = rustix::process::geteuid().as_raw();
