@@ -198,7 +198,6 @@ impl RunningBroker {
             hub,
             router,
             sharing,
-            upstream: sessions.main.upstream.clone(),
             sessions,
             dispatcher,
             handshakes: Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES)),

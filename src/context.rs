@@ -35,8 +35,6 @@ pub struct Ctx {
     pub sessions: Arc<Sessions>,
     /// The one path every request takes upstream.
     pub dispatcher: Arc<Dispatcher>,
-    /// The main session's transport (its phase, its `hello-ok`, reloads).
-    pub upstream: Upstream,
     /// Local WebSocket clients still before their `connect` is answered; a
     /// client over [`MAX_HANDSHAKES`] is closed `1013` at once.
     pub handshakes: Arc<tokio::sync::Semaphore>,
@@ -48,4 +46,11 @@ pub struct Ctx {
     pub cancel: CancellationToken,
     /// Every connection and session task, so shutdown can wait for them.
     pub tracker: TaskTracker,
+}
+
+impl Ctx {
+    /// The main session's transport (its phase, its `hello-ok`, reloads).
+    pub fn upstream(&self) -> &Upstream {
+        &self.sessions.main.upstream
+    }
 }

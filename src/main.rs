@@ -549,7 +549,7 @@ async fn reload_on_sighup(
         match args.resolve(limits) {
             Ok(resolved) => {
                 let target = clawmux::upstream::Target::from_settings(&resolved.settings);
-                let changed = ctx.upstream.retarget(target);
+                let changed = ctx.upstream().retarget(target);
                 tracing::info!(changed, "settings reloaded");
             }
             Err(e) => {

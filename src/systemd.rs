@@ -213,7 +213,7 @@ impl Notifier {
     /// gateway session may still be opening), then keeps `STATUS=` current
     /// and feeds the watchdog every `WATCHDOG_USEC / 2` when one is set.
     pub fn start(ctx: &Arc<Ctx>) -> Notifier {
-        let status = status_line(&ctx.upstream.status(), ctx.hub.client_count());
+        let status = status_line(&ctx.upstream().status(), ctx.hub.client_count());
         notify(&[NotifyState::Ready, NotifyState::Status(&status)]);
         let watchdog = sd_notify::watchdog_enabled();
         if let Some(timeout) = watchdog {
@@ -246,7 +246,7 @@ async fn keep_informed(
     watchdog: Option<Duration>,
     mut last_status: String,
 ) {
-    let mut upstream = ctx.upstream.subscribe();
+    let mut upstream = ctx.upstream().subscribe();
     let mut clients = ctx.hub.watch_client_count();
     let mut upstream_open = true;
     let mut clients_open = true;
@@ -264,7 +264,7 @@ async fn keep_informed(
                 // Touch the client registry and the upstream status on the way:
                 // if either were deadlocked this task would hang here, the pings
                 // would stop, and systemd would restart the service.
-                let _ = (ctx.hub.client_count(), ctx.upstream.phase());
+                let _ = (ctx.hub.client_count(), ctx.upstream().phase());
                 notify(&[NotifyState::Watchdog]);
             }
             changed = upstream.changed(), if upstream_open => {

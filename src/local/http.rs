@@ -87,7 +87,7 @@ pub async fn route(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<Bod
 /// gateway session is `ready`; `upstream` says the phase and `lastError` why
 /// it is not. `lostScopes` is always an array (empty before any session).
 fn health(ctx: &Ctx) -> Response<Body> {
-    let status = ctx.upstream.status();
+    let status = ctx.upstream().status();
     let lost: &[String] = status.hello.as_ref().map_or(&[], |h| &h.lost_scopes);
     json_response(
         StatusCode::OK,
@@ -107,7 +107,7 @@ fn health(ctx: &Ctx) -> Response<Body> {
 /// now (`studio.upstream_closed` + `retryAfterMs` while it connects, the
 /// rejection while rejected) and `upstream` naming the phase, as on `/healthz`.
 fn ready(ctx: &Ctx) -> Response<Body> {
-    let status = ctx.upstream.status();
+    let status = ctx.upstream().status();
     if status.phase == crate::upstream::Phase::Ready {
         return json_response(StatusCode::OK, json!({"ok": true, "upstream": "ready"}));
     }

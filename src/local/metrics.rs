@@ -150,7 +150,7 @@ pub fn render(ctx: &Ctx) -> String {
     for (reason, n) in ctx.dedicated.outcomes.ends() {
         out.sample("clawmux_dedicated_ends_total", &[("reason", reason)], n);
     }
-    let status = ctx.upstream.status();
+    let status = ctx.upstream().status();
     out.family(
         "clawmux_upstream_phase",
         "gauge",

@@ -8,7 +8,6 @@ pub mod http;
 pub mod hud;
 pub mod metrics;
 pub mod preconnect;
-pub mod rate;
 pub mod respond;
 pub mod rpc;
 pub mod socket;

@@ -74,7 +74,7 @@ pub use crate::protocol::SCOPES_HEADER;
 pub(crate) fn http_access(req: &Request<Incoming>, ctx: &Ctx) -> crate::policy::Access {
     use crate::policy::{Access, Grant};
     let socket = socket_policy(req, ctx);
-    let session = ctx.upstream.status().hello.map_or_else(
+    let session = ctx.upstream().status().hello.map_or_else(
         || Grant::new(crate::policy::scopes::REQUESTED_SCOPES),
         |h| Grant::new(&h.scopes),
     );

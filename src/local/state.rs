@@ -39,7 +39,7 @@ pub fn document(ctx: &Ctx) -> Value {
 pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
     let full = socket.is_main();
     let (snapshot, window) = ctx.hub.snapshot_with_window();
-    let status = ctx.upstream.status();
+    let status = ctx.upstream().status();
     let hello = status.hello.as_deref();
     let all = ctx.hub.clients();
     let clients: Vec<Value> = all
@@ -109,7 +109,7 @@ pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
         },
         "upstream": {
             "phase": status.phase.as_str(),
-            "url": crate::config::redact_url(&ctx.upstream.target_url()),
+            "url": crate::config::redact_url(&ctx.upstream().target_url()),
             "session": status.generation,
             "server_version": hello.map(|h| h.server_version.as_str()),
             "protocol": hello.map(|h| h.protocol),

@@ -34,7 +34,7 @@ pub fn observer_refusal(access: &Access, tap: bool, all_tool_events: bool) -> Op
 /// the upstream `hello-ok` payload (held without the device token, and
 /// redacted again here), `null` while there is no gateway session.
 pub fn hello_record(ctx: &Ctx) -> String {
-    let status = ctx.upstream.status();
+    let status = ctx.upstream().status();
     let hello = status.hello.as_deref();
     let mut payload = hello.map(|h| h.payload.clone());
     if let Some(p) = payload.as_mut() {

@@ -16,13 +16,13 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 
 use super::preconnect::{Limited, PreconnectBudget, OVER_BUDGET};
-use super::rate::TokenBucket;
 use crate::context::Ctx;
 use crate::dispatch::{Member, Registration};
 use crate::hub::{Client, Outgoing};
 use crate::policy::{Access, Grant, SocketPolicy};
 use crate::protocol::frames::{encode_res_error, encode_res_ok, ClientFrameError};
 use crate::protocol::{now_ms, ClientFrame, ConnectRequest, ErrorShape, EventHead, StudioCode};
+use crate::rate::TokenBucket;
 use crate::upstream::UpstreamHello;
 
 /// A local WebSocket, its reads limited until `connect` ([`super::preconnect`]).
@@ -147,7 +147,7 @@ pub async fn run(
             // The gateway's own challenge fields (e.g. `capabilities`) as of
             // the last session, with this client's own nonce and time.
             let mut payload = ctx
-                .upstream
+                .upstream()
                 .status()
                 .hello
                 .map(|h| h.challenge_extra.clone())
@@ -241,7 +241,7 @@ async fn handshake(
         .set(declared_identity(&req.params, peer_pid));
     let deadline = crate::router::deadline_after(limits.connect_wait);
     let hello = match ctx
-        .upstream
+        .upstream()
         .wait_ready_with_auth(deadline, params.auth.as_ref())
         .await
     {
@@ -392,7 +392,7 @@ async fn serve_requests(
 ) {
     let limits = &ctx.settings.limits;
     let member: &Arc<Member> = registration.member();
-    let mut upstream = ctx.upstream.subscribe();
+    let mut upstream = ctx.upstream().subscribe();
     let admitted_on = upstream.borrow_and_update().generation;
     let mirror = restarts == Restarts::Mirror;
     let client = member.client();

@@ -409,7 +409,7 @@ async fn metrics_are_valid_prometheus_text_with_the_promised_series() {
     }
     h.gw.drop_all();
     eventually("reconnected", || {
-        h.broker.ctx().upstream.status().reconnects == 1
+        h.broker.ctx().upstream().status().reconnects == 1
     })
     .await;
     let (_, _, text) = request_text(&h.socket(), "GET", "/metrics", b"").await;

@@ -228,7 +228,7 @@ async fn a_lost_narrower_session_fails_its_requests_and_reconnects() {
     // The main session was not touched.
     let (mut admin, _) = h.connected().await;
     assert_eq!(admin.request("health", json!({})).await["ok"], true);
-    assert_eq!(h.broker.ctx().upstream.status().generation, 1);
+    assert_eq!(h.broker.ctx().upstream().status().generation, 1);
 }
 
 /// A narrower session the gateway refuses backs off like the main session

@@ -304,17 +304,16 @@ async fn chat_abort_of_another_clients_run_is_forbidden_unless_admin() {
     assert_eq!(own["ok"], true, "{own}");
 }
 
-/// `sessions.abort` and `sessions.steer` stop or redirect a run just as
-/// `chat.abort` does: the same ownership rule, by run id or session-wide.
-#[tokio::test]
-async fn every_abort_like_method_checks_run_ownership() {
+/// A broker whose gateway double plays runs slowly (a run stays live), and
+/// a read+write client that has started one in `main`: the client and the
+/// run's id.
+async fn a_live_run() -> (Harness, WsClient, String) {
     let cfg = MockConfig {
         run_step_delay: Duration::from_secs(30),
         ..mock_config()
     };
     let h = start_with(cfg, |_| {}).await;
     let (mut owner, _) = h.connected_as(&READ_WRITE).await;
-    let (mut other, _) = h.connected_as(&READ_WRITE).await;
     let key = uuid::Uuid::new_v4().to_string();
     owner
         .request(
@@ -322,6 +321,15 @@ async fn every_abort_like_method_checks_run_ownership() {
             json!({"sessionKey": "main", "message": "long", "idempotencyKey": key}),
         )
         .await;
+    (h, owner, key)
+}
+
+/// `sessions.abort` and `sessions.steer` stop or redirect a run just as
+/// `chat.abort` does: the same ownership rule, by run id or session-wide.
+#[tokio::test]
+async fn every_abort_like_method_checks_run_ownership() {
+    let (h, mut owner, key) = a_live_run().await;
+    let (mut other, _) = h.connected_as(&READ_WRITE).await;
     for (method, params) in [
         ("sessions.abort", json!({"key": "main"})),
         (
@@ -352,24 +360,12 @@ async fn every_abort_like_method_checks_run_ownership() {
 /// ownership survives it (a restart forgets them, as the gateway does).
 #[tokio::test]
 async fn run_ownership_survives_a_reconnect_but_not_a_restart() {
-    let cfg = MockConfig {
-        run_step_delay: Duration::from_secs(30),
-        ..mock_config()
-    };
-    let h = start_with(cfg, |_| {}).await;
-    let (mut owner, _) = h.connected_as(&READ_WRITE).await;
-    let key = uuid::Uuid::new_v4().to_string();
-    owner
-        .request(
-            "chat.send",
-            json!({"sessionKey": "main", "message": "long", "idempotencyKey": key}),
-        )
-        .await;
+    let (h, _owner, key) = a_live_run().await;
     // The connection drops without a restart (an abnormal close).
     assert!(h.gw.close_connection(0, 1011, "internal error"));
     eventually("the broker reconnects", || {
-        h.broker.ctx().upstream.status().generation == 2
-            && h.broker.ctx().upstream.ready_generation().is_some()
+        h.broker.ctx().upstream().status().generation == 2
+            && h.broker.ctx().upstream().ready_generation().is_some()
     })
     .await;
     let (mut other, _) = h.connected_as(&READ_WRITE).await;
@@ -381,8 +377,8 @@ async fn run_ownership_survives_a_reconnect_but_not_a_restart() {
     let conn = h.gw.total_connections() as u64 - 1;
     assert!(h.gw.close_connection(conn, 1012, "service restart"));
     eventually("the broker reconnects again", || {
-        h.broker.ctx().upstream.status().generation == 3
-            && h.broker.ctx().upstream.ready_generation().is_some()
+        h.broker.ctx().upstream().status().generation == 3
+            && h.broker.ctx().upstream().ready_generation().is_some()
     })
     .await;
     assert!(h.broker.ctx().sharing.runs.is_empty());

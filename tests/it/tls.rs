@@ -228,7 +228,7 @@ async fn a_corrected_pin_is_used_at_once() {
     .await;
     let e = refused_connect(&h.socket()).await;
     assert_eq!(e["details"]["tls"], "pin_mismatch", "{e}");
-    let upstream = &h.broker.ctx().upstream;
+    let upstream = &h.broker.ctx().upstream();
     let mut target = clawmux::upstream::Target::from_settings(&h.broker.ctx().settings);
     target.tls.fingerprint = Some(served.fingerprint.trim_start_matches("sha256:").to_owned());
     assert!(upstream.retarget(target), "a new pin is a change");

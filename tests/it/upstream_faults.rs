@@ -442,7 +442,7 @@ async fn phases_are_reported_on_healthz() {
     assert!(body["deviceId"].is_string(), "{body}");
     let ctx = Arc::clone(h.broker.ctx());
     h.broker.shutdown(PATIENCE).await;
-    assert_eq!(ctx.upstream.phase().as_str(), "stopped");
+    assert_eq!(ctx.upstream().phase().as_str(), "stopped");
 }
 
 /// Frames of [`fill_socket_buffers`].

@@ -16,7 +16,7 @@
 //!   clients do for up to 750 ms — once the client has stayed open and
 //!   silent for [`CHALLENGE_WAIT`]. A client that leaves sooner costs the
 //!   gateway nothing. Every open takes a token from the per-peer and total
-//!   rates of `[limits] upstream_open_*` ([`crate::local::rate::OpenLimiter`],
+//!   rates of `[limits] upstream_open_*` ([`crate::rate::OpenLimiter`],
 //!   keyed by the peer's uid); over either, the `connect` is answered
 //!   `studio.too_many_requests` with `retryAfterMs` and nothing is opened;
 //! - the client's first frame must be a `req` `connect` with a string id
@@ -65,10 +65,10 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use super::preconnect::{PreconnectBudget, OVER_BUDGET};
 use super::ws::Ws;
 use crate::context::Ctx;
-use crate::local::rate::Exceeded;
 use crate::policy::{MethodFilter, SocketPolicy};
 use crate::protocol::frames::encode_res_error;
 use crate::protocol::{ConnectRequest, ErrorShape, StudioCode, UpstreamFrame};
+use crate::rate::Exceeded;
 use crate::upstream::{
     closed_before_answer, handshake_timed_out, open_failed, open_socket, GatewaySocket,
 };
@@ -298,7 +298,7 @@ impl Conn {
     async fn handshake(&mut self) -> Option<(GatewaySocket, String)> {
         let ctx = Arc::clone(&self.ctx);
         let limits = &ctx.settings.limits;
-        let target = ctx.upstream.target();
+        let target = ctx.upstream().target();
         let opts = ctx.settings.upstream.clone();
         let url = target.url.trim().to_owned();
         let open = || {
@@ -579,7 +579,7 @@ impl Conn {
         let handshake_timeout = self.ctx.settings.upstream.handshake_timeout;
         let write_timeout = self.ctx.settings.upstream.write_timeout;
         let slow_grace = self.ctx.settings.limits.slow_grace;
-        let url = self.ctx.upstream.target_url();
+        let url = self.ctx.upstream().target_url();
         let Conn {
             local_tx,
             local_rx,

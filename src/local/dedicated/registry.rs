@@ -9,7 +9,7 @@ use std::time::Instant;
 use serde_json::{json, Value};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::local::rate::OpenLimiter;
+use crate::rate::OpenLimiter;
 
 /// The open dedicated connections: the cap, what `/v1/state` lists, and
 /// the counters `/metrics` shows.
