@@ -267,9 +267,10 @@ pub(super) fn rejection(error: Value) -> AttemptError {
         .pointer("/details/code")
         .and_then(Value::as_str)
         .unwrap_or("");
-    // What to do comes first, short: clients such as Claw3D show the
-    // message in a close reason, which the WebSocket spec cuts at 123 bytes
-    // ("connect failed: <code> " takes 41 of them).
+    // What to do and the gateway's own words come first, short: clients
+    // such as Claw3D show the message in a close reason, which the
+    // WebSocket spec cuts at 123 bytes ("connect failed: <code> " takes 41
+    // of them).
     let first = match detail_code {
         "AUTH_DEVICE_TOKEN_MISMATCH" => "set clawmux's gateway token (--token-file)",
         c if c.starts_with("AUTH_") => "check clawmux's gateway token",
@@ -324,7 +325,7 @@ pub(super) fn rejection(error: Value) -> AttemptError {
         error: ErrorShape::studio(
             StudioCode::UpstreamRejected,
             format!(
-                "{first}: the gateway refused the broker's connect: {message}{hint}{next_step}"
+                "{first}: {message}; the gateway refused the broker's connect{hint}{next_step}"
             ),
         )
         .with_details(error.clone()),
@@ -463,6 +464,10 @@ mod tests {
         let reason = format!("connect failed: {} {}", e.error.code, e.error.message);
         let cut = &reason[..123];
         assert!(cut.contains("check clawmux's gateway token"), "{cut}");
+        assert!(
+            cut.contains("unauthorized: gateway token mismatch"),
+            "the gateway's own words survive the cut: {cut}"
+        );
         let e = rejection(
             json!({"code":"UNAVAILABLE","message":"gateway starting; retry shortly","retryable":true,"retryAfterMs":500}),
         );
