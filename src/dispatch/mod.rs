@@ -395,17 +395,17 @@ mod tests {
     use std::time::Duration;
 
     use serde_json::Value;
-    use tokio::sync::{mpsc, watch};
+    use tokio::sync::watch;
 
     use super::*;
     use crate::config::Settings;
     use crate::hub::{Client, QueueLimits};
-    use crate::upstream::{Outbound, Status};
+    use crate::upstream::Status;
 
     struct Fixture {
         dispatcher: Arc<Dispatcher>,
         router: Arc<Router>,
-        queue: mpsc::Receiver<Outbound>,
+        queue: crate::upstream::FakeQueue,
         _status: watch::Sender<Status>,
     }
 

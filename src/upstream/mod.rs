@@ -25,6 +25,7 @@
 
 mod connector;
 mod handshake;
+mod outlet;
 
 pub(crate) use handshake::warn_lost_scopes;
 pub(crate) use handshake::{closed_before_answer, handshake_timed_out, open_failed};
@@ -416,7 +417,7 @@ impl SessionSpec {
 pub struct ConnectorSeed {
     nudge: Arc<tokio::sync::Notify>,
     status: watch::Sender<Status>,
-    rx: mpsc::Receiver<Outbound>,
+    outlet: Arc<outlet::Outlet>,
     target: watch::Receiver<Target>,
     offers: mpsc::Receiver<ClientCredential>,
     peer_certificate: PeerCertificate,
@@ -430,15 +431,12 @@ impl ConnectorSeed {
     /// For unit tests of what sits on top of the handle: marks a session of
     /// `generation` ready (no connector runs) and hands out the request queue.
     #[cfg(test)]
-    pub(crate) fn fake_ready(
-        self,
-        generation: u64,
-    ) -> (watch::Sender<Status>, mpsc::Receiver<Outbound>) {
+    pub(crate) fn fake_ready(self, generation: u64) -> (watch::Sender<Status>, FakeQueue) {
         self.status.send_modify(|s| {
             s.phase = Phase::Ready;
             s.generation = generation;
         });
-        (self.status, self.rx)
+        (self.status, FakeQueue(self.outlet))
     }
 
     /// The connector's loop, to be spawned (and tracked) by the caller: it
@@ -460,7 +458,7 @@ impl ConnectorSeed {
             connector::Channels {
                 nudge: self.nudge,
                 status: self.status,
-                rx: self.rx,
+                outlet: self.outlet,
                 target: self.target,
                 offers: self.offers,
                 peer_certificate: self.peer_certificate,
@@ -478,7 +476,7 @@ pub struct Upstream {
     /// (a local client is waiting); rate-limited by the connector.
     nudge: Arc<tokio::sync::Notify>,
     status: watch::Receiver<Status>,
-    tx: mpsc::Sender<Outbound>,
+    outlet: Arc<outlet::Outlet>,
     target: Arc<watch::Sender<Target>>,
     offers: mpsc::Sender<ClientCredential>,
     peer_certificate: PeerCertificate,
@@ -497,7 +495,7 @@ impl Upstream {
         let mut initial = Status::initial();
         initial.generation = generation_base;
         let (status_tx, status_rx) = watch::channel(initial);
-        let (tx, rx) = mpsc::channel(UPSTREAM_QUEUE_FRAMES);
+        let outlet = Arc::new(outlet::Outlet::new(UPSTREAM_QUEUE_FRAMES));
         let (target_tx, target_rx) = watch::channel(target);
         let (offer_tx, offer_rx) = mpsc::channel(16);
         let nudge = Arc::new(tokio::sync::Notify::new());
@@ -506,7 +504,7 @@ impl Upstream {
             Upstream {
                 nudge: Arc::clone(&nudge),
                 status: status_rx,
-                tx,
+                outlet: Arc::clone(&outlet),
                 target: Arc::new(target_tx),
                 offers: offer_tx,
                 peer_certificate: Arc::clone(&peer_certificate),
@@ -514,7 +512,7 @@ impl Upstream {
             ConnectorSeed {
                 nudge,
                 status: status_tx,
-                rx,
+                outlet,
                 target: target_rx,
                 offers: offer_rx,
                 peer_certificate,
@@ -745,25 +743,34 @@ impl Upstream {
         }
     }
 
-    /// Queues a request for the session of `generation`, never waiting. A
-    /// full queue is `studio.too_many_requests` (retryable); a request for a
-    /// session that has ended is dropped by the connector (its pending entry
-    /// is failed by whoever ended it).
+    /// Queues a request for the session of `generation`, never waiting, and
+    /// writes it on the caller's thread when the socket is free and has room
+    /// ([`outlet`]). A full queue is `studio.too_many_requests` (retryable); a
+    /// request for a session that has ended is dropped (its pending entry is
+    /// failed by whoever ended it).
     pub fn try_send(&self, generation: u64, text: String) -> Result<(), ErrorShape> {
-        match self.tx.try_send(Outbound { generation, text }) {
+        match self.outlet.push(Outbound { generation, text }) {
             Ok(()) => Ok(()),
-            Err(mpsc::error::TrySendError::Full(_)) => Err(ErrorShape::studio(
+            Err(outlet::Full) => Err(ErrorShape::studio(
                 StudioCode::TooManyRequests,
                 format!(
                     "{UPSTREAM_QUEUE_FRAMES} requests are already waiting to be written to the gateway (it is not reading fast enough); try again shortly"
                 ),
             )
             .with_retry_after_ms(Some(QUEUE_FULL_RETRY_MS))),
-            Err(mpsc::error::TrySendError::Closed(_)) => Err(ErrorShape::studio(
-                StudioCode::UpstreamClosed,
-                "the broker is shutting down",
-            )),
         }
+    }
+}
+
+/// What a test sees of the request queue of a session no connector runs.
+#[cfg(test)]
+pub(crate) struct FakeQueue(Arc<outlet::Outlet>);
+
+#[cfg(test)]
+impl FakeQueue {
+    /// The next request queued, if any.
+    pub fn try_recv(&mut self) -> Result<Outbound, ()> {
+        self.0.pop_queued().ok_or(())
     }
 }
 

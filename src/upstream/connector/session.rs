@@ -1,16 +1,15 @@
 //! One ready upstream session: a reader that hands every frame to the
-//! session's owner, and a separate writer that drains the request queue. A write that
-//! waits (a gateway that stopped reading) cannot stop the reader, the silence
-//! watchdog, a reload or shutdown; a write that makes no progress for
-//! `write_timeout` ends the session.
+//! session's owner, and the writer that finishes what requesters could not
+//! write at once ([`crate::upstream::outlet`]). A write that waits (a gateway
+//! that stopped reading) cannot stop the reader, the silence watchdog, a
+//! reload or shutdown; a write that makes no progress for `write_timeout`
+//! ends the session.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::stream::SplitSink;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::Value;
-use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
@@ -18,7 +17,8 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use super::{Connector, EarlyEvents, SessionEnd};
 use crate::protocol::{ErrorShape, StudioCode};
 use crate::upstream::handshake::Ws;
-use crate::upstream::{Outbound, Phase, SessionEnded, UpstreamHello};
+use crate::upstream::outlet::WriterEnd;
+use crate::upstream::{Phase, SessionEnded, UpstreamHello};
 
 /// The gateway's `tickIntervalMs` when it sends none, or 0 (which would
 /// make the watchdog end every session after a millisecond of silence).
@@ -45,56 +45,9 @@ fn silence_limit(hello: &UpstreamHello) -> Duration {
     tick * 2
 }
 
-/// Requests written per flush at most.
-const WRITE_BATCH: usize = 64;
-
 /// How long the broker waits to deliver its own close frame to the gateway
 /// when it ends a session (the socket may be the very thing that is stuck).
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// Why the writer stopped.
-enum WriterEnd {
-    /// The request queue closed: the broker is stopping.
-    QueueClosed,
-    /// A write did not complete within `write_timeout`.
-    Stalled(Duration),
-    Failed(WsError),
-}
-
-/// Drains the request queue into the socket, dropping requests meant for
-/// another session generation.
-async fn write_loop(
-    sink: &mut SplitSink<Ws, Message>,
-    rx: &mut mpsc::Receiver<Outbound>,
-    generation: u64,
-    write_timeout: Duration,
-) -> WriterEnd {
-    let mut batch = Vec::with_capacity(WRITE_BATCH);
-    loop {
-        let Some(first) = rx.recv().await else {
-            return WriterEnd::QueueClosed;
-        };
-        batch.clear();
-        batch.push(first);
-        while batch.len() < WRITE_BATCH {
-            match rx.try_recv() {
-                Ok(out) => batch.push(out),
-                Err(_) => break,
-            }
-        }
-        let write = async {
-            for out in batch.drain(..).filter(|o| o.generation == generation) {
-                sink.feed(Message::text(out.text)).await?;
-            }
-            sink.flush().await
-        };
-        match tokio::time::timeout(write_timeout, write).await {
-            Err(_) => return WriterEnd::Stalled(write_timeout),
-            Ok(Err(e)) => return WriterEnd::Failed(e),
-            Ok(Ok(())) => {}
-        }
-    }
-}
 
 impl Connector {
     pub(super) async fn run_session(
@@ -133,11 +86,9 @@ impl Connector {
             tracing::warn!(session = %self.spec.label, "the gateway sent more events before hello-ok than the broker keeps");
             self.owner.early_events_lost(generation);
         }
-        let (mut sink, mut stream) = ws.split();
-        let mut rx = self
-            .rx
-            .take()
-            .expect("the request queue is back between sessions");
+        let (sink, mut stream) = ws.split();
+        let outlet = Arc::clone(&self.outlet);
+        outlet.install(sink, generation);
         let mut last_rx = Instant::now();
         let end_reason: String;
         let mut cancelled = false;
@@ -145,7 +96,7 @@ impl Connector {
         let mut close: Option<CloseFrame> = None;
         let mut gateway_close: Option<(u16, String)> = None;
         {
-            let writer = write_loop(&mut sink, &mut rx, generation, self.opts.write_timeout);
+            let writer = outlet.writer(self.opts.write_timeout);
             tokio::pin!(writer);
             loop {
                 let watchdog = tokio::time::sleep_until((last_rx + silence_limit).into());
@@ -184,10 +135,6 @@ impl Connector {
                     }
                     end = &mut writer => {
                         match end {
-                            WriterEnd::QueueClosed => {
-                                end_reason = "broker stopping".into();
-                                cancelled = true;
-                            }
                             WriterEnd::Stalled(after) => {
                                 end_reason = format!("a write to the gateway made no progress for {} ms (it is not reading)", after.as_millis());
                                 close = Some(CloseFrame { code: CloseCode::Away, reason: "write timeout".into() });
@@ -218,8 +165,8 @@ impl Connector {
                 }
             }
         }
-        self.rx = Some(rx);
-        if let Some(frame) = close {
+        let sink = outlet.uninstall().await;
+        if let (Some(frame), Some(mut sink)) = (close, sink) {
             // Bounded: the socket may be the very thing that is stuck.
             let _ =
                 tokio::time::timeout(CLOSE_TIMEOUT, sink.send(Message::Close(Some(frame)))).await;
