@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tokio::sync::Notify;
+use futures_util::task::AtomicWaker;
 
 use crate::protocol::EventHead;
 
@@ -289,7 +289,8 @@ pub struct Client {
     limits: QueueLimits,
     budget: Arc<QueueBudget>,
     queue: Mutex<Queue>,
-    wake: Notify,
+    /// The writer's task, woken when the queue gets its first item.
+    wake: AtomicWaker,
     /// Bytes the socket under the writer accepted, when the session counts
     /// them ([`Client::count_written`]): progress within one large frame, so
     /// a reader slowly taking a 25 MiB frame is not judged stalled.
@@ -324,7 +325,7 @@ impl Client {
                 next_seq: 1,
                 ..Queue::default()
             }),
-            wake: Notify::new(),
+            wake: AtomicWaker::new(),
             written: std::sync::OnceLock::new(),
         }
     }
@@ -428,7 +429,7 @@ impl Client {
         // pending. Waking per push cost a fifth of the broker's fan-out time
         // (measured by the benchmark).
         if was_empty {
-            self.wake.notify_one();
+            self.wake.wake();
         }
         Pushed::Queued
     }
@@ -449,7 +450,7 @@ impl Client {
         q.items.push_back(Outgoing::Frame(frame));
         self.recount_slots(&mut q);
         drop(q);
-        self.wake.notify_one();
+        self.wake.wake();
         true
     }
 
@@ -463,7 +464,7 @@ impl Client {
         q.items.push_back(Outgoing::Close(code, reason.to_owned()));
         self.recount_slots(&mut q);
         drop(q);
-        self.wake.notify_one();
+        self.wake.wake();
     }
 
     /// Closes now as a slow consumer, discarding what is queued.
@@ -490,7 +491,7 @@ impl Client {
         self.recount_slots(q);
         tracing::warn!(client_id = self.id, "closing slow consumer");
         self.killed.cancel();
-        self.wake.notify_one();
+        self.wake.wake();
     }
 
     /// Uncounts an item leaving the queue. Events uncount themselves when
@@ -583,32 +584,46 @@ impl Client {
     /// the writer's promise that the previous batch was written and flushed:
     /// that is the client's progress.
     pub async fn next_batch(&self) -> Vec<Outgoing> {
-        loop {
-            {
-                let mut q = self.lock();
-                if !q.items.is_empty() {
-                    let mut taken = 0;
-                    let mut n = 0;
-                    for item in &q.items {
-                        if n > 0 && taken + item.cost() > MAX_BATCH_BYTES {
-                            break;
-                        }
-                        taken += item.cost();
-                        self.release(item);
-                        n += 1;
-                    }
-                    q.bytes -= taken;
-                    q.batches_taken += 1;
-                    let batch = q.items.drain(..n).collect();
-                    if q.items.is_empty() && q.items.capacity() > SHRINK_ABOVE_ENTRIES {
-                        q.items = VecDeque::new();
-                        self.recount_slots(&mut q);
-                    }
-                    return batch;
-                }
-            }
-            self.wake.notified().await;
+        std::future::poll_fn(|cx| self.poll_next_batch(cx)).await
+    }
+
+    /// [`Client::next_batch`] for a writer driven by hand; one writer per
+    /// client (the queue wakes one task).
+    pub fn poll_next_batch(
+        &self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Vec<Outgoing>> {
+        // Registered before looking, so a push after the look wakes it.
+        self.wake.register(cx.waker());
+        let mut q = self.lock();
+        if q.items.is_empty() {
+            return std::task::Poll::Pending;
         }
+        let mut taken = 0;
+        let mut n = 0;
+        for item in &q.items {
+            if n > 0 && taken + item.cost() > MAX_BATCH_BYTES {
+                break;
+            }
+            taken += item.cost();
+            self.release(item);
+            n += 1;
+        }
+        q.bytes -= taken;
+        q.batches_taken += 1;
+        let batch = q.items.drain(..n).collect();
+        if q.items.is_empty() && q.items.capacity() > SHRINK_ABOVE_ENTRIES {
+            q.items = VecDeque::new();
+            self.recount_slots(&mut q);
+        }
+        std::task::Poll::Ready(batch)
+    }
+
+    /// Whether the client was closed as a slow consumer; if not, the
+    /// calling task is woken when it is (a writer waiting on its socket).
+    pub fn poll_killed(&self, cx: &mut std::task::Context<'_>) -> bool {
+        self.wake.register(cx.waker());
+        self.killed.is_cancelled()
     }
 }
 

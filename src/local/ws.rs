@@ -5,6 +5,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
+use std::task::{ready, Context, Poll};
+
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use hyper::upgrade::Upgraded;
@@ -46,29 +48,72 @@ enum Incoming {
     Closed,
 }
 
-async fn next_incoming(stream: &mut SplitStream<Ws>) -> Incoming {
+/// What the client's socket did next.
+enum Step {
+    Read(Incoming),
+    /// The writer ended (see [`Conn::writer_end`]).
+    WriterEnded,
+}
+
+/// One client's socket, read and written by the client's own task. A
+/// request read is forwarded, and an answer queued is written, by the task
+/// that polled them: there is no second task to wake. (tokio-tungstenite
+/// also wakes the writing task whenever the socket turns readable; with a
+/// writer task of its own, every request made two tasks runnable, and the
+/// runtime woke its other worker for the second: the largest cost of a
+/// request in the benchmark's profile.)
+struct Conn {
+    stream: SplitStream<Ws>,
+    writer: Writer,
+    client: Arc<Client>,
+}
+
+impl Conn {
+    /// The next frame from the client, writing what its queue holds meanwhile.
+    async fn next(&mut self) -> Step {
+        std::future::poll_fn(|cx| {
+            if self.writer.poll_drive(cx, &self.client).is_ready() {
+                return Poll::Ready(Step::WriterEnded);
+            }
+            poll_incoming(&mut self.stream, cx).map(Step::Read)
+        })
+        .await
+    }
+
+    /// Writes what is queued (a close frame last) until the writer ends.
+    async fn finish_writing(&mut self) {
+        std::future::poll_fn(|cx| self.writer.poll_drive(cx, &self.client)).await;
+    }
+
+    fn writer_end(&self) -> Option<WriterEnd> {
+        self.writer.ended
+    }
+}
+
+fn poll_incoming(stream: &mut SplitStream<Ws>, cx: &mut Context<'_>) -> Poll<Incoming> {
     loop {
-        match stream.next().await {
-            Some(Ok(Message::Text(t))) => return Incoming::Text(t),
+        let incoming = match ready!(stream.poll_next_unpin(cx)) {
+            Some(Ok(Message::Text(t))) => Incoming::Text(t),
             Some(Ok(Message::Binary(b))) => match Utf8Bytes::try_from(b) {
-                Ok(t) => return Incoming::Text(t),
+                Ok(t) => Incoming::Text(t),
                 // Not text: treated like unparseable JSON.
-                Err(_) => return Incoming::Text(Utf8Bytes::from_static("\u{0}")),
+                Err(_) => Incoming::Text(Utf8Bytes::from_static("\u{0}")),
             },
-            Some(Ok(Message::Close(_))) | None => return Incoming::Closed,
-            Some(Ok(_)) => {}
-            Some(Err(WsError::Capacity(_))) => return Incoming::TooLarge,
-            Some(Err(WsError::Io(e))) if e.to_string() == OVER_BUDGET => return Incoming::TooLarge,
-            Some(Err(WsError::Utf8(_))) => return Incoming::Invalid(1007, "invalid utf-8"),
+            Some(Ok(Message::Close(_))) | None => Incoming::Closed,
+            Some(Ok(_)) => continue,
+            Some(Err(WsError::Capacity(_))) => Incoming::TooLarge,
+            Some(Err(WsError::Io(e))) if e.to_string() == OVER_BUDGET => Incoming::TooLarge,
+            Some(Err(WsError::Utf8(_))) => Incoming::Invalid(1007, "invalid utf-8"),
             Some(Err(WsError::Protocol(e))) => {
                 tracing::debug!("local client broke the WebSocket protocol: {e}");
-                return Incoming::Invalid(1002, "protocol error");
+                Incoming::Invalid(1002, "protocol error")
             }
             Some(Err(e)) => {
                 tracing::debug!("local client read error: {e}");
-                return Incoming::Closed;
+                Incoming::Closed
             }
-        }
+        };
+        return Poll::Ready(incoming);
     }
 }
 
@@ -125,11 +170,15 @@ pub async fn run(
     peer_pid: Option<u32>,
     ctx: Arc<Ctx>,
 ) {
-    let (sink, mut stream) = ws.split();
+    let (sink, stream) = ws.split();
     let registration = ctx.dispatcher.register(ctx.hub.new_client());
     let client = Arc::clone(registration.client());
     client.count_written(budget.written());
-    let mut writer = tokio::spawn(write_loop(sink, Arc::clone(&client)));
+    let mut conn = Conn {
+        stream,
+        writer: Writer::new(sink),
+        client: Arc::clone(&client),
+    };
     let client_id = client.id;
     tracing::debug!(client_id, "local client opened");
 
@@ -157,7 +206,7 @@ pub async fn run(
             let challenge = EventHead::from_value("connect.challenge", &Value::Object(payload));
             client.push_frame(challenge.without_seq());
             tokio::select! {
-                admitted = handshake(&mut stream, &client, &socket, peer_pid, &ctx) => admitted,
+                admitted = handshake(&mut conn, &socket, peer_pid, &ctx) => admitted,
                 _ = ctx.cancel.cancelled() => {
                     client.close(1001, "going away");
                     false
@@ -168,7 +217,7 @@ pub async fn run(
     if admitted {
         budget.lift();
         tracing::info!(client_id, conn_id = %client.conn_id, "local client connected");
-        serve_requests(&mut stream, &registration, &ctx, &mut writer, restarts).await;
+        serve_requests(&mut conn, &registration, &ctx, restarts).await;
     }
     // Answer a peer's close (tungstenite only writes the reply on the next
     // write or flush) so the client sees a clean close; a no-op when the
@@ -177,42 +226,41 @@ pub async fn run(
     // Everything the client held goes with its registration, at once.
     drop(registration);
     // Let the writer deliver what is queued (the close frame included), but
-    // never wait on a client that does not read. (A writer that already
-    // ended was awaited by `serve_requests`; it must not be polled again.)
-    if !writer.is_finished()
-        && tokio::time::timeout(CLOSE_LINGER, &mut writer)
-            .await
-            .is_err()
-    {
-        writer.abort();
+    // never wait on a client that does not read.
+    if conn.writer_end().is_none() {
+        let _ = tokio::time::timeout(CLOSE_LINGER, conn.finish_writing()).await;
+    }
+    if conn.writer_end() == Some(WriterEnd::Killed) {
+        conn.writer.send_slow_consumer_close().await;
     }
     tracing::info!(client_id, "local client disconnected");
 }
 
 /// Connect enforcement (design §2). Returns true once the client is admitted.
 async fn handshake(
-    stream: &mut SplitStream<Ws>,
-    client: &Arc<Client>,
+    conn: &mut Conn,
     socket: &Arc<SocketPolicy>,
     peer_pid: Option<u32>,
     ctx: &Arc<Ctx>,
 ) -> bool {
     let limits = &ctx.settings.limits;
-    let first = match tokio::time::timeout(limits.connect_timeout, next_incoming(stream)).await {
+    let client = &Arc::clone(&conn.client);
+    let first = match tokio::time::timeout(limits.connect_timeout, conn.next()).await {
         Err(_) => {
             client.close(1008, "connect timeout");
             return false;
         }
-        Ok(Incoming::Closed) => return false,
-        Ok(Incoming::TooLarge) => {
+        Ok(Step::WriterEnded) => return false,
+        Ok(Step::Read(Incoming::Closed)) => return false,
+        Ok(Step::Read(Incoming::TooLarge)) => {
             client.close(1009, "frame too large");
             return false;
         }
-        Ok(Incoming::Invalid(code, reason)) => {
+        Ok(Step::Read(Incoming::Invalid(code, reason))) => {
             client.close(code, reason);
             return false;
         }
-        Ok(Incoming::Text(t)) => t,
+        Ok(Step::Read(Incoming::Text(t))) => t,
     };
     if first.len() > limits.preconnect_max_bytes {
         client.close(1009, "frame too large");
@@ -252,10 +300,11 @@ async fn handshake(
             // Claw3D's client closes first after a failed connect answer
             // (4008 "connect failed: CODE MESSAGE") and shows that close to the
             // user: give it the moment it needs, then close ourselves.
-            if let Ok(Incoming::Closed) =
-                tokio::time::timeout(CONNECT_FAILED_LINGER, next_incoming(stream)).await
-            {
-                return false;
+            match tokio::time::timeout(CONNECT_FAILED_LINGER, conn.next()).await {
+                Ok(Step::Read(Incoming::Closed)) => return false,
+                // The answer could not be written: the client will not see a close either.
+                Ok(Step::WriterEnded) => return false,
+                _ => {}
             }
             client.close(1011, "connect failed");
             return false;
@@ -384,10 +433,9 @@ fn synthesize_hello(
 /// Serves requests after the handshake until the client leaves, the broker
 /// stops, or the writer ends (slow consumer, write error).
 async fn serve_requests(
-    stream: &mut SplitStream<Ws>,
+    conn: &mut Conn,
     registration: &Registration,
     ctx: &Arc<Ctx>,
-    writer: &mut tokio::task::JoinHandle<()>,
     restarts: Restarts,
 ) {
     let limits = &ctx.settings.limits;
@@ -399,12 +447,14 @@ async fn serve_requests(
     let mut bucket = TokenBucket::new(limits.request_rate, limits.request_burst);
     loop {
         let incoming = tokio::select! {
-            i = next_incoming(stream) => i,
+            step = conn.next() => match step {
+                Step::Read(i) => i,
+                Step::WriterEnded => return,
+            },
             _ = ctx.cancel.cancelled() => {
                 client.close(1001, "going away");
                 return;
             }
-            _ = &mut *writer => return,
             changed = upstream.changed(), if mirror => {
                 let (ended, close) = {
                     let s = upstream.borrow_and_update();
@@ -488,77 +538,164 @@ fn truncate_reason(reason: &str) -> &str {
     &reason[..end]
 }
 
-/// Drains the client's queue into the socket, several frames per flush.
-async fn write_loop(mut sink: SplitSink<Ws, Message>, client: Arc<Client>) {
-    loop {
-        let batch = tokio::select! {
-            biased;
-            batch = client.next_batch() => batch,
-            _ = client.killed.cancelled() => client.next_batch().await,
-        };
-        // The kill token is watched once per batch, not per frame, and only
-        // once the write has to wait for the socket (polled second): watching
-        // it takes a lock, and most batches are written at once.
-        let written = tokio::select! {
-            biased;
-            written = write_batch(&mut sink, batch) => written,
-            _ = client.killed.cancelled() => return send_slow_consumer_close(sink, &client).await,
-        };
-        match written {
-            BatchWritten::Flushed => {}
-            BatchWritten::Closed => return,
-            BatchWritten::Failed => return send_slow_consumer_close(sink, &client).await,
-        }
-    }
-}
-
-/// How writing one batch ended.
-enum BatchWritten {
-    Flushed,
+/// How the writer ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WriterEnd {
     /// A close frame was written: nothing may follow it.
     Closed,
     /// The socket failed.
     Failed,
+    /// The client was closed as a slow consumer while a write waited.
+    Killed,
 }
 
-async fn write_batch(sink: &mut SplitSink<Ws, Message>, batch: Vec<Outgoing>) -> BatchWritten {
-    for item in batch {
-        let msg = match item {
-            Outgoing::Event(head, seq) => text_message(head.with_seq(seq)),
-            Outgoing::Frame(bytes) => text_message(bytes),
-            Outgoing::Close(code, reason) => {
-                // If the peer closed first, tungstenite has queued the echo of
-                // its close frame (same code, as the gateway answers): a flush
-                // writes it, and our own close is then refused unwritten.
-                let _ = sink.flush().await;
-                let frame = CloseFrame {
-                    code: CloseCode::from(code),
-                    reason: Utf8Bytes::from(truncate_reason(&reason)),
-                };
-                let _ = sink.send(Message::Close(Some(frame))).await;
-                return BatchWritten::Closed;
-            }
-        };
-        if sink.feed(msg).await.is_err() {
-            return BatchWritten::Failed;
+/// The steps of writing a close frame.
+enum CloseStep {
+    /// If the peer closed first, tungstenite has queued the echo of its
+    /// close frame (same code, as the gateway answers): a flush writes it,
+    /// and our own close is then refused unwritten.
+    FlushFirst(CloseFrame),
+    Send(CloseFrame),
+    FlushLast,
+}
+
+/// Drains the client's queue into its socket, several frames per flush,
+/// polled by the client's task beside its reads (no task of its own).
+struct Writer {
+    sink: SplitSink<Ws, Message>,
+    /// The batch being written: what the socket has not been given yet.
+    batch: std::vec::IntoIter<Outgoing>,
+    /// Taken from the batch, not yet accepted by the socket.
+    next: Option<Message>,
+    /// Given to the socket since the last flush.
+    unflushed: bool,
+    close: Option<CloseStep>,
+    ended: Option<WriterEnd>,
+}
+
+impl Writer {
+    fn new(sink: SplitSink<Ws, Message>) -> Self {
+        Writer {
+            sink,
+            batch: Vec::new().into_iter(),
+            next: None,
+            unflushed: false,
+            close: None,
+            ended: None,
         }
     }
-    match sink.flush().await {
-        Ok(()) => BatchWritten::Flushed,
-        Err(_) => BatchWritten::Failed,
-    }
-}
 
-/// After a write was abandoned: if the client was killed as a slow consumer,
-/// queue the close frame behind what the socket already holds, briefly.
-async fn send_slow_consumer_close(mut sink: SplitSink<Ws, Message>, client: &Client) {
-    if client.killed.is_cancelled() {
+    /// Writes until the queue is empty and flushed (`Pending`, woken by the
+    /// next push or by the socket) or the writer ends (`Ready`, once).
+    fn poll_drive(&mut self, cx: &mut Context<'_>, client: &Client) -> Poll<WriterEnd> {
+        if self.ended.is_some() {
+            return Poll::Pending;
+        }
+        let polled = self.poll_write(cx, client);
+        let polled = match polled {
+            // A write waiting on a client that does not read is abandoned
+            // once it is closed as a slow consumer.
+            Poll::Pending if self.mid_batch() && client.poll_killed(cx) => {
+                Poll::Ready(WriterEnd::Killed)
+            }
+            other => other,
+        };
+        if let Poll::Ready(end) = polled {
+            self.ended = Some(end);
+        }
+        polled
+    }
+
+    fn mid_batch(&self) -> bool {
+        self.next.is_some() || self.unflushed || self.batch.len() > 0 || self.close.is_some()
+    }
+
+    fn poll_write(&mut self, cx: &mut Context<'_>, client: &Client) -> Poll<WriterEnd> {
+        loop {
+            if let Some(step) = self.close.take() {
+                match step {
+                    CloseStep::FlushFirst(frame) => {
+                        if self.sink.poll_flush_unpin(cx).is_pending() {
+                            self.close = Some(CloseStep::FlushFirst(frame));
+                            return Poll::Pending;
+                        }
+                        self.close = Some(CloseStep::Send(frame));
+                    }
+                    CloseStep::Send(frame) => match self.sink.poll_ready_unpin(cx) {
+                        Poll::Pending => {
+                            self.close = Some(CloseStep::Send(frame));
+                            return Poll::Pending;
+                        }
+                        Poll::Ready(Err(_)) => return Poll::Ready(WriterEnd::Closed),
+                        Poll::Ready(Ok(())) => {
+                            if self
+                                .sink
+                                .start_send_unpin(Message::Close(Some(frame)))
+                                .is_err()
+                            {
+                                return Poll::Ready(WriterEnd::Closed);
+                            }
+                            self.close = Some(CloseStep::FlushLast);
+                        }
+                    },
+                    CloseStep::FlushLast => {
+                        if self.sink.poll_flush_unpin(cx).is_pending() {
+                            self.close = Some(CloseStep::FlushLast);
+                            return Poll::Pending;
+                        }
+                        return Poll::Ready(WriterEnd::Closed);
+                    }
+                }
+                continue;
+            }
+            if let Some(msg) = self.next.take() {
+                match self.sink.poll_ready_unpin(cx) {
+                    Poll::Pending => {
+                        self.next = Some(msg);
+                        return Poll::Pending;
+                    }
+                    Poll::Ready(Err(_)) => return Poll::Ready(WriterEnd::Failed),
+                    Poll::Ready(Ok(())) => {
+                        if self.sink.start_send_unpin(msg).is_err() {
+                            return Poll::Ready(WriterEnd::Failed);
+                        }
+                        self.unflushed = true;
+                    }
+                }
+                continue;
+            }
+            match self.batch.next() {
+                Some(Outgoing::Event(head, seq)) => {
+                    self.next = Some(text_message(head.with_seq(seq)))
+                }
+                Some(Outgoing::Frame(bytes)) => self.next = Some(text_message(bytes)),
+                Some(Outgoing::Close(code, reason)) => {
+                    self.close = Some(CloseStep::FlushFirst(CloseFrame {
+                        code: CloseCode::from(code),
+                        reason: Utf8Bytes::from(truncate_reason(&reason)),
+                    }));
+                }
+                None if self.unflushed => match ready!(self.sink.poll_flush_unpin(cx)) {
+                    Ok(()) => self.unflushed = false,
+                    Err(_) => return Poll::Ready(WriterEnd::Failed),
+                },
+                // Written and flushed: the next batch (taking it is the
+                // client's progress).
+                None => self.batch = ready!(client.poll_next_batch(cx)).into_iter(),
+            }
+        }
+    }
+
+    /// After a write was abandoned (slow consumer): the close frame queued
+    /// behind what the socket already holds, briefly.
+    async fn send_slow_consumer_close(&mut self) {
         let (code, reason) = crate::hub::client::SLOW_CONSUMER_CLOSE;
         let frame = CloseFrame {
             code: CloseCode::from(code),
             reason: Utf8Bytes::from_static(reason),
         };
-        let _ = tokio::time::timeout(CLOSE_LINGER, sink.send(Message::Close(Some(frame)))).await;
+        let _ =
+            tokio::time::timeout(CLOSE_LINGER, self.sink.send(Message::Close(Some(frame)))).await;
     }
 }
 
