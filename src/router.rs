@@ -242,23 +242,22 @@ impl Router {
         payload: Option<&RawValue>,
         error: Option<&RawValue>,
     ) -> bool {
-        let interim = ok && payload_status(payload).as_deref() == Some("accepted");
-        if interim {
-            // `agent` answers `accepted` first; keep the entry for the final answer.
+        // `agent` answers `accepted` first: its entry stays for the final
+        // answer. Only an `agent` answer's payload is read for that (every
+        // other answer passes untouched, whatever its size).
+        let removed = self.pending.remove_if(upstream_id, |_, p| {
+            !(ok && p.method == "agent" && payload_status(payload).as_deref() == Some("accepted"))
+        });
+        let Some((_, p)) = removed else {
             let Some(mut entry) = self.pending.get_mut(upstream_id) else {
                 return false;
             };
-            if entry.method == "agent" {
-                entry.deadline = deadline_after(self.run_timeout);
-                entry
-                    .member
-                    .client
-                    .push_frame(encode_res(&entry.local_id, ok, payload, error));
-                return true;
-            }
-        }
-        let Some((_, p)) = self.pending.remove(upstream_id) else {
-            return false;
+            entry.deadline = deadline_after(self.run_timeout);
+            entry
+                .member
+                .client
+                .push_frame(encode_res(&entry.local_id, ok, payload, error));
+            return true;
         };
         let p = p.settle(upstream_id, ok);
         let outcome = if ok { Outcome::Ok } else { Outcome::Error };

@@ -125,13 +125,15 @@ fn header_has(req: &Request<Incoming>, name: header::HeaderName, token: &str) ->
         .any(|v| v.trim().eq_ignore_ascii_case(token))
 }
 
-/// The read buffer of a local WebSocket. tungstenite's default (128 KiB) is
-/// zero-filled on the first read, so it is resident for every connected
-/// client, idle or not: with 1,000 clients that is 128 MiB for buffers that
-/// carry small requests. A larger frame still arrives whole (the buffer
-/// grows to the frame's length, up to `max_frame_bytes`); it only takes more
-/// reads. Measured by `cargo bench --bench clawmux` (BENCHMARKS.md).
-const LOCAL_READ_BUFFER_BYTES: usize = 8 * 1024;
+/// The read buffer of a local WebSocket. tungstenite zero-fills it and
+/// keeps it for the connection's life, so it is resident for every
+/// connected client, idle or not (its default, 128 KiB, made 128 MiB for
+/// 1,000 clients). Requests are small: 2 KiB holds one whole in a read, and
+/// keeps an idle client at ~7 KiB in all. A larger frame still arrives
+/// whole (the buffer grows to the frame's length, up to `max_frame_bytes`),
+/// in reads of this size: a 1 MiB request takes 512 reads (~1 ms).
+/// Measured by `cargo bench --bench clawmux` (BENCHMARKS.md).
+const LOCAL_READ_BUFFER_BYTES: usize = 2 * 1024;
 
 /// Bytes a client's WebSocket buffers before writing to the socket (the
 /// library's default is 128 KiB). A client that does not read holds this
@@ -210,11 +212,16 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
                 );
                 let io = super::preconnect::Limited::new(TokioIo::new(upgraded), budget.clone());
                 let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
+                // Boxed: this task lives as long as the client, and its
+                // future is as large as the larger of the two routes (the
+                // dedicated route holds a whole gateway handshake).
                 match route {
                     Route::Shared => {
                         super::ws::run(ws, budget, restarts, socket, peer_pid, ctx).await
                     }
-                    Route::Dedicated => super::dedicated::run(ws, budget, peer_uid, ctx).await,
+                    Route::Dedicated => {
+                        Box::pin(super::dedicated::run(ws, budget, peer_uid, ctx)).await
+                    }
                 }
             }
             Err(e) => tracing::debug!("WebSocket upgrade failed: {e}"),

@@ -206,7 +206,10 @@ pub async fn run(
             let challenge = EventHead::from_value("connect.challenge", &Value::Object(payload));
             client.push_frame(challenge.without_seq());
             tokio::select! {
-                admitted = handshake(&mut conn, &socket, peer_pid, &ctx) => admitted,
+                // Boxed, so what the handshake needs while it runs is
+                // freed once it is done (an idle client keeps only what
+                // serving it takes).
+                admitted = Box::pin(handshake(&mut conn, &socket, peer_pid, &ctx)) => admitted,
                 _ = ctx.cancel.cancelled() => {
                     client.close(1001, "going away");
                     false
