@@ -180,7 +180,7 @@ impl Narrower {
         };
         if hello.scopes.iter().all(|s| grant.scopes().contains(s))
             || stays_on_main(method)
-            || self.factory.main.status().on_client_credential
+            || self.factory.main.on_client_credential()
         {
             return Ok(Choice::Main);
         }

@@ -663,6 +663,12 @@ impl Upstream {
         self.status.borrow().phase
     }
 
+    /// Whether the session runs on a credential a local client supplied
+    /// (read per request: no copy of the whole status).
+    pub fn on_client_credential(&self) -> bool {
+        self.status.borrow().on_client_credential
+    }
+
     /// A local client wants the session: during backoff (not after a
     /// rejection) the connector tries again now, at most every
     /// [`NUDGE_MIN_INTERVAL`], instead of waiting out a long backoff while

@@ -98,8 +98,12 @@ impl Connector {
         {
             let writer = outlet.writer(self.opts.write_timeout);
             tokio::pin!(writer);
+            // One timer for the session, not one per frame: when it fires
+            // it looks at the last frame's time and, if the gateway spoke
+            // since, sleeps again until the new deadline.
+            let watchdog = tokio::time::sleep_until((last_rx + silence_limit).into());
+            tokio::pin!(watchdog);
             loop {
-                let watchdog = tokio::time::sleep_until((last_rx + silence_limit).into());
                 tokio::select! {
                     msg = stream.next() => {
                         last_rx = Instant::now();
@@ -143,7 +147,12 @@ impl Connector {
                         }
                         break;
                     }
-                    _ = watchdog => {
+                    _ = &mut watchdog => {
+                        let deadline = last_rx + silence_limit;
+                        if deadline > Instant::now() {
+                            watchdog.as_mut().reset(deadline.into());
+                            continue;
+                        }
                         end_reason = format!("no frame from the gateway for {} ms (2 x tickIntervalMs)", silence_limit.as_millis());
                         close = Some(CloseFrame { code: CloseCode::from(4000), reason: "tick timeout".into() });
                         break;
