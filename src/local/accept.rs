@@ -83,6 +83,10 @@ pub async fn accept_loop(
                 stream
             }
             Err(e) => {
+                // The spare may have been lost to another open (the
+                // upstream connector's socket took the descriptor it freed):
+                // take one back if any is free now.
+                spare.refill();
                 let refused = is_out_of_descriptors(&e)
                     && refuse_with_spare(&listener, &mut spare, &busy).await;
                 if let Some(unlogged) = accept_warn.ready(Instant::now()) {

@@ -221,6 +221,16 @@ async fn running_out_of_descriptors_answers_waiting_clients_and_recovers() {
     let setup = "ulimit -n 64\nfor i in $(seq 1 40); do exec {fd}</dev/null; done";
     let mut guard = ChildGuard(serve_under_shell(home.path(), setup, &socket, &gw.url()));
     eventually("socket exists", || socket.exists()).await;
+    // The upstream session first: its socket opening while the clients
+    // exhaust the descriptors could take the one the spare frees.
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while http_get(&socket, "/healthz").await.1["upstream"] != "ready" {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "upstream never ready"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let mut admitted = Vec::new();
     let mut refused = Vec::new();
     for _ in 0..30 {
