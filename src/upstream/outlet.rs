@@ -37,6 +37,25 @@ pub(crate) type UpSink = SplitSink<Ws, Message>;
 /// Requests written per flush at most by the connector's writer.
 const WRITE_BATCH: usize = 64;
 
+/// How long the end of a session waits for its socket to come back from a
+/// writer (who never holds it across a wait: this is a safety bound).
+const UNINSTALL_WAIT: Duration = Duration::from_secs(1);
+
+/// The socket, held by the connector's writer: back in the slot on drop.
+struct Held<'a> {
+    outlet: &'a Outlet,
+    sink: Option<UpSink>,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if let Some(sink) = self.sink.take() {
+            self.outlet.lock().sink = Some(sink);
+            self.outlet.returned.notify_one();
+        }
+    }
+}
+
 #[derive(Default)]
 struct State {
     queue: VecDeque<Outbound>,
@@ -44,6 +63,11 @@ struct State {
     sink: Option<UpSink>,
     /// The generation of the open session (requests for another are dropped).
     generation: u64,
+    /// A session is open: its socket may be taken to write. Once it ends, a
+    /// writer still holding the socket gives it back for the close frame
+    /// and no one takes it again (requests queued meanwhile wait for the
+    /// next session, never go to the old socket).
+    open: bool,
     /// A write could not complete at once: until the connector's writer has
     /// finished it, only that writer (which can wait) writes.
     waiting: bool,
@@ -72,6 +96,8 @@ pub(crate) struct Outlet {
     state: Mutex<State>,
     /// Wakes the connector's writer: a write for it to finish.
     wake: Notify,
+    /// Wakes the connector waiting at the session's end for the socket.
+    returned: Notify,
     capacity: usize,
 }
 
@@ -91,6 +117,7 @@ impl Outlet {
         Outlet {
             state: Mutex::default(),
             wake: Notify::new(),
+            returned: Notify::new(),
             capacity,
         }
     }
@@ -110,7 +137,7 @@ impl Outlet {
         // Someone holds the socket (they drain the queue before giving it
         // back), the connector's writer is finishing a write (it drains
         // after), or no session is open (its writer drains at the start).
-        if st.waiting {
+        if st.waiting || !st.open {
             return Ok(());
         }
         let Some(sink) = st.sink.take() else {
@@ -129,6 +156,18 @@ impl Outlet {
             drop(st);
             let now = write_now(&mut sink, batch, generation);
             st = self.lock();
+            if !st.open {
+                // The session ended meanwhile: the socket goes back for its
+                // close frame; what was queued waits for the next session.
+                if let Now::Unfinished(mut rest) = now {
+                    rest.append(&mut st.queue);
+                    st.queue = rest;
+                }
+                st.sink = Some(sink);
+                drop(st);
+                self.returned.notify_one();
+                return;
+            }
             match now {
                 Now::Done if st.queue.is_empty() => {
                     st.sink = Some(sink);
@@ -154,26 +193,34 @@ impl Outlet {
         let mut st = self.lock();
         st.sink = Some(sink);
         st.generation = generation;
+        st.open = true;
         // Requests queued while it was opening (a narrower session queues
         // them) are written by the connector's writer as it starts.
         st.waiting = !st.queue.is_empty();
     }
 
     /// The session ended: its socket back, for the close frame. A writer
-    /// holding it is never held up for long (it does not wait): the
-    /// connector yields until it is back, a bounded number of times.
+    /// holding it gives it back promptly (a requester's write never waits;
+    /// the connector's writer is dropped first and returns it on drop); the
+    /// wait is bounded all the same.
     pub async fn uninstall(&self) -> Option<UpSink> {
-        for _ in 0..1000 {
-            {
-                let mut st = self.lock();
-                if let Some(sink) = st.sink.take() {
+        let wait = async {
+            loop {
+                let returned = self.returned.notified();
+                tokio::pin!(returned);
+                returned.as_mut().enable();
+                {
+                    let mut st = self.lock();
+                    st.open = false;
                     st.waiting = false;
-                    return Some(sink);
+                    if let Some(sink) = st.sink.take() {
+                        return sink;
+                    }
                 }
+                returned.await;
             }
-            tokio::task::yield_now().await;
-        }
-        None
+        };
+        tokio::time::timeout(UNINSTALL_WAIT, wait).await.ok()
     }
 
     /// The connector's writer for one session: finishes what could not be
@@ -193,9 +240,15 @@ impl Outlet {
                     None
                 }
             };
-            let Some((mut sink, generation)) = job else {
+            let Some((sink, generation)) = job else {
                 notified.await;
                 continue;
+            };
+            // Given back to the slot however this future ends (it is
+            // dropped mid-write when the session ends for another reason).
+            let mut held = Held {
+                outlet: self,
+                sink: Some(sink),
             };
             loop {
                 let batch: Vec<Outbound> = {
@@ -203,29 +256,23 @@ impl Outlet {
                     let n = st.queue.len().min(WRITE_BATCH);
                     st.queue.drain(..n).collect()
                 };
+                let sink = held.sink.as_mut().expect("held until dropped");
                 let write = async {
                     for out in batch.into_iter().filter(|o| o.generation == generation) {
                         sink.feed(Message::text(out.text)).await?;
                     }
                     sink.flush().await
                 };
-                let result = tokio::time::timeout(write_timeout, write).await;
-                let mut st = self.lock();
-                match result {
-                    Err(_) => {
-                        st.sink = Some(sink);
-                        return WriterEnd::Stalled(write_timeout);
-                    }
-                    Ok(Err(e)) => {
-                        st.sink = Some(sink);
-                        return WriterEnd::Failed(e);
-                    }
-                    Ok(Ok(())) if st.queue.is_empty() => {
-                        st.waiting = false;
-                        st.sink = Some(sink);
-                        break;
-                    }
+                match tokio::time::timeout(write_timeout, write).await {
+                    Err(_) => return WriterEnd::Stalled(write_timeout),
+                    Ok(Err(e)) => return WriterEnd::Failed(e),
                     Ok(Ok(())) => {}
+                }
+                let mut st = self.lock();
+                if st.queue.is_empty() {
+                    st.waiting = false;
+                    st.sink = held.sink.take();
+                    break;
                 }
             }
         }
@@ -366,6 +413,50 @@ mod tests {
             outlet.uninstall().await.is_some(),
             "the socket is back for the close"
         );
+    }
+
+    /// A session that ended: requests queued afterwards are not written to
+    /// its socket; the next session's writer sends them.
+    #[tokio::test]
+    async fn requests_after_a_session_ended_wait_for_the_next() {
+        let (outlet, _old_gateway, _reader) = pair().await;
+        assert!(outlet.uninstall().await.is_some(), "the socket is back");
+        outlet.push(out(8, "next".into())).ok().unwrap();
+        assert_eq!(outlet.lock().queue.len(), 1, "kept for the next session");
+        let (a, b) = UnixStream::pair().unwrap();
+        let io: Box<dyn super::super::UpstreamIo> = Box::new(a);
+        let (sink, _reader) = WebSocketStream::from_raw_socket(io, Role::Client, None)
+            .await
+            .split();
+        let mut gateway = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
+        outlet.install(sink, 8);
+        let writer = {
+            let outlet = Arc::clone(&outlet);
+            tokio::spawn(async move { outlet.writer(Duration::from_secs(5)).await })
+        };
+        assert_eq!(next_text(&mut gateway).await, "next");
+        writer.abort();
+    }
+
+    /// The connector's writer dropped mid-write (its session ended for
+    /// another reason) gives the socket back for the close frame.
+    #[tokio::test]
+    async fn a_writer_dropped_mid_write_gives_the_socket_back() {
+        let (outlet, _gateway, _reader) = pair().await;
+        let big = "x".repeat(64 * 1024);
+        while !outlet.lock().waiting {
+            outlet.push(out(7, big.clone())).ok().unwrap();
+        }
+        let stuck = tokio::time::timeout(
+            Duration::from_millis(50),
+            outlet.writer(Duration::from_secs(60)),
+        )
+        .await;
+        assert!(stuck.is_err(), "the gateway reads nothing: the write waits");
+        let sink = tokio::time::timeout(Duration::from_secs(5), outlet.uninstall())
+            .await
+            .expect("at once");
+        assert!(sink.is_some(), "the socket is back for the close");
     }
 
     /// The queue is bounded.
