@@ -166,14 +166,7 @@ pub async fn run(cfg: &Config, binary: &Path) -> Result<Memory, String> {
     let log: PathBuf = dir.path().join("broker.log");
     let broker = BrokerChild::spawn(binary, &socket, &format!("ws://{addr}"), &log).await?;
     let result = measure_all(cfg, &broker, &mut source, &receivers, &socket, healthy).await;
-    broker.stop().await;
-    drop(source);
-    if result.is_err() {
-        if let Ok(text) = std::fs::read_to_string(&log) {
-            eprintln!("broker child log:\n{text}");
-        }
-    }
-    result
+    finish(broker, source, &log, result).await
 }
 
 async fn measure_all(
@@ -422,10 +415,21 @@ pub async fn many_stalled(cfg: &Config, binary: &Path) -> Result<ManyStalled, St
         })
     }
     .await;
+    finish(broker, source, &log, result).await
+}
+
+/// Stops the broker child and the source; on a failure, shows what the
+/// broker logged.
+async fn finish<T>(
+    broker: BrokerChild,
+    source: Source,
+    log: &Path,
+    result: Result<T, String>,
+) -> Result<T, String> {
     broker.stop().await;
     drop(source);
     if result.is_err() {
-        if let Ok(text) = std::fs::read_to_string(&log) {
+        if let Ok(text) = std::fs::read_to_string(log) {
             eprintln!("broker child log:\n{text}");
         }
     }

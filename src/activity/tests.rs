@@ -534,21 +534,23 @@ fn fixture_events() -> Vec<(Value, Option<u64>, u64)> {
         .collect()
 }
 
-#[test]
-fn the_real_gateways_run_projects_to_protocol_events_with_its_own_times() {
-    // Live, as recorded.
+/// The fixture run projected to HUD lines: live (every event, with the
+/// time it arrived), or replayed from the broker's log (only the logged
+/// events, no arrival times). Either way the same protocol events, in order.
+fn fixture_hud_lines(replayed: bool) -> Vec<Value> {
     let mut a = Activity::new();
     let changes: Vec<Change> = fixture_events()
         .iter()
+        .filter(|(_, cursor, _)| !replayed || cursor.is_some())
         .flat_map(|(e, _, ms)| {
             a.apply(Observed {
                 name: e["event"].as_str().unwrap(),
                 payload: &e["payload"],
-                received_ms: Some(*ms),
+                received_ms: (!replayed).then_some(*ms),
             })
         })
         .collect();
-    let lines: Vec<Value> = changes.iter().map(|c| hud_line(c, false)).collect();
+    let lines: Vec<Value> = changes.iter().map(|c| hud_line(c, replayed)).collect();
     let kinds: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
     assert_eq!(
         kinds,
@@ -563,6 +565,13 @@ fn the_real_gateways_run_projects_to_protocol_events_with_its_own_times() {
             "turn_end"
         ]
     );
+    lines
+}
+
+#[test]
+fn the_real_gateways_run_projects_to_protocol_events_with_its_own_times() {
+    // Live, as recorded.
+    let lines = fixture_hud_lines(false);
     assert_eq!(lines[0]["correlationId"], "fixture-run-1");
     assert_eq!(
         lines[0]["ts"], 1795431469131_u64,
@@ -593,33 +602,7 @@ fn the_real_gateways_run_projects_to_protocol_events_with_its_own_times() {
 #[test]
 fn the_real_gateways_run_replayed_from_the_log_keeps_its_tool_call_from_the_item_stream() {
     // What the broker's log holds of it (the tool stream is not logged).
-    let mut a = Activity::new();
-    let changes: Vec<Change> = fixture_events()
-        .iter()
-        .filter(|(_, cursor, _)| cursor.is_some())
-        .flat_map(|(e, _, _)| {
-            a.apply(Observed {
-                name: e["event"].as_str().unwrap(),
-                payload: &e["payload"],
-                received_ms: None,
-            })
-        })
-        .collect();
-    let lines: Vec<Value> = changes.iter().map(|c| hud_line(c, true)).collect();
-    let kinds: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
-    assert_eq!(
-        kinds,
-        [
-            "turn_start",
-            "think_start",
-            "think_end",
-            "tool_start",
-            "tool_end",
-            "think_start",
-            "think_end",
-            "turn_end"
-        ]
-    );
+    let lines = fixture_hud_lines(true);
     let (start, end) = (&lines[3], &lines[4]);
     assert_eq!(start["correlationId"], "call_1");
     assert_eq!(start["ts"], 1795431469871_u64, "the item's startedAt");

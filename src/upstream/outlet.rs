@@ -323,17 +323,43 @@ mod tests {
     use tokio_tungstenite::tungstenite::protocol::Role;
     use tokio_tungstenite::WebSocketStream;
 
-    /// An outlet with the client end of a socket pair installed, and the
-    /// gateway's end (and the reading half the connector would hold).
-    async fn pair() -> (Arc<Outlet>, WebSocketStream<UnixStream>, SplitStream<Ws>) {
+    /// A session's socket: the broker's writing and reading halves, and the
+    /// gateway's end.
+    async fn session() -> (UpSink, SplitStream<Ws>, WebSocketStream<UnixStream>) {
         let (a, b) = UnixStream::pair().unwrap();
         let io: Box<dyn super::super::UpstreamIo> = Box::new(a);
         let ws = WebSocketStream::from_raw_socket(io, Role::Client, None).await;
         let gateway = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
         let (sink, stream) = ws.split();
+        (sink, stream, gateway)
+    }
+
+    /// An outlet with session 7's socket installed, and the gateway's end
+    /// (and the reading half the connector would hold).
+    async fn pair() -> (Arc<Outlet>, WebSocketStream<UnixStream>, SplitStream<Ws>) {
+        let (sink, stream, gateway) = session().await;
         let outlet = Arc::new(Outlet::new(1024));
         outlet.install(sink, 7);
         (outlet, gateway, stream)
+    }
+
+    /// The connector's writer, running.
+    fn spawn_writer(outlet: &Arc<Outlet>) -> tokio::task::JoinHandle<WriterEnd> {
+        let outlet = Arc::clone(outlet);
+        tokio::spawn(async move { outlet.writer(Duration::from_secs(5)).await })
+    }
+
+    /// Queues 64 KiB requests until one cannot be written at once (the
+    /// gateway reads nothing); returns how many were queued.
+    fn fill(outlet: &Outlet) -> usize {
+        let big = "x".repeat(64 * 1024);
+        let mut sent = 0;
+        while !outlet.lock().waiting {
+            assert!(sent < 512, "the socket never filled");
+            outlet.push(out(7, format!("{sent}:{big}"))).ok().unwrap();
+            sent += 1;
+        }
+        sent
     }
 
     fn out(generation: u64, text: String) -> Outbound {
@@ -370,22 +396,13 @@ mod tests {
     #[tokio::test]
     async fn what_cannot_be_written_at_once_is_finished_by_the_writer_in_order() {
         let (outlet, mut gateway, _reader) = pair().await;
-        let big = "x".repeat(64 * 1024);
-        let mut sent = 0;
-        while !outlet.lock().waiting {
-            assert!(sent < 512, "the socket never filled");
-            outlet.push(out(7, format!("{sent}:{big}"))).ok().unwrap();
-            sent += 1;
-        }
+        let mut sent = fill(&outlet);
         // Queued behind the unfinished write, never ahead of it.
         for _ in 0..3 {
-            outlet.push(out(7, format!("{sent}:{big}"))).ok().unwrap();
+            outlet.push(out(7, format!("{sent}:"))).ok().unwrap();
             sent += 1;
         }
-        let writer = {
-            let outlet = Arc::clone(&outlet);
-            tokio::spawn(async move { outlet.writer(Duration::from_secs(5)).await })
-        };
+        let writer = spawn_writer(&outlet);
         for i in 0..sent {
             let text = next_text(&mut gateway).await;
             assert!(text.starts_with(&format!("{i}:")), "request {i} in order");
@@ -398,10 +415,7 @@ mod tests {
     #[tokio::test]
     async fn a_gateway_that_stops_reading_stalls_the_writer() {
         let (outlet, _gateway, _reader) = pair().await;
-        let big = "x".repeat(64 * 1024);
-        while !outlet.lock().waiting {
-            outlet.push(out(7, big.clone())).ok().unwrap();
-        }
+        fill(&outlet);
         let end = tokio::time::timeout(
             Duration::from_secs(5),
             outlet.writer(Duration::from_millis(100)),
@@ -423,17 +437,9 @@ mod tests {
         assert!(outlet.uninstall().await.is_some(), "the socket is back");
         outlet.push(out(8, "next".into())).ok().unwrap();
         assert_eq!(outlet.lock().queue.len(), 1, "kept for the next session");
-        let (a, b) = UnixStream::pair().unwrap();
-        let io: Box<dyn super::super::UpstreamIo> = Box::new(a);
-        let (sink, _reader) = WebSocketStream::from_raw_socket(io, Role::Client, None)
-            .await
-            .split();
-        let mut gateway = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
+        let (sink, _reader, mut gateway) = session().await;
         outlet.install(sink, 8);
-        let writer = {
-            let outlet = Arc::clone(&outlet);
-            tokio::spawn(async move { outlet.writer(Duration::from_secs(5)).await })
-        };
+        let writer = spawn_writer(&outlet);
         assert_eq!(next_text(&mut gateway).await, "next");
         writer.abort();
     }
@@ -443,10 +449,7 @@ mod tests {
     #[tokio::test]
     async fn a_writer_dropped_mid_write_gives_the_socket_back() {
         let (outlet, _gateway, _reader) = pair().await;
-        let big = "x".repeat(64 * 1024);
-        while !outlet.lock().waiting {
-            outlet.push(out(7, big.clone())).ok().unwrap();
-        }
+        fill(&outlet);
         let stuck = tokio::time::timeout(
             Duration::from_millis(50),
             outlet.writer(Duration::from_secs(60)),

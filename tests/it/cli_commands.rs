@@ -14,26 +14,6 @@ use tokio::process::{Child, ChildStderr, ChildStdout, Command};
 
 const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
 
-/// Runs a command to completion: (exit code, stdout, stderr).
-async fn clawmux(args: &[&str]) -> (i32, String, String) {
-    let out = tokio::time::timeout(
-        PATIENCE,
-        Command::new(BIN)
-            .args(args)
-            .env_remove("CLAWMUX_SOCKET")
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("the command finishes in time")
-    .expect("the binary runs");
-    (
-        out.status.code().expect("exit code"),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 fn s(path: &Path) -> &str {
     path.to_str().unwrap()
 }
@@ -43,7 +23,7 @@ async fn status_summarizes_a_running_broker() {
     let h = start().await;
     let state = until_ready(&h.socket()).await;
     let (_ws, _) = h.connected().await;
-    let (code, out, err) = clawmux(&["status", "--socket", s(&h.socket())]).await;
+    let (code, out, err) = run_clawmux(&["status", "--socket", s(&h.socket())]).await;
     assert_eq!(code, 0, "{out}{err}");
     for want in [
         "upstream   ready ",
@@ -79,7 +59,7 @@ async fn status_exit_codes_for_a_broker_without_upstream_and_for_no_broker() {
         assert!(tokio::time::Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let (code, out, _) = clawmux(&["status", "--socket", s(broker.socket_path())]).await;
+    let (code, out, _) = run_clawmux(&["status", "--socket", s(broker.socket_path())]).await;
     assert_eq!(
         code, 1,
         "the broker runs but the gateway session does not: {out}"
@@ -87,7 +67,7 @@ async fn status_exit_codes_for_a_broker_without_upstream_and_for_no_broker() {
     assert!(out.contains("error      studio.upstream_error"), "{out}");
 
     let missing = dir.path().join("nobody-here.sock");
-    let (code, out, err) = clawmux(&["status", "--socket", s(&missing)]).await;
+    let (code, out, err) = run_clawmux(&["status", "--socket", s(&missing)]).await;
     assert_eq!(code, 3, "{err}");
     assert!(out.is_empty());
     assert_eq!(err.lines().count(), 1, "one line: {err}");
@@ -128,12 +108,12 @@ async fn call_prints_results_and_exits_by_outcome() {
     until_ready(&h.socket()).await;
     let sock = h.socket();
     let sock = s(&sock);
-    let (code, out, err) = clawmux(&["call", "--socket", sock, "health"]).await;
+    let (code, out, err) = run_clawmux(&["call", "--socket", sock, "health"]).await;
     assert_eq!(code, 0, "{err}");
     let payload: Value = serde_json::from_str(&out).expect("the payload, as JSON");
     assert!(payload.is_object(), "{out}");
 
-    let (code, out, _) = clawmux(&[
+    let (code, out, _) = run_clawmux(&[
         "call",
         "--socket",
         sock,
@@ -150,26 +130,26 @@ async fn call_prints_results_and_exits_by_outcome() {
     );
     assert_eq!(frame["payload"]["sessionKey"], "agent:main:main");
 
-    let (code, out, err) = clawmux(&["call", "--socket", sock, "no.such.method", "{}"]).await;
+    let (code, out, err) = run_clawmux(&["call", "--socket", sock, "no.such.method", "{}"]).await;
     assert_eq!(code, 1, "an error answer: {out}{err}");
     assert!(
         err.contains("INVALID_REQUEST") && err.contains("no.such.method"),
         "{err}"
     );
 
-    let (code, _, err) = clawmux(&["call", "--socket", sock, "health", "{not json"]).await;
+    let (code, _, err) = run_clawmux(&["call", "--socket", sock, "health", "{not json"]).await;
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("PARAMS_JSON is not valid JSON"), "{err}");
 
-    let (code, _, err) = clawmux(&["call", "--socket", sock, "connect"]).await;
+    let (code, _, err) = run_clawmux(&["call", "--socket", sock, "connect"]).await;
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("connect is handled by the broker"), "{err}");
 
-    let (code, _, _) = clawmux(&["call", "--socket", sock]).await;
+    let (code, _, _) = run_clawmux(&["call", "--socket", sock]).await;
     assert_eq!(code, 2, "METHOD is required");
 
     let gone = h.dir.path().join("gone.sock");
-    let (code, _, err) = clawmux(&["call", "--socket", s(&gone), "health"]).await;
+    let (code, _, err) = run_clawmux(&["call", "--socket", s(&gone), "health"]).await;
     assert_eq!(code, 3, "{err}");
     assert!(err.contains(s(&gone)), "{err}");
 }
@@ -363,7 +343,7 @@ async fn tail_json_replays_from_a_cursor() {
 async fn tail_without_a_broker_exits_3() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("none.sock");
-    let (code, _, err) = clawmux(&["tail", "--socket", s(&sock)]).await;
+    let (code, _, err) = run_clawmux(&["tail", "--socket", s(&sock)]).await;
     assert_eq!(code, 3, "{err}");
     assert!(
         err.contains("cannot reach the broker") && err.contains(s(&sock)),
@@ -376,7 +356,7 @@ async fn tail_rejects_unknown_event_names_with_the_known_ones() {
     let h = start().await;
     until_ready(&h.socket()).await;
     let (code, _, err) =
-        clawmux(&["tail", "--socket", s(&h.socket()), "--events", "chat,chta"]).await;
+        run_clawmux(&["tail", "--socket", s(&h.socket()), "--events", "chat,chta"]).await;
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("unknown event name chta"), "{err}");
     assert!(
@@ -459,7 +439,7 @@ async fn tail_since_prints_only_recent_held_events() {
     let line = tail.line().await;
     assert!(line.contains("just now"), "{line}");
     let _ = tail.child.start_kill();
-    let (code, _, err) = clawmux(&["tail", "--since", "yesterday-ish"]).await;
+    let (code, _, err) = run_clawmux(&["tail", "--since", "yesterday-ish"]).await;
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--since takes a duration"), "{err}");
 }
@@ -516,14 +496,14 @@ async fn tail_and_status_colour_follows_no_color_and_the_terminal() {
 async fn metrics_textfile_for_node_exporter() {
     let h = start().await;
     until_ready(&h.socket()).await;
-    let (code, out, err) = clawmux(&["metrics", "--socket", s(&h.socket())]).await;
+    let (code, out, err) = run_clawmux(&["metrics", "--socket", s(&h.socket())]).await;
     assert_eq!(code, 0, "{err}");
     assert!(
         out.contains("clawmux_upstream_phase{phase=\"ready\"} 1"),
         "{out}"
     );
     let dir = tempfile::tempdir().unwrap();
-    let (code, _, err) = clawmux(&[
+    let (code, _, err) = run_clawmux(&[
         "metrics",
         "--socket",
         s(&h.socket()),
@@ -546,7 +526,7 @@ async fn metrics_textfile_for_node_exporter() {
     // A directory that does not exist yet is made (as node_exporter's
     // textfile directory often is not, before the first run).
     let fresh = dir.path().join("textfile/collector");
-    let (code, _, err) = clawmux(&[
+    let (code, _, err) = run_clawmux(&[
         "metrics",
         "--socket",
         s(&h.socket()),
@@ -558,7 +538,7 @@ async fn metrics_textfile_for_node_exporter() {
     assert!(fresh.join("clawmux.prom").is_file());
     let gone = dir.path().join("gone.sock");
     let (code, _, err) =
-        clawmux(&["metrics", "--socket", s(&gone), "--textfile", s(dir.path())]).await;
+        run_clawmux(&["metrics", "--socket", s(&gone), "--textfile", s(dir.path())]).await;
     assert_eq!(code, 3, "{err}");
     let text = std::fs::read_to_string(&file).unwrap();
     assert!(

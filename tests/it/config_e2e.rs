@@ -9,15 +9,9 @@ use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
 
-/// The binary with a private HOME and nothing inherited that could point it
-/// at a real gateway or config.
+/// The binary in a private home.
 fn clawmux(home: &Path) -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.env_clear()
-        .env("HOME", home)
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("XDG_STATE_HOME", home.join("state"));
-    cmd
+    isolated_command(BIN, home)
 }
 
 /// Runs a command off the async runtime (the gateway double lives on it).

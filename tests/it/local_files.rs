@@ -12,14 +12,9 @@ use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
 
+/// The binary in a private home.
 fn clawmux(home: &Path) -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.env_clear()
-        .env("HOME", home)
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("XDG_CONFIG_HOME", home.join("config"))
-        .env("XDG_STATE_HOME", home.join("state"));
-    cmd
+    isolated_command(BIN, home)
 }
 
 fn log_has(log: &Path, needle: &str) -> bool {
@@ -129,19 +124,10 @@ async fn token_files_that_are_devices_or_too_large_are_refused_at_start() {
     }
 }
 
-/// Runs the binary to completion (killed if it does not end in time):
-/// (exit code, stderr).
+/// Runs the binary to completion in `home`: (exit code, stderr).
 async fn run(home: &Path, args: &[&str]) -> (Option<i32>, String) {
-    let mut cmd = tokio::process::Command::from(clawmux(home));
-    cmd.args(args).kill_on_drop(true);
-    let out = tokio::time::timeout(PATIENCE, cmd.output())
-        .await
-        .expect("finishes in time")
-        .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let (code, _, err) = run_clawmux_in(home, args, PATIENCE).await;
+    (Some(code), err)
 }
 
 #[tokio::test]

@@ -334,16 +334,10 @@ async fn max_bytes_stops_the_recording_at_the_limit() {
     assert!(err.contains("--max-bytes 1024 is too small"), "{err}");
 }
 
-/// Runs the binary to completion: (exit code, stderr).
-async fn run_clawmux(home: &TestHome, args: &[&str]) -> (Option<i32>, String) {
-    let out = tokio::time::timeout(SLOW, Command::from(home.clawmux()).args(args).output())
-        .await
-        .expect("finishes in time")
-        .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+/// Runs the binary to completion in `home`: (exit code, stderr).
+async fn run_in(home: &TestHome, args: &[&str]) -> (Option<i32>, String) {
+    let (code, _, err) = run_clawmux_in(home.dir.path(), args, SLOW).await;
+    (Some(code), err)
 }
 
 #[tokio::test]
@@ -353,7 +347,7 @@ async fn bad_requests_to_record_and_replay_are_refused_clearly() {
     let socket = broker.socket_path().to_owned();
     let home = TestHome::new();
     let sock = socket.to_str().unwrap();
-    let (code, err) = run_clawmux(&home, &["record", "--socket", sock]).await;
+    let (code, err) = run_in(&home, &["record", "--socket", sock]).await;
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("no gateway session now"), "{err}");
     let (status, body) = http_get(&socket, "/v1/events?tap=yes").await;
@@ -373,19 +367,19 @@ async fn bad_requests_to_record_and_replay_are_refused_clearly() {
     let file = home.path().join("r.jsonl");
     std::fs::write(&file, synthetic(&[0], None)).unwrap();
     let f = file.to_str().unwrap();
-    let (code, err) = run_clawmux(&home, &["serve", "--replay", f, "--socket", sock]).await;
+    let (code, err) = run_in(&home, &["serve", "--replay", f, "--socket", sock]).await;
     assert_eq!(code, Some(2), "a usage error: {err}");
     assert!(err.contains("--replay needs --demo"), "{err}");
-    let (code, err) = run_clawmux(&home, &["mock-gateway", "--replay", f, "--speed", "0"]).await;
+    let (code, err) = run_in(&home, &["mock-gateway", "--replay", f, "--speed", "0"]).await;
     assert_eq!(code, Some(2), "{err}");
     assert!(
         err.contains("--speed takes a number from 0.001 to 1000"),
         "{err}"
     );
-    let (code, err) = run_clawmux(&home, &["mock-gateway", "--speed", "2"]).await;
+    let (code, err) = run_in(&home, &["mock-gateway", "--speed", "2"]).await;
     assert_eq!(code, Some(2), "--speed without --replay: {err}");
     let missing = home.path().join("missing.jsonl");
-    let (code, err) = run_clawmux(
+    let (code, err) = run_in(
         &home,
         &[
             "mock-gateway",

@@ -83,26 +83,6 @@ impl Tail {
     }
 }
 
-async fn clawmux(args: &[&str]) -> (i32, String, String) {
-    let out = tokio::time::timeout(
-        PATIENCE,
-        Command::new(BIN)
-            .args(args)
-            .env_remove("CLAWMUX_SOCKET")
-            .env("NO_COLOR", "1")
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("the command finishes in time")
-    .expect("the binary runs");
-    (
-        out.status.code().expect("exit code"),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[tokio::test]
 async fn injected_escapes_reach_tail_tree_status_and_call_only_escaped() {
     let h = start().await;
@@ -208,7 +188,7 @@ async fn injected_escapes_reach_tail_tree_status_and_call_only_escaped() {
     let err = tree.stop().await;
     assert_visible("tail --tree's stderr", &err);
 
-    let (code, out, err) = clawmux(&["status", "--socket", socket.to_str().unwrap()]).await;
+    let (code, out, err) = run_clawmux(&["status", "--socket", socket.to_str().unwrap()]).await;
     assert_eq!(code, 0, "{out}{err}");
     assert_visible("status", &format!("{out}{err}"));
 
@@ -221,13 +201,14 @@ async fn injected_escapes_reach_tail_tree_status_and_call_only_escaped() {
         )],
         ..Default::default()
     });
-    let (code, out, err) = clawmux(&["call", "--socket", socket.to_str().unwrap(), "health"]).await;
+    let (code, out, err) =
+        run_clawmux(&["call", "--socket", socket.to_str().unwrap(), "health"]).await;
     assert_eq!(code, 1, "an error answer: {out}{err}");
     assert_visible("call", &format!("{out}{err}"));
     assert!(err.contains(&format!("E{OSC_SHOWN}")), "{err}");
     assert!(err.contains("bad\\u{202e}"), "{err}");
     // `--json` stays exact JSON (serde escapes the C0 controls).
-    let (_, out, _) = clawmux(&[
+    let (_, out, _) = run_clawmux(&[
         "call",
         "--socket",
         socket.to_str().unwrap(),
@@ -238,7 +219,7 @@ async fn injected_escapes_reach_tail_tree_status_and_call_only_escaped() {
     let frame: Value = serde_json::from_str(out.trim()).expect("JSON");
     assert_eq!(frame["error"]["code"], format!("E{OSC}"));
     // An unknown method's name is echoed by the gateway.
-    let (_, out, err) = clawmux(&[
+    let (_, out, err) = run_clawmux(&[
         "call",
         "--socket",
         socket.to_str().unwrap(),

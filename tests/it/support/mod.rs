@@ -420,6 +420,31 @@ pub fn isolated_command(program: &str, home: &Path) -> std::process::Command {
     cmd
 }
 
+/// Runs the clawmux binary to completion in a private home (a fresh temp
+/// dir: never the caller's HOME, socket or settings), without colour:
+/// (exit code, stdout, stderr). Bounded by [`PATIENCE`].
+pub async fn run_clawmux(args: &[&str]) -> (i32, String, String) {
+    let home = tempfile::tempdir().expect("temp home");
+    run_clawmux_in(home.path(), args, PATIENCE).await
+}
+
+/// [`run_clawmux`] in the private home `home` (files the command reads
+/// live there), killed if it has not ended `within`.
+pub async fn run_clawmux_in(home: &Path, args: &[&str], within: Duration) -> (i32, String, String) {
+    let mut cmd =
+        tokio::process::Command::from(isolated_command(env!("CARGO_BIN_EXE_clawmux"), home));
+    cmd.args(args).env("NO_COLOR", "1").kill_on_drop(true);
+    let out = tokio::time::timeout(within, cmd.output())
+        .await
+        .expect("the command finishes in time")
+        .expect("the binary runs");
+    (
+        out.status.code().expect("exit code"),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// A private home for a spawned binary: `HOME` and every XDG directory point
 /// inside a temp dir, and the caller's `CLAWMUX_*`/`OPENCLAW_*`/`RUST_LOG`
 /// settings are removed, so a test never reads or writes the real user's
