@@ -2,7 +2,6 @@
 //! `clawmux status`, `clawmux call`, `clawmux tail` (output and exit codes).
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 use crate::http_api::*;
@@ -159,6 +158,7 @@ struct Tail {
     child: Child,
     out: Lines<BufReader<ChildStdout>>,
     err: Lines<BufReader<ChildStderr>>,
+    _home: tempfile::TempDir,
 }
 
 impl Tail {
@@ -167,21 +167,16 @@ impl Tail {
     }
 
     fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Tail {
-        let mut child = Command::new(BIN)
-            .arg("tail")
-            .args(args)
-            .env_remove("CLAWMUX_SOCKET")
-            .env_remove("NO_COLOR")
-            .env_remove("CLICOLOR_FORCE")
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("tail starts");
+        let args = [&["tail"][..], args].concat();
+        let (mut child, home) = spawn_clawmux(&args, env);
         let out = BufReader::new(child.stdout.take().unwrap()).lines();
         let err = BufReader::new(child.stderr.take().unwrap()).lines();
-        Tail { child, out, err }
+        Tail {
+            child,
+            out,
+            err,
+            _home: home,
+        }
     }
 
     async fn line(&mut self) -> String {

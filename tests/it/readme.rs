@@ -220,19 +220,7 @@ async fn readme_examples_work(with_xdg: bool) {
             rustix::process::getuid().as_raw()
         ))
     };
-    let deadline = tokio::time::Instant::now() + START_PATIENCE;
-    loop {
-        if socket.exists() && http_get(&socket, "/readyz").await.0 == 200 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the demo never got ready on {}: {}",
-            socket.display(),
-            std::fs::read_to_string(&log_path).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_readyz(&socket, START_PATIENCE, &log_path).await;
     let all = examples();
     for lang in ["sh", "python", "node"] {
         assert!(

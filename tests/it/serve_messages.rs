@@ -53,18 +53,7 @@ async fn demo(home: &Path, extra: &[&str]) -> (ChildGuard, PathBuf) {
         .stderr(std::fs::File::create(&log).unwrap());
     let child = ChildGuard(cmd.spawn().expect("the demo starts"));
     let socket = home.join("run/clawmux.sock");
-    let deadline = tokio::time::Instant::now() + START_PATIENCE;
-    loop {
-        if socket.exists() && http_get(&socket, "/readyz").await.0 == 200 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the demo never got ready: {}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_readyz(&socket, START_PATIENCE, &log).await;
     (child, socket)
 }
 

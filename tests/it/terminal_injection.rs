@@ -3,16 +3,12 @@
 //! overrides are printed by `clawmux tail`, `tail --tree`, `status` and
 //! `call` only as visible, escaped text (issue 24, point 1).
 
-use std::process::Stdio;
-
 use crate::http_api::until_ready;
 use crate::support::*;
 use clawmux::hub::ClientKind;
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdout, Command};
-
-const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
+use tokio::process::{Child, ChildStdout};
 
 /// Sets the window title, then writes "hi" to the clipboard.
 const OSC: &str = "\x1b]0;pwned\x07\x1b]52;c;aGk=\x07";
@@ -38,24 +34,20 @@ fn assert_visible(what: &str, out: &str) {
 struct Tail {
     child: Child,
     out: Lines<BufReader<ChildStdout>>,
+    _home: tempfile::TempDir,
 }
 
 impl Tail {
     fn spawn(socket: &std::path::Path, extra: &[&str]) -> Tail {
-        let mut child = Command::new(BIN)
-            .arg("tail")
-            .arg("--socket")
-            .arg(socket)
-            .args(extra)
-            .env_remove("CLAWMUX_SOCKET")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("tail starts");
+        let socket = socket.to_str().expect("a UTF-8 path");
+        let args = [&["tail", "--socket", socket][..], extra].concat();
+        let (mut child, home) = spawn_clawmux(&args, &[("NO_COLOR", "1")]);
         let out = BufReader::new(child.stdout.take().unwrap()).lines();
-        Tail { child, out }
+        Tail {
+            child,
+            out,
+            _home: home,
+        }
     }
 
     /// Lines up to the first one containing `needle` (bounded by PATIENCE).

@@ -445,6 +445,41 @@ pub async fn run_clawmux_in(home: &Path, args: &[&str], within: Duration) -> (i3
     )
 }
 
+/// Starts the clawmux binary in a private home (a fresh temp dir, returned
+/// to be kept as long as the child runs) with `env` added and its output
+/// piped; killed when dropped.
+pub fn spawn_clawmux(
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (tokio::process::Child, tempfile::TempDir) {
+    let home = tempfile::tempdir().expect("temp home");
+    let child =
+        tokio::process::Command::from(isolated_command(env!("CARGO_BIN_EXE_clawmux"), home.path()))
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("clawmux starts");
+    (child, home)
+}
+
+/// Waits until a broker answers `/readyz` 200 on `socket`, at most
+/// `within`; on failure shows its `log`.
+pub async fn wait_readyz(socket: &Path, within: Duration, log: &Path) {
+    let deadline = tokio::time::Instant::now() + within;
+    while !(socket.exists() && http_get(socket, "/readyz").await.0 == 200) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the broker never got ready on {}: {}",
+            socket.display(),
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A private home for a spawned binary: `HOME` and every XDG directory point
 /// inside a temp dir, and the caller's `CLAWMUX_*`/`OPENCLAW_*`/`RUST_LOG`
 /// settings are removed, so a test never reads or writes the real user's
