@@ -51,7 +51,7 @@ enum Incoming {
 /// What the client's socket did next.
 enum Step {
     Read(Incoming),
-    /// The writer ended (see [`Conn::writer_end`]).
+    /// The writer ended (see [`Writer::ended`]).
     WriterEnded,
 }
 
@@ -83,10 +83,6 @@ impl Conn {
     /// Writes what is queued (a close frame last) until the writer ends.
     async fn finish_writing(&mut self) {
         std::future::poll_fn(|cx| self.writer.poll_drive(cx, &self.client)).await;
-    }
-
-    fn writer_end(&self) -> Option<WriterEnd> {
-        self.writer.ended
     }
 }
 
@@ -230,10 +226,10 @@ pub async fn run(
     drop(registration);
     // Let the writer deliver what is queued (the close frame included), but
     // never wait on a client that does not read.
-    if conn.writer_end().is_none() {
+    if conn.writer.ended.is_none() {
         let _ = tokio::time::timeout(CLOSE_LINGER, conn.finish_writing()).await;
     }
-    if conn.writer_end() == Some(WriterEnd::Killed) {
+    if conn.writer.ended == Some(WriterEnd::Killed) {
         conn.writer.send_slow_consumer_close().await;
     }
     tracing::info!(client_id, "local client disconnected");

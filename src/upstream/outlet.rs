@@ -156,35 +156,35 @@ impl Outlet {
             drop(st);
             let now = write_now(&mut sink, batch, generation);
             st = self.lock();
-            if !st.open {
-                // The session ended meanwhile: the socket goes back for its
-                // close frame; what was queued waits for the next session.
-                if let Now::Unfinished(mut rest) = now {
-                    rest.append(&mut st.queue);
-                    st.queue = rest;
-                }
-                st.sink = Some(sink);
-                drop(st);
-                self.returned.notify_one();
-                return;
-            }
-            match now {
-                Now::Done if st.queue.is_empty() => {
-                    st.sink = Some(sink);
-                    return;
-                }
-                Now::Done => {}
+            let unfinished = match now {
+                Now::Done => false,
                 Now::Unfinished(mut rest) => {
                     // What was not taken goes first, before anything queued since.
                     rest.append(&mut st.queue);
                     st.queue = rest;
-                    st.sink = Some(sink);
-                    st.waiting = true;
-                    drop(st);
-                    self.wake.notify_one();
-                    return;
+                    true
                 }
+            };
+            if st.open && !unfinished && !st.queue.is_empty() {
+                continue;
             }
+            // Done, or the connector's writer finishes, or the session ended
+            // meanwhile (the socket goes back for its close frame; what was
+            // queued waits for the next session).
+            st.sink = Some(sink);
+            let tell = if !st.open {
+                Some(&self.returned)
+            } else if unfinished {
+                st.waiting = true;
+                Some(&self.wake)
+            } else {
+                None
+            };
+            drop(st);
+            if let Some(notify) = tell {
+                notify.notify_one();
+            }
+            return;
         }
     }
 
