@@ -128,6 +128,16 @@ impl Requester {
     }
 }
 
+/// The queue a request waits in before it is written to the gateway, as
+/// the table sees it: a request that times out is withdrawn from it first,
+/// so it is either written or answered as failed, never both. (A trait
+/// object passed down: the transport sits above the table.)
+pub trait Withdraw: Send + Sync + std::fmt::Debug {
+    /// Takes the request out of the queue if it has not been written:
+    /// true means it never will be.
+    fn withdraw(&self, upstream_id: &str) -> bool;
+}
+
 /// One request waiting for its upstream answer.
 struct Pending {
     member: Arc<Requester>,
@@ -140,6 +150,8 @@ struct Pending {
     settle: Option<Settle>,
     /// When it was registered, for the latency histogram.
     started: Instant,
+    /// The queue it waits in until written (none in unit tests).
+    queue: Option<Arc<dyn Withdraw>>,
 }
 
 impl std::fmt::Debug for Pending {
@@ -202,6 +214,7 @@ impl Router {
         method: &str,
         generation: u64,
         settle: Option<Settle>,
+        queue: Option<Arc<dyn Withdraw>>,
     ) -> Result<String, ErrorShape> {
         let upstream_id = format!("cm-{}", self.next_id.fetch_add(1, Ordering::Relaxed));
         if !member.take_slot(&upstream_id, self.max_inflight) {
@@ -228,6 +241,7 @@ impl Router {
                 deadline: deadline_after(self.request_timeout),
                 settle,
                 started: Instant::now(),
+                queue,
             },
         );
         Ok(upstream_id)
@@ -276,20 +290,41 @@ impl Router {
         }
     }
 
-    /// Fails every request sent on upstream session `generation` (it is gone).
-    pub fn fail_generation(&self, generation: u64, error: &ErrorShape) -> usize {
-        self.fail_where(|p| p.generation == generation, |_| error.clone())
+    /// Fails every request registered for upstream session `generation`
+    /// (it ended, or never opened). `unsent` are the ids its queue gave
+    /// back unwritten: they are answered `sent: false`; every other one was
+    /// written, or may have been, and is answered `sent: true` (the gateway
+    /// may have run it).
+    pub fn fail_generation(&self, generation: u64, unsent: &[String], error: &ErrorShape) -> usize {
+        let unsent: HashSet<&str> = unsent.iter().map(String::as_str).collect();
+        self.fail_where(
+            |p| p.generation == generation,
+            |id, _| error.clone().with_sent(!unsent.contains(id)),
+        )
     }
 
-    /// Answers every request past its deadline with `studio.request_timeout`.
+    /// Fails every request registered for `generation`, none of which was
+    /// written (the attempt that would have opened it failed).
+    pub fn fail_generation_unsent(&self, generation: u64, error: &ErrorShape) -> usize {
+        self.fail_where(
+            |p| p.generation == generation,
+            |_, _| error.clone().with_sent(false),
+        )
+    }
+
+    /// Answers every request past its deadline with `studio.request_timeout`:
+    /// one still waiting in its session's queue is withdrawn first and
+    /// answered `sent: false`; one already written, `sent: true`.
     pub fn expire(&self, now: Instant) -> usize {
         self.fail_where(
             |p| p.deadline <= now,
-            |p| {
+            |id, p| {
+                let withdrawn = p.queue.as_ref().is_some_and(|q| q.withdraw(id));
                 ErrorShape::studio(
                     StudioCode::RequestTimeout,
                     format!("the gateway did not answer {} in time", p.method),
                 )
+                .with_sent(!withdrawn)
             },
         )
     }
@@ -316,7 +351,7 @@ impl Router {
     fn fail_where(
         &self,
         matches: impl Fn(&Pending) -> bool,
-        error: impl Fn(&Pending) -> ErrorShape,
+        error: impl Fn(&str, &Pending) -> ErrorShape,
     ) -> usize {
         let ids: Vec<String> = self
             .pending
@@ -327,7 +362,7 @@ impl Router {
         let mut n = 0;
         for id in ids {
             if let Some((_, p)) = self.pending.remove(&id) {
-                let e = error(&p);
+                let e = error(&id, &p);
                 self.answer_error(&id, p, &e);
                 n += 1;
             }
@@ -383,8 +418,8 @@ mod tests {
     async fn same_local_id_from_two_clients_is_kept_apart() {
         let r = Router::new(Duration::from_secs(5), Duration::from_secs(60), 8);
         let (a, b) = (client(1), client(2));
-        let ua = r.register(&a, "1", "health", 1, None).unwrap();
-        let ub = r.register(&b, "1", "health", 1, None).unwrap();
+        let ua = r.register(&a, "1", "health", 1, None, None).unwrap();
+        let ub = r.register(&b, "1", "health", 1, None, None).unwrap();
         assert_ne!(ua, ub);
         assert!(r.complete(&ub, true, Some(&raw(r#"{"who":"b"}"#)), None));
         assert!(r.complete(&ua, true, Some(&raw(r#"{"who":"a"}"#)), None));
@@ -402,7 +437,7 @@ mod tests {
     async fn agent_answers_twice() {
         let r = Router::new(Duration::from_secs(5), Duration::from_secs(60), 8);
         let a = client(1);
-        let u = r.register(&a, "x", "agent", 1, None).unwrap();
+        let u = r.register(&a, "x", "agent", 1, None, None).unwrap();
         assert!(r.complete(
             &u,
             true,
@@ -421,18 +456,18 @@ mod tests {
     async fn session_loss_deadline_and_departure() {
         let r = Router::new(Duration::from_millis(0), Duration::from_secs(60), 8);
         let a = client(1);
-        let u1 = r.register(&a, "1", "status", 1, None).unwrap();
-        let _u2 = r.register(&a, "2", "status", 2, None).unwrap();
+        let u1 = r.register(&a, "1", "status", 1, None, None).unwrap();
+        let _u2 = r.register(&a, "2", "status", 2, None, None).unwrap();
         let closed = ErrorShape::studio(StudioCode::UpstreamClosed, "gone");
-        assert_eq!(r.fail_generation(1, &closed), 1);
+        assert_eq!(r.fail_generation(1, &[], &closed), 1);
         assert!(!r.complete(&u1, true, None, None));
         assert_eq!(r.expire(Instant::now()), 1);
         let f = frames(&a).await;
         assert_eq!(f[0]["error"]["code"], "studio.upstream_closed");
         assert_eq!(f[1]["error"]["code"], "studio.request_timeout");
         let b = client(2);
-        r.register(&b, "1", "status", 3, None).unwrap();
-        r.register(&b, "2", "status", 3, None).unwrap();
+        r.register(&b, "1", "status", 3, None, None).unwrap();
+        r.register(&b, "2", "status", 3, None, None).unwrap();
         assert_eq!(b.inflight(), 2);
         r.forget(&b);
         assert_eq!(r.pending_count(), 0);
@@ -443,9 +478,9 @@ mod tests {
     async fn outcomes_are_counted_by_method() {
         let r = Router::new(Duration::from_millis(0), Duration::from_secs(60), 8);
         let a = client(1);
-        let ok = r.register(&a, "1", "health", 1, None).unwrap();
-        let err = r.register(&a, "2", "status", 1, None).unwrap();
-        r.register(&a, "3", "status", 1, None).unwrap();
+        let ok = r.register(&a, "1", "health", 1, None, None).unwrap();
+        let err = r.register(&a, "2", "status", 1, None, None).unwrap();
+        r.register(&a, "3", "status", 1, None, None).unwrap();
         r.complete(&ok, true, None, None);
         r.complete(
             &err,
@@ -474,9 +509,9 @@ mod tests {
     fn inflight_cap() {
         let r = Router::new(Duration::from_secs(5), Duration::from_secs(60), 2);
         let a = client(1);
-        r.register(&a, "1", "status", 1, None).unwrap();
-        r.register(&a, "2", "status", 1, None).unwrap();
-        let e = r.register(&a, "3", "status", 1, None).unwrap_err();
+        r.register(&a, "1", "status", 1, None, None).unwrap();
+        r.register(&a, "2", "status", 1, None, None).unwrap();
+        let e = r.register(&a, "3", "status", 1, None, None).unwrap_err();
         assert_eq!(e.code, "studio.too_many_requests");
     }
 }

@@ -213,20 +213,19 @@ impl Dispatcher {
                 me.book().subs.remove(&settle_key);
             }
         });
-        let deferred =
-            match self
-                .sessions
-                .main
-                .send(&self.router, outbound(member, request), Some(settle))
-            {
-                Ok(deferred) => deferred,
-                Err(refused) => {
-                    if st.settle_subscribe(key, Some(cid), gen, false) {
-                        member.book().subs.remove(key);
-                    }
-                    return Err(refused);
+        let deferred = match self.sessions.main.send_in_order(
+            &self.router,
+            outbound(member, request),
+            Some(settle),
+        ) {
+            Ok(deferred) => deferred,
+            Err(refused) => {
+                if st.settle_subscribe(key, Some(cid), gen, false) {
+                    member.book().subs.remove(key);
                 }
-            };
+                return Err(refused);
+            }
+        };
         drop(st);
         deferred.answer(&self.router);
         Ok(())
@@ -247,10 +246,10 @@ impl Dispatcher {
                 .push_frame(encode_res_ok(request.id, &local_answer(sub, false)));
             return Ok(());
         }
-        let deferred = self
-            .sessions
-            .main
-            .send(&self.router, outbound(member, request), None)?;
+        let deferred =
+            self.sessions
+                .main
+                .send_in_order(&self.router, outbound(member, request), None)?;
         drop(st);
         deferred.answer(&self.router);
         Ok(())

@@ -110,7 +110,7 @@ pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
         "upstream": {
             "phase": status.phase.as_str(),
             "url": crate::config::redact_url(&ctx.upstream().target_url()),
-            "session": status.generation,
+            "session": status.sessions,
             "server_version": hello.map(|h| h.server_version.as_str()),
             "protocol": hello.map(|h| h.protocol),
             "scopes": hello.map(|h| &h.scopes),

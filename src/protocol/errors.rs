@@ -47,6 +47,32 @@ impl ErrorShape {
         self
     }
 
+    /// Says whether the request this error answers reached the gateway, so
+    /// a client knows whether a retry could run it twice: `sent: false` (it
+    /// was never written to a gateway socket: retrying runs it once) or
+    /// `sent: true` (it was written, or may have been, before the session
+    /// ended: the gateway may have run it). Merged into `details`; a message
+    /// sentence says the same for people.
+    pub fn with_sent(mut self, sent: bool) -> Self {
+        let mut details = match self.details.take() {
+            Some(Value::Object(map)) => map,
+            Some(other) => {
+                let mut map = serde_json::Map::new();
+                map.insert("details".into(), other);
+                map
+            }
+            None => serde_json::Map::new(),
+        };
+        details.insert("sent".into(), Value::Bool(sent));
+        self.details = Some(Value::Object(details));
+        self.message.push_str(if sent {
+            " (the request had been sent: the gateway may have run it)"
+        } else {
+            " (the request was not sent to the gateway)"
+        });
+        self
+    }
+
     pub fn with_retry_after_ms(mut self, ms: Option<u64>) -> Self {
         self.retry_after_ms = ms;
         self

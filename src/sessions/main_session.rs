@@ -248,7 +248,9 @@ impl SessionOwner for MainSession {
     }
 
     fn ended(&self, generation: u64, end: &SessionEnded) {
-        let failed = self.router.fail_generation(generation, &end.error);
+        let failed = self
+            .router
+            .fail_generation(generation, &end.unsent, &end.error);
         if failed > 0 {
             tracing::info!(
                 generation,
@@ -280,6 +282,6 @@ impl SessionOwner for MainSession {
     fn attempt_failed(&self, generation: u64, error: &ErrorShape) {
         // Only a ready main session takes requests; nothing can be waiting
         // on one that never opened, but the rule is the same for all.
-        self.router.fail_generation(generation, error);
+        self.router.fail_generation_unsent(generation, error);
     }
 }

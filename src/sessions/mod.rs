@@ -33,7 +33,7 @@ use crate::protocol::{ErrorShape, StudioCode};
 use crate::router::{Requester, Router, Settle};
 use crate::sharing::Sharing;
 use crate::upstream::identity::DeviceIdentity;
-use crate::upstream::{Phase, SessionSpec, Upstream};
+use crate::upstream::{Phase, Refusal, SessionSpec, Upstream};
 
 pub use narrower::Narrower;
 pub use own::{OwnRequests, OwnStats};
@@ -65,18 +65,33 @@ pub struct Outbound<'a> {
     pub params: Option<&'a RawValue>,
 }
 
-/// A request that was registered and queued but failed at once; it is
-/// answered after the caller let go of its locks (answering runs the
-/// request's settle, which may take them).
+/// What is left to do for a request once the caller let go of its locks:
+/// answer a failure (answering runs the request's settle, which may take
+/// them), or write what was queued in order under them.
 #[must_use = "a failed request must be answered"]
 #[derive(Debug, Default)]
-pub struct Deferred(Option<(String, ErrorShape)>);
+pub struct Deferred {
+    failed: Option<(String, ErrorShape)>,
+    /// Queued without being written ([`Session::send_in_order`]): written
+    /// now, when the socket is free, outside the caller's locks.
+    flush: Option<Upstream>,
+}
 
 impl Deferred {
-    /// Answers the failure, if there was one.
+    /// Answers the failure, if there was one, and writes what was queued.
     pub fn answer(self, router: &Router) {
-        if let Some((upstream_id, error)) = self.0 {
+        if let Some((upstream_id, error)) = self.failed {
             router.fail(&upstream_id, &error);
+        }
+        if let Some(upstream) = self.flush {
+            upstream.flush();
+        }
+    }
+
+    fn failed(upstream_id: String, error: ErrorShape) -> Self {
+        Deferred {
+            failed: Some((upstream_id, error)),
+            flush: None,
         }
     }
 }
@@ -109,18 +124,48 @@ impl Session {
     /// on this session without waiting. `Err` is a refusal before anything
     /// was registered (`settle` dropped unrun); a failure after that is
     /// returned as [`Deferred`].
+    ///
+    /// Exactly once: a request the session's queue refuses was never
+    /// queued, so it is answered "not sent" here; one it takes is written,
+    /// or withdrawn and answered "not sent" by whoever closes its
+    /// generation or expires it, never both (see [`crate::upstream`]).
     pub fn send(
         &self,
         router: &Router,
         request: Outbound<'_>,
         settle: Option<Settle>,
     ) -> Result<Deferred, ErrorShape> {
+        self.send_with(router, request, settle, true)
+    }
+
+    /// [`Session::send`] for a request queued under a lock that orders it
+    /// among others (subscription changes): it is queued now, keeping its
+    /// place, but written only by [`Deferred::answer`], after the caller
+    /// let go of that lock. (A write may also write other clients' queued
+    /// requests; the one upstream reader needs the subscriptions lock to
+    /// settle an answer, so fan-out must not wait behind it.)
+    pub fn send_in_order(
+        &self,
+        router: &Router,
+        request: Outbound<'_>,
+        settle: Option<Settle>,
+    ) -> Result<Deferred, ErrorShape> {
+        self.send_with(router, request, settle, false)
+    }
+
+    fn send_with(
+        &self,
+        router: &Router,
+        request: Outbound<'_>,
+        settle: Option<Settle>,
+        write_now: bool,
+    ) -> Result<Deferred, ErrorShape> {
         let Some(generation) = self.generation() else {
             if self.kind == SessionKind::Main {
                 let _ = self.upstream.nudge();
             }
             router.metrics.record_refused(request.method);
-            return Err(self.not_ready_error());
+            return Err(self.not_ready_error().with_sent(false));
         };
         let upstream_id = router.register(
             request.requester,
@@ -128,18 +173,35 @@ impl Session {
             request.method,
             generation,
             settle,
+            Some(self.upstream.withdrawer()),
         )?;
         let text = encode_req(&upstream_id, request.method, request.params);
         router.tap.outbound(&text);
-        if let Err(error) = self.upstream.try_send(generation, text) {
-            return Ok(Deferred(Some((upstream_id, error))));
+        let out = crate::upstream::Outbound {
+            generation,
+            id: upstream_id,
+            text,
+        };
+        let queued = if write_now {
+            self.upstream.try_send(out)
+        } else {
+            self.upstream.try_queue(out)
+        };
+        match queued {
+            Ok(()) if write_now => Ok(Deferred::default()),
+            Ok(()) => Ok(Deferred {
+                failed: None,
+                flush: Some(self.upstream.clone()),
+            }),
+            Err((Refusal::Full, out)) => Ok(Deferred::failed(
+                out.id,
+                Refusal::queue_full_error().with_sent(false),
+            )),
+            Err((Refusal::Closed, out)) => Ok(Deferred::failed(
+                out.id,
+                self.not_ready_error().with_sent(false),
+            )),
         }
-        // If the session ended meanwhile, the request may never be written:
-        // fail it now rather than at its deadline (a no-op if failed already).
-        if self.generation() != Some(generation) {
-            return Ok(Deferred(Some((upstream_id, self.not_ready_error()))));
-        }
-        Ok(Deferred(None))
     }
 }
 

@@ -330,7 +330,7 @@ impl Narrower {
                 json!({
                     "scopes": grant,
                     "phase": s.phase.as_str(),
-                    "session": s.generation,
+                    "session": s.sessions,
                     "holders": e.holders,
                     "granted": s.hello.as_ref().map(|h| &h.scopes),
                     "last_error": s.last_error.as_ref().map(|e| e.to_json()),
@@ -381,7 +381,8 @@ impl SessionOwner for NarrowerSession {
     fn early_events_lost(&self, _generation: u64) {}
 
     fn ended(&self, generation: u64, end: &SessionEnded) {
-        self.router.fail_generation(generation, &end.error);
+        self.router
+            .fail_generation(generation, &end.unsent, &end.error);
     }
 
     fn attempt_failed(&self, generation: u64, error: &ErrorShape) {
@@ -391,6 +392,6 @@ impl SessionOwner for NarrowerSession {
             error.retry_after_ms,
             crate::upstream::Phase::Backoff,
         );
-        self.router.fail_generation(generation, &named);
+        self.router.fail_generation_unsent(generation, &named);
     }
 }

@@ -51,8 +51,9 @@ impl OwnRequests {
     }
 
     /// Queues a (un)subscribe of `key` on `session`. Takes the subscription
-    /// state's guard: it is sent while the lock is held, so it keeps its
-    /// place among every client's subscription changes. The label (never a
+    /// state's guard: it is queued while the lock is held, so it keeps its
+    /// place among every client's subscription changes, and written by the
+    /// returned [`Deferred`] once the caller let go of the lock. The label (never a
     /// session key: those are user data) says what it was for.
     pub fn subscription_change(
         &self,
@@ -73,7 +74,7 @@ impl OwnRequests {
             method,
             params: raw.as_deref(),
         };
-        match session.send(&self.router, request, settle) {
+        match session.send_in_order(&self.router, request, settle) {
             Ok(deferred) => deferred,
             Err(refused) => {
                 self.record_failure(

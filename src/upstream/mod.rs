@@ -9,12 +9,19 @@
 //! (`crate::sessions` holds the owners: the main session and the narrower
 //! ones), which decides what they mean.
 //!
-//! Each successful handshake starts a new generation. Requests are tagged
-//! with the generation they were sent on, so a request meant for a session
-//! that has since died is never replayed on the next one. (The broker-life
-//! id of `/v1/events` is a different thing: the replay *epoch*.)
+//! Each attempt to open a session takes a new *generation*, and keeps it if
+//! it succeeds. Requests are tagged with the generation they were sent on;
+//! when a session ends, or the attempt that would have opened it fails, its
+//! generation is closed in the outlet: its requests still queued are taken
+//! out (their clients are answered "not sent") and any request for it that
+//! comes later is refused. So a request is either written to a gateway
+//! socket or answered as failed, never both, and a request meant for a
+//! session that never opened or has died is never written on the next one.
+//! (The broker-life id of `/v1/events` is a different thing: the replay
+//! *epoch*.)
 //!
-//! The queue to the session is bounded ([`UPSTREAM_QUEUE_FRAMES`]) and never
+//! The queue to the session is bounded in requests
+//! ([`UPSTREAM_QUEUE_FRAMES`]) and bytes ([`UPSTREAM_QUEUE_BYTES`]) and never
 //! waited on: a full queue fails the request at once with a retryable error.
 //!
 //! - `connector`: the task, its reconnect loop, the session and its watchdog.
@@ -77,6 +84,15 @@ use crate::protocol::{ErrorShape, StudioCode};
 /// `studio.too_many_requests` (retryable) at once: the gateway is not
 /// reading as fast as clients send, and waiting would stall every client.
 pub const UPSTREAM_QUEUE_FRAMES: usize = 1024;
+
+/// Bytes of requests queued for one gateway session at most (issue 30: a
+/// count alone let 250 requests of 8 MiB hold 1,658 MiB while the gateway
+/// did not read). A request that does not fit is answered
+/// `studio.too_many_requests` (retryable); one request of any size (up to
+/// the frame limit) fits an empty queue. With the main session and
+/// [`crate::sessions::narrower::MAX_GRANT_SESSIONS`] narrower ones, queued
+/// requests hold at most 9 × this plus one frame each.
+pub const UPSTREAM_QUEUE_BYTES: usize = 16 * 1024 * 1024;
 
 /// Where the upstream session is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,8 +176,11 @@ impl UpstreamHello {
 #[derive(Debug, Clone)]
 pub struct Status {
     pub phase: Phase,
-    /// The session generation: increments with every successful handshake.
+    /// The generation of the session that is open, or of the attempt
+    /// under way (or last made): every attempt takes a new one.
     pub generation: u64,
+    /// Sessions opened (successful handshakes) by this connector.
+    pub sessions: u64,
     pub hello: Option<Arc<UpstreamHello>>,
     /// Why the last attempt or session ended (already in `studio.*` form).
     pub last_error: Option<ErrorShape>,
@@ -192,6 +211,7 @@ impl Status {
         Status {
             phase: Phase::Connecting,
             generation: 0,
+            sessions: 0,
             hello: None,
             last_error: None,
             retry_at: None,
@@ -315,6 +335,8 @@ impl ClientCredential {
 #[derive(Debug)]
 pub struct Outbound {
     pub generation: u64,
+    /// Its id on the gateway session (the pending table's key).
+    pub id: String,
     pub text: String,
 }
 
@@ -333,10 +355,13 @@ pub trait SessionOwner: Send + Sync + 'static {
     /// More events arrived before `hello-ok` than the transport keeps: some
     /// of session `generation`'s events were lost.
     fn early_events_lost(&self, generation: u64);
-    /// Session `generation` ended.
+    /// Session `generation` ended. Its requests that were still queued
+    /// were withdrawn unwritten: `end.unsent`.
     fn ended(&self, generation: u64, end: &SessionEnded);
-    /// The attempt that would have opened session `generation` failed
-    /// (requests queued for it while it was connecting must be failed).
+    /// The attempt that would have opened session `generation` failed:
+    /// requests queued for it while it was connecting were withdrawn (none
+    /// was written: there was no socket), and any request still registered
+    /// for it must be answered "not sent".
     fn attempt_failed(&self, generation: u64, error: &ErrorShape);
 }
 
@@ -369,6 +394,9 @@ pub struct SessionEnded {
     pub gateway_close_code: Option<u16>,
     /// What requests still waiting on this session are answered with.
     pub error: ErrorShape,
+    /// The requests that were still queued, withdrawn unwritten (answered
+    /// `sent: false`; every other request of the session `sent: true`).
+    pub unsent: Vec<String>,
 }
 
 /// What one connector asks for and keeps; the same connect loop serves the
@@ -493,9 +521,13 @@ impl Upstream {
     /// current target).
     pub fn with_target(target: Target, generation_base: u64) -> (Upstream, ConnectorSeed) {
         let mut initial = Status::initial();
-        initial.generation = generation_base;
+        // The first attempt's generation.
+        initial.generation = generation_base + 1;
         let (status_tx, status_rx) = watch::channel(initial);
-        let outlet = Arc::new(outlet::Outlet::new(UPSTREAM_QUEUE_FRAMES));
+        let outlet = Arc::new(outlet::Outlet::new(
+            UPSTREAM_QUEUE_FRAMES,
+            UPSTREAM_QUEUE_BYTES,
+        ));
         let (target_tx, target_rx) = watch::channel(target);
         let (offer_tx, offer_rx) = mpsc::channel(16);
         let nudge = Arc::new(tokio::sync::Notify::new());
@@ -688,14 +720,13 @@ impl Upstream {
     }
 
     /// The generation a request sent now would go out on: the ready
-    /// session's, or, while an attempt is under way, the one it will open
-    /// (requests queued for it are written once it is ready, and failed
-    /// through [`SessionOwner::attempt_failed`] if it never is).
+    /// session's, or, while an attempt is under way, the attempt's
+    /// (requests queued for it are written once it is ready, or withdrawn
+    /// and answered "not sent" if it fails: never both).
     pub fn next_generation(&self) -> Option<u64> {
         let s = self.status.borrow();
         match s.phase {
-            Phase::Ready => Some(s.generation),
-            Phase::Connecting | Phase::Handshaking => Some(s.generation + 1),
+            Phase::Ready | Phase::Connecting | Phase::Handshaking => Some(s.generation),
             _ => None,
         }
     }
@@ -751,20 +782,65 @@ impl Upstream {
 
     /// Queues a request for the session of `generation`, never waiting, and
     /// writes it on the caller's thread when the socket is free and has room
-    /// ([`outlet`]). A full queue is `studio.too_many_requests` (retryable); a
-    /// request for a session that has ended is dropped (its pending entry is
-    /// failed by whoever ended it).
-    pub fn try_send(&self, generation: u64, text: String) -> Result<(), ErrorShape> {
-        match self.outlet.push(Outbound { generation, text }) {
-            Ok(()) => Ok(()),
-            Err(outlet::Full) => Err(ErrorShape::studio(
-                StudioCode::TooManyRequests,
-                format!(
-                    "{UPSTREAM_QUEUE_FRAMES} requests are already waiting to be written to the gateway (it is not reading fast enough); try again shortly"
-                ),
-            )
-            .with_retry_after_ms(Some(QUEUE_FULL_RETRY_MS))),
-        }
+    /// ([`outlet`]). A refusal means it was never queued (so never written):
+    /// [`Refusal::Full`] (answer `studio.too_many_requests`, retryable) or
+    /// [`Refusal::Closed`] (its session ended or never opened).
+    pub fn try_send(&self, out: Outbound) -> Result<(), (Refusal, Outbound)> {
+        self.outlet.push(out).map_err(Refusal::from_outlet)
+    }
+
+    /// Queues a request like [`Upstream::try_send`] but never writes it
+    /// here: [`Upstream::flush`] does, later, outside the caller's locks.
+    pub fn try_queue(&self, out: Outbound) -> Result<(), (Refusal, Outbound)> {
+        self.outlet.queue(out).map_err(Refusal::from_outlet)
+    }
+
+    /// Writes what is queued if the socket is free (see [`Upstream::try_queue`]).
+    pub fn flush(&self) {
+        self.outlet.flush();
+    }
+
+    /// Takes request `id` out of this session's queue if it was not
+    /// written yet: true means it never will be.
+    pub fn withdraw(&self, id: &str) -> bool {
+        self.outlet.withdraw(id)
+    }
+
+    /// The queue as the pending table sees it (to withdraw a request that
+    /// expires unwritten); a pointer copy, no allocation.
+    pub fn withdrawer(&self) -> Arc<dyn crate::router::Withdraw> {
+        Arc::clone(&self.outlet) as Arc<dyn crate::router::Withdraw>
+    }
+}
+
+/// Why a request was not queued; either way it was never written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The queue holds [`UPSTREAM_QUEUE_FRAMES`] or [`UPSTREAM_QUEUE_BYTES`].
+    Full,
+    /// Its session ended, or the attempt that would have opened it failed.
+    Closed,
+}
+
+impl Refusal {
+    fn from_outlet((r, out): (outlet::Refused, Outbound)) -> (Refusal, Outbound) {
+        let r = match r {
+            outlet::Refused::Full => Refusal::Full,
+            outlet::Refused::Closed => Refusal::Closed,
+        };
+        (r, out)
+    }
+
+    /// The answer to a request refused so: the queue's own words when full.
+    pub fn queue_full_error() -> ErrorShape {
+        ErrorShape::studio(
+            StudioCode::TooManyRequests,
+            format!(
+                "too many requests are already waiting to be written to the gateway (at most {UPSTREAM_QUEUE_FRAMES}, {} MiB; it is not reading fast enough); try again shortly",
+                UPSTREAM_QUEUE_BYTES >> 20
+            ),
+        )
+        .with_retry_after_ms(Some(QUEUE_FULL_RETRY_MS))
     }
 }
 

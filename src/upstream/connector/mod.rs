@@ -515,10 +515,16 @@ impl Connector {
             .flatten()
     }
 
-    /// The attempt that would have opened the next session failed.
+    /// The attempt under way failed: its generation is closed (requests
+    /// queued for it are withdrawn unwritten and answered "not sent", later
+    /// ones refused), and the next attempt takes a new one, so nothing meant
+    /// for this attempt is ever written on a later session.
     fn attempt_failed(&self, error: ErrorShape) {
-        let next = self.status.borrow().generation + 1;
-        self.owner.attempt_failed(next, &error);
+        let generation = self.status.borrow().generation;
+        // No socket was installed: whatever was queued is withdrawn unwritten.
+        let _withdrawn = self.outlet.close(generation);
+        self.status.send_modify(|s| s.generation = generation + 1);
+        self.owner.attempt_failed(generation, &error);
     }
 
     /// Logs a failed attempt: the first of a run of failures, a change of

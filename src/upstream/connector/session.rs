@@ -61,8 +61,9 @@ impl Connector {
         let silence_limit = silence_limit(&hello);
         let mut generation = 0;
         self.status.send_modify(|s| {
-            s.generation += 1;
+            // The attempt's generation becomes the session's.
             generation = s.generation;
+            s.sessions += 1;
             s.phase = Phase::Ready;
             s.had_session = true;
             s.on_client_credential =
@@ -174,7 +175,10 @@ impl Connector {
                 }
             }
         }
-        let sink = outlet.uninstall().await;
+        // Closed first: from here a request for this generation is refused
+        // (answered "not sent"), and those still queued are withdrawn.
+        let unsent = outlet.close(generation);
+        let sink = outlet.uninstall(generation).await;
         if let (Some(frame), Some(mut sink)) = (close, sink) {
             // Bounded: the socket may be the very thing that is stuck.
             let _ =
@@ -204,6 +208,8 @@ impl Connector {
             } else {
                 Phase::Backoff
             };
+            // The next attempt's generation.
+            s.generation = generation + 1;
             s.hello = None;
             // What a client mirroring the gateway is closed with: the
             // gateway's own close where it may be sent on, else a restart.
@@ -226,6 +232,7 @@ impl Connector {
                 restart_hint: restart_expected,
                 gateway_close_code,
                 error,
+                unsent,
             },
         );
         SessionEnd {
