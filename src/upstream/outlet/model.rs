@@ -114,9 +114,19 @@ fn run_writer(o: &Outlet) {
     }
 }
 
+/// Runs `f` under loom with a bounded number of preemptions per execution
+/// (tokio's own models use 2–3): every interleaving with at most that many
+/// forced switches is explored, which is where bugs of this size live, and
+/// the suite stays fast.
+fn model(f: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(3);
+    builder.check(f);
+}
+
 #[test]
 fn fates_are_decided_once() {
-    loom::model(|| {
+    model(|| {
         let log: Log = Default::default();
         let refused = std::sync::Arc::new(StdMutex::new(Vec::new()));
         let woken = Arc::new(AtomicBool::new(false));
@@ -176,7 +186,7 @@ fn fates_are_decided_once() {
 
 #[test]
 fn a_failed_attempt_never_writes_its_requests() {
-    loom::model(|| {
+    model(|| {
         let log: Log = Default::default();
         let refused = std::sync::Arc::new(StdMutex::new(Vec::new()));
         let woken = Arc::new(AtomicBool::new(false));
@@ -211,7 +221,7 @@ fn a_failed_attempt_never_writes_its_requests() {
 
 #[test]
 fn an_old_socket_is_never_put_back() {
-    loom::model(|| {
+    model(|| {
         let log: Log = Default::default();
         let o = outlet();
         {
