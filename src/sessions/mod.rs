@@ -38,22 +38,19 @@ use crate::upstream::{Phase, Refusal, SessionSpec, Upstream};
 pub use narrower::Narrower;
 pub use own::{OwnRequests, OwnStats};
 
-/// Which session a [`Session`] handle is for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SessionKind {
-    /// The broker's shared session: only a ready session takes requests
-    /// (local clients wait for it in their `connect`).
-    Main,
-    /// A narrower session holding these scopes: a request sent while it
-    /// is connecting is queued for the session being opened.
-    Narrower(Vec<String>),
-}
-
-/// A handle to one upstream session: its transport and what it is.
+/// A handle to one upstream session: its transport, and what differs
+/// between the main session and a narrower one, as data.
 #[derive(Debug, Clone)]
 pub struct Session {
     pub upstream: Upstream,
-    pub kind: SessionKind,
+    /// The scopes a narrower session holds, named in its errors; `None`
+    /// for the main session, whose own status says why it is not ready.
+    pub narrower_scopes: Option<Arc<[String]>>,
+    /// A request sent while the session is opening is queued for it (a
+    /// narrower session: its clients are already connected). The main
+    /// session takes requests only when ready: its clients wait for it in
+    /// their `connect`.
+    pub queues_while_opening: bool,
 }
 
 /// A request on its way to a session: who asked, under which id, what.
@@ -97,26 +94,45 @@ impl Deferred {
 }
 
 impl Session {
+    /// The broker's shared session on `upstream`.
+    pub fn main(upstream: Upstream) -> Self {
+        Session {
+            upstream,
+            narrower_scopes: None,
+            queues_while_opening: false,
+        }
+    }
+
+    /// A narrower session holding `scopes` on `upstream`.
+    pub fn narrower(upstream: Upstream, scopes: &[String]) -> Self {
+        Session {
+            upstream,
+            narrower_scopes: Some(scopes.into()),
+            queues_while_opening: true,
+        }
+    }
+
     /// The generation a request sent now goes out on, if any.
     fn generation(&self) -> Option<u64> {
-        match self.kind {
-            SessionKind::Main => self.upstream.ready_generation(),
-            SessionKind::Narrower(_) => self.upstream.next_generation(),
+        if self.queues_while_opening {
+            self.upstream.next_generation()
+        } else {
+            self.upstream.ready_generation()
         }
     }
 
     /// Why a request cannot be sent now.
     pub fn not_ready_error(&self) -> ErrorShape {
         let status = self.upstream.status();
-        match &self.kind {
-            SessionKind::Main => status.not_ready_error(),
-            SessionKind::Narrower(scopes) => narrower_error(
-                scopes,
-                status.last_error.as_ref(),
-                status.retry_after_ms(),
-                status.phase,
-            ),
-        }
+        let Some(scopes) = &self.narrower_scopes else {
+            return status.not_ready_error();
+        };
+        narrower_error(
+            scopes,
+            status.last_error.as_ref(),
+            status.retry_after_ms(),
+            status.phase,
+        )
     }
 
     /// The one send path: registers the request (its deadline, the
@@ -161,9 +177,8 @@ impl Session {
         write_now: bool,
     ) -> Result<Deferred, ErrorShape> {
         let Some(generation) = self.generation() else {
-            if self.kind == SessionKind::Main {
-                let _ = self.upstream.nudge();
-            }
+            // A session in backoff tries sooner (a narrower one ignores it).
+            let _ = self.upstream.nudge();
             router.metrics.record_refused(request.method);
             return Err(self.not_ready_error().with_sent(false));
         };
@@ -290,10 +305,7 @@ impl Sessions {
         upstream: Upstream,
         identity: Option<Arc<DeviceIdentity>>,
     ) -> Sessions {
-        let main = Session {
-            upstream,
-            kind: SessionKind::Main,
-        };
+        let main = Session::main(upstream);
         let own = Arc::new(OwnRequests::new(p.hub, p.router));
         let main_owner = Arc::new(main_session::MainSession::new(
             main.clone(),

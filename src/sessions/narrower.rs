@@ -34,7 +34,7 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::{narrower_error, Session, SessionKind};
+use super::{narrower_error, Session};
 use crate::config::Settings;
 use crate::policy::Grant;
 use crate::protocol::{ErrorShape, StudioCode, UpstreamFrame};
@@ -246,10 +246,7 @@ impl Narrower {
         let base = GENERATION_BASE + n * GENERATIONS_PER_SESSION;
         let (upstream, seed) = self.factory.main.follow(base);
         let scopes = grant.scopes().to_vec();
-        let session = Session {
-            upstream,
-            kind: SessionKind::Narrower(scopes.clone()),
-        };
+        let session = Session::narrower(upstream, &scopes);
         let cancel = self.factory.cancel.child_token();
         let owner = Arc::new(NarrowerSession {
             scopes: scopes.clone(),
