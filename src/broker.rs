@@ -190,7 +190,7 @@ impl RunningBroker {
             sessions,
             dispatcher,
         } = Core::start(&settings, &tracker, &cancel);
-        let dedicated = Arc::new(crate::local::dedicated::registry::Dedicated::new(
+        let dedicated = Arc::new(crate::dedicated_registry::Dedicated::new(
             settings.limits.max_dedicated,
         ));
         let ctx = Arc::new(Ctx {

@@ -9,9 +9,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Settings;
+use crate::dedicated_registry::Dedicated;
 use crate::dispatch::Dispatcher;
 use crate::hub::Hub;
-use crate::local::dedicated::registry::Dedicated;
 use crate::router::Router;
 use crate::sessions::Sessions;
 use crate::sharing::Sharing;

@@ -41,7 +41,9 @@
 //! - [`router`]: request-id rewriting and the pending table (deadlines,
 //!   `agent`'s two answers, failing everything when a session is lost);
 //!   [`sharing`]: the gateway's per-connection state shared by many clients
-//!   (subscriptions, run ownership, who receives each event).
+//!   (subscriptions, run ownership, who receives each event);
+//!   [`dedicated_registry`]: the open `/ws/dedicated` connections (their
+//!   cap, listing and counters), plain data the context holds.
 //! - At the bottom, pure: [`config`] (settings and every limit),
 //!   [`policy`] (scopes, the gateway's method table, socket policies),
 //!   [`protocol`] (frames with raw payloads, the `studio.*` errors),
@@ -74,6 +76,7 @@ pub mod broker;
 pub mod cli;
 pub mod config;
 pub mod context;
+pub mod dedicated_registry;
 pub mod dispatch;
 pub mod files;
 pub mod hub;

@@ -49,7 +49,6 @@
 
 mod close;
 mod connect_auth;
-pub mod registry;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -65,6 +64,8 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use super::preconnect::{PreconnectBudget, OVER_BUDGET};
 use super::ws::Ws;
 use crate::context::Ctx;
+pub use crate::dedicated_registry::{Dedicated, Outcomes};
+use crate::dedicated_registry::{Listing, Slot};
 use crate::policy::{MethodFilter, SocketPolicy};
 use crate::protocol::frames::encode_res_error;
 use crate::protocol::{ConnectRequest, ErrorShape, StudioCode, UpstreamFrame};
@@ -75,8 +76,6 @@ use crate::upstream::{
 use close::{send_close, text_message};
 pub use connect_auth::client_auth;
 use connect_auth::inject_token;
-pub use registry::{Dedicated, Outcomes};
-use registry::{Listing, Slot};
 
 /// How long a client may stay open without sending its `connect` before the
 /// gateway connection is opened anyway, so a client that waits for the

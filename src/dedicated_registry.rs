@@ -1,4 +1,4 @@
-//! The open dedicated connections: the cap, the `/v1/state` listing, and
+//! The open dedicated connections (`/ws/dedicated`): the cap, the `/v1/state` listing, and
 //! the counters `/metrics` shows.
 
 use std::collections::BTreeMap;
@@ -17,7 +17,7 @@ use crate::rate::OpenLimiter;
 pub struct Dedicated {
     /// One permit per open connection (`limits.max_dedicated`).
     slots: Arc<Semaphore>,
-    pub(super) max: usize,
+    pub(crate) max: usize,
     open: Mutex<BTreeMap<u64, Listing>>,
     next_id: AtomicU64,
     /// How connections went, for `/metrics`.
@@ -70,7 +70,7 @@ impl Outcomes {
     }
 
     /// Counts a relay that ended (`reason`: a fixed label).
-    pub(super) fn ended(&self, reason: &'static str) {
+    pub(crate) fn ended(&self, reason: &'static str) {
         *self
             .ends
             .lock()
@@ -89,22 +89,22 @@ impl Outcomes {
 /// One open dedicated connection as `/v1/state` shows it: who the client
 /// says it is (never its credentials), and how far it got.
 #[derive(Debug, Clone)]
-pub(super) struct Listing {
-    pub(super) opened: Instant,
+pub(crate) struct Listing {
+    pub(crate) opened: Instant,
     /// `opening` (no `connect` forwarded yet), `connecting` (waiting for the
     /// gateway's answer), `connected`, or `rejected`.
-    pub(super) phase: &'static str,
+    pub(crate) phase: &'static str,
     /// `client` of its connect params: id, mode, version, platform, …
-    pub(super) client: Value,
-    pub(super) role: Option<String>,
-    pub(super) device_id: Option<String>,
+    pub(crate) client: Value,
+    pub(crate) role: Option<String>,
+    pub(crate) device_id: Option<String>,
     /// Which credential went upstream: `host-token` (injected by the
     /// broker), or the client's own `token`, `password`, `device-token`,
     /// `device` (a signature alone).
-    pub(super) auth: Option<&'static str>,
+    pub(crate) auth: Option<&'static str>,
     /// The gateway's `server.connId` and granted scopes, from its `hello-ok`.
-    pub(super) conn_id: Option<String>,
-    pub(super) scopes: Option<Value>,
+    pub(crate) conn_id: Option<String>,
+    pub(crate) scopes: Option<Value>,
 }
 
 impl Dedicated {
@@ -157,7 +157,7 @@ impl Dedicated {
     }
 
     /// Takes a slot, or `None` at the cap.
-    pub(super) fn try_open(self: &Arc<Self>) -> Option<Slot> {
+    pub(crate) fn try_open(self: &Arc<Self>) -> Option<Slot> {
         let permit = Arc::clone(&self.slots).try_acquire_owned().ok()?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         self.listings().insert(
@@ -182,14 +182,14 @@ impl Dedicated {
 }
 
 /// One connection's slot; dropping it frees the slot and its listing.
-pub(super) struct Slot {
+pub(crate) struct Slot {
     registry: Arc<Dedicated>,
-    pub(super) id: u64,
+    pub(crate) id: u64,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Slot {
-    pub(super) fn update(&self, f: impl FnOnce(&mut Listing)) {
+    pub(crate) fn update(&self, f: impl FnOnce(&mut Listing)) {
         if let Some(l) = self.registry.listings().get_mut(&self.id) {
             f(l);
         }
