@@ -14,9 +14,12 @@
 //!   are shown as `\u{202e}`.
 //! - [`field`] also cuts an overlong field with `…`.
 //!
-//! JSON outputs (`tail --json`, `--hud`, `call`'s payload) do not use this:
-//! serde already escapes every control character, and the output must stay
-//! exact JSON.
+//! JSON outputs (`tail --json`, `--hud`, `status --json`, `call`,
+//! `doctor --json`, `record`) go through [`json`] / [`json_pretty`] /
+//! [`json_text`] instead: serde escapes C0 controls, `"` and `\` but
+//! writes DEL, C1 and bidi characters raw (JSON allows them), so those are
+//! written as `\u009b`, `\u202e`: the output stays exact JSON with the
+//! same value, and shows nothing a terminal would act on.
 //!
 //! Hand-written: the crates that strip ANSI sequences (`strip-ansi-escapes`,
 //! `console`) remove well-formed sequences but pass bare controls, C1 and
@@ -209,6 +212,58 @@ pub fn preview(s: &str, max_chars: usize, keep: Keep) -> String {
     }
 }
 
+/// `value` as one line of JSON for a terminal: serde's compact text through
+/// [`json_text`].
+pub fn json(value: &serde_json::Value) -> String {
+    json_text(&value.to_string()).into_owned()
+}
+
+/// `value` as indented JSON for a terminal: serde's pretty text through
+/// [`json_text`].
+pub fn json_pretty(value: &serde_json::Value) -> String {
+    let text = serde_json::to_string_pretty(value).unwrap_or_default();
+    json_text(&text).into_owned()
+}
+
+/// JSON text (serialized here, or received as it is, like a `/v1/events`
+/// record's `data`) with every character [`text`] would escape, but for
+/// newlines and tabs, written as a JSON escape inside strings (`\u009b`,
+/// `\u202e`, `\u007f`): the same JSON value, nothing a terminal acts on.
+/// Outside strings, where valid JSON has only spaces, tabs, newlines and
+/// carriage returns, a carriage return becomes a space (the same JSON; it
+/// could otherwise overwrite the line) and any other such character (not
+/// valid JSON anyway) is written as `\u001b` too.
+pub fn json_text(s: &str) -> Cow<'_, str> {
+    let changed = |c: char| escape_of(c, false).is_some() && !matches!(c, '\n' | '\t');
+    if !s.chars().any(changed) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 16);
+    let (mut in_string, mut escaped) = (false, false);
+    for c in s.chars() {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_string = false;
+            }
+        } else if c == '"' {
+            in_string = true;
+        } else if c == '\r' {
+            out.push(' ');
+            continue;
+        }
+        if changed(c) {
+            let _ = write!(out, "\\u{:04x}", c as u32);
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
 /// For text a program's own formatter wrote (a log line): newlines and SGR
 /// colour sequences (`ESC [ digits/; m`, which only colour) are kept, every
 /// other control and invisible character is escaped, so a value logged from
@@ -308,6 +363,44 @@ mod tests {
         );
         assert_eq!(quoted(r#"say "\e""#), r#""say \"\\e\"""#);
         assert_eq!(one_line("a\nb\u{9b}"), "a b\\u{9b}");
+    }
+
+    #[test]
+    fn json_outputs_escape_c1_del_and_bidi_and_keep_their_value() {
+        let hostile =
+            "a\u{9b}31m\u{7f}\u{202e}\u{2066}\u{200e}\u{200f}\u{61c}\u{85}\x1b]0;x\x07 Grüße";
+        let value = serde_json::json!({"k\u{202a}": hostile, "n": [1, "\u{9d}"]});
+        let raw = value.to_string();
+        assert!(raw.contains('\u{9b}'), "serde writes C1 raw: {raw:?}");
+        for out in [json(&value), json_pretty(&value)] {
+            assert!(visible(&out.replace('\n', "")), "{out:?}");
+            for escape in [
+                "\\u009b", "\\u007f", "\\u202e", "\\u2066", "\\u200e", "\\u200f", "\\u061c",
+                "\\u202a", "\\u009d", "\\u001b",
+            ] {
+                assert!(out.contains(escape), "{escape} in {out}");
+            }
+            assert!(out.contains("Grüße"), "ordinary text is kept: {out}");
+            let back: serde_json::Value = serde_json::from_str(&out).unwrap();
+            assert_eq!(back, value, "the same JSON value");
+        }
+        assert!(json_pretty(&value).contains('\n'));
+        assert!(!json(&value).contains('\n'));
+        assert!(matches!(json_text(r#"{"a":"plain"}"#), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn json_text_received_as_is_is_escaped_in_and_out_of_strings() {
+        // An escaped quote does not end the string; a CR between tokens
+        // (valid JSON) becomes a space.
+        let text = "{\"a\":\"x\\\"\u{9b}\",\r\"b\":\"\\\\\u{202e}\"}";
+        let out = json_text(text);
+        assert_eq!(out, "{\"a\":\"x\\\"\\u009b\", \"b\":\"\\\\\\u202e\"}");
+        let back: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(back["a"], "x\"\u{9b}");
+        assert_eq!(back["b"], "\\\u{202e}");
+        // Not JSON at all: still nothing raw.
+        assert!(visible(&json_text("\x1b[2J\u{9b}")));
     }
 
     #[test]

@@ -97,7 +97,8 @@ impl Sink {
     }
 
     fn raw(&mut self, line: &Value) -> Result<(), CliError> {
-        let mut text = line.to_string();
+        // Read with `cat` or `tail -f` too: C1 and bidi characters escaped.
+        let mut text = crate::sanitize::json(line);
         text.push('\n');
         self.out
             .write_all(text.as_bytes())
@@ -111,7 +112,7 @@ impl Sink {
     /// line is written instead.
     fn line(&mut self, line: &Value) -> Result<Result<(), Full>, CliError> {
         if let Some(max) = self.max {
-            let len = line.to_string().len() as u64 + 1;
+            let len = crate::sanitize::json(line).len() as u64 + 1;
             if self.written + len + END_LINE_RESERVE > max {
                 self.end("max-bytes")?;
                 return Ok(Err(Full::Limit));
