@@ -264,11 +264,14 @@ pub fn json_text(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// For text a program's own formatter wrote (a log line): newlines and SGR
-/// colour sequences (`ESC [ digits/; m`, which only colour) are kept, every
-/// other control and invisible character is escaped, so a value logged from
-/// a client or the gateway cannot carry an OSC, a cursor move or a bidi
-/// override to the terminal.
+/// For text a program's own formatter wrote (a log line): newlines and the
+/// formatter's own SGR styles ([`OWN_SGR`]) are kept, every other control
+/// and invisible character is escaped, so a value logged from a client or
+/// the gateway cannot carry an OSC, a cursor move or a bidi override to the
+/// terminal, nor an SGR that hides (`ESC[8m`) or recolours the line. The
+/// values themselves are escaped before the line is formed
+/// ([`crate::logging::EscapedFields`]): this keeps only what the formatter
+/// could have written.
 pub fn styled_lines(s: &str) -> Cow<'_, str> {
     if lines(s) == s {
         return Cow::Borrowed(s);
@@ -294,14 +297,24 @@ pub fn styled_lines(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// The length of the SGR sequence `s` starts with, if it starts with one.
+/// The SGR parameters the log formatter writes (`tracing-subscriber`
+/// through `nu-ansi-term`): reset, bold, dimmed, italic, their ends, and
+/// the level colours. Not conceal (8), reverse (7), background colours or
+/// black, which could hide text.
+const OWN_SGR: [&str; 13] = [
+    "0", "1", "2", "3", "22", "23", "31", "32", "33", "34", "35", "36", "39",
+];
+
+/// The length of the SGR sequence `s` starts with, if it starts with one
+/// made of [`OWN_SGR`] parameters only.
 fn sgr_len(s: &str) -> Option<usize> {
     let body = s.strip_prefix("\x1b[")?;
-    let params = body
+    let len = body
         .bytes()
         .take_while(|b| b.is_ascii_digit() || *b == b';')
         .count();
-    (body.as_bytes().get(params) == Some(&b'm')).then_some(2 + params + 1)
+    let own = body[..len].split(';').all(|p| OWN_SGR.contains(&p));
+    (own && body.as_bytes().get(len) == Some(&b'm')).then_some(2 + len + 1)
 }
 
 #[cfg(test)]
@@ -411,6 +424,23 @@ mod tests {
             "\x1b[2m10:00\x1b[0m \x1b[32mINFO\x1b[0m client=\\e]0;x\\x07\\u{202e}\n"
         );
         assert_eq!(styled_lines("\x1b[2Jx"), "\\e[2Jx", "only SGR is kept");
+        // Only the formatter's own styles: not conceal, reverse, black or
+        // a background, nor an empty reset.
+        for hiding in [
+            "\x1b[8m",
+            "\x1b[7m",
+            "\x1b[30m",
+            "\x1b[2;40m",
+            "\x1b[38;5;0m",
+            "\x1b[m",
+        ] {
+            let shown = styled_lines(hiding);
+            assert!(shown.starts_with("\\e["), "{hiding:?} shown as {shown:?}");
+        }
+        assert_eq!(
+            styled_lines("\x1b[1;32mok\x1b[22;0m"),
+            "\x1b[1;32mok\x1b[22;0m"
+        );
         assert!(matches!(styled_lines("plain\n"), Cow::Borrowed(_)));
     }
 }
