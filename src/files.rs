@@ -56,7 +56,8 @@ fn size(n: u64) -> String {
     }
 }
 
-fn kind_of(t: std::fs::FileType) -> &'static str {
+/// What a file that is not a regular one is, for a refusal: "a FIFO".
+pub(crate) fn kind_of(t: std::fs::FileType) -> &'static str {
     if t.is_dir() {
         "a directory"
     } else if t.is_fifo() {

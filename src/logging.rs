@@ -19,12 +19,16 @@
 //!   of their own; this is ~60 lines.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tracing::field::{Field, Visit};
 use tracing::{Event, Level, Metadata, Subscriber};
+use tracing_subscriber::field::RecordFields;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::FormatFields;
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
@@ -72,6 +76,7 @@ pub fn init(directives: &str) -> LogGuard {
         .thread_name("clawmux-log")
         .finish(Escaping(std::io::stderr()));
     let fmt = tracing_subscriber::fmt::layer()
+        .fmt_fields(EscapedFields)
         .with_writer(writer)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let _ = tracing_subscriber::registry()
@@ -83,11 +88,80 @@ pub fn init(directives: &str) -> LogGuard {
     LogGuard(guard)
 }
 
+/// Writes an event's (and a span's) fields like `tracing-subscriber`'s
+/// default (`message` bare, then `name=value`, the name italic and `=`
+/// dimmed on a terminal), but every value through
+/// [`crate::sanitize::text`]: an ESC in a logged value (a gateway's
+/// `server_version`, a client id, a session key) is written as `\e`, so
+/// the only escape sequences left in a line are the formatter's own
+/// styles, and a newline in a value cannot start a forged log line. (The
+/// default escapes ESC in `message` only, not in other fields.)
+#[derive(Debug, Default, Clone, Copy)]
+pub struct EscapedFields;
+
+impl<'writer> FormatFields<'writer> for EscapedFields {
+    fn format_fields<R: RecordFields>(&self, writer: Writer<'writer>, fields: R) -> fmt::Result {
+        let mut visitor = EscapingVisitor {
+            writer,
+            result: Ok(()),
+            first: true,
+        };
+        fields.record(&mut visitor);
+        visitor.result
+    }
+}
+
+struct EscapingVisitor<'writer> {
+    writer: Writer<'writer>,
+    result: fmt::Result,
+    first: bool,
+}
+
+impl Visit for EscapingVisitor<'_> {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "message" {
+            self.record_debug(field, &format_args!("{value}"));
+        } else {
+            self.record_debug(field, &value);
+        }
+    }
+
+    fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
+        self.record_debug(field, &format_args!("{value}"));
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        let name = field.name();
+        // `log` records' metadata, printed by the formatter itself.
+        if self.result.is_err() || name.starts_with("log.") {
+            return;
+        }
+        let text = format!("{value:?}");
+        let shown = crate::sanitize::text(&text);
+        let sep = if std::mem::take(&mut self.first) {
+            ""
+        } else {
+            " "
+        };
+        let name = name.strip_prefix("r#").unwrap_or(name);
+        self.result = match (name, self.writer.has_ansi_escapes()) {
+            ("message", _) => write!(self.writer, "{sep}{shown}"),
+            (name, true) => write!(
+                self.writer,
+                "{sep}\x1b[3m{name}\x1b[0m\x1b[2m=\x1b[0m{shown}"
+            ),
+            (name, false) => write!(self.writer, "{sep}{name}={shown}"),
+        };
+    }
+}
+
 /// Shows every control and invisible character of a log line escaped
 /// ([`crate::sanitize::styled_lines`]) but the formatter's own colours and
 /// the line's newline: logged values (client ids, session keys, gateway
-/// messages) cannot drive the terminal the log is read on.
-/// (`tracing-subscriber` escapes ESC in fields, not C1 or bidi characters.)
+/// messages) cannot drive the terminal the log is read on. The values
+/// were escaped already ([`EscapedFields`]), so an SGR sequence left in the
+/// line is the formatter's; this is the second line of defence (and
+/// covers what the formatter writes itself).
 pub struct Escaping<W>(pub W);
 
 impl<W: std::io::Write> std::io::Write for Escaping<W> {
@@ -190,6 +264,61 @@ mod tests {
             String::from_utf8(out.0).unwrap(),
             "\x1b[32mINFO\x1b[0m client=\\e]52;c;aGk=\\x07 \\u{202e}x\n"
         );
+    }
+
+    /// A line buffer the formatter writes to (through [`Escaping`]).
+    #[derive(Clone, Default)]
+    struct Lines(std::sync::Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// What the broker's formatter writes for one event, on a terminal
+    /// (colours on) and not.
+    fn formatted(ansi: bool, log: impl FnOnce()) -> String {
+        let lines = Lines::default();
+        let sink = lines.clone();
+        let fmt = tracing_subscriber::fmt::layer()
+            .fmt_fields(EscapedFields)
+            .with_writer(move || Escaping(sink.clone()))
+            .with_ansi(ansi);
+        tracing::subscriber::with_default(tracing_subscriber::registry().with(fmt), log);
+        let bytes = lines.0.lock().unwrap().clone();
+        String::from_utf8(bytes).unwrap()
+    }
+
+    #[test]
+    fn an_sgr_in_a_logged_value_is_escaped_and_the_formatters_own_kept() {
+        // A gateway's version that would hide the rest of the line, or
+        // colour it, and a newline that would forge a line.
+        let version = "2026\x1b[8m\x1b[30;40mhidden\x1b[0m\n2026-01-01 INFO forged";
+        let colour = formatted(true, || {
+            let _span = tracing::info_span!("session", key = "k\x1b[31m").entered();
+            tracing::info!(server_version = %version, id = ?"c\x1b[7m", "ready \x1b[8mx");
+        });
+        for raw in ["\x1b[8m", "\x1b[30;40m", "\x1b[31m", "\x1b[7m"] {
+            assert!(!colour.contains(raw), "{raw:?} raw in {colour:?}");
+        }
+        assert!(
+            colour.contains("\\e[8m\\e[30;40mhidden\\e[0m\\n2026"),
+            "{colour:?}"
+        );
+        assert!(colour.contains("\x1b[32m INFO\x1b[0m") || colour.contains("\x1b[32mINFO"));
+        assert!(
+            colour.contains("\x1b[3mserver_version\x1b[0m\x1b[2m=\x1b[0m"),
+            "{colour:?}"
+        );
+        assert_eq!(colour.matches('\n').count(), 1, "one line: {colour:?}");
+        let plain = formatted(false, || tracing::info!(server_version = %version, "ready"));
+        assert!(!plain.contains('\x1b'), "{plain:?}");
+        assert!(plain.contains("server_version=2026\\e[8m"), "{plain:?}");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! that offer atomic writes either chmod after creating or cannot refuse to
 //! replace an existing file.)
 
-use std::fs::{DirBuilder, OpenOptions, Permissions};
+use std::fs::{DirBuilder, File, OpenOptions, Permissions};
 use std::io::{self, Write as _};
 use std::os::unix::fs::{
     DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _,
@@ -113,11 +113,7 @@ pub fn write_private(
     bytes: &[u8],
     existing: Existing,
 ) -> Result<Written, PrivateFileError> {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.{}.tmp", uuid::Uuid::new_v4().simple()));
+    let tmp = temporary_name(path);
     let result = (|| {
         let mut file = OpenOptions::new()
             .write(true)
@@ -140,6 +136,58 @@ pub fn write_private(
     // After a rename the temporary name is gone already; otherwise remove it.
     let _ = std::fs::remove_file(&tmp);
     result.map_err(io_error(path))
+}
+
+/// Creates `path` anew for a file written as it goes (a recording), mode
+/// 0600 from its first byte, and never through a symbolic link: a fresh
+/// temporary file in the same directory (`O_CREAT|O_EXCL`, 0600) is moved
+/// over `path` at once, and the open file is returned. `rename(2)`
+/// replaces a link, never follows it, so neither a link's target nor a
+/// dangling link's would-be target is written, chmodded or created; a link
+/// at `path` is refused outright (the caller meant its target: say so
+/// rather than replace the link), and so is anything that is not a regular
+/// file (a device, a FIFO, a directory), which would be replaced.
+pub fn create_private(path: &Path) -> Result<File, PrivateFileError> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_symlink() => {
+            return Err(PrivateFileError::Unsafe {
+                path: path.to_owned(),
+                reason: "it is a symbolic link, and clawmux does not write through links; name the file itself".into(),
+            })
+        }
+        Ok(meta) if !meta.is_file() => {
+            return Err(PrivateFileError::Unsafe {
+                path: path.to_owned(),
+                reason: format!("it is {}, not a regular file", crate::files::kind_of(meta.file_type())),
+            })
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_error(path)(e)),
+    }
+    let tmp = temporary_name(path);
+    let result = (|| {
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        std::fs::rename(&tmp, path)?;
+        Ok(file)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(io_error(path))
+}
+
+/// A name for a temporary file beside `path` that no one else uses.
+fn temporary_name(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".{name}.{}.tmp", uuid::Uuid::new_v4().simple()))
 }
 
 #[cfg(test)]
@@ -196,6 +244,67 @@ mod tests {
         let f = tmp.path().join("f");
         std::fs::write(&f, b"").unwrap();
         assert!(ensure_private_dir(&f).is_err());
+    }
+
+    #[test]
+    fn a_created_file_is_fresh_private_and_replaces_a_regular_one() {
+        use std::io::Write as _;
+        let tmp = tempfile::tempdir().unwrap();
+        let f = tmp.path().join("rec.jsonl");
+        std::fs::write(&f, b"old contents").unwrap();
+        std::fs::set_permissions(&f, Permissions::from_mode(0o644)).unwrap();
+        let mut file = create_private(&f).unwrap();
+        file.write_all(b"new").unwrap();
+        assert_eq!(std::fs::read(&f).unwrap(), b"new");
+        assert_eq!(mode(&f), 0o600);
+        assert_eq!(
+            std::fs::read_dir(tmp.path()).unwrap().count(),
+            1,
+            "no temporary left"
+        );
+        drop(file);
+        create_private(&tmp.path().join("new.jsonl")).unwrap();
+        assert_eq!(mode(&tmp.path().join("new.jsonl")), 0o600);
+    }
+
+    #[test]
+    fn a_link_is_never_written_through_and_a_dangling_one_creates_nothing() {
+        let tmp = tempfile::tempdir().unwrap();
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, b"keep me").unwrap();
+        std::fs::set_permissions(&victim, Permissions::from_mode(0o644)).unwrap();
+        let link = tmp.path().join("rec.jsonl");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        let e = create_private(&link).unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
+        assert_eq!(mode(&victim), 0o644, "the target's mode is untouched");
+        assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
+
+        let nowhere = tmp.path().join("nowhere");
+        let dangling = tmp.path().join("dangling.jsonl");
+        std::os::unix::fs::symlink(&nowhere, &dangling).unwrap();
+        let e = create_private(&dangling).unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        assert!(!nowhere.exists(), "the target is not created");
+        // Nothing else was left behind either.
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 3);
+    }
+
+    #[test]
+    fn a_device_or_a_fifo_is_not_replaced() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fifo = tmp.path().join("rec.jsonl");
+        rustix::fs::mkfifoat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+        )
+        .unwrap();
+        let e = create_private(&fifo).unwrap_err();
+        assert!(e.to_string().contains("a FIFO, not a regular file"), "{e}");
+        let e = create_private(tmp.path()).unwrap_err();
+        assert!(e.to_string().contains("a directory"), "{e}");
     }
 
     #[test]

@@ -14,9 +14,12 @@
 //!   are shown as `\u{202e}`.
 //! - [`field`] also cuts an overlong field with `…`.
 //!
-//! JSON outputs (`tail --json`, `--hud`, `call`'s payload) do not use this:
-//! serde already escapes every control character, and the output must stay
-//! exact JSON.
+//! JSON outputs (`tail --json`, `--hud`, `status --json`, `call`,
+//! `doctor --json`, `record`) go through [`json`] / [`json_pretty`] /
+//! [`json_text`] instead: serde escapes C0 controls, `"` and `\` but
+//! writes DEL, C1 and bidi characters raw (JSON allows them), so those are
+//! written as `\u009b`, `\u202e`: the output stays exact JSON with the
+//! same value, and shows nothing a terminal would act on.
 //!
 //! Hand-written: the crates that strip ANSI sequences (`strip-ansi-escapes`,
 //! `console`) remove well-formed sequences but pass bare controls, C1 and
@@ -209,11 +212,66 @@ pub fn preview(s: &str, max_chars: usize, keep: Keep) -> String {
     }
 }
 
-/// For text a program's own formatter wrote (a log line): newlines and SGR
-/// colour sequences (`ESC [ digits/; m`, which only colour) are kept, every
-/// other control and invisible character is escaped, so a value logged from
-/// a client or the gateway cannot carry an OSC, a cursor move or a bidi
-/// override to the terminal.
+/// `value` as one line of JSON for a terminal: serde's compact text through
+/// [`json_text`].
+pub fn json(value: &serde_json::Value) -> String {
+    json_text(&value.to_string()).into_owned()
+}
+
+/// `value` as indented JSON for a terminal: serde's pretty text through
+/// [`json_text`].
+pub fn json_pretty(value: &serde_json::Value) -> String {
+    let text = serde_json::to_string_pretty(value).unwrap_or_default();
+    json_text(&text).into_owned()
+}
+
+/// JSON text (serialized here, or received as it is, like a `/v1/events`
+/// record's `data`) with every character [`text`] would escape, but for
+/// newlines and tabs, written as a JSON escape inside strings (`\u009b`,
+/// `\u202e`, `\u007f`): the same JSON value, nothing a terminal acts on.
+/// Outside strings, where valid JSON has only spaces, tabs, newlines and
+/// carriage returns, a carriage return becomes a space (the same JSON; it
+/// could otherwise overwrite the line) and any other such character (not
+/// valid JSON anyway) is written as `\u001b` too.
+pub fn json_text(s: &str) -> Cow<'_, str> {
+    let changed = |c: char| escape_of(c, false).is_some() && !matches!(c, '\n' | '\t');
+    if !s.chars().any(changed) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 16);
+    let (mut in_string, mut escaped) = (false, false);
+    for c in s.chars() {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_string = false;
+            }
+        } else if c == '"' {
+            in_string = true;
+        } else if c == '\r' {
+            out.push(' ');
+            continue;
+        }
+        if changed(c) {
+            let _ = write!(out, "\\u{:04x}", c as u32);
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// For text a program's own formatter wrote (a log line): newlines and the
+/// formatter's own SGR styles ([`OWN_SGR`]) are kept, every other control
+/// and invisible character is escaped, so a value logged from a client or
+/// the gateway cannot carry an OSC, a cursor move or a bidi override to the
+/// terminal, nor an SGR that hides (`ESC[8m`) or recolours the line. The
+/// values themselves are escaped before the line is formed
+/// ([`crate::logging::EscapedFields`]): this keeps only what the formatter
+/// could have written.
 pub fn styled_lines(s: &str) -> Cow<'_, str> {
     if lines(s) == s {
         return Cow::Borrowed(s);
@@ -239,14 +297,24 @@ pub fn styled_lines(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// The length of the SGR sequence `s` starts with, if it starts with one.
+/// The SGR parameters the log formatter writes (`tracing-subscriber`
+/// through `nu-ansi-term`): reset, bold, dimmed, italic, their ends, and
+/// the level colours. Not conceal (8), reverse (7), background colours or
+/// black, which could hide text.
+const OWN_SGR: [&str; 13] = [
+    "0", "1", "2", "3", "22", "23", "31", "32", "33", "34", "35", "36", "39",
+];
+
+/// The length of the SGR sequence `s` starts with, if it starts with one
+/// made of [`OWN_SGR`] parameters only.
 fn sgr_len(s: &str) -> Option<usize> {
     let body = s.strip_prefix("\x1b[")?;
-    let params = body
+    let len = body
         .bytes()
         .take_while(|b| b.is_ascii_digit() || *b == b';')
         .count();
-    (body.as_bytes().get(params) == Some(&b'm')).then_some(2 + params + 1)
+    let own = body[..len].split(';').all(|p| OWN_SGR.contains(&p));
+    (own && body.as_bytes().get(len) == Some(&b'm')).then_some(2 + len + 1)
 }
 
 #[cfg(test)]
@@ -311,6 +379,44 @@ mod tests {
     }
 
     #[test]
+    fn json_outputs_escape_c1_del_and_bidi_and_keep_their_value() {
+        let hostile =
+            "a\u{9b}31m\u{7f}\u{202e}\u{2066}\u{200e}\u{200f}\u{61c}\u{85}\x1b]0;x\x07 Grüße";
+        let value = serde_json::json!({"k\u{202a}": hostile, "n": [1, "\u{9d}"]});
+        let raw = value.to_string();
+        assert!(raw.contains('\u{9b}'), "serde writes C1 raw: {raw:?}");
+        for out in [json(&value), json_pretty(&value)] {
+            assert!(visible(&out.replace('\n', "")), "{out:?}");
+            for escape in [
+                "\\u009b", "\\u007f", "\\u202e", "\\u2066", "\\u200e", "\\u200f", "\\u061c",
+                "\\u202a", "\\u009d", "\\u001b",
+            ] {
+                assert!(out.contains(escape), "{escape} in {out}");
+            }
+            assert!(out.contains("Grüße"), "ordinary text is kept: {out}");
+            let back: serde_json::Value = serde_json::from_str(&out).unwrap();
+            assert_eq!(back, value, "the same JSON value");
+        }
+        assert!(json_pretty(&value).contains('\n'));
+        assert!(!json(&value).contains('\n'));
+        assert!(matches!(json_text(r#"{"a":"plain"}"#), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn json_text_received_as_is_is_escaped_in_and_out_of_strings() {
+        // An escaped quote does not end the string; a CR between tokens
+        // (valid JSON) becomes a space.
+        let text = "{\"a\":\"x\\\"\u{9b}\",\r\"b\":\"\\\\\u{202e}\"}";
+        let out = json_text(text);
+        assert_eq!(out, "{\"a\":\"x\\\"\\u009b\", \"b\":\"\\\\\\u202e\"}");
+        let back: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(back["a"], "x\"\u{9b}");
+        assert_eq!(back["b"], "\\\u{202e}");
+        // Not JSON at all: still nothing raw.
+        assert!(visible(&json_text("\x1b[2J\u{9b}")));
+    }
+
+    #[test]
     fn log_lines_keep_colours_and_newlines_only() {
         let line = "\x1b[2m10:00\x1b[0m \x1b[32mINFO\x1b[0m client=\x1b]0;x\x07\u{202e}\n";
         assert_eq!(
@@ -318,6 +424,23 @@ mod tests {
             "\x1b[2m10:00\x1b[0m \x1b[32mINFO\x1b[0m client=\\e]0;x\\x07\\u{202e}\n"
         );
         assert_eq!(styled_lines("\x1b[2Jx"), "\\e[2Jx", "only SGR is kept");
+        // Only the formatter's own styles: not conceal, reverse, black or
+        // a background, nor an empty reset.
+        for hiding in [
+            "\x1b[8m",
+            "\x1b[7m",
+            "\x1b[30m",
+            "\x1b[2;40m",
+            "\x1b[38;5;0m",
+            "\x1b[m",
+        ] {
+            let shown = styled_lines(hiding);
+            assert!(shown.starts_with("\\e["), "{hiding:?} shown as {shown:?}");
+        }
+        assert_eq!(
+            styled_lines("\x1b[1;32mok\x1b[22;0m"),
+            "\x1b[1;32mok\x1b[22;0m"
+        );
         assert!(matches!(styled_lines("plain\n"), Cow::Borrowed(_)));
     }
 }

@@ -71,12 +71,12 @@ pub async fn run(args: CallArgs) -> Result<u8, CliError> {
         }
     };
     if args.json {
-        super::print_line(&res.to_string());
+        super::print_line(&sanitize::json(&res));
     }
     if res["ok"] == true {
         if !args.json {
             let payload = res.get("payload").cloned().unwrap_or(Value::Null);
-            super::print_line(&serde_json::to_string_pretty(&payload).unwrap_or_default());
+            super::print_line(&sanitize::json_pretty(&payload));
         }
         return Ok(0);
     }

@@ -47,8 +47,10 @@ pub fn run_line(p: &Value) -> Option<String> {
     if state == "delta" {
         return None;
     }
+    // Every field is the gateway's (or a recording's): shown escaped.
     let run: String = p["runId"].as_str().unwrap_or("?").chars().take(8).collect();
-    let session = p["sessionKey"].as_str().unwrap_or("?");
+    let run = crate::sanitize::text(&run);
+    let session = crate::sanitize::text(p["sessionKey"].as_str().unwrap_or("?"));
     let what = match state {
         "final" => format!(
             "answered {}",
@@ -58,9 +60,9 @@ pub fn run_line(p: &Value) -> Option<String> {
         ),
         "error" => format!(
             "failed: {}",
-            p["errorMessage"].as_str().unwrap_or("(no message)")
+            crate::sanitize::text(p["errorMessage"].as_str().unwrap_or("(no message)"))
         ),
-        other => other.to_owned(),
+        other => crate::sanitize::text(other).into_owned(),
     };
     Some(format!("clawmux demo: run {run} on {session} {what}"))
 }
@@ -79,5 +81,20 @@ mod tests {
             r#"clawmux demo: run 5e8cdc96 on agent:main:main answered "Hello from the mock gateway""#
         );
         assert!(run_line(&json!({"state":"delta"})).is_none());
+    }
+
+    #[test]
+    fn the_gateways_fields_are_shown_escaped() {
+        let err = json!({"runId":"\u{1b}[8mabcd","sessionKey":"main\u{202e}x","state":"error",
+            "errorMessage":"bad\u{9b}2J"});
+        assert_eq!(
+            run_line(&err).unwrap(),
+            "clawmux demo: run \\e[8mabcd on main\\u{202e}x failed: bad\\u{9b}2J"
+        );
+        let odd = json!({"runId":"r","sessionKey":"s","state":"\u{1b}]0;x\u{7}"});
+        assert_eq!(
+            run_line(&odd).unwrap(),
+            "clawmux demo: run r on s \\e]0;x\\x07"
+        );
     }
 }

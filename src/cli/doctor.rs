@@ -18,10 +18,7 @@ use crate::upstream::identity::KEY_FILE;
 pub async fn run(resolved: Result<Resolved, crate::protocol::ErrorShape>, json: bool) -> ExitCode {
     let report = check(resolved).await;
     if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report).unwrap_or_default()
-        );
+        super::print_line(&crate::sanitize::json_pretty(&report));
     } else {
         let paint = super::style::Paint::stdout();
         print!("{}", render(&report, &paint));

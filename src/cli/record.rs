@@ -37,7 +37,7 @@ const END_LINE_RESERVE: u64 = 96;
 pub struct RecordArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
-    /// Write the recording here (created 0600, replaced if it exists) [default: stdout].
+    /// Write the recording here (a new 0600 file, replacing a regular one; a symbolic link is refused) [default: stdout].
     #[arg(long, short = 'o', value_name = "FILE")]
     pub out: Option<PathBuf>,
     /// Only these events (comma-separated gateway event names), e.g. chat,agent; gaps are always kept.
@@ -69,25 +69,13 @@ impl Sink {
         let out: Box<dyn Write + Send> = match path {
             None => Box::new(std::io::stdout()),
             Some(p) if p.as_os_str() == "-" => Box::new(std::io::stdout()),
-            Some(p) => {
-                use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-                let cannot = |e: std::io::Error| {
-                    CliError::Usage(format!("cannot write {}: {e}", p.display()))
-                };
-                let file = std::fs::OpenOptions::new()
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .mode(0o600)
-                    .open(p)
-                    .map_err(cannot)?;
-                // `mode` applies only to a file this creates: an existing
-                // one keeps its mode unless it is set (the recording holds
-                // the session's traffic, so it is the owner's only).
-                file.set_permissions(std::fs::Permissions::from_mode(0o600))
-                    .map_err(cannot)?;
-                Box::new(file)
-            }
+            // A new 0600 file moved into place (the recording holds the
+            // session's traffic, so it is the owner's only); a symbolic
+            // link there is refused, never written through.
+            Some(p) => Box::new(
+                crate::private_files::create_private(p)
+                    .map_err(|e| CliError::Usage(e.to_string()))?,
+            ),
         };
         Ok(Sink {
             out,
@@ -97,7 +85,8 @@ impl Sink {
     }
 
     fn raw(&mut self, line: &Value) -> Result<(), CliError> {
-        let mut text = line.to_string();
+        // Read with `cat` or `tail -f` too: C1 and bidi characters escaped.
+        let mut text = crate::sanitize::json(line);
         text.push('\n');
         self.out
             .write_all(text.as_bytes())
@@ -111,7 +100,7 @@ impl Sink {
     /// line is written instead.
     fn line(&mut self, line: &Value) -> Result<Result<(), Full>, CliError> {
         if let Some(max) = self.max {
-            let len = line.to_string().len() as u64 + 1;
+            let len = crate::sanitize::json(line).len() as u64 + 1;
             if self.written + len + END_LINE_RESERVE > max {
                 self.end("max-bytes")?;
                 return Ok(Err(Full::Limit));

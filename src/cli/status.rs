@@ -31,10 +31,7 @@ pub async fn run(args: StatusArgs) -> Result<u8, CliError> {
         )));
     }
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&state).unwrap_or_default()
-        );
+        super::print_line(&crate::sanitize::json_pretty(&state));
     } else {
         print!("{}", render_styled(&state, &super::style::Paint::stdout()));
     }

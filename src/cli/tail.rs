@@ -321,7 +321,12 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
                 let Some(seq) = seq else { continue };
                 let line = filter.matches(&name, &frame["payload"]).then(|| {
                     if args.json {
-                        data
+                        // The record as the broker sent it, C1 and bidi
+                        // characters escaped.
+                        match crate::sanitize::json_text(&data) {
+                            std::borrow::Cow::Borrowed(_) => data,
+                            std::borrow::Cow::Owned(escaped) => escaped,
+                        }
                     } else {
                         format_line_styled(
                             seq,

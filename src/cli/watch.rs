@@ -361,7 +361,7 @@ impl LineView {
         let mut out = Vec::new();
         for change in &changes {
             match self.mode {
-                LineMode::Hud => out.push(hud_line(change, replay).to_string()),
+                LineMode::Hud => out.push(crate::sanitize::json(&hud_line(change, replay))),
                 LineMode::Tree => out.extend(self.printer.lines(change, replay, local_time)),
             }
         }

@@ -13,7 +13,8 @@
 //!   and every change is queued upstream while its lock is held (ordered);
 //! - runs belong to the client that started them: every abort-like method
 //!   ([`crate::policy::methods::ABORT_LIKE`]) of another client's run needs
-//!   `operator.admin`;
+//!   `operator.admin`, and so does a chat message the gateway reads as
+//!   "stop" ([`crate::policy::stop`]);
 //! - node-only methods are refused here: every refusal upstream would count
 //!   toward the gateway's shared "repeated unauthorized calls" close.
 

@@ -3,11 +3,11 @@
 //! the few params it reads. The policy check and the dispatch both use the
 //! same parse.
 
-use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::policy::methods::{reads_params, ABORT_LIKE};
+use crate::policy::stop::is_stop_message;
 use crate::sharing::SubKey;
 
 /// What the broker does with a request.
@@ -24,7 +24,9 @@ pub enum Kind {
         /// The canonical session key it runs in, if named.
         session_key: Option<String>,
     },
-    /// A method that stops or redirects a run ([`ABORT_LIKE`]): the owner rule.
+    /// A method that stops or redirects a run ([`ABORT_LIKE`]), or a
+    /// `chat.send`/`sessions.send` whose message the gateway reads as
+    /// "stop" ([`is_stop_message`]): the owner rule.
     Abort {
         run_id: Option<String>,
         /// The canonical session key, if named.
@@ -56,16 +58,29 @@ pub struct Request<'a> {
 }
 
 /// The params the broker itself reads.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default)]
 struct Fields {
-    #[serde(default)]
     key: Option<String>,
-    #[serde(rename = "sessionKey", default)]
     session_key: Option<String>,
-    #[serde(rename = "runId", default)]
     run_id: Option<String>,
-    #[serde(rename = "idempotencyKey", default)]
     idempotency_key: Option<String>,
+    message: Option<String>,
+}
+
+impl Fields {
+    /// Each field read on its own, as a string: one of another type (which
+    /// the gateway's schema refuses anyway) does not hide the others, so a
+    /// stop message cannot slip by with a stray `"runId": 5` beside it.
+    fn read(parsed: &Value) -> Fields {
+        let text = |name: &str| parsed.get(name).and_then(Value::as_str).map(str::to_owned);
+        Fields {
+            key: text("key"),
+            session_key: text("sessionKey"),
+            run_id: text("runId"),
+            idempotency_key: text("idempotencyKey"),
+            message: text("message"),
+        }
+    }
 }
 
 fn non_empty(s: &Option<String>) -> Option<&str> {
@@ -76,7 +91,11 @@ fn non_empty(s: &Option<String>) -> Option<&str> {
 fn broker_reads(method: &str) -> bool {
     matches!(
         method,
-        "sessions.messages.subscribe" | "sessions.messages.unsubscribe" | "chat.send" | "agent"
+        "sessions.messages.subscribe"
+            | "sessions.messages.unsubscribe"
+            | "chat.send"
+            | "agent"
+            | "sessions.send"
     ) || ABORT_LIKE.contains(&method)
 }
 
@@ -96,7 +115,7 @@ impl<'a> Request<'a> {
             .and_then(|p| serde_json::from_str(p.get()).ok())
             .unwrap_or(Value::Null);
         let fields = if reads {
-            Fields::deserialize(&parsed).unwrap_or_default()
+            Fields::read(&parsed)
         } else {
             Fields::default()
         };
@@ -130,7 +149,16 @@ impl<'a> Request<'a> {
             key: SubKey::Sessions,
             asked: None,
         };
+        let stops = f.message.as_deref().is_some_and(is_stop_message);
         match method {
+            // The gateway aborts the session's runs instead of starting one.
+            "chat.send" | "sessions.send" if stops => Kind::Abort {
+                run_id: None,
+                // `chat.send` names it `sessionKey`, `sessions.send` `key`.
+                session_key: non_empty(&f.session_key)
+                    .or(non_empty(&f.key))
+                    .map(canonical),
+            },
             "sessions.subscribe" => Kind::Subscribe(sessions),
             "sessions.unsubscribe" => Kind::Unsubscribe(sessions),
             "sessions.messages.subscribe" => messages(true),
@@ -199,5 +227,48 @@ mod tests {
             );
         }
         assert_eq!(parse("status", r#"{"key":"s"}"#), Kind::Plain);
+    }
+
+    #[test]
+    fn a_stop_message_is_a_session_wide_abort_where_the_gateway_reads_one() {
+        let abort = Kind::Abort {
+            run_id: None,
+            session_key: Some("agent:main:s".into()),
+        };
+        for (method, params) in [
+            (
+                "chat.send",
+                r#"{"sessionKey":"s","message":"/stop","idempotencyKey":"r1"}"#,
+            ),
+            ("chat.send", r#"{"sessionKey":"s","message":"Stop!"}"#),
+            ("sessions.send", r#"{"key":"s","message":"please stop"}"#),
+            // A field of another type does not hide the message.
+            (
+                "chat.send",
+                r#"{"sessionKey":"s","message":"/stop","runId":5}"#,
+            ),
+        ] {
+            assert_eq!(parse(method, params), abort, "{method} {params}");
+        }
+        // `agent` reads no stop word: its message starts a run.
+        assert_eq!(
+            parse(
+                "agent",
+                r#"{"sessionKey":"s","message":"/stop","idempotencyKey":"r1"}"#
+            ),
+            Kind::StartRun {
+                run_id: "r1".into(),
+                session_key: Some("agent:main:s".into())
+            }
+        );
+        // Not a stop, or not a string: as before.
+        assert_eq!(
+            parse("sessions.send", r#"{"key":"s","message":"stop the music"}"#),
+            Kind::Plain
+        );
+        assert_eq!(
+            parse("chat.send", r#"{"sessionKey":"s","message":["stop"]}"#),
+            Kind::Plain
+        );
     }
 }

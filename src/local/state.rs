@@ -7,6 +7,7 @@
 //! in it: no token, no device token (the upstream `hello-ok` is not copied
 //! whole), and the gateway URL without user info or query.
 
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -32,19 +33,25 @@ pub fn document(ctx: &Ctx) -> Value {
 
 /// The `/v1/state` document for a caller on `socket`. On a further socket
 /// (`[[sockets]]`, maybe another user's) it lists only the clients of that
-/// socket, its own policy without the uid and gid lists, the main socket's
-/// path not at all, and the dedicated connections as a count (issue 24:
-/// every socket saw every client's peer pid, identity, scopes and
-/// connection id, every policy's users, and the dedicated clients' blocks).
+/// socket and the subscriptions they hold, its own policy without the uid
+/// and gid lists, the main socket's path not at all, and the dedicated
+/// connections as a count (issue 24: every socket saw every client's peer
+/// pid, identity, scopes and connection id, every policy's users, and the
+/// dedicated clients' blocks; issue 30: the session keys other sockets'
+/// clients subscribed to).
 pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
     let full = socket.is_main();
     let (snapshot, window) = ctx.hub.snapshot_with_window();
     let status = ctx.upstream().status();
     let hello = status.hello.as_deref();
     let all = ctx.hub.clients();
-    let clients: Vec<Value> = all
+    let mine: Vec<_> = all
         .iter()
         .filter(|c| full || c.access().is_some_and(|a| a.socket.name == socket.name))
+        .collect();
+    let own: HashSet<u64> = mine.iter().map(|c| c.id).collect();
+    let clients: Vec<Value> = mine
+        .iter()
         .map(|c| {
             json!({
                 "id": c.id,
@@ -132,7 +139,7 @@ pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
         "dedicated_open": ctx.dedicated.count(),
         "requests_pending": ctx.router.pending_count(),
         "rpc_inflight": ctx.dispatcher.rpc_inflight(),
-        "subscriptions": subscriptions_json(ctx),
+        "subscriptions": subscriptions_json(ctx, |id| full || own.contains(&id)),
         "broker_requests": ctx.sessions.own.snapshot(),
         "limits": limits_json(&ctx.settings.limits),
     })
@@ -153,9 +160,10 @@ fn process_uptime_ms() -> Option<u64> {
     Some(system_ms.saturating_sub(start_ticks * 1000 / USER_HZ))
 }
 
-/// Local subscriptions as the broker holds them upstream.
-fn subscriptions_json(ctx: &Ctx) -> Value {
-    let (sessions, messages) = ctx.sharing.subscriptions.counts();
+/// Local subscriptions as the broker holds them upstream, counting only the
+/// holders `holder` accepts (on a further socket: that socket's clients).
+fn subscriptions_json(ctx: &Ctx, holder: impl Fn(u64) -> bool) -> Value {
+    let (sessions, messages) = ctx.sharing.subscriptions.counts_held_by(holder);
     json!({"sessions": sessions, "messages": messages})
 }
 

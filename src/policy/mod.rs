@@ -5,12 +5,15 @@
 //! - [`methods`]: which scope each gateway method needs (the gateway's own
 //!   table), checked before a request is forwarded.
 //! - [`events`]: which scope each event needs, checked per client.
+//! - [`stop`]: the chat messages the gateway reads as "stop this session's
+//!   runs" (the abort ownership rule applies to them).
 //! - [`SocketPolicy`]: what every client of one socket gets at most (scopes,
 //!   method allow/deny lists, which users may connect).
 
 pub mod events;
 pub mod methods;
 pub mod scopes;
+pub mod stop;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -170,11 +170,13 @@ impl SubscriptionState {
             .unwrap_or_default()
     }
 
-    /// Every key held by at least one client, with its holder count.
-    pub fn counts(&self) -> HashMap<SubKey, usize> {
+    /// Every key held by at least one client `holder` accepts, with the
+    /// count of those holders.
+    pub fn counts(&self, holder: impl Fn(u64) -> bool) -> HashMap<SubKey, usize> {
         self.keys
             .iter()
-            .map(|(k, h)| (k.clone(), h.clients.len()))
+            .map(|(k, h)| (k.clone(), h.clients.keys().filter(|&&c| holder(c)).count()))
+            .filter(|(_, n)| *n > 0)
             .collect()
     }
 }
@@ -200,7 +202,14 @@ impl Subscriptions {
     /// Local subscription counts: `sessions.subscribe` holders, and holders
     /// per `sessions.messages.subscribe` key (for state reporting and tests).
     pub fn counts(&self) -> (usize, HashMap<String, usize>) {
-        let counts = self.lock().counts();
+        self.counts_held_by(|_| true)
+    }
+
+    /// [`Self::counts`] among the clients `holder` accepts: a caller on a
+    /// further socket is told only about its own socket's clients (the
+    /// keys another client holds are that client's business).
+    pub fn counts_held_by(&self, holder: impl Fn(u64) -> bool) -> (usize, HashMap<String, usize>) {
+        let counts = self.lock().counts(holder);
         let mut sessions = 0;
         let mut messages = HashMap::new();
         for (k, n) in counts {
@@ -281,11 +290,23 @@ mod tests {
             panic!()
         };
         s.settle_subscribe(&k, Some(1), gen, false);
-        assert!(s.counts().is_empty());
+        assert!(s.counts(|_| true).is_empty());
         s.subscribe(&SubKey::Sessions, 1);
         s.subscribe(&k, 2);
         let again: Vec<SubKey> = s.resubscribe().into_iter().map(|(k, _)| k).collect();
         assert_eq!(again, vec![SubKey::Sessions, k]);
+    }
+
+    #[test]
+    fn counts_among_some_holders_leave_out_the_keys_only_others_hold() {
+        let mut s = SubscriptionState::default();
+        let (mine, theirs) = (SubKey::Messages("m".into()), SubKey::Messages("t".into()));
+        s.subscribe(&mine, 1);
+        s.subscribe(&mine, 2);
+        s.subscribe(&theirs, 2);
+        assert_eq!(s.counts(|_| true).len(), 2);
+        let only_one = s.counts(|c| c == 1);
+        assert_eq!(only_one, HashMap::from([(mine, 1)]));
     }
 
     /// Subscribe (pending) → unsubscribe → subscribe again → the first one

@@ -509,3 +509,52 @@ async fn state_on_a_further_socket_shows_only_its_own_clients() {
     );
     assert!(full.contains("65534"), "{full}");
 }
+
+/// Issue 30: `/v1/state` on a further socket listed the session keys
+/// clients of other sockets had subscribed to (`subscriptions.messages`).
+/// Each socket now sees the subscriptions of its own clients only; the
+/// main socket sees all.
+#[tokio::test]
+async fn state_on_a_further_socket_counts_only_its_own_clients_subscriptions() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = dir.path().join("extra.sock");
+    let h = start_with(mock_config(), |s| {
+        let mut policy = methods_only_socket(&extra, false);
+        policy.methods.allow = vec![
+            "sessions.subscribe".into(),
+            "sessions.messages.subscribe".into(),
+        ];
+        s.sockets = vec![policy]
+    })
+    .await;
+    let read = Some(&["operator.read"][..]);
+    let (mut owner, _) = client_asking(&h.socket(), read, ("owner-tool", "cli")).await;
+    let (mut guest, _) = client_asking(&extra, read, ("guest-tool", "cli")).await;
+    for (client, key) in [(&mut owner, "owner-secret"), (&mut guest, "guest-own")] {
+        let res = client
+            .request("sessions.messages.subscribe", json!({"key": key}))
+            .await;
+        assert_eq!(res["ok"], true, "{res}");
+    }
+    let res = owner.request("sessions.subscribe", json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+
+    let (status, _, text) = request_text(&extra, "GET", "/v1/state", b"").await;
+    assert_eq!(status, 200);
+    assert!(
+        !text.contains("owner-secret"),
+        "another socket's key: {text}"
+    );
+    let state: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        state["subscriptions"],
+        json!({"sessions": 0, "messages": {"agent:main:guest-own": 1}}),
+        "{text}"
+    );
+    let state = crate::http_api::state(&h.socket()).await;
+    assert_eq!(
+        state["subscriptions"],
+        json!({"sessions": 1, "messages": {"agent:main:guest-own": 1, "agent:main:owner-secret": 1}}),
+        "the main socket sees every client's"
+    );
+}

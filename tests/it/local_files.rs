@@ -191,3 +191,40 @@ async fn record_out_onto_an_existing_readable_file_leaves_it_private() {
     sigterm(&record.0);
     wait_exit(&mut record.0).await;
 }
+
+/// `record -o` never writes through a symbolic link: one to an existing
+/// file leaves the file (its contents and mode) as it was, a dangling one
+/// creates nothing; both are refused as a usage error (issue 30).
+#[tokio::test]
+async fn record_out_onto_a_symbolic_link_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let h = start().await;
+    crate::http_api::until_ready(&h.socket()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "keep me\n").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let link = dir.path().join("session.jsonl");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    let nowhere = dir.path().join("nowhere");
+    let dangling = dir.path().join("dangling.jsonl");
+    std::os::unix::fs::symlink(&nowhere, &dangling).unwrap();
+    let socket = h.socket();
+    for out in [&link, &dangling] {
+        let (code, _, err) = run_clawmux(&[
+            "record",
+            "--socket",
+            socket.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .await;
+        assert_eq!(code, 2, "{out:?}: {err}");
+        assert!(err.contains("symbolic link"), "{err}");
+        assert!(std::fs::symlink_metadata(out).unwrap().is_symlink());
+    }
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me\n");
+    let mode = std::fs::metadata(&victim).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o644, "the target is not chmodded: {mode:o}");
+    assert!(!nowhere.exists(), "a dangling link's target is not created");
+}

@@ -278,3 +278,43 @@ async fn an_outage_logs_state_changes_not_every_attempt() {
         "each attempt's schedule is not logged at info:\n{log}"
     );
 }
+
+/// A gateway's `server_version` (logged when the session is ready) carrying
+/// SGR sequences that would hide (`ESC[8m`) or black out the rest of the
+/// line reaches the log escaped: only the formatter's own styles are raw,
+/// and with the log not on a terminal there are none (issue 30).
+#[tokio::test]
+async fn a_gateways_colours_do_not_reach_the_log() {
+    let gw = MockGateway::start(MockConfig {
+        server_version: "2026.9.6\x1b[8m\x1b[30;40mhidden\x1b[0m".into(),
+        ..mock_config()
+    })
+    .await
+    .unwrap();
+    let home = TestHome::new();
+    let socket = home.path().join("c.sock");
+    let err_path = home.path().join("stderr.log");
+    let mut cmd = home.clawmux();
+    cmd.arg("serve")
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--gateway-url", &gw.url()])
+        .env("CLAWMUX_GATEWAY_TOKEN", "test-token")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&err_path).unwrap());
+    let mut broker = ChildGuard(cmd.spawn().expect("clawmux starts"));
+    let log = || std::fs::read_to_string(&err_path).unwrap_or_default();
+    eventually("the session is ready", || {
+        log().contains("upstream session ready")
+    })
+    .await;
+    sigterm(&broker.0);
+    assert!(wait_exit(&mut broker.0).await.success());
+    let log = log();
+    assert!(!log.contains('\x1b'), "no raw escape:\n{log:?}");
+    assert!(
+        log.contains("server_version=2026.9.6\\e[8m\\e[30;40mhidden\\e[0m"),
+        "shown escaped:\n{log}"
+    );
+}

@@ -356,6 +356,88 @@ async fn every_abort_like_method_checks_run_ownership() {
     assert_eq!(upstream_methods(&h, "sessions.abort"), 1);
 }
 
+/// A `chat.send` or `sessions.send` whose message the gateway reads as
+/// "stop" (`/stop`, "stop", "please stop", …) aborts every run in that
+/// session: the same ownership rule and error as a session-wide
+/// `chat.abort` (issue 30). `agent` reads no stop word at the gateway
+/// (its message starts a run), so it is forwarded.
+#[tokio::test]
+async fn a_stop_message_to_another_clients_run_is_forbidden_unless_its_own() {
+    let (h, mut owner, _key) = a_live_run().await;
+    let (mut other, _) = h.connected_as(&READ_WRITE).await;
+    for (method, params) in [
+        (
+            "chat.send",
+            json!({"sessionKey": "main", "message": "/stop",
+                "idempotencyKey": uuid::Uuid::new_v4().to_string()}),
+        ),
+        (
+            "chat.send",
+            json!({"sessionKey": "agent:main:main", "message": "Stop!",
+                "idempotencyKey": uuid::Uuid::new_v4().to_string()}),
+        ),
+        (
+            "sessions.send",
+            json!({"key": "main", "message": "please stop"}),
+        ),
+        ("sessions.send", json!({"key": "main", "message": "/STOP:"})),
+    ] {
+        let refused = other.request(method, params.clone()).await;
+        assert_eq!(
+            refused["error"]["code"], "studio.forbidden",
+            "{method} {params}: {refused}"
+        );
+        assert!(
+            refused["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("started by another local client"),
+            "the abort rule's own error: {refused}"
+        );
+    }
+    assert_eq!(upstream_methods(&h, "chat.send"), 1, "only the owner's run");
+    assert_eq!(upstream_methods(&h, "sessions.send"), 0, "refused locally");
+    // `agent` with the same message starts a run at the gateway.
+    let started = other
+        .request(
+            "agent",
+            json!({"sessionKey": "main", "message": "/stop",
+                "idempotencyKey": uuid::Uuid::new_v4().to_string()}),
+        )
+        .await;
+    assert_eq!(started["ok"], true, "{started}");
+    assert_eq!(upstream_methods(&h, "agent"), 1);
+    // An ordinary message is not a stop.
+    let chat = other
+        .request(
+            "chat.send",
+            json!({"sessionKey": "main", "message": "stop the music",
+                "idempotencyKey": uuid::Uuid::new_v4().to_string()}),
+        )
+        .await;
+    assert_ne!(chat["error"]["code"], "studio.forbidden", "{chat}");
+    assert_eq!(upstream_methods(&h, "chat.send"), 2);
+    // The run's owner may stop its session by message (the other's `agent`
+    // and chat runs are live there too: the owner needs admin for those).
+    let (h2, mut owner2, _) = a_live_run().await;
+    let own = owner2
+        .request(
+            "chat.send",
+            json!({"sessionKey": "main", "message": "/stop",
+                "idempotencyKey": uuid::Uuid::new_v4().to_string()}),
+        )
+        .await;
+    assert_ne!(own["error"]["code"], "studio.forbidden", "{own}");
+    assert_eq!(upstream_methods(&h2, "chat.send"), 2, "forwarded");
+    let refused = owner
+        .request("sessions.send", json!({"key": "main", "message": "stop"}))
+        .await;
+    assert_eq!(
+        refused["error"]["code"], "studio.forbidden",
+        "the other client's runs are live in main now: {refused}"
+    );
+}
+
 /// A reconnect that is not a gateway restart leaves runs running: their
 /// ownership survives it (a restart forgets them, as the gateway does).
 #[tokio::test]

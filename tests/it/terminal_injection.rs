@@ -220,3 +220,85 @@ async fn injected_escapes_reach_tail_tree_status_and_call_only_escaped() {
     .await;
     assert_visible("call of an unknown method", &format!("{out}{err}"));
 }
+
+/// C1 controls (U+009B is a CSI on many terminals), DEL and bidi controls:
+/// JSON allows them raw in strings, and serde writes them raw.
+const RAW_IN_JSON: &str = "\u{9b}31m\u{7f}\u{202e}\u{2066}\u{200e}\u{200f}\u{61c}";
+
+/// The JSON in `line`, checked to show nothing raw.
+fn exact_json(what: &str, line: &str) -> Value {
+    assert_visible(what, line);
+    for escape in [
+        "\\u009b", "\\u007f", "\\u202e", "\\u2066", "\\u200e", "\\u200f", "\\u061c",
+    ] {
+        assert!(line.contains(escape), "{what}: {escape} in {line}");
+    }
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("{what}: JSON: {e}\n{line}"))
+}
+
+/// Every JSON the CLI prints (`tail --json`, `tail --hud`, `status --json`,
+/// `call`, `call --json`) writes those characters as `\uXXXX`: still exact
+/// JSON with the gateway's value, nothing a terminal acts on (issue 30).
+#[tokio::test]
+async fn json_outputs_escape_c1_del_and_bidi_characters() {
+    let cfg = clawmux_mock::MockConfig {
+        server_version: format!("2026.9.6{RAW_IN_JSON}"),
+        ..mock_config()
+    };
+    let h = start_with(cfg, |_| {}).await;
+    let socket = h.socket();
+    until_ready(&socket).await;
+    let mut json = Tail::spawn(&socket, &["--json"]);
+    let mut hud = Tail::spawn(&socket, &["--hud"]);
+    eventually("both tails are streaming", || {
+        h.broker
+            .ctx()
+            .hub
+            .clients()
+            .iter()
+            .filter(|c| c.kind == ClientKind::Sse)
+            .count()
+            == 2
+    })
+    .await;
+    let hostile = format!("x{RAW_IN_JSON}");
+    h.gw.broadcast("cron", json!({"job": hostile, "marker": "json-marker"}));
+    h.gw.broadcast(
+        "agent",
+        json!({"runId": "hud-marker", "sessionKey": hostile, "stream": "lifecycle",
+            "ts": clawmux::protocol::now_ms(), "data": {"phase": "start"}}),
+    );
+
+    let out = json.until("json-marker").await;
+    let line = out.lines().last().unwrap();
+    let frame = exact_json("tail --json", line);
+    assert_eq!(frame["payload"]["job"], hostile.as_str(), "the same value");
+    json.stop().await;
+
+    let out = hud.until("hud-marker").await;
+    let line = out.lines().last().unwrap();
+    let change = exact_json("tail --hud", line);
+    assert_eq!(change["sessionKey"], hostile.as_str(), "{change}");
+    hud.stop().await;
+
+    let socket = socket.to_str().unwrap();
+    let (code, out, err) = run_clawmux(&["status", "--socket", socket, "--json"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let state = exact_json("status --json", &out);
+    assert_eq!(
+        state["upstream"]["server_version"],
+        format!("2026.9.6{RAW_IN_JSON}")
+    );
+    // The mock's `status` answer carries its version as `runtimeVersion`.
+    let (code, out, err) = run_clawmux(&["call", "--socket", socket, "status"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let payload = exact_json("call", &out);
+    assert_eq!(payload["runtimeVersion"], format!("2026.9.6{RAW_IN_JSON}"));
+    let (code, out, err) = run_clawmux(&["call", "--socket", socket, "--json", "status"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let frame = exact_json("call --json", out.trim());
+    assert_eq!(
+        frame["payload"]["runtimeVersion"],
+        format!("2026.9.6{RAW_IN_JSON}")
+    );
+}

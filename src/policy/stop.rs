@@ -1,0 +1,230 @@
+//! Chat messages the gateway reads as "stop": a `chat.send` whose message
+//! is `/stop` or a stop word ("stop", "abort", "esc", "halt", "стоп",
+//! "停止", …) starts no run; the gateway aborts every run in that session
+//! instead, as `chat.abort {sessionKey}` would, and answers
+//! `{ok, aborted, runIds}`. `sessions.send` is `chat.send` on the session's
+//! key, so the same holds for it. The broker applies the abort ownership
+//! rule to such messages ([`crate::dispatch`]): every local client shares
+//! the broker's connection, so without it a client allowed only to write
+//! could stop another client's run by chatting "/stop" to its session.
+//!
+//! Read from gateway 2026.9.6 (`src/gateway/server-methods/chat-send-*.ts`:
+//! `stopCommand = isChatStopCommandText(message)` on the message after
+//! `sanitizeChatSendMessageInput`; `src/gateway/chat-abort.ts` →
+//! `src/auto-reply/reply/abort-primitives.ts` `isAbortRequestText`,
+//! `abort-trigger-text.ts` `ABORT_TRIGGERS` and its normalization,
+//! `src/auto-reply/commands-registry-normalize.ts` `normalizeCommandBody`;
+//! `sessions-messaging.ts` forwards `sessions.send` to the `chat.send`
+//! handler). The `agent` method reads no stop word (only `/new` and
+//! `/reset`, which need admin), so its messages start runs as they are.
+//!
+//! Where the broker's reading could differ from the gateway's (whitespace
+//! JavaScript trims and Rust does not, or the reverse), it errs towards
+//! "stop": a message wrongly taken for one is refused only when another
+//! client's run is live in that session.
+
+use unicode_normalization::UnicodeNormalization as _;
+
+/// The gateway's stop words (`ABORT_TRIGGERS`), matched against the whole
+/// message after [`trigger_text`].
+pub const STOP_WORDS: [&str; 43] = [
+    "stop",
+    "esc",
+    "abort",
+    "exit",
+    "interrupt",
+    "detente",
+    "deten",
+    "detén",
+    "arrete",
+    "arrête",
+    "停止",
+    "停下来",
+    "暂停",
+    "やめて",
+    "止めて",
+    "रुको",
+    "توقف",
+    "стоп",
+    "остановись",
+    "останови",
+    "остановить",
+    "прекрати",
+    "halt",
+    "anhalten",
+    "aufhören",
+    "hoer auf",
+    "stopp",
+    "pare",
+    "stop openclaw",
+    "openclaw stop",
+    "stop action",
+    "stop current action",
+    "stop run",
+    "stop current run",
+    "stop agent",
+    "stop the agent",
+    "stop don't do anything",
+    "stop dont do anything",
+    "stop do not do anything",
+    "stop doing anything",
+    "do not do that",
+    "please stop",
+    "stop please",
+];
+
+/// The slash command that stops (`/stop`, also `/STOP`, `/stop:`, `/stop!`).
+const STOP_COMMAND: &str = "/stop";
+
+/// Whether the gateway reads `message` (a `chat.send` or `sessions.send`
+/// message) as a stop request.
+pub fn is_stop_message(message: &str) -> bool {
+    // The gateway's input cleaning: NFC, then the controls it drops (it
+    // refuses a message with NUL, which then stops nothing either way).
+    let cleaned: String = message.nfc().filter(|&c| !dropped_control(c)).collect();
+    let body = command_body(&cleaned);
+    if body.is_empty() {
+        return false;
+    }
+    let lower = body.to_lowercase();
+    let trigger = trigger_text(&lower);
+    lower == STOP_COMMAND || trigger == STOP_COMMAND || STOP_WORDS.contains(&trigger.as_str())
+}
+
+/// The C0 controls and DEL the gateway removes from a chat message
+/// (`stripDisallowedChatControlChars`: all but tab, LF and CR).
+fn dropped_control(c: char) -> bool {
+    matches!(c, '\0'..='\x08' | '\x0b' | '\x0c' | '\x0e'..='\x1f' | '\x7f')
+}
+
+/// JavaScript's `trim()`/`\s` whitespace, and Rust's (U+0085 is only
+/// Rust's, U+FEFF only JavaScript's): both, to err towards a match.
+fn is_space(c: char) -> bool {
+    c.is_whitespace() || c == '\u{feff}'
+}
+
+fn trim(s: &str) -> &str {
+    s.trim_matches(is_space)
+}
+
+/// `normalizeCommandBody` as far as it can make `/stop`: a text that is
+/// not a command is only trimmed; a command is cut to its first line, and
+/// `/cmd: rest` is read as `/cmd rest`.
+fn command_body(text: &str) -> String {
+    let trimmed = trim(text);
+    if !trimmed.starts_with('/') {
+        return trimmed.to_owned();
+    }
+    let line = match trimmed.find('\n') {
+        Some(at) => trim(&trimmed[..at]),
+        None => trimmed,
+    };
+    // `^/([^\s:]+)\s*:(.*)$`
+    let name_len = line[1..]
+        .find(|c: char| is_space(c) || c == ':')
+        .unwrap_or(line.len() - 1);
+    let (name, after) = line[1..].split_at(name_len);
+    match after.trim_start_matches(is_space).strip_prefix(':') {
+        Some(rest) if !name.is_empty() => match rest.trim_start_matches(is_space) {
+            "" => format!("/{name}"),
+            rest => format!("/{name} {rest}"),
+        },
+        _ => line.to_owned(),
+    }
+}
+
+/// `normalizeAbortTriggerText` on lowercased text: curly and back quotes
+/// as `'`, whitespace runs as one space, trailing punctuation dropped,
+/// then trimmed.
+fn trigger_text(lower: &str) -> String {
+    let mut out = String::with_capacity(lower.len());
+    let mut in_space = false;
+    for c in lower.chars() {
+        if is_space(c) {
+            if !in_space {
+                out.push(' ');
+            }
+            in_space = true;
+            continue;
+        }
+        in_space = false;
+        out.push(if matches!(c, '’' | '`') { '\'' } else { c });
+    }
+    let kept = out.trim_end_matches(|c: char| ".!?！？…,，。;；:：'\"’”)]}".contains(c));
+    trim(kept).to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stop_command_in_the_forms_the_gateway_reads() {
+        for stop in [
+            "/stop",
+            "/STOP",
+            " /stop ",
+            "/stop:",
+            "/stop :",
+            "/stop!",
+            "/stop.",
+            "/stop\nand more lines",
+            "/st\u{1}op",
+            "\u{feff}/stop",
+        ] {
+            assert!(is_stop_message(stop), "{stop:?}");
+        }
+        for not in [
+            "/stop now",
+            "/stop: now",
+            "/stopped",
+            "/stop@bot",
+            "/status",
+            "/",
+            "",
+        ] {
+            assert!(!is_stop_message(not), "{not:?}");
+        }
+    }
+
+    #[test]
+    fn stop_words_alone_after_the_gateways_normalization() {
+        for stop in [
+            "stop",
+            "Stop!",
+            "  STOP.  ",
+            "please   stop",
+            "Stop don’t do anything",
+            "stop dont do anything?!",
+            "停止",
+            "Стоп!",
+            "halt",
+            "esc",
+            "interrupt…",
+            // NFD input is composed first; a dropped control joins the word.
+            "dete\u{301}n",
+            "arre\u{302}te",
+            "st\x7fop",
+            "ab\u{1b}ort",
+        ] {
+            assert!(is_stop_message(stop), "{stop:?}");
+        }
+        for not in [
+            "stop the music",
+            "don't stop",
+            "stop. .",
+            "stopping",
+            "wait",
+            "hello",
+            "aufhoren",
+        ] {
+            assert!(!is_stop_message(not), "{not:?}");
+        }
+    }
+
+    #[test]
+    fn whitespace_only_or_empty_is_no_stop() {
+        assert!(!is_stop_message("   \n\t"));
+        assert!(!is_stop_message(""));
+    }
+}
