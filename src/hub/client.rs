@@ -546,6 +546,12 @@ impl Client {
         self.lock().items.capacity() * std::mem::size_of::<Outgoing>()
     }
 
+    /// Over this many queued bytes the client is behind: droppable events
+    /// are dropped for it, and the broker-wide shedder may close it.
+    pub fn soft_bytes(&self) -> usize {
+        self.limits.soft_bytes
+    }
+
     /// Bytes queued and not yet taken by the writer.
     pub fn queued_bytes(&self) -> usize {
         self.lock().bytes

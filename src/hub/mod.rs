@@ -249,15 +249,21 @@ impl Hub {
     }
 
     /// Closes clients, largest backlog first, until the broker-wide queued
-    /// bytes are back under the budget (or no client has a backlog left:
-    /// what remains is held by writers mid-write, which the stall sweep
-    /// handles). Runs only when over the budget.
+    /// bytes are back under the budget. Only a backlog over the client's
+    /// soft limit or over its fair share of the budget (the budget divided
+    /// among the clients) is closed: a client within both is keeping up and
+    /// is not what put the broker over (issue 30: when the excess was held
+    /// outside the queues, the shedder went on to close reading clients
+    /// with a 106-byte backlog). What remains over is held by writers
+    /// mid-write or by streams being cut, which the stall sweep and the
+    /// streams' own bounds handle. Runs only when over the budget.
     fn shed_largest_backlogs(&self, inner: &HubInner) {
+        let fair_share = self.queue_budget.limit() / inner.clients.len().max(1);
         let mut by_backlog: Vec<(usize, &Arc<Client>)> = inner
             .clients
             .values()
             .map(|c| (c.queued_bytes(), c))
-            .filter(|(bytes, _)| *bytes > 0)
+            .filter(|(bytes, c)| *bytes > c.soft_bytes().min(fair_share))
             .collect();
         by_backlog.sort_unstable_by_key(|(bytes, _)| std::cmp::Reverse(*bytes));
         for (bytes, client) in by_backlog {
@@ -501,6 +507,63 @@ mod tests {
         assert!(!hub.queue_budget().is_over());
         let batch = clients[0].next_batch().await;
         assert!(matches!(&batch[..], [Outgoing::Close(1008, r)] if r == "slow consumer"));
+    }
+
+    /// Bytes held outside the queues (here a writer's batch mid-write) keep
+    /// the budget over after the one large backlog is closed: the clients
+    /// that keep up, each with one small event queued, stay open (issue 30:
+    /// reading clients with a 106-byte backlog were closed).
+    #[tokio::test]
+    async fn the_budget_never_closes_a_client_that_keeps_up() {
+        let hub = Hub::new(
+            QueueLimits {
+                soft_bytes: 1 << 20,
+                hard_bytes: 1 << 30,
+                grace: Duration::from_secs(10),
+            },
+            10,
+        );
+        let clients: Vec<_> = (0..3)
+            .map(|_| {
+                let c = hub.new_client();
+                c.set_access(crate::policy::Access::unrestricted());
+                hub.admit(&c, |_| Bytes::new()).unwrap();
+                c
+            })
+            .collect();
+        let (busy, stalled, reader) = (&clients[0], &clients[1], &clients[2]);
+        for c in &clients {
+            let _ = c.next_batch().await; // the empty hello
+        }
+        let pad = "p".repeat(100_000);
+        for n in 0..10 {
+            hub.publish(
+                "test.event",
+                Some(&raw(json!({"n": n, "pad": pad}))),
+                None,
+                &Audience::All,
+            );
+            let _ = reader.next_batch().await;
+        }
+        // The busy client's writer holds all ten, mid-write.
+        let mut held = Vec::new();
+        while busy.queued_bytes() > 0 {
+            held.extend(busy.next_batch().await);
+        }
+        assert_eq!(held.len(), 10);
+        hub.set_queue_budget(hub.queue_budget().used() - 5_000);
+        hub.publish(
+            "test.event",
+            Some(&raw(json!({"n": 10}))),
+            None,
+            &Audience::All,
+        );
+        assert!(stalled.is_closing(), "the large backlog is closed");
+        assert!(hub.queue_budget().is_over(), "the batch is still held");
+        assert!(!reader.is_closing(), "one small event queued: keeping up");
+        assert!(!busy.is_closing(), "one small event queued: keeping up");
+        assert_eq!(hub.stats.slow_closes.load(Ordering::Relaxed), 1);
+        drop(held);
     }
 
     /// With many clients that do not read and small events, the queues'
