@@ -108,6 +108,32 @@ impl QueueBudget {
     }
 }
 
+impl QueueBudget {
+    /// Counts `bytes` held outside every queue on a client's behalf (a
+    /// chunk of an event stream that hyper has not written yet) for as long
+    /// as the returned hold lives.
+    pub fn hold(self: &Arc<Self>, bytes: usize) -> BudgetHold {
+        self.add(bytes);
+        BudgetHold {
+            budget: Arc::clone(self),
+            bytes,
+        }
+    }
+}
+
+/// Bytes counted in a [`QueueBudget`] until this is dropped.
+#[derive(Debug)]
+pub struct BudgetHold {
+    budget: Arc<QueueBudget>,
+    bytes: usize,
+}
+
+impl Drop for BudgetHold {
+    fn drop(&mut self) {
+        self.budget.sub(self.bytes);
+    }
+}
+
 impl Default for QueueBudget {
     fn default() -> Self {
         Self::new()

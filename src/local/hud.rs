@@ -126,7 +126,7 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             }
         }),
     );
-    super::respond::event_stream_response(chunks)
+    super::respond::event_stream_response(chunks, ctx.hub.queue_budget())
 }
 
 /// One record for a HUD client.
