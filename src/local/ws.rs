@@ -18,7 +18,7 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 
-use super::preconnect::{Limited, PreconnectBudget, OVER_BUDGET};
+use super::preconnect::{Limited, PreconnectBudget, ReleaseReadBuffer, OVER_BUDGET};
 use crate::context::Ctx;
 use crate::dispatch::{Member, Registration};
 use crate::hub::{Client, Outgoing};
@@ -76,6 +76,8 @@ struct Conn<S = Limited<TokioIo<Upgraded>>> {
     stream: SplitStream<WebSocketStream<S>>,
     writer: Writer<S>,
     client: Arc<Client>,
+    /// Gives a large request's read buffer back once it is handled.
+    release: ReleaseReadBuffer,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
@@ -85,7 +87,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             if self.writer.poll_drive(cx, &self.client).is_ready() {
                 return Poll::Ready(Step::WriterEnded);
             }
-            poll_incoming(&mut self.stream, cx).map(Step::Read)
+            let polled = poll_incoming(&mut self.stream, cx);
+            let payload = match &polled {
+                Poll::Ready(Incoming::Text(t)) => Some(Bytes::from(t.clone())),
+                _ => None,
+            };
+            self.release.after_poll(payload.as_ref());
+            polled.map(Step::Read)
         })
         .await
     }
@@ -187,6 +195,7 @@ pub async fn run(
         stream,
         writer: Writer::new(sink),
         client: Arc::clone(&client),
+        release: ReleaseReadBuffer::default(),
     };
     let client_id = client.id;
     tracing::debug!(client_id, "local client opened");
@@ -771,6 +780,7 @@ mod tests {
             stream,
             writer: Writer::new(sink),
             client: Arc::clone(&client),
+            release: ReleaseReadBuffer::default(),
         };
         let step = tokio::time::timeout(std::time::Duration::from_secs(5), conn.next())
             .await
