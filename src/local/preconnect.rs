@@ -204,6 +204,47 @@ impl ReleaseReadBuffer {
     }
 }
 
+/// A WebSocket's reading half that gives a large frame's read buffer back
+/// once the frame is handled ([`ReleaseReadBuffer`]): for sessions that
+/// read with `next()` (`/ws/dedicated`).
+pub struct Releasing<R> {
+    inner: R,
+    release: ReleaseReadBuffer,
+}
+
+impl<R> Releasing<R> {
+    pub fn new(inner: R) -> Self {
+        Releasing {
+            inner,
+            release: ReleaseReadBuffer::default(),
+        }
+    }
+}
+
+impl<R> futures_util::Stream for Releasing<R>
+where
+    R: futures_util::Stream<
+            Item = Result<
+                tokio_tungstenite::tungstenite::Message,
+                tokio_tungstenite::tungstenite::Error,
+            >,
+        > + Unpin,
+{
+    type Item = R::Item;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<R::Item>> {
+        use tokio_tungstenite::tungstenite::Message;
+        let polled = Pin::new(&mut self.inner).poll_next(cx);
+        let payload = match &polled {
+            Poll::Ready(Some(Ok(Message::Text(t)))) => Some(bytes::Bytes::from(t.clone())),
+            Poll::Ready(Some(Ok(Message::Binary(b)))) => Some(b.clone()),
+            _ => None,
+        };
+        self.release.after_poll(payload.as_ref());
+        polled
+    }
+}
+
 /// A released read buffer at least this large is handed back to the system
 /// at once ([`crate::bounds::return_free_memory`]).
 const RETURN_FREED_ABOVE_BYTES: usize = 1 << 20;
@@ -333,6 +374,49 @@ mod tests {
         }
         h.extend_from_slice(&[1, 2, 3, 4]);
         h
+    }
+
+    /// After a large frame, the parser's read buffer no longer shares the
+    /// frame's allocation once it has been polled again: when the frame is
+    /// dropped, its memory is freed (issue 30: the buffer kept it for the
+    /// connection's life). A small request before and after still reads.
+    #[tokio::test]
+    async fn a_large_frame_leaves_no_share_of_its_buffer_behind() {
+        use futures_util::{SinkExt, StreamExt};
+        use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+        use tokio_tungstenite::tungstenite::Message;
+        use tokio_tungstenite::WebSocketStream;
+        let (ours, theirs) = tokio::io::duplex(4 << 20);
+        let budget = PreconnectBudget::new(0);
+        budget.lift();
+        let config = WebSocketConfig::default().read_buffer_size(2048);
+        let ws = WebSocketStream::from_raw_socket(
+            Limited::new(ours, budget),
+            Role::Server,
+            Some(config),
+        )
+        .await;
+        let mut peer = WebSocketStream::from_raw_socket(theirs, Role::Client, None).await;
+        let mut rx = Releasing::new(ws);
+        for round in 0..3 {
+            peer.send(Message::text("small")).await.unwrap();
+            peer.send(Message::text("x".repeat(1 << 20))).await.unwrap();
+            let small = rx.next().await.unwrap().unwrap();
+            assert_eq!(small, Message::text("small"));
+            let Message::Text(large) = rx.next().await.unwrap().unwrap() else {
+                panic!("a text frame");
+            };
+            let kept = bytes::Bytes::from(large);
+            assert_eq!(kept.len(), 1 << 20);
+            // The next poll: nothing more to read.
+            let waker = futures_util::task::noop_waker();
+            let mut cx = Context::from_waker(&waker);
+            assert!(rx.poll_next_unpin(&mut cx).is_pending());
+            assert!(
+                kept.is_unique(),
+                "round {round}: the read buffer still holds the frame's allocation"
+            );
+        }
     }
 
     /// Small frames pass whole, however they are split; a large frame's
