@@ -108,6 +108,32 @@ impl QueueBudget {
     }
 }
 
+impl QueueBudget {
+    /// Counts `bytes` held outside every queue on a client's behalf (a
+    /// chunk of an event stream that hyper has not written yet) for as long
+    /// as the returned hold lives.
+    pub fn hold(self: &Arc<Self>, bytes: usize) -> BudgetHold {
+        self.add(bytes);
+        BudgetHold {
+            budget: Arc::clone(self),
+            bytes,
+        }
+    }
+}
+
+/// Bytes counted in a [`QueueBudget`] until this is dropped.
+#[derive(Debug)]
+pub struct BudgetHold {
+    budget: Arc<QueueBudget>,
+    bytes: usize,
+}
+
+impl Drop for BudgetHold {
+    fn drop(&mut self) {
+        self.budget.sub(self.bytes);
+    }
+}
+
 impl Default for QueueBudget {
     fn default() -> Self {
         Self::new()
@@ -544,6 +570,12 @@ impl Client {
     /// Memory the queue's ring buffer holds now (its slots, used or not).
     pub fn slot_bytes(&self) -> usize {
         self.lock().items.capacity() * std::mem::size_of::<Outgoing>()
+    }
+
+    /// Over this many queued bytes the client is behind: droppable events
+    /// are dropped for it, and the broker-wide shedder may close it.
+    pub fn soft_bytes(&self) -> usize {
+        self.limits.soft_bytes
     }
 
     /// Bytes queued and not yet taken by the writer.

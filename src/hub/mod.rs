@@ -46,6 +46,9 @@ struct HubInner {
     snapshot: Value,
     /// Recent events with their broker-wide cursors, for `/v1/events`.
     replay: replay::ReplayLog,
+    /// Queues that receive no events but count in the budget (a HUD
+    /// stream's copy of the request tap): shed and swept like the clients'.
+    watched: HashMap<u64, Arc<Client>>,
 }
 
 /// The client registry and event fan-out.
@@ -149,12 +152,22 @@ impl Hub {
         Ok(())
     }
 
-    /// Stops delivering events to a client (it disconnected).
+    /// Stops delivering events to a client (it disconnected), or watching
+    /// its queue.
     pub fn remove(&self, client_id: u64) {
         let mut inner = self.lock();
+        inner.watched.remove(&client_id);
         if inner.clients.remove(&client_id).is_some() {
             self.client_count.send_replace(inner.clients.len());
         }
+    }
+
+    /// Watches a queue that gets no events but counts in the budget (a HUD
+    /// stream's request tap): the budget's shedder and the stall sweep judge
+    /// it like a client's, so a stream that does not read cannot hold
+    /// counted bytes they cannot reach (issue 30). Until [`Hub::remove`].
+    pub fn watch(&self, client: &Arc<Client>) {
+        self.lock().watched.insert(client.id, Arc::clone(client));
     }
 
     /// Follows the number of admitted clients as it changes.
@@ -249,15 +262,23 @@ impl Hub {
     }
 
     /// Closes clients, largest backlog first, until the broker-wide queued
-    /// bytes are back under the budget (or no client has a backlog left:
-    /// what remains is held by writers mid-write, which the stall sweep
-    /// handles). Runs only when over the budget.
+    /// bytes are back under the budget. Only a backlog over the client's
+    /// soft limit or over its fair share of the budget (the budget divided
+    /// among the clients) is closed: a client within both is keeping up and
+    /// is not what put the broker over (issue 30: when the excess was held
+    /// outside the queues, the shedder went on to close reading clients
+    /// with a 106-byte backlog). What remains over is held by writers
+    /// mid-write or by streams being cut, which the stall sweep and the
+    /// streams' own bounds handle. Runs only when over the budget.
     fn shed_largest_backlogs(&self, inner: &HubInner) {
+        let queues = inner.clients.len() + inner.watched.len();
+        let fair_share = self.queue_budget.limit() / queues.max(1);
         let mut by_backlog: Vec<(usize, &Arc<Client>)> = inner
             .clients
             .values()
+            .chain(inner.watched.values())
             .map(|c| (c.queued_bytes(), c))
-            .filter(|(bytes, _)| *bytes > 0)
+            .filter(|(bytes, c)| *bytes > c.soft_bytes().min(fair_share))
             .collect();
         by_backlog.sort_unstable_by_key(|(bytes, _)| std::cmp::Reverse(*bytes));
         for (bytes, client) in by_backlog {
@@ -282,7 +303,7 @@ impl Hub {
     /// Called periodically by the broker.
     pub fn sweep_stalled(&self, now: std::time::Instant) {
         let inner = self.lock();
-        for client in inner.clients.values() {
+        for client in inner.clients.values().chain(inner.watched.values()) {
             if client.sweep_stall(now) == Stall::Closed {
                 tracing::warn!(client_id = client.id, "no progress within the grace");
                 self.stats.slow_closes.fetch_add(1, Ordering::Relaxed);
@@ -501,6 +522,95 @@ mod tests {
         assert!(!hub.queue_budget().is_over());
         let batch = clients[0].next_batch().await;
         assert!(matches!(&batch[..], [Outgoing::Close(1008, r)] if r == "slow consumer"));
+    }
+
+    /// Bytes held outside the queues (here a writer's batch mid-write) keep
+    /// the budget over after the one large backlog is closed: the clients
+    /// that keep up, each with one small event queued, stay open (issue 30:
+    /// reading clients with a 106-byte backlog were closed).
+    #[tokio::test]
+    async fn the_budget_never_closes_a_client_that_keeps_up() {
+        let hub = Hub::new(
+            QueueLimits {
+                soft_bytes: 1 << 20,
+                hard_bytes: 1 << 30,
+                grace: Duration::from_secs(10),
+            },
+            10,
+        );
+        let clients: Vec<_> = (0..3)
+            .map(|_| {
+                let c = hub.new_client();
+                c.set_access(crate::policy::Access::unrestricted());
+                hub.admit(&c, |_| Bytes::new()).unwrap();
+                c
+            })
+            .collect();
+        let (busy, stalled, reader) = (&clients[0], &clients[1], &clients[2]);
+        for c in &clients {
+            let _ = c.next_batch().await; // the empty hello
+        }
+        let pad = "p".repeat(100_000);
+        for n in 0..10 {
+            hub.publish(
+                "test.event",
+                Some(&raw(json!({"n": n, "pad": pad}))),
+                None,
+                &Audience::All,
+            );
+            let _ = reader.next_batch().await;
+        }
+        // The busy client's writer holds all ten, mid-write.
+        let mut held = Vec::new();
+        while busy.queued_bytes() > 0 {
+            held.extend(busy.next_batch().await);
+        }
+        assert_eq!(held.len(), 10);
+        hub.set_queue_budget(hub.queue_budget().used() - 5_000);
+        hub.publish(
+            "test.event",
+            Some(&raw(json!({"n": 10}))),
+            None,
+            &Audience::All,
+        );
+        assert!(stalled.is_closing(), "the large backlog is closed");
+        assert!(hub.queue_budget().is_over(), "the batch is still held");
+        assert!(!reader.is_closing(), "one small event queued: keeping up");
+        assert!(!busy.is_closing(), "one small event queued: keeping up");
+        assert_eq!(hub.stats.slow_closes.load(Ordering::Relaxed), 1);
+        drop(held);
+    }
+
+    /// A watched queue (a HUD stream's request tap) gets no events, and its
+    /// backlog is shed and swept like a client's.
+    #[tokio::test]
+    async fn watched_queues_are_shed_and_swept() {
+        let hub = hub();
+        let reader = hub.new_client();
+        reader.set_access(crate::policy::Access::unrestricted());
+        hub.admit(&reader, |_| Bytes::new()).unwrap();
+        let _ = reader.next_batch().await;
+        let tap = hub.new_client_of_kind(ClientKind::Sse);
+        hub.watch(&tap);
+        for _ in 0..20 {
+            assert!(tap.push_frame(Bytes::from(vec![b' '; 100_000])));
+        }
+        hub.set_queue_budget(1 << 20);
+        hub.publish("test.event", Some(&raw(json!({}))), None, &Audience::All);
+        assert!(tap.is_closing(), "the tap's backlog was shed");
+        assert!(!reader.is_closing());
+        assert!(!hub.queue_budget().is_over());
+        let batch = reader.next_batch().await;
+        assert_eq!(batch.len(), 1, "the reader got the event, the tap none");
+        let stalled = hub.new_client_of_kind(ClientKind::Sse);
+        hub.watch(&stalled);
+        assert!(stalled.push_frame(Bytes::from_static(b"request")));
+        let t0 = std::time::Instant::now();
+        hub.sweep_stalled(t0);
+        hub.sweep_stalled(t0 + Duration::from_secs(11));
+        assert!(stalled.is_closing(), "no progress within the grace");
+        hub.remove(stalled.id);
+        hub.remove(tap.id);
     }
 
     /// With many clients that do not read and small events, the queues'

@@ -126,7 +126,7 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             }
         }),
     );
-    super::respond::event_stream_response(chunks)
+    super::respond::event_stream_response(chunks, ctx.hub.queue_budget())
 }
 
 /// One record for a HUD client.
@@ -174,6 +174,7 @@ struct TapListener {
 impl Drop for TapListener {
     fn drop(&mut self) {
         self.ctx.router.tap.detach(self.client.id);
+        self.ctx.hub.remove(self.client.id);
     }
 }
 
@@ -252,6 +253,8 @@ impl HudSource {
         // Requests: copied from the tap into a queue of this stream's own
         // (not a hub client: it receives no events).
         let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
+        // Counted in the budget: the shedder and the stall sweep see it.
+        ctx.hub.watch(&client);
         ctx.router.tap.attach(Arc::clone(&client));
         Ok(HudSource {
             events,

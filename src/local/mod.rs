@@ -13,6 +13,7 @@ pub mod rpc;
 pub mod socket;
 pub mod sse;
 pub mod state;
+pub mod stream_body;
 pub mod tap_stream;
 pub mod ws;
 

@@ -51,22 +51,238 @@ impl PreconnectBudget {
     }
 }
 
-/// An I/O object whose reads stop at the budget.
+/// A frame whose payload is larger than this does not fit the idle read
+/// buffer (`read_buffer_size`, 2 KiB): its header is handed to the parser
+/// alone ([`FrameCursor`]), so the parser's buffer for it holds exactly the
+/// payload and can be given back once the frame is handled
+/// ([`ReleaseReadBuffer`]).
+pub const LARGE_FRAME_BYTES: u64 = 2 * 1024;
+
+/// An I/O object whose reads stop at the budget, and stop at the end of a
+/// large frame's header.
 #[derive(Debug)]
 pub struct Limited<T> {
     inner: T,
     budget: PreconnectBudget,
+    frames: FrameCursor,
+    /// Bytes read from the socket after a large frame's header and held
+    /// back (at most one read, ≤ 2 KiB): handed to the parser next.
+    held_back: Vec<u8>,
 }
 
 impl<T> Limited<T> {
     pub fn new(inner: T, budget: PreconnectBudget) -> Self {
-        Limited { inner, budget }
+        Limited {
+            inner,
+            budget,
+            frames: FrameCursor::default(),
+            held_back: Vec::new(),
+        }
     }
 }
+
+/// Where the bytes handed to the parser are in the client's frames
+/// (RFC 6455 §5.2). Only frame boundaries are tracked; the parser checks
+/// everything else.
+///
+/// Why: tungstenite reserves a whole frame's payload in its read buffer as
+/// soon as it has the header, reads the payload into it, and splits the
+/// payload off the front; the rest of that allocation stays its read
+/// buffer, so one 25 MiB request kept 25 MiB for the life of the
+/// connection (issue 30: 80 clients pinned 2,003 MiB). It offers no way to
+/// shrink the buffer (0.28, and 0.29 alike). But `BytesMut`, when it must
+/// grow while the allocation is shared, moves to a fresh one of its
+/// original (idle) size and lets go of the old one. So: a large frame's
+/// header is handed over alone (the payload bytes read with it wait in
+/// `held_back`), the reservation is then exactly the payload and nothing of
+/// the next frame lands in it; and the session keeps the payload
+/// ([`ReleaseReadBuffer`]) until the parser's next read has moved to a
+/// fresh buffer. Both steps are plain safe code; if a later tungstenite or
+/// bytes changes either behaviour, the buffer is merely kept again, and
+/// `a_large_request_does_not_pin_its_read_buffer` fails.
+#[derive(Debug, Default)]
+enum FrameCursor {
+    /// Reading a header: its bytes so far.
+    #[default]
+    Header0,
+    Header {
+        bytes: [u8; 14],
+        len: usize,
+    },
+    /// Reading a payload: bytes left.
+    Payload(u64),
+}
+
+impl FrameCursor {
+    /// Follows `bytes` about to be handed to the parser. Returns how many of
+    /// them to hand over now: fewer than all when a large frame's header
+    /// ends before their end.
+    fn advance(&mut self, bytes: &[u8]) -> usize {
+        let mut i = 0;
+        while i < bytes.len() {
+            match self {
+                FrameCursor::Payload(left) => {
+                    let take = (*left).min((bytes.len() - i) as u64);
+                    i += take as usize;
+                    *left -= take;
+                    if *left == 0 {
+                        *self = FrameCursor::Header0;
+                    }
+                }
+                FrameCursor::Header0 => {
+                    *self = FrameCursor::Header {
+                        bytes: [0; 14],
+                        len: 0,
+                    };
+                }
+                FrameCursor::Header { bytes: head, len } => {
+                    head[*len] = bytes[i];
+                    *len += 1;
+                    i += 1;
+                    let Some(payload) = header_payload_len(&head[..*len]) else {
+                        continue;
+                    };
+                    *self = if payload == 0 {
+                        FrameCursor::Header0
+                    } else {
+                        FrameCursor::Payload(payload)
+                    };
+                    if payload > LARGE_FRAME_BYTES && i < bytes.len() {
+                        return i;
+                    }
+                }
+            }
+        }
+        bytes.len()
+    }
+}
+
+/// The payload length once `head` is a whole frame header, else `None`.
+fn header_payload_len(head: &[u8]) -> Option<u64> {
+    if head.len() < 2 {
+        return None;
+    }
+    let mask = if head[1] & 0x80 != 0 { 4 } else { 0 };
+    let (ext, payload) = match head[1] & 0x7f {
+        126 => (2, None),
+        127 => (8, None),
+        n => (0, Some(u64::from(n))),
+    };
+    if head.len() < 2 + ext + mask {
+        return None;
+    }
+    Some(payload.unwrap_or_else(|| {
+        head[2..2 + ext]
+            .iter()
+            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b))
+    }))
+}
+
+/// Gives a large frame's read buffer back (see [`FrameCursor`]): keeps the
+/// last large payload the parser returned until the parser has been polled
+/// again, which moves its buffer to a fresh, idle-sized allocation while
+/// the old one is still shared.
+#[derive(Debug, Default)]
+pub struct ReleaseReadBuffer {
+    payload: Option<bytes::Bytes>,
+}
+
+impl ReleaseReadBuffer {
+    /// Call after every poll of the parser, with the frame it returned, if any.
+    pub fn after_poll(&mut self, returned: Option<&bytes::Bytes>) {
+        if let Some(released) = self.payload.take() {
+            // A freed large buffer goes back to the system (glibc keeps
+            // freed heap memory resident otherwise).
+            if released.len() >= RETURN_FREED_ABOVE_BYTES && released.is_unique() {
+                drop(released);
+                crate::bounds::return_free_memory();
+            }
+        }
+        self.payload = returned
+            .filter(|p| p.len() as u64 > LARGE_FRAME_BYTES)
+            .cloned();
+    }
+}
+
+/// A WebSocket's reading half that gives a large frame's read buffer back
+/// once the frame is handled ([`ReleaseReadBuffer`]): for sessions that
+/// read with `next()` (`/ws/dedicated`).
+pub struct Releasing<R> {
+    inner: R,
+    release: ReleaseReadBuffer,
+}
+
+impl<R> Releasing<R> {
+    pub fn new(inner: R) -> Self {
+        Releasing {
+            inner,
+            release: ReleaseReadBuffer::default(),
+        }
+    }
+}
+
+impl<R> futures_util::Stream for Releasing<R>
+where
+    R: futures_util::Stream<
+            Item = Result<
+                tokio_tungstenite::tungstenite::Message,
+                tokio_tungstenite::tungstenite::Error,
+            >,
+        > + Unpin,
+{
+    type Item = R::Item;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<R::Item>> {
+        use tokio_tungstenite::tungstenite::Message;
+        let polled = Pin::new(&mut self.inner).poll_next(cx);
+        let payload = match &polled {
+            Poll::Ready(Some(Ok(Message::Text(t)))) => Some(bytes::Bytes::from(t.clone())),
+            Poll::Ready(Some(Ok(Message::Binary(b)))) => Some(b.clone()),
+            _ => None,
+        };
+        self.release.after_poll(payload.as_ref());
+        polled
+    }
+}
+
+/// A released read buffer at least this large is handed back to the system
+/// at once ([`crate::bounds::return_free_memory`]).
+const RETURN_FREED_ABOVE_BYTES: usize = 1 << 20;
 
 impl<T: AsyncRead + Unpin> AsyncRead for Limited<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if !this.held_back.is_empty() {
+            let n = buf.remaining().min(this.held_back.len());
+            let n = this.frames.advance(&this.held_back[..n]);
+            buf.put_slice(&this.held_back[..n]);
+            this.held_back.drain(..n);
+            if this.held_back.is_empty() {
+                this.held_back = Vec::new();
+            }
+            return Poll::Ready(Ok(()));
+        }
+        let start = buf.filled().len();
+        let polled = this.poll_read_socket(cx, buf);
+        if let Poll::Ready(Ok(())) = &polled {
+            let read = &buf.filled()[start..];
+            let n = this.frames.advance(read);
+            if n < read.len() {
+                this.held_back = read[n..].to_vec();
+                buf.set_filled(start + n);
+            }
+        }
+        polled
+    }
+}
+
+impl<T: AsyncRead + Unpin> Limited<T> {
+    fn poll_read_socket(
+        &mut self,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
@@ -135,5 +351,106 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
 
     fn is_write_vectored(&self) -> bool {
         self.inner.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A masked client frame header with a payload of `len` bytes.
+    fn header(len: u64) -> Vec<u8> {
+        let mut h = vec![0x81];
+        match len {
+            0..=125 => h.push(0x80 | len as u8),
+            126..=0xffff => {
+                h.push(0x80 | 126);
+                h.extend_from_slice(&(len as u16).to_be_bytes());
+            }
+            _ => {
+                h.push(0x80 | 127);
+                h.extend_from_slice(&len.to_be_bytes());
+            }
+        }
+        h.extend_from_slice(&[1, 2, 3, 4]);
+        h
+    }
+
+    /// After a large frame, the parser's read buffer no longer shares the
+    /// frame's allocation once it has been polled again: when the frame is
+    /// dropped, its memory is freed (issue 30: the buffer kept it for the
+    /// connection's life). A small request before and after still reads.
+    #[tokio::test]
+    async fn a_large_frame_leaves_no_share_of_its_buffer_behind() {
+        use futures_util::{SinkExt, StreamExt};
+        use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+        use tokio_tungstenite::tungstenite::Message;
+        use tokio_tungstenite::WebSocketStream;
+        let (ours, theirs) = tokio::io::duplex(4 << 20);
+        let budget = PreconnectBudget::new(0);
+        budget.lift();
+        let config = WebSocketConfig::default().read_buffer_size(2048);
+        let ws = WebSocketStream::from_raw_socket(
+            Limited::new(ours, budget),
+            Role::Server,
+            Some(config),
+        )
+        .await;
+        let mut peer = WebSocketStream::from_raw_socket(theirs, Role::Client, None).await;
+        let mut rx = Releasing::new(ws);
+        for round in 0..3 {
+            peer.send(Message::text("small")).await.unwrap();
+            peer.send(Message::text("x".repeat(1 << 20))).await.unwrap();
+            let small = rx.next().await.unwrap().unwrap();
+            assert_eq!(small, Message::text("small"));
+            let Message::Text(large) = rx.next().await.unwrap().unwrap() else {
+                panic!("a text frame");
+            };
+            let kept = bytes::Bytes::from(large);
+            assert_eq!(kept.len(), 1 << 20);
+            // The next poll: nothing more to read.
+            let waker = futures_util::task::noop_waker();
+            let mut cx = Context::from_waker(&waker);
+            assert!(rx.poll_next_unpin(&mut cx).is_pending());
+            assert!(
+                kept.is_unique(),
+                "round {round}: the read buffer still holds the frame's allocation"
+            );
+        }
+    }
+
+    /// Small frames pass whole, however they are split; a large frame's
+    /// header is cut from the payload bytes read with it, and the frame
+    /// after the large one is found again.
+    #[test]
+    fn a_large_frame_header_is_handed_over_alone() {
+        let mut stream = Vec::new();
+        for len in [5u64, 125, 126, 2000] {
+            stream.extend(header(len));
+            stream.extend(std::iter::repeat_n(b'a', len as usize));
+        }
+        let mut cursor = FrameCursor::default();
+        for piece in stream.chunks(7) {
+            assert_eq!(
+                cursor.advance(piece),
+                piece.len(),
+                "small frames pass whole"
+            );
+        }
+        let big = 16u64 << 20;
+        let mut read = header(big);
+        let head = read.len();
+        read.extend(std::iter::repeat_n(b'b', 100));
+        let mut cursor = FrameCursor::default();
+        assert_eq!(cursor.advance(&read), head, "the header alone");
+        assert_eq!(cursor.advance(&read[head..]), 100);
+        // The rest of the payload, then a small frame: whole again.
+        let mut rest = vec![b'b'; (big - 100) as usize];
+        rest.extend(header(3));
+        rest.extend(b"xyz");
+        assert_eq!(cursor.advance(&rest), rest.len());
+        assert!(matches!(cursor, FrameCursor::Header0));
+        assert_eq!(header_payload_len(&header(70_000)), Some(70_000));
+        assert_eq!(header_payload_len(&header(70_000)[..5]), None);
     }
 }

@@ -93,12 +93,16 @@ pub(crate) fn http_access(req: &Request<Incoming>, ctx: &Ctx) -> crate::policy::
 /// connection closes with the stream (a stream ends only when the broker
 /// ends it — slow consumer, shutdown — and a reader blocked on it must
 /// see EOF).
+/// Its chunks count in `budget` until hyper has written them, and hyper
+/// holds a bounded amount of them ([`super::stream_body`]).
 pub fn event_stream_response(
     chunks: impl futures_util::Stream<Item = Bytes> + Send + 'static,
+    budget: &Arc<crate::hub::QueueBudget>,
 ) -> Response<Body> {
     use futures_util::StreamExt;
+    let counted = super::stream_body::Counted::new(chunks, Arc::clone(budget));
     let body = http_body_util::StreamBody::new(
-        chunks.map(|chunk| Ok::<_, Infallible>(hyper::body::Frame::data(chunk))),
+        counted.map(|chunk| Ok::<_, Infallible>(hyper::body::Frame::data(chunk))),
     )
     .boxed_unsync();
     let mut resp = Response::new(body);

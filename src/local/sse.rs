@@ -240,7 +240,7 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             Some((chunk, s))
         }),
     );
-    let mut resp = super::respond::event_stream_response(chunks);
+    let mut resp = super::respond::event_stream_response(chunks, ctx.hub.queue_budget());
     let headers = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&epoch) {
         headers.insert(EPOCH_HEADER, v);

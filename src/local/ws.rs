@@ -12,12 +12,13 @@ use futures_util::{SinkExt, StreamExt};
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 
-use super::preconnect::{Limited, PreconnectBudget, OVER_BUDGET};
+use super::preconnect::{Limited, PreconnectBudget, ReleaseReadBuffer, OVER_BUDGET};
 use crate::context::Ctx;
 use crate::dispatch::{Member, Registration};
 use crate::hub::{Client, Outgoing};
@@ -37,6 +38,15 @@ const CONNECT_FAILED_LINGER: std::time::Duration = std::time::Duration::from_sec
 
 /// How long a closing client may take to acknowledge our close frame.
 const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The most batches ([`crate::hub::client::MAX_BATCH_BYTES`], 256 KiB or
+/// one larger frame) the writer takes in one turn before the client's
+/// socket is read again. A writer that drained the whole backlog before
+/// reading kept a fast reader's own requests (a `chat.abort`) waiting
+/// behind every event queued meanwhile (issue 30); after its turn the
+/// writer yields (its task is woken at once) so a request waits for at
+/// most one batch.
+const WRITER_TURN_BATCHES: u32 = 1;
 
 /// What the reader got from the socket.
 enum Incoming {
@@ -62,20 +72,28 @@ enum Step {
 /// writer task of its own, every request made two tasks runnable, and the
 /// runtime woke its other worker for the second: the largest cost of a
 /// request in the benchmark's profile.)
-struct Conn {
-    stream: SplitStream<Ws>,
-    writer: Writer,
+struct Conn<S = Limited<TokioIo<Upgraded>>> {
+    stream: SplitStream<WebSocketStream<S>>,
+    writer: Writer<S>,
     client: Arc<Client>,
+    /// Gives a large request's read buffer back once it is handled.
+    release: ReleaseReadBuffer,
 }
 
-impl Conn {
+impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
     /// The next frame from the client, writing what its queue holds meanwhile.
     async fn next(&mut self) -> Step {
         std::future::poll_fn(|cx| {
             if self.writer.poll_drive(cx, &self.client).is_ready() {
                 return Poll::Ready(Step::WriterEnded);
             }
-            poll_incoming(&mut self.stream, cx).map(Step::Read)
+            let polled = poll_incoming(&mut self.stream, cx);
+            let payload = match &polled {
+                Poll::Ready(Incoming::Text(t)) => Some(Bytes::from(t.clone())),
+                _ => None,
+            };
+            self.release.after_poll(payload.as_ref());
+            polled.map(Step::Read)
         })
         .await
     }
@@ -86,7 +104,10 @@ impl Conn {
     }
 }
 
-fn poll_incoming(stream: &mut SplitStream<Ws>, cx: &mut Context<'_>) -> Poll<Incoming> {
+fn poll_incoming<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut SplitStream<WebSocketStream<S>>,
+    cx: &mut Context<'_>,
+) -> Poll<Incoming> {
     loop {
         let incoming = match ready!(stream.poll_next_unpin(cx)) {
             Some(Ok(Message::Text(t))) => Incoming::Text(t),
@@ -174,6 +195,7 @@ pub async fn run(
         stream,
         writer: Writer::new(sink),
         client: Arc::clone(&client),
+        release: ReleaseReadBuffer::default(),
     };
     let client_id = client.id;
     tracing::debug!(client_id, "local client opened");
@@ -559,9 +581,10 @@ enum CloseStep {
 }
 
 /// Drains the client's queue into its socket, several frames per flush,
-/// polled by the client's task beside its reads (no task of its own).
-struct Writer {
-    sink: SplitSink<Ws, Message>,
+/// polled by the client's task beside its reads (no task of its own), at
+/// most [`WRITER_TURN_BATCHES`] batches per turn.
+struct Writer<S = Limited<TokioIo<Upgraded>>> {
+    sink: SplitSink<WebSocketStream<S>, Message>,
     /// The batch being written: what the socket has not been given yet.
     batch: std::vec::IntoIter<Outgoing>,
     /// Taken from the batch, not yet accepted by the socket.
@@ -570,10 +593,12 @@ struct Writer {
     unflushed: bool,
     close: Option<CloseStep>,
     ended: Option<WriterEnd>,
+    /// Batches taken in the current turn.
+    taken_this_turn: u32,
 }
 
-impl Writer {
-    fn new(sink: SplitSink<Ws, Message>) -> Self {
+impl<S: AsyncRead + AsyncWrite + Unpin> Writer<S> {
+    fn new(sink: SplitSink<WebSocketStream<S>, Message>) -> Self {
         Writer {
             sink,
             batch: Vec::new().into_iter(),
@@ -581,15 +606,18 @@ impl Writer {
             unflushed: false,
             close: None,
             ended: None,
+            taken_this_turn: 0,
         }
     }
 
     /// Writes until the queue is empty and flushed (`Pending`, woken by the
-    /// next push or by the socket) or the writer ends (`Ready`, once).
+    /// next push or by the socket), or for one turn (`Pending`, woken at
+    /// once), or until the writer ends (`Ready`, once).
     fn poll_drive(&mut self, cx: &mut Context<'_>, client: &Client) -> Poll<WriterEnd> {
         if self.ended.is_some() {
             return Poll::Pending;
         }
+        self.taken_this_turn = 0;
         let polled = self.poll_write(cx, client);
         let polled = match polled {
             // A write waiting on a client that does not read is abandoned
@@ -678,9 +706,18 @@ impl Writer {
                     Ok(()) => self.unflushed = false,
                     Err(_) => return Poll::Ready(WriterEnd::Failed),
                 },
+                // Turn over: let the caller poll the client's socket for
+                // reads, and come back at once.
+                None if self.taken_this_turn >= WRITER_TURN_BATCHES => {
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
                 // Written and flushed: the next batch (taking it is the
                 // client's progress).
-                None => self.batch = ready!(client.poll_next_batch(cx)).into_iter(),
+                None => {
+                    self.batch = ready!(client.poll_next_batch(cx)).into_iter();
+                    self.taken_this_turn += 1;
+                }
             }
         }
     }
@@ -701,4 +738,58 @@ impl Writer {
 fn text_message(bytes: Bytes) -> Message {
     // Frames are built only from valid UTF-8 (JSON) pieces.
     Message::Text(Utf8Bytes::try_from(bytes).unwrap_or_else(|_| Utf8Bytes::from_static("{}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::client::MAX_BATCH_BYTES;
+    use crate::hub::QueueLimits;
+    use tokio_tungstenite::tungstenite::protocol::Role;
+
+    /// A client that reads as fast as the broker writes (a socket that
+    /// never fills) and has a large backlog gets its own request read
+    /// after at most one batch, not after the whole backlog (issue 30: a
+    /// `chat.abort` waited behind every event queued meanwhile).
+    #[tokio::test]
+    async fn a_request_waits_for_one_batch_not_the_whole_backlog() {
+        // Room for everything: the writer is never held up by the socket.
+        let (ours, theirs) = tokio::io::duplex(64 << 20);
+        let ws = WebSocketStream::from_raw_socket(ours, Role::Server, None).await;
+        let mut peer = WebSocketStream::from_raw_socket(theirs, Role::Client, None).await;
+        let client = Arc::new(Client::new(
+            1,
+            QueueLimits {
+                soft_bytes: 1 << 30,
+                hard_bytes: 1 << 30,
+                grace: std::time::Duration::from_secs(3600),
+            },
+        ));
+        let frame = Bytes::from(format!(r#"{{"pad":"{}"}}"#, "x".repeat(1000)));
+        let backlog = 8_000 * frame.len();
+        for _ in 0..8_000 {
+            assert!(client.push_frame(frame.clone()));
+        }
+        peer.send(Message::text(
+            r#"{"type":"req","id":"a","method":"chat.abort"}"#,
+        ))
+        .await
+        .unwrap();
+        let (sink, stream) = ws.split();
+        let mut conn = Conn {
+            stream,
+            writer: Writer::new(sink),
+            client: Arc::clone(&client),
+            release: ReleaseReadBuffer::default(),
+        };
+        let step = tokio::time::timeout(std::time::Duration::from_secs(5), conn.next())
+            .await
+            .expect("the request is read");
+        assert!(matches!(step, Step::Read(Incoming::Text(t)) if t.as_str().contains("chat.abort")));
+        let written = backlog - client.queued_bytes().min(backlog);
+        assert!(
+            written <= 2 * MAX_BATCH_BYTES,
+            "{written} bytes of the {backlog}-byte backlog were written before the request was read"
+        );
+    }
 }

@@ -328,7 +328,7 @@ async fn large_frames_reach_every_reading_client() {
 
 /// The tests that move tens of MiB run one at a time: together on two
 /// cores (debug build) they starve each other's readers past any patience.
-static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub(crate) static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The next event, with a patience fit for a reader busy parsing megabytes.
 async fn next_event(c: &mut WsClient) -> serde_json::Value {

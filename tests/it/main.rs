@@ -34,6 +34,7 @@ mod least_privilege;
 mod limits;
 mod local_files;
 mod logging;
+mod memory_bounds;
 mod multiplex;
 mod narrower_sessions;
 mod plugin_surfaces;

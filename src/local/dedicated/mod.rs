@@ -61,7 +61,7 @@ use tokio_tungstenite::tungstenite::error::ProtocolError;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
-use super::preconnect::{PreconnectBudget, OVER_BUDGET};
+use super::preconnect::{PreconnectBudget, Releasing, OVER_BUDGET};
 use super::ws::Ws;
 use crate::context::Ctx;
 pub use crate::dedicated_registry::{Dedicated, Outcomes};
@@ -119,7 +119,7 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, peer_uid: Option<u32>, ctx: A
     tracing::info!(dedicated_id, "dedicated client opened");
     let mut conn = Conn {
         local_tx,
-        local_rx,
+        local_rx: Releasing::new(local_rx),
         ctx: Arc::clone(&ctx),
         slot,
         budget,
@@ -237,7 +237,7 @@ enum Upstream {
 /// One dedicated client's connection.
 struct Conn {
     local_tx: SplitSink<Ws, Message>,
-    local_rx: SplitStream<Ws>,
+    local_rx: Releasing<SplitStream<Ws>>,
     ctx: Arc<Ctx>,
     slot: Slot,
     budget: PreconnectBudget,

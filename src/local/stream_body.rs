@@ -1,0 +1,149 @@
+//! The body of an event stream (`/v1/events`, `/v1/hud`), within the
+//! broker-wide queue budget.
+//!
+//! hyper asks a body for its next chunk whenever its own write buffer holds
+//! less than ~400 KiB (and fewer than 16 pieces), so it took up to ~650 KB
+//! of a stream whose reader does not read: outside every queue, and so
+//! outside `queue_total_bytes` (issue 30: 900 such `/v1/events` readers
+//! peaked at 890 MiB). Here a chunk handed to hyper is counted in the queue
+//! budget until hyper has written it (it drops the chunk then), and the
+//! stream is asked for its next chunk only while hyper holds less than
+//! [`UNWRITTEN_BYTES`] of it. A stream whose reader stops reading stops
+//! taking batches from its queue, so its backlog, its stall and the
+//! budget's shedder judge it as they judge a WebSocket client.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use bytes::Bytes;
+use futures_util::task::AtomicWaker;
+use futures_util::Stream;
+
+use crate::hub::client::BudgetHold;
+use crate::hub::QueueBudget;
+
+/// The most bytes of one event stream that hyper may hold unwritten before
+/// the stream is asked for another chunk (which may be up to one batch,
+/// 256 KiB, or one larger event): a stream holds at most this plus one
+/// chunk outside its queue, all of it counted in the budget.
+pub const UNWRITTEN_BYTES: usize = 64 * 1024;
+
+/// Bytes of a stream's chunks that hyper holds, and its waker (woken when
+/// hyper lets go of one).
+#[derive(Debug, Default)]
+struct Unwritten {
+    bytes: AtomicUsize,
+    waker: AtomicWaker,
+}
+
+/// One chunk as hyper holds it: counted until hyper drops it.
+struct Chunk {
+    bytes: Bytes,
+    _hold: BudgetHold,
+    unwritten: Arc<Unwritten>,
+}
+
+impl AsRef<[u8]> for Chunk {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        self.unwritten
+            .bytes
+            .fetch_sub(self.bytes.len(), Ordering::AcqRel);
+        self.unwritten.waker.wake();
+    }
+}
+
+/// An event stream's chunks, counted and bounded (see the module docs).
+pub struct Counted<S> {
+    inner: Pin<Box<S>>,
+    budget: Arc<QueueBudget>,
+    unwritten: Arc<Unwritten>,
+}
+
+impl<S: Stream<Item = Bytes>> Counted<S> {
+    pub fn new(inner: S, budget: Arc<QueueBudget>) -> Self {
+        Counted {
+            inner: Box::pin(inner),
+            budget,
+            unwritten: Arc::default(),
+        }
+    }
+
+    /// Bytes of this stream's chunks that are not written yet.
+    #[cfg(test)]
+    fn unwritten(&self) -> usize {
+        self.unwritten.bytes.load(Ordering::Acquire)
+    }
+}
+
+impl<S: Stream<Item = Bytes>> Stream for Counted<S> {
+    type Item = Bytes;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
+        let this = &mut *self;
+        if this.unwritten.bytes.load(Ordering::Acquire) >= UNWRITTEN_BYTES {
+            // Registered before looking again, so a drop in between wakes us.
+            this.unwritten.waker.register(cx.waker());
+            if this.unwritten.bytes.load(Ordering::Acquire) >= UNWRITTEN_BYTES {
+                return Poll::Pending;
+            }
+        }
+        let Some(bytes) = ready!(this.inner.as_mut().poll_next(cx)) else {
+            return Poll::Ready(None);
+        };
+        this.unwritten
+            .bytes
+            .fetch_add(bytes.len(), Ordering::AcqRel);
+        let chunk = Chunk {
+            _hold: this.budget.hold(bytes.len()),
+            bytes,
+            unwritten: Arc::clone(&this.unwritten),
+        };
+        Poll::Ready(Some(Bytes::from_owner(chunk)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::StreamExt;
+
+    /// Chunks count in the budget until dropped (written), and no chunk is
+    /// taken from the stream while those not yet written reach the bound.
+    #[tokio::test]
+    async fn unwritten_chunks_count_and_bound_the_stream() {
+        let budget = Arc::new(QueueBudget::new());
+        let chunk = Bytes::from(vec![b'x'; 40 * 1024]);
+        let source = futures_util::stream::iter(vec![chunk; 10]);
+        let mut body = Counted::new(source, Arc::clone(&budget));
+        let first = body.next().await.unwrap();
+        let second = body.next().await.unwrap();
+        assert_eq!(budget.used(), 80 * 1024, "held by hyper: counted");
+        assert_eq!(body.unwritten(), 80 * 1024);
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        assert!(
+            body.poll_next_unpin(&mut cx).is_pending(),
+            "{} bytes unwritten: no more taken",
+            body.unwritten()
+        );
+        drop(first);
+        assert_eq!(budget.used(), 40 * 1024, "written: uncounted");
+        assert!(body.poll_next_unpin(&mut cx).is_ready());
+        drop(second);
+        let mut rest = 0;
+        while let Some(chunk) = body.next().await {
+            assert_eq!(budget.used(), chunk.len());
+            rest += 1;
+        }
+        assert_eq!(rest, 7);
+        assert_eq!(budget.used(), 0);
+    }
+}
