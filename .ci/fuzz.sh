@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The fuzz step of CI: builds the cargo-fuzz targets (fuzz/, nightly) and runs
+# each for FUZZ_SECONDS (default 16: ten targets fit in about three minutes on
+# two cores, after the build), starting from the committed seeds
+# (fuzz/seeds/<target>/; new inputs go to a scratch corpus, never into the
+# repository). Fails if any target crashes, times out (FUZZ_TIMEOUT seconds
+# for one input) or runs out of memory, after printing the reproducer: its
+# path, its bytes, and the command that replays it. Prints the totals
+# (targets, executions, seconds) at the end, for docs/src/status.md.
+#
+#   bash .ci/fuzz.sh                    # every target
+#   bash .ci/fuzz.sh sanitize activity  # some
+#   FUZZ_SECONDS=300 bash .ci/fuzz.sh   # longer
+#
+# Needs a nightly toolchain (`rustup toolchain install nightly`); installs
+# cargo-fuzz if it is missing. FUZZ_TARGET_DIR: where to build (default
+# target/fuzz, apart from the stable builds: the flags differ).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds=${FUZZ_SECONDS:-16}
+timeout=${FUZZ_TIMEOUT:-10}
+target_dir=${FUZZ_TARGET_DIR:-$PWD/target/fuzz}
+
+if ! cargo +nightly --version >/dev/null 2>&1; then
+    echo "fuzz: needs a nightly toolchain: rustup toolchain install nightly" >&2
+    exit 1
+fi
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    cargo install --locked cargo-fuzz
+fi
+
+targets=("$@")
+if [ ${#targets[@]} -eq 0 ]; then
+    mapfile -t targets < <(cargo +nightly fuzz list)
+fi
+
+# Built once up front, so the time limits below are spent fuzzing.
+cargo +nightly fuzz build --target-dir "$target_dir"
+
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+# The settings target writes its files under TMPDIR; keep them in the scratch dir.
+export TMPDIR=$scratch
+artifacts=${FUZZ_ARTIFACTS:-$PWD/fuzz/artifacts}
+failed=()
+total_execs=0
+start=$(date +%s)
+for t in "${targets[@]}"; do
+    mkdir -p "$scratch/corpus/$t" "$artifacts/$t"
+    log=$scratch/$t.log
+    status=0
+    cargo +nightly fuzz run --target-dir "$target_dir" "$t" "$scratch/corpus/$t" "fuzz/seeds/$t" -- \
+        -max_total_time="$seconds" -timeout="$timeout" -rss_limit_mb=2048 \
+        -print_final_stats=1 -artifact_prefix="$artifacts/$t/" >"$log" 2>&1 || status=$?
+    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
+    execs=${execs:-0}
+    total_execs=$((total_execs + execs))
+    if [ "$status" -ne 0 ]; then
+        failed+=("$t")
+        echo "fuzz: $t FAILED after $execs executions (exit $status)"
+        grep -E -A12 "panicked at|ERROR: libFuzzer|ERROR: AddressSanitizer" "$log" | head -40 || tail -40 "$log"
+        for a in $(sed -n 's/.*Test unit written to \(.*\)$/\1/p' "$log"); do
+            echo "fuzz: reproducer $a ($(wc -c <"$a") bytes):"
+            od -A d -c "$a" | head -32
+            echo "fuzz: base64: $(base64 -w0 "$a" | head -c 4000)"
+            echo "fuzz: replay: cargo +nightly fuzz run $t $a"
+        done
+    else
+        echo "fuzz: $t ok, $execs executions in ${seconds}s"
+    fi
+done
+elapsed=$(($(date +%s) - start))
+echo "fuzz: ${#targets[@]} targets, $total_execs executions, ${elapsed}s"
+if [ ${#failed[@]} -ne 0 ]; then
+    echo "fuzz: crashed: ${failed[*]}" >&2
+    exit 1
+fi
