@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The fuzz step of CI: builds the cargo-fuzz targets (fuzz/, nightly) and runs
-# each for FUZZ_SECONDS (default 16: ten targets fit in about three minutes on
+# each for FUZZ_SECONDS (default 15: ten targets fit in about three minutes on
 # two cores, after the build), starting from the committed seeds
 # (fuzz/seeds/<target>/; new inputs go to a scratch corpus, never into the
-# repository). Fails if any target crashes, times out (FUZZ_TIMEOUT seconds
+# repository) and the target's dictionary of JSON keys if it has one
+# (fuzz/dicts/<target>.dict). Fails if any target crashes, times out (FUZZ_TIMEOUT seconds
 # for one input) or runs out of memory, after printing the reproducer: its
 # path, its bytes, and the command that replays it. Prints the totals
 # (targets, executions, seconds) at the end, for docs/src/status.md.
@@ -12,18 +13,16 @@
 #   bash .ci/fuzz.sh sanitize activity  # some
 #   FUZZ_SECONDS=300 bash .ci/fuzz.sh   # longer
 #
-# Needs a nightly toolchain (`rustup toolchain install nightly`); installs
-# cargo-fuzz if it is missing. FUZZ_TARGET_DIR: where to build (default
+# Installs a nightly toolchain (rustup) and cargo-fuzz if they are missing. FUZZ_TARGET_DIR: where to build (default
 # target/fuzz, apart from the stable builds: the flags differ).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-seconds=${FUZZ_SECONDS:-16}
+seconds=${FUZZ_SECONDS:-15}
 timeout=${FUZZ_TIMEOUT:-10}
 target_dir=${FUZZ_TARGET_DIR:-$PWD/target/fuzz}
 
 if ! cargo +nightly --version >/dev/null 2>&1; then
-    echo "fuzz: needs a nightly toolchain: rustup toolchain install nightly" >&2
-    exit 1
+    rustup toolchain install nightly --profile minimal
 fi
 if ! cargo fuzz --version >/dev/null 2>&1; then
     cargo install --locked cargo-fuzz
@@ -49,8 +48,12 @@ for t in "${targets[@]}"; do
     mkdir -p "$scratch/corpus/$t" "$artifacts/$t"
     log=$scratch/$t.log
     status=0
+    dict=()
+    if [ -f "fuzz/dicts/$t.dict" ]; then
+        dict=(-dict="fuzz/dicts/$t.dict")
+    fi
     cargo +nightly fuzz run --target-dir "$target_dir" "$t" "$scratch/corpus/$t" "fuzz/seeds/$t" -- \
-        -max_total_time="$seconds" -timeout="$timeout" -rss_limit_mb=2048 \
+        -max_total_time="$seconds" -timeout="$timeout" -rss_limit_mb=2048 "${dict[@]}" \
         -print_final_stats=1 -artifact_prefix="$artifacts/$t/" >"$log" 2>&1 || status=$?
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
     execs=${execs:-0}
