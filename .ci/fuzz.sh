@@ -61,7 +61,10 @@ for t in "${targets[@]}"; do
     if [ "$status" -ne 0 ]; then
         failed+=("$t")
         echo "fuzz: $t FAILED after $execs executions (exit $status)"
-        grep -E -A12 "panicked at|ERROR: libFuzzer|ERROR: AddressSanitizer" "$log" | head -40 || tail -40 "$log"
+        # The panic message (or the sanitizer's or libFuzzer's verdict), not the stack.
+        grep -E -A2 "panicked at" "$log" | head -20 || true
+        grep -E "ERROR: (libFuzzer|AddressSanitizer|LeakSanitizer)|^SUMMARY:" "$log" | head -5 \
+            || tail -30 "$log"
         for a in $(sed -n 's/.*Test unit written to \(.*\)$/\1/p' "$log"); do
             echo "fuzz: reproducer $a ($(wc -c <"$a") bytes):"
             od -A d -c "$a" | head -32
