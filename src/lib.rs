@@ -60,6 +60,7 @@
 //! - [`activity`]: the client-side projection of raw events into runs,
 //!   thinking and tool calls, for `clawmux top` and `tail --tree/--hud`.
 //! - [`install`] writes the user units.
+//! - `fuzz_api` (hidden): the fuzz targets' way into private parsers.
 //! - [`settings`]: where each setting comes from (flags, environment,
 //!   config.toml, Claw3D's and OpenClaw's own files) for `serve` and `doctor`.
 //!   [`bounds`] is the range each duration and count may take (at most one
@@ -79,6 +80,8 @@ pub mod context;
 pub mod dedicated_registry;
 pub mod dispatch;
 pub mod files;
+#[doc(hidden)]
+pub mod fuzz_api;
 pub mod hub;
 pub mod install;
 pub mod lifecycle;

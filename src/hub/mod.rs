@@ -380,6 +380,9 @@ fn apply_to_snapshot(
 }
 
 #[cfg(test)]
+mod accounting_props;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;

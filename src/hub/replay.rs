@@ -19,7 +19,7 @@
 //! time in microseconds, above any earlier life's. The broker life's
 //! [`epoch`](ReplayWindow::epoch) is information only.
 
-mod store;
+pub(crate) mod store;
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};

@@ -47,7 +47,7 @@ use super::respond::{error_response, full, Body};
 use crate::activity::hud::hud_event;
 use crate::activity::{Activity, Observed};
 use crate::context::Ctx;
-use crate::hub::replay::EventId;
+use crate::hub::replay::{EventId, ReplayWindow};
 use crate::hub::{Client, ClientKind, Outgoing};
 use crate::policy::Grant;
 use crate::protocol::StudioCode;
@@ -55,7 +55,7 @@ use crate::protocol::StudioCode;
 /// The query of `/v1/hud` and `/ws/hud`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct HudQuery {
+pub(crate) struct HudQuery {
     /// `1`: the replay log's events first, flagged `replay: true`.
     history: Option<String>,
     /// Resume after this event id, as on `/v1/events`.
@@ -83,26 +83,9 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             "the HUD feed shows every run's tool calls: it needs operator.read, which this caller does not hold (its socket's policy or X-Clawmux-Scopes)".into(),
         );
     }
-    let query: HudQuery = match serde_urlencoded::from_str(req.uri().query().unwrap_or("")) {
-        Ok(q) => q,
-        Err(e) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "INVALID_REQUEST",
-                format!("bad query: {e}; expected history=1, after_seq=<event id>, epoch=<id>"),
-            )
-        }
-    };
-    let history = match query.history.as_deref() {
-        None | Some("0") | Some("false") => false,
-        Some("1") | Some("true") => true,
-        Some(other) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "INVALID_REQUEST",
-                format!("bad history={other}: expected history=1 or history=0"),
-            )
-        }
+    let (query, history) = match parse_query(req.uri().query()) {
+        Ok(parsed) => parsed,
+        Err(message) => return error_response(StatusCode::BAD_REQUEST, "INVALID_REQUEST", message),
     };
     if websocket {
         return upgrade(req, ctx, query, history);
@@ -127,6 +110,24 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         }),
     );
     super::respond::event_stream_response(chunks, ctx.hub.queue_budget())
+}
+
+/// The query of `/v1/hud` and `/ws/hud`, and whether it asks for history;
+/// the error is the 400's message.
+pub(crate) fn parse_query(query: Option<&str>) -> Result<(HudQuery, bool), String> {
+    let query: HudQuery = serde_urlencoded::from_str(query.unwrap_or("")).map_err(|e| {
+        format!("bad query: {e}; expected history=1, after_seq=<event id>, epoch=<id>")
+    })?;
+    let history = match query.history.as_deref() {
+        None | Some("0") | Some("false") => false,
+        Some("1") | Some("true") => true,
+        Some(other) => {
+            return Err(format!(
+                "bad history={other}: expected history=1 or history=0"
+            ))
+        }
+    };
+    Ok((query, history))
 }
 
 /// One record for a HUD client.
@@ -220,7 +221,11 @@ impl HudSource {
             .filter(|v| !v.is_empty())
             .map(str::to_owned);
         let resume = last_event_id.or(query.after_seq.clone());
-        let (events_query, resumed) = events_query(ctx, resume.as_deref(), query.epoch.as_deref());
+        let (events_query, resumed) = events_query(
+            &ctx.hub.replay_window(),
+            resume.as_deref(),
+            query.epoch.as_deref(),
+        );
         req.headers_mut().remove("last-event-id");
         let uri = format!("/v1/events?{events_query}");
         match uri.parse() {
@@ -382,8 +387,11 @@ impl HudSource {
 /// start when the client's resume point (if any) is in this broker's log
 /// (then also that cursor, to stay quiet until it), else the client's own
 /// resume point, for `/v1/events` to answer (`410` and why).
-fn events_query(ctx: &Ctx, resume: Option<&str>, epoch: Option<&str>) -> (String, Option<u64>) {
-    let window = ctx.hub.replay_window();
+pub(crate) fn events_query(
+    window: &ReplayWindow,
+    resume: Option<&str>,
+    epoch: Option<&str>,
+) -> (String, Option<u64>) {
     let from_start = EventId {
         epoch: Some(window.epoch.to_string()),
         cursor: window.oldest_seq.saturating_sub(1),

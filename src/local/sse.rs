@@ -78,8 +78,8 @@ struct EventsQuery {
 
 /// What a stream asked for, parsed (the hub checks the resume point).
 #[derive(Debug)]
-struct StreamRequest {
-    from: ResumePoint,
+pub(crate) struct StreamRequest {
+    pub(crate) from: ResumePoint,
     filter: Option<HashSet<String>>,
     tap: bool,
     /// The stream observes every tool-stream event (`tool_events=all`).
@@ -87,12 +87,20 @@ struct StreamRequest {
 }
 
 fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
-    let query: EventsQuery =
-        serde_urlencoded::from_str(req.uri().query().unwrap_or("")).map_err(|e| {
-            format!(
-                "bad query: {e}; expected after_seq=<cursor>, events=<name,name>, tool_events=own|all"
-            )
-        })?;
+    parse_query(req.uri().query(), req.headers().get("last-event-id"))
+}
+
+/// [`parse_request`] on its parts (the query string and the
+/// `Last-Event-ID` header), so the fuzz targets reach it without a request.
+pub(crate) fn parse_query(
+    query: Option<&str>,
+    last_event_id: Option<&HeaderValue>,
+) -> Result<StreamRequest, String> {
+    let query: EventsQuery = serde_urlencoded::from_str(query.unwrap_or("")).map_err(|e| {
+        format!(
+            "bad query: {e}; expected after_seq=<cursor>, events=<name,name>, tool_events=own|all"
+        )
+    })?;
     let after_seq = query
         .after_seq
         .map(|text| text.parse::<EventId>())
@@ -100,9 +108,7 @@ fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
         .map_err(|e| format!("bad after_seq: {e}"))?;
     // An empty Last-Event-ID is what an EventSource holds after an empty
     // `id:` line: no cursor.
-    let last_event_id = req
-        .headers()
-        .get("last-event-id")
+    let last_event_id = last_event_id
         .map(|v| v.to_str().unwrap_or("\u{fffd}").trim())
         .filter(|text| !text.is_empty())
         .map(|text| text.parse::<EventId>())

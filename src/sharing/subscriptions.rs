@@ -225,6 +225,9 @@ impl Subscriptions {
 }
 
 #[cfg(test)]
+mod props;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -197,8 +197,11 @@ fn record(loaded: &mut Loaded, line: &[u8]) -> bool {
             let Ok(f) = serde_json::from_str::<Frame>(frame.get()) else {
                 return false;
             };
-            // Cursors only increase; anything else is not this log's.
-            if f.kind != "event" || seq <= loaded.newest.max(loaded.floor) {
+            // Cursors only increase; anything else is not this log's. A
+            // nameless event is not one either: the gateway frame decoder
+            // drops those, so the broker never logs one (found by the
+            // `replay_log` fuzz target).
+            if f.kind != "event" || f.event.is_empty() || seq <= loaded.newest.max(loaded.floor) {
                 return false;
             }
             let head = EventHead::encode(&f.event, f.payload, f.state_version).with_cursor(seq);
@@ -662,6 +665,17 @@ mod tests {
         let d = parse(&damaged, false);
         assert_eq!(d.bad_lines, 2);
         assert_eq!(d.events.len(), 2);
+    }
+
+    /// A line the broker could not have written (an event without a name,
+    /// which the frame decoder refuses) is skipped, not replayed as an
+    /// SSE record with an empty `event:`.
+    #[test]
+    fn a_nameless_event_is_not_a_record() {
+        let lines =
+            b"{\"seq\":1,\"ts\":1,\"frame\":{\"type\":\"event\",\"event\":\"\",\"payload\":{}}}\n";
+        let loaded = parse(lines, false);
+        assert_eq!((loaded.events.len(), loaded.bad_lines), (0, 1));
     }
 
     #[test]
