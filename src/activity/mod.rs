@@ -797,14 +797,19 @@ fn keep_tail(text: &mut String) {
 /// A value that still does not fit (very many small parts) is replaced by
 /// `null`.
 pub fn bound(value: &Value) -> (Value, bool) {
-    if value.is_null() || value.to_string().len() <= MAX_VALUE_BYTES {
+    bound_to(value, MAX_VALUE_BYTES)
+}
+
+/// [`bound`] with another limit (`max_bytes` of JSON).
+pub fn bound_to(value: &Value, max_bytes: usize) -> (Value, bool) {
+    if value.is_null() || value.to_string().len() <= max_bytes {
         return (value.clone(), false);
     }
-    let mut limit = MAX_VALUE_BYTES / 2;
+    let mut limit = max_bytes / 2;
     while limit >= 16 {
         let mut v = value.clone();
         cut_strings(&mut v, limit);
-        if v.to_string().len() <= MAX_VALUE_BYTES {
+        if v.to_string().len() <= max_bytes {
             return (v, true);
         }
         limit /= 2;

@@ -58,7 +58,7 @@ pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
                 "connected_at_ms": c.connected_at_ms,
                 "declared": c.identity.get(),
                 "peer_pid": c.identity.get().and_then(|i| i.peer_pid),
-                "tool_observer": ctx.sharing.observes_tools(c.id),
+                "tool_observer": c.observer.load(std::sync::atomic::Ordering::Relaxed),
             })
         })
         .collect();

@@ -23,6 +23,7 @@ mod config_e2e;
 mod dedicated;
 mod device_identity;
 mod handshake;
+mod history;
 mod http_routes;
 mod install_service;
 mod interop;

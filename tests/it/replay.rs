@@ -320,7 +320,10 @@ async fn a_cursor_from_before_a_restart_resumes_with_the_rest_a_gap_then_new_eve
         let ids: Vec<u64> = got.iter().map(|r| r.0).collect();
         assert!(ids.windows(2).all(|w| w[0] < w[1]), "{path}: {ids:?}");
         let (gap_id, _, gap) = &got[g];
-        assert_eq!(*gap_id, got[g - 1].0 + 1, "a clean stop: cursors continue");
+        // Cursors only grow: a new life starts above the last one's newest
+        // and above the current time in microseconds (so above any life
+        // that kept no file in between).
+        assert!(*gap_id > got[g - 1].0, "{path}: {got:#?}");
         assert_eq!(gap["reason"], "broker_restart");
         assert_eq!(gap["clean"], true);
         assert_eq!(gap["after"], got[g - 1].0);
@@ -362,10 +365,7 @@ async fn a_torn_log_file_is_recovered() {
     assert_eq!(&ids[..2], [newest - 2, newest - 1], "{got:#?}");
     assert_eq!(got.len(), 3, "{got:#?}");
     assert_eq!(got[2].1, "clawmux.gap");
-    assert!(
-        ids[2] > newest + 1_000_000,
-        "after a crash cursors jump: {got:#?}"
-    );
+    assert!(ids[2] > newest, "after a crash cursors jump: {got:#?}");
     assert_eq!(got[2].2["clean"], false);
     assert_eq!(got[2].2["after"], newest - 1);
     // The file was rewritten whole: every line parses.
@@ -414,10 +414,19 @@ async fn the_log_file_stays_under_its_bound() {
     })
     .await;
     let s = state(&h.socket()).await;
-    assert_eq!(
-        s["newest_seq"].as_u64().unwrap() - s["oldest_seq"].as_u64().unwrap() + 1,
-        20
+    let (oldest, newest) = (
+        s["oldest_seq"].as_u64().unwrap(),
+        s["newest_seq"].as_u64().unwrap(),
     );
+    let mut sse = open_events(
+        &h.socket(),
+        &format!("/v1/events?after_seq={}", oldest - 1),
+        &[],
+    )
+    .await
+    .unwrap();
+    let held = records_through(&mut sse, newest).await;
+    assert_eq!(held.iter().filter(|r| r.0 != 0).count(), 20, "{held:#?}");
 }
 
 /// Without persistence (`[limits] replay_persist = false`) history ends at

@@ -1,0 +1,209 @@
+//! Continuity (issue 31): one durable history of everything a client could
+//! have seen live, each event with its audience, read back through the
+//! same filter live delivery uses; `/v1/events` carries targeted events
+//! with `id:` cursors and filters by session and agent.
+
+use crate::http_api::*;
+use crate::support::*;
+use clawmux::policy::{MethodFilter, SocketPolicy};
+use serde_json::json;
+
+/// A further socket with no observer powers (`observe = false`).
+fn plain_socket(path: &std::path::Path) -> SocketPolicy {
+    SocketPolicy {
+        name: "plain".into(),
+        path: path.to_owned(),
+        mode: 0o600,
+        uids: Vec::new(),
+        gids: Vec::new(),
+        scopes: None,
+        methods: MethodFilter::default(),
+        observe: false,
+    }
+}
+
+/// (id, name) of every record up to and including the event with cursor
+/// `last`; gaps (with or without an id) as `clawmux.gap`.
+async fn names_through(sse: &mut Sse, last: u64) -> Vec<(u64, String)> {
+    let mut out = Vec::new();
+    loop {
+        match sse.next_item().await {
+            Item::Event { id, name, .. } => {
+                out.push((id, name));
+                if id >= last {
+                    return out;
+                }
+            }
+            Item::Other(o) if o.contains("event: clawmux.gap") => {
+                out.push((0, "clawmux.gap".into()))
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Opens `path` on `socket` (with `headers`), or panics with the answer.
+async fn stream(socket: &std::path::Path, path: &str, headers: &[(&str, &str)]) -> Sse {
+    open_events(socket, path, headers)
+        .await
+        .unwrap_or_else(|e| panic!("{path}: {e:?}"))
+}
+
+/// Subscribes a WebSocket client to `sessions.subscribe` and waits until
+/// the gateway holds the subscription.
+async fn subscriber(h: &Harness) -> WsClient {
+    let (mut sub, _) = h.connected().await;
+    let res = sub.request("sessions.subscribe", json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+    let gw = &h.gw;
+    eventually("the gateway holds sessions.subscribe", || {
+        gw.subscriptions().iter().any(|(sessions, _)| *sessions)
+    })
+    .await;
+    sub
+}
+
+/// The gateway's targeted events (`session.message`, a per-subscriber
+/// `sessions.changed`) are logged with ids: an observer gets them live and
+/// in history alike, with the same ids; a plain reader, a reader on a
+/// socket without observer powers and an observer without `operator.read`
+/// get none of them, live or in history, and no false gap for the cursors
+/// they do not see.
+#[tokio::test]
+async fn targeted_events_are_in_history_with_ids_for_exactly_those_who_saw_them_live() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = dir.path().join("plain.sock");
+    let h = start_with(mock_config(), |s| s.sockets = vec![plain_socket(&extra)]).await;
+    let socket = h.socket();
+    let mut sub = subscriber(&h).await;
+    let start = state(&socket).await["newest_seq"].as_u64().unwrap();
+    let mut live_observer = stream(&socket, "/v1/events?tool_events=all", &[]).await;
+    let mut live_plain = stream(&socket, "/v1/events", &[]).await;
+    let key = "agent:main:main";
+    h.gw.emit_session_message(
+        key,
+        json!({"sessionKey": key, "message": {"role": "user", "content": "hi"}}),
+    );
+    h.gw.emit_sessions_changed(json!({"sessionKey": key, "reason": "patch"}));
+    h.gw.broadcast("tick", json!({"ts": 1, "marker": "end"}));
+    sub.event("session.message").await;
+    sub.event("sessions.changed").await;
+    let (end, _, _) = loop {
+        let e = live_plain.next_event().await;
+        if e.2["payload"]["marker"] == "end" {
+            break e;
+        }
+    };
+    let live = names_through(&mut live_observer, end).await;
+    let targeted: Vec<&(u64, String)> = live
+        .iter()
+        .filter(|(_, n)| n == "session.message" || n == "sessions.changed")
+        .collect();
+    assert_eq!(targeted.len(), 2, "the observer gets them live: {live:?}");
+    assert!(targeted.iter().all(|(id, _)| *id > start), "{live:?}");
+
+    // History equals live for the observer, id for id.
+    let after = format!("/v1/events?tool_events=all&after_seq={start}");
+    let history = names_through(&mut stream(&socket, &after, &[]).await, end).await;
+    assert_eq!(history, live);
+    // And Last-Event-ID resumes the same way, from the first one's id.
+    let first = targeted[0].0;
+    let resumed = names_through(
+        &mut stream(
+            &socket,
+            "/v1/events?tool_events=all",
+            &[("last-event-id", &first.to_string())],
+        )
+        .await,
+        end,
+    )
+    .await;
+    let expected: Vec<(u64, String)> = live.iter().filter(|r| r.0 > first).cloned().collect();
+    assert_eq!(resumed, expected);
+
+    // Nobody else gains anything, live or from history, and sees no gap.
+    let plain_history = format!("/v1/events?after_seq={start}");
+    let limited = [("x-clawmux-scopes", "operator.approvals")];
+    for (what, records) in [
+        (
+            "plain reader, history",
+            names_through(&mut stream(&socket, &plain_history, &[]).await, end).await,
+        ),
+        (
+            "socket without observe, history",
+            names_through(&mut stream(&extra, &plain_history, &[]).await, end).await,
+        ),
+        (
+            "observer without operator.read, history",
+            names_through(&mut stream(&socket, &after, &limited).await, end).await,
+        ),
+    ] {
+        assert!(
+            records
+                .iter()
+                .all(|(_, n)| !n.starts_with("session") && n != "clawmux.gap"),
+            "{what}: {records:?}"
+        );
+        assert_eq!(
+            records.last().map(|r| r.0),
+            Some(end),
+            "{what}: {records:?}"
+        );
+    }
+    let (status, _) = open_events(&extra, &after, &[]).await.err().expect("403");
+    assert_eq!(status, 403);
+}
+
+/// Holon's per-agent stream: `session=` and `agent=` keep the events about
+/// those sessions (short keys read as the gateway reads them), in history
+/// and live, with their ids; broker records are kept.
+#[tokio::test]
+async fn session_and_agent_filters_keep_only_those_sessions() {
+    let h = start().await;
+    let socket = h.socket();
+    let start = until_ready(&socket).await["newest_seq"].as_u64().unwrap();
+    let chat = |run: &str, key: &str| {
+        json!({"runId": run, "sessionKey": key, "state": "final",
+               "message": {"content": [{"type": "text", "text": run}]}})
+    };
+    h.gw.broadcast("chat", chat("r-main", "agent:main:main"));
+    h.gw.broadcast("chat", chat("r-side", "agent:main:side"));
+    h.gw.broadcast("chat", chat("r-ops", "agent:ops:main"));
+    h.gw.broadcast("tick", json!({"ts": 1}));
+    for (run, key) in [
+        ("z-main", "agent:main:main"),
+        ("z-side", "agent:main:side"),
+        ("z-ops", "agent:ops:main"),
+    ] {
+        h.gw.broadcast("chat", chat(run, key));
+    }
+    let end = wait_newest_seq(&socket, start + 7).await["newest_seq"]
+        .as_u64()
+        .unwrap();
+    for (query, want) in [
+        ("session=main", vec!["r-main", "z-main"]),
+        (
+            "session=side,agent:ops:main",
+            vec!["r-side", "r-ops", "z-side", "z-ops"],
+        ),
+        ("agent=ops", vec!["r-ops", "z-ops"]),
+        ("agent=main&session=side", vec!["r-side", "z-side"]),
+    ] {
+        let path = format!("/v1/events?after_seq={start}&{query}");
+        let mut sse = stream(&socket, &path, &[]).await;
+        let mut got = Vec::new();
+        for _ in 0..want.len() {
+            let (id, _, data) = sse.next_event().await;
+            assert!(id > start && id <= end, "{query}: {id}");
+            got.push(data["payload"]["runId"].as_str().unwrap_or("").to_owned());
+        }
+        assert_eq!(got, want, "{query}");
+    }
+    // Live too.
+    let mut live = stream(&socket, "/v1/events?agent=ops", &[]).await;
+    h.gw.broadcast("chat", chat("r-main-2", "agent:main:main"));
+    h.gw.broadcast("chat", chat("r-ops-2", "agent:ops:x"));
+    let e = live.next_event().await;
+    assert_eq!(e.2["payload"]["runId"], "r-ops-2", "{e:?}");
+    assert!(e.0 > end);
+}
