@@ -207,3 +207,220 @@ async fn session_and_agent_filters_keep_only_those_sessions() {
     assert_eq!(e.2["payload"]["runId"], "r-ops-2", "{e:?}");
     assert!(e.0 > end);
 }
+
+/// One record of a `/v1/hud` stream.
+#[derive(Debug)]
+enum Hud {
+    /// A HUD event and its `id:` line, if any.
+    Event(Option<String>, serde_json::Value),
+    /// A named broker record (`clawmux.gap`, `clawmux.close`).
+    Broker(String),
+}
+
+async fn next_hud(sse: &mut Sse) -> Hud {
+    loop {
+        let record = match sse.next_item().await {
+            Item::Other(record) => record,
+            Item::Event { name, .. } => return Hud::Broker(name),
+            Item::Comment(_) => continue,
+        };
+        if record.lines().any(|l| l.starts_with("retry:")) {
+            continue;
+        }
+        if let Some(name) = record.lines().find_map(|l| l.strip_prefix("event: ")) {
+            return Hud::Broker(name.to_owned());
+        }
+        let id = record
+            .lines()
+            .find_map(|l| l.strip_prefix("id: "))
+            .map(str::to_owned);
+        let data = record
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .unwrap();
+        return Hud::Event(id, serde_json::from_str(data).unwrap());
+    }
+}
+
+/// HUD records until the `turn_end` of `run` (broker records included).
+async fn hud_until_turn_end(sse: &mut Sse, run: &str) -> Vec<Hud> {
+    let mut out = Vec::new();
+    loop {
+        let record = next_hud(sse).await;
+        let end = matches!(&record, Hud::Event(_, e)
+            if e["event"] == "turn_end" && e["correlationId"] == run);
+        out.push(record);
+        if end {
+            return out;
+        }
+    }
+}
+
+/// The HUD events of `run` (its turn, thinking and tools), without the
+/// fields a replay may differ in (`id`, `replay`).
+fn of_run(records: &[Hud], run: &str) -> Vec<serde_json::Value> {
+    records
+        .iter()
+        .filter_map(|r| match r {
+            Hud::Event(_, e) if e["correlationId"] == run || e["parentId"] == run => {
+                let mut e = e.clone();
+                let map = e.as_object_mut().unwrap();
+                map.remove("id");
+                map.remove("replay");
+                Some(e)
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Starts a run through a WebSocket client (which asked for tool events)
+/// and returns its id; the run plays on in the gateway double.
+async fn start_run(h: &Harness) -> (WsClient, String) {
+    let (mut c, _) = h.connected().await;
+    let key = uuid::Uuid::new_v4().to_string();
+    let res = c
+        .request(
+            "chat.send",
+            json!({"sessionKey": "main", "message": "hi", "idempotencyKey": key}),
+        )
+        .await;
+    assert_eq!(res["ok"], true, "{res}");
+    (c, key)
+}
+
+/// Issue 31: `/v1/hud?history=1` equals the live feed field by field
+/// (except `id` and `replay: true`), tool arguments and results included;
+/// and a reader that drops right after `turn_start` and resumes with the
+/// bare `id:` it got (as `after_seq=` and as `Last-Event-ID`) gets the rest
+/// of the run, ending with its `turn_end`.
+#[tokio::test]
+async fn hud_history_equals_live_and_the_bare_id_resumes_the_rest_of_the_run() {
+    let mut cfg = mock_config();
+    cfg.run_step_delay = std::time::Duration::from_millis(40);
+    let h = start_with(cfg, |_| {}).await;
+    until_ready(&h.socket()).await;
+    let mut live = stream(&h.socket(), "/v1/hud", &[]).await;
+    let mut dropping = stream(&h.socket(), "/v1/hud", &[]).await;
+    let (_c, run) = start_run(&h).await;
+    // The dropping reader goes away right after the turn's start.
+    let turn_start_id = loop {
+        if let Hud::Event(id, e) = next_hud(&mut dropping).await {
+            if e["event"] == "turn_start" && e["correlationId"] == run.as_str() {
+                break id.expect("turn_start carries the id of its event");
+            }
+        }
+    };
+    drop(dropping);
+    assert!(
+        turn_start_id.bytes().all(|b| b.is_ascii_digit()),
+        "a bare cursor: {turn_start_id}"
+    );
+    let live = hud_until_turn_end(&mut live, &run).await;
+    let live_run = of_run(&live, &run);
+    let tools: Vec<&serde_json::Value> =
+        live_run.iter().filter(|e| e["tool"].is_string()).collect();
+    assert!(
+        tools
+            .iter()
+            .any(|e| e["event"] == "tool_start" && e["args"]["command"] == "ls"),
+        "{tools:#?}"
+    );
+    assert!(
+        tools
+            .iter()
+            .any(|e| e["event"] == "tool_end" && e["result"]["stdout"] == "README.md\nsrc\n"),
+        "{tools:#?}"
+    );
+
+    // History: field by field what was live.
+    let mut history = stream(&h.socket(), "/v1/hud?history=1", &[]).await;
+    let replayed = hud_until_turn_end(&mut history, &run).await;
+    assert!(replayed
+        .iter()
+        .all(|r| !matches!(r, Hud::Event(_, e) if e["replay"] != true)));
+    assert_eq!(of_run(&replayed, &run), live_run);
+
+    // Resuming with the bare id: the rest of the run, no second turn_start.
+    let rest: Vec<serde_json::Value> = live_run
+        .iter()
+        .skip_while(|e| e["event"] != "turn_start")
+        .skip(1)
+        .cloned()
+        .collect();
+    assert!(rest.last().is_some_and(|e| e["event"] == "turn_end"));
+    let path = format!("/v1/hud?after_seq={turn_start_id}");
+    let header = [("last-event-id", turn_start_id.as_str())];
+    for (path, headers) in [(path.as_str(), &[][..]), ("/v1/hud", &header[..])] {
+        let mut resumed = stream(&h.socket(), path, headers).await;
+        let got = hud_until_turn_end(&mut resumed, &run).await;
+        assert!(
+            !got.iter().any(|r| matches!(r, Hud::Broker(_))),
+            "{path}: {got:#?}"
+        );
+        assert_eq!(of_run(&got, &run), rest, "{path} {headers:?}");
+    }
+}
+
+/// A fresh live `/v1/hud` starts with what happens from now on: no old
+/// `clawmux.gap` (an upstream gap earlier in the log) comes first.
+#[tokio::test]
+async fn a_fresh_live_hud_feed_shows_no_old_gaps() {
+    let h = start().await;
+    let base = until_ready(&h.socket()).await["newest_seq"]
+        .as_u64()
+        .unwrap();
+    h.gw.broadcast("tick", json!({"ts": 1}));
+    h.gw.skip_seq();
+    h.gw.broadcast("tick", json!({"ts": 2}));
+    // Logged, the gap between them included.
+    wait_newest_seq(&h.socket(), base + 3).await;
+    let mut hud = stream(&h.socket(), "/v1/hud", &[]).await;
+    let (_c, run) = start_run(&h).await;
+    let got = hud_until_turn_end(&mut hud, &run).await;
+    assert!(!got.iter().any(|r| matches!(r, Hud::Broker(_))), "{got:#?}");
+    // History still tells of it.
+    let mut history = stream(&h.socket(), "/v1/hud?history=1", &[]).await;
+    let got = hud_until_turn_end(&mut history, &run).await;
+    assert!(
+        got.iter()
+            .any(|r| matches!(r, Hud::Broker(n) if n == "clawmux.gap")),
+        "{got:#?}"
+    );
+}
+
+/// A run that spans a broker restart is one turn: one `turn_start`, one
+/// `turn_end`, in the history the new broker serves.
+#[tokio::test]
+async fn a_run_across_a_broker_restart_has_one_turn_start_and_one_turn_end() {
+    let mut cfg = mock_config();
+    cfg.run_step_delay = std::time::Duration::from_millis(150);
+    let h = start_with(cfg, |_| {}).await;
+    until_ready(&h.socket()).await;
+    let mut events = stream(&h.socket(), "/v1/events", &[]).await;
+    let run = h.gw.simulate_run("main", "a reply across the restart");
+    loop {
+        let (_, _, e) = events.next_event().await;
+        if e["payload"]["runId"] == run.as_str() && e["payload"]["stream"] == "thinking" {
+            break;
+        }
+    }
+    drop(events);
+    let Harness { gw, broker, dir } = h;
+    assert!(broker.shutdown(std::time::Duration::from_secs(5)).await);
+    let broker = RunningBroker::start(test_settings(dir.path(), &gw.url(), Some("test-token")))
+        .await
+        .unwrap();
+    let h = Harness { gw, broker, dir };
+    let mut hud = stream(&h.socket(), "/v1/hud?history=1", &[]).await;
+    let got = hud_until_turn_end(&mut hud, &run).await;
+    let turns: Vec<&str> = got
+        .iter()
+        .filter_map(|r| match r {
+            Hud::Event(_, e) if e["correlationId"] == run.as_str() => e["event"].as_str(),
+            _ => None,
+        })
+        .filter(|e| e.starts_with("turn_"))
+        .collect();
+    assert_eq!(turns, ["turn_start", "turn_end"], "{got:#?}");
+}
