@@ -806,6 +806,54 @@ pub fn thinking_correlation_id(think_id: &str) -> String {
         .to_string()
 }
 
+/// The runs still going, for `/v1/state` (so a client can initialize its
+/// view from it and stream after its `newest_seq`): each with its open
+/// thinking and its open tool calls (arguments bounded as in the
+/// projection), newest first.
+pub fn runs_in_flight(activity: &Activity) -> Value {
+    let mut runs: Vec<&Run> = activity.runs.values().filter(|r| r.running()).collect();
+    runs.sort_by(|a, b| {
+        let at = |r: &Run| r.started_ms.unwrap_or(r.last_ms);
+        (at(b), &b.id).cmp(&(at(a), &a.id))
+    });
+    let runs: Vec<Value> = runs
+        .into_iter()
+        .map(|run| {
+            let thinking = match run.items.last() {
+                Some(Item::Thinking(t)) if !t.done => json!({
+                    "id": t.id,
+                    "correlationId": t.correlation_id,
+                    "startedMs": t.started_ms,
+                }),
+                _ => Value::Null,
+            };
+            let tools: Vec<Value> = run
+                .items
+                .iter()
+                .filter_map(|i| match i {
+                    Item::Tool(t) if !t.ended() => Some(json!({
+                        "toolCallId": t.call_id,
+                        "name": t.name,
+                        "args": t.args,
+                        "parentToolCallId": t.parent_call_id,
+                        "startedMs": t.started_ms,
+                    })),
+                    _ => None,
+                })
+                .collect();
+            json!({
+                "runId": run.id,
+                "sessionKey": run.session_key,
+                "startedMs": run.started_ms,
+                "lastMs": run.last_ms,
+                "thinking": thinking,
+                "tools": tools,
+            })
+        })
+        .collect();
+    Value::Array(runs)
+}
+
 /// Ends open thinking of `run` at `at`.
 fn close_thinking(run: &mut Run, at: Option<u64>, changes: &mut Vec<Change>) {
     let run_id = run.id.clone();

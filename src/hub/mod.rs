@@ -46,6 +46,10 @@ struct HubInner {
     snapshot: Value,
     /// Recent events with their broker-wide cursors, for `/v1/events`.
     replay: replay::ReplayLog,
+    /// The activity projection of every logged event (as an observer's,
+    /// from history: gateway times only), for the runs in flight
+    /// `/v1/state` gives with its cursor.
+    activity: crate::activity::Activity,
 }
 
 /// The client registry and event fan-out.
@@ -198,6 +202,7 @@ impl Hub {
             apply_to_snapshot(&mut inner.snapshot, name, payload, state_version);
         }
         let head = inner.replay.append(head, audience);
+        project(&mut inner.activity, name, payload);
         let event = SharedEvent::new(head, &self.queue_budget);
         let visible = |c: &&Arc<Client>| may_see(&c.reader(), name, audience);
         self.deliver(inner.clients.values().filter(visible), &event, droppable);
@@ -230,6 +235,8 @@ impl Hub {
         let head = EventHead::from_value(name, payload);
         let mut inner = self.lock();
         let head = inner.replay.append(head, &Audience::All);
+        let raw = serde_json::value::to_raw_value(payload).ok();
+        project(&mut inner.activity, name, raw.as_deref());
         let event = SharedEvent::new(head, &self.queue_budget);
         let visible = |c: &&Arc<Client>| may_see(&c.reader(), name, &Audience::All);
         self.deliver(inner.clients.values().filter(visible), &event, false);
@@ -306,10 +313,34 @@ impl Hub {
     pub fn gap(&self) {
         let mut inner = self.lock();
         inner.replay.skip();
+        inner.activity.forget_unfinished();
         for client in inner.clients.values() {
             client.skip_seq();
         }
     }
+}
+
+/// Applies an event to the broker's activity projection, if it is about
+/// runs (the rest is not parsed).
+fn project(activity: &mut crate::activity::Activity, name: &str, payload: Option<&RawValue>) {
+    if !matches!(
+        name,
+        "agent" | "chat" | "session.tool" | "clawmux.upstream" | replay::GAP_EVENT
+    ) {
+        return;
+    }
+    if name == replay::GAP_EVENT {
+        activity.forget_unfinished();
+        return;
+    }
+    let Some(payload) = payload.and_then(|p| serde_json::from_str::<Value>(p.get()).ok()) else {
+        return;
+    };
+    activity.apply(crate::activity::Observed {
+        name,
+        payload: &payload,
+        received_ms: None,
+    });
 }
 
 /// Applies a `presence` or `health` event to the snapshot, only if its

@@ -571,6 +571,14 @@ impl ReplayLog {
     }
 }
 
+/// An event frame's name and payload, read back from the log.
+#[derive(serde::Deserialize)]
+struct FrameOf {
+    event: String,
+    #[serde(default)]
+    payload: Option<Box<serde_json::value::RawValue>>,
+}
+
 /// `head` cut to at most `cap` bytes for the log: its payload's longest
 /// strings cut until it fits, `"clawmuxCut": true` added (an object
 /// payload); a payload that cannot be cut that far is kept as `null`.
@@ -628,7 +636,30 @@ impl Hub {
             ReplayLimits::from(&settings.limits),
             log_file(settings).as_deref(),
         );
-        self.lock().replay = log;
+        // The runs in flight as the log left them (a run that spans the
+        // restart is still one run).
+        let mut activity = crate::activity::Activity::new();
+        for logged in &log.events {
+            let frame = logged.head.without_seq();
+            if let Ok(f) = serde_json::from_slice::<FrameOf>(&frame) {
+                super::project(&mut activity, &f.event, f.payload.as_deref());
+            }
+        }
+        let mut inner = self.lock();
+        inner.replay = log;
+        inner.activity = activity;
+    }
+
+    /// The gateway snapshot, the replay window and the runs in flight,
+    /// taken together: streaming after `newest_seq` continues exactly
+    /// where they stop.
+    pub fn snapshot_with_runs(&self) -> (Value, ReplayWindow, Value) {
+        let inner = self.lock();
+        (
+            inner.snapshot.clone(),
+            inner.replay.window(),
+            crate::activity::runs_in_flight(&inner.activity),
+        )
     }
 
     /// Closes the replay log's file at shutdown: records the newest cursor

@@ -38,7 +38,10 @@ pub fn document(ctx: &Ctx) -> Value {
 /// connection id, every policy's users, and the dedicated clients' blocks).
 pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
     let full = socket.is_main();
-    let (snapshot, window) = ctx.hub.snapshot_with_window();
+    let (snapshot, window, runs) = ctx.hub.snapshot_with_runs();
+    // Runs in flight show every run's tool calls: only where observers are
+    // allowed, as on `/v1/hud`.
+    let runs = if socket.observe { runs } else { Value::Null };
     let status = ctx.upstream().status();
     let hello = status.hello.as_deref();
     let all = ctx.hub.clients();
@@ -100,6 +103,9 @@ pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
         "oldest_seq": window.oldest_seq,
         // Where the replay log is kept (null: in memory, ends with this life).
         "replay_file": ctx.hub.replay_file().map(|p| p.display().to_string()),
+        // The runs in flight at `newest_seq` (open thinking, open tool
+        // calls); null on a socket without observer powers.
+        "runs": runs,
         "broker": {
             "version": env!("CARGO_PKG_VERSION"),
             "pid": std::process::id(),

@@ -424,3 +424,81 @@ async fn a_run_across_a_broker_restart_has_one_turn_start_and_one_turn_end() {
         .collect();
     assert_eq!(turns, ["turn_start", "turn_end"], "{got:#?}");
 }
+
+/// Issue 31 item 3: `/v1/state` includes the runs in flight (open tool
+/// calls and thinking) at its `newest_seq`, so state then `after_seq` is
+/// complete: the stream after it ends exactly those calls and the run. A
+/// socket without observer powers gets none.
+#[tokio::test]
+async fn state_lists_the_runs_in_flight_and_the_stream_after_it_completes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = dir.path().join("plain.sock");
+    let mut cfg = mock_config();
+    cfg.run_step_delay = std::time::Duration::from_millis(60);
+    let h = start_with(cfg, |s| s.sockets = vec![plain_socket(&extra)]).await;
+    until_ready(&h.socket()).await;
+    let mut observer = stream(&h.socket(), "/v1/events?tool_events=all", &[]).await;
+    let (_c, run) = start_run(&h).await;
+    loop {
+        let (_, _, e) = observer.next_event().await;
+        if e["payload"]["runId"] == run.as_str()
+            && e["payload"]["data"]["phase"] == "start"
+            && e["payload"]["stream"] == "tool"
+        {
+            break;
+        }
+    }
+    let s = state(&h.socket()).await;
+    let runs = s["runs"].as_array().expect("runs in /v1/state");
+    let this = runs
+        .iter()
+        .find(|r| r["runId"] == run.as_str())
+        .unwrap_or_else(|| panic!("the run in flight: {s}"));
+    assert_eq!(this["sessionKey"], "agent:main:main");
+    let open: Vec<String> = this["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            assert!(t["name"].is_string() && t["args"].is_object(), "{t}");
+            t["toolCallId"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert!(!open.is_empty(), "{this}");
+    // Streaming after its cursor ends each open call, then the run.
+    let newest = s["newest_seq"].as_u64().unwrap();
+    let path = format!("/v1/events?tool_events=all&after_seq={newest}");
+    let mut after = stream(&h.socket(), &path, &[]).await;
+    let mut ended = Vec::new();
+    loop {
+        let (_, _, e) = after.next_event().await;
+        let p = &e["payload"];
+        if p["runId"] != run.as_str() {
+            continue;
+        }
+        if p["stream"] == "tool" && p["data"]["phase"] == "result" {
+            ended.push(p["data"]["toolCallId"].as_str().unwrap().to_owned());
+        }
+        if p["stream"] == "lifecycle" && p["data"]["phase"] == "end" {
+            break;
+        }
+    }
+    for id in &open {
+        assert!(
+            ended.contains(id),
+            "{id} ends after the snapshot: {ended:?}"
+        );
+    }
+    let done = state(&h.socket()).await;
+    assert!(
+        !done["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["runId"] == run.as_str()),
+        "{done}"
+    );
+    let (status, plain) = crate::support::http_get(&extra, "/v1/state").await;
+    assert_eq!(status, 200);
+    assert!(plain["runs"].is_null(), "{plain}");
+}
