@@ -9,15 +9,20 @@
 //! overlap. Appending is O(1) (a `VecDeque` push plus evictions of what the
 //! push pushed out) and shares the event's bytes with the client queues.
 //!
+//! Every event the broker receives is logged, broadcast or targeted, with
+//! its [`Audience`]; a reader resuming from a cursor gets the events
+//! [`may_see`] lets it see, the rule live delivery uses (design §11).
+//!
 //! Cursors are exclusive: resuming after N starts at the first event after
 //! N. They increase by one per event, skip a number where the hub marks a
-//! gap ([`ReplayLog::skip`]), and are durable: they never repeat across
-//! broker lives. With a state dir the log is kept on disk ([`store`]) and
-//! the next life continues it (after a `clawmux.gap` event for the
-//! downtime), so a cursor from before a restart resumes; without one (or
-//! when the file cannot be used) a life starts its cursors at the current
-//! time in microseconds, above any earlier life's. The broker life's
-//! [`epoch`](ReplayWindow::epoch) is information only.
+//! gap ([`ReplayLog::skip`]), stay at most [`MAX_CURSOR`] (2^53 − 1), and
+//! are durable: they only grow across broker lives. With a state dir the
+//! log is kept on disk ([`store`]) and the next life continues it (after a
+//! `clawmux.gap` event for the downtime), so a cursor from before a restart
+//! resumes; every life starts its cursors above the file's newest and
+//! above the current time in microseconds, so above any earlier life's,
+//! with a file or without. The broker life's [`epoch`](ReplayWindow::epoch)
+//! is information only.
 
 mod store;
 
