@@ -17,7 +17,7 @@ pub fn events_query(
     query: Option<&str>,
     last_event_id: Option<&HeaderValue>,
 ) -> Result<ResumePoint, String> {
-    crate::local::sse::parse_query(query, last_event_id).map(|wanted| wanted.from)
+    crate::local::sse::parse_query(query, last_event_id, str::to_owned).map(|wanted| wanted.from)
 }
 
 /// `/v1/hud` and `/ws/hud`: the query parsed; `Ok(history)`, or the 400's message.

@@ -175,9 +175,12 @@ pub fn viewer_path(path: &str) -> String {
 /// - `read` → `{ok, file:{path, viewerPath}, area?, text, bytes, truncated}`
 ///   (`area` from `offset`/`limit` when the call gave them);
 /// - `write`/`edit`/`append` → `{ok, file, area?, bytes?}` (`write`'s
-///   area and bytes from the content it wrote; `edit`'s and `append`'s
-///   line ranges are not in what the gateway sends);
-/// - `exec` → `{ok, exitCode?, stdout, truncated, mentionedPaths?, error?}`;
+///   area and bytes from the content it wrote; `edit`'s area from where
+///   the gateway says the change starts and the new text's lines
+///   ([`edit_area`]); `append`'s line range is not in what the gateway
+///   sends);
+/// - `exec` → `{ok, exitCode?, stdout, truncated, mentionedPaths?, error?}`
+///   (`ok` by [`ToolCall::ok`]: false for a non-zero exit too);
 /// - `web_search`/`web_fetch` → `{ok, text, url?, truncated}`;
 /// - `browser`/`canvas`/`nodes`/`message`/`sessions_*` → `{ok, summary, raw?}`;
 /// - any other tool → `{ok, raw}`.
@@ -185,7 +188,7 @@ pub fn viewer_path(path: &str) -> String {
 /// `truncated` is the gateway's own flag (`details.truncated`) or that the
 /// text was cut here to bound what is kept.
 pub fn tool_result(call: &ToolCall) -> Value {
-    let ok = call.is_error == Some(false);
+    let ok = call.ok() == Some(true);
     let result = &call.result;
     let details = &result["details"];
     let text = content_text(result);
@@ -234,6 +237,14 @@ pub fn tool_result(call: &ToolCall) -> Value {
                     out.insert("area".into(), json!({"startLine": 1, "endLine": lines}));
                 }
             }
+            if call.name == "edit" && ok {
+                if let Some(area) = edit_area(call) {
+                    if let Some(Value::Object(f)) = out.get_mut("file") {
+                        f.insert("area".into(), area.clone());
+                    }
+                    out.insert("area".into(), area);
+                }
+            }
             if call.name != "edit" && !call.cut {
                 if let Some(content) = content {
                     out.insert("bytes".into(), json!(content.len()));
@@ -256,7 +267,7 @@ pub fn tool_result(call: &ToolCall) -> Value {
             if !paths.is_empty() {
                 out.insert("mentionedPaths".into(), json!(paths));
             }
-            if !ok && call.is_error.is_some() {
+            if call.ok() == Some(false) {
                 let error = details["exitReason"]
                     .as_str()
                     .map(str::to_owned)
@@ -299,6 +310,26 @@ pub fn tool_result(call: &ToolCall) -> Value {
         }
     }
     Value::Object(out)
+}
+
+/// The line range of an edit's replaced block in the resulting file (seed
+/// 000): it starts at the gateway's `details.firstChangedLine` (else the
+/// first added line of `details.diff`, whose lines read `+<n> <text>`)
+/// and spans the new text's lines (`newText`, `new_string`, `newString`).
+fn edit_area(call: &ToolCall) -> Option<Value> {
+    let details = &call.result["details"];
+    let start = details["firstChangedLine"].as_u64().or_else(|| {
+        details["diff"].as_str()?.lines().find_map(|line| {
+            let rest = line.strip_prefix('+')?.trim_start();
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        })
+    })?;
+    let new_text = ["newText", "new_string", "newString"]
+        .iter()
+        .find_map(|k| call.args[*k].as_str());
+    let lines = new_text.map_or(1, |t| t.lines().count().max(1)) as u64;
+    Some(json!({"startLine": start, "endLine": start + lines - 1}))
 }
 
 /// File paths named in a shell command: words with a `/` or a file

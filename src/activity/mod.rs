@@ -82,7 +82,8 @@ impl RunStatus {
 pub struct Thinking {
     /// `<runId>:think:<n>`, n from 1 (stable, for views).
     pub id: String,
-    /// A fresh UUID made when it began (the HUD `correlationId`).
+    /// A UUID derived from `id` ([`thinking_correlation_id`]; the HUD
+    /// `correlationId`).
     pub correlation_id: String,
     pub text: String,
     /// The gateway's time of its first event.
@@ -121,6 +122,17 @@ pub struct ToolCall {
 }
 
 impl ToolCall {
+    /// Whether the call succeeded (`None` while running or interrupted),
+    /// by one rule for every view, live and history: the result is not an
+    /// error, and an `exec` exited 0 (when its result says how it exited).
+    pub fn ok(&self) -> Option<bool> {
+        let failed_exit = self.name == "exec"
+            && self.result["details"]["exitCode"]
+                .as_i64()
+                .is_some_and(|code| code != 0);
+        self.is_error.map(|error| !error && !failed_exit)
+    }
+
     pub fn ended(&self) -> bool {
         self.is_error.is_some() || self.interrupted
     }
@@ -259,8 +271,14 @@ pub enum Change {
 #[derive(Debug, Clone, Default)]
 pub struct Activity {
     runs: HashMap<String, Run>,
+    /// Runs set aside by [`Activity::forget_unfinished`]: not shown, but a
+    /// later event of one brings it back as it was (no second `turn_start`).
+    set_aside: HashMap<String, Run>,
     /// Events applied, for rates.
     pub events_seen: u64,
+    /// The reader gets no tool streams (not an observer): tool calls are
+    /// taken from `item` events instead ([`Activity::without_tool_streams`]).
+    items_only: bool,
 }
 
 /// An event's own time: `ts`, else its message's `timestamp`, else its
@@ -276,8 +294,23 @@ fn positive(v: &Value) -> Option<u64> {
 }
 
 impl Activity {
+    /// The projection for a reader that receives tool streams (an
+    /// observer: `/v1/events?tool_events=all`, `/v1/hud`): tool calls come
+    /// from the tool stream (arguments, results); `item` events, which
+    /// say less and may come first, are not used.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The projection for a reader that receives no tool streams: tool
+    /// calls come from `item` events (name, times, status; no arguments or
+    /// results). Live and history alike: which events a reader gets, not
+    /// when, decides.
+    pub fn without_tool_streams() -> Self {
+        Activity {
+            items_only: true,
+            ..Self::default()
+        }
     }
 
     /// One run by id.
@@ -309,11 +342,36 @@ impl Activity {
         self.runs.values().filter(|r| r.running()).count()
     }
 
-    /// Forgets the runs whose end was not seen: after a gap in the events
-    /// or an upstream reconnect their end may have been missed, and they
-    /// would show as running forever. A later event of one brings it back.
+    /// Sets aside the runs whose end was not seen: after a gap in the
+    /// events or an upstream reconnect their end may have been missed, and
+    /// they would show as running forever. A later event of one brings it
+    /// back as it was, so a run seen across a gap (a broker restart) has
+    /// one `turn_start` and one `turn_end`. At most [`MAX_RUNS`] are kept
+    /// aside (the oldest go first).
     pub fn forget_unfinished(&mut self) {
-        self.runs.retain(|_, r| !r.running());
+        let unfinished: Vec<String> = self
+            .runs
+            .values()
+            .filter(|r| r.running())
+            .map(|r| r.id.clone())
+            .collect();
+        for id in unfinished {
+            if let Some(run) = self.runs.remove(&id) {
+                self.set_aside.insert(id, run);
+            }
+        }
+        if self.set_aside.len() > MAX_RUNS {
+            let mut by_age: Vec<(u64, String)> = self
+                .set_aside
+                .values()
+                .map(|r| (r.last_ms, r.id.clone()))
+                .collect();
+            by_age.sort();
+            let excess = self.set_aside.len() - MAX_RUNS;
+            for (_, id) in by_age.into_iter().take(excess) {
+                self.set_aside.remove(&id);
+            }
+        }
     }
 
     /// Applies one event; returns what it changed (nothing for events that
@@ -371,7 +429,7 @@ impl Activity {
                         if run.open_thinking().is_none() {
                             run.thinks += 1;
                             let think_id = format!("{}:think:{}", run.id, run.thinks);
-                            let correlation_id = uuid::Uuid::new_v4().to_string();
+                            let correlation_id = thinking_correlation_id(&think_id);
                             let begun = run.push_item(Item::Thinking(Thinking {
                                 id: think_id.clone(),
                                 correlation_id: correlation_id.clone(),
@@ -412,10 +470,10 @@ impl Activity {
                         keep_tail(&mut run.output);
                     }
                     "tool" => self.apply_tool(run_id, p, at, &mut changes),
-                    // A tool call's item, replayed: the tool stream is not in
-                    // the broker's log, its items are (live, the tool stream
-                    // says more and comes first).
-                    "item" if data["kind"] == "tool" && ev.received_ms.is_none() => {
+                    // A tool call's item, for a reader without tool streams
+                    // (the tool stream says more: arguments, result). The
+                    // same rule live and in history.
+                    "item" if data["kind"] == "tool" && self.items_only => {
                         self.apply_tool_item(run_id, p, at, &mut changes)
                     }
                     // Other streams (`run_status`, `usage`, `item`, …) say
@@ -643,11 +701,15 @@ impl Activity {
         let Some(call_id) = data["toolCallId"].as_str() else {
             return;
         };
-        let known = self.runs.get(run_id).is_some_and(|r| {
-            r.items
-                .iter()
-                .any(|i| matches!(i, Item::Tool(t) if t.call_id == call_id))
-        });
+        let known = self
+            .runs
+            .get(run_id)
+            .or(self.set_aside.get(run_id))
+            .is_some_and(|r| {
+                r.items
+                    .iter()
+                    .any(|i| matches!(i, Item::Tool(t) if t.call_id == call_id))
+            });
         if !known {
             self.apply_tool(run_id, &tool, started, changes);
         }
@@ -685,6 +747,9 @@ impl Activity {
         changes: &mut Vec<Change>,
     ) -> &mut Run {
         let session_key = p["sessionKey"].as_str().unwrap_or("(no session)");
+        if let Some(run) = self.set_aside.remove(run_id) {
+            self.runs.insert(run_id.to_owned(), run);
+        }
         let run = self.runs.entry(run_id.to_owned()).or_insert_with(|| {
             changes.push(Change::TurnStart {
                 run_id: run_id.to_owned(),
@@ -726,6 +791,67 @@ impl Activity {
             self.runs.remove(&id);
         }
     }
+}
+
+/// The HUD `correlationId` of a thinking stretch: a UUID derived from its
+/// id (`<runId>:think:<n>`), so every projection of the same events (live,
+/// history, another reader) names it alike.
+pub fn thinking_correlation_id(think_id: &str) -> String {
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(think_id.as_bytes());
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    uuid::Builder::from_custom_bytes(bytes)
+        .into_uuid()
+        .to_string()
+}
+
+/// The runs still going, for `/v1/state` (so a client can initialize its
+/// view from it and stream after its `newest_seq`): each with its open
+/// thinking and its open tool calls (arguments bounded as in the
+/// projection), newest first.
+pub fn runs_in_flight(activity: &Activity) -> Value {
+    let mut runs: Vec<&Run> = activity.runs.values().filter(|r| r.running()).collect();
+    runs.sort_by(|a, b| {
+        let at = |r: &Run| r.started_ms.unwrap_or(r.last_ms);
+        (at(b), &b.id).cmp(&(at(a), &a.id))
+    });
+    let runs: Vec<Value> = runs
+        .into_iter()
+        .map(|run| {
+            let thinking = match run.items.last() {
+                Some(Item::Thinking(t)) if !t.done => json!({
+                    "id": t.id,
+                    "correlationId": t.correlation_id,
+                    "startedMs": t.started_ms,
+                }),
+                _ => Value::Null,
+            };
+            let tools: Vec<Value> = run
+                .items
+                .iter()
+                .filter_map(|i| match i {
+                    Item::Tool(t) if !t.ended() => Some(json!({
+                        "toolCallId": t.call_id,
+                        "name": t.name,
+                        "args": t.args,
+                        "parentToolCallId": t.parent_call_id,
+                        "startedMs": t.started_ms,
+                    })),
+                    _ => None,
+                })
+                .collect();
+            json!({
+                "runId": run.id,
+                "sessionKey": run.session_key,
+                "startedMs": run.started_ms,
+                "lastMs": run.last_ms,
+                "thinking": thinking,
+                "tools": tools,
+            })
+        })
+        .collect();
+    Value::Array(runs)
 }
 
 /// Ends open thinking of `run` at `at`.
@@ -797,14 +923,19 @@ fn keep_tail(text: &mut String) {
 /// A value that still does not fit (very many small parts) is replaced by
 /// `null`.
 pub fn bound(value: &Value) -> (Value, bool) {
-    if value.is_null() || value.to_string().len() <= MAX_VALUE_BYTES {
+    bound_to(value, MAX_VALUE_BYTES)
+}
+
+/// [`bound`] with another limit (`max_bytes` of JSON).
+pub fn bound_to(value: &Value, max_bytes: usize) -> (Value, bool) {
+    if value.is_null() || value.to_string().len() <= max_bytes {
         return (value.clone(), false);
     }
-    let mut limit = MAX_VALUE_BYTES / 2;
+    let mut limit = max_bytes / 2;
     while limit >= 16 {
         let mut v = value.clone();
         cut_strings(&mut v, limit);
-        if v.to_string().len() <= MAX_VALUE_BYTES {
+        if v.to_string().len() <= max_bytes {
             return (v, true);
         }
         limit /= 2;

@@ -152,10 +152,10 @@ pub fn tool_outcome_at(call: &ToolCall, now: Option<u64>) -> String {
             None => "interrupted".to_owned(),
         };
     }
-    let state = match call.is_error {
+    let state = match call.ok() {
         None => "running",
-        Some(true) => "error",
-        Some(false) => "ok",
+        Some(false) => "error",
+        Some(true) => "ok",
     };
     let mut out = state.to_owned();
     if let Some(took) = &took {

@@ -538,7 +538,13 @@ fn fixture_events() -> Vec<(Value, Option<u64>, u64)> {
 /// time it arrived), or replayed from the broker's log (only the logged
 /// events, no arrival times). Either way the same protocol events, in order.
 fn fixture_hud_lines(replayed: bool) -> Vec<Value> {
-    let mut a = Activity::new();
+    // Replayed: as a log without the tool stream holds it, read by a
+    // reader that gets no tool streams.
+    let mut a = if replayed {
+        Activity::without_tool_streams()
+    } else {
+        Activity::new()
+    };
     let changes: Vec<Change> = fixture_events()
         .iter()
         .filter(|(_, cursor, _)| !replayed || cursor.is_some())
@@ -890,6 +896,39 @@ two
     assert_eq!(
         edit,
         json!({"ok": true, "file": {"path": "a.md", "viewerPath": "a.md"}})
+    );
+    // Seed 000: an edit's area is the replaced block in the resulting file.
+    let edited = |details: Value| {
+        tool_result(&call(
+            "edit",
+            json!({"path": "a.md", "oldText": "x", "newText": "one\ntwo\nthree"}),
+            json!({"content": text("Successfully replaced text"), "details": details}),
+            false,
+        ))
+    };
+    let area = json!({"startLine": 22, "endLine": 24});
+    assert_eq!(
+        edited(json!({"firstChangedLine": 22, "diff": "..."})),
+        json!({"ok": true, "file": {"path": "a.md", "viewerPath": "a.md", "area": area},
+            "area": area})
+    );
+    assert_eq!(
+        edited(json!({"diff": "   21 a\n-22 x\n+22 one\n+23 two\n+24 three"}))["area"],
+        area,
+        "from the diff when the first line is not said"
+    );
+    // One rule for exec: a non-zero exit is not ok, whatever isError says.
+    let failed = call(
+        "exec",
+        json!({"command": "false"}),
+        json!({"content": text("boom"), "details": {"exitCode": 3, "aggregated": "boom"}}),
+        false,
+    );
+    assert_eq!(failed.ok(), Some(false));
+    let failed = tool_result(&failed);
+    assert_eq!(
+        (&failed["ok"], &failed["exitCode"], &failed["error"]),
+        (&json!(false), &json!(3), &json!("boom"))
     );
     let fetch = tool_result(&call(
         "web_fetch",

@@ -242,9 +242,10 @@ impl World {
             // up is never closed for bytes held elsewhere): what may remain
             // over the budget is within every client's fair share.
             let fair_share = budget.limit() / self.peers.len().max(1);
-            let all_within_share = self.peers.iter().all(|p| {
-                p.client.queued_bytes() <= p.client.soft_bytes().min(fair_share)
-            });
+            let all_within_share = self
+                .peers
+                .iter()
+                .all(|p| p.client.queued_bytes() <= p.client.soft_bytes().min(fair_share));
             prop_assert!(
                 used <= budget.limit() || used <= held + slots || all_within_share,
                 "over the budget after the hub acted: {} counted, limit {}, {} held by writers, {} of ring buffers",

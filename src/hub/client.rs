@@ -302,6 +302,10 @@ pub struct Client {
     pub identity: std::sync::OnceLock<ClientIdentity>,
     /// The client asked for tool-stream events at connect.
     pub tool_events: AtomicBool,
+    /// The client observes every targeted event the broker receives
+    /// (`/v1/events?tool_events=all`, `/v1/hud`; see
+    /// [`crate::sharing::Reader::observer`]). Set before it is admitted.
+    pub observer: AtomicBool,
     /// What the client may do (its scopes, its socket's policy), set once
     /// when it is admitted; unset, it may do nothing.
     access: std::sync::OnceLock<crate::policy::Access>,
@@ -341,6 +345,7 @@ impl Client {
             connected_at_ms: crate::protocol::now_ms(),
             identity: std::sync::OnceLock::new(),
             tool_events: AtomicBool::new(false),
+            observer: AtomicBool::new(false),
             access: std::sync::OnceLock::new(),
             inflight: AtomicUsize::new(0),
             dropped: AtomicU64::new(0),
@@ -377,6 +382,15 @@ impl Client {
 
     /// Counts bytes the socket accepted as progress too (set once, by the
     /// session that owns the socket).
+    /// This client as a reader of events, for [`crate::sharing::may_see`].
+    pub fn reader(&self) -> crate::sharing::Reader<'_> {
+        crate::sharing::Reader {
+            id: self.id,
+            grant: self.grant(),
+            observer: self.observer.load(Ordering::Relaxed),
+        }
+    }
+
     pub fn count_written(&self, written: Arc<AtomicU64>) {
         let _ = self.written.set(written);
     }

@@ -25,7 +25,7 @@ pub use client::{
 pub use replay::{ReplayLimits, ReplayWindow, SubscribeError};
 
 use crate::protocol::EventHead;
-use crate::sharing::Audience;
+use crate::sharing::{may_see, Audience};
 
 /// Counters for `/healthz`, logs and (later) metrics.
 #[derive(Debug, Default)]
@@ -49,6 +49,10 @@ struct HubInner {
     /// Queues that receive no events but count in the budget (a HUD
     /// stream's copy of the request tap): shed and swept like the clients'.
     watched: HashMap<u64, Arc<Client>>,
+    /// The activity projection of every logged event (as an observer's,
+    /// from history: gateway times only), for the runs in flight
+    /// `/v1/state` gives with its cursor.
+    activity: crate::activity::Activity,
 }
 
 /// The client registry and event fan-out.
@@ -193,7 +197,10 @@ impl Hub {
         self.lock().snapshot.clone()
     }
 
-    /// Publishes a gateway event to every admitted client.
+    /// Publishes a gateway event: logs it with its audience (every event
+    /// the broker receives, broadcast or targeted, so history holds what
+    /// any client could have seen live) and delivers it to every admitted
+    /// client that [`may_see`] it, the same rule history applies.
     pub fn publish(
         &self,
         name: &str,
@@ -207,25 +214,29 @@ impl Hub {
         if matches!(name, "presence" | "health") {
             apply_to_snapshot(&mut inner.snapshot, name, payload, state_version);
         }
-        // Only broadcast events are replayable: a targeted one (tool stream,
-        // session messages) belongs to its recipients, never to a later reader.
-        let head = match audience {
-            Audience::All => inner.replay.append(head),
-            Audience::Only(_) => head,
-        };
+        let head = inner.replay.append(head, audience);
+        project(&mut inner.activity, name, payload);
         let event = SharedEvent::new(head, &self.queue_budget);
-        // The gateway's per-connection scope guard, per local client.
-        let guard = crate::policy::events::guard(name);
-        let allowed = |c: &&Arc<Client>| guard.allows(c.grant());
-        match audience {
-            Audience::All => {
-                self.deliver(inner.clients.values().filter(allowed), &event, droppable)
-            }
-            Audience::Only(ids) => {
-                let clients = ids.iter().filter_map(|id| inner.clients.get(id));
-                self.deliver(clients.filter(allowed), &event, droppable)
-            }
+        let visible = |c: &&Arc<Client>| may_see(&c.reader(), name, audience);
+        self.deliver(inner.clients.values().filter(visible), &event, droppable);
+        drop(event);
+        if self.queue_budget.is_over() {
+            self.shed_largest_backlogs(&inner);
         }
+    }
+
+    /// Delivers a copy the broker makes of an event it has already logged
+    /// to other clients (a tool event of a run a local client started, as
+    /// the `session.tool` the gateway would have sent the other local
+    /// subscribers): to `ids` only (observers have the original), not
+    /// logged again, scope guards applied.
+    pub fn deliver_copy(&self, name: &str, payload: Option<&RawValue>, ids: &[u64]) {
+        let head = EventHead::encode(name, payload, None);
+        let guard = crate::policy::events::guard(name);
+        let inner = self.lock();
+        let event = SharedEvent::new(head, &self.queue_budget);
+        let clients = ids.iter().filter_map(|id| inner.clients.get(id));
+        self.deliver(clients.filter(|c| guard.allows(c.grant())), &event, false);
         drop(event);
         if self.queue_budget.is_over() {
             self.shed_largest_backlogs(&inner);
@@ -236,9 +247,12 @@ impl Hub {
     pub fn publish_local(&self, name: &str, payload: &Value) {
         let head = EventHead::from_value(name, payload);
         let mut inner = self.lock();
-        let head = inner.replay.append(head);
+        let head = inner.replay.append(head, &Audience::All);
+        let raw = serde_json::value::to_raw_value(payload).ok();
+        project(&mut inner.activity, name, raw.as_deref());
         let event = SharedEvent::new(head, &self.queue_budget);
-        self.deliver(inner.clients.values(), &event, false);
+        let visible = |c: &&Arc<Client>| may_see(&c.reader(), name, &Audience::All);
+        self.deliver(inner.clients.values().filter(visible), &event, false);
     }
 
     fn deliver<'a>(
@@ -320,10 +334,34 @@ impl Hub {
     pub fn gap(&self) {
         let mut inner = self.lock();
         inner.replay.skip();
+        inner.activity.forget_unfinished();
         for client in inner.clients.values() {
             client.skip_seq();
         }
     }
+}
+
+/// Applies an event to the broker's activity projection, if it is about
+/// runs (the rest is not parsed).
+fn project(activity: &mut crate::activity::Activity, name: &str, payload: Option<&RawValue>) {
+    if !matches!(
+        name,
+        "agent" | "chat" | "session.tool" | "clawmux.upstream" | replay::GAP_EVENT
+    ) {
+        return;
+    }
+    if name == replay::GAP_EVENT {
+        activity.forget_unfinished();
+        return;
+    }
+    let Some(payload) = payload.and_then(|p| serde_json::from_str::<Value>(p.get()).ok()) else {
+        return;
+    };
+    activity.apply(crate::activity::Observed {
+        name,
+        payload: &payload,
+        received_ms: None,
+    });
 }
 
 /// Applies a `presence` or `health` event to the snapshot, only if its

@@ -9,15 +9,20 @@
 //! overlap. Appending is O(1) (a `VecDeque` push plus evictions of what the
 //! push pushed out) and shares the event's bytes with the client queues.
 //!
+//! Every event the broker receives is logged, broadcast or targeted, with
+//! its [`Audience`]; a reader resuming from a cursor gets the events
+//! [`may_see`] lets it see, the rule live delivery uses (design §11).
+//!
 //! Cursors are exclusive: resuming after N starts at the first event after
 //! N. They increase by one per event, skip a number where the hub marks a
-//! gap ([`ReplayLog::skip`]), and are durable: they never repeat across
-//! broker lives. With a state dir the log is kept on disk ([`store`]) and
-//! the next life continues it (after a `clawmux.gap` event for the
-//! downtime), so a cursor from before a restart resumes; without one (or
-//! when the file cannot be used) a life starts its cursors at the current
-//! time in microseconds, above any earlier life's. The broker life's
-//! [`epoch`](ReplayWindow::epoch) is information only.
+//! gap ([`ReplayLog::skip`]), stay at most [`MAX_CURSOR`] (2^53 − 1), and
+//! are durable: they only grow across broker lives. With a state dir the
+//! log is kept on disk ([`store`]) and the next life continues it (after a
+//! `clawmux.gap` event for the downtime), so a cursor from before a restart
+//! resumes; every life starts its cursors above the file's newest and
+//! above the current time in microseconds, so above any earlier life's,
+//! with a file or without. The broker life's [`epoch`](ReplayWindow::epoch)
+//! is information only.
 
 pub(crate) mod store;
 
@@ -29,12 +34,59 @@ use serde_json::{json, Value};
 
 use super::{Client, ClientKind, Hub, TooManyClients};
 use crate::protocol::{now_ms, EventHead};
+use crate::sharing::{may_see, Audience, Reader};
 
 pub use store::{file_bound, file_name, COMPACT_SLACK, SYNC_EVERY};
 
 /// The event that marks a hole in the log: logged once per restart (the
 /// downtime), and written by streams where the cursors they receive skip.
 pub const GAP_EVENT: &str = "clawmux.gap";
+
+/// The largest cursor handed out: `Number.MAX_SAFE_INTEGER`, so every
+/// cursor reads exactly in JavaScript (and in any JSON parser that uses
+/// doubles).
+pub const MAX_CURSOR: u64 = (1 << 53) - 1;
+
+/// A log continued from disk must leave this many cursors below
+/// [`MAX_CURSOR`] (years of events at any real rate); one whose cursors
+/// are closer (damage, a hand-edited file) starts a new epoch instead:
+/// its history is dropped and the new life's cursors start at the current
+/// time in microseconds, after a `clawmux.gap`.
+pub const CURSOR_HEADROOM: u64 = 1 << 44;
+
+/// The most bytes one event takes in the log. An event larger than this
+/// (or than `replay_max_bytes`, if smaller) is kept with its longest
+/// strings cut (keeping their start, ending in `…`) until it fits, and
+/// `"clawmuxCut": true` added to its payload; live readers got it whole.
+/// Tool results are what grows past it (a `read` of a large file).
+pub const MAX_LOGGED_EVENT_BYTES: usize = 1024 * 1024;
+
+/// One event as the log keeps it: the frame as received, who it was for,
+/// and whether cursors were skipped just before it.
+#[derive(Debug, Clone)]
+pub struct Logged {
+    pub head: EventHead,
+    /// Who could see it live ([`may_see`] decides for history too).
+    pub audience: Audience,
+    /// Cursors right before this one were skipped (an upstream gap or
+    /// reconnect): a reader resuming before them is told of the gap.
+    pub gap_before: bool,
+}
+
+impl Logged {
+    pub fn cursor(&self) -> u64 {
+        self.head.cursor()
+    }
+}
+
+/// The events a stream resuming from a cursor is sent first: those its
+/// reader may see, each with whether a gap comes before it.
+#[derive(Debug, Default)]
+pub struct Backlog {
+    pub events: Vec<(EventHead, bool)>,
+    /// A gap comes after the last of them (before the first live event).
+    pub gap_after: bool,
+}
 
 /// How much history the log keeps (from [`crate::config::Limits`]).
 #[derive(Debug, Clone, Copy)]
@@ -231,7 +283,9 @@ fn now_micros() -> u64 {
 pub struct ReplayLog {
     epoch: Arc<str>,
     limits: ReplayLimits,
-    events: VecDeque<EventHead>,
+    events: VecDeque<Logged>,
+    /// Cursors were skipped since the last logged event.
+    pending_gap: bool,
     bytes: usize,
     newest_seq: u64,
     /// The newest cursor evicted (or the life's starting point): every
@@ -264,6 +318,7 @@ impl ReplayLog {
             epoch: epoch.into(),
             limits,
             events: VecDeque::new(),
+            pending_gap: false,
             bytes: 0,
             newest_seq: base,
             floor: base,
@@ -292,38 +347,51 @@ impl ReplayLog {
                 return ReplayLog::in_memory(limits);
             }
         };
-        let loaded = std::mem::take(&mut opened.loaded);
+        let mut loaded = std::mem::take(&mut opened.loaded);
+        let mut new_epoch = false;
+        let at_the_limit = loaded.newest > MAX_CURSOR - CURSOR_HEADROOM;
+        if at_the_limit {
+            // Continuing would run out of exact cursors: a new epoch, as
+            // for a file damaged beyond use (its cursors are answered 410).
+            tracing::warn!(
+                file = %path.display(),
+                newest = loaded.newest,
+                "replay log: the file's cursors are too close to 2^53; starting a new epoch without its history"
+            );
+            loaded = store::Loaded {
+                bad_lines: loaded.bad_lines.max(1),
+                ..Default::default()
+            };
+        }
         let mut log = ReplayLog::starting_at(limits, loaded.floor);
         let mut lives = loaded.lives.clone();
         store::remember(&mut lives, &log.epoch);
         log.lives = lives;
-        for (head, _) in &loaded.events {
-            log.push(head.clone());
+        for (logged, _) in &loaded.events {
+            log.push(logged.clone());
         }
         let known = loaded.newest.max(log.newest_seq);
         let clean = loaded.stopped_at.is_some();
-        // A clean stop recorded the last cursor handed out; after a crash,
-        // cursors handed out after the last write are unknown, so the new
-        // life starts above any of them.
-        let gap = match (loaded.any, clean) {
-            (true, true) => Some(known + 1),
-            (true, false) => Some((known + 1).max(now_micros())),
-            (false, _) => None,
-        };
+        // Every life starts its cursors above any earlier life's: above the
+        // newest the file shows, and above the current time in
+        // microseconds, which is above anything a life that kept no file
+        // (`replay_persist = false`), or crashed before writing, handed out
+        // (it would have needed more than one event per microsecond).
+        let start = (known + 1).max(now_micros());
+        let gap = loaded.any.then_some(start);
         match gap {
             Some(gap) => log.newest_seq = gap - 1,
-            // Nothing valid in the file: a first start at 0, unless there
-            // was something (damaged beyond use) whose cursors are unknown.
-            None if loaded.bad_lines > 0 || loaded.skipped_bytes > 0 => {
-                log.newest_seq = now_micros();
+            None => {
+                log.newest_seq = start - 1;
                 log.floor = log.newest_seq;
+                // Something was there (damaged beyond use): say so.
+                new_epoch |= loaded.bad_lines > 0 || loaded.skipped_bytes > 0;
             }
-            None => {}
         }
         let kept = loaded
             .events
             .into_iter()
-            .filter(|(head, _)| head.cursor() > log.floor)
+            .filter(|(logged, _)| logged.cursor() > log.floor)
             .collect();
         match opened.start(limits, log.floor, kept, log.lives.clone()) {
             Ok(persist) => log.persist = Some(persist),
@@ -343,7 +411,7 @@ impl ReplayLog {
                 "started_at_ms": started,
                 "down_ms": stopped.map(|s| started.saturating_sub(s)),
             });
-            log.append(EventHead::from_value(GAP_EVENT, &payload));
+            log.append(EventHead::from_value(GAP_EVENT, &payload), &Audience::All);
             tracing::info!(
                 file = %path.display(),
                 held = log.events.len(),
@@ -352,18 +420,29 @@ impl ReplayLog {
                 "replay log: continuing the previous broker life's history"
             );
         }
+        if new_epoch {
+            // What the file held is unknown or unusable: say so, with the
+            // cursor the new epoch starts after.
+            let payload = json!({
+                "reason": "new_epoch",
+                "after": log.newest_seq,
+                "next": log.newest_seq + 1,
+                "started_at_ms": now_ms(),
+            });
+            log.append(EventHead::from_value(GAP_EVENT, &payload), &Audience::All);
+        }
         log
     }
 
     /// Holds a tagged event, evicting the oldest past the limits.
-    fn push(&mut self, head: EventHead) {
-        self.newest_seq = head.cursor();
-        self.bytes += head.len();
-        self.events.push_back(head);
+    fn push(&mut self, logged: Logged) {
+        self.newest_seq = logged.cursor();
+        self.bytes += logged.head.len();
+        self.events.push_back(logged);
         while self.events.len() > self.limits.max_events || self.bytes > self.limits.max_bytes {
             match self.events.pop_front() {
                 Some(old) => {
-                    self.bytes -= old.len();
+                    self.bytes -= old.head.len();
                     self.floor = old.cursor();
                 }
                 None => break,
@@ -371,27 +450,68 @@ impl ReplayLog {
         }
     }
 
-    /// Logs an event under the next cursor and returns it tagged with that
-    /// cursor (the tagged copy is what clients are sent). Queues it for the
-    /// file without blocking (no disk I/O here).
-    pub fn append(&mut self, head: EventHead) -> EventHead {
+    /// Logs an event for `audience` under the next cursor and returns it
+    /// tagged with that cursor (the tagged copy is what clients are sent,
+    /// whole even when the log keeps it cut: [`MAX_LOGGED_EVENT_BYTES`]).
+    /// Queues it for the file without blocking (no disk I/O here).
+    pub fn append(&mut self, head: EventHead, audience: &Audience) -> EventHead {
+        if self.newest_seq >= MAX_CURSOR {
+            self.new_epoch_at_the_limit();
+        }
         let head = head.with_cursor(self.newest_seq + 1);
-        self.push(head.clone());
+        let cap = MAX_LOGGED_EVENT_BYTES.min(self.limits.max_bytes);
+        let kept = if head.len() > cap {
+            fit_event(&head, cap)
+        } else {
+            head.clone()
+        };
+        let logged = Logged {
+            head: kept,
+            audience: audience.clone(),
+            gap_before: std::mem::take(&mut self.pending_gap),
+        };
         if let Some(p) = &mut self.persist {
-            if !p.sink.send(&head) {
+            if !p.sink.send(&logged) {
                 self.persist = None;
             }
         }
+        self.push(logged);
         head
     }
 
     /// Consumes a cursor with no event: the mark of an upstream gap or
-    /// reconnect, which every stream then shows as a skipped id (as
-    /// WebSocket clients see a skipped `seq`). Nothing is missing there, so
-    /// it never makes a resume fail: streams resumed before it replay the
-    /// events after it (and show the same skip).
+    /// reconnect, which every stream then shows as a gap (as WebSocket
+    /// clients see a skipped `seq`). Nothing is missing there, so it never
+    /// makes a resume fail: streams resumed before it replay the events
+    /// after it (and show the same gap).
     pub fn skip(&mut self) {
+        if self.newest_seq >= MAX_CURSOR {
+            self.new_epoch_at_the_limit();
+        }
         self.newest_seq += 1;
+        self.pending_gap = true;
+    }
+
+    /// The cursors would pass [`MAX_CURSOR`] (only a log continued from a
+    /// file past [`CURSOR_HEADROOM`] could get here): a new epoch, in memory,
+    /// whose cursors start at the current time in microseconds; what the
+    /// old one held is dropped, and its cursors are answered 410.
+    fn new_epoch_at_the_limit(&mut self) {
+        tracing::warn!(
+            newest = self.newest_seq,
+            "replay log: cursors reached 2^53 - 1; starting a new epoch (earlier cursors cannot resume)"
+        );
+        let old = self.newest_seq;
+        let fresh =
+            ReplayLog::starting_at(self.limits, now_micros().min(MAX_CURSOR - CURSOR_HEADROOM));
+        *self = fresh;
+        let payload = json!({
+            "reason": "new_epoch",
+            "after": old,
+            "next": self.newest_seq + 1,
+            "started_at_ms": now_ms(),
+        });
+        self.append(EventHead::from_value(GAP_EVENT, &payload), &Audience::All);
     }
 
     pub fn window(&self) -> ReplayWindow {
@@ -400,19 +520,21 @@ impl ReplayLog {
             oldest_seq: self
                 .events
                 .front()
-                .map_or(self.newest_seq + 1, EventHead::cursor),
+                .map_or(self.newest_seq + 1, Logged::cursor),
             newest_seq: self.newest_seq,
         }
     }
 
-    /// The events to send first to a stream starting at `from`: those after
-    /// its cursor (none for a stream from now), if the log holds them all.
-    pub fn after(&self, from: &ResumePoint) -> Result<Vec<EventHead>, Unresumable> {
+    /// The events to send first to a stream of `reader` starting at
+    /// `from`: those after its cursor that [`may_see`] lets it see (none
+    /// for a stream from now), if the log holds them all, with the gaps
+    /// between them.
+    pub fn after(&self, from: &ResumePoint, reader: &Reader<'_>) -> Result<Backlog, Unresumable> {
         if let Some(stranger) = from.lives.iter().find(|e| !self.lives.contains(e)) {
             return Err(Unresumable::UnknownLife(stranger.clone()));
         }
         let Some(cursor) = from.cursor else {
-            return Ok(Vec::new());
+            return Ok(Backlog::default());
         };
         if cursor > self.newest_seq {
             return Err(Unresumable::Future);
@@ -422,7 +544,25 @@ impl ReplayLog {
         }
         // Cursors increase but may skip (gaps): find the first one after `cursor`.
         let first = self.events.partition_point(|e| e.cursor() <= cursor);
-        Ok(self.events.range(first..).cloned().collect())
+        let mut backlog = Backlog::default();
+        // A gap right before the first event is after `cursor` only when
+        // it skipped a cursor newer than `cursor`.
+        let mut gap = false;
+        for logged in self.events.range(first..) {
+            gap |= logged.gap_before && logged.cursor() > cursor + 1;
+            if may_see(reader, &logged.head.name(), &logged.audience) {
+                backlog
+                    .events
+                    .push((logged.head.clone(), std::mem::take(&mut gap)));
+            }
+        }
+        let last = self
+            .events
+            .back()
+            .map_or(cursor, Logged::cursor)
+            .max(cursor);
+        backlog.gap_after = gap || (self.pending_gap && self.newest_seq > last);
+        Ok(backlog)
     }
 
     /// Events and bytes held now (for metrics).
@@ -434,6 +574,41 @@ impl ReplayLog {
     pub fn file(&self) -> Option<&Path> {
         self.persist.as_ref().map(|p| p.path.as_path())
     }
+}
+
+/// An event frame's name and payload, read back from the log.
+#[derive(serde::Deserialize)]
+struct FrameOf {
+    event: String,
+    #[serde(default)]
+    payload: Option<Box<serde_json::value::RawValue>>,
+}
+
+/// `head` cut to at most `cap` bytes for the log: its payload's longest
+/// strings cut until it fits, `"clawmuxCut": true` added (an object
+/// payload); a payload that cannot be cut that far is kept as `null`.
+fn fit_event(head: &EventHead, cap: usize) -> EventHead {
+    #[derive(serde::Deserialize)]
+    struct Frame<'a> {
+        event: String,
+        #[serde(default)]
+        payload: Value,
+        #[serde(borrow, rename = "stateVersion")]
+        state_version: Option<&'a serde_json::value::RawValue>,
+    }
+    let frame = head.without_seq();
+    let Ok(f) = serde_json::from_slice::<Frame>(&frame) else {
+        return head.clone();
+    };
+    // Room for the frame around the payload, and the marker.
+    let around = 128 + f.event.len() + f.state_version.map_or(0, |v| v.get().len());
+    let room = cap.saturating_sub(around);
+    let (mut payload, _) = crate::activity::bound_to(&f.payload, room);
+    if let Value::Object(map) = &mut payload {
+        map.insert("clawmuxCut".into(), Value::Bool(true));
+    }
+    let raw = serde_json::value::to_raw_value(&payload).ok();
+    EventHead::encode(&f.event, raw.as_deref(), f.state_version).with_cursor(head.cursor())
 }
 
 /// Where a broker with these settings keeps its replay log: in the state
@@ -466,7 +641,30 @@ impl Hub {
             ReplayLimits::from(&settings.limits),
             log_file(settings).as_deref(),
         );
-        self.lock().replay = log;
+        // The runs in flight as the log left them (a run that spans the
+        // restart is still one run).
+        let mut activity = crate::activity::Activity::new();
+        for logged in &log.events {
+            let frame = logged.head.without_seq();
+            if let Ok(f) = serde_json::from_slice::<FrameOf>(&frame) {
+                super::project(&mut activity, &f.event, f.payload.as_deref());
+            }
+        }
+        let mut inner = self.lock();
+        inner.replay = log;
+        inner.activity = activity;
+    }
+
+    /// The gateway snapshot, the replay window and the runs in flight,
+    /// taken together: streaming after `newest_seq` continues exactly
+    /// where they stop.
+    pub fn snapshot_with_runs(&self) -> (Value, ReplayWindow, Value) {
+        let inner = self.lock();
+        (
+            inner.snapshot.clone(),
+            inner.replay.window(),
+            crate::activity::runs_in_flight(&inner.activity),
+        )
     }
 
     /// Closes the replay log's file at shutdown: records the newest cursor
@@ -520,9 +718,9 @@ impl Hub {
         &self,
         client: &Arc<Client>,
         from: &ResumePoint,
-    ) -> Result<(Vec<EventHead>, ReplayWindow), SubscribeError> {
+    ) -> Result<(Backlog, ReplayWindow), SubscribeError> {
         let mut inner = self.lock();
-        let backlog = inner.replay.after(from).map_err(|why| {
+        let backlog = inner.replay.after(from, &client.reader()).map_err(|why| {
             SubscribeError::ReplayUnavailable(ReplayUnavailable {
                 window: inner.replay.window(),
                 cursor: from.cursor,
@@ -552,8 +750,31 @@ mod tests {
         EventHead::from_value("tick", &serde_json::json!({ "n": format!("{n:04}") }))
     }
 
-    fn cursors(events: &[EventHead]) -> Vec<u64> {
-        events.iter().map(EventHead::cursor).collect()
+    fn cursors(backlog: &Backlog) -> Vec<u64> {
+        backlog.events.iter().map(|(e, _)| e.cursor()).collect()
+    }
+
+    fn everyone() -> crate::policy::Grant {
+        crate::policy::Grant::new(crate::policy::scopes::REQUESTED_SCOPES)
+    }
+
+    /// Resumes for a plain reader (not an observer) with every scope.
+    trait After {
+        fn from(&self, p: &ResumePoint) -> Result<Backlog, Unresumable>;
+    }
+
+    impl After for ReplayLog {
+        fn from(&self, p: &ResumePoint) -> Result<Backlog, Unresumable> {
+            let grant = everyone();
+            self.after(
+                p,
+                &Reader {
+                    id: 1,
+                    grant: &grant,
+                    observer: false,
+                },
+            )
+        }
     }
 
     /// Resuming after `cursor`.
@@ -623,23 +844,23 @@ mod tests {
     fn count_bound_evicts_oldest_and_replay_is_exclusive() {
         let mut log = log(5, usize::MAX);
         assert_eq!(
-            log.after(&at(&log, 0)).unwrap().len(),
+            log.from(&at(&log, 0)).unwrap().events.len(),
             0,
             "empty log, cursor 0"
         );
         for n in 1..=12 {
-            assert_eq!(log.append(event(n)).cursor(), n);
+            assert_eq!(log.append(event(n), &Audience::All).cursor(), n);
         }
         let w = log.window();
         assert_eq!((w.oldest_seq, w.newest_seq), (8, 12));
         for cursor in 7..=12 {
             let expected: Vec<u64> = (cursor + 1..=12).collect();
-            assert_eq!(cursors(&log.after(&at(&log, cursor)).unwrap()), expected);
+            assert_eq!(cursors(&log.from(&at(&log, cursor)).unwrap()), expected);
         }
-        assert_eq!(log.after(&at(&log, 6)).err(), Some(Unresumable::Evicted));
-        assert_eq!(log.after(&at(&log, 13)).err(), Some(Unresumable::Future));
+        assert_eq!(log.from(&at(&log, 6)).err(), Some(Unresumable::Evicted));
+        assert_eq!(log.from(&at(&log, 13)).err(), Some(Unresumable::Future));
         assert_eq!(
-            log.after(&ResumePoint::default()).unwrap().len(),
+            log.from(&ResumePoint::default()).unwrap().events.len(),
             0,
             "from now"
         );
@@ -649,7 +870,7 @@ mod tests {
     fn lives_without_a_file_start_above_every_earlier_cursor() {
         let mut a = ReplayLog::in_memory(ReplayLimits::default());
         for n in 0..1000 {
-            a.append(event(n));
+            a.append(event(n), &Audience::All);
         }
         let b = ReplayLog::in_memory(ReplayLimits::default());
         let (wa, wb) = (a.window(), b.window());
@@ -658,53 +879,50 @@ mod tests {
         assert!(wb.newest_seq < 1 << 53, "exact in JavaScript");
         // An earlier life's cursor is gone here, never misread.
         assert_eq!(
-            b.after(&at(&b, wa.newest_seq)).err(),
+            b.from(&at(&b, wa.newest_seq)).err(),
             Some(Unresumable::Evicted)
         );
-        assert!(b.after(&at(&b, wb.newest_seq)).unwrap().is_empty());
+        assert!(b.from(&at(&b, wb.newest_seq)).unwrap().events.is_empty());
         // A life it does not know is refused, whatever the cursor; its own is fine.
         let named = |life: &str| ResumePoint {
             cursor: Some(wb.newest_seq),
             lives: vec![life.to_owned()],
         };
         assert_eq!(
-            b.after(&named(&wa.epoch)).err(),
+            b.from(&named(&wa.epoch)).err(),
             Some(Unresumable::UnknownLife(wa.epoch.to_string()))
         );
-        assert!(b.after(&named(&wb.epoch)).is_ok());
+        assert!(b.from(&named(&wb.epoch)).is_ok());
     }
 
     #[test]
     fn a_gap_skips_a_cursor_and_resuming_around_it_works() {
         let mut log = log(3, usize::MAX);
-        log.append(event(1));
-        log.append(event(2));
+        log.append(event(1), &Audience::All);
+        log.append(event(2), &Audience::All);
         log.skip();
         assert_eq!(
             log.window().newest_seq,
             3,
             "the skipped cursor is handed out"
         );
-        assert_eq!(log.append(event(4)).cursor(), 4);
-        assert_eq!(cursors(&log.after(&at(&log, 2)).unwrap()), [4]);
-        assert_eq!(cursors(&log.after(&at(&log, 3)).unwrap()), [4]);
-        assert_eq!(cursors(&log.after(&at(&log, 1)).unwrap()), [2, 4]);
+        assert_eq!(log.append(event(4), &Audience::All).cursor(), 4);
+        assert_eq!(cursors(&log.from(&at(&log, 2)).unwrap()), [4]);
+        assert_eq!(cursors(&log.from(&at(&log, 3)).unwrap()), [4]);
+        assert_eq!(cursors(&log.from(&at(&log, 1)).unwrap()), [2, 4]);
         // Evict 1 and 2: the skipped 3 is not "missing", so resuming after
         // 2 (the last event before the gap) still works.
-        log.append(event(5));
-        log.append(event(6));
+        log.append(event(5), &Audience::All);
+        log.append(event(6), &Audience::All);
         let w = log.window();
         assert_eq!((w.oldest_seq, w.newest_seq), (4, 6));
-        assert_eq!(cursors(&log.after(&at(&log, 2)).unwrap()), [4, 5, 6]);
-        assert_eq!(log.after(&at(&log, 1)).err(), Some(Unresumable::Evicted));
+        assert_eq!(cursors(&log.from(&at(&log, 2)).unwrap()), [4, 5, 6]);
+        assert_eq!(log.from(&at(&log, 1)).err(), Some(Unresumable::Evicted));
         // A gap at the end: resuming at the newest cursor is fine.
         log.skip();
-        assert!(log.after(&at(&log, 7)).unwrap().is_empty());
-        assert_eq!(
-            cursors(&log.after(&at(&log, 6)).unwrap()),
-            Vec::<u64>::new()
-        );
-        assert_eq!(log.after(&at(&log, 8)).err(), Some(Unresumable::Future));
+        assert!(log.from(&at(&log, 7)).unwrap().events.is_empty());
+        assert_eq!(cursors(&log.from(&at(&log, 6)).unwrap()), Vec::<u64>::new());
+        assert_eq!(log.from(&at(&log, 8)).err(), Some(Unresumable::Future));
     }
 
     #[test]
@@ -712,19 +930,19 @@ mod tests {
         let one = event(1).len();
         let mut log = log(100, one * 3);
         for n in 1..=10 {
-            log.append(event(n));
+            log.append(event(n), &Audience::All);
         }
         assert_eq!(log.held(), (3, one * 3));
         assert_eq!(log.window().oldest_seq, 8);
         let mut none = self::log(0, usize::MAX);
-        none.append(event(1));
+        none.append(event(1), &Audience::All);
         let w = none.window();
         assert_eq!((w.oldest_seq, w.newest_seq), (2, 1));
         assert!(
-            none.after(&at(&none, 1)).unwrap().is_empty(),
+            none.from(&at(&none, 1)).unwrap().events.is_empty(),
             "resume at newest works"
         );
-        assert_eq!(none.after(&at(&none, 0)).err(), Some(Unresumable::Evicted));
+        assert_eq!(none.from(&at(&none, 0)).err(), Some(Unresumable::Evicted));
     }
 
     #[test]
@@ -761,5 +979,112 @@ mod tests {
                 "{m}"
             );
         }
+    }
+
+    /// History applies the one filter: a targeted event is replayed to an
+    /// observer and to the clients it was addressed to, never to another
+    /// reader; the reader's grant applies to every event.
+    #[test]
+    fn history_gives_each_reader_what_it_would_have_seen_live() {
+        let mut log = log(100, usize::MAX);
+        log.append(event(1), &Audience::All);
+        let tool = EventHead::from_value("agent", &serde_json::json!({"stream": "tool"}));
+        log.append(tool, &Audience::Only(vec![7]));
+        log.append(event(3), &Audience::All);
+        let full = everyone();
+        let none = crate::policy::Grant::new(Vec::<&str>::new());
+        let seen = |id, grant: &crate::policy::Grant, observer| {
+            let b = log
+                .after(
+                    &at(&log, 0),
+                    &Reader {
+                        id,
+                        grant,
+                        observer,
+                    },
+                )
+                .unwrap();
+            cursors(&b)
+        };
+        assert_eq!(seen(1, &full, false), [1, 3], "a plain reader");
+        assert_eq!(seen(7, &full, false), [1, 2, 3], "the addressee");
+        assert_eq!(seen(1, &full, true), [1, 2, 3], "an observer");
+        assert_eq!(
+            seen(1, &none, true),
+            [1, 3],
+            "no operator.read: no agent events"
+        );
+    }
+
+    /// A gap is reported where cursors were skipped after the resume
+    /// point, also when the events around it are not the reader's.
+    #[test]
+    fn gaps_are_told_where_cursors_were_skipped_not_where_events_were_hidden() {
+        let mut log = log(100, usize::MAX);
+        log.append(event(1), &Audience::All);
+        log.append(event(2), &Audience::Only(vec![9]));
+        log.append(event(3), &Audience::All);
+        log.skip(); // 4
+        log.append(event(5), &Audience::Only(vec![9]));
+        log.append(event(6), &Audience::All);
+        let b = log.from(&at(&log, 0)).unwrap();
+        let flags: Vec<(u64, bool)> = b.events.iter().map(|(e, g)| (e.cursor(), *g)).collect();
+        assert_eq!(flags, [(1, false), (3, false), (6, true)]);
+        assert!(!b.gap_after);
+        // Resuming after the skipped cursor itself: nothing missing.
+        let b = log.from(&at(&log, 4)).unwrap();
+        assert_eq!(
+            b.events.iter().map(|(_, g)| *g).collect::<Vec<_>>(),
+            [false]
+        );
+        log.skip(); // 7
+        let b = log.from(&at(&log, 6)).unwrap();
+        assert!(
+            b.events.is_empty() && b.gap_after,
+            "a gap after the last event"
+        );
+        assert!(!log.from(&at(&log, 7)).unwrap().gap_after);
+    }
+
+    /// An event over the per-event cap is kept cut, marked; the copy
+    /// returned (what live readers get) is whole.
+    #[test]
+    fn an_event_over_the_cap_is_logged_cut_and_delivered_whole() {
+        let mut log = log(10, 4096);
+        let big = "x".repeat(10_000);
+        let head = EventHead::from_value("agent", &serde_json::json!({"text": big, "n": 1}));
+        let live = log.append(head.clone(), &Audience::All);
+        assert_eq!(live.without_seq(), head.without_seq());
+        let kept = &log.from(&at(&log, 0)).unwrap().events[0].0;
+        assert!(kept.len() <= 4096, "{}", kept.len());
+        let frame: Value = serde_json::from_slice(&kept.without_seq()).unwrap();
+        assert_eq!(frame["payload"]["clawmuxCut"], true);
+        assert_eq!(frame["payload"]["n"], 1);
+        assert!(frame["payload"]["text"].as_str().unwrap().ends_with('…'));
+        assert_eq!(log.held().0, 1, "kept, not evicted");
+    }
+
+    /// Cursors stay exact in JavaScript: at the limit the log starts a new
+    /// epoch with a gap instead of passing it or wrapping.
+    #[test]
+    fn cursors_never_pass_two_to_the_53rd() {
+        let mut log = ReplayLog::starting_at(ReplayLimits::default(), MAX_CURSOR - 1);
+        let epoch = log.window().epoch;
+        assert_eq!(log.append(event(1), &Audience::All).cursor(), MAX_CURSOR);
+        let next = log.append(event(2), &Audience::All).cursor();
+        assert!(next <= MAX_CURSOR - CURSOR_HEADROOM + 2, "{next}");
+        assert_ne!(log.window().epoch, epoch, "a new epoch");
+        assert_eq!(
+            log.from(&at(&log, MAX_CURSOR)).err(),
+            Some(Unresumable::Future),
+            "the old epoch's cursors are not resumed"
+        );
+        let b = log.from(&at(&log, next - 2)).unwrap();
+        let names: Vec<_> = b
+            .events
+            .iter()
+            .map(|(e, _)| e.name().into_owned())
+            .collect();
+        assert_eq!(names, [GAP_EVENT, "tick"], "a gap first");
     }
 }

@@ -310,6 +310,17 @@ impl HudSource {
             }
             "clawmux.gap" => {
                 self.activity.forget_unfinished();
+                // A gap the client already saw, or from before it asked to
+                // start (a fresh live feed starts with what happens from
+                // now on): applied, not sent. `next` is the first cursor
+                // after it (a logged gap's own).
+                let next = serde_json::from_str::<Value>(&event.data)
+                    .ok()
+                    .and_then(|d| d["next"].as_u64());
+                let at = next.or_else(|| event.id.parse::<u64>().ok());
+                if matches!((at, self.quiet_until), (Some(a), Some(q)) if a <= q) {
+                    return Vec::new();
+                }
                 return vec![Record::Broker {
                     name: event.event,
                     data: event.data,
@@ -384,16 +395,19 @@ impl HudSource {
 }
 
 /// The `/v1/events` query for a HUD stream: an observer's, from the log's
-/// start when the client's resume point (if any) is in this broker's log
-/// (then also that cursor, to stay quiet until it), else the client's own
-/// resume point, for `/v1/events` to answer (`410` and why).
+/// start when the client's resume point (if any) is in the log (a bare
+/// cursor, as the HUD's own `id:` lines give it, or one of this broker
+/// life), so runs that began before it keep their start; else from the
+/// client's own resume point, for `/v1/events` to answer (`410` and why).
+/// Also the cursor the client resumes after: records up to it are
+/// applied but not sent.
 pub(crate) fn events_query(
     window: &ReplayWindow,
     resume: Option<&str>,
     epoch: Option<&str>,
 ) -> (String, Option<u64>) {
     let from_start = EventId {
-        epoch: Some(window.epoch.to_string()),
+        epoch: None,
         cursor: window.oldest_seq.saturating_sub(1),
     };
     let mut query = vec![("tool_events", "all".to_owned())];
@@ -404,13 +418,13 @@ pub(crate) fn events_query(
             let id = text.parse::<EventId>().ok();
             let life = id.as_ref().and_then(|id| id.epoch.as_deref()).or(epoch);
             let held = id.as_ref().is_some_and(|id| {
-                life == Some(&*window.epoch)
+                life.is_none_or(|l| l == &*window.epoch)
                     && id.cursor >= from_start.cursor
                     && id.cursor <= window.newest_seq
             });
+            resumed = id.map(|id| id.cursor);
             if held {
                 query.push(("after_seq", from_start.to_string()));
-                resumed = id.map(|id| id.cursor);
             } else {
                 query.push(("after_seq", text.to_owned()));
                 if let Some(epoch) = epoch {

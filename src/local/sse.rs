@@ -70,10 +70,72 @@ struct EventsQuery {
     /// `1`: also the request tap ([`crate::tap`]) and a first
     /// `clawmux.hello` record (for `clawmux record`).
     tap: Option<String>,
-    /// `all`: every tool-stream event the broker receives (an observer's
-    /// opt-in, see [`crate::sharing::Sharing::observe_tools`]); `own`
-    /// (default): none, as for any client that started no run.
+    /// `all`: every targeted event the broker receives (tool streams,
+    /// `session.*`, `sessions.changed`: an observer's opt-in, see
+    /// [`crate::sharing::Reader::observer`]); `own` (default): none, as for
+    /// any client that started no run and holds no subscription.
     tool_events: Option<String>,
+    /// Comma-separated session keys (`main` and short keys as the gateway
+    /// reads them): only events about these sessions.
+    session: Option<String>,
+    /// Comma-separated agent ids: only events about these agents' sessions
+    /// (`agent:<id>:…`).
+    agent: Option<String>,
+}
+
+/// Which sessions a stream keeps (`session=`, `agent=`): events that name
+/// no session are left out, the broker's own `clawmux.*` records kept.
+#[derive(Debug, Default)]
+struct SessionFilter {
+    sessions: Option<HashSet<String>>,
+    agents: Option<HashSet<String>>,
+}
+
+impl SessionFilter {
+    fn is_empty(&self) -> bool {
+        self.sessions.is_none() && self.agents.is_none()
+    }
+
+    /// Whether an event named `name`, framed as `frame`, is kept.
+    fn keeps(&self, name: &str, frame: &[u8]) -> bool {
+        if self.is_empty() || name.starts_with("clawmux.") {
+            return true;
+        }
+        #[derive(Deserialize)]
+        struct Head {
+            #[serde(default)]
+            payload: Option<Payload>,
+        }
+        #[derive(Deserialize)]
+        struct Payload {
+            #[serde(rename = "sessionKey", default)]
+            session_key: Option<String>,
+            #[serde(rename = "agentId", default)]
+            agent_id: Option<String>,
+        }
+        let Some(p) = serde_json::from_slice::<Head>(frame)
+            .ok()
+            .and_then(|h| h.payload)
+        else {
+            return false;
+        };
+        let agent = p.agent_id.or_else(|| {
+            p.session_key
+                .as_deref()
+                .and_then(|k| k.strip_prefix("agent:"))
+                .and_then(|rest| rest.split(':').next())
+                .map(str::to_owned)
+        });
+        let session_ok = self
+            .sessions
+            .as_ref()
+            .is_none_or(|s| p.session_key.as_ref().is_some_and(|k| s.contains(k)));
+        let agent_ok = self
+            .agents
+            .as_ref()
+            .is_none_or(|a| agent.as_ref().is_some_and(|id| a.contains(id)));
+        session_ok && agent_ok
+    }
 }
 
 /// What a stream asked for, parsed (the hub checks the resume point).
@@ -81,24 +143,34 @@ struct EventsQuery {
 pub(crate) struct StreamRequest {
     pub(crate) from: ResumePoint,
     filter: Option<HashSet<String>>,
+    sessions: SessionFilter,
     tap: bool,
-    /// The stream observes every tool-stream event (`tool_events=all`).
+    /// The stream observes every targeted event (`tool_events=all`).
     observe_tools: bool,
 }
 
-fn parse_request(req: &Request<Incoming>) -> Result<StreamRequest, String> {
-    parse_query(req.uri().query(), req.headers().get("last-event-id"))
+fn parse_request(
+    req: &Request<Incoming>,
+    canonical: impl Fn(&str) -> String,
+) -> Result<StreamRequest, String> {
+    parse_query(
+        req.uri().query(),
+        req.headers().get("last-event-id"),
+        canonical,
+    )
 }
 
 /// [`parse_request`] on its parts (the query string and the
 /// `Last-Event-ID` header), so the fuzz targets reach it without a request.
+/// `canonical` spells a session key the way the gateway does.
 pub(crate) fn parse_query(
     query: Option<&str>,
     last_event_id: Option<&HeaderValue>,
+    canonical: impl Fn(&str) -> String,
 ) -> Result<StreamRequest, String> {
     let query: EventsQuery = serde_urlencoded::from_str(query.unwrap_or("")).map_err(|e| {
         format!(
-            "bad query: {e}; expected after_seq=<cursor>, events=<name,name>, tool_events=own|all"
+            "bad query: {e}; expected after_seq=<cursor>, events=<name,name>, session=<key,key>, agent=<id,id>, tool_events=own|all"
         )
     })?;
     let after_seq = query
@@ -119,13 +191,21 @@ pub(crate) fn parse_query(
         Some("1") | Some("true") => true,
         Some(other) => return Err(format!("bad tap={other}: expected tap=1 or tap=0")),
     };
-    let filter = query.events.map(|list| {
-        list.split(',')
-            .map(str::trim)
-            .filter(|name| !name.is_empty())
-            .map(str::to_owned)
-            .collect::<HashSet<_>>()
-    });
+    let list = |text: Option<String>| {
+        text.map(|list| {
+            list.split(',')
+                .map(str::trim)
+                .filter(|name| !name.is_empty())
+                .map(str::to_owned)
+                .collect::<HashSet<_>>()
+        })
+        .filter(|set| !set.is_empty())
+    };
+    let filter = list(query.events);
+    let sessions = SessionFilter {
+        sessions: list(query.session).map(|keys| keys.iter().map(|k| canonical(k)).collect()),
+        agents: list(query.agent),
+    };
     let observe_tools = match query.tool_events.as_deref() {
         None | Some("own") => false,
         Some("all") => true,
@@ -142,7 +222,8 @@ pub(crate) fn parse_query(
             after_seq,
             query.epoch.filter(|e| !e.is_empty()),
         ),
-        filter: filter.filter(|f| !f.is_empty()),
+        filter,
+        sessions,
         tap,
     })
 }
@@ -151,7 +232,7 @@ pub(crate) fn parse_query(
 /// `tap=1` without `operator.admin`, 410 for a cursor the log cannot serve
 /// (older than the oldest kept, or never handed out), 503 at the client limit.
 pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
-    let wanted = match parse_request(req) {
+    let wanted = match parse_request(req, |k| ctx.sharing.canonical(k)) {
         Ok(w) => w,
         Err(message) => return error_response(StatusCode::BAD_REQUEST, "INVALID_REQUEST", message),
     };
@@ -178,10 +259,10 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         peer_pid: req.extensions().get::<super::PeerPid>().and_then(|p| p.0),
         ..Default::default()
     });
-    // Before admission, so no tool event falls between the two.
-    let tool_observer = wanted
-        .observe_tools
-        .then(|| ctx.sharing.observe_tools(client.id));
+    // Before admission: history and live events are filtered alike.
+    client
+        .observer
+        .store(wanted.observe_tools, std::sync::atomic::Ordering::Relaxed);
     let (backlog, window) = match ctx.hub.admit_at_cursor(&client, &wanted.from) {
         Ok(admitted) => admitted,
         Err(SubscribeError::ReplayUnavailable(gone)) => {
@@ -208,7 +289,7 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         ctx.router.tap.attach(Arc::clone(&client));
         crate::local::tap_stream::hello_record(ctx)
     });
-    tracing::info!(client_id = client.id, cursor = ?wanted.from.cursor, backlog = backlog.len(), "event stream opened");
+    tracing::info!(client_id = client.id, cursor = ?wanted.from.cursor, backlog = backlog.events.len(), "event stream opened");
     let done = CancellationToken::new();
     if let Some(kill) = req.extensions().get::<ConnectionKill>() {
         ctx.tracker.spawn(cut_when_stuck(
@@ -221,8 +302,12 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     let stream = EventStream {
         client: Arc::clone(&client),
         last_cursor: after,
-        backlog: backlog.into_iter(),
+        last_seq: 0,
+        gap_pending: false,
+        gap_after_backlog: backlog.gap_after,
+        backlog: backlog.events.into_iter(),
         filter: wanted.filter,
+        sessions: wanted.sessions,
         tapped: wanted.tap,
         keepalive: ctx.settings.limits.sse_keepalive,
         last_write: Instant::now(),
@@ -233,7 +318,6 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             client_id: client.id,
             done,
             tapped: wanted.tap,
-            _tool_observer: tool_observer,
         },
     };
     let first = Bytes::from(format!(
@@ -263,8 +347,6 @@ struct Registration {
     client_id: u64,
     done: CancellationToken,
     tapped: bool,
-    /// The stream's `tool_events=all` opt-in, ended with the stream.
-    _tool_observer: Option<crate::sharing::ToolObserver>,
 }
 
 impl Drop for Registration {
@@ -304,11 +386,22 @@ async fn cut_when_stuck(
 /// The writer of one SSE client, driven by hyper polling the body.
 struct EventStream {
     client: Arc<Client>,
-    /// The newest cursor this stream has received (written or filtered out),
-    /// or where it started: a later cursor more than one past it is a gap.
+    /// The newest cursor this stream has received (written or filtered
+    /// out), or where it started: where a gap it reports begins.
     last_cursor: u64,
-    backlog: std::vec::IntoIter<EventHead>,
+    /// The last per-client `seq` of a live event: a later one more than one
+    /// past it is a gap (an upstream gap or reconnect, or events this
+    /// stream's queue dropped). Cursors cannot tell: they also skip the
+    /// targeted events this reader may not see.
+    last_seq: u64,
+    /// A gap comes before the next event written.
+    gap_pending: bool,
+    /// The history ends with a gap (before the first live event).
+    gap_after_backlog: bool,
+    /// History: events and whether a gap comes before each.
+    backlog: std::vec::IntoIter<(EventHead, bool)>,
     filter: Option<HashSet<String>>,
+    sessions: SessionFilter,
     /// Receives the request tap: its `Outgoing::Frame`s are tapped frames.
     tapped: bool,
     keepalive: Duration,
@@ -326,9 +419,11 @@ impl EventStream {
         }
         let mut out = BytesMut::new();
         while out.len() < CHUNK_BYTES {
-            let Some(head) = self.backlog.next() else {
+            let Some((head, gap)) = self.backlog.next() else {
+                self.gap_pending |= std::mem::take(&mut self.gap_after_backlog);
                 break;
             };
+            self.gap_pending |= gap;
             self.write_event(&mut out, &head);
         }
         if !out.is_empty() {
@@ -349,7 +444,11 @@ impl EventStream {
             };
             for item in batch {
                 match item {
-                    Outgoing::Event(head, _) => self.write_event(&mut out, &head),
+                    Outgoing::Event(head, seq) => {
+                        self.gap_pending |= seq > self.last_seq + 1;
+                        self.last_seq = seq;
+                        self.write_event(&mut out, &head)
+                    }
                     Outgoing::Frame(frame) if self.tapped => {
                         crate::local::tap_stream::write_tapped(&mut out, &frame)
                     }
@@ -373,37 +472,41 @@ impl EventStream {
         out.freeze()
     }
 
+    /// Writes one event the stream may see (live, the hub decided; in
+    /// history, the log, by the same rule), after the gap before it if
+    /// any, unless this stream's filters leave it out.
     fn write_event(&mut self, out: &mut BytesMut, head: &EventHead) {
         let cursor = head.cursor();
+        let name = head.name();
         if cursor == 0 {
-            // A targeted event (a tool stream this stream observes) is not
-            // in the log: it has no cursor to resume from, so no `id:`.
-            let name = head.name();
-            if self.filter.as_ref().is_none_or(|f| f.contains(&*name)) {
+            // Not logged (a copy the broker made for WebSocket
+            // subscribers): no cursor to resume from, so no `id:`.
+            if self.keeps(&name, head) {
                 write_unlogged(out, &name, &head.without_seq());
             }
             return;
         }
-        let name = head.name();
         if name == GAP_EVENT {
             // A logged gap (a broker restart): it says what it covers,
             // whatever the filter, with an id to resume after.
+            self.gap_pending = false;
             self.last_cursor = self.last_cursor.max(cursor);
             write_logged_gap(out, cursor, head);
             return;
         }
-        if cursor > self.last_cursor.saturating_add(1) {
+        if std::mem::take(&mut self.gap_pending) {
             write_gap(out, self.last_cursor, cursor);
         }
         self.last_cursor = self.last_cursor.max(cursor);
-        if self.filter.as_ref().is_some_and(|f| !f.contains(&*name)) {
-            return;
+        if self.keeps(&name, head) {
+            write_record(out, cursor, &name, &head.with_seq(cursor));
         }
-        // Replayed events pass the same scope guard as live ones.
-        if !crate::policy::events::guard(&name).allows(self.client.grant()) {
-            return;
-        }
-        write_record(out, cursor, &name, &head.with_seq(cursor));
+    }
+
+    /// Whether this stream's filters (`events=`, `session=`, `agent=`) keep it.
+    fn keeps(&self, name: &str, head: &EventHead) -> bool {
+        self.filter.as_ref().is_none_or(|f| f.contains(name))
+            && (self.sessions.is_empty() || self.sessions.keeps(name, &head.without_seq()))
     }
 }
 

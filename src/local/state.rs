@@ -41,7 +41,10 @@ pub fn document(ctx: &Ctx) -> Value {
 /// clients subscribed to).
 pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
     let full = socket.is_main();
-    let (snapshot, window) = ctx.hub.snapshot_with_window();
+    let (snapshot, window, runs) = ctx.hub.snapshot_with_runs();
+    // Runs in flight show every run's tool calls: only where observers are
+    // allowed, as on `/v1/hud`.
+    let runs = if socket.observe { runs } else { Value::Null };
     let status = ctx.upstream().status();
     let hello = status.hello.as_deref();
     let all = ctx.hub.clients();
@@ -65,7 +68,7 @@ pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
                 "connected_at_ms": c.connected_at_ms,
                 "declared": c.identity.get(),
                 "peer_pid": c.identity.get().and_then(|i| i.peer_pid),
-                "tool_observer": ctx.sharing.observes_tools(c.id),
+                "tool_observer": c.observer.load(std::sync::atomic::Ordering::Relaxed),
             })
         })
         .collect();
@@ -107,6 +110,9 @@ pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
         "oldest_seq": window.oldest_seq,
         // Where the replay log is kept (null: in memory, ends with this life).
         "replay_file": ctx.hub.replay_file().map(|p| p.display().to_string()),
+        // The runs in flight at `newest_seq` (open thinking, open tool
+        // calls); null on a socket without observer powers.
+        "runs": runs,
         "broker": {
             "version": env!("CARGO_PKG_VERSION"),
             "pid": std::process::id(),

@@ -160,8 +160,8 @@ impl MainSession {
             self.router.tap.inbound(text);
         }
         self.hub.publish(name, payload, state_version, &audience);
-        if let Some(echo) = session_tool {
-            self.hub.publish("session.tool", payload, None, &echo);
+        if let Some(Audience::Only(ids)) = session_tool {
+            self.hub.deliver_copy("session.tool", payload, &ids);
         }
         restart
     }

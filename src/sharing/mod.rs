@@ -7,16 +7,17 @@
 //!   upstream in one ordered place, so no change can overtake another.
 //! - [`runs`]: which local client started which run (tool-stream `agent`
 //!   events go to it alone; `chat.abort` of someone else's run needs admin).
-//! - [`Sharing::audience`]: who receives an upstream event.
-//! - [`Sharing::observe_tools`]: the observers' opt-in (`/v1/events?tool_events=all`)
-//!   to every tool-stream event the broker receives, for dashboards such as
-//!   `clawmux top`; ordinary clients' audiences are unchanged.
+//! - [`Sharing::audience`]: who receives an upstream event, recorded with it
+//!   in the replay log.
+//! - [`may_see`]: the one rule, for live delivery and for history alike,
+//!   deciding whether a reader (its grant, its subscriptions as the
+//!   audience names them, whether it observes) may see an event.
 
 pub mod runs;
 pub mod subscriptions;
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -24,13 +25,57 @@ use serde_json::Value;
 pub use runs::Runs;
 pub use subscriptions::{SubKey, Subscriptions};
 
-/// Who receives an event.
+/// Who receives an event: decided once, when the broker receives it, and
+/// kept with it in the replay log (design §11 "One log, one filter").
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Audience {
     /// Every connected client (broadcast events).
     All,
-    /// Only these clients (targeted events).
+    /// A targeted event (a tool stream, `session.*`, most `sessions.changed`):
+    /// the clients of this broker life the gateway's rules address it to
+    /// (the run's starter that asked for `tool-events`, the holders of
+    /// `sessions.subscribe` or of the session's messages), and every
+    /// observer ([`Reader::observer`]). The ids mean nothing to another
+    /// broker life: a log read back from disk keeps the event as targeted,
+    /// with no ids.
     Only(Vec<u64>),
+}
+
+impl Audience {
+    /// Whether the event is targeted.
+    pub fn is_targeted(&self) -> bool {
+        matches!(self, Audience::Only(_))
+    }
+}
+
+/// Who asks to see an event: live (a connected client) or in history (a
+/// `/v1/events` stream resuming from a cursor).
+#[derive(Debug, Clone, Copy)]
+pub struct Reader<'a> {
+    /// The client's id in this broker life.
+    pub id: u64,
+    /// Its scopes: the gateway's per-connection event guards apply.
+    pub grant: &'a crate::policy::Grant,
+    /// It observes every targeted event the broker receives
+    /// (`/v1/events?tool_events=all`, `/v1/hud`): allowed only on a socket
+    /// that allows observers ([`crate::policy::may_observe`]).
+    pub observer: bool,
+}
+
+/// The one filter: may `reader` see event `name` addressed to `audience`?
+/// Live delivery asks it of every connected client, and history asks it
+/// of a resuming reader for every logged event, so history never gives a
+/// reader anything it would not have received live: the event's scope
+/// guard for the reader's grant, then broadcast, or one of the clients the
+/// event was addressed to, or an observer.
+pub fn may_see(reader: &Reader<'_>, name: &str, audience: &Audience) -> bool {
+    if !crate::policy::events::guard(name).allows(reader.grant) {
+        return false;
+    }
+    match audience {
+        Audience::All => true,
+        Audience::Only(ids) => reader.observer || ids.contains(&reader.id),
+    }
 }
 
 /// The gateway's `snapshot.sessionDefaults`, to write session keys the way
@@ -125,70 +170,11 @@ pub struct Sharing {
     pub subscriptions: Subscriptions,
     pub runs: Runs,
     defaults: Mutex<SessionDefaults>,
-    /// Clients that opted in to every tool-stream event (`agent`
-    /// `stream:"tool"`, `session.tool`) the broker receives, not only those
-    /// of runs they started. Held by a [`ToolObserver`] guard.
-    tool_observers: Mutex<HashSet<u64>>,
-}
-
-/// A client's opt-in to every tool-stream event; dropping it ends the opt-in
-/// (the client's stream closed).
-#[derive(Debug)]
-pub struct ToolObserver {
-    sharing: Arc<Sharing>,
-    client_id: u64,
-}
-
-impl Drop for ToolObserver {
-    fn drop(&mut self) {
-        self.sharing.observers().remove(&self.client_id);
-    }
 }
 
 impl Sharing {
     pub fn new() -> Self {
         Self::default()
-    }
-
-    fn observers(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
-        self.tool_observers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// `client_id` sees every tool-stream event the broker receives while
-    /// the returned guard lives. Runs started through the broker deliver
-    /// theirs as `agent` `stream:"tool"` (the broker advertises
-    /// `tool-events` upstream); others as `session.tool`, which the gateway
-    /// sends only while some local client holds `sessions.subscribe`.
-    pub fn observe_tools(self: &Arc<Self>, client_id: u64) -> ToolObserver {
-        self.observers().insert(client_id);
-        ToolObserver {
-            sharing: Arc::clone(self),
-            client_id,
-        }
-    }
-
-    /// Whether `client_id` observes every tool-stream event.
-    pub fn observes_tools(&self, client_id: u64) -> bool {
-        self.observers().contains(&client_id)
-    }
-
-    /// A tool-stream audience widened to the observers.
-    fn with_tool_observers(&self, audience: Audience) -> Audience {
-        match audience {
-            Audience::Only(mut ids) => {
-                let observers = self.observers();
-                ids.extend(
-                    observers
-                        .iter()
-                        .filter(|o| !ids.contains(o))
-                        .collect::<Vec<_>>(),
-                );
-                Audience::Only(ids)
-            }
-            all => all,
-        }
     }
 
     /// Takes the gateway's session defaults from a new `hello-ok` snapshot.
@@ -239,7 +225,7 @@ impl Sharing {
             }
             (!ids.is_empty()).then_some(Audience::Only(ids))
         });
-        (self.with_tool_observers(audience), echo)
+        (audience, echo)
     }
 
     /// Who should receive this upstream event.
@@ -273,13 +259,13 @@ impl Sharing {
                     .and_then(|r| self.runs.tool_events_owner(&r));
                 let mut ids = self.subscriptions.holders(&SubKey::Sessions);
                 ids.retain(|id| Some(*id) != owner);
-                self.with_tool_observers(Audience::Only(ids))
+                Audience::Only(ids)
             }
             "session.message" => {
                 self.sessions_and_key_holders(SessionEventHead::parse(payload).session_key)
             }
-            // Only tool streams are targeted (`Only`); observers get them too.
-            "agent" => self.with_tool_observers(self.runs.agent_audience(payload)),
+            // Only tool streams are targeted (`Only`).
+            "agent" => self.runs.agent_audience(payload),
             "chat" => {
                 self.runs.end_on_terminal_chat(payload);
                 Audience::All
@@ -349,57 +335,62 @@ mod tests {
         assert_eq!(other, Audience::Only(vec![1]));
     }
 
+    /// One rule for every reader: the guard of its grant, then broadcast,
+    /// the addressed clients, or an observer.
     #[test]
-    fn tool_observers_see_every_tool_stream_and_nothing_else_changes() {
-        let sharing = Arc::new(Sharing::new());
+    fn observers_see_every_targeted_event_and_nobody_else_gains_anything() {
+        let sharing = Sharing::new();
         sharing.subscriptions.lock().subscribe(&SubKey::Sessions, 1);
-        // Client 2 started r1 without asking for tool events; 3 asked.
         let owner = |client_id, tool_events| runs::RunOwner {
             client_id,
             session_key: None,
             tool_events,
         };
+        // Client 2 started r1 without asking for tool events; 3 asked.
         sharing.runs.start("r1", owner(2, false));
         sharing.runs.start("r3", owner(3, true));
         let tool =
             |run: &str| raw(json!({"runId": run, "stream": "tool", "data": {"phase": "start"}}));
-        let agent = |run: &str| sorted(sharing.audience("agent", Some(&tool(run))));
-        let session_tool = |run: &str| sorted(sharing.audience("session.tool", Some(&tool(run))));
-        assert_eq!(agent("r1"), Audience::Only(vec![]));
-        assert_eq!(agent("r3"), Audience::Only(vec![3]));
-        let observer = sharing.observe_tools(9);
-        assert!(sharing.observes_tools(9));
-        assert_eq!(
-            agent("r1"),
-            Audience::Only(vec![9]),
-            "a run that asked for none"
+        let full = crate::policy::Grant::new(crate::policy::scopes::REQUESTED_SCOPES);
+        let none = crate::policy::Grant::new(Vec::<&str>::new());
+        let reader = |id, observer| Reader {
+            id,
+            grant: &full,
+            observer,
+        };
+        let sees = |r: Reader<'_>, name: &str, payload: &RawValue| {
+            may_see(&r, name, &sharing.audience(name, Some(payload)))
+        };
+        assert!(
+            !sees(reader(2, false), "agent", &tool("r1")),
+            "asked for none"
         );
-        assert_eq!(
-            agent("r3"),
-            Audience::Only(vec![3, 9]),
-            "the owner keeps its own"
-        );
-        assert_eq!(
-            agent("gone"),
-            Audience::Only(vec![9]),
-            "an ended or foreign run"
-        );
-        assert_eq!(session_tool("x"), Audience::Only(vec![1, 9]));
-        // Broadcast and other targeted events are untouched.
+        assert!(sees(reader(3, false), "agent", &tool("r3")), "its own");
+        assert!(!sees(reader(3, false), "agent", &tool("r1")), "another's");
+        for run in ["r1", "r3", "gone"] {
+            assert!(
+                sees(reader(9, true), "agent", &tool(run)),
+                "observer: {run}"
+            );
+        }
+        assert!(sees(reader(1, false), "session.tool", &tool("x")));
+        assert!(!sees(reader(4, false), "session.tool", &tool("x")));
+        let message = raw(json!({"sessionKey": "agent:main:main"}));
+        assert!(sees(reader(1, false), "session.message", &message));
+        assert!(sees(reader(9, true), "session.message", &message));
+        assert!(!sees(reader(4, false), "session.message", &message));
+        // Broadcast events go to everyone the guard lets through.
         let text = raw(json!({"runId": "r1", "stream": "assistant"}));
         assert_eq!(sharing.audience("agent", Some(&text)), Audience::All);
-        let message = sharing.audience(
-            "session.message",
-            Some(&raw(json!({"sessionKey": "agent:main:main"}))),
-        );
-        assert_eq!(message, Audience::Only(vec![1]));
-        drop(observer);
-        assert!(!sharing.observes_tools(9));
-        assert_eq!(
-            agent("r1"),
-            Audience::Only(vec![]),
-            "the opt-in ends with its guard"
-        );
-        assert_eq!(session_tool("x"), Audience::Only(vec![1]));
+        assert!(sees(reader(4, false), "agent", &text));
+        // Without operator.read nothing targeted or read-guarded, observer or not.
+        let blind = Reader {
+            id: 9,
+            grant: &none,
+            observer: true,
+        };
+        assert!(!may_see(&blind, "agent", &Audience::Only(vec![9])));
+        assert!(!may_see(&blind, "agent", &Audience::All));
+        assert!(may_see(&blind, "tick", &Audience::All));
     }
 }

@@ -7,28 +7,27 @@ use crate::support::*;
 use serde_json::{json, Value};
 
 /// The tool-stream events on an SSE stream until the run's lifecycle end;
-/// panics on a logged (`id:`) tool event: they are not in the replay log.
+/// each is logged (an `id:`, the frame's `seq` the same cursor), so a
+/// reader resumes after it (issue 31).
 async fn tool_events_until_end(sse: &mut crate::http_api::Sse) -> Vec<Value> {
     let mut tools = Vec::new();
     loop {
         match sse.next_item().await {
-            Item::Event { name, data, .. } => {
-                assert_ne!(
-                    data["payload"]["stream"], "tool",
-                    "{name}: tool events have no cursor"
-                );
-                if data["payload"]["stream"] == "lifecycle"
+            Item::Event { id, data, .. } => {
+                if data["payload"]["stream"] == "tool" {
+                    assert_eq!(data["seq"], id, "{data}");
+                    tools.push(data);
+                } else if data["payload"]["stream"] == "lifecycle"
                     && data["payload"]["data"]["phase"] == "end"
                 {
                     return tools;
                 }
             }
             Item::Other(record) => {
-                if let Some(data) = record.lines().find_map(|l| l.strip_prefix("data: ")) {
-                    let frame: Value = serde_json::from_str(data).expect("one JSON line");
-                    assert!(frame.get("seq").is_none(), "no cursor: {frame}");
-                    tools.push(frame);
-                }
+                assert!(
+                    !record.contains("\"tool\""),
+                    "a tool event without an id: {record}"
+                );
             }
             Item::Comment(_) => {}
         }

@@ -317,11 +317,13 @@ async fn tail_resumes_exactly_after_its_stream_is_cut() {
 #[tokio::test]
 async fn tail_json_replays_from_a_cursor() {
     let h = start().await;
-    until_ready(&h.socket()).await;
+    let base = until_ready(&h.socket()).await["newest_seq"]
+        .as_u64()
+        .unwrap();
     for n in 0..4 {
         h.gw.broadcast("cron", json!({ "n": n }));
     }
-    let s0 = wait_newest_seq(&h.socket(), 4).await;
+    let s0 = wait_newest_seq(&h.socket(), base + 4).await;
     let newest = s0["newest_seq"].as_u64().unwrap();
     let after = (newest - 2).to_string();
     let mut tail = Tail::spawn(&["--socket", s(&h.socket()), "--json", "--after", &after]);
@@ -367,7 +369,9 @@ async fn tail_rejects_unknown_event_names_with_the_known_ones() {
 #[tokio::test]
 async fn tail_n_session_and_run_pick_what_is_printed() {
     let h = start().await;
-    until_ready(&h.socket()).await;
+    let base = until_ready(&h.socket()).await["newest_seq"]
+        .as_u64()
+        .unwrap();
     for n in 0..5 {
         h.gw.broadcast("cron", json!({ "n": n }));
     }
@@ -377,7 +381,7 @@ async fn tail_n_session_and_run_pick_what_is_printed() {
     };
     h.gw.broadcast("chat", chat("aaaa1111-x", "agent:main:main", "in main"));
     h.gw.broadcast("chat", chat("bbbb2222-y", "agent:main:side", "in side"));
-    let newest = wait_newest_seq(&h.socket(), 7).await["newest_seq"]
+    let newest = wait_newest_seq(&h.socket(), base + 7).await["newest_seq"]
         .as_u64()
         .unwrap();
 
@@ -418,11 +422,13 @@ async fn tail_n_session_and_run_pick_what_is_printed() {
 #[tokio::test]
 async fn tail_since_prints_only_recent_held_events() {
     let h = start().await;
-    until_ready(&h.socket()).await;
+    let base = until_ready(&h.socket()).await["newest_seq"]
+        .as_u64()
+        .unwrap();
     let now = clawmux::protocol::now_ms();
     h.gw.broadcast("cron", json!({"ts": now - 3_600_000, "job": "an hour ago"}));
     h.gw.broadcast("cron", json!({"ts": now, "job": "just now"}));
-    wait_newest_seq(&h.socket(), 2).await;
+    wait_newest_seq(&h.socket(), base + 2).await;
     let mut tail = Tail::spawn(&[
         "--socket",
         s(&h.socket()),
@@ -444,7 +450,11 @@ async fn tail_since_prints_only_recent_held_events() {
 async fn tail_after_a_future_cursor_says_so() {
     let h = start().await;
     let state = until_ready(&h.socket()).await;
-    let after = format!("{}:999999", state["epoch"].as_str().unwrap());
+    let after = format!(
+        "{}:{}",
+        state["epoch"].as_str().unwrap(),
+        state["newest_seq"].as_u64().unwrap() + 999_999
+    );
     let mut tail = Tail::spawn(&["--socket", s(&h.socket()), "--after", &after]);
     let said = tail.err_line_containing("cannot resume").await;
     assert!(said.contains("newer than the newest event"), "{said}");
@@ -457,9 +467,11 @@ async fn tail_after_a_future_cursor_says_so() {
 #[tokio::test]
 async fn tail_and_status_colour_follows_no_color_and_the_terminal() {
     let h = start().await;
-    until_ready(&h.socket()).await;
+    let base = until_ready(&h.socket()).await["newest_seq"]
+        .as_u64()
+        .unwrap();
     h.gw.broadcast("cron", json!({"n": 1}));
-    wait_newest_seq(&h.socket(), 1).await;
+    wait_newest_seq(&h.socket(), base + 1).await;
     let sock = s(&h.socket()).to_owned();
     for (env, colour) in [
         (vec![], false),

@@ -24,6 +24,7 @@ mod dedicated;
 mod device_identity;
 mod exactly_once;
 mod handshake;
+mod history;
 mod http_routes;
 mod install_service;
 mod interop;

@@ -7,7 +7,10 @@
 //! - `{"v":1,"floor":F}`: every cursor up to `F` is gone (the first line
 //!   after a rewrite, and written when an event too large to keep pushes
 //!   everything out);
-//! - `{"seq":N,"ts":MS,"frame":{…}}`: a logged event, its frame without `seq`;
+//! - `{"seq":N,"ts":MS,"to":"some","gap":1,"frame":{…}}`: a logged event,
+//!   its frame without `seq`; `to` is there for a targeted event (its
+//!   client ids belong to the life that received it and are not kept),
+//!   `gap` when cursors were skipped just before it;
 //! - `{"stop":N,"ts":MS}`: a clean stop; `N` is the newest cursor the life
 //!   handed out (gaps included).
 //!
@@ -43,7 +46,7 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::ReplayLimits;
+use super::{Logged, ReplayLimits, MAX_CURSOR};
 use crate::private_files::{ensure_private_dir, write_private, Existing};
 use crate::protocol::{now_ms, EventHead};
 
@@ -57,9 +60,9 @@ const CHANNEL_RECORDS: usize = 8192;
 pub const COMPACT_SLACK: u64 = 64 * 1024;
 /// The writer writes at most about this much per batch.
 const BATCH_BYTES: usize = 1024 * 1024;
-/// A line's bytes beyond its frame (`{"seq":…,"ts":…,"frame":` and `}\n`),
+/// A line's bytes beyond its frame (`{"seq":…,"ts":…,"to":…,"gap":1,"frame":` and `}\n`),
 /// at most, counted against [`EventHead::len`] (which adds 16 itself).
-const LINE_OVERHEAD: usize = 64;
+const LINE_OVERHEAD: usize = 96;
 const FORMAT: u32 = 1;
 
 /// The log file's name for a broker on `socket`.
@@ -81,8 +84,16 @@ pub fn file_bound(limits: ReplayLimits) -> u64 {
         .saturating_add((limits.max_bytes + LINE_OVERHEAD) as u64)
 }
 
-fn event_line(out: &mut Vec<u8>, head: &EventHead, ts: u64) {
-    let _ = write!(out, r#"{{"seq":{},"ts":{ts},"frame":"#, head.cursor());
+fn event_line(out: &mut Vec<u8>, logged: &Logged, ts: u64) {
+    let head = &logged.head;
+    let _ = write!(out, r#"{{"seq":{},"ts":{ts},"#, head.cursor());
+    if logged.audience.is_targeted() {
+        out.extend_from_slice(br#""to":"some","#);
+    }
+    if logged.gap_before {
+        out.extend_from_slice(br#""gap":1,"#);
+    }
+    out.extend_from_slice(br#""frame":"#);
     // A raw line break in JSON can only be insignificant whitespace.
     out.extend(
         head.without_seq()
@@ -117,7 +128,7 @@ pub fn remember(lives: &mut Vec<String>, epoch: &str) {
 #[derive(Debug, Default)]
 pub struct Loaded {
     /// Events in cursor order, with the time they were written.
-    pub events: Vec<(EventHead, u64)>,
+    pub events: Vec<(Logged, u64)>,
     /// Every cursor up to this one is gone.
     pub floor: u64,
     /// The newest cursor the file shows handed out.
@@ -146,6 +157,8 @@ struct Line<'a> {
     floor: Option<u64>,
     stop: Option<u64>,
     lives: Option<Vec<String>>,
+    to: Option<&'a str>,
+    gap: Option<u8>,
 }
 
 #[derive(Deserialize)]
@@ -192,20 +205,37 @@ fn record(loaded: &mut Loaded, line: &[u8]) -> bool {
             seq: Some(seq),
             frame: Some(frame),
             ts,
+            to,
+            gap,
             ..
         } => {
             let Ok(f) = serde_json::from_str::<Frame>(frame.get()) else {
                 return false;
             };
-            // Cursors only increase; anything else is not this log's. A
-            // nameless event is not one either: the gateway frame decoder
-            // drops those, so the broker never logs one (found by the
-            // `replay_log` fuzz target).
-            if f.kind != "event" || f.event.is_empty() || seq <= loaded.newest.max(loaded.floor) {
+            // Cursors only increase and stay exact in JavaScript; anything
+            // else is not this log's. A nameless event is not one either:
+            // the gateway frame decoder drops those, so the broker never
+            // logs one (found by the `replay_log` fuzz target).
+            if f.kind != "event"
+                || f.event.is_empty()
+                || seq <= loaded.newest.max(loaded.floor)
+                || seq > MAX_CURSOR
+            {
                 return false;
             }
             let head = EventHead::encode(&f.event, f.payload, f.state_version).with_cursor(seq);
-            loaded.events.push((head, ts.unwrap_or(0)));
+            let audience = match to {
+                None => crate::sharing::Audience::All,
+                // Client ids of another life mean nothing here: targeted,
+                // for observers only.
+                Some(_) => crate::sharing::Audience::Only(Vec::new()),
+            };
+            let logged = Logged {
+                head,
+                audience,
+                gap_before: gap.is_some_and(|g| g != 0),
+            };
+            loaded.events.push((logged, ts.unwrap_or(0)));
             loaded.newest = seq;
             loaded.last_ts = ts.or(loaded.last_ts);
             loaded.stopped_at = None;
@@ -215,7 +245,7 @@ fn record(loaded: &mut Loaded, line: &[u8]) -> bool {
             seq: None,
             lives,
             ..
-        } => {
+        } if floor <= MAX_CURSOR => {
             for life in lives.iter().flatten() {
                 remember(&mut loaded.lives, life);
             }
@@ -229,7 +259,7 @@ fn record(loaded: &mut Loaded, line: &[u8]) -> bool {
             seq: None,
             ts,
             ..
-        } => {
+        } if stop <= MAX_CURSOR => {
             loaded.newest = loaded.newest.max(stop);
             let ts = ts.unwrap_or(0);
             loaded.stopped_at = Some(ts);
@@ -273,7 +303,11 @@ fn open_private(path: &Path, create: bool, append: bool) -> io::Result<File> {
         .append(append)
         .create(create)
         .mode(0o600)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        // NONBLOCK: opening a FIFO put in the file's place would otherwise
+        // wait for a writer forever (the broker hung at start, socket
+        // bound, nothing logged); it is opened at once and refused below
+        // as not a regular file. Regular files ignore the flag.
+        .custom_flags((rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK).bits() as i32)
         .open(path)?;
     check_private(path, &file)?;
     Ok(file)
@@ -353,7 +387,7 @@ impl Opened {
         self,
         limits: ReplayLimits,
         floor: u64,
-        kept: Vec<(EventHead, u64)>,
+        kept: Vec<(Logged, u64)>,
         lives: Vec<String>,
     ) -> Result<Persist, String> {
         let mut writer = Writer {
@@ -372,10 +406,10 @@ impl Opened {
             buf: Vec::new(),
         };
         let mut line = Vec::new();
-        for (head, ts) in kept {
+        for (logged, ts) in kept {
             line.clear();
-            event_line(&mut line, &head, ts);
-            writer.keep(head, ts, line.len());
+            event_line(&mut line, &logged, ts);
+            writer.keep(logged, ts, line.len());
         }
         writer
             .rewrite()
@@ -399,7 +433,7 @@ impl Opened {
 
 /// What the writer receives.
 enum Record {
-    Event(EventHead),
+    Event(Logged),
     Stop(u64),
 }
 
@@ -414,7 +448,7 @@ pub struct Sink {
 impl std::fmt::Debug for Record {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Record::Event(h) => write!(f, "Event({})", h.cursor()),
+            Record::Event(l) => write!(f, "Event({})", l.cursor()),
             Record::Stop(n) => write!(f, "Stop({n})"),
         }
     }
@@ -423,8 +457,9 @@ impl std::fmt::Debug for Record {
 impl Sink {
     /// Queues `head` for the file without blocking; false once the writer
     /// is gone (it failed and said why).
-    pub fn send(&mut self, head: &EventHead) -> bool {
-        match self.tx.try_send(Record::Event(head.clone())) {
+    pub fn send(&mut self, logged: &Logged) -> bool {
+        let head = &logged.head;
+        match self.tx.try_send(Record::Event(logged.clone())) {
             Ok(()) => {
                 if std::mem::take(&mut self.full) {
                     tracing::info!(
@@ -471,7 +506,7 @@ impl Persist {
 }
 
 struct Kept {
-    head: EventHead,
+    logged: Logged,
     ts: u64,
     line: usize,
 }
@@ -501,24 +536,24 @@ impl Writer {
     /// Adds an event to the mirror and evicts as the ring does; false when
     /// the event itself did not stay (it is larger than the limits).
     /// `line`: the bytes of its line in the file.
-    fn keep(&mut self, head: EventHead, ts: u64, line: usize) -> bool {
-        let cursor = head.cursor();
-        self.mirror_bytes += head.len();
+    fn keep(&mut self, logged: Logged, ts: u64, line: usize) -> bool {
+        let cursor = logged.cursor();
+        self.mirror_bytes += logged.head.len();
         self.mirror_lines += line as u64;
-        self.mirror.push_back(Kept { head, ts, line });
+        self.mirror.push_back(Kept { logged, ts, line });
         while self.mirror.len() > self.limits.max_events
             || self.mirror_bytes > self.limits.max_bytes
         {
             let Some(old) = self.mirror.pop_front() else {
                 break;
             };
-            self.mirror_bytes -= old.head.len();
+            self.mirror_bytes -= old.logged.head.len();
             self.mirror_lines -= old.line as u64;
-            self.floor = old.head.cursor();
+            self.floor = old.logged.cursor();
         }
         self.mirror
             .back()
-            .is_some_and(|k| k.head.cursor() == cursor)
+            .is_some_and(|k| k.logged.cursor() == cursor)
     }
 
     /// Replaces the file with the floor and what the mirror keeps.
@@ -526,7 +561,7 @@ impl Writer {
         let mut out = Vec::with_capacity(self.mirror_lines as usize + 32);
         floor_line(&mut out, self.floor, &self.lives);
         for k in &self.mirror {
-            event_line(&mut out, &k.head, k.ts);
+            event_line(&mut out, &k.logged, k.ts);
         }
         write_private(&self.path, &out, Existing::Replace).map_err(io::Error::other)?;
         self.file = Some(open_private(&self.path, false, true)?);
@@ -539,12 +574,12 @@ impl Writer {
     /// Takes one record into the batch; true for the stop.
     fn take(&mut self, record: Record) -> bool {
         match record {
-            Record::Event(head) => {
+            Record::Event(logged) => {
                 let ts = now_ms();
                 let start = self.buf.len();
-                event_line(&mut self.buf, &head, ts);
+                event_line(&mut self.buf, &logged, ts);
                 let line = self.buf.len() - start;
-                if !self.keep(head, ts, line) {
+                if !self.keep(logged, ts, line) {
                     // Too large to keep: a floor record instead.
                     self.buf.truncate(start);
                     floor_line(&mut self.buf, self.floor, &self.lives);
@@ -626,8 +661,13 @@ impl Writer {
 mod tests {
     use super::*;
 
-    fn event(n: u64) -> EventHead {
-        EventHead::from_value("tick", &serde_json::json!({ "n": n, "s": "a\nb" })).with_cursor(n)
+    fn event(n: u64) -> Logged {
+        Logged {
+            head: EventHead::from_value("tick", &serde_json::json!({ "n": n, "s": "a\nb" }))
+                .with_cursor(n),
+            audience: crate::sharing::Audience::All,
+            gap_before: false,
+        }
     }
 
     #[test]
@@ -643,7 +683,10 @@ mod tests {
         assert_eq!(whole.lives, ["a", "b"]);
         let cursors: Vec<u64> = whole.events.iter().map(|(e, _)| e.cursor()).collect();
         assert_eq!(cursors, [3, 4, 6]);
-        assert_eq!(whole.events[2].0.without_seq(), event(6).without_seq());
+        assert_eq!(
+            whole.events[2].0.head.without_seq(),
+            event(6).head.without_seq()
+        );
         assert_eq!(whole.last_ts, Some(106));
         assert!(whole.stopped_at.is_none());
 
