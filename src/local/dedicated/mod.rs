@@ -35,13 +35,12 @@
 //! - after that, frames pass verbatim both ways (no id or `seq` rewriting)
 //!   and a close on either side is mirrored to the other with its code and
 //!   reason. Where there is no close frame to mirror, Claw3D's own choices:
-//!   `1012 upstream closed` to the client, `1001 going away` to the gateway.
-//!
+//!   `1012 upstream closed` to the client, `1001 going away` to the gateway;
 //! - the gateway connection of a browser client (its upgrade request carried
 //!   an `Origin`, or its `connect` names a browser UI) is opened with the
 //!   `Origin` of `[upstream] dedicated_origin`, by default derived from the
-//!   gateway URL as Claw3D derives it (see [`origin`] for who gets one and
-//!   why not everyone).
+//!   gateway URL as Claw3D derives it (see the `origin` module for who gets
+//!   one and why not everyone).
 //!
 //! Differences from Claw3D, on purpose: no `Origin` header upstream for a
 //! client that is no browser (with one, the gateway would stop pairing its
@@ -110,7 +109,7 @@ pub fn served_on(socket: &SocketPolicy) -> bool {
 /// Runs one dedicated client to completion.
 /// `peer_uid` (from the kernel) keys the client's share of the
 /// upstream-open rate; `browser`: its upgrade request carried an `Origin`
-/// (see [`origin`]).
+/// (see the `origin` module).
 pub async fn run(
     ws: Ws,
     budget: PreconnectBudget,
