@@ -249,6 +249,10 @@ pub struct UpstreamOptions {
     /// device identity off (`--no-device-identity`): the broker connects
     /// with its token alone. Default: [`default_state_dir`].
     pub device_identity: Option<PathBuf>,
+    /// The `Origin` header `/ws/dedicated` sends the gateway for a browser
+    /// client (`[upstream] dedicated_origin`). Default: derived from the
+    /// gateway URL ([`derived_origin`]).
+    pub dedicated_origin: DedicatedOrigin,
 }
 
 impl Default for UpstreamOptions {
@@ -261,8 +265,95 @@ impl Default for UpstreamOptions {
             max_frame_bytes: 50 * 1024 * 1024,
             unix_socket: None,
             device_identity: default_state_dir(),
+            dedicated_origin: DedicatedOrigin::Derived,
         }
     }
+}
+
+/// The `Origin` header `/ws/dedicated` sends the gateway for a browser
+/// client (a Control UI or webchat page), as Claw3D's studio proxy sends
+/// one for its browser page: the gateway refuses those clients without one
+/// (`CONTROL_UI_ORIGIN_NOT_ALLOWED`, close 1008).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum DedicatedOrigin {
+    /// [`derived_origin`] of the gateway URL (the default).
+    #[default]
+    Derived,
+    /// This origin (`scheme://host[:port]`), as configured: for a gateway on
+    /// another host, one listed in its `gateway.controlUi.allowedOrigins`.
+    Fixed(String),
+    /// No `Origin` header, for any client (`dedicated_origin = ""`).
+    Off,
+}
+
+impl DedicatedOrigin {
+    /// Parses the configured value: `""` turns the header off; anything
+    /// else must be an `http://` or `https://` origin (no path, query or
+    /// credentials). The error says what is wrong, for the settings error.
+    pub fn parse(value: &str) -> Result<DedicatedOrigin, String> {
+        let value = value.trim();
+        if value.is_empty() {
+            return Ok(DedicatedOrigin::Off);
+        }
+        let bad = |why: &str| {
+            format!("upstream.dedicated_origin {value:?} {why}: write scheme://host[:port], e.g. http://localhost:18789, or \"\" for none")
+        };
+        let uri: http::Uri = value.parse().map_err(|_| bad("is not a URL"))?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) {
+            return Err(bad("is not an http:// or https:// origin"));
+        }
+        let Some(authority) = uri.authority() else {
+            return Err(bad("has no host"));
+        };
+        if authority.as_str().contains('@') || authority.host().is_empty() {
+            return Err(bad("has no host or carries credentials"));
+        }
+        if uri.path_and_query().is_some_and(|p| p.as_str() != "/") {
+            return Err(bad("has a path or query (an origin has none)"));
+        }
+        Ok(DedicatedOrigin::Fixed(
+            value.trim_end_matches('/').to_owned(),
+        ))
+    }
+
+    /// The header value for a gateway at `url`, or `None` for none.
+    pub fn for_url(&self, url: &str) -> Option<String> {
+        match self {
+            DedicatedOrigin::Derived => derived_origin(url),
+            DedicatedOrigin::Fixed(origin) => Some(origin.clone()),
+            DedicatedOrigin::Off => None,
+        }
+    }
+}
+
+/// The default `Origin` for browser clients of `/ws/dedicated`, derived from
+/// the gateway URL as Claw3D's proxy derives it (`resolveOriginForUpstream`
+/// in `server/gateway-proxy.js`): `ws:` → `http:`, `wss:` → `https:`, the
+/// URL's host and port, a loopback address (`127.0.0.1`, `::1`, `0.0.0.0`)
+/// written `localhost`. One difference: for a URL whose host is already
+/// `localhost` the origin says `127.0.0.1`. The Origin must not equal the
+/// `Host` the broker sends: the gateway takes such an Origin for a page it
+/// served itself and refuses a Control UI of another build ("protocol
+/// mismatch: Control UI updated", measured against gateway 2026.9.6, as for
+/// `ws://127.0.0.1:P` with `http://127.0.0.1:P`); any loopback Origin is
+/// accepted for a client on loopback. `None` for a URL that cannot be parsed.
+pub fn derived_origin(url: &str) -> Option<String> {
+    let uri: http::Uri = url.trim().parse().ok()?;
+    let scheme = match uri.scheme_str()? {
+        "ws" => "http",
+        "wss" => "https",
+        _ => return None,
+    };
+    let host = uri.host()?;
+    let host = match host.trim_start_matches('[').trim_end_matches(']') {
+        "127.0.0.1" | "::1" | "0.0.0.0" => "localhost",
+        h if h.eq_ignore_ascii_case("localhost") => "127.0.0.1",
+        _ => host,
+    };
+    Some(match uri.port_u16() {
+        Some(port) => format!("{scheme}://{host}:{port}"),
+        None => format!("{scheme}://{host}"),
+    })
 }
 
 /// How the broker checks a `wss://` gateway's certificate.
@@ -419,6 +510,69 @@ mod tests {
             ..Settings::new("/tmp/x.sock")
         };
         assert!(!format!("{settings:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn dedicated_origin_is_derived_from_the_gateway_url() {
+        let d = |u: &str| derived_origin(u);
+        // Claw3D's rule: loopback addresses become `localhost`.
+        assert_eq!(
+            d("ws://127.0.0.1:18789").as_deref(),
+            Some("http://localhost:18789")
+        );
+        assert_eq!(
+            d("ws://[::1]:18789/ws").as_deref(),
+            Some("http://localhost:18789")
+        );
+        assert_eq!(
+            d("ws://0.0.0.0:18789").as_deref(),
+            Some("http://localhost:18789")
+        );
+        // Never the Host header itself (the gateway's own-page build check).
+        assert_eq!(
+            d("ws://localhost:18789").as_deref(),
+            Some("http://127.0.0.1:18789")
+        );
+        assert_eq!(
+            d("wss://gw.example/ws").as_deref(),
+            Some("https://gw.example")
+        );
+        assert_eq!(
+            d("wss://gw.example:8443").as_deref(),
+            Some("https://gw.example:8443")
+        );
+        assert_eq!(d("not a url"), None);
+        assert_eq!(d("http://localhost:1"), None);
+        let o = DedicatedOrigin::default();
+        assert_eq!(
+            o.for_url("ws://127.0.0.1:1").as_deref(),
+            Some("http://localhost:1")
+        );
+        assert_eq!(DedicatedOrigin::Off.for_url("ws://127.0.0.1:1"), None);
+    }
+
+    #[test]
+    fn dedicated_origin_settings() {
+        let p = DedicatedOrigin::parse;
+        assert_eq!(p(""), Ok(DedicatedOrigin::Off));
+        assert_eq!(
+            p("http://localhost:3000/"),
+            Ok(DedicatedOrigin::Fixed("http://localhost:3000".into()))
+        );
+        assert_eq!(
+            p("https://claw3d.example"),
+            Ok(DedicatedOrigin::Fixed("https://claw3d.example".into()))
+        );
+        for bad in [
+            "localhost:3000",
+            "ws://localhost",
+            "http://localhost/ui",
+            "http://u:p@h",
+            "http://h?x=1",
+        ] {
+            let e = p(bad).unwrap_err();
+            assert!(e.contains("upstream.dedicated_origin"), "{bad}: {e}");
+        }
     }
 
     #[test]

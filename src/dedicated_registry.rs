@@ -105,6 +105,9 @@ pub(crate) struct Listing {
     /// The gateway's `server.connId` and granted scopes, from its `hello-ok`.
     pub(crate) conn_id: Option<String>,
     pub(crate) scopes: Option<Value>,
+    /// The `Origin` the gateway connection was opened with (browser
+    /// clients only).
+    pub(crate) origin: Option<String>,
 }
 
 impl Dedicated {
@@ -150,6 +153,7 @@ impl Dedicated {
                     "auth": l.auth,
                     "conn_id": l.conn_id,
                     "scopes": l.scopes,
+                    "origin": l.origin,
                 })
             })
             .collect();
@@ -171,6 +175,7 @@ impl Dedicated {
                 auth: None,
                 conn_id: None,
                 scopes: None,
+                origin: None,
             },
         );
         Some(Slot {

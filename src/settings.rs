@@ -227,6 +227,7 @@ struct UpstreamSection {
     max_frame_bytes: Option<usize>,
     device_identity: Option<bool>,
     state_dir: Option<PathBuf>,
+    dedicated_origin: Option<String>,
 }
 
 fn load_failed(path: &Path, why: impl std::fmt::Display) -> ErrorShape {
@@ -987,6 +988,9 @@ fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result<(), String
     if let Some(v) = upstream_max_frame_bytes {
         up.max_frame_bytes = positive("upstream.max_frame_bytes", v)?;
     }
+    if let Some(v) = &file.upstream.dedicated_origin {
+        up.dedicated_origin = crate::config::DedicatedOrigin::parse(v)?;
+    }
     Ok(())
 }
 
@@ -1091,6 +1095,30 @@ mod tests {
         let ok = resolve_with("[limits]\nconnect_wait_ms = 0\nmax_connections = 7\n").unwrap();
         assert_eq!(ok.settings.limits.connect_wait, std::time::Duration::ZERO);
         assert_eq!(ok.settings.limits.max_connections(), 7);
+    }
+
+    /// `[upstream] dedicated_origin`: an origin, `""` for none, or a
+    /// settings error naming the key.
+    #[test]
+    fn the_dedicated_origin_is_read_and_checked() {
+        use crate::config::DedicatedOrigin;
+        let origin = |toml: &str| resolve_with(toml).map(|r| r.settings.upstream.dedicated_origin);
+        assert_eq!(origin("").unwrap(), DedicatedOrigin::Derived);
+        assert_eq!(
+            origin("[upstream]\ndedicated_origin = \"http://localhost:3000\"\n").unwrap(),
+            DedicatedOrigin::Fixed("http://localhost:3000".into())
+        );
+        assert_eq!(
+            origin("[upstream]\ndedicated_origin = \"\"\n").unwrap(),
+            DedicatedOrigin::Off
+        );
+        let err = origin("[upstream]\ndedicated_origin = \"localhost\"\n").unwrap_err();
+        assert_eq!(err.code, "studio.settings_load_failed");
+        assert!(
+            err.message.contains("upstream.dedicated_origin"),
+            "{}",
+            err.message
+        );
     }
 
     /// `[[sockets]]` entries become policies; a bad one names itself.

@@ -12,6 +12,12 @@ use crate::sanitize::{self, Shown};
 pub const PREVIEW_CHARS: usize = 60;
 /// Characters of an argument summary.
 pub const ARGS_CHARS: usize = 48;
+/// Fewest characters of a run id [`unique_ids`] shows (a UUID's first
+/// group), unless the id is shorter.
+pub const MIN_ID_CHARS: usize = 8;
+/// What ends a `tail --tree` line made from the broker's history (events
+/// logged before tail connected). Not "replay": that is record/replay's word.
+pub const HISTORY_MARK: &str = " (history)";
 
 /// One HUD event per change (the protocol's wire format: [`super::hud`]).
 pub use super::hud::hud_event as hud_line;
@@ -34,11 +40,14 @@ impl TreePrinter {
     }
 
     /// The lines for one change (`time` formats a ms timestamp; a line
-    /// whose time is not known gets blanks as wide as a time).
+    /// whose time is not known gets blanks as wide as a time; `history`:
+    /// made from the broker's log, marked [`HISTORY_MARK`]). Run ids are
+    /// shown whole: a line once printed cannot be made longer when a later
+    /// run shares its prefix.
     pub fn lines(
         &mut self,
         change: &Change,
-        replay: bool,
+        history: bool,
         time: impl Fn(u64) -> String,
     ) -> Vec<String> {
         let (run_id, ts, depth, text) = match change {
@@ -48,7 +57,7 @@ impl TreePrinter {
                 ts,
             } => {
                 self.sessions.insert(run_id.clone(), session_key.clone());
-                (run_id, *ts, 1, format!("run {} started", short_id(run_id)))
+                (run_id, *ts, 1, format!("run {} started", shown_id(run_id)))
             }
             Change::ThinkStart { .. } | Change::Received { .. } => return Vec::new(),
             Change::ThinkEnd {
@@ -87,7 +96,7 @@ impl TreePrinter {
             } => {
                 let mut lines = Vec::new();
                 let mut line = |depth: usize, text: String, me: &mut Self| {
-                    lines.extend(me.line(run_id, *ts, depth, text, replay, &time));
+                    lines.extend(me.line(run_id, *ts, depth, text, history, &time));
                 };
                 if !output.is_empty() {
                     line(2, format!("assistant {}", preview(output)), self);
@@ -99,13 +108,13 @@ impl TreePrinter {
                 let took = duration_ms.map(|d| format!(" in {}", duration(d)));
                 line(
                     1,
-                    format!("run {} {end}{}", short_id(run_id), took.unwrap_or_default()),
+                    format!("run {} {end}{}", shown_id(run_id), took.unwrap_or_default()),
                     self,
                 );
                 return lines;
             }
         };
-        self.line(run_id, ts, depth, text, replay, &time)
+        self.line(run_id, ts, depth, text, history, &time)
     }
 
     fn line(
@@ -114,7 +123,7 @@ impl TreePrinter {
         ts: Option<u64>,
         depth: usize,
         text: String,
-        replay: bool,
+        history: bool,
         time: &impl Fn(u64) -> String,
     ) -> Vec<String> {
         let time = |ts: Option<u64>| {
@@ -127,9 +136,9 @@ impl TreePrinter {
             out.push(format!("{} {}", time(ts), Shown(&session)));
             self.last_session = Some(session);
         }
-        let mark = if replay { " (replay)" } else { "" };
+        let mark = if history { HISTORY_MARK } else { "" };
         if depth > 1 && self.last_run.as_deref() != Some(run_id) {
-            out.push(format!("{}   run {}{mark}", time(ts), short_id(run_id)));
+            out.push(format!("{}   run {}{mark}", time(ts), shown_id(run_id)));
         }
         self.last_run = Some(run_id.to_owned());
         out.push(format!("{} {}{text}{mark}", time(ts), "  ".repeat(depth)));
@@ -197,10 +206,33 @@ pub fn bytes(n: usize) -> String {
     }
 }
 
-/// The first 8 characters of a run id (escaped: [`sanitize::text`]).
-pub fn short_id(id: &str) -> String {
-    let short: String = id.chars().take(8).collect();
-    sanitize::text(&short).into_owned()
+/// A run id whole (escaped: [`sanitize::text`]).
+pub fn shown_id(id: &str) -> String {
+    sanitize::text(id).into_owned()
+}
+
+/// How a view that shows `ids` together writes each (escaped): its shortest
+/// prefix of at least [`MIN_ID_CHARS`] characters that no other id starts
+/// with, else the whole id. Two different ids are never shown alike: a
+/// shown prefix that is not a whole id belongs to one id only.
+pub fn unique_ids<'a>(
+    ids: impl IntoIterator<Item = &'a str>,
+) -> std::collections::HashMap<&'a str, String> {
+    let mut ids: Vec<&str> = ids.into_iter().collect();
+    ids.sort_unstable();
+    ids.dedup();
+    // In sorted order, the ids sharing the longest prefix with an id are
+    // its neighbours.
+    let common = |a: &str, b: &str| a.chars().zip(b.chars()).take_while(|(x, y)| x == y).count();
+    let mut shown = std::collections::HashMap::with_capacity(ids.len());
+    for (i, id) in ids.iter().enumerate() {
+        let before = i.checked_sub(1).map_or(0, |j| common(ids[j], id));
+        let after = ids.get(i + 1).map_or(0, |next| common(next, id));
+        let chars = (before.max(after) + 1).max(MIN_ID_CHARS);
+        let prefix: String = id.chars().take(chars).collect();
+        shown.insert(*id, sanitize::text(&prefix).into_owned());
+    }
+    shown
 }
 
 /// Tool arguments in one short line: `command="ls"`, `path="a" limit=3`.
@@ -244,5 +276,43 @@ pub fn cut(text: &str, max: usize) -> String {
     } else {
         let head: String = text.chars().take(max.saturating_sub(1)).collect();
         format!("{head}…")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_ids_never_show_two_runs_alike() {
+        // The README's `run-<time>` ids share far more than 8 characters.
+        let ids = [
+            "run-1795431469879",
+            "run-1795431470344",
+            "run-1795431470399",
+            "5e8cdc96-aaaa-4bbb-8ccc-000000000001",
+            "735fab92-aaaa-4bbb-8ccc-000000000002",
+            "r1",
+        ];
+        let shown = unique_ids(ids);
+        assert_eq!(shown["run-1795431469879"], "run-179543146");
+        assert_eq!(shown["run-1795431470344"], "run-179543147034");
+        assert_eq!(shown["run-1795431470399"], "run-179543147039");
+        assert_eq!(shown["5e8cdc96-aaaa-4bbb-8ccc-000000000001"], "5e8cdc96");
+        assert_eq!(shown["r1"], "r1");
+        let mut texts: Vec<&String> = shown.values().collect();
+        texts.sort();
+        texts.dedup();
+        assert_eq!(texts.len(), ids.len(), "{shown:?}");
+        // One id the prefix of another: the shorter one whole, the longer
+        // one past it.
+        let shown = unique_ids(["run-123456789", "run-1234567890"]);
+        assert_eq!(shown["run-123456789"], "run-123456789");
+        assert_eq!(shown["run-1234567890"], "run-1234567890");
+        // Escaped like every gateway string.
+        assert_eq!(
+            unique_ids(["run\u{1b}[2Jx"])["run\u{1b}[2Jx"],
+            shown_id("run\u{1b}[2Jx")
+        );
     }
 }

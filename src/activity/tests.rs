@@ -663,7 +663,7 @@ fn replayed_ends_take_the_gateways_times_never_the_replays() {
         .iter()
         .flat_map(|c| printer.lines(c, true, |ts| format!("{ts:>5}")))
         .collect();
-    assert_eq!(lines.last().unwrap(), "        run r2 aborted (replay)");
+    assert_eq!(lines.last().unwrap(), "        run r2 aborted (history)");
     let hud = hud_line(&changes[1], true);
     assert!(
         hud.get("durationMs").is_none() && hud.get("ts").is_none(),
@@ -1004,14 +1004,14 @@ fn tree_lines_indent_runs_under_sessions() {
         lines.join("\n"),
         [
             " 1000 agent:main:main",
-            " 1000   run 7d7b1f2c started",
+            " 1000   run 7d7b1f2c-1111 started",
             " 1300     thinking 200 ms \"Let me look.\"",
             " 1300     tool exec command=\"ls\"",
             " 1400     tool read path=\"README.md\"",
             " 1600     tool read ok 200 ms, 44 B",
             " 1900     tool exec error 600 ms, 45 B",
             " 5000     assistant \"Done: two files.\"",
-            " 5000   run 7d7b1f2c ok in 4.0 s",
+            " 5000   run 7d7b1f2c-1111 ok in 4.0 s",
         ]
         .join("\n")
     );
@@ -1058,10 +1058,10 @@ fn tree_lines_of_interleaved_runs_say_which_run_they_belong_to() {
         lines,
         [
             "1000 agent:main:main",
-            "1000   run aaaaaaaa started (replay)",
-            "1100   run bbbbbbbb started (replay)",
-            "1200   run aaaaaaaa (replay)",
-            "1200     tool exec (replay)",
+            "1000   run aaaaaaaa-1 started (history)",
+            "1100   run bbbbbbbb-2 started (history)",
+            "1200   run aaaaaaaa-1 (history)",
+            "1200     tool exec (history)",
         ]
     );
 }

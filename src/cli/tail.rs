@@ -55,7 +55,7 @@ pub struct TailArgs {
     /// Only events of this session (`agent:main:main`, or `main` / a bare key of the default agent).
     #[arg(long, value_name = "KEY")]
     pub session: Option<String>,
-    /// Only events of this run (its runId, or the 8-character prefix tail prints).
+    /// Only events of this run (its runId, or a prefix of it), also with --tree and --hud.
     #[arg(long, value_name = "RUN_ID")]
     pub run: Option<String>,
     /// Print each event's gateway frame as one JSON line (its `seq` is the broker cursor).
@@ -114,6 +114,22 @@ impl Filter {
             }
         }
         true
+    }
+
+    /// Whether the lines of `tail --tree/--hud` about this run are printed
+    /// (`--run`, `--session`; `--events` decides which events the
+    /// projection sees, not which runs are shown). A change about no run
+    /// (`run_id` empty: a reconnect) only without either filter.
+    pub fn matches_run(&self, run_id: &str, session_key: &str) -> bool {
+        if let Some(want) = &self.session {
+            if session_key.is_empty() || self.defaults.canonical(session_key) != *want {
+                return false;
+            }
+        }
+        match &self.run {
+            Some(want) => !run_id.is_empty() && run_id.starts_with(want.as_str()),
+            None => true,
+        }
     }
 }
 
@@ -315,7 +331,9 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
             } => (name, frame, replay, seq, data),
         };
         let lines = match activity.as_mut() {
-            Some(view) => view.lines(&name, &frame, replay),
+            Some(view) => view.lines(&name, &frame, replay, |run, session| {
+                filter.matches_run(run, session)
+            }),
             None => {
                 // Every record of a plain stream is logged: it has a cursor.
                 let Some(seq) = seq else { continue };
@@ -447,7 +465,8 @@ fn describe(name: &str, p: &Value) -> String {
     let run = || {
         let mut parts = Vec::new();
         if let Some(run) = p["runId"].as_str() {
-            parts.push(format!("run={}", run.chars().take(8).collect::<String>()));
+            // Whole: a prefix makes `run-<time>` ids look alike.
+            parts.push(format!("run={run}"));
         }
         if let Some(session) = p["sessionKey"].as_str() {
             parts.push(format!("session={session}"));
@@ -542,7 +561,7 @@ mod tests {
         let line = format_line(45, "chat", &chat, 0);
         assert!(
             line.ends_with(
-                r#"45 chat             run=7d7b1f2c session=agent:main:main delta "Hello there""#
+                r#"45 chat             run=7d7b1f2c-1111 session=agent:main:main delta "Hello there""#
             ),
             "{line}"
         );
@@ -551,6 +570,20 @@ mod tests {
         assert!(line.contains("run=r1 stream=assistant \"…xxxx"), "{line}");
         let tool = json!({"payload":{"runId":"r1","stream":"tool","data":{"name":"exec","phase":"start"}}});
         assert!(format_line(4, "agent", &tool, 0).ends_with("stream=tool exec start"));
+    }
+
+    #[test]
+    fn tree_lines_are_kept_by_run_prefix_and_session() {
+        let filter = Filter {
+            session: Some("agent:main:main".into()),
+            run: Some("run-1795431470".into()),
+            ..Filter::default()
+        };
+        assert!(filter.matches_run("run-1795431470344", "agent:main:main"));
+        assert!(!filter.matches_run("run-1795431469879", "agent:main:main"));
+        assert!(!filter.matches_run("run-1795431470344", "agent:main:other"));
+        assert!(!filter.matches_run("", ""), "a reconnect is about no run");
+        assert!(Filter::default().matches_run("", ""));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use super::client::BrokerClient;
 use super::CliError;
 use crate::activity::render::{hud_line, TreePrinter};
-use crate::activity::{Activity, Observed};
+use crate::activity::{Activity, Change, Observed};
 use crate::hub::replay::EventId;
 use crate::local::sse::{AFTER_SEQ_HEADER, EPOCH_HEADER, NEWEST_SEQ_HEADER};
 
@@ -351,8 +351,16 @@ impl LineView {
 
     /// Applies one event (its name and frame; `replay`: read from the
     /// broker's log, so its arrival time says nothing) and returns the
-    /// lines of what it changed.
-    pub fn lines(&mut self, name: &str, frame: &Value, replay: bool) -> Vec<String> {
+    /// lines of what it changed, of the runs `keep(run_id, session_key)`
+    /// accepts (`tail --run`, `--session`). Every event is applied, so the
+    /// runs kept are projected exactly as without a filter.
+    pub fn lines(
+        &mut self,
+        name: &str,
+        frame: &Value,
+        replay: bool,
+        keep: impl Fn(&str, &str) -> bool,
+    ) -> Vec<String> {
         let changes = self.activity.apply(Observed {
             name,
             payload: &frame["payload"],
@@ -360,12 +368,35 @@ impl LineView {
         });
         let mut out = Vec::new();
         for change in &changes {
+            if !self.kept(change, &keep) {
+                continue;
+            }
             match self.mode {
                 LineMode::Hud => out.push(crate::sanitize::json(&hud_line(change, replay))),
                 LineMode::Tree => out.extend(self.printer.lines(change, replay, local_time)),
             }
         }
         out
+    }
+
+    /// Whether `keep` accepts the run a change is about; a change about no
+    /// run (a reconnect) only without a filter, that is when `keep`
+    /// accepts any run.
+    fn kept(&self, change: &Change, keep: &impl Fn(&str, &str) -> bool) -> bool {
+        let run_id = match change {
+            Change::TurnStart { run_id, .. }
+            | Change::ThinkStart { run_id, .. }
+            | Change::ThinkEnd { run_id, .. }
+            | Change::ToolStart { run_id, .. }
+            | Change::ToolEnd { run_id, .. }
+            | Change::TurnEnd { run_id, .. } => run_id,
+            Change::Received { .. } => return keep("", ""),
+        };
+        let session = self
+            .activity
+            .run(run_id)
+            .map_or("", |r| r.session_key.as_str());
+        keep(run_id, session)
     }
 
     /// Events were missed: runs whose end may be among them are forgotten.
@@ -406,8 +437,9 @@ mod tests {
         let mut view = LineView::new(LineMode::Hud);
         let start = json!({"event": "agent", "payload": {"runId": "r1", "ts": 7, "sessionKey": "s",
             "stream": "lifecycle", "data": {"phase": "start"}}});
-        let mut lines = view.lines("agent", &start, true);
-        lines.extend(view.lines("tick", &json!({"payload":{"ts":1}}), false));
+        let all = |_: &str, _: &str| true;
+        let mut lines = view.lines("agent", &start, true, all);
+        lines.extend(view.lines("tick", &json!({"payload":{"ts":1}}), false, all));
         assert_eq!(lines.len(), 1, "{lines:?}");
         let line: Value = serde_json::from_str(&lines[0]).unwrap();
         assert_eq!(
@@ -415,6 +447,28 @@ mod tests {
             (json!("hud"), json!("turn_start"))
         );
         assert_eq!(line["replay"], true);
+    }
+
+    #[test]
+    fn line_view_prints_only_the_runs_kept() {
+        let mut view = LineView::new(LineMode::Tree);
+        let start = |run: &str, session: &str| {
+            json!({"event": "agent", "payload": {"runId": run, "ts": 7, "sessionKey": session,
+                "stream": "lifecycle", "data": {"phase": "start"}}})
+        };
+        let only_r2 = |run: &str, _: &str| run.starts_with("r2");
+        let mut lines = view.lines("agent", &start("r1", "agent:main:main"), false, only_r2);
+        lines.extend(view.lines("agent", &start("r2", "agent:main:other"), false, only_r2));
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines[0].ends_with("agent:main:other"), "{lines:?}");
+        assert!(lines[1].ends_with("run r2 started"), "{lines:?}");
+        let in_main = |_: &str, session: &str| session == "agent:main:main";
+        let lines = view.lines("agent", &start("r3", "agent:main:main"), false, in_main);
+        assert!(lines.iter().all(|l| !l.contains("other")), "{lines:?}");
+        assert!(
+            lines.last().unwrap().ends_with("run r3 started"),
+            "{lines:?}"
+        );
     }
 
     #[test]

@@ -196,6 +196,8 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
     }
     let peer_pid = req.extensions().get::<super::PeerPid>().and_then(|p| p.0);
     let peer_uid = req.extensions().get::<super::PeerPid>().and_then(|p| p.1);
+    // A browser (or a proxy for one) sends an Origin: see `dedicated::origin`.
+    let browser = req.headers().contains_key(header::ORIGIN);
     let accept = derive_accept_key(key.as_bytes());
     let on_upgrade = hyper::upgrade::on(&mut req);
     let tracker = ctx.tracker.clone();
@@ -220,7 +222,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
                         super::ws::run(ws, budget, restarts, socket, peer_pid, ctx).await
                     }
                     Route::Dedicated => {
-                        Box::pin(super::dedicated::run(ws, budget, peer_uid, ctx)).await
+                        Box::pin(super::dedicated::run(ws, budget, peer_uid, browser, ctx)).await
                     }
                 }
             }

@@ -55,10 +55,12 @@ pub use handshake::{UpstreamIo, Ws as GatewaySocket};
 /// allowed), TCP or the configured unix socket, TLS with the configured
 /// trust and pin for `wss://`, frames bounded by `[upstream]
 /// max_frame_bytes`. The dedicated route ([`crate::local::dedicated`])
-/// calls this, so both routes reach the same gateways the same way.
+/// calls this, so both routes reach the same gateways the same way;
+/// `origin` is the `Origin` header it sends for a browser client.
 pub async fn open_socket(
     target: &Target,
     opts: &crate::config::UpstreamOptions,
+    origin: Option<&str>,
 ) -> Result<GatewaySocket, ErrorShape> {
     let url = target.url.trim();
     if let Some(e) = &target.load_error {
@@ -73,6 +75,7 @@ pub async fn open_socket(
         &target.tls,
         &mut tls_client,
         &PeerCertificate::default(),
+        origin,
     )
     .await
     .map_err(|e| e.error)

@@ -531,10 +531,10 @@ async fn tail_tree_prints_the_same_projection_as_indented_lines() {
     })
     .await;
     let key = run_to_end(&h).await;
-    let lines = lines_until(&mut rx, &format!("run {} ok", &key[..8])).await;
+    let lines = lines_until(&mut rx, &format!("run {} ok", key)).await;
     let text: Vec<&str> = lines.iter().map(|l| l.split_once(' ').unwrap().1).collect();
     assert_eq!(text[0], "agent:main:main");
-    assert_eq!(text[1], format!("  run {} started", &key[..8]));
+    assert_eq!(text[1], format!("  run {} started", key));
     assert!(text[2].starts_with("    thinking "), "{text:#?}");
     assert_eq!(text[3], "    tool exec command=\"ls\"");
     assert_eq!(text[4], "    tool read path=\"README.md\"");
@@ -544,7 +544,7 @@ async fn tail_tree_prints_the_same_projection_as_indented_lines() {
     );
     assert_eq!(text[7], "    assistant \"Echo: hi\"");
     assert!(
-        text[8].starts_with(&format!("  run {} ok in ", &key[..8])),
+        text[8].starts_with(&format!("  run {} ok in ", key)),
         "{text:#?}"
     );
 }
@@ -685,18 +685,47 @@ async fn tail_tree_n_prints_the_last_n_lines_of_what_is_held_then_follows() {
     let second = run_to_end(&h).await;
     let (_tail, mut rx) = spawn_tail(&home, &h.socket(), &["--tree", "-n", "3"]);
     // The held lines come once tail has read through the newest held event.
-    let held = lines_until(&mut rx, &format!("run {} ok", &second[..8])).await;
+    let held = lines_until(&mut rx, &format!("run {} ok", second)).await;
     assert_eq!(held.len(), 3, "{held:#?}");
     assert!(
-        held.iter().all(|l| !l.contains(&first[..8])),
+        held.iter().all(|l| !l.contains(first.as_str())),
         "only the last 3: {held:#?}"
     );
     let live = run_to_end(&h).await;
-    let lines = lines_until(&mut rx, &format!("run {} ok", &live[..8])).await;
+    let lines = lines_until(&mut rx, &format!("run {} ok", live)).await;
     assert!(
-        lines[0].contains(&format!("run {} started", &live[..8])),
+        lines[0].contains(&format!("run {} started", live)),
         "then live: {lines:#?}"
     );
+}
+
+/// `tail --tree --run R` prints that run only (whole ids: two runs never
+/// look alike), its history lines marked `(history)`.
+#[tokio::test]
+async fn tail_tree_run_prints_only_that_run_and_marks_history() {
+    let h = start().await;
+    let home = TestHome::new();
+    let first = run_to_end(&h).await;
+    let second = run_to_end(&h).await;
+    let third = run_to_end(&h).await;
+    let prefix = &second[..13];
+    let (_tail, mut rx) = spawn_tail(&home, &h.socket(), &["--tree", "-n", "50", "--run", prefix]);
+    let held = lines_until(&mut rx, &format!("run {second} ok")).await;
+    assert!(
+        held.iter()
+            .all(|l| !l.contains(first.as_str()) && !l.contains(third.as_str())),
+        "only the run asked for: {held:#?}"
+    );
+    assert!(
+        held.iter()
+            .any(|l| l.contains(&format!("run {second} started (history)"))),
+        "{held:#?}"
+    );
+    assert!(
+        held.iter().skip(1).all(|l| l.ends_with(" (history)")),
+        "read from the broker's log: {held:#?}"
+    );
+    assert!(held.iter().all(|l| !l.contains("(replay)")), "{held:#?}");
 }
 
 /// The next HUD record of a `/v1/hud` stream: its `id:` (if any) and event.

@@ -1,7 +1,9 @@
 //! `/ws/dedicated` against a REAL OpenClaw Gateway (npm `openclaw`), started
 //! on loopback by `../shared/peers/openclaw-gateway.sh`: a device-signed
 //! client through the dedicated route is paired silently on loopback and
-//! keeps its own device identity (it is not the broker's device).
+//! keeps its own device identity (it is not the broker's device); Claw3D's
+//! device-signed `openclaw-control-ui` gets `hello-ok` with the `Origin` the
+//! route sets for browser clients.
 //!
 //! Ignored by default (a ~1 GB gateway, 12-19 s to start): `.ci/interop`
 //! runs it with `--ignored`.
@@ -10,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use crate::real_gateway::*;
 use crate::support::*;
+use clawmux::config::DedicatedOrigin;
 use clawmux::upstream::identity::{ConnectProof, DeviceIdentity};
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 
@@ -140,5 +143,138 @@ async fn a_device_signed_client_keeps_its_own_identity_through_the_dedicated_rou
         &identity.device_id()[..12]
     );
     broker.shutdown(Duration::from_secs(5)).await;
+    drop(gw);
+}
+
+/// Claw3D's device-signed browser connect (`GatewayBrowserClient.ts`:
+/// `openclaw-control-ui`, mode `webchat`, its scopes, the token in `auth`)
+/// through `/ws/dedicated`, its upgrade request carrying `origin` as a
+/// browser's (or Claw3D's proxy's) does; `signed: false` leaves the device
+/// out (an insecure context). Returns the gateway's answer.
+async fn control_ui_connect(sock: &std::path::Path, origin: Option<&str>, signed: bool) -> Value {
+    let key_dir = tempfile::tempdir().unwrap();
+    let identity = DeviceIdentity::load_or_create(key_dir.path()).unwrap();
+    let headers: Vec<(&str, &str)> = origin.map(|o| ("Origin", o)).into_iter().collect();
+    let mut c = WsClient::open_with_headers(sock, "/ws/dedicated", &headers).await;
+    let challenge = c.recv_json().await;
+    assert_eq!(challenge["event"], "connect.challenge", "{challenge}");
+    let scopes = [
+        "operator.read",
+        "operator.admin",
+        "operator.approvals",
+        "operator.pairing",
+    ];
+    let device = signed.then(|| {
+        identity.sign_connect(&ConnectProof {
+            client_id: "openclaw-control-ui",
+            client_mode: "webchat",
+            role: "operator",
+            scopes: &scopes,
+            signed_at_ms: challenge["payload"]["ts"].as_u64().unwrap(),
+            token: TOKEN,
+            nonce: challenge["payload"]["nonce"].as_str().unwrap(),
+            platform: "web",
+            device_family: "",
+        })
+    });
+    let mut frame = json!({"type":"req","id":"claw3d-1","method":"connect","params":{
+        "minProtocol":3,"maxProtocol":4,
+        "client":{"id":"openclaw-control-ui","version":"dev","platform":"web","mode":"webchat"},
+        "role":"operator","scopes":scopes,"caps":[],"auth":{"token":TOKEN}}});
+    if let Some(device) = device {
+        frame["params"]["device"] = device;
+    }
+    c.send_json(&frame).await;
+    c.response("claw3d-1").await
+}
+
+#[tokio::test]
+#[ignore = "needs a real OpenClaw gateway: run by .ci/interop"]
+async fn claw3ds_control_ui_connects_through_the_dedicated_route() {
+    assert!(
+        script().exists(),
+        "{} is missing (CI clones shared/ beside the repo)",
+        script().display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut gw = Gateway::start(port, dir.path().join("gateway.log"));
+    gw.wait_ready(FIRST_START).await;
+    // One broker per setting, all on the one gateway.
+    let broker = |name: &str, url: String, origin: DedicatedOrigin| {
+        let mut s = broker_settings(&dir.path().join(name), port, TOKEN);
+        s.gateway_url = url;
+        s.upstream.dedicated_origin = origin;
+        RunningBroker::start(s)
+    };
+    let loopback = format!("ws://127.0.0.1:{port}");
+    let default = broker("default", loopback.clone(), DedicatedOrigin::Derived)
+        .await
+        .unwrap();
+    let sock = default.socket_path().to_owned();
+    wait_phase(&sock, "ready", FIRST_START, &gw).await;
+
+    // The default origin, `http://localhost:P` for `ws://127.0.0.1:P`: hello-ok.
+    let res = control_ui_connect(&sock, Some("http://localhost:3000"), true).await;
+    assert_eq!(res["ok"], true, "{res}\n{}", gw.log_tail());
+    assert_eq!(res["payload"]["type"], "hello-ok", "{res}");
+    let (_, state) = http_get(&sock, "/v1/state").await;
+    assert_eq!(
+        state["dedicated"][0]["origin"],
+        json!(format!("http://localhost:{port}")),
+        "{state}"
+    );
+    // Without a device signature: the gateway's own refusal.
+    let res = control_ui_connect(&sock, Some("http://localhost:3000"), false).await;
+    assert_eq!(res["ok"], false, "{res}");
+    let message = res["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("control ui requires device identity"),
+        "{res}"
+    );
+
+    // The gateway's own address as the origin (Claw3D's rule for a
+    // `ws://localhost:P` URL): taken for a page of another build.
+    let own = broker(
+        "own",
+        loopback.clone(),
+        DedicatedOrigin::Fixed(format!("http://127.0.0.1:{port}")),
+    )
+    .await
+    .unwrap();
+    wait_phase(own.socket_path(), "ready", FIRST_START, &gw).await;
+    let res = control_ui_connect(own.socket_path(), Some("http://localhost:3000"), true).await;
+    let message = res["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("protocol mismatch: Control UI updated"),
+        "{res}"
+    );
+
+    // No Origin at all: refused, close 1008.
+    let off = broker("off", loopback.clone(), DedicatedOrigin::Off)
+        .await
+        .unwrap();
+    wait_phase(off.socket_path(), "ready", FIRST_START, &gw).await;
+    let res = control_ui_connect(off.socket_path(), Some("http://localhost:3000"), true).await;
+    assert_eq!(
+        res["error"]["details"]["code"], "CONTROL_UI_ORIGIN_NOT_ALLOWED",
+        "{res}"
+    );
+
+    // A `ws://localhost:P` URL: the derived origin is `http://127.0.0.1:P`.
+    let named = broker(
+        "named",
+        format!("ws://localhost:{port}"),
+        DedicatedOrigin::Derived,
+    )
+    .await
+    .unwrap();
+    wait_phase(named.socket_path(), "ready", FIRST_START, &gw).await;
+    let res = control_ui_connect(named.socket_path(), Some("http://localhost:3000"), true).await;
+    assert_eq!(res["ok"], true, "{res}\n{}", gw.log_tail());
+    eprintln!("interop: Claw3D's control UI through the dedicated route: hello-ok with the derived Origin; the measured refusals hold");
+    for b in [default, own, off, named] {
+        b.shutdown(Duration::from_secs(5)).await;
+    }
     drop(gw);
 }

@@ -21,6 +21,7 @@ mod cli;
 mod cli_commands;
 mod config_e2e;
 mod dedicated;
+mod dedicated_origin;
 mod device_identity;
 mod exactly_once;
 mod handshake;

@@ -24,6 +24,7 @@ use tokio_tungstenite::WebSocketStream;
 
 use super::handshake::{self, AdmissionInput, Admitted, ConnectError, PREAUTH_MAX_BYTES};
 use super::methods::{self, GATEWAY_EVENTS, IMPLEMENTED_METHODS};
+use super::origin::Upgrade;
 use super::state::{
     lock, now_ms, res_frame, ConnCtl, ConnEntry, EncodedEvent, Inner, Outbound, Session,
 };
@@ -83,9 +84,23 @@ pub(crate) async fn serve_io(inner: Arc<Inner>, tcp: Box<dyn Io>) {
     let ws_config = WebSocketConfig::default()
         .max_message_size(Some(limit))
         .max_frame_size(Some(limit));
+    let mut upgrade = Upgrade::default();
+    // The callback's error type is tungstenite's (`ErrorResponse`), not ours.
+    #[allow(clippy::result_large_err)]
+    let read_upgrade = |req: &tokio_tungstenite::tungstenite::handshake::server::Request, res| {
+        let header = |name| {
+            req.headers()
+                .get(name)
+                .and_then(|v: &http::HeaderValue| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        upgrade.origin = header(http::header::ORIGIN);
+        upgrade.host = header(http::header::HOST);
+        Ok(res)
+    };
     let accepted = tokio::time::timeout(
         inner.cfg.handshake_timeout,
-        tokio_tungstenite::accept_async_with_config(tcp, Some(ws_config)),
+        tokio_tungstenite::accept_hdr_async_with_config(tcp, read_upgrade, Some(ws_config)),
     )
     .await;
     let Ok(Ok(ws)) = accepted else { return };
@@ -139,6 +154,7 @@ pub(crate) async fn serve_io(inner: Arc<Inner>, tcp: Box<dyn Io>) {
         conn_id,
         ctl,
         nonce,
+        upgrade,
         session: None,
         closing_deadline: None,
     };
@@ -154,6 +170,8 @@ struct Reader {
     ctl: Arc<ConnCtl>,
     /// The nonce of the challenge (kept even when the challenge was suppressed).
     nonce: String,
+    /// What the upgrade request said (`Origin`, `Host`).
+    upgrade: Upgrade,
     handshake_deadline: Instant,
     /// `Some` after hello-ok.
     session: Option<Session>,
@@ -250,7 +268,11 @@ impl Reader {
             return Flow::Continue;
         }
         let params = parsed.get("params").cloned().unwrap_or(Value::Null);
-        lock(&self.inner.records).connects.push(params.clone());
+        {
+            let mut records = lock(&self.inner.records);
+            records.connects.push(params.clone());
+            records.connect_origins.push(self.upgrade.origin.clone());
+        }
         self.inner.notify_changed();
 
         if let Some(delay) = self.inner.faults().hello_delay {
@@ -297,6 +319,7 @@ impl Reader {
                 verify_device: cfg.verify_device,
                 require_device: cfg.require_device,
                 device_tokens: &tokens,
+                upgrade: &self.upgrade,
             })
         };
         match admission {

@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 use sha2::{Digest as _, Sha256};
 
 use super::faults::Rejection;
+use super::origin::Upgrade;
 pub(crate) use super::schema::{validate_connect_params, validate_request_frame};
 
 /// Pre-connect frames above this size close the socket with 1009
@@ -38,7 +39,7 @@ pub(crate) struct ConnectError {
 }
 
 impl ConnectError {
-    fn new(
+    pub(crate) fn new(
         code: &str,
         message: &str,
         details: Option<Value>,
@@ -110,6 +111,8 @@ pub(crate) struct AdmissionInput<'a> {
     pub require_device: bool,
     /// Device tokens minted by this double: token → device id.
     pub device_tokens: &'a HashMap<String, String>,
+    /// The connection's upgrade request (its `Origin` and `Host`).
+    pub upgrade: &'a Upgrade,
 }
 
 /// A connect that passed every check.
@@ -171,6 +174,7 @@ pub(crate) fn admit(input: &AdmissionInput<'_>) -> Result<Admitted, ConnectError
     let client_id = str_at(p, "/client/id").unwrap_or_default();
     let client_mode = str_at(p, "/client/mode").unwrap_or_default();
     let device = p.get("device").filter(|d| d.is_object());
+    input.upgrade.check(client_id, client_mode)?;
 
     // Shared-secret auth state (token mode only; `none` admits everyone).
     let token = str_at(p, "/auth/token").filter(|t| !t.is_empty());
@@ -226,6 +230,10 @@ pub(crate) fn admit(input: &AdmissionInput<'_>) -> Result<Admitted, ConnectError
             verify_device_proof(input, device, role, &requested_scopes)?;
         }
         let id = device["id"].as_str().unwrap_or_default().to_string();
+        // A device this double minted a token for is paired.
+        if !input.device_tokens.values().any(|owner| *owner == id) {
+            input.upgrade.check_pairing(client_id, client_mode)?;
+        }
         if !auth_ok {
             let provided_device_token = str_at(p, "/auth/deviceToken").filter(|t| !t.is_empty());
             let candidate = provided_device_token.or(token);
@@ -244,6 +252,7 @@ pub(crate) fn admit(input: &AdmissionInput<'_>) -> Result<Admitted, ConnectError
     if !auth_ok {
         return Err(unauthorized(reason, p, device.is_some()));
     }
+    input.upgrade.check_build(p)?;
 
     // §2.5 [new]: device-less clients keep their self-declared scopes only as
     // gateway-client/backend or cli/cli (on loopback, which the double always is).
@@ -465,6 +474,11 @@ mod tests {
         })
     }
 
+    static NO_UPGRADE: Upgrade = Upgrade {
+        origin: None,
+        host: None,
+    };
+
     fn input<'a>(p: &'a Value, tokens: &'a HashMap<String, String>) -> AdmissionInput<'a> {
         AdmissionInput {
             params: p,
@@ -475,6 +489,7 @@ mod tests {
             verify_device: true,
             require_device: false,
             device_tokens: tokens,
+            upgrade: &NO_UPGRADE,
         }
     }
 

@@ -38,6 +38,7 @@ pub mod replay;
 mod connection;
 mod handshake;
 mod methods;
+mod origin;
 mod runs;
 mod schema;
 mod state;
@@ -399,6 +400,12 @@ impl MockGateway {
     /// [`requests`](Self::requests)).
     pub fn connects(&self) -> Vec<Value> {
         lock(&self.inner.records).connects.clone()
+    }
+
+    /// The `Origin` header of the connection each of [`connects`](Self::connects)
+    /// came on (`None`: it sent none), in the same order.
+    pub fn connect_origins(&self) -> Vec<Option<String>> {
+        lock(&self.inner.records).connect_origins.clone()
     }
 
     /// Every valid post-handshake `req` frame, with the index of the

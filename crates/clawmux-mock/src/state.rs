@@ -227,6 +227,8 @@ fn event_allowed(event: &str, session: &Session) -> bool {
 #[derive(Debug, Default)]
 pub(crate) struct Records {
     pub connects: Vec<Value>,
+    /// The `Origin` of the connection of each of `connects`.
+    pub connect_origins: Vec<Option<String>>,
     pub requests: Vec<(u64, Value)>,
 }
 

@@ -131,11 +131,15 @@ pub async fn run(args: TopArgs) -> Result<u8, CliError> {
                 dirty = true;
             }
             key = keys.recv() => match key {
-                Some(key) => match app.key(key) {
-                    Action::Quit => break Ok(0),
-                    Action::Redraw => dirty = true,
-                    Action::None => {}
-                },
+                Some(key) => {
+                    // A pause freezes the tree at this moment.
+                    app.now_ms = crate::protocol::now_ms();
+                    match app.key(key) {
+                        Action::Quit => break Ok(0),
+                        Action::Redraw => dirty = true,
+                        Action::None => {}
+                    }
+                }
                 None => break Ok(0),
             },
             _ = term.recv() => break Ok(0),

@@ -13,9 +13,10 @@ use ratatui::Frame;
 use serde_json::Value;
 
 use crate::activity::render::{
-    args_summary, bytes, cut, duration, one_line, preview, preview_head, short_id, tool_outcome_at,
+    args_summary, bytes, cut, duration, one_line, preview, preview_head, tool_outcome_at,
+    unique_ids,
 };
-use crate::activity::{Activity, Item, Observed, Run, RunStatus};
+use crate::activity::{Activity, Item, Observed, Run, RunStatus, MAX_RUNS};
 use crate::sanitize::{self, Shown};
 
 /// Seconds of event rate kept for the sparkline (wider than any terminal
@@ -58,12 +59,28 @@ struct TreeRow {
     line: Line<'static>,
 }
 
+/// When each run was last seen live: its newest gateway time then, and
+/// the local time that event arrived. A run still going is timed on its own
+/// clock from there (see [`App::run_clock`]).
+type LiveSeen = HashMap<String, (u64, u64)>;
+
+/// What the paused view draws: the activity, its live times and the clock
+/// as they were when paused.
+#[derive(Debug)]
+struct Frozen {
+    activity: Activity,
+    live: LiveSeen,
+    at_ms: u64,
+}
+
 /// Everything `top` shows.
 #[derive(Debug)]
 pub struct App {
     pub activity: Activity,
-    /// The activity as it was when paused (drawn instead of the live one).
-    frozen: Option<Activity>,
+    /// [`LiveSeen`] of the runs of `activity`.
+    live: LiveSeen,
+    /// The view as it was when paused (drawn instead of the live one).
+    frozen: Option<Frozen>,
     /// The last `/v1/state` document.
     pub state: Value,
     /// How the event stream is doing ("live", or why not).
@@ -86,6 +103,7 @@ impl App {
     pub fn new(color: bool, now_ms: u64) -> Self {
         App {
             activity: Activity::new(),
+            live: HashMap::new(),
             frozen: None,
             state: Value::Null,
             link: "connecting".into(),
@@ -111,6 +129,17 @@ impl App {
             payload: &frame["payload"],
             received_ms,
         });
+        let (Some(arrived), Some(run_id)) = (received_ms, frame["payload"]["runId"].as_str())
+        else {
+            return;
+        };
+        if let Some(run) = self.activity.run(run_id).filter(|r| r.last_ms > 0) {
+            self.live.insert(run_id.to_owned(), (run.last_ms, arrived));
+        }
+        if self.live.len() > 2 * MAX_RUNS {
+            let activity = &self.activity;
+            self.live.retain(|id, _| activity.run(id).is_some());
+        }
     }
 
     /// Events were missed (a gap, an upstream reconnect, a broker restart):
@@ -133,7 +162,27 @@ impl App {
     }
 
     fn shown(&self) -> &Activity {
-        self.frozen.as_ref().unwrap_or(&self.activity)
+        self.frozen.as_ref().map_or(&self.activity, |f| &f.activity)
+    }
+
+    /// Now for the tree: the time it was paused at, while paused.
+    fn clock(&self) -> u64 {
+        self.frozen.as_ref().map_or(self.now_ms, |f| f.at_ms)
+    }
+
+    /// "Now" on a run's own clock, for what of it is still going: its
+    /// newest gateway time when it was last seen live, plus the time since
+    /// that event arrived. A run replayed from a recording (its times are
+    /// the recording's) shows the recorded durations going on, not the time
+    /// since it was recorded; a run known only from the broker's history
+    /// shows what was recorded, up to its newest event; and the client's
+    /// clock need not agree with the gateway's.
+    fn run_clock(&self, run: &Run) -> Option<u64> {
+        let live = self.frozen.as_ref().map_or(&self.live, |f| &f.live);
+        match live.get(&run.id) {
+            Some(&(ts, arrived)) => Some(ts + self.clock().saturating_sub(arrived)),
+            None => Some(run.last_ms).filter(|t| *t > 0),
+        }
     }
 
     /// Handles a key.
@@ -164,9 +213,14 @@ impl App {
                 }
             }
             Key::Char('p') | Key::Char(' ') => {
+                // Paused, the tree and its durations stay as they were.
                 self.frozen = match self.frozen.take() {
                     Some(_) => None,
-                    None => Some(self.activity.clone()),
+                    None => Some(Frozen {
+                        activity: self.activity.clone(),
+                        live: self.live.clone(),
+                        at_ms: self.now_ms,
+                    }),
                 };
             }
             Key::Char('s') => {
@@ -241,8 +295,15 @@ impl App {
         } else {
             Style::default()
         };
-        for (session, runs) in self.shown().sessions() {
-            if self.session_filter.as_ref().is_some_and(|f| *f != session) {
+        let sessions = self.shown().sessions();
+        // Run ids as short as they can be while no two look alike.
+        let ids = unique_ids(
+            sessions
+                .iter()
+                .flat_map(|(_, runs)| runs.iter().map(|r| r.id.as_str())),
+        );
+        for (session, runs) in &sessions {
+            if self.session_filter.as_ref().is_some_and(|f| f != session) {
                 continue;
             }
             let running = runs.iter().filter(|r| r.running()).count();
@@ -251,7 +312,7 @@ impl App {
                 run: None,
                 line: Line::from(vec![
                     Span::styled(
-                        sanitize::text(&session).into_owned(),
+                        sanitize::text(session).into_owned(),
                         self.style(Color::Cyan).add_modifier(Modifier::BOLD),
                     ),
                     Span::styled(
@@ -266,7 +327,8 @@ impl App {
             });
             for run in runs {
                 let open = self.is_expanded(&run.id);
-                rows.push(self.run_row(run, open));
+                let id = ids.get(run.id.as_str()).cloned().unwrap_or_default();
+                rows.push(self.run_row(run, &id, open));
                 if open {
                     self.run_children(run, &mut rows);
                 }
@@ -275,9 +337,9 @@ impl App {
         rows
     }
 
-    fn run_row(&self, run: &Run, open: bool) -> TreeRow {
+    fn run_row(&self, run: &Run, id: &str, open: bool) -> TreeRow {
         let took = run
-            .duration_ms(Some(self.now_ms))
+            .duration_ms(self.run_clock(run))
             .map(|d| format!(" {}", duration(d)))
             .unwrap_or_default();
         let status = match &run.status {
@@ -290,11 +352,7 @@ impl App {
             .filter(|i| matches!(i, Item::Tool(_)))
             .count();
         let mut spans = vec![
-            Span::raw(format!(
-                " {} run {} ",
-                if open { "▾" } else { "▸" },
-                short_id(&run.id)
-            )),
+            Span::raw(format!(" {} run {id} ", if open { "▾" } else { "▸" },)),
             Span::styled(status, self.status_style(&run.status)),
             Span::raw(took),
         ];
@@ -327,7 +385,7 @@ impl App {
                     let end = if t.done {
                         t.ended_ms
                     } else {
-                        Some(self.now_ms)
+                        self.run_clock(run)
                     };
                     let took = end
                         .zip(t.started_ms)
@@ -362,7 +420,7 @@ impl App {
                                 self.style(Color::Magenta),
                             ),
                             Span::raw(format!(" {} ", args_summary(&call.args))),
-                            Span::styled(tool_outcome_at(call, Some(self.now_ms)), outcome_style),
+                            Span::styled(tool_outcome_at(call, self.run_clock(run)), outcome_style),
                         ],
                     ));
                 }

@@ -35,11 +35,16 @@
 //! - after that, frames pass verbatim both ways (no id or `seq` rewriting)
 //!   and a close on either side is mirrored to the other with its code and
 //!   reason. Where there is no close frame to mirror, Claw3D's own choices:
-//!   `1012 upstream closed` to the client, `1001 going away` to the gateway.
+//!   `1012 upstream closed` to the client, `1001 going away` to the gateway;
+//! - the gateway connection of a browser client (its upgrade request carried
+//!   an `Origin`, or its `connect` names a browser UI) is opened with the
+//!   `Origin` of `[upstream] dedicated_origin`, by default derived from the
+//!   gateway URL as Claw3D derives it (see the `origin` module for who gets
+//!   one and why not everyone).
 //!
-//! Differences from Claw3D, on purpose: no `Origin` header upstream (a local
-//! client of a unix socket is not a browser; without Origin a device-signed
-//! client is paired silently on loopback), no `openclaw-control-ui` →
+//! Differences from Claw3D, on purpose: no `Origin` header upstream for a
+//! client that is no browser (with one, the gateway would stop pairing its
+//! device silently on loopback), no `openclaw-control-ui` →
 //! `webchat-ui` rename (the client asked for its own identity), frames are
 //! not re-serialized, and the limits are the broker's: `max_dedicated`
 //! connections, `preconnect_max_bytes` before the gateway admits the client,
@@ -49,6 +54,7 @@
 
 mod close;
 mod connect_auth;
+mod origin;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -101,8 +107,15 @@ pub fn served_on(socket: &SocketPolicy) -> bool {
 
 /// Runs one dedicated client to completion.
 /// `peer_uid` (from the kernel) keys the client's share of the
-/// upstream-open rate.
-pub async fn run(ws: Ws, budget: PreconnectBudget, peer_uid: Option<u32>, ctx: Arc<Ctx>) {
+/// upstream-open rate; `browser`: its upgrade request carried an `Origin`
+/// (see the `origin` module).
+pub async fn run(
+    ws: Ws,
+    budget: PreconnectBudget,
+    peer_uid: Option<u32>,
+    browser: bool,
+    ctx: Arc<Ctx>,
+) {
     let (mut local_tx, local_rx) = ws.split();
     let Some(slot) = ctx.dedicated.try_open() else {
         ctx.dedicated
@@ -124,6 +137,7 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, peer_uid: Option<u32>, ctx: A
         slot,
         budget,
         peer_uid,
+        browser,
     };
     let cancel = ctx.cancel.clone();
     let upstream = tokio::select! {
@@ -242,6 +256,17 @@ struct Conn {
     slot: Slot,
     budget: PreconnectBudget,
     peer_uid: Option<u32>,
+    /// The upgrade request carried an `Origin`: a browser, or a proxy for one.
+    browser: bool,
+}
+
+/// A client's `connect`, checked and ready to forward.
+struct TakenConnect {
+    id: String,
+    /// The frame to forward (with the host token when it had no auth).
+    text: String,
+    /// It names a browser UI ([`origin::names_browser_ui`]).
+    browser_ui: bool,
 }
 
 impl Conn {
@@ -300,10 +325,11 @@ impl Conn {
         let target = ctx.upstream().target();
         let opts = ctx.settings.upstream.clone();
         let url = target.url.trim().to_owned();
-        let open = || {
+        let open = |origin: Option<String>| {
             let (target, opts, url) = (target.clone(), opts.clone(), url.clone());
             async move {
-                tokio::time::timeout(opts.handshake_timeout, open_socket(&target, &opts))
+                let opening = open_socket(&target, &opts, origin.as_deref());
+                tokio::time::timeout(opts.handshake_timeout, opening)
                     .await
                     .unwrap_or_else(|_| Err(handshake_timed_out(&url, opts.handshake_timeout)))
             }
@@ -314,11 +340,11 @@ impl Conn {
         let connect_deadline = started + limits.connect_timeout;
         let challenge_wait = started + CHALLENGE_WAIT;
         // The client's connect: its id, and the text to forward.
-        let mut connect: Option<(String, String)> = None;
+        let mut connect: Option<TakenConnect> = None;
         loop {
-            if let Some((id, _)) = &connect {
+            if let Some(TakenConnect { id, browser_ui, .. }) = &connect {
                 if matches!(upstream, Upstream::NotYet) {
-                    upstream = self.start_open(&mut opening, &open);
+                    upstream = self.start_open(&mut opening, &open, *browser_ui);
                 }
                 match &mut upstream {
                     Upstream::NotYet | Upstream::Opening => {}
@@ -350,7 +376,7 @@ impl Conn {
                 }
                 _ = tokio::time::sleep_until(challenge_wait), if not_yet && connect.is_none() => {
                     // The client may be waiting for the gateway's challenge.
-                    upstream = self.start_open(&mut opening, &open);
+                    upstream = self.start_open(&mut opening, &open, false);
                 }
                 read = next_from_gateway(&mut upstream) => {
                     match read {
@@ -421,7 +447,8 @@ impl Conn {
                 }
             }
         }
-        let (Some((id, text)), Upstream::Open(mut ws)) = (connect, upstream) else {
+        let (Some(TakenConnect { id, text, .. }), Upstream::Open(mut ws)) = (connect, upstream)
+        else {
             return None;
         };
         if let Err(e) = ws.send(Message::text(text)).await {
@@ -433,14 +460,17 @@ impl Conn {
         Some((ws, id))
     }
 
-    /// Starts opening the gateway connection if the open rates allow it.
+    /// Starts opening the gateway connection if the open rates allow it:
+    /// with the configured `Origin` for a browser client (`browser_ui`: its
+    /// `connect`, already here, names a browser UI).
     fn start_open<F, Fut>(
         &self,
         opening: &mut std::pin::Pin<&mut futures_util::future::OptionFuture<Fut>>,
         open: &F,
+        browser_ui: bool,
     ) -> Upstream
     where
-        F: Fn() -> Fut,
+        F: Fn(Option<String>) -> Fut,
         Fut: std::future::Future<Output = Result<GatewaySocket, ErrorShape>>,
     {
         if let Err(error) = self.may_open() {
@@ -451,7 +481,14 @@ impl Conn {
             .outcomes
             .upstream_opens
             .fetch_add(1, Ordering::Relaxed);
-        opening.set(Some(open()).into());
+        let origin = if self.browser || browser_ui {
+            let url = self.ctx.upstream().target_url();
+            self.ctx.settings.upstream.dedicated_origin.for_url(&url)
+        } else {
+            None
+        };
+        self.slot.update(|l| l.origin.clone_from(&origin));
+        opening.set(Some(open(origin)).into());
         Upstream::Opening
     }
 
@@ -472,7 +509,7 @@ impl Conn {
         &self,
         msg: Message,
         host_token: &Option<crate::config::Secret>,
-    ) -> Result<(String, String), Refusal> {
+    ) -> Result<TakenConnect, Refusal> {
         let limits = &self.ctx.settings.limits;
         let text = match msg {
             Message::Text(t) => t,
@@ -487,6 +524,7 @@ impl Conn {
         let req = ConnectRequest::parse_first(text.as_str())
             .map_err(|e| Refusal::Close(e.close_code(), e.to_string()))?;
         let client_auth = client_auth(&req.params);
+        let browser_ui = origin::names_browser_ui(&req.params);
         let identity = |l: &mut Listing, auth| {
             let p = &req.params;
             l.client = p.get("client").cloned().unwrap_or(Value::Null);
@@ -504,7 +542,11 @@ impl Conn {
         };
         if let Some(kind) = client_auth {
             self.slot.update(|l| identity(l, Some(kind)));
-            return Ok((req.id, text.as_str().to_owned()));
+            return Ok(TakenConnect {
+                id: req.id,
+                text: text.as_str().to_owned(),
+                browser_ui,
+            });
         }
         self.slot.update(|l| identity(l, None));
         let Some(token) = host_token else {
@@ -519,7 +561,11 @@ impl Conn {
         let injected = inject_token(text.as_str(), token.expose())
             .ok_or_else(|| Refusal::Close(1003, "invalid json".into()))?;
         self.slot.update(|l| l.auth = Some("host-token"));
-        Ok((req.id, injected))
+        Ok(TakenConnect {
+            id: req.id,
+            text: injected,
+            browser_ui,
+        })
     }
 
     /// Answers the connect with `error`, then closes `1011 connect failed`

@@ -397,6 +397,8 @@ impl Connector {
             &self.tls,
             &mut self.tls_client,
             &self.peer_certificate,
+            // The backend connection is no browser: no `Origin`.
+            None,
         )
         .await?;
         self.set_phase(Phase::Handshaking);
@@ -588,19 +590,36 @@ impl Connector {
 /// bounded by `[upstream] max_frame_bytes`. The shared session and the
 /// dedicated route ([`crate::upstream::open_socket`]) both open their
 /// connections with this, so both reach the same gateways the same way.
+/// `origin`: the `Origin` header of the upgrade request, if any.
 pub(crate) async fn open_socket(
     url: &str,
     opts: &UpstreamOptions,
     tls: &TlsSettings,
     tls_client: &mut Option<Arc<TlsClient>>,
     peer_certificate: &PeerCertificate,
+    origin: Option<&str>,
 ) -> Result<Ws, AttemptError> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
     let config = WebSocketConfig::default()
         .read_buffer_size(UPSTREAM_READ_BUFFER_BYTES)
         .max_message_size(Some(opts.max_frame_bytes))
         .max_frame_size(Some(opts.max_frame_bytes));
+    let invalid = |what: &str| {
+        AttemptError::new(
+            StudioCode::GatewayUrlInvalid,
+            format!("cannot open {}: {what}", redact_url(url)),
+        )
+    };
+    let mut request = url
+        .into_client_request()
+        .map_err(|e| invalid(&e.to_string()))?;
+    if let Some(origin) = origin {
+        let value = http::HeaderValue::from_str(origin)
+            .map_err(|_| invalid("the Origin header is not a valid header value"))?;
+        request.headers_mut().insert(http::header::ORIGIN, value);
+    }
     let io = open_stream(url, opts, tls, tls_client, peer_certificate).await?;
-    let (ws, _) = tokio_tungstenite::client_async_with_config(url, io, Some(config))
+    let (ws, _) = tokio_tungstenite::client_async_with_config(request, io, Some(config))
         .await
         .map_err(|e| {
             AttemptError::new(

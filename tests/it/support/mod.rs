@@ -155,17 +155,37 @@ pub fn connect_frame(id: &str) -> Value {
 
 impl WsClient {
     pub async fn open(socket: &Path, path: &str) -> WsClient {
+        Self::open_with_headers(socket, path, &[]).await
+    }
+
+    /// [`WsClient::open`] with these headers on the upgrade request (an
+    /// `Origin`, as a browser sends).
+    pub async fn open_with_headers(
+        socket: &Path,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> WsClient {
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
         let stream = tokio::time::timeout(PATIENCE, UnixStream::connect(socket))
             .await
             .expect("connect in time")
             .expect("socket accepts");
+        let mut request = format!("ws://localhost{path}")
+            .into_client_request()
+            .expect("a request");
+        for (name, value) in headers {
+            request.headers_mut().insert(
+                http::HeaderName::from_bytes(name.as_bytes()).expect("a header name"),
+                http::HeaderValue::from_str(value).expect("a header value"),
+            );
+        }
         let (ws, _) = tokio::time::timeout(
             PATIENCE,
             // Accept frames up to what hello-ok advertises (maxPayload,
             // 25 MiB), as a real gateway client does; tungstenite's default
             // frame cap is 16 MiB.
             tokio_tungstenite::client_async_with_config(
-                format!("ws://localhost{path}"),
+                request,
                 stream,
                 Some(
                     tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()

@@ -113,7 +113,10 @@ fn app_with(events: &[(String, Value)], color: bool) -> App {
     app.state = state(2);
     app.link = "live".into();
     for (name, frame) in events {
-        app.on_event(name, frame, Some(app.now_ms));
+        // Live: each arrives when the gateway stamped it (or at the stale
+        // frame clock when it carries no time).
+        let arrived = frame["payload"]["ts"].as_u64().unwrap_or(app.now_ms);
+        app.on_event(name, frame, Some(arrived));
     }
     for n in [3, 0, 12, 7] {
         for _ in 0..n {
@@ -380,4 +383,66 @@ fn injected_controls_and_bidi_overrides_are_drawn_escaped() {
     ] {
         assert!(shown.contains(want), "{want:?} in\n{shown}");
     }
+}
+
+#[test]
+fn a_pause_freezes_the_durations_too() {
+    let mut app = app_with(&running_run(), false);
+    assert!(screen(&app, 80, 24).contains("run 7d7b1f2c running 10.0 s"));
+    app.key(Key::Char('p'));
+    app.now_ms = NOW + 5_000;
+    let paused = screen(&app, 80, 24);
+    assert!(paused.contains("run 7d7b1f2c running 10.0 s"), "{paused}");
+    app.key(Key::Char('p'));
+    let resumed = screen(&app, 80, 24);
+    assert!(resumed.contains("run 7d7b1f2c running 15.0 s"), "{resumed}");
+}
+
+#[test]
+fn a_replayed_run_still_in_progress_shows_its_recorded_durations() {
+    // From the broker's history (no arrival time): what was recorded, up to
+    // its newest event, not the 69 s since.
+    let mut app = App::new(false, T0 + 69_000);
+    for (name, frame) in &running_run()[..4] {
+        app.on_event(name, frame, None);
+    }
+    let shown = screen(&app, 80, 24);
+    assert!(shown.contains("run 7d7b1f2c running 300 ms"), "{shown}");
+    assert!(
+        shown.contains("tool exec command=\"ls\" running 0 ms"),
+        "{shown}"
+    );
+    // Played back from a recording made an hour ago (live, old times): the
+    // recorded durations go on from the newest event, not the hour since.
+    let hour = 3_600_000;
+    let mut app = App::new(false, NOW);
+    for (name, frame) in running_run().iter().take(4) {
+        let mut frame = frame.clone();
+        let ts = frame["payload"]["ts"].as_u64().unwrap() - hour;
+        frame["payload"]["ts"] = json!(ts);
+        app.on_event(name, &frame, Some(NOW - 2_000));
+    }
+    let shown = screen(&app, 80, 24);
+    assert!(shown.contains("run 7d7b1f2c running 2.3 s"), "{shown}");
+    assert!(
+        shown.contains("tool exec command=\"ls\" running 2.0 s"),
+        "{shown}"
+    );
+}
+
+#[test]
+fn run_ids_that_share_a_long_prefix_are_shown_apart() {
+    let runs = ["run-1795431469879", "run-1795431470344"];
+    let mut events = Vec::new();
+    for (n, run) in runs.iter().enumerate() {
+        events.push(agent(
+            run,
+            n as i64 * 100,
+            "lifecycle",
+            json!({"phase": "start"}),
+        ));
+    }
+    let shown = screen(&app_with(&events, false), 80, 24);
+    assert!(shown.contains("run run-179543146 running"), "{shown}");
+    assert!(shown.contains("run run-179543147 running"), "{shown}");
 }
