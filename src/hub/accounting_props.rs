@@ -10,8 +10,9 @@
 //!   buffers the queues hold.
 //! - **Never over budget** once the hub has acted (after each publish and
 //!   each sweep): the count is within the limit, or what is over is only
-//!   what the hub cannot shed, namely batches writers hold mid-write and
-//!   the ring buffers of queues with no backlog.
+//!   what the hub does not shed: batches writers hold mid-write, ring
+//!   buffers, and backlogs within their client's soft limit and fair share
+//!   of the budget (a client keeping up is not what put the broker over).
 //! - **Exact when quiet**: with no backlog and nothing held, the count is
 //!   exactly the queues' ring buffers (every event and response given back).
 //! - **Back to zero** when every client has left.
@@ -242,9 +243,10 @@ impl World {
             // up is never closed for bytes held elsewhere): what may remain
             // over the budget is within every client's fair share.
             let fair_share = budget.limit() / self.peers.len().max(1);
-            let all_within_share = self.peers.iter().all(|p| {
-                p.client.queued_bytes() <= p.client.soft_bytes().min(fair_share)
-            });
+            let all_within_share = self
+                .peers
+                .iter()
+                .all(|p| p.client.queued_bytes() <= p.client.soft_bytes().min(fair_share));
             prop_assert!(
                 used <= budget.limit() || used <= held + slots || all_within_share,
                 "over the budget after the hub acted: {} counted, limit {}, {} held by writers, {} of ring buffers",
