@@ -10,8 +10,9 @@
 //!   buffers the queues hold.
 //! - **Never over budget** once the hub has acted (after each publish and
 //!   each sweep): the count is within the limit, or what is over is only
-//!   what the hub cannot shed, namely batches writers hold mid-write and
-//!   the ring buffers of queues with no backlog.
+//!   what the hub does not shed: batches writers hold mid-write, ring
+//!   buffers, and backlogs within their client's soft limit and fair share
+//!   of the budget (a client keeping up is not what put the broker over).
 //! - **Exact when quiet**: with no backlog and nothing held, the count is
 //!   exactly the queues' ring buffers (every event and response given back).
 //! - **Back to zero** when every client has left.
