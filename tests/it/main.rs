@@ -22,6 +22,7 @@ mod cli_commands;
 mod config_e2e;
 mod dedicated;
 mod device_identity;
+mod docs_links;
 mod exactly_once;
 mod handshake;
 mod http_routes;
