@@ -37,6 +37,7 @@ mod local_files;
 mod logging;
 mod multiplex;
 mod narrower_sessions;
+mod packaging;
 mod plugin_surfaces;
 mod readme;
 mod record_replay;
