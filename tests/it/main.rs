@@ -26,6 +26,7 @@ mod docs_links;
 mod exactly_once;
 mod handshake;
 mod http_routes;
+mod ignored;
 mod install_service;
 mod interop;
 mod interop_dedicated;
