@@ -346,6 +346,50 @@ async fn tail_without_a_broker_exits_3() {
     );
 }
 
+/// Without a broker every command says so in three short lines: what
+/// happened (the socket and how it was chosen), then what to do.
+#[tokio::test]
+async fn without_a_broker_every_command_says_so_in_three_short_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("none.sock");
+    for args in [
+        &["status"][..],
+        &["call", "health"],
+        &["tail"],
+        &["metrics"],
+        &["record"],
+    ] {
+        let mut argv = args.to_vec();
+        argv.extend(["--socket", s(&sock)]);
+        let (code, _, err) = run_clawmux(&argv).await;
+        assert_eq!(code, 3, "{args:?}: {err}");
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines.len(), 3, "{args:?}: {err}");
+        assert!(
+            lines[0].starts_with(&format!(
+                "clawmux {}: cannot reach the broker at {}",
+                args[0],
+                s(&sock)
+            )) && lines[0].ends_with("no socket there."),
+            "{args:?}: {err}"
+        );
+        // Another test's broker may be listening: then line 2 names it.
+        if lines[1].starts_with("Start it with `clawmux serve`") {
+            assert!(lines[2].starts_with("or point --socket"), "{err}");
+            let longest = lines[1..].iter().map(|l| l.chars().count()).max().unwrap();
+            assert!(
+                longest <= 80,
+                "{args:?}: a hint line of {longest} characters: {err}"
+            );
+        } else {
+            assert!(
+                lines[1].starts_with("A clawmux socket of yours is listening at "),
+                "{err}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn tail_rejects_unknown_event_names_with_the_known_ones() {
     let h = start().await;
