@@ -335,6 +335,14 @@ fn main() -> ExitCode {
         Command::Doctor(_) => "off",
         _ => "warn",
     }));
+    // One rule for a broken config file, for every command that reads it.
+    let config_error = own_config_error(&cli.command);
+    if let Some(message) = &config_error {
+        eprintln!("clawmux: {message}");
+        if !matches!(cli.command, Command::Doctor(_)) {
+            return ExitCode::from(2);
+        }
+    }
     // Commands that need no runtime and no broker.
     match &cli.command {
         Command::SocketPath(args) => return socket_path(args),
@@ -374,11 +382,19 @@ fn main() -> ExitCode {
             Command::Serve(args) => serve(args, activated).await.map(|()| ExitCode::SUCCESS),
             Command::MockGateway(args) => mock_gateway(args).await.map(|()| ExitCode::SUCCESS),
             Command::Client(command) => Ok(clawmux::cli::run(command).await),
-            Command::Doctor(args) => Ok(clawmux::cli::doctor::run(
-                args.settings.resolve(&LimitArgs::default()),
-                args.json,
-            )
-            .await),
+            Command::Doctor(args) => {
+                let code = clawmux::cli::doctor::run(
+                    args.settings.resolve(&LimitArgs::default()),
+                    args.json,
+                )
+                .await;
+                // The report shows the broken file too; the exit is the rule's.
+                Ok(if config_error.is_some() {
+                    ExitCode::from(2)
+                } else {
+                    code
+                })
+            }
             Command::SocketPath(_) | Command::Completions(_) | Command::Man(_) => {
                 unreachable!("answered before the runtime starts")
             }
@@ -432,15 +448,6 @@ async fn serve(
     raise_open_file_limit();
     if !args.demo {
         check_startup_token_file(&args.settings)?;
-        if let Err(e) = args.settings.resolve(&args.limits) {
-            if args.settings.is_own_config_error(&e) {
-                return Err(UsageExit(format!(
-                    "{} ({}); nothing started. `clawmux doctor` shows every setting and where it comes from",
-                    e.message, e.code
-                ))
-                .into());
-            }
-        }
     }
     let mut settings = args.settings.serve_settings(&args.limits);
     let shutdown_timeout = args.shutdown_timeout;
@@ -615,19 +622,56 @@ async fn wait_for_stop_signal((mut term, mut int): StopSignals) {
 
 /// `clawmux socket-path`: the socket `serve` would use with the same flags,
 /// environment and config file, so scripts and README examples never guess.
-fn socket_path(args: &SocketPathArgs) -> ExitCode {
-    let settings = SettingsArgs {
-        socket: args.socket.clone(),
+/// The settings a command that takes no settings flags reads: the config
+/// file (`config`, else `CLAWMUX_CONFIG` or the default) and the environment.
+fn settings_from(socket: Option<PathBuf>, config: Option<PathBuf>) -> SettingsArgs {
+    SettingsArgs {
+        socket,
         gateway_url: None,
         token: None,
         token_file: None,
-        config: args.config.clone(),
+        config,
         no_device_identity: true,
         state_dir: None,
         tls_fingerprint: None,
         tls_ca_file: None,
+    }
+}
+
+/// One rule for a broken clawmux config file — config.toml unreadable, an
+/// unknown key (with the nearest known one), a bad value, inconsistent
+/// limits — for every command that reads it (`serve` with or without
+/// `--demo`, `socket-path`, `doctor`, the broker's clients): the message on
+/// stderr and exit 2, before anything is done (`doctor` still prints its
+/// report). Errors in files clawmux only borrows (Claw3D's, OpenClaw's) are
+/// not this rule's: the broker serves them to clients, who learn what to fix.
+fn own_config_error(command: &Command) -> Option<String> {
+    let (settings, limits) = match command {
+        Command::Serve(a) => (a.settings.clone(), a.limits.clone()),
+        Command::Doctor(a) => (a.settings.clone(), LimitArgs::default()),
+        Command::SocketPath(a) => (
+            settings_from(a.socket.clone(), a.config.clone()),
+            LimitArgs::default(),
+        ),
+        Command::Client(_) => (settings_from(None, None), LimitArgs::default()),
+        Command::MockGateway(_)
+        | Command::InstallService(_)
+        | Command::Completions(_)
+        | Command::Man(_) => return None,
     };
-    // A broken settings file still has a socket: the one serve falls back to.
+    let e = settings.resolve(&limits).err()?;
+    settings.is_own_config_error(&e).then(|| {
+        format!(
+            "{}\n({}; nothing was done: `clawmux doctor` shows every setting and where it comes from)",
+            e.message, e.code
+        )
+    })
+}
+
+fn socket_path(args: &SocketPathArgs) -> ExitCode {
+    let settings = settings_from(args.socket.clone(), args.config.clone());
+    // Only files clawmux borrows can be broken here (its own config file
+    // stopped the command before): the socket is the one serve falls back to.
     println!(
         "{}",
         settings

@@ -57,22 +57,46 @@ async fn demo(home: &Path, extra: &[&str]) -> (ChildGuard, PathBuf) {
     (child, socket)
 }
 
-/// A typo in config.toml stops `serve` at start: exit 2, one line naming
-/// the file, the key and the valid ones; nothing is served.
+/// A typo in config.toml: one rule for every command that reads it. Exit
+/// 2, the file, the key, the line, the nearest real key and the valid ones,
+/// what to do; nothing is served, nothing printed on stdout (`doctor` still
+/// prints its report).
 #[tokio::test]
-async fn a_config_typo_stops_serve_at_start_with_exit_2() {
+async fn a_config_typo_stops_every_command_with_exit_2_and_a_suggestion() {
     let home = tempfile::tempdir().unwrap();
     let cfg = home.path().join("config/clawmux/config.toml");
     std::fs::create_dir_all(cfg.parent().unwrap()).unwrap();
-    std::fs::write(&cfg, "sockt = \"/tmp/x.sock\"\n").unwrap();
-    let out = run(home.path(), &["serve"], |_| {}).await;
-    let (_, err) = text(&out);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("config.toml"), "{err}");
-    assert!(err.contains("unknown key `sockt`"), "{err}");
-    assert!(err.contains("valid keys here: socket"), "{err}");
-    assert!(err.contains("nothing started"), "{err}");
-    assert!(!home.path().join("run/clawmux.sock").exists());
+    std::fs::write(&cfg, "gatway_url = \"ws://127.0.0.1:1\"\n").unwrap();
+    for args in [
+        &["serve"][..],
+        &["serve", "--demo"],
+        &["status"],
+        &["call", "health"],
+        &["tail"],
+        &["socket-path"],
+        &["doctor"],
+    ] {
+        let out = run(home.path(), args, |_| {}).await;
+        let (stdout, err) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines.len(), 2, "{args:?}: {err}");
+        assert!(
+            lines[0].starts_with(&format!("clawmux: cannot load settings from {}: unknown key `gatway_url` at line 1 column 1 (did you mean `[gateway] url`? valid keys here: socket,", cfg.display()))
+                && lines[0].ends_with("; fix or remove the file"),
+            "{args:?}: {err}"
+        );
+        assert!(
+            lines[1].starts_with("(studio.settings_load_failed; nothing was done"),
+            "{args:?}: {err}"
+        );
+        if args[0] == "doctor" {
+            assert!(stdout.contains("settings: FAILED"), "{stdout}");
+        } else {
+            assert!(stdout.is_empty(), "{args:?}: {stdout}");
+        }
+        assert!(!home.path().join("run/clawmux.sock").exists());
+    }
 }
 
 /// `--replay` belongs to `--demo`: without it, a usage error (exit 2)
