@@ -19,7 +19,7 @@ use clawmux_mock::{MockConfig, MockGateway};
 #[derive(Parser, Debug)]
 #[command(name = "clawmux", version, about, long_about)]
 struct Cli {
-    /// Log filter (e.g. info, debug, clawmux=trace) [default: info for serve and mock-gateway, off for doctor (its report says everything), warn for the rest]. Secrets are never logged.
+    /// Log filter (e.g. info, debug, clawmux=trace) [default: info for serve and mock-gateway, warn for serve --demo, off for doctor (its report says everything), warn for the rest]. Secrets are never logged.
     #[arg(long, global = true, env = "CLAWMUX_LOG", value_name = "FILTER")]
     log: Option<String>,
     #[command(subcommand)]
@@ -330,6 +330,8 @@ fn main() -> ExitCode {
     // Non-blocking, secret-safe, rate-limited (see clawmux::logging); the
     // guard flushes the last lines when main returns.
     let _log = clawmux::logging::init(cli.log.as_deref().unwrap_or(match cli.command {
+        // The demo's terminal is for the banner and the runs it narrates.
+        Command::Serve(ref a) if a.demo => "warn",
         Command::Serve(_) | Command::MockGateway(_) => "info",
         // The report is the output; a log line in it would only confuse.
         Command::Doctor(_) => "off",
@@ -461,8 +463,10 @@ async fn serve(
         // here, having started nothing.
         clawmux::local::socket::ensure_free(&settings.socket_path)?;
     }
+    let mut replaying = None;
     let _demo = if args.demo {
         let replay = args.replay.load()?;
+        replaying = replay.clone();
         let token = uuid::Uuid::new_v4().simple().to_string();
         // The demo's gateway double listens on a unix socket in a private
         // temporary directory, never on TCP (the broker dials that socket).
@@ -511,11 +515,17 @@ async fn serve(
         );
     }
     if args.demo {
-        demo_banner(broker.socket_path());
+        demo_banner(broker.socket_path(), replaying.as_deref());
         broker.ctx().tracker.spawn(demo_narrator(
             broker.socket_path().to_owned(),
             broker.ctx().cancel.clone(),
         ));
+        if let Some(replay) = replaying {
+            broker.ctx().tracker.spawn(say_when_the_recording_ends(
+                replay,
+                broker.ctx().cancel.clone(),
+            ));
+        }
     }
     let reload_args = (!args.demo).then(|| (args.settings.clone(), args.limits.clone()));
     let ctx = std::sync::Arc::clone(broker.ctx());
@@ -785,23 +795,78 @@ fn this_binary() -> String {
 }
 
 /// What a newcomer who just ran `serve --demo` can do next.
-fn demo_banner(socket: &std::path::Path) {
+fn demo_banner(socket: &std::path::Path, replay: Option<&clawmux_mock::replay::Replay>) {
     let bin = this_binary();
     let flag = if socket == config::default_socket_path() {
         String::new()
     } else {
         format!(" --socket {}", socket.display())
     };
+    let sock = socket.display();
+    let (double, call) = match replay {
+        None => (
+            "a gateway double that runs a scripted agent every 3 s".to_owned(),
+            format!("{bin} call health{flag}     # one gateway request"),
+        ),
+        Some(replay) => {
+            let double = format!(
+                "a gateway double that plays the recording ({} events{})",
+                replay.recording.timeline.len(),
+                if replay.looped {
+                    ", again and again"
+                } else {
+                    ""
+                }
+            );
+            // Only a request the recording can answer is worth suggesting.
+            let call = match replay.recording.exchanges.first() {
+                Some(e) if e.params.is_null() || e.params == serde_json::json!({}) => {
+                    format!("{bin} call {}{flag}     # answered as recorded", e.method)
+                }
+                Some(e) if e.params.to_string().len() <= 80 => format!(
+                    "{bin} call {} '{}'{flag}     # answered as recorded",
+                    e.method, e.params
+                ),
+                Some(_) => format!(
+                    "{bin} call …{flag}     # answered as recorded for: {}",
+                    replay.answered_methods().join(", ")
+                ),
+                None => "(no `call`: the recording has no answers; `clawmux record --requests` records them)".to_owned(),
+            };
+            (double, call)
+        }
+    };
     eprintln!(
-        "clawmux: demo: serving on {sock} with a gateway double that runs a scripted agent every 3 s.\n\
+        "clawmux: demo: serving on {sock} with {double}.\n\
          Next, in another terminal:\n  \
          {bin} status{flag}          # the broker, its gateway session, its clients\n  \
          {bin} tail{flag}            # every event as it comes\n  \
-         {bin} call health{flag}     # one gateway request\n  \
+         {call}\n  \
          curl -s --unix-socket {sock} http://localhost/healthz\n\
-         This terminal shows each run the broker fans out (it follows /v1/events itself, so status counts it as one sse client). Ctrl-C stops the demo.",
-        sock = socket.display()
+         This terminal shows each finished run. Ctrl-C stops the demo."
     );
+}
+
+/// `serve --demo --replay`: one line each time the recording has been
+/// played to its end.
+async fn say_when_the_recording_ends(
+    replay: std::sync::Arc<clawmux_mock::replay::Replay>,
+    cancel: tokio_util::sync::CancellationToken,
+) {
+    let mut ends = replay.ends();
+    let events = replay.recording.timeline.len();
+    loop {
+        tokio::select! {
+            r = ends.changed() => if r.is_err() { return },
+            _ = cancel.cancelled() => return,
+        }
+        let next = if replay.looped {
+            "it starts again in a moment (--loop)"
+        } else {
+            "the broker keeps serving; Ctrl-C stops the demo"
+        };
+        eprintln!("clawmux demo: the recording has ended ({events} events played); {next}");
+    }
 }
 
 /// The demo's activity in its own terminal: one line per answered run.
