@@ -19,7 +19,7 @@ use clawmux_mock::{MockConfig, MockGateway};
 #[derive(Parser, Debug)]
 #[command(name = "clawmux", version, about, long_about)]
 struct Cli {
-    /// Log filter (e.g. info, debug, clawmux=trace) [default: info for serve and mock-gateway, warn for serve --demo, off for doctor (its report says everything), warn for the rest]. Secrets are never logged.
+    /// Log filter (e.g. info, debug, clawmux=trace) [default: info for serve (warn for its demo) and mock-gateway, off for doctor (its report says everything), warn for the rest]. Secrets are never logged.
     #[arg(long, global = true, env = "CLAWMUX_LOG", value_name = "FILTER")]
     log: Option<String>,
     #[command(subcommand)]
