@@ -4,6 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+mod man_pages;
+
 use clap::{Args, Parser, Subcommand};
 use clawmux::bounds::{self, Zero};
 use clawmux::config::{self, Secret, Settings};
@@ -718,7 +720,7 @@ fn man(args: &ManArgs) -> ExitCode {
     let command = <Cli as clap::CommandFactory>::command();
     let result = match &args.dir {
         Some(dir) => std::fs::create_dir_all(dir)
-            .and_then(|()| clap_mangen::generate_to(command, dir))
+            .and_then(|()| man_pages::generate_to(command, dir))
             .map(|()| {
                 eprintln!(
                     "clawmux: man pages written to {}; `man clawmux` finds them when {} is on man's search path (MANPATH)",
@@ -728,9 +730,7 @@ fn man(args: &ManArgs) -> ExitCode {
             }),
         None => {
             let mut roff = Vec::new();
-            clap_mangen::Man::new(command)
-                .render(&mut roff)
-                .and_then(|()| show_man_page(&roff))
+            man_pages::render(&command, &[], &mut roff).and_then(|()| show_man_page(&roff))
         }
     };
     match result {

@@ -269,3 +269,46 @@ async fn man_is_formatted_on_a_terminal() {
     assert!(!shown.contains(".TH"), "formatted, not roff: {shown}");
     assert!(shown.contains("General Commands Manual"), "{shown}");
 }
+
+/// Every man page has EXIT STATUS and ENVIRONMENT; clawmux-top(1) lists
+/// its keys.
+#[tokio::test]
+async fn man_pages_have_exit_status_environment_and_tops_keys() {
+    let home = tempfile::tempdir().unwrap();
+    let dir = home.path().join("man");
+    let out = run(
+        home.path(),
+        &["man", "--dir", dir.to_str().unwrap()],
+        |_| {},
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out).1);
+    let mut pages = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let roff = std::fs::read_to_string(&path).unwrap();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(roff.contains(".SH \"EXIT STATUS\""), "{name}");
+        assert!(
+            roff.contains(".SH \"ENVIRONMENT\"\n.TP\nCLAWMUX_SOCKET"),
+            "{name}"
+        );
+        assert!(
+            roff.contains(".SH OPTIONS") || name == "clawmux-completions.1",
+            "{name}: {roff}"
+        );
+        pages += 1;
+    }
+    assert!(pages >= 10, "{pages} pages");
+    let top = std::fs::read_to_string(dir.join("clawmux-top.1")).unwrap();
+    for key in ["q, Esc, Ctrl\\-C", "p, Space", "Enter", "\ns\n"] {
+        assert!(top.contains(key), "{key:?} in {top}");
+    }
+    let status = std::fs::read_to_string(dir.join("clawmux-status.1")).unwrap();
+    assert!(
+        status.contains("No broker answers on the socket"),
+        "{status}"
+    );
+    let serve = std::fs::read_to_string(dir.join("clawmux-serve.1")).unwrap();
+    assert!(serve.contains("Forced stop"), "{serve}");
+}
