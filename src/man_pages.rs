@@ -24,7 +24,11 @@ pub fn render(cmd: &clap::Command, path: &[&str], w: &mut dyn Write) -> std::io:
     }
     section(w, "EXIT STATUS", exit_status(name))?;
     section(w, "ENVIRONMENT", ENVIRONMENT)?;
-    if cmd.get_version().or_else(|| cmd.get_long_version()).is_some() {
+    if cmd
+        .get_version()
+        .or_else(|| cmd.get_long_version())
+        .is_some()
+    {
         man.render_version_section(w)?;
     }
     Ok(())

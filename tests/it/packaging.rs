@@ -76,3 +76,38 @@ fn the_package_names_a_maintainer_address() {
     assert!(name.len() > "maintainer = \"".len(), "{line}");
     assert!(rest.contains('@') && rest.ends_with(">\""), "{line}");
 }
+
+/// The README and the benchmarks page state one binary size, and the
+/// README says how to measure it; `.ci/deb.sh` checks it against the
+/// release binary (within 10 %).
+#[test]
+fn the_stated_binary_size_is_one_figure_with_how_to_measure_it() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md"))
+        .unwrap()
+        .replace('\n', " ");
+    let bench = std::fs::read_to_string(root.join("docs/src/benchmarks.md"))
+        .unwrap()
+        .replace('\n', " ");
+    let stated = readme
+        .split("The binary is ")
+        .nth(1)
+        .and_then(|r| r.split(" MiB").next())
+        .expect("README: The binary is N MiB");
+    assert!(stated.parse::<f64>().is_ok(), "{stated}");
+    assert!(
+        bench.contains(&format!(
+            "`cargo build --release` gives a {stated} MiB `clawmux`"
+        )),
+        "docs/src/benchmarks.md states another size than the README's {stated} MiB"
+    );
+    assert!(
+        readme.contains("`ls -l target/release/clawmux`"),
+        "how to measure it"
+    );
+    let deb = std::fs::read_to_string(root.join(".ci/deb.sh")).unwrap();
+    assert!(
+        deb.contains("grep -o 'binary is [0-9.]* MiB'"),
+        "deb.sh checks it"
+    );
+}
