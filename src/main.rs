@@ -468,7 +468,12 @@ async fn serve(
     let mut replaying = None;
     let _demo = if args.demo {
         let replay = args.replay.load()?;
-        replaying = replay.clone();
+        // Watched from before the double starts: an --instant replay may
+        // end before the banner is printed.
+        replaying = replay.clone().map(|r| {
+            let ends = r.ends();
+            (r, ends)
+        });
         let token = uuid::Uuid::new_v4().simple().to_string();
         // The demo's gateway double listens on a unix socket in a private
         // temporary directory, never on TCP (the broker dials that socket).
@@ -517,14 +522,15 @@ async fn serve(
         );
     }
     if args.demo {
-        demo_banner(broker.socket_path(), replaying.as_deref());
+        demo_banner(broker.socket_path(), replaying.as_ref().map(|(r, _)| &**r));
         broker.ctx().tracker.spawn(demo_narrator(
             broker.socket_path().to_owned(),
             broker.ctx().cancel.clone(),
         ));
-        if let Some(replay) = replaying {
+        if let Some((replay, ends)) = replaying {
             broker.ctx().tracker.spawn(say_when_the_recording_ends(
                 replay,
+                ends,
                 broker.ctx().cancel.clone(),
             ));
         }
@@ -851,9 +857,9 @@ fn demo_banner(socket: &std::path::Path, replay: Option<&clawmux_mock::replay::R
 /// played to its end.
 async fn say_when_the_recording_ends(
     replay: std::sync::Arc<clawmux_mock::replay::Replay>,
+    mut ends: tokio::sync::watch::Receiver<u64>,
     cancel: tokio_util::sync::CancellationToken,
 ) {
-    let mut ends = replay.ends();
     let events = replay.recording.timeline.len();
     loop {
         tokio::select! {
