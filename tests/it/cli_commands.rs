@@ -65,7 +65,7 @@ async fn status_exit_codes_for_a_broker_without_upstream_and_for_no_broker() {
     );
     assert!(
         out.contains("error      cannot open the gateway connection")
-            && out.contains("(studio.upstream_error;"),
+            && out.contains("(studio.upstream_error"),
         "what happened first, then the code: {out}"
     );
 
