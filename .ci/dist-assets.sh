@@ -10,12 +10,10 @@ cd "$(dirname "$0")/.."
 target="${CARGO_TARGET_DIR:-target}"
 bin="$target/release/clawmux"
 out="$target/release/dist"
-[ -x "$bin" ] || { # The packaged units run the packaged binary (install-service writes the
-# running binary's path instead).
-for unit in systemd/*; do
-    sed 's#%h/.cargo/bin/clawmux #/usr/bin/clawmux #' "$unit" > "$out/systemd/$(basename "$unit")"
-done
-echo "dist-assets: $bin missing: run cargo build --release first" >&2; exit 1; }
+[ -x "$bin" ] || {
+    echo "dist-assets: $bin is missing: build it first with cargo build --release --locked" >&2
+    exit 1
+}
 rm -rf "$out"
 mkdir -p "$out/man" "$out/completions" "$out/systemd"
 "$bin" man --dir "$out/man" 2>/dev/null
@@ -28,4 +26,4 @@ gzip -9n "$out"/man/*.1
 for unit in systemd/*; do
     sed 's#%h/.cargo/bin/clawmux #/usr/bin/clawmux #' "$unit" > "$out/systemd/$(basename "$unit")"
 done
-echo "dist-assets: $(ls "$out/man" | wc -l) man pages, 3 completion scripts in $out"
+echo "dist-assets: $(ls "$out/man" | wc -l) man pages, 3 completion scripts, $(ls "$out/systemd" | wc -l) units in $out"

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+mod man_pages;
+
 use clap::{Args, Parser, Subcommand};
 use clawmux::bounds::{self, Zero};
 use clawmux::config::{self, Secret, Settings};
@@ -19,7 +21,7 @@ use clawmux_mock::{MockConfig, MockGateway};
 #[derive(Parser, Debug)]
 #[command(name = "clawmux", version, about, long_about)]
 struct Cli {
-    /// Log filter (e.g. info, debug, clawmux=trace) [default: info for serve and mock-gateway, off for doctor (its report says everything), warn for the rest]. Secrets are never logged.
+    /// Log filter (e.g. info, debug, clawmux=trace) [default: info for serve (warn for its demo) and mock-gateway, off for doctor (its report says everything), warn for the rest]. Secrets are never logged.
     #[arg(long, global = true, env = "CLAWMUX_LOG", value_name = "FILTER")]
     log: Option<String>,
     #[command(subcommand)]
@@ -330,11 +332,21 @@ fn main() -> ExitCode {
     // Non-blocking, secret-safe, rate-limited (see clawmux::logging); the
     // guard flushes the last lines when main returns.
     let _log = clawmux::logging::init(cli.log.as_deref().unwrap_or(match cli.command {
+        // The demo's terminal is for the banner and the runs it narrates.
+        Command::Serve(ref a) if a.demo => "warn",
         Command::Serve(_) | Command::MockGateway(_) => "info",
         // The report is the output; a log line in it would only confuse.
         Command::Doctor(_) => "off",
         _ => "warn",
     }));
+    // One rule for a broken config file, for every command that reads it.
+    let config_error = own_config_error(&cli.command);
+    if let Some(message) = &config_error {
+        eprintln!("clawmux: {message}");
+        if !matches!(cli.command, Command::Doctor(_)) {
+            return ExitCode::from(2);
+        }
+    }
     // Commands that need no runtime and no broker.
     match &cli.command {
         Command::SocketPath(args) => return socket_path(args),
@@ -374,11 +386,19 @@ fn main() -> ExitCode {
             Command::Serve(args) => serve(args, activated).await.map(|()| ExitCode::SUCCESS),
             Command::MockGateway(args) => mock_gateway(args).await.map(|()| ExitCode::SUCCESS),
             Command::Client(command) => Ok(clawmux::cli::run(command).await),
-            Command::Doctor(args) => Ok(clawmux::cli::doctor::run(
-                args.settings.resolve(&LimitArgs::default()),
-                args.json,
-            )
-            .await),
+            Command::Doctor(args) => {
+                let code = clawmux::cli::doctor::run(
+                    args.settings.resolve(&LimitArgs::default()),
+                    args.json,
+                )
+                .await;
+                // The report shows the broken file too; the exit is the rule's.
+                Ok(if config_error.is_some() {
+                    ExitCode::from(2)
+                } else {
+                    code
+                })
+            }
             Command::SocketPath(_) | Command::Completions(_) | Command::Man(_) => {
                 unreachable!("answered before the runtime starts")
             }
@@ -432,15 +452,6 @@ async fn serve(
     raise_open_file_limit();
     if !args.demo {
         check_startup_token_file(&args.settings)?;
-        if let Err(e) = args.settings.resolve(&args.limits) {
-            if args.settings.is_own_config_error(&e) {
-                return Err(UsageExit(format!(
-                    "{} ({}); nothing started. `clawmux doctor` shows every setting and where it comes from",
-                    e.message, e.code
-                ))
-                .into());
-            }
-        }
     }
     let mut settings = args.settings.serve_settings(&args.limits);
     let shutdown_timeout = args.shutdown_timeout;
@@ -454,8 +465,15 @@ async fn serve(
         // here, having started nothing.
         clawmux::local::socket::ensure_free(&settings.socket_path)?;
     }
+    let mut replaying = None;
     let _demo = if args.demo {
         let replay = args.replay.load()?;
+        // Watched from before the double starts: an --instant replay may
+        // end before the banner is printed.
+        replaying = replay.clone().map(|r| {
+            let ends = r.ends();
+            (r, ends)
+        });
         let token = uuid::Uuid::new_v4().simple().to_string();
         // The demo's gateway double listens on a unix socket in a private
         // temporary directory, never on TCP (the broker dials that socket).
@@ -504,11 +522,18 @@ async fn serve(
         );
     }
     if args.demo {
-        demo_banner(broker.socket_path());
+        demo_banner(broker.socket_path(), replaying.as_ref().map(|(r, _)| &**r));
         broker.ctx().tracker.spawn(demo_narrator(
             broker.socket_path().to_owned(),
             broker.ctx().cancel.clone(),
         ));
+        if let Some((replay, ends)) = replaying {
+            broker.ctx().tracker.spawn(say_when_the_recording_ends(
+                replay,
+                ends,
+                broker.ctx().cancel.clone(),
+            ));
+        }
     }
     let reload_args = (!args.demo).then(|| (args.settings.clone(), args.limits.clone()));
     let ctx = std::sync::Arc::clone(broker.ctx());
@@ -615,19 +640,56 @@ async fn wait_for_stop_signal((mut term, mut int): StopSignals) {
 
 /// `clawmux socket-path`: the socket `serve` would use with the same flags,
 /// environment and config file, so scripts and README examples never guess.
-fn socket_path(args: &SocketPathArgs) -> ExitCode {
-    let settings = SettingsArgs {
-        socket: args.socket.clone(),
+/// The settings a command that takes no settings flags reads: the config
+/// file (`config`, else `CLAWMUX_CONFIG` or the default) and the environment.
+fn settings_from(socket: Option<PathBuf>, config: Option<PathBuf>) -> SettingsArgs {
+    SettingsArgs {
+        socket,
         gateway_url: None,
         token: None,
         token_file: None,
-        config: args.config.clone(),
+        config,
         no_device_identity: true,
         state_dir: None,
         tls_fingerprint: None,
         tls_ca_file: None,
+    }
+}
+
+/// One rule for a broken clawmux config file — config.toml unreadable, an
+/// unknown key (with the nearest known one), a bad value, inconsistent
+/// limits — for every command that reads it (`serve` with or without
+/// `--demo`, `socket-path`, `doctor`, the broker's clients): the message on
+/// stderr and exit 2, before anything is done (`doctor` still prints its
+/// report). Errors in files clawmux only borrows (Claw3D's, OpenClaw's) are
+/// not this rule's: the broker serves them to clients, who learn what to fix.
+fn own_config_error(command: &Command) -> Option<String> {
+    let (settings, limits) = match command {
+        Command::Serve(a) => (a.settings.clone(), a.limits.clone()),
+        Command::Doctor(a) => (a.settings.clone(), LimitArgs::default()),
+        Command::SocketPath(a) => (
+            settings_from(a.socket.clone(), a.config.clone()),
+            LimitArgs::default(),
+        ),
+        Command::Client(_) => (settings_from(None, None), LimitArgs::default()),
+        Command::MockGateway(_)
+        | Command::InstallService(_)
+        | Command::Completions(_)
+        | Command::Man(_) => return None,
     };
-    // A broken settings file still has a socket: the one serve falls back to.
+    let e = settings.resolve(&limits).err()?;
+    settings.is_own_config_error(&e).then(|| {
+        format!(
+            "{}\n({}; nothing was done: `clawmux doctor` shows every setting and where it comes from)",
+            e.message, e.code
+        )
+    })
+}
+
+fn socket_path(args: &SocketPathArgs) -> ExitCode {
+    let settings = settings_from(args.socket.clone(), args.config.clone());
+    // Only files clawmux borrows can be broken here (its own config file
+    // stopped the command before): the socket is the one serve falls back to.
     println!(
         "{}",
         settings
@@ -664,7 +726,7 @@ fn man(args: &ManArgs) -> ExitCode {
     let command = <Cli as clap::CommandFactory>::command();
     let result = match &args.dir {
         Some(dir) => std::fs::create_dir_all(dir)
-            .and_then(|()| clap_mangen::generate_to(command, dir))
+            .and_then(|()| man_pages::generate_to(command, dir))
             .map(|()| {
                 eprintln!(
                     "clawmux: man pages written to {}; `man clawmux` finds them when {} is on man's search path (MANPATH)",
@@ -674,9 +736,7 @@ fn man(args: &ManArgs) -> ExitCode {
             }),
         None => {
             let mut roff = Vec::new();
-            clap_mangen::Man::new(command)
-                .render(&mut roff)
-                .and_then(|()| show_man_page(&roff))
+            man_pages::render(&command, &[], &mut roff).and_then(|()| show_man_page(&roff))
         }
     };
     match result {
@@ -741,23 +801,78 @@ fn this_binary() -> String {
 }
 
 /// What a newcomer who just ran `serve --demo` can do next.
-fn demo_banner(socket: &std::path::Path) {
+fn demo_banner(socket: &std::path::Path, replay: Option<&clawmux_mock::replay::Replay>) {
     let bin = this_binary();
     let flag = if socket == config::default_socket_path() {
         String::new()
     } else {
         format!(" --socket {}", socket.display())
     };
+    let sock = socket.display();
+    let (double, call) = match replay {
+        None => (
+            "a gateway double that runs a scripted agent every 3 s".to_owned(),
+            format!("{bin} call health{flag}     # one gateway request"),
+        ),
+        Some(replay) => {
+            let double = format!(
+                "a gateway double that plays the recording ({} events{})",
+                replay.recording.timeline.len(),
+                if replay.looped {
+                    ", again and again"
+                } else {
+                    ""
+                }
+            );
+            // Only a request the recording can answer is worth suggesting.
+            let call = match replay.recording.exchanges.first() {
+                Some(e) if e.params.is_null() || e.params == serde_json::json!({}) => {
+                    format!("{bin} call {}{flag}     # answered as recorded", e.method)
+                }
+                Some(e) if e.params.to_string().len() <= 80 => format!(
+                    "{bin} call {} '{}'{flag}     # answered as recorded",
+                    e.method, e.params
+                ),
+                Some(_) => format!(
+                    "{bin} call …{flag}     # answered as recorded for: {}",
+                    replay.answered_methods().join(", ")
+                ),
+                None => "(no `call`: the recording has no answers; `clawmux record --requests` records them)".to_owned(),
+            };
+            (double, call)
+        }
+    };
     eprintln!(
-        "clawmux: demo: serving on {sock} with a gateway double that runs a scripted agent every 3 s.\n\
+        "clawmux: demo: serving on {sock} with {double}.\n\
          Next, in another terminal:\n  \
          {bin} status{flag}          # the broker, its gateway session, its clients\n  \
          {bin} tail{flag}            # every event as it comes\n  \
-         {bin} call health{flag}     # one gateway request\n  \
+         {call}\n  \
          curl -s --unix-socket {sock} http://localhost/healthz\n\
-         This terminal shows each run the broker fans out (it follows /v1/events itself, so status counts it as one sse client). Ctrl-C stops the demo.",
-        sock = socket.display()
+         This terminal shows each finished run. Ctrl-C stops the demo."
     );
+}
+
+/// `serve --demo --replay`: one line each time the recording has been
+/// played to its end.
+async fn say_when_the_recording_ends(
+    replay: std::sync::Arc<clawmux_mock::replay::Replay>,
+    mut ends: tokio::sync::watch::Receiver<u64>,
+    cancel: tokio_util::sync::CancellationToken,
+) {
+    let events = replay.recording.timeline.len();
+    loop {
+        tokio::select! {
+            r = ends.changed() => if r.is_err() { return },
+            _ = cancel.cancelled() => return,
+        }
+        let next = if replay.looped {
+            "it starts again in a moment (--loop)"
+        } else {
+            "the broker keeps serving; Ctrl-C stops the demo"
+        };
+        eprintln!("clawmux demo: the recording has ended ({events} events played); {next}");
+    }
 }
 
 /// The demo's activity in its own terminal: one line per answered run.

@@ -283,15 +283,87 @@ fn parse_toml(path: &Path, text: &str) -> Result<ConfigFile, ErrorShape> {
             })
             .unwrap_or_default();
         let message = e.message().trim();
-        let why = unknown_key(message).unwrap_or_else(|| scrub(message));
-        load_failed(path, format!("{why}{at}"))
+        let why = match unknown_key(message) {
+            Some((key, valid)) => format!("{key}{at}{valid}"),
+            None => format!("{}{at}", scrub(message)),
+        };
+        load_failed(path, why)
     })
 }
 
+/// Every key config.toml takes, as `(shown, spellings)`: `[gateway] url` is
+/// also matched as `url`, `gateway_url` and `gateway.url`, so a key put in
+/// the wrong table or with its table glued on still finds its real name.
+/// Read from the structs themselves (serde names the valid keys when it
+/// refuses one), so the list cannot drift from what is parsed.
+fn config_keys() -> Vec<(String, Vec<String>)> {
+    const PROBE: &str = "__clawmux_probe__";
+    fn fields<T: serde::de::DeserializeOwned>() -> Vec<String> {
+        let probe = format!("{PROBE} = 0");
+        match toml::from_str::<T>(&probe) {
+            Err(e) => e
+                .message()
+                .split('`')
+                .skip(3)
+                .step_by(2)
+                .map(str::to_owned)
+                .collect(),
+            Ok(_) => Vec::new(),
+        }
+    }
+    let mut keys = Vec::new();
+    let tables = [
+        ("gateway", "[gateway]", fields::<GatewaySection>()),
+        ("limits", "[limits]", fields::<LimitsSection>()),
+        ("upstream", "[upstream]", fields::<UpstreamSection>()),
+        ("sockets", "[[sockets]]", fields::<SocketSection>()),
+    ];
+    for top in fields::<ConfigFile>() {
+        if !tables.iter().any(|(name, _, _)| *name == top) {
+            keys.push((top.clone(), vec![top]));
+        }
+    }
+    for (name, shown, table) in tables {
+        for key in table {
+            keys.push((
+                format!("{shown} {key}"),
+                vec![
+                    key.clone(),
+                    format!("{name}_{key}"),
+                    format!("{name}.{key}"),
+                ],
+            ));
+        }
+    }
+    keys
+}
+
+/// The known key nearest to `wanted` (a small edit distance, or a close
+/// Jaro-Winkler similarity, as `call`'s method suggestions use), if any.
+fn nearest_config_key(wanted: &str) -> Option<String> {
+    let wanted = wanted.to_ascii_lowercase().replace('-', "_");
+    config_keys()
+        .into_iter()
+        .filter_map(|(shown, spellings)| {
+            spellings
+                .iter()
+                .filter_map(|k| {
+                    let edits = strsim::damerau_levenshtein(&wanted, k);
+                    let similar = strsim::jaro_winkler(&wanted, k);
+                    (edits <= 2 || similar >= 0.9).then_some(similar - edits as f64)
+                })
+                .max_by(f64::total_cmp)
+                .map(|score| (score, shown))
+        })
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, shown)| shown)
+}
+
 /// serde's "unknown field `x`, expected one of `a`, `b`" as a message that
-/// names the key and the valid ones. Key names are not secrets, but a "key"
-/// that does not look like one (a pasted token?) is still hidden.
-fn unknown_key(message: &str) -> Option<String> {
+/// names the key, then (after the position the caller puts between) the
+/// nearest known key and the valid ones. Key names are not secrets, but a
+/// "key" that does not look like one (a pasted token?) is still hidden.
+fn unknown_key(message: &str) -> Option<(String, String)> {
     let rest = message.strip_prefix("unknown field `")?;
     let (key, rest) = rest.split_once('`')?;
     let looks_like_a_key = key.len() <= 64
@@ -300,11 +372,19 @@ fn unknown_key(message: &str) -> Option<String> {
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
     let key = if looks_like_a_key { key } else { "…" };
     let valid: Vec<&str> = rest.split('`').skip(1).step_by(2).collect();
-    Some(if valid.is_empty() {
-        format!("unknown key `{key}` (this table takes no keys)")
-    } else {
-        format!("unknown key `{key}`; valid keys here: {}", valid.join(", "))
-    })
+    let near = looks_like_a_key
+        .then(|| nearest_config_key(key))
+        .flatten()
+        .map(|k| format!("did you mean `{k}`? "))
+        .unwrap_or_default();
+    Some((
+        format!("unknown key `{key}`"),
+        if valid.is_empty() {
+            format!(" ({near}this table takes no keys)")
+        } else {
+            format!(" ({near}valid keys here: {})", valid.join(", "))
+        },
+    ))
 }
 
 /// JSON (Claw3D) or JSON5 (OpenClaw) into a `Value`; errors carry only the position.
@@ -1009,15 +1089,44 @@ mod tests {
 
     #[test]
     fn an_unknown_key_is_named_with_the_valid_ones() {
+        let joined = |m: &str| unknown_key(m).map(|(a, b)| a + &b);
         assert_eq!(
-            unknown_key("unknown field `sockt`, expected one of `socket`, `gateway`").unwrap(),
-            "unknown key `sockt`; valid keys here: socket, gateway"
+            joined("unknown field `sockt`, expected one of `socket`, `gateway`").unwrap(),
+            "unknown key `sockt` (did you mean `socket`? valid keys here: socket, gateway)"
         );
         assert_eq!(
-            unknown_key("unknown field `s3cret token!`, expected `url`").unwrap(),
-            "unknown key `…`; valid keys here: url"
+            joined("unknown field `s3cret token!`, expected `url`").unwrap(),
+            "unknown key `…` (valid keys here: url)"
         );
         assert!(unknown_key("invalid type: string \"x\", expected u64").is_none());
+    }
+
+    #[test]
+    fn a_misplaced_or_misspelt_key_gets_its_real_name() {
+        assert_eq!(
+            nearest_config_key("gatway_url").as_deref(),
+            Some("[gateway] url")
+        );
+        assert_eq!(
+            nearest_config_key("gateway_url").as_deref(),
+            Some("[gateway] url")
+        );
+        assert_eq!(
+            nearest_config_key("tokn_file").as_deref(),
+            Some("[gateway] token_file")
+        );
+        assert_eq!(
+            nearest_config_key("max_client").as_deref(),
+            Some("[limits] max_clients")
+        );
+        assert_eq!(nearest_config_key("sockte").as_deref(), Some("socket"));
+        assert_eq!(nearest_config_key("completely_unrelated_words"), None);
+        let text = "gatway_url = \"ws://x\"\n";
+        let e = parse_toml(Path::new("/c.toml"), text).unwrap_err();
+        assert_eq!(
+            e.message,
+            "cannot load settings from /c.toml: unknown key `gatway_url` at line 1 column 1 (did you mean `[gateway] url`? valid keys here: socket, gateway, limits, upstream, sockets); fix or remove the file"
+        );
     }
 
     #[test]

@@ -80,29 +80,70 @@ pub async fn run(args: CallArgs) -> Result<u8, CliError> {
         }
         return Ok(0);
     }
-    // The code, message and details are the gateway's: shown escaped.
+    // What happened first, then the code and the short details on a second
+    // line; the whole answer is JSON with `--json`. The code, message and
+    // details are the gateway's: shown escaped.
     let error = &res["error"];
-    let mut message = format!(
-        "{}: {}",
-        sanitize::field(error["code"].as_str().unwrap_or("error"), 200),
-        sanitize::lines(error["message"].as_str().unwrap_or("(no message)"))
-    );
-    if let Some(ms) = error["retryAfterMs"].as_u64() {
-        message.push_str(&format!(" (retry after {ms} ms)"));
-    }
-    if let Some(details) = error.get("details") {
-        message.push_str(&format!(
-            " details: {}",
-            sanitize::text(&details.to_string())
-        ));
-    }
+    let mut message =
+        sanitize::lines(error["message"].as_str().unwrap_or("(no message)")).into_owned();
     if let Some(hint) = unknown_method_hint(&client, &args.method).await {
         message.push_str(&hint);
     }
+    let mut notes =
+        vec![sanitize::field(error["code"].as_str().unwrap_or("error"), 200).into_owned()];
+    if let Some(ms) = error["retryAfterMs"].as_u64() {
+        notes.push(format!("retry after {:.1} s", ms as f64 / 1000.0));
+    }
+    if let Some(details) = error.get("details") {
+        let (short, more) = detail_notes(details);
+        notes.extend(short);
+        if more && !args.json {
+            notes.push("`--json` prints the whole answer".to_owned());
+        }
+    }
+    message.push_str(&format!("\n({})", notes.join("; ")));
     match status {
         StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => Err(CliError::Usage(message)),
         _ => Err(CliError::Answer(message)),
     }
+}
+
+/// Most details shown on an error's second line.
+const DETAIL_NOTES: usize = 4;
+/// Longest string detail shown there.
+const DETAIL_CHARS: usize = 60;
+
+/// An error's details as short `key value` notes (flags, numbers, short
+/// strings, at most [`DETAIL_NOTES`]), and whether anything was left out
+/// (nested objects, long text): a person reads the notes, a program reads
+/// `--json`.
+fn detail_notes(details: &Value) -> (Vec<String>, bool) {
+    let Some(map) = details.as_object() else {
+        return (Vec::new(), !details.is_null());
+    };
+    let mut notes = Vec::new();
+    let mut more = false;
+    for (key, value) in map {
+        let shown = match value {
+            Value::Bool(_) | Value::Number(_) => Some(value.to_string()),
+            Value::String(s) if key != "message" && s.chars().count() <= DETAIL_CHARS => {
+                Some(sanitize::text(s).into_owned())
+            }
+            Value::Null => None,
+            _ => {
+                more = true;
+                None
+            }
+        };
+        if let Some(shown) = shown {
+            if notes.len() == DETAIL_NOTES {
+                more = true;
+                break;
+            }
+            notes.push(format!("{} {shown}", sanitize::field(key, DETAIL_CHARS)));
+        }
+    }
+    (notes, more)
 }
 
 /// When `method` is not one the gateway announced (`hello-ok.features.methods`,
@@ -150,6 +191,18 @@ pub fn nearest<'a>(wanted: &str, known: &[&'a str]) -> Vec<&'a str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn details_are_short_notes_and_nested_ones_point_to_json() {
+        let (notes, more) = detail_notes(&serde_json::json!({"attempt": 2, "sent": false}));
+        assert_eq!(notes, ["attempt 2", "sent false"]);
+        assert!(!more);
+        let (notes, more) = detail_notes(&serde_json::json!({
+            "code": "INVALID_REQUEST", "details": {"authReason": "token_mismatch"},
+            "message": "unauthorized: gateway token mismatch"}));
+        assert_eq!(notes, ["code INVALID_REQUEST"]);
+        assert!(more, "the nested details are left to --json");
+    }
 
     #[test]
     fn nearest_methods_are_suggested() {

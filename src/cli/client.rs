@@ -64,36 +64,36 @@ impl BrokerClient {
         self
     }
 
-    /// Why nothing answered at the socket, with where it was looked for and
-    /// any clawmux socket of this user listening elsewhere (a broker started
-    /// with another `XDG_RUNTIME_DIR` or `--socket`).
-    fn not_there(&self, what: &str) -> String {
-        let mut cause = what.to_owned();
-        if let Some(origin) = &self.origin {
-            cause.push_str(&format!("; tried {} ({origin})", self.socket.display()));
-        }
+    /// Nothing answers at the socket: `what` happened; what to do next
+    /// names any clawmux socket of this user listening elsewhere (a broker
+    /// started with another `XDG_RUNTIME_DIR` or `--socket`).
+    fn not_there(&self, what: &str) -> CliError {
         let elsewhere = listening_clawmux_sockets(&self.socket);
-        if let Some(other) = elsewhere.first() {
-            let dir = other.parent().unwrap_or(Path::new("/"));
-            let hint = if other.file_name() == Some(std::ffi::OsStr::new("clawmux.sock")) {
-                format!(
-                    " (or `export XDG_RUNTIME_DIR={}` if the broker was started with that)",
-                    dir.display()
-                )
-            } else {
-                String::new()
-            };
-            let more = match elsewhere.len() - 1 {
-                0 => String::new(),
-                n => format!(" ({n} more listening elsewhere)"),
-            };
-            cause.push_str(&format!(
-                "; but a clawmux socket of yours is listening at {}{more}: the broker was started with another XDG_RUNTIME_DIR or --socket than this shell has; use `--socket {}`{hint}",
+        let Some(other) = elsewhere.first() else {
+            return self.unreachable(what);
+        };
+        let dir = other.parent().unwrap_or(Path::new("/"));
+        let hint = if other.file_name() == Some(std::ffi::OsStr::new("clawmux.sock")) {
+            format!(
+                "\n(or `export XDG_RUNTIME_DIR={}` if the broker was started with that)",
+                dir.display()
+            )
+        } else {
+            String::new()
+        };
+        let more = match elsewhere.len() - 1 {
+            0 => String::new(),
+            n => format!(" ({n} more listening elsewhere)"),
+        };
+        let mut err = self.unreachable(what);
+        if let CliError::Unreachable { next, .. } = &mut err {
+            *next = format!(
+                "A clawmux socket of yours is listening at {}{more}: use `--socket {}`{hint}.",
                 other.display(),
                 other.display()
-            ));
+            );
         }
-        cause
+        err
     }
 
     pub fn socket(&self) -> &Path {
@@ -101,9 +101,14 @@ impl BrokerClient {
     }
 
     fn unreachable(&self, cause: impl Into<String>) -> CliError {
+        let socket = match &self.origin {
+            Some(origin) => format!("{} ({origin})", self.socket.display()),
+            None => self.socket.display().to_string(),
+        };
         CliError::Unreachable {
-            socket: self.socket.display().to_string(),
+            socket,
             cause: cause.into(),
+            next: super::START_THE_BROKER.to_owned(),
         }
     }
 
@@ -140,16 +145,14 @@ impl BrokerClient {
             match tokio::time::timeout(CONNECT_TIMEOUT, UnixStream::connect(&self.socket)).await {
                 Err(_) => return Err(self.unreachable("timed out connecting")),
                 Ok(Err(e)) => {
-                    return Err(self.unreachable(match e.kind() {
-                        ErrorKind::NotFound => {
-                            self.not_there("no socket there (is the broker running?)")
-                        }
+                    return Err(match e.kind() {
+                        ErrorKind::NotFound => self.not_there("no socket there"),
                         ErrorKind::ConnectionRefused => {
                             self.not_there("nothing is listening (a stale socket?)")
                         }
-                        ErrorKind::PermissionDenied => "permission denied".to_owned(),
-                        _ => e.to_string(),
-                    }))
+                        ErrorKind::PermissionDenied => self.unreachable("permission denied"),
+                        _ => self.unreachable(e.to_string()),
+                    })
                 }
                 Ok(Ok(stream)) => stream,
             };
@@ -181,7 +184,7 @@ impl BrokerClient {
         sender.send_request(req).await.map_err(|e| {
             // The broker drops connections from other users before answering.
             self.unreachable(format!(
-                "the connection closed without an answer ({e}); is this another user's socket?"
+                "the connection closed without an answer ({e}): is this another user's socket?"
             ))
         })
     }

@@ -188,11 +188,7 @@ pub fn render(report: &Value, paint: &super::style::Paint) -> String {
     };
     if let Some(e) = report.get("settings_error") {
         line(format!("settings: {}", paint.bad("FAILED")));
-        line(format!(
-            "  {}: {}",
-            e["code"].as_str().unwrap_or("?"),
-            text(&e["message"])
-        ));
+        line(format!("  {} ({})", text(&e["message"]), text(&e["code"])));
         return out;
     }
     let s = &report["settings"];
@@ -288,10 +284,10 @@ pub fn render(report: &Value, paint: &super::style::Paint) -> String {
         }
     } else {
         line(format!(
-            "  {} {}: {}",
+            "  {}: {} ({})",
             paint.bad("FAILED"),
-            text(&g["code"]),
-            text(&g["message"])
+            text(&g["message"]),
+            text(&g["code"])
         ));
         if !g["gateway_code"].is_null() {
             line(format!("  gateway detail: {}", g["gateway_code"]));

@@ -103,14 +103,24 @@ impl BrokerArgs {
     }
 }
 
+/// What to do when no broker answers (the last lines of
+/// [`CliError::Unreachable`]).
+pub const START_THE_BROKER: &str = "Start it with `clawmux serve` (or `systemctl --user start clawmux.socket`),\nor point --socket / CLAWMUX_SOCKET at its socket.";
+
 /// Why a command failed; each cause has its exit code.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
-    /// Nothing answered on the socket.
-    #[error(
-        "cannot reach the broker at {socket}: {cause}; start it with `clawmux serve` (or `systemctl --user start clawmux.socket`), or point --socket / CLAWMUX_SOCKET at its socket"
-    )]
-    Unreachable { socket: String, cause: String },
+    /// Nothing answered on the socket: what happened on the first line
+    /// (the socket, how it was chosen, why), what to do on one or two more.
+    #[error("cannot reach the broker at {socket}: {cause}.\n{next}")]
+    Unreachable {
+        /// The path, with how it was chosen when known.
+        socket: String,
+        cause: String,
+        /// What to do, in short lines ([`START_THE_BROKER`] unless a
+        /// better hint is known).
+        next: String,
+    },
     /// The socket or the process behind it belongs to another user: nothing
     /// was sent.
     #[error(

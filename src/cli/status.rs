@@ -45,6 +45,44 @@ pub async fn run(args: StatusArgs) -> Result<u8, CliError> {
 /// Longest value shown on a line (a gateway's error message, a URL...).
 const FIELD_CHARS: usize = 300;
 
+/// Longest error message shown; a longer one is cut at a word, with `…`.
+const ERROR_CHARS: usize = 1000;
+/// The error is wrapped to this many columns, its label included.
+const WRAP_COLUMNS: usize = 100;
+/// The label column (`error     `): continuation lines are indented by it.
+const LABEL_COLUMNS: usize = 11;
+
+/// `s` cut to at most `max` characters at a space, with `…` when cut.
+fn cut_at_word(s: &str, max: usize) -> Cow<'_, str> {
+    match s.char_indices().nth(max) {
+        None => Cow::Borrowed(s),
+        Some((at, _)) => {
+            let head = &s[..at];
+            let head = head.rfind(' ').map_or(head, |sp| &head[..sp]);
+            Cow::Owned(format!("{head}…"))
+        }
+    }
+}
+
+/// `s` in lines of at most `width` characters, broken at spaces (a longer
+/// word stays whole on its own line).
+fn wrap(s: &str, width: usize) -> Vec<String> {
+    let mut lines: Vec<String> = Vec::new();
+    let mut current = String::new();
+    for word in s.split_whitespace() {
+        let len = current.chars().count();
+        if len > 0 && len + 1 + word.chars().count() > width {
+            lines.push(std::mem::take(&mut current));
+        }
+        if !current.is_empty() {
+            current.push(' ');
+        }
+        current.push_str(word);
+    }
+    lines.push(current);
+    lines
+}
+
 /// A string of the state, escaped ([`crate::sanitize`]): most of them
 /// come from the gateway or from clients.
 fn text(v: &Value) -> Cow<'_, str> {
@@ -106,22 +144,23 @@ pub fn render_styled(state: &Value, paint: &super::style::Paint) -> String {
         line("scopes", scopes);
     }
     if up["last_error"].is_object() {
+        // What happened, whole and wrapped at words; then the code (for a
+        // search or a bug report) and when the broker tries again.
         let e = &up["last_error"];
-        let mut err = format!("{}: {}", paint.bad(&text(&e["code"])), text(&e["message"]));
+        let message = crate::sanitize::text(e["message"].as_str().unwrap_or("?"));
+        let mut after = text(&e["code"]).into_owned();
         if let Some(ms) = up["retry_after_ms"].as_u64() {
-            err.push_str(&format!(" (next try in {:.1} s)", ms as f64 / 1000.0));
+            after.push_str(&format!("; next try in {:.1} s", ms as f64 / 1000.0));
         }
-        line("error", err);
+        let words = format!("{} ({after})", cut_at_word(&message, ERROR_CHARS));
+        let wrapped =
+            wrap(&words, WRAP_COLUMNS - LABEL_COLUMNS).join(&format!("\n{:LABEL_COLUMNS$}", ""));
+        line("error", paint.bad(&wrapped));
     }
     let snap = &state["snapshot"];
     if snap.is_object() {
         let presence = snap["presence"].as_array().map_or(0, Vec::len);
-        let sv = &snap["stateVersion"];
-        let mut gw = format!(
-            "{presence} presence entries, stateVersion presence {} health {}",
-            crate::sanitize::text(&sv["presence"].to_string()),
-            crate::sanitize::text(&sv["health"].to_string())
-        );
+        let mut gw = format!("{presence} presence entries");
         if let Some(agent) = snap["sessionDefaults"]["defaultAgentId"].as_str() {
             gw.push_str(&format!(
                 ", default agent {}",
@@ -152,8 +191,8 @@ pub fn render_styled(state: &Value, paint: &super::style::Paint) -> String {
     );
     let (oldest, newest) = (state["oldest_seq"].as_u64(), state["newest_seq"].as_u64());
     let held = match (oldest, newest) {
-        (Some(o), Some(n)) if o <= n => format!("replay holds {o}..={n}"),
-        _ => "replay holds nothing yet".to_owned(),
+        (Some(o), Some(n)) if o <= n => format!("seq {o} to {n} kept for clients that resume"),
+        _ => "none kept yet".to_owned(),
     };
     line(
         "events",
@@ -193,7 +232,7 @@ mod tests {
         );
         assert!(text.contains("NOT granted: operator.admin"), "{text}");
         assert!(
-            text.contains("studio.upstream_error: refused (next try in 1.5 s)"),
+            text.contains("refused (studio.upstream_error; next try in 1.5 s)"),
             "{text}"
         );
         assert!(text.contains("2 presence entries"), "{text}");
@@ -202,9 +241,36 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("newest seq 42, replay holds 1..=42, epoch abc"),
+            text.contains("newest seq 42, seq 1 to 42 kept for clients that resume, epoch abc"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_long_error_is_shown_whole_wrapped_at_words_without_internal_words() {
+        let message = "check clawmux's gateway token: unauthorized: gateway token mismatch (provide gateway auth token); the gateway refused the broker's connect; check the token (gateway.auth.token in the gateway's openclaw.json) (ignore the gateway's recommendedNextStep \"retry_with_device_token\": it is meant for a paired client app; the broker needs the right shared token)";
+        let state = json!({
+            "epoch": "abc", "newest_seq": 0, "oldest_seq": null,
+            "broker": {"version": "0.1.0", "pid": 7, "socket": "/run/c.sock"},
+            "upstream": {"phase": "rejected", "url": "ws://localhost:18789", "session": 0,
+                "reconnects": 0, "retry_after_ms": 28000,
+                "last_error": {"code": "studio.upstream_rejected", "message": message}},
+            "snapshot": {"presence": [], "stateVersion": {"presence": 3, "health": 4}},
+            "clients": [], "requests_pending": 0,
+        });
+        let text = render(&state);
+        let joined = text.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(
+            joined.contains("the broker needs the right shared token) (studio.upstream_rejected; next try in 28.0 s)"),
+            "{text}"
+        );
+        assert!(!text.contains('…'), "{text}");
+        for l in text.lines() {
+            assert!(l.chars().count() <= WRAP_COLUMNS, "{l}");
+        }
+        assert!(!text.contains("..="), "{text}");
+        assert!(!text.contains("stateVersion"), "{text}");
+        assert!(text.contains("newest seq 0, none kept yet"), "{text}");
     }
 
     #[test]
@@ -225,7 +291,7 @@ mod tests {
         );
         for want in [
             "gateway 9\\u{202e}\\e]0;pwned\\x07",
-            "E\\e]0;pwned\\x07: m\\u{2066}",
+            "m\\u{2066}\\e]0;pwned\\x07 (E\\e]0;pwned\\x07)",
             "main session k\\e]0;",
             "a\\u{9b}",
         ] {

@@ -63,15 +63,21 @@ async fn status_exit_codes_for_a_broker_without_upstream_and_for_no_broker() {
         code, 1,
         "the broker runs but the gateway session does not: {out}"
     );
-    assert!(out.contains("error      studio.upstream_error"), "{out}");
+    assert!(
+        out.contains("error      cannot open the gateway connection")
+            && out.contains("(studio.upstream_error"),
+        "what happened first, then the code: {out}"
+    );
 
     let missing = dir.path().join("nobody-here.sock");
     let (code, out, err) = run_clawmux(&["status", "--socket", s(&missing)]).await;
     assert_eq!(code, 3, "{err}");
     assert!(out.is_empty());
-    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert_eq!(err.lines().count(), 3, "three short lines: {err}");
+    // This test's broker (or, under a parallel run, another test's) listens
+    // elsewhere: the hint names a listening socket to use instead.
     assert!(
-        err.contains(s(&missing)) && err.contains("clawmux serve"),
+        err.contains(s(&missing)) && err.contains("A clawmux socket of yours is listening at "),
         "{err}"
     );
 }
@@ -348,6 +354,50 @@ async fn tail_without_a_broker_exits_3() {
     );
 }
 
+/// Without a broker every command says so in three short lines: what
+/// happened (the socket and how it was chosen), then what to do.
+#[tokio::test]
+async fn without_a_broker_every_command_says_so_in_three_short_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("none.sock");
+    for args in [
+        &["status"][..],
+        &["call", "health"],
+        &["tail"],
+        &["metrics"],
+        &["record"],
+    ] {
+        let mut argv = args.to_vec();
+        argv.extend(["--socket", s(&sock)]);
+        let (code, _, err) = run_clawmux(&argv).await;
+        assert_eq!(code, 3, "{args:?}: {err}");
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines.len(), 3, "{args:?}: {err}");
+        assert!(
+            lines[0].starts_with(&format!(
+                "clawmux {}: cannot reach the broker at {}",
+                args[0],
+                s(&sock)
+            )) && lines[0].ends_with("no socket there."),
+            "{args:?}: {err}"
+        );
+        // Another test's broker may be listening: then line 2 names it.
+        if lines[1].starts_with("Start it with `clawmux serve`") {
+            assert!(lines[2].starts_with("or point --socket"), "{err}");
+            let longest = lines[1..].iter().map(|l| l.chars().count()).max().unwrap();
+            assert!(
+                longest <= 80,
+                "{args:?}: a hint line of {longest} characters: {err}"
+            );
+        } else {
+            assert!(
+                lines[1].starts_with("A clawmux socket of yours is listening at "),
+                "{err}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn tail_rejects_unknown_event_names_with_the_known_ones() {
     let h = start().await;
@@ -552,4 +602,44 @@ async fn metrics_textfile_for_node_exporter() {
         text.ends_with("\nclawmux_up 0\n") && !text.contains("process_"),
         "{text}"
     );
+}
+
+/// A wrong gateway token: `call` says what happened and what to do, then
+/// the code, with no raw JSON; `status` shows the whole message, wrapped at
+/// words, never cut mid-word.
+#[tokio::test]
+async fn a_wrong_token_reads_whole_in_call_and_status() {
+    let h = start_with(mock_config(), |s| {
+        s.token = Some(clawmux::config::Secret::new("wrong-token"))
+    })
+    .await;
+    let sock = s(&h.socket()).to_owned();
+    let (code, _, err) = run_clawmux(&["call", "--socket", &sock, "health"]).await;
+    assert_eq!(code, 1, "{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 2, "{err}");
+    assert!(
+        lines[0].starts_with("clawmux call: check clawmux's gateway token")
+            && lines[0].ends_with("the broker needs the right shared token)"),
+        "{err}"
+    );
+    assert!(
+        lines[1].starts_with("(studio.upstream_rejected;")
+            && lines[1].contains("code INVALID_REQUEST")
+            && lines[1].ends_with("`--json` prints the whole answer)"),
+        "{err}"
+    );
+    assert!(!err.contains('{'), "no raw JSON: {err}");
+
+    let (code, out, err) = run_clawmux(&["status", "--socket", &sock]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    let joined = out.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        joined.contains("error check clawmux's gateway token")
+            && joined
+                .contains("the broker needs the right shared token) (studio.upstream_rejected"),
+        "{out}"
+    );
+    assert!(!out.contains('…'), "{out}");
+    assert!(out.lines().all(|l| l.chars().count() <= 100), "{out}");
 }

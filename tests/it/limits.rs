@@ -323,7 +323,8 @@ async fn an_absurd_config_value_is_a_settings_error_naming_the_key() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(out.status.code(), Some(1), "{text}");
+    // A broken config.toml: exit 2, as for every command (the report shows it too).
+    assert_eq!(out.status.code(), Some(2), "{text}");
     assert!(text.contains("limits.request_timeout_ms"), "{text}");
     assert!(text.contains("studio.settings_load_failed"), "{text}");
     assert!(!text.contains("panicked"), "{text}");

@@ -698,3 +698,88 @@ async fn events_only_some_clients_get_are_recorded_without_a_cursor() {
         1
     );
 }
+
+/// Reads `serve`'s stderr until a line containing `needle`; returns all so far.
+async fn stderr_until(
+    lines: &mut tokio::io::Lines<BufReader<tokio::process::ChildStderr>>,
+    seen: &mut String,
+    needle: &str,
+) {
+    let deadline = tokio::time::Instant::now() + SLOW;
+    while !seen.contains(needle) {
+        match tokio::time::timeout_at(deadline, lines.next_line()).await {
+            Ok(Ok(Some(line))) => {
+                seen.push_str(&line);
+                seen.push('\n');
+            }
+            _ => panic!("no {needle:?} in serve's output:\n{seen}"),
+        }
+    }
+}
+
+/// `serve --demo --replay` speaks about the recording: what it plays, a
+/// `call` it can answer, no INFO log lines, and when it has ended. Without
+/// recorded answers it says so, and how to record them.
+#[tokio::test]
+async fn serve_demo_replay_says_what_it_plays_and_when_it_ends() {
+    let home = TestHome::new();
+    // The fixture without its requests and answers.
+    let no_answers = home.path().join("events-only.jsonl");
+    let text: String = std::fs::read_to_string(FIXTURE)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.contains(r#""dir":"out""#) && !l.contains(r#""type":"res""#))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&no_answers, text).unwrap();
+    for (file, answers) in [(FIXTURE, true), (no_answers.to_str().unwrap(), false)] {
+        let socket = home.path().join("run/clawmux.sock");
+        let mut serve = Command::from(home.clawmux());
+        serve
+            .args(["serve", "--demo", "--instant", "--replay", file, "--socket"])
+            .arg(&socket)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut serve = serve.spawn().unwrap();
+        let mut lines = BufReader::new(serve.stderr.take().unwrap()).lines();
+        let mut seen = String::new();
+        stderr_until(&mut lines, &mut seen, "the recording has ended").await;
+        assert!(
+            seen.contains("a gateway double that plays the recording ("),
+            "{seen}"
+        );
+        assert!(!seen.contains("scripted agent"), "{seen}");
+        assert!(
+            !seen.contains(" INFO "),
+            "no log lines at the default level: {seen}"
+        );
+        assert!(!seen.contains("sse client"), "{seen}");
+        let (code, _, err) =
+            run_clawmux(&["call", "--socket", socket.to_str().unwrap(), "health"]).await;
+        if answers {
+            assert!(seen.contains("# answered as recorded"), "{seen}");
+            assert!(
+                !seen.contains(" call health"),
+                "health was not recorded: {seen}"
+            );
+            assert!(err.contains("recorded methods: "), "{err}");
+        } else {
+            assert!(
+                seen.contains(
+                    "the recording has no answers; `clawmux record --requests` records them"
+                ),
+                "{seen}"
+            );
+            assert_eq!(code, 1, "{err}");
+            assert!(
+                err.contains(
+                    "the recording has no answers: `clawmux record --requests` records them"
+                ),
+                "{err}"
+            );
+        }
+        sigterm_child(&serve);
+        assert_eq!(exit_code(&mut serve).await, 0);
+    }
+}

@@ -274,7 +274,7 @@ async fn socket_activation_passes_policy_sockets_by_name() {
 }
 
 #[tokio::test]
-#[ignore = "needs systemd-socket-activate: bash .ci/systemd-tools.sh, then cargo test --test systemd -- --ignored (.ci/run does)"]
+#[ignore = "needs systemd-socket-activate: bash .ci/systemd-tools.sh, then cargo test --test it -- --ignored systemd:: (.ci/run does)"]
 async fn systemd_socket_activate_starts_the_broker_on_first_connection() {
     let tool = which("systemd-socket-activate")
         .expect("systemd-socket-activate is installed (bash .ci/systemd-tools.sh)");

@@ -605,7 +605,10 @@ async fn doctor_zero_config_remote_mode() {
     write(home.path(), ".openclaw/openclaw.json", &config(&wrong));
     let (ok, text) = doctor(&home, &["--no-device-identity"]).await;
     assert!(!ok, "{text}");
-    assert!(text.contains("FAILED studio.upstream_error"), "{text}");
+    assert!(
+        text.contains("FAILED: ") && text.contains("(studio.upstream_error)"),
+        "{text}"
+    );
     assert!(
         text.contains(&leaf.fingerprint),
         "shows the fingerprint seen: {text}"

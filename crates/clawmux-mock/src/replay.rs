@@ -45,6 +45,9 @@ pub struct Replay {
     /// The timeline encoded once, shared by every playing connection (not
     /// one copy per connection).
     encoded: Vec<(u64, Option<Arc<EncodedEvent>>)>,
+    /// How many times a connection has played the recording to its end, so
+    /// `serve --demo --replay` can say when the recording is over.
+    ended: tokio::sync::watch::Sender<u64>,
 }
 
 impl Replay {
@@ -56,7 +59,27 @@ impl Replay {
             looped,
             served: Mutex::new(HashMap::new()),
             encoded,
+            ended: tokio::sync::watch::Sender::new(0),
         })
+    }
+
+    /// Changes each time a connection has played the whole recording (the
+    /// value counts the ends).
+    pub fn ends(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.ended.subscribe()
+    }
+
+    /// The distinct methods that have a recorded answer, sorted.
+    pub fn answered_methods(&self) -> Vec<&str> {
+        let mut m: Vec<&str> = self
+            .recording
+            .exchanges
+            .iter()
+            .map(|e| e.method.as_str())
+            .collect();
+        m.sort_unstable();
+        m.dedup();
+        m
     }
 
     /// The `hello-ok` for one connection: the recorded one with this
@@ -79,17 +102,7 @@ impl Replay {
     pub(crate) fn answer(&self, id: &Value, method: &str, params: &Value) -> Vec<String> {
         let matching = self.recording.matching(method, params);
         let Some(&first) = matching.first() else {
-            let known: Vec<&str> = {
-                let mut m: Vec<&str> = self
-                    .recording
-                    .exchanges
-                    .iter()
-                    .map(|e| e.method.as_str())
-                    .collect();
-                m.sort_unstable();
-                m.dedup();
-                m
-            };
+            let known = self.answered_methods();
             let mut shown = params.to_string();
             if shown.len() > 200 {
                 let cut = (0..=200)
@@ -102,8 +115,12 @@ impl Replay {
             let error = json!({
                 "code": "INVALID_REQUEST",
                 "message": format!(
-                    "replay: no recorded answer for {method} with params {shown} (recorded methods: {})",
-                    if known.is_empty() { "none".to_owned() } else { known.join(", ") }
+                    "replay: no recorded answer for {method} with params {shown} ({})",
+                    if known.is_empty() {
+                        "the recording has no answers: `clawmux record --requests` records them".to_owned()
+                    } else {
+                        format!("recorded methods: {}", known.join(", "))
+                    }
                 ),
             });
             return vec![res_frame(id, Err(&error))];
@@ -180,6 +197,7 @@ pub(crate) async fn play(inner: Arc<Inner>, index: u64, replay: Arc<Replay>) {
                 None => entry.send(Outbound::SkipSeq, 0),
             }
         }
+        replay.ended.send_modify(|n| *n += 1);
         if !replay.looped {
             return;
         }

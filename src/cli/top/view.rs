@@ -24,6 +24,14 @@ use crate::sanitize::{self, Shown};
 pub const RATE_SECONDS: usize = 256;
 /// Client rows shown at most (the title says how many there are).
 pub const MAX_CLIENT_ROWS: usize = 5;
+/// Seconds the footer tells of missed events (then the footer is clear
+/// again: it is news, not a state).
+pub const NOTICE_SECONDS: usize = 60;
+/// The widest the client/mode column gets; a longer name is cut with `…`.
+pub const CLIENT_COLUMN_CHARS: usize = 40;
+/// What the footer says when events were missed (the full story is
+/// `tail`'s; this must fit beside the keys on an 80-column terminal).
+pub const MISSED_NOTICE: &str = "events missed (reconnect or restart); unfinished runs dropped";
 
 /// What a key asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +95,8 @@ pub struct App {
     pub link: String,
     /// The last thing worth telling (missed events, a broker restart).
     pub notice: Option<String>,
+    /// Seconds left before the notice is cleared.
+    notice_left: usize,
     rates: VecDeque<u64>,
     this_second: u64,
     selected: Option<String>,
@@ -108,6 +118,7 @@ impl App {
             state: Value::Null,
             link: "connecting".into(),
             notice: None,
+            notice_left: 0,
             rates: VecDeque::new(),
             this_second: 0,
             selected: None,
@@ -123,7 +134,11 @@ impl App {
     /// nothing of when it happened). The time is taken when the event
     /// arrives, not the clock of the last frame drawn.
     pub fn on_event(&mut self, name: &str, frame: &Value, received_ms: Option<u64>) {
-        self.this_second += 1;
+        // The rate is of live events: the replayed backlog arrives at once
+        // and would flatten every later second to nothing.
+        if received_ms.is_some() {
+            self.this_second += 1;
+        }
         self.activity.apply(Observed {
             name,
             payload: &frame["payload"],
@@ -144,9 +159,10 @@ impl App {
 
     /// Events were missed (a gap, an upstream reconnect, a broker restart):
     /// runs whose end may be among them are forgotten.
-    pub fn on_gap(&mut self, what: String) {
+    pub fn on_gap(&mut self, _what: String) {
         self.activity.forget_unfinished();
-        self.notice = Some(what);
+        self.notice = Some(MISSED_NOTICE.to_owned());
+        self.notice_left = NOTICE_SECONDS;
     }
 
     /// A second passed: the rate sparkline moves on.
@@ -154,6 +170,10 @@ impl App {
         self.rates.push_back(std::mem::take(&mut self.this_second));
         while self.rates.len() > RATE_SECONDS {
             self.rates.pop_front();
+        }
+        self.notice_left = self.notice_left.saturating_sub(1);
+        if self.notice_left == 0 {
+            self.notice = None;
         }
     }
 
@@ -302,11 +322,19 @@ impl App {
                 .iter()
                 .flat_map(|(_, runs)| runs.iter().map(|r| r.id.as_str())),
         );
+        let at_bound =
+            sessions.iter().map(|(_, r)| r.len()).sum::<usize>() >= crate::activity::MAX_RUNS;
         for (session, runs) in &sessions {
             if self.session_filter.as_ref().is_some_and(|f| f != session) {
                 continue;
             }
             let running = runs.iter().filter(|r| r.running()).count();
+            // At the bound older runs were forgotten: say what is kept.
+            let kept = if at_bound {
+                format!(" (of the newest {} kept)", crate::activity::MAX_RUNS)
+            } else {
+                String::new()
+            };
             rows.push(TreeRow {
                 key: format!("s:{session}"),
                 run: None,
@@ -317,7 +345,7 @@ impl App {
                     ),
                     Span::styled(
                         format!(
-                            "  {} run{}, {running} running",
+                            "  {} run{}{kept}, {running} running",
                             runs.len(),
                             if runs.len() == 1 { "" } else { "s" }
                         ),
@@ -606,13 +634,7 @@ fn draw_clients(frame: &mut Frame, app: &App, clients: &[Value], area: Rect) {
     ])
     .style(Style::default().add_modifier(Modifier::BOLD));
     let rows = clients.iter().take(MAX_CLIENT_ROWS).map(|c| {
-        let declared = &c["declared"];
-        let who = match (declared["client_id"].as_str(), declared["mode"].as_str()) {
-            (Some(id), Some(mode)) => format!("{}/{}", Shown(id), Shown(mode)),
-            (Some(id), None) => sanitize::text(id).into_owned(),
-            _ if c["tool_observer"] == true => "(observer)".to_owned(),
-            _ => "-".to_owned(),
-        };
+        let who = cut(&client_name(c), CLIENT_COLUMN_CHARS);
         let since = c["connected_at_ms"]
             .as_u64()
             .map(|at| duration(app.now_ms.saturating_sub(at)))
@@ -634,10 +656,18 @@ fn draw_clients(frame: &mut Frame, app: &App, clients: &[Value], area: Rect) {
             c["inflight"].to_string(),
         ])
     });
+    // As wide as the longest name shown (bounded), not the rest of the line.
+    let who_width = clients
+        .iter()
+        .take(MAX_CLIENT_ROWS)
+        .map(|c| client_name(c).chars().count().min(CLIENT_COLUMN_CHARS))
+        .max()
+        .unwrap_or(0)
+        .max("client/mode".len());
     let widths = [
         Constraint::Length(4),
         Constraint::Length(4),
-        Constraint::Min(12),
+        Constraint::Length(who_width as u16),
         Constraint::Length(7),
         Constraint::Length(9),
         Constraint::Length(9),
@@ -651,6 +681,17 @@ fn draw_clients(frame: &mut Frame, app: &App, clients: &[Value], area: Rect) {
             .block(Block::new().borders(Borders::TOP).title(title)),
         area,
     );
+}
+
+/// A client as its declared `client.id/mode`, escaped.
+fn client_name(c: &Value) -> String {
+    let declared = &c["declared"];
+    match (declared["client_id"].as_str(), declared["mode"].as_str()) {
+        (Some(id), Some(mode)) => format!("{}/{}", Shown(id), Shown(mode)),
+        (Some(id), None) => sanitize::text(id).into_owned(),
+        _ if c["tool_observer"] == true => "(observer)".to_owned(),
+        _ => "-".to_owned(),
+    }
 }
 
 fn draw_tree(frame: &mut Frame, app: &App, area: Rect) {
@@ -682,3 +723,6 @@ fn draw_tree(frame: &mut Frame, app: &App, area: Rect) {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod look_tests;

@@ -158,10 +158,10 @@ fn dashboard_at_80x24_shows_header_clients_and_the_activity_tree() {
     let expected = r#"clawmux top  upstream ready  gateway 2026.9.6  up 1h02m  7 ev/s  1 running
 events/s █ ▇▄
  Clients (3) ───────────────────────────────────────────────────────────────────
-id   kind client/mode                     pid     since     queue     drops infl
-1    ws   cli/cli                         4242    1 m 15 s  1.5 KiB   0     1
-2    ws   cli/cli                         4242    1 m 15 s  1.5 KiB   0     1
-99   sse  (observer)                      77      5.0 s     0 B       2     0
+id   kind client/mode pid     since     queue     drops infl
+1    ws   cli/cli     4242    1 m 15 s  1.5 KiB   0     1
+2    ws   cli/cli     4242    1 m 15 s  1.5 KiB   0     1
+99   sse  (observer)  77      5.0 s     0 B       2     0
  Activity · session: all ───────────────────────────────────────────────────────
 agent:main:main  2 runs, 1 running
  ▾ run 7d7b1f2c running 10.0 s, 2 tools
@@ -329,7 +329,7 @@ fn a_gap_forgets_runs_whose_end_was_not_seen() {
     assert_eq!(app.activity.running(), 1);
     app.on_gap("events were missed".into());
     assert_eq!(app.activity.running(), 0);
-    assert_eq!(app.notice.as_deref(), Some("events were missed"));
+    assert_eq!(app.notice.as_deref(), Some(MISSED_NOTICE));
 }
 
 /// Gateway and client strings carrying OSC sequences, C1 controls and bidi
