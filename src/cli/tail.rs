@@ -422,7 +422,7 @@ pub fn format_line(seq: u64, name: &str, frame: &Value, now_ms: u64) -> String {
     format_line_styled(seq, name, frame, now_ms, &Paint::plain())
 }
 
-/// [`format_line`] with colour: time and cursor dimmed, the event name bold
+/// [`format_line`] with colour: time and cursor (`#N`) dimmed, the event name bold
 /// (errors red, broker events yellow).
 pub fn format_line_styled(
     seq: u64,
@@ -454,7 +454,8 @@ pub fn format_line_styled(
     let line = format!(
         "{} {} {name_style} {}",
         paint.dim(&time),
-        paint.dim(&format!("{seq:>7}")),
+        // Labelled: the event's cursor, what `--after` takes back.
+        paint.dim(&format!("#{seq}")),
         // Session keys, run ids, texts, tool names: the gateway's strings.
         crate::sanitize::text(&describe(name, payload))
     );
@@ -561,7 +562,7 @@ mod tests {
         let line = format_line(45, "chat", &chat, 0);
         assert!(
             line.ends_with(
-                r#"45 chat             run=7d7b1f2c-1111 session=agent:main:main delta "Hello there""#
+                r#" #45 chat             run=7d7b1f2c-1111 session=agent:main:main delta "Hello there""#
             ),
             "{line}"
         );

@@ -232,9 +232,14 @@ async fn wait_for_stream(h: &Harness) {
     .await;
 }
 
-/// The cursor (second column) of a human tail line.
+/// The cursor (second column, `#N`) of a human tail line.
 fn cursor_of(line: &str) -> u64 {
-    line.split_whitespace().nth(1).unwrap().parse().expect(line)
+    let column = line.split_whitespace().nth(1).unwrap();
+    column
+        .strip_prefix('#')
+        .expect("the cursor is labelled #N")
+        .parse()
+        .expect(line)
 }
 
 #[tokio::test]
