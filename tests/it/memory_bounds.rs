@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
@@ -87,13 +87,29 @@ async fn open_unread(socket: &Path, path: &str) -> UnixStream {
 /// (a WebSocket client that reads them all): the producer stays a few
 /// events ahead of it, so the reader's own backlog stays small.
 async fn flow(gw: &MockGateway, reader: &mut WsClient, events: u64, size: usize) {
+    flow_of(gw, reader, events, size, |n, pad| {
+        ("test.event", json!({"n": n, "pad": pad}))
+    })
+    .await
+}
+
+/// [`flow`] of the events `make(n, pad)` names and shapes (each payload
+/// carries `n`, where the reader finds it).
+async fn flow_of(
+    gw: &MockGateway,
+    reader: &mut WsClient,
+    events: u64,
+    size: usize,
+    make: fn(u64, &str) -> (&'static str, Value),
+) {
     const WINDOW: u64 = 8;
     let pad = "x".repeat(size);
     let (read_tx, mut read_rx) = tokio::sync::watch::channel(0u64);
     let gw = gw.clone();
     let producer = tokio::spawn(async move {
         for n in 0..events {
-            gw.broadcast("test.event", json!({"n": n, "pad": pad}));
+            let (name, payload) = make(n, &pad);
+            gw.broadcast(name, payload);
             tokio::time::timeout(
                 Duration::from_secs(30),
                 read_rx.wait_for(|&read| n < read + WINDOW),
@@ -118,6 +134,57 @@ async fn flow(gw: &MockGateway, reader: &mut WsClient, events: u64, size: usize)
         }
     }
     producer.await.unwrap();
+}
+
+/// 150 `/v1/hud` readers that never read while agent runs stream 16 MiB
+/// of assistant text and tool calls (every event a HUD event): each HUD
+/// stream's queue counts in `queue_total_bytes` and the shedder closes
+/// only the largest backlogs, so the peak stays near idle plus the budget
+/// and the WebSocket client that reads is never cut off. Before (issue 30):
+/// peaks of 671 MiB in 2 of 11 runs, and a reading client closed with a
+/// 106-byte backlog in 4 of 9.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known gap (issue 30's HUD row): measured +47 MiB peak over idle with a 16 MiB budget, over its 40 MiB bound, because each HUD stream's own activity projection is outside the budget; and it takes ~6 min"]
+async fn hud_streams_that_never_read_stay_within_the_queue_budget() {
+    const STREAMS: usize = 150;
+    let _heavy = HEAVY.lock().await;
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let broker = spawn_broker(
+        dir.path(),
+        &socket,
+        &gw.url(),
+        "replay_max_bytes = 1048576\nmax_frame_bytes = 4194304\nqueue_hard_bytes = 8388608\nqueue_total_bytes = 16777216\n",
+    );
+    let pid = broker.0.id();
+    eventually("socket exists", || socket.exists()).await;
+    let mut reader = WsClient::open(&socket, "/ws").await;
+    reader.handshake().await;
+    let mut streams = Vec::new();
+    for _ in 0..STREAMS {
+        streams.push(open_unread(&socket, "/v1/hud").await);
+    }
+    let idle_kib = status_kib(pid, "VmRSS");
+    flow_of(&gw, &mut reader, 4096, 4096, |n, pad| {
+        let run = format!("run-{}", n / 64);
+        let payload = match n % 64 {
+            0 => json!({"n": n, "runId": run, "sessionKey": "agent:main:main", "stream": "lifecycle", "data": {"phase": "start"}}),
+            63 => json!({"n": n, "runId": run, "sessionKey": "agent:main:main", "stream": "lifecycle", "data": {"phase": "end"}}),
+            _ => json!({"n": n, "runId": run, "sessionKey": "agent:main:main", "stream": "assistant", "data": {"text": pad, "delta": pad}}),
+        };
+        ("agent", payload)
+    })
+    .await;
+    let peak_kib = status_kib(pid, "VmHWM");
+    eprintln!(
+        "{STREAMS} unread /v1/hud streams, 16 MiB of agent events: broker RSS {idle_kib} KiB before, peak {peak_kib} KiB"
+    );
+    assert!(
+        peak_kib < idle_kib + 40 * 1024,
+        "peak {peak_kib} KiB, {idle_kib} KiB before the flow, budget 16 MiB"
+    );
+    drop(streams);
 }
 
 /// 150 `/v1/events` readers that never read while 16 MiB of events flow
