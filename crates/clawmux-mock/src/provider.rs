@@ -6,7 +6,8 @@
 //! when the request says `stream:true`). Its answers are deterministic, so two
 //! runs of the same scenario produce the same transcript:
 //!
-//! - the last message is the k-th tool result of this turn → the call
+//! - the last message (but for the context a gateway appends as user
+//!   messages) is the k-th tool result of this turn → the call
 //!   `ProviderConfig::then_tools[k-1]` while there is one (and it is
 //!   offered), else [`ProviderConfig::after_tool_reply`];
 //! - a user message of this turn (after the last assistant message) contains
@@ -102,7 +103,6 @@ pub enum Reply {
 /// The scripted answer to a `chat/completions` request body (pure).
 pub fn reply_for(cfg: &ProviderConfig, request: &Value) -> Reply {
     let messages = request["messages"].as_array().cloned().unwrap_or_default();
-    let last = messages.last().cloned().unwrap_or(Value::Null);
     let offered: Vec<&str> = request["tools"]
         .as_array()
         .map(|tools| {
@@ -112,12 +112,26 @@ pub fn reply_for(cfg: &ProviderConfig, request: &Value) -> Reply {
                 .collect()
         })
         .unwrap_or_default();
-    if last["role"] == "tool" {
-        // Tool results since this turn's prompt: the step the chain is at.
+    // A real gateway appends context as user messages after a tool result:
+    // the model answers a tool result when the last message other than
+    // those is one, and no user message since asks for a tool again.
+    let asked_again = messages
+        .iter()
+        .rev()
+        .take_while(|m| m["role"] == "user")
+        .any(|m| text_of(&m["content"]).contains(&cfg.tool_trigger));
+    let after_result = messages
+        .iter()
+        .rev()
+        .find(|m| m["role"] != "user")
+        .is_some_and(|m| m["role"] == "tool");
+    if after_result && !asked_again {
+        // Tool results since this turn's last text answer: the step the
+        // chain is at.
         let done = messages
             .iter()
             .rev()
-            .take_while(|m| m["role"] != "user")
+            .take_while(|m| !(m["role"] == "assistant" && m["tool_calls"].is_null()))
             .filter(|m| m["role"] == "tool")
             .count();
         return match cfg.then_tools.get(done.saturating_sub(1)) {
@@ -458,6 +472,15 @@ mod tests {
         assert_eq!(
             reply_for(&cfg, &twice),
             Reply::Text(cfg.after_tool_reply.clone())
+        );
+        // The context a real gateway appends after a tool result.
+        let mut with_context = after.clone();
+        with_context["messages"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"role": "user", "content": [{"type": "text", "text": "context"}]}));
+        assert!(
+            matches!(reply_for(&cfg, &with_context), Reply::ToolCall { name, .. } if name == "session_status")
         );
         cfg.then_tools = vec![("not-offered".into(), json!({}))];
         assert_eq!(reply_for(&cfg, &after), Reply::Text(cfg.after_tool_reply));
