@@ -42,7 +42,7 @@ const ALL_SCOPES: [&str; 5] = [
 /// The connect both runs send: the broker's own upstream identity
 /// (`gateway-client`/`backend`), so the gateway treats both connections
 /// alike (scopes kept on loopback, the same participant identity).
-fn connect_params() -> Value {
+pub(crate) fn connect_params() -> Value {
     json!({"minProtocol": 3, "maxProtocol": 4,
         "client": {"id": "gateway-client", "version": "interop", "platform": "linux", "mode": "backend"},
         "role": "operator", "scopes": ALL_SCOPES, "caps": ["tool-events"],
@@ -433,7 +433,7 @@ fn assert_seq_contiguous(log: &[Value]) {
 
 /// Configures the gateway to use the mock provider (`config.patch`, which
 /// hot-reloads).
-async fn use_provider(port: u16, provider: &MockProvider) {
+pub(crate) async fn use_provider(port: u16, provider: &MockProvider) {
     let mut c = Conn::tcp(port, "").await;
     c.until(ANSWER, "connect.challenge", |v| {
         v["event"] == "connect.challenge"

@@ -33,6 +33,7 @@ mod install_service;
 mod interop;
 mod interop_dedicated;
 mod interop_diff;
+mod interop_hud;
 mod interop_scopes;
 mod least_privilege;
 mod limits;

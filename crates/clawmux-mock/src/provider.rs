@@ -6,7 +6,10 @@
 //! when the request says `stream:true`). Its answers are deterministic, so two
 //! runs of the same scenario produce the same transcript:
 //!
-//! - the last message is a tool result → [`ProviderConfig::after_tool_reply`];
+//! - the last message (but for the context a gateway appends as user
+//!   messages) is the k-th tool result of this turn → the call
+//!   `ProviderConfig::then_tools[k-1]` while there is one (and it is
+//!   offered), else [`ProviderConfig::after_tool_reply`];
 //! - a user message of this turn (after the last assistant message) contains
 //!   [`ProviderConfig::tool_trigger`] and the
 //!   request offers the tool [`ProviderConfig::tool_name`] (else the first
@@ -61,7 +64,11 @@ pub struct ProviderConfig {
     pub tool_name: Option<String>,
     /// The call's `arguments` (a JSON object).
     pub tool_arguments: Value,
-    /// The answer once a tool result came back.
+    /// Further calls, one per step: after the k-th tool result of a turn
+    /// the model calls `then_tools[k-1]` (name, arguments), so one run can
+    /// use several tools in turn (a tool not offered ends the chain).
+    pub then_tools: Vec<(String, Value)>,
+    /// The answer once the last tool result came back.
     pub after_tool_reply: String,
     /// Stream text in pieces of at most this many characters.
     pub chunk_chars: usize,
@@ -75,6 +82,7 @@ impl Default for ProviderConfig {
             tool_trigger: "[[use-a-tool]]".into(),
             tool_name: None,
             tool_arguments: json!({}),
+            then_tools: Vec::new(),
             after_tool_reply: "The tool answered; done.".into(),
             chunk_chars: 8,
         }
@@ -95,17 +103,6 @@ pub enum Reply {
 /// The scripted answer to a `chat/completions` request body (pure).
 pub fn reply_for(cfg: &ProviderConfig, request: &Value) -> Reply {
     let messages = request["messages"].as_array().cloned().unwrap_or_default();
-    let last = messages.last().cloned().unwrap_or(Value::Null);
-    if last["role"] == "tool" {
-        return Reply::Text(cfg.after_tool_reply.clone());
-    }
-    // This turn's user messages: those after the last assistant message (a
-    // gateway may append context messages after the prompt itself).
-    let asked = messages
-        .iter()
-        .rev()
-        .take_while(|m| m["role"] != "assistant")
-        .any(|m| m["role"] == "user" && text_of(&m["content"]).contains(&cfg.tool_trigger));
     let offered: Vec<&str> = request["tools"]
         .as_array()
         .map(|tools| {
@@ -115,6 +112,44 @@ pub fn reply_for(cfg: &ProviderConfig, request: &Value) -> Reply {
                 .collect()
         })
         .unwrap_or_default();
+    // A real gateway appends context as user messages after a tool result:
+    // the model answers a tool result when the last message other than
+    // those is one, and no user message since asks for a tool again.
+    let asked_again = messages
+        .iter()
+        .rev()
+        .take_while(|m| m["role"] == "user")
+        .any(|m| text_of(&m["content"]).contains(&cfg.tool_trigger));
+    let after_result = messages
+        .iter()
+        .rev()
+        .find(|m| m["role"] != "user")
+        .is_some_and(|m| m["role"] == "tool");
+    if after_result && !asked_again {
+        // Tool results since this turn's last text answer: the step the
+        // chain is at.
+        let done = messages
+            .iter()
+            .rev()
+            .take_while(|m| !(m["role"] == "assistant" && m["tool_calls"].is_null()))
+            .filter(|m| m["role"] == "tool")
+            .count();
+        return match cfg.then_tools.get(done.saturating_sub(1)) {
+            Some((name, args)) if offered.contains(&name.as_str()) => Reply::ToolCall {
+                id: format!("call_mock_{}", messages.len()),
+                name: name.clone(),
+                arguments: args.to_string(),
+            },
+            _ => Reply::Text(cfg.after_tool_reply.clone()),
+        };
+    }
+    // This turn's user messages: those after the last assistant message (a
+    // gateway may append context messages after the prompt itself).
+    let asked = messages
+        .iter()
+        .rev()
+        .take_while(|m| m["role"] != "assistant")
+        .any(|m| m["role"] == "user" && text_of(&m["content"]).contains(&cfg.tool_trigger));
     let tool = match &cfg.tool_name {
         Some(name) if offered.contains(&name.as_str()) => Some(name.as_str()),
         _ => offered.first().copied(),
@@ -414,6 +449,40 @@ mod tests {
         let after = json!({"messages": [{"role": "user", "content": "[[use-a-tool]]"},
             {"role": "assistant", "tool_calls": []}, {"role": "tool", "content": "42"}],
             "tools": tools()});
+        assert_eq!(
+            reply_for(&cfg, &after),
+            Reply::Text(cfg.after_tool_reply.clone())
+        );
+        // A chain: after the first result the next tool, after the last the answer.
+        cfg.then_tools = vec![("session_status".into(), json!({"x": 1}))];
+        let Reply::ToolCall {
+            name, arguments, ..
+        } = reply_for(&cfg, &after)
+        else {
+            panic!("the chain's next call")
+        };
+        assert_eq!(
+            (name.as_str(), arguments.as_str()),
+            ("session_status", "{\"x\":1}")
+        );
+        let twice = json!({"messages": [{"role": "user", "content": "[[use-a-tool]]"},
+            {"role": "assistant", "tool_calls": []}, {"role": "tool", "content": "42"},
+            {"role": "assistant", "tool_calls": []}, {"role": "tool", "content": "43"}],
+            "tools": tools()});
+        assert_eq!(
+            reply_for(&cfg, &twice),
+            Reply::Text(cfg.after_tool_reply.clone())
+        );
+        // The context a real gateway appends after a tool result.
+        let mut with_context = after.clone();
+        with_context["messages"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"role": "user", "content": [{"type": "text", "text": "context"}]}));
+        assert!(
+            matches!(reply_for(&cfg, &with_context), Reply::ToolCall { name, .. } if name == "session_status")
+        );
+        cfg.then_tools = vec![("not-offered".into(), json!({}))];
         assert_eq!(reply_for(&cfg, &after), Reply::Text(cfg.after_tool_reply));
     }
 

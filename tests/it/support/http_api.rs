@@ -129,12 +129,18 @@ pub async fn open_events(
 impl Sse {
     /// The next record (blank-line separated), comments included.
     pub async fn next_item(&mut self) -> Item {
+        self.next_item_within(PATIENCE).await
+    }
+
+    /// [`Sse::next_item`] waiting up to `wait` for each frame (a real
+    /// gateway's model turn can be quiet for longer than `PATIENCE`).
+    pub async fn next_item_within(&mut self, wait: std::time::Duration) -> Item {
         loop {
             if let Some(end) = self.buf.find("\n\n") {
                 let record: String = self.buf.drain(..end + 2).collect();
                 return parse_record(record.trim_end());
             }
-            let frame = tokio::time::timeout(PATIENCE, self.body.frame())
+            let frame = tokio::time::timeout(wait, self.body.frame())
                 .await
                 .expect("an SSE record within the patience window")
                 .expect("the stream is still open")
