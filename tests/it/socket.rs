@@ -69,25 +69,28 @@ async fn a_regular_file_at_the_path_is_never_deleted() {
 
 const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
 
-/// Whether this test can act as another uid (root: chown, setuid). Tests
-/// that need it say so in one clear line and stop when it is missing; CI
-/// runs as root, so there they always run.
-fn root_or_skip(test: &str) -> bool {
-    let root = rustix::process::getuid().as_raw() == 0;
-    if !root {
-        eprintln!("SKIPPED {test}: needs root to act as another uid");
-    }
-    root
+/// Why the tests that act as another uid (chown, setuid) are `#[ignore]`d
+/// in the plain test command: they need root. Ignored, they show as
+/// `ignored` in the summary instead of passing without testing; `.ci/run`
+/// (as root) runs them.
+const NEEDS_ROOT: &str = "needs root to act as another uid";
+
+/// Fails clearly when an ignored root-only test is run without root.
+fn require_root() {
+    assert_eq!(
+        rustix::process::getuid().as_raw(),
+        0,
+        "{NEEDS_ROOT}: run as root"
+    );
 }
 
 /// Another user is refused before any byte is read, even if the file mode
 /// would let them in. Needs root (to act as another uid) and curl.
 #[tokio::test]
+#[ignore = "needs root to act as another uid: cargo test --test it -- --ignored socket:: (.ci/run does, as root)"]
 async fn another_uid_is_refused_by_peer_credentials() {
     use std::os::unix::process::CommandExt;
-    if !root_or_skip("another_uid_is_refused_by_peer_credentials") {
-        return;
-    }
+    require_root();
     assert!(
         std::path::Path::new("/usr/bin/curl").exists(),
         "this test needs /usr/bin/curl (to connect as another uid)"
@@ -171,10 +174,9 @@ async fn another_uid_is_refused_by_peer_credentials() {
 /// a socket file owned by another user is refused with a clear error (exit
 /// 3), whatever answers there. Needs root to chown the socket.
 #[tokio::test]
+#[ignore = "needs root to act as another uid: cargo test --test it -- --ignored socket:: (.ci/run does, as root)"]
 async fn the_cli_refuses_a_socket_owned_by_another_user() {
-    if !root_or_skip("the_cli_refuses_a_socket_owned_by_another_user") {
-        return;
-    }
+    require_root();
     let h = start().await;
     // `status` exits 0 only once the upstream session is ready.
     let _ready = h.connected().await;

@@ -386,7 +386,7 @@ async fn pending_requests_fail_on_loss_and_are_never_replayed() {
 #[tokio::test]
 async fn requests_while_down_fail_fast_with_retry_after() {
     let h = start_with(mock_config(), |s| {
-        s.upstream.backoff_initial = Duration::from_millis(500)
+        s.upstream.backoff_initial = Duration::from_secs(5)
     })
     .await;
     let (mut a, _) = h.connected().await;
@@ -396,13 +396,19 @@ async fn requests_while_down_fail_fast_with_retry_after() {
     });
     h.gw.drop_all();
     a.event("clawmux.upstream").await;
-    let t = Instant::now();
+    // Fails fast: answered before the broker's next attempt (5 s away),
+    // not held until it.
+    let attempts = h.gw.total_connections();
     let res = a.request("health", json!({})).await;
-    assert!(t.elapsed() < Duration::from_millis(400), "fails fast");
+    assert_eq!(
+        h.gw.total_connections(),
+        attempts,
+        "answered before the next attempt"
+    );
     assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
     assert_eq!(res["error"]["retryable"], true);
     let retry = res["error"]["retryAfterMs"].as_u64().expect("retryAfterMs");
-    assert!(retry <= 500, "{res}");
+    assert!(retry <= 5000, "{res}");
     let body = wait_phase(&h.socket(), "backoff").await;
     assert_eq!(body["lastError"], "studio.upstream_closed");
 }
@@ -662,11 +668,11 @@ async fn a_waiting_connect_triggers_an_attempt_during_backoff() {
     let gw = MockGateway::start_on(addr, mock_config()).await.unwrap();
     // The next scheduled attempt is 2 s away at the soonest (loopback);
     // a client waiting 1 s gets the session anyway.
-    let t0 = Instant::now();
+    // The hello-ok itself shows it: past `connect_wait` the broker would
+    // answer the connect with an error instead.
     let mut c = WsClient::open(broker.socket_path(), "/ws").await;
     let hello = c.handshake().await;
-    assert_eq!(hello["type"], "hello-ok");
-    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert_eq!(hello["type"], "hello-ok", "{hello}");
     drop((gw, broker, dir));
 }
 
