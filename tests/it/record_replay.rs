@@ -56,18 +56,19 @@ async fn file_contains(path: &Path, needle: &str) -> String {
 
 /// Waits (bounded) until the text of `path` satisfies `done`.
 async fn file_where(path: &Path, what: &str, done: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + SLOW;
-    loop {
+    let what = format!("{what} in the recording");
+    eventually_within(&what, SLOW, || {
         let text = std::fs::read_to_string(path).unwrap_or_default();
-        if done(&text) {
-            return text;
+        let found = done(&text);
+        async move {
+            if found {
+                Ok(text)
+            } else {
+                Err(format!("\n{text}"))
+            }
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what} never appeared in the recording:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    })
+    .await
 }
 
 fn sigterm_child(child: &Child) {
@@ -584,14 +585,17 @@ async fn serve_demo_replays_the_real_gateway_fixture() {
         .stderr(Stdio::null())
         .kill_on_drop(true);
     let mut serve = serve.spawn().unwrap();
-    let deadline = Instant::now() + SLOW;
-    while !socket.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "serve --demo --replay never listened"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually_within("serve --demo --replay listening", SLOW, || {
+        let up = socket.exists();
+        async move {
+            if up {
+                Ok(())
+            } else {
+                Err("no socket yet")
+            }
+        }
+    })
+    .await;
     until_ready(&socket).await;
     let (mut c, hello) = {
         let mut c = WsClient::open(&socket, "/ws").await;

@@ -11,18 +11,15 @@ use serde_json::{json, Value};
 
 /// Polls `/healthz` until the upstream phase is `phase`; returns the body.
 async fn wait_phase(socket: &std::path::Path, phase: &str) -> Value {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
+    eventually_async(&format!("upstream phase {phase}"), || async {
         let (_, body) = http_get(socket, "/healthz").await;
         if body["upstream"] == phase {
-            return body;
+            Ok(body)
+        } else {
+            Err(body)
         }
-        assert!(
-            Instant::now() < deadline,
-            "upstream never reached {phase}: {body}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    })
+    .await
 }
 
 /// A broker whose `backoff_max` (the cap on any delay the gateway asks
