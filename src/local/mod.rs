@@ -16,6 +16,7 @@ pub mod state;
 pub mod stream_body;
 pub mod tap_stream;
 pub mod ws;
+pub mod ws_errors;
 
 /// Cancelling it drops one HTTP connection at once: for a response stream
 /// stuck behind a reader that does not read (hyper will not poll its body

@@ -23,8 +23,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 /// (14 bytes a frame at most) and a few control frames.
 pub const FRAME_OVERHEAD_BYTES: u64 = 1024;
 
-/// The error a read past the budget fails with; the session closes `1009`.
-pub const OVER_BUDGET: &str = "more bytes before connect than preconnect_max_bytes";
+use super::ws_errors::OverBudget;
 
 /// The remaining pre-`connect` read budget, shared with the session; and
 /// the count of bytes the socket accepted from the writer (the client's
@@ -288,7 +287,8 @@ impl<T: AsyncRead + Unpin> Limited<T> {
     ) -> Poll<io::Result<()>> {
         let left = self.budget.0.load(Ordering::Relaxed);
         if left == 0 {
-            return Poll::Ready(Err(io::Error::new(io::ErrorKind::InvalidData, OVER_BUDGET)));
+            // The session closes `1009` on it (see `ws_errors::classify`).
+            return Poll::Ready(Err(OverBudget.into()));
         }
         if left == u64::MAX {
             return Pin::new(&mut self.inner).poll_read(cx, buf);

@@ -15,10 +15,11 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
-use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
+use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 
-use super::preconnect::{Limited, PreconnectBudget, ReleaseReadBuffer, OVER_BUDGET};
+use super::preconnect::{Limited, PreconnectBudget, ReleaseReadBuffer};
+use super::ws_errors::{self, ReadFailure};
 use crate::context::Ctx;
 use crate::dispatch::{Member, Registration};
 use crate::hub::{Client, Outgoing};
@@ -118,17 +119,11 @@ fn poll_incoming<S: AsyncRead + AsyncWrite + Unpin>(
             },
             Some(Ok(Message::Close(_))) | None => Incoming::Closed,
             Some(Ok(_)) => continue,
-            Some(Err(WsError::Capacity(_))) => Incoming::TooLarge,
-            Some(Err(WsError::Io(e))) if e.to_string() == OVER_BUDGET => Incoming::TooLarge,
-            Some(Err(WsError::Utf8(_))) => Incoming::Invalid(1007, "invalid utf-8"),
-            Some(Err(WsError::Protocol(e))) => {
-                tracing::debug!("local client broke the WebSocket protocol: {e}");
-                Incoming::Invalid(1002, "protocol error")
-            }
-            Some(Err(e)) => {
-                tracing::debug!("local client read error: {e}");
-                Incoming::Closed
-            }
+            Some(Err(e)) => match ws_errors::classify(&e, "local client") {
+                ReadFailure::Ended => Incoming::Closed,
+                ReadFailure::TooLarge => Incoming::TooLarge,
+                ReadFailure::Invalid(code, reason) => Incoming::Invalid(code, reason),
+            },
         };
         return Poll::Ready(incoming);
     }

@@ -225,18 +225,19 @@ impl Tmux {
 
     /// Waits (bounded) until the pane shows every one of `texts`.
     async fn wait_for(&self, texts: &[&str]) -> String {
-        let deadline = tokio::time::Instant::now() + TERMINAL_PATIENCE;
-        loop {
+        let what = format!("the pane to show {texts:?}");
+        eventually_within(&what, TERMINAL_PATIENCE, || {
             let screen = self.screen();
-            if texts.iter().all(|t| screen.contains(t)) {
-                return screen;
+            let shown = texts.iter().all(|t| screen.contains(t));
+            async move {
+                if shown {
+                    Ok(screen)
+                } else {
+                    Err(format!("it shows:\n{screen}"))
+                }
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the pane never showed {texts:?}; it shows:\n{screen}"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        }
+        })
+        .await
     }
 }
 
@@ -521,14 +522,19 @@ async fn tail_tree_prints_the_same_projection_as_indented_lines() {
     let home = TestHome::new();
     let (_tail, mut rx) = spawn_tail(&home, &h.socket(), &["--tree"]);
     // tail is following once the broker counts its stream.
-    eventually_async(|| {
-        let socket = h.socket();
-        async move {
-            state(&socket).await["clients"]
-                .as_array()
-                .is_some_and(|c| !c.is_empty())
-        }
-    })
+    let socket = h.socket();
+    eventually_within(
+        "the broker counts tail's stream",
+        TERMINAL_PATIENCE,
+        || async {
+            let s = state(&socket).await;
+            if s["clients"].as_array().is_some_and(|c| !c.is_empty()) {
+                Ok(())
+            } else {
+                Err(s)
+            }
+        },
+    )
     .await;
     let key = run_to_end(&h).await;
     let lines = lines_until(&mut rx, &format!("run {} ok", key)).await;
@@ -547,22 +553,6 @@ async fn tail_tree_prints_the_same_projection_as_indented_lines() {
         text[8].starts_with(&format!("  run {} ok in ", key)),
         "{text:#?}"
     );
-}
-
-/// Waits (bounded) until an async condition holds.
-async fn eventually_async<F, Fut>(mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + TERMINAL_PATIENCE;
-    while !cond().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "condition not met in time"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
 }
 
 /// The follower's next report (bounded).

@@ -53,11 +53,15 @@ async fn status_summarizes_a_running_broker() {
 #[tokio::test]
 async fn status_exit_codes_for_a_broker_without_upstream_and_for_no_broker() {
     let (broker, dir) = broker_only(|_| {}).await;
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while !state(broker.socket_path()).await["upstream"]["last_error"].is_object() {
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    eventually_async("an upstream last_error", || async {
+        let s = state(broker.socket_path()).await;
+        if s["upstream"]["last_error"].is_object() {
+            Ok(())
+        } else {
+            Err(s)
+        }
+    })
+    .await;
     let (code, out, _) = run_clawmux(&["status", "--socket", s(broker.socket_path())]).await;
     assert_eq!(
         code, 1,

@@ -37,18 +37,16 @@ fn client_connects(gw: &MockGateway) -> Vec<Value> {
 /// Waits until `/metrics` counts `n` open dedicated connections.
 async fn wait_dedicated_open(socket: &std::path::Path, n: usize, within: Duration) {
     let needle = format!("clawmux_dedicated_connections {n}\n");
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
+    let what = format!("{n} dedicated connections within {within:?}");
+    eventually_within(&what, within, || async {
         let m = metrics(socket).await;
         if m.contains(&needle) {
-            return;
+            Ok(())
+        } else {
+            Err(m)
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not {n} dedicated connections within {within:?}: {m}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    })
+    .await
 }
 
 async fn metrics(socket: &std::path::Path) -> String {
@@ -212,27 +210,20 @@ async fn the_cap_refuses_one_more_with_a_clear_close_and_frees_slots() {
 
 /// Waits until `/metrics` has `needle` (a whole sample line).
 async fn wait_metric(socket: &std::path::Path, needle: &str) -> String {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
+    eventually_async(&format!("{needle:?} in /metrics"), || async {
         let m = metrics(socket).await;
         if m.contains(needle) {
-            return m;
+            Ok(m)
+        } else {
+            Err(m)
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no {needle:?} within {PATIENCE:?}: {m}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    })
+    .await
 }
 
 /// The gateway double's connection count once the shared session is up.
 async fn connections_once_ready(gw: &MockGateway) -> usize {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while gw.ready_connections() < 1 {
-        assert!(tokio::time::Instant::now() < deadline, "no shared session");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("a shared session", || gw.ready_connections() >= 1).await;
     gw.total_connections()
 }
 

@@ -214,18 +214,13 @@ async fn every_websocket_path_and_http_routes() {
 async fn a_client_close_is_answered_at_once() {
     let h = start().await;
     let (mut c, _) = h.connected().await;
-    let started = std::time::Instant::now();
     c.close().await;
-    // The broker's close reply arrives well before its 2 s linger on silent peers.
+    // The broker answers with its close frame; a broker that did not would
+    // end the connection bare after its 2 s linger on silent peers (EOF).
     match c.recv().await {
-        Got::Close(..) | Got::Eof => {}
-        Got::Json(v) => panic!("unexpected frame {v}"),
+        Got::Close(..) => {}
+        other => panic!("expected the broker's close reply, got {other:?}"),
     }
-    assert!(
-        started.elapsed() < Duration::from_secs(1),
-        "close answered in {:?}",
-        started.elapsed()
-    );
     eventually("client gone from the hub", || {
         h.broker.ctx().hub.client_count() == 0
     })

@@ -66,15 +66,15 @@ async fn state_reports_lost_scopes_and_the_last_error() {
     let lost = s["upstream"]["lost_scopes"].as_array().unwrap();
     assert!(lost.iter().any(|x| x == "operator.admin"), "{s}");
     let (broker, _dir) = broker_only(|_| {}).await;
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    let s = loop {
+    let s = eventually_async("an upstream last_error", || async {
         let s = state(broker.socket_path()).await;
         if s["upstream"]["last_error"].is_object() {
-            break s;
+            Ok(s)
+        } else {
+            Err(s)
         }
-        assert!(tokio::time::Instant::now() < deadline, "{s}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    })
+    .await;
     assert_eq!(s["upstream"]["last_error"]["code"], "studio.upstream_error");
     assert_eq!(s["snapshot"], Value::Null, "no gateway snapshot yet");
 }
@@ -555,16 +555,16 @@ async fn healthz_is_liveness_and_readyz_waits_for_the_upstream() {
         ..Faults::default()
     };
     let h = start_faulty(mock_config(), faults, |_| {}).await;
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    let health = loop {
+    let health = eventually_async("upstream rejected on /healthz", || async {
         let (status, body) = http_get(&h.socket(), "/healthz").await;
         assert_eq!(status, 200, "liveness: {body}");
         if body["upstream"] == "rejected" {
-            break body;
+            Ok(body)
+        } else {
+            Err(body)
         }
-        assert!(tokio::time::Instant::now() < deadline, "{body}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    })
+    .await;
     assert_eq!(health["ok"], false, "not ok while rejected: {health}");
     assert_eq!(health["lostScopes"], json!([]), "{health}");
     let (status, ready) = http_get(&h.socket(), "/readyz").await;

@@ -143,15 +143,7 @@ async fn connections_over_the_cap_get_503_and_the_others_keep_working() {
     a.close().await;
     drop(a);
     let socket = h.socket();
-    let mut admitted = None;
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while admitted.is_none() {
-        assert!(tokio::time::Instant::now() < deadline, "slot never freed");
-        admitted = try_ws(&socket).await.ok();
-        if admitted.is_none() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
+    eventually_async("a freed slot", || try_ws(&socket)).await;
 }
 
 /// `ulimit -n 64`: the broker keeps its reserve of descriptors, so clients
@@ -192,12 +184,7 @@ async fn a_low_open_file_limit_refuses_cleanly_and_keeps_serving() {
     // The broker still serves: a freed slot admits a new client, whose
     // handshake works.
     admitted.pop();
-    let mut again = None;
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while again.is_none() {
-        assert!(tokio::time::Instant::now() < deadline, "slot never freed");
-        again = try_ws(&socket).await.ok();
-    }
+    let _again = eventually_async("a freed slot", || try_ws(&socket)).await;
     let log = stop_and_read_log(&mut guard.0);
     assert!(log.contains("open-file limit"), "warned at start: {log}");
     let lines = log.matches("too many open connections").count();
@@ -223,14 +210,15 @@ async fn running_out_of_descriptors_answers_waiting_clients_and_recovers() {
     eventually("socket exists", || socket.exists()).await;
     // The upstream session first: its socket opening while the clients
     // exhaust the descriptors could take the one the spare frees.
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while http_get(&socket, "/healthz").await.1["upstream"] != "ready" {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "upstream never ready"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually_async("upstream ready", || async {
+        let (_, body) = http_get(&socket, "/healthz").await;
+        if body["upstream"] == "ready" {
+            Ok(())
+        } else {
+            Err(body)
+        }
+    })
+    .await;
     let mut admitted = Vec::new();
     let mut refused = Vec::new();
     for _ in 0..30 {
@@ -250,12 +238,7 @@ async fn running_out_of_descriptors_answers_waiting_clients_and_recovers() {
         "the spare descriptor answers 503: {refused:?}"
     );
     admitted.clear();
-    let mut again = None;
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while again.is_none() {
-        assert!(tokio::time::Instant::now() < deadline, "never recovered");
-        again = try_ws(&socket).await.ok();
-    }
+    let _again = eventually_async("recovered: a client admitted", || try_ws(&socket)).await;
     let log = stop_and_read_log(&mut guard.0);
     let lines = log.matches("accept failed").count();
     assert!(

@@ -56,18 +56,19 @@ async fn file_contains(path: &Path, needle: &str) -> String {
 
 /// Waits (bounded) until the text of `path` satisfies `done`.
 async fn file_where(path: &Path, what: &str, done: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + SLOW;
-    loop {
+    let what = format!("{what} in the recording");
+    eventually_within(&what, SLOW, || {
         let text = std::fs::read_to_string(path).unwrap_or_default();
-        if done(&text) {
-            return text;
+        let found = done(&text);
+        async move {
+            if found {
+                Ok(text)
+            } else {
+                Err(format!("\n{text}"))
+            }
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what} never appeared in the recording:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    })
+    .await
 }
 
 fn sigterm_child(child: &Child) {
@@ -422,20 +423,20 @@ fn synthetic(offsets: &[u64], gap_before: Option<usize>) -> String {
 
 #[tokio::test]
 async fn speed_paces_the_replay_and_gaps_stay_visible() {
-    let rec = Recording::parse(&synthetic(&[0, 1000, 2000, 4000], Some(2))).unwrap();
+    // Recorded: 4,000 s apart in all, so a replay that ignored the speed (or
+    // `--instant`) would not deliver within the read's patience: no upper
+    // bound on the clock is needed to see the pace was applied.
+    let offsets = [0, 1_000_000, 2_000_000, 4_000_000];
+    let rec = Recording::parse(&synthetic(&offsets, Some(2))).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let (_gw, path) = replay_double(dir.path(), rec.clone(), Pace::Speed(4.0), false).await;
+    let (_gw, path) = replay_double(dir.path(), rec.clone(), Pace::Speed(4000.0), false).await;
     let (mut c, _) = direct_client(&path).await;
     let first = c.event("chat").await;
     let t0 = Instant::now();
     let rest = read_events(&mut c, 3).await;
     let span = t0.elapsed();
-    // Recorded: 4 s; at 4x: 1 s. Timers never fire early; a loaded machine may be late.
+    // At 4000x: 1 s. Timers never fire early (a loaded machine is only late).
     assert!(span >= Duration::from_millis(900), "{span:?}");
-    assert!(
-        span < Duration::from_millis(3500),
-        "{span:?}: not faster than recorded"
-    );
     let seqs: Vec<u64> = std::iter::once(&first)
         .chain(&rest)
         .map(|e| e["seq"].as_u64().unwrap())
@@ -449,12 +450,8 @@ async fn speed_paces_the_replay_and_gaps_stay_visible() {
         replay_double(&d, rec, Pace::Instant, false).await
     };
     let (mut c, _) = direct_client(&path2).await;
-    let t0 = Instant::now();
+    // `--instant` does not wait (at 1x this would take 4,000 s).
     let all = read_events(&mut c, 4).await;
-    assert!(
-        t0.elapsed() < Duration::from_millis(3000),
-        "--instant does not wait"
-    );
     assert_eq!(all[3]["payload"]["n"], 3);
 }
 
@@ -588,14 +585,17 @@ async fn serve_demo_replays_the_real_gateway_fixture() {
         .stderr(Stdio::null())
         .kill_on_drop(true);
     let mut serve = serve.spawn().unwrap();
-    let deadline = Instant::now() + SLOW;
-    while !socket.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "serve --demo --replay never listened"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually_within("serve --demo --replay listening", SLOW, || {
+        let up = socket.exists();
+        async move {
+            if up {
+                Ok(())
+            } else {
+                Err("no socket yet")
+            }
+        }
+    })
+    .await;
     until_ready(&socket).await;
     let (mut c, hello) = {
         let mut c = WsClient::open(&socket, "/ws").await;

@@ -11,18 +11,15 @@ use serde_json::{json, Value};
 
 /// Polls `/healthz` until the upstream phase is `phase`; returns the body.
 async fn wait_phase(socket: &std::path::Path, phase: &str) -> Value {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
+    eventually_async(&format!("upstream phase {phase}"), || async {
         let (_, body) = http_get(socket, "/healthz").await;
         if body["upstream"] == phase {
-            return body;
+            Ok(body)
+        } else {
+            Err(body)
         }
-        assert!(
-            Instant::now() < deadline,
-            "upstream never reached {phase}: {body}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    })
+    .await
 }
 
 /// A broker whose `backoff_max` (the cap on any delay the gateway asks
@@ -273,7 +270,7 @@ async fn failures_back_off_exponentially_up_to_the_cap() {
     .await;
     let mut accepted = Vec::new();
     let mut held = Vec::new();
-    while accepted.len() < 7 {
+    while accepted.len() < 8 {
         let (s, _) = tokio::time::timeout(PATIENCE, mute.accept())
             .await
             .expect("the broker keeps retrying")
@@ -287,12 +284,12 @@ async fn failures_back_off_exponentially_up_to_the_cap() {
         // Jitter takes off at most 20 %; the timeout comes on top.
         let least = Duration::from_millis(timeout + backoff * 8 / 10);
         assert!(gap >= least, "gap {k}: {gap:?} < {least:?}");
-        if k >= 4 {
-            // Uncapped it would be 640 ms and more.
-            assert!(
-                gap < Duration::from_millis(600),
-                "gap {k}: {gap:?} is not capped"
-            );
+        if k == 6 {
+            // Capped it is about 180 ms; uncapped it would be 2,078 ms at
+            // the least (timers never fire early): a margin no loaded
+            // machine's lateness reaches, unlike a bound near the capped value.
+            let uncapped = Duration::from_millis(timeout + (initial << k) * 8 / 10);
+            assert!(gap < uncapped, "gap {k}: {gap:?} is not capped");
         }
     }
 }
@@ -391,7 +388,7 @@ async fn pending_requests_fail_on_loss_and_are_never_replayed() {
 #[tokio::test]
 async fn requests_while_down_fail_fast_with_retry_after() {
     let h = start_with(mock_config(), |s| {
-        s.upstream.backoff_initial = Duration::from_millis(500)
+        s.upstream.backoff_initial = Duration::from_secs(5)
     })
     .await;
     let (mut a, _) = h.connected().await;
@@ -401,13 +398,19 @@ async fn requests_while_down_fail_fast_with_retry_after() {
     });
     h.gw.drop_all();
     a.event("clawmux.upstream").await;
-    let t = Instant::now();
+    // Fails fast: answered before the broker's next attempt (5 s away),
+    // not held until it.
+    let attempts = h.gw.total_connections();
     let res = a.request("health", json!({})).await;
-    assert!(t.elapsed() < Duration::from_millis(400), "fails fast");
+    assert_eq!(
+        h.gw.total_connections(),
+        attempts,
+        "answered before the next attempt"
+    );
     assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
     assert_eq!(res["error"]["retryable"], true);
     let retry = res["error"]["retryAfterMs"].as_u64().expect("retryAfterMs");
-    assert!(retry <= 500, "{res}");
+    assert!(retry <= 5000, "{res}");
     let body = wait_phase(&h.socket(), "backoff").await;
     assert_eq!(body["lastError"], "studio.upstream_closed");
 }
@@ -667,11 +670,11 @@ async fn a_waiting_connect_triggers_an_attempt_during_backoff() {
     let gw = MockGateway::start_on(addr, mock_config()).await.unwrap();
     // The next scheduled attempt is 2 s away at the soonest (loopback);
     // a client waiting 1 s gets the session anyway.
-    let t0 = Instant::now();
+    // The hello-ok itself shows it: past `connect_wait` the broker would
+    // answer the connect with an error instead.
     let mut c = WsClient::open(broker.socket_path(), "/ws").await;
     let hello = c.handshake().await;
-    assert_eq!(hello["type"], "hello-ok");
-    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert_eq!(hello["type"], "hello-ok", "{hello}");
     drop((gw, broker, dir));
 }
 

@@ -63,12 +63,12 @@ use std::time::Duration;
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::Value;
-use tokio_tungstenite::tungstenite::error::ProtocolError;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
-use super::preconnect::{PreconnectBudget, Releasing, OVER_BUDGET};
+use super::preconnect::{PreconnectBudget, Releasing};
 use super::ws::Ws;
+use super::ws_errors::{self, ReadFailure};
 use crate::context::Ctx;
 pub use crate::dedicated_registry::{Dedicated, Outcomes};
 use crate::dedicated_registry::{Listing, Slot};
@@ -184,19 +184,11 @@ fn classify(msg: Option<Result<Message, WsError>>, side: &str) -> Read {
         // each side itself.
         Some(Ok(_)) => Read::Skip,
         None => Read::Ended,
-        Some(Err(WsError::Capacity(_))) => Read::TooLarge,
-        Some(Err(WsError::Io(e))) if e.to_string() == OVER_BUDGET => Read::TooLarge,
-        Some(Err(WsError::Utf8(_))) => Read::Invalid(1007, "invalid utf-8"),
-        // The peer is gone (EOF with no close frame): nothing to tell it.
-        Some(Err(WsError::Protocol(ProtocolError::ResetWithoutClosingHandshake))) => Read::Ended,
-        Some(Err(WsError::Protocol(e))) => {
-            tracing::debug!("{side} broke the WebSocket protocol: {e}");
-            Read::Invalid(1002, "protocol error")
-        }
-        Some(Err(e)) => {
-            tracing::debug!("{side} read error: {e}");
-            Read::Ended
-        }
+        Some(Err(e)) => match ws_errors::classify(&e, side) {
+            ReadFailure::Ended => Read::Ended,
+            ReadFailure::TooLarge => Read::TooLarge,
+            ReadFailure::Invalid(code, reason) => Read::Invalid(code, reason),
+        },
     }
 }
 

@@ -205,33 +205,27 @@ fn parse_record(record: &str) -> Item {
 
 /// Waits until the broker's replay log has handed out cursor `seq`.
 pub async fn wait_newest_seq(socket: &Path, seq: u64) -> Value {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
+    crate::support::eventually_async(&format!("newest_seq {seq}"), || async {
         let s = state(socket).await;
         if s["newest_seq"].as_u64().unwrap_or(0) >= seq {
-            return s;
+            Ok(s)
+        } else {
+            Err(s)
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "newest_seq never reached {seq}: {s}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    })
+    .await
 }
 
 /// Waits until the broker's upstream session is ready (the harness returns
 /// as soon as the socket accepts; the session opens in the background).
 pub async fn until_ready(socket: &Path) -> Value {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
+    crate::support::eventually_async("the upstream session ready", || async {
         let s = state(socket).await;
         if s["upstream"]["phase"] == "ready" {
-            return s;
+            Ok(s)
+        } else {
+            Err(s)
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the upstream session never became ready: {s}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    })
+    .await
 }

@@ -349,16 +349,55 @@ impl WsClient {
     }
 }
 
+/// How often [`eventually`] and [`eventually_async`] look again.
+pub const POLL_EVERY: Duration = Duration::from_millis(5);
+
 /// Polls a condition until true or the patience runs out (for state that has
 /// no event to await, like a connection count the double updates).
 pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    eventually_async(what, || {
+        let done = cond();
+        async move {
+            if done {
+                Ok(())
+            } else {
+                Err("not yet")
+            }
+        }
+    })
+    .await
+}
+
+/// Polls an async probe (an HTTP request, a file read) until it gives
+/// `Ok(value)`, within [`PATIENCE`]: for state that has no event to await.
+/// `Err(seen)` means "not yet"; the last one seen is in the failure message.
+pub async fn eventually_async<T, S, F, Fut>(what: &str, probe: F) -> T
+where
+    S: std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, S>>,
+{
+    eventually_within(what, PATIENCE, probe).await
+}
+
+/// [`eventually_async`] with a chosen patience (for a child process that
+/// first has to start).
+pub async fn eventually_within<T, S, F, Fut>(what: &str, patience: Duration, mut probe: F) -> T
+where
+    S: std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, S>>,
+{
+    let deadline = tokio::time::Instant::now() + patience;
+    loop {
+        match probe().await {
+            Ok(v) => return v,
+            Err(seen) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for: {what} (last seen: {seen})"
+            ),
+        }
+        tokio::time::sleep(POLL_EVERY).await;
     }
 }
 
