@@ -23,7 +23,7 @@ fuzz_target!(|data: &[u8]| {
     for (event, _ts) in &loaded.events {
         assert!(event.cursor() > last, "cursors increase, above the floor");
         last = event.cursor();
-        let frame = event.with_seq(1);
+        let frame = event.head.with_seq(1);
         let frame = std::str::from_utf8(&frame).expect("a loaded event is UTF-8");
         assert!(
             matches!(

@@ -2,7 +2,8 @@
 //! own event `seq`, and the accounting that decides when it is too slow.
 //!
 //! Producers (the upstream reader, the router) only ever push and never wait;
-//! the client's writer task drains the queue in batches.
+//! whoever writes the client's socket (its own task) drains the queue in
+//! batches.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -319,7 +320,8 @@ pub struct Client {
     limits: QueueLimits,
     budget: Arc<QueueBudget>,
     queue: Mutex<Queue>,
-    /// The writer's task, woken when the queue gets its first item.
+    /// The task writing the client's socket, woken when the queue stops
+    /// being empty (and by frames and closes).
     wake: AtomicWaker,
     /// Bytes the socket under the writer accepted, when the session counts
     /// them ([`Client::count_written`]): progress within one large frame, so
@@ -464,10 +466,10 @@ impl Client {
         self.recount_slots(&mut q);
         drop(q);
         // The writer takes batches until the queue is empty before it waits
-        // again, so only the push that makes it non-empty needs to wake it: a
-        // later push finds the earlier wake-up (or its stored permit) still
-        // pending. Waking per push cost a fifth of the broker's fan-out time
-        // (measured by the benchmark).
+        // again (it registers its waker before it looks), so only the push
+        // that makes the queue non-empty needs to wake it: any later push
+        // finds a writer that has not looked yet. Waking per push cost a
+        // fifth of the broker's fan-out time (measured by the benchmark).
         if was_empty {
             self.wake.wake();
         }

@@ -625,13 +625,6 @@ pub fn log_file(settings: &crate::config::Settings) -> Option<PathBuf> {
 /// The hub's HTTP-facing side: snapshots with a cursor and streams that start
 /// at one, both under the lock that publishing takes.
 impl Hub {
-    /// Sets how much history the in-memory replay log keeps (at startup,
-    /// before any event: it starts a new, empty log whose cursors start
-    /// above any earlier life's).
-    pub fn set_replay_limits(&self, limits: ReplayLimits) {
-        self.lock().replay = ReplayLog::in_memory(limits);
-    }
-
     /// Opens the replay log as `settings` say (limits, and the file under
     /// the state dir unless persistence is off) and continues what the
     /// previous broker life left there. At startup, before any event; the

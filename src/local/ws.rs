@@ -1,5 +1,6 @@
 //! One local WebSocket client: connect enforcement, the synthesized
-//! `hello-ok`, request forwarding, and its writer task.
+//! `hello-ok`, request forwarding, and the writing of its queue, all on the
+//! client's one task.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -69,10 +70,9 @@ enum Step {
 /// One client's socket, read and written by the client's own task. A
 /// request read is forwarded, and an answer queued is written, by the task
 /// that polled them: there is no second task to wake. (tokio-tungstenite
-/// also wakes the writing task whenever the socket turns readable; with a
-/// writer task of its own, every request made two tasks runnable, and the
-/// runtime woke its other worker for the second: the largest cost of a
-/// request in the benchmark's profile.)
+/// wakes the task that last wrote a socket whenever it turns readable, so
+/// a second, writing task would make every request wake two tasks, and
+/// the runtime its other worker for the second.)
 struct Conn<S = Limited<TokioIo<Upgraded>>> {
     stream: SplitStream<WebSocketStream<S>>,
     writer: Writer<S>,
