@@ -25,7 +25,7 @@ pub use client::{
 pub use replay::{ReplayLimits, ReplayWindow, SubscribeError};
 
 use crate::protocol::EventHead;
-use crate::sharing::{may_see, Audience};
+use crate::sharing::{Audience, Visibility};
 
 /// Counters for `/healthz`, logs and (later) metrics.
 #[derive(Debug, Default)]
@@ -200,7 +200,9 @@ impl Hub {
     /// Publishes a gateway event: logs it with its audience (every event
     /// the broker receives, broadcast or targeted, so history holds what
     /// any client could have seen live) and delivers it to every admitted
-    /// client that [`may_see`] it, the same rule history applies.
+    /// client that [`crate::sharing::may_see`] it, the same rule history
+    /// applies. A run's event is parsed for the broker's projection before
+    /// the lock is taken: fan-out never waits on a parse.
     pub fn publish(
         &self,
         name: &str,
@@ -210,14 +212,16 @@ impl Hub {
     ) {
         let head = EventHead::encode(name, payload, state_version);
         let droppable = is_droppable(name, payload);
+        let projected = Projected::parse(name, payload);
         let mut inner = self.lock();
         if matches!(name, "presence" | "health") {
             apply_to_snapshot(&mut inner.snapshot, name, payload, state_version);
         }
         let head = inner.replay.append(head, audience);
-        project(&mut inner.activity, name, payload);
+        projected.apply(&mut inner.activity, name);
         let event = SharedEvent::new(head, &self.queue_budget);
-        let visible = |c: &&Arc<Client>| may_see(&c.reader(), name, audience);
+        let visibility = Visibility::of(name, audience);
+        let visible = |c: &&Arc<Client>| visibility.admits(&c.reader());
         self.deliver(inner.clients.values().filter(visible), &event, droppable);
         drop(event);
         if self.queue_budget.is_over() {
@@ -246,12 +250,13 @@ impl Hub {
     /// Publishes an event the broker itself originates (e.g. `clawmux.upstream`).
     pub fn publish_local(&self, name: &str, payload: &Value) {
         let head = EventHead::from_value(name, payload);
+        let projected = Projected::of_value(name, payload);
         let mut inner = self.lock();
         let head = inner.replay.append(head, &Audience::All);
-        let raw = serde_json::value::to_raw_value(payload).ok();
-        project(&mut inner.activity, name, raw.as_deref());
+        projected.apply(&mut inner.activity, name);
         let event = SharedEvent::new(head, &self.queue_budget);
-        let visible = |c: &&Arc<Client>| may_see(&c.reader(), name, &Audience::All);
+        let visibility = Visibility::of(name, &Audience::All);
+        let visible = |c: &&Arc<Client>| visibility.admits(&c.reader());
         self.deliver(inner.clients.values().filter(visible), &event, false);
     }
 
@@ -341,27 +346,62 @@ impl Hub {
     }
 }
 
-/// Applies an event to the broker's activity projection, if it is about
-/// runs (the rest is not parsed).
-fn project(activity: &mut crate::activity::Activity, name: &str, payload: Option<&RawValue>) {
-    if !matches!(
-        name,
-        "agent" | "chat" | "session.tool" | "clawmux.upstream" | replay::GAP_EVENT
-    ) {
-        return;
+/// What an event does to the broker's activity projection, decided (and
+/// its payload parsed) before the hub's lock is taken.
+pub(crate) enum Projected {
+    /// Not about runs: nothing (the payload is not parsed).
+    Nothing,
+    /// A gap: runs whose end was not seen are set aside.
+    Gap,
+    /// A run's event, parsed.
+    Apply(Value),
+}
+
+impl Projected {
+    fn is_about_runs(name: &str) -> bool {
+        matches!(
+            name,
+            "agent" | "chat" | "session.tool" | "clawmux.upstream" | replay::GAP_EVENT
+        )
     }
-    if name == replay::GAP_EVENT {
-        activity.forget_unfinished();
-        return;
+
+    pub(crate) fn parse(name: &str, payload: Option<&RawValue>) -> Self {
+        if !Self::is_about_runs(name) {
+            return Projected::Nothing;
+        }
+        if name == replay::GAP_EVENT {
+            return Projected::Gap;
+        }
+        payload
+            .and_then(|p| serde_json::from_str::<Value>(p.get()).ok())
+            .map_or(Projected::Nothing, Projected::Apply)
     }
-    let Some(payload) = payload.and_then(|p| serde_json::from_str::<Value>(p.get()).ok()) else {
-        return;
-    };
-    activity.apply(crate::activity::Observed {
-        name,
-        payload: &payload,
-        received_ms: None,
-    });
+
+    fn of_value(name: &str, payload: &Value) -> Self {
+        if !Self::is_about_runs(name) {
+            Projected::Nothing
+        } else if name == replay::GAP_EVENT {
+            Projected::Gap
+        } else {
+            Projected::Apply(payload.clone())
+        }
+    }
+
+    pub(crate) fn apply(&self, activity: &mut crate::activity::Activity, name: &str) {
+        match self {
+            Projected::Nothing => {}
+            Projected::Gap => {
+                activity.forget_unfinished();
+            }
+            Projected::Apply(payload) => {
+                activity.apply(crate::activity::Observed {
+                    name,
+                    payload,
+                    received_ms: None,
+                });
+            }
+        }
+    }
 }
 
 /// Applies a `presence` or `health` event to the snapshot, only if its

@@ -640,7 +640,8 @@ impl Hub {
         for logged in &log.events {
             let frame = logged.head.without_seq();
             if let Ok(f) = serde_json::from_slice::<FrameOf>(&frame) {
-                super::project(&mut activity, &f.event, f.payload.as_deref());
+                super::Projected::parse(&f.event, f.payload.as_deref())
+                    .apply(&mut activity, &f.event);
             }
         }
         let mut inner = self.lock();

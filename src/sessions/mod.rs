@@ -210,7 +210,7 @@ impl Session {
             }),
             Err((Refusal::Full, out)) => Ok(Deferred::failed(
                 out.id,
-                Refusal::queue_full_error().with_sent(false),
+                crate::upstream::queue_full_error().with_sent(false),
             )),
             Err((Refusal::Closed, out)) => Ok(Deferred::failed(
                 out.id,

@@ -69,12 +69,34 @@ pub struct Reader<'a> {
 /// guard for the reader's grant, then broadcast, or one of the clients the
 /// event was addressed to, or an observer.
 pub fn may_see(reader: &Reader<'_>, name: &str, audience: &Audience) -> bool {
-    if !crate::policy::events::guard(name).allows(reader.grant) {
-        return false;
+    Visibility::of(name, audience).admits(reader)
+}
+
+/// [`may_see`] for one event, asked of many readers: the event's guard is
+/// looked up once (a fan-out asks every connected client).
+#[derive(Debug, Clone, Copy)]
+pub struct Visibility<'a> {
+    guard: crate::policy::events::Guard,
+    audience: &'a Audience,
+}
+
+impl<'a> Visibility<'a> {
+    pub fn of(name: &str, audience: &'a Audience) -> Self {
+        Visibility {
+            guard: crate::policy::events::guard(name),
+            audience,
+        }
     }
-    match audience {
-        Audience::All => true,
-        Audience::Only(ids) => reader.observer || ids.contains(&reader.id),
+
+    /// Whether `reader` may see the event.
+    pub fn admits(&self, reader: &Reader<'_>) -> bool {
+        if !self.guard.allows(reader.grant) {
+            return false;
+        }
+        match self.audience {
+            Audience::All => true,
+            Audience::Only(ids) => reader.observer || ids.contains(&reader.id),
+        }
     }
 }
 

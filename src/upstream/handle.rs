@@ -8,6 +8,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+pub use super::outlet::Refused as Refusal;
 use super::{
     backoff::NUDGE_SETTLE, connector, identity, outlet, tls, ClientCredential, Outbound,
     PeerCertificate, Phase, SessionOwner, SessionSpec, Status, Target, UpstreamHello,
@@ -352,13 +353,13 @@ impl Upstream {
     /// [`Refusal::Full`] (answer `studio.too_many_requests`, retryable) or
     /// [`Refusal::Closed`] (its session ended or never opened).
     pub fn try_send(&self, out: Outbound) -> Result<(), (Refusal, Outbound)> {
-        self.outlet.push(out).map_err(Refusal::from_outlet)
+        self.outlet.push(out)
     }
 
     /// Queues a request like [`Upstream::try_send`] but never writes it
     /// here: [`Upstream::flush`] does, later, outside the caller's locks.
     pub fn try_queue(&self, out: Outbound) -> Result<(), (Refusal, Outbound)> {
-        self.outlet.queue(out).map_err(Refusal::from_outlet)
+        self.outlet.queue(out)
     }
 
     /// Writes what is queued if the socket is free (see [`Upstream::try_queue`]).
@@ -379,35 +380,16 @@ impl Upstream {
     }
 }
 
-/// Why a request was not queued; either way it was never written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
-    /// The queue holds [`UPSTREAM_QUEUE_FRAMES`] or [`UPSTREAM_QUEUE_BYTES`].
-    Full,
-    /// Its session ended, or the attempt that would have opened it failed.
-    Closed,
-}
-
-impl Refusal {
-    fn from_outlet((r, out): (outlet::Refused, Outbound)) -> (Refusal, Outbound) {
-        let r = match r {
-            outlet::Refused::Full => Refusal::Full,
-            outlet::Refused::Closed => Refusal::Closed,
-        };
-        (r, out)
-    }
-
-    /// The answer to a request refused so: the queue's own words when full.
-    pub fn queue_full_error() -> ErrorShape {
-        ErrorShape::studio(
-            StudioCode::TooManyRequests,
-            format!(
-                "too many requests are already waiting to be written to the gateway (at most {UPSTREAM_QUEUE_FRAMES}, {} MiB; it is not reading fast enough); try again shortly",
-                UPSTREAM_QUEUE_BYTES >> 20
-            ),
-        )
-        .with_retry_after_ms(Some(QUEUE_FULL_RETRY_MS))
-    }
+/// The answer to a request the queue refused as [`Refusal::Full`].
+pub fn queue_full_error() -> ErrorShape {
+    ErrorShape::studio(
+        StudioCode::TooManyRequests,
+        format!(
+            "too many requests are already waiting to be written to the gateway (at most {UPSTREAM_QUEUE_FRAMES}, {} MiB; it is not reading fast enough); try again shortly",
+            UPSTREAM_QUEUE_BYTES >> 20
+        ),
+    )
+    .with_retry_after_ms(Some(QUEUE_FULL_RETRY_MS))
 }
 
 /// What a test sees of the request queue of a session no connector runs.

@@ -43,7 +43,7 @@ pub use backoff::{
 };
 #[cfg(test)]
 pub(crate) use handle::FakeQueue;
-pub use handle::{ConnectorSeed, Refusal, Upstream};
+pub use handle::{queue_full_error, ConnectorSeed, Refusal, Upstream};
 pub use status::{Phase, Status, UpstreamHello};
 
 pub(crate) use handshake::warn_lost_scopes;

@@ -32,7 +32,7 @@ use futures_util::{Sink, SinkExt};
 use tokio::sync::Notify;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 
-pub(crate) use self::protocol::Refused;
+pub use self::protocol::Refused;
 use self::protocol::{Guarded, Limits, State, Tell, TrySink};
 use super::handshake::Ws;
 use super::Outbound;

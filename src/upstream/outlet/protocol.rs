@@ -59,7 +59,7 @@ pub(crate) struct Limits {
 
 /// Why a request was not queued. Either way it was never written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Refused {
+pub enum Refused {
     /// The queue holds its limit of requests or bytes.
     Full,
     /// Its session has ended, or the attempt that would have opened it failed.
