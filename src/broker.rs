@@ -75,6 +75,90 @@ const SWEEP_INTERVAL: Duration = Duration::from_millis(100);
 /// The `reason` of the `shutdown` event local clients get when the broker stops.
 pub const SHUTDOWN_REASON: &str = "clawmux stopping";
 
+/// The `reason` when the broker stops for its next instance (a `SIGUSR2`
+/// upgrade): the socket keeps accepting, so clients reconnect at once.
+pub const UPGRADE_REASON: &str = "clawmux upgrading";
+
+/// One listening socket kept for a handover: a copy of its descriptor and
+/// what the next instance needs to know of it.
+#[derive(Debug)]
+pub struct HeldListener {
+    pub fd: std::os::fd::OwnedFd,
+    /// `None` for the main socket, else the `[[sockets]]` name.
+    pub policy: Option<String>,
+    pub path: PathBuf,
+    /// The socket file's inode, lock path and lock (when clawmux bound it).
+    pub owned: Option<(Option<(u64, u64)>, PathBuf, std::os::fd::OwnedFd)>,
+}
+
+impl HeldListener {
+    fn new(
+        listener: &tokio::net::UnixListener,
+        policy: Option<String>,
+        guard: &SocketGuard,
+    ) -> HeldListener {
+        // A copy that is closed on exec: only a handover's spawn passes it on.
+        let fd = rustix::io::fcntl_dupfd_cloexec(listener, 3)
+            .expect("a listener's descriptor can be copied");
+        HeldListener {
+            fd,
+            policy,
+            path: guard.path().to_owned(),
+            owned: guard.handover_parts(),
+        }
+    }
+
+    fn listener(&self) -> std::io::Result<std::os::unix::net::UnixListener> {
+        Ok(rustix::io::fcntl_dupfd_cloexec(&self.fd, 3)?.into())
+    }
+}
+
+/// A broker that stopped serving for its next instance but still holds its
+/// sockets: [`Released::finish`] once the next instance serves, or
+/// [`Released::serve_again`] if it failed.
+#[derive(Debug)]
+pub struct Released {
+    settings: Settings,
+    guard: SocketGuard,
+    policy_guards: Vec<SocketGuard>,
+    held: Vec<HeldListener>,
+    /// Whether the stop finished within its deadline.
+    pub clean: bool,
+}
+
+impl Released {
+    /// The next instance serves: leave the socket files (now its) in place.
+    pub fn finish(mut self) {
+        self.guard.disarm();
+        for g in &mut self.policy_guards {
+            g.disarm();
+        }
+    }
+
+    /// The next instance failed: serve again on the same sockets (a fresh
+    /// core; clients reconnect and resume by cursor as after any restart).
+    pub fn serve_again(self) -> Result<RunningBroker, SocketError> {
+        let Released {
+            settings,
+            guard,
+            policy_guards,
+            held,
+            ..
+        } = self;
+        let io = |path: &Path| {
+            let path = path.to_owned();
+            move |cause| SocketError::Io { path, cause }
+        };
+        let main = held[0].listener().map_err(io(guard.path()))?;
+        let mut policies = Vec::new();
+        for (h, g) in held[1..].iter().zip(policy_guards) {
+            let l = h.listener().map_err(io(&h.path))?;
+            policies.push((h.policy.clone().unwrap_or_default(), l, g));
+        }
+        RunningBroker::start_handed_over(settings, (main, guard), policies)
+    }
+}
+
 /// A broker serving on its socket.
 #[derive(Debug)]
 pub struct RunningBroker {
@@ -82,6 +166,9 @@ pub struct RunningBroker {
     guard: SocketGuard,
     /// The `[[sockets]]` sockets this broker bound.
     _policy_guards: Vec<SocketGuard>,
+    /// A copy of every listener, for a handover and for serving again
+    /// after one that failed.
+    held: Vec<HeldListener>,
     /// Cancelled first at shutdown: stop accepting before clients are told.
     accept_stop: CancellationToken,
     accept_task: tokio::task::JoinHandle<()>,
@@ -101,7 +188,7 @@ impl RunningBroker {
     }
 
     /// Starts serving on a listener systemd passed in (socket activation,
-    /// see [`crate::systemd::take_activated_listener`]). The socket file
+    /// see [`crate::systemd::take_passed`]). The socket file
     /// belongs to systemd and is never unlinked; `settings.socket_path` is
     /// replaced by the listener's own path so logs and tools show the truth.
     pub fn start_with_activated(
@@ -123,6 +210,31 @@ impl RunningBroker {
         listener.set_nonblocking(true).map_err(io)?;
         let listener = tokio::net::UnixListener::from_std(listener).map_err(io)?;
         let guard = SocketGuard::activated(settings.socket_path.clone());
+        let others = others.into_iter().map(|(n, l)| (n, l, None)).collect();
+        Self::start_with_listener_and(settings, listener, guard, others)
+    }
+
+    /// Starts serving on the listeners the previous instance handed over
+    /// ([`crate::handover`]), each with its guard: the main one, then the
+    /// policy sockets by `[[sockets]]` name (one the settings no longer name
+    /// is closed; one they newly name is bound).
+    pub fn start_handed_over(
+        mut settings: Settings,
+        main: (std::os::unix::net::UnixListener, SocketGuard),
+        policies: Vec<(String, std::os::unix::net::UnixListener, SocketGuard)>,
+    ) -> Result<RunningBroker, SocketError> {
+        let (listener, guard) = main;
+        settings.socket_path = guard.path().to_owned();
+        let io = |source| SocketError::Io {
+            path: settings.socket_path.clone(),
+            cause: source,
+        };
+        listener.set_nonblocking(true).map_err(io)?;
+        let listener = tokio::net::UnixListener::from_std(listener).map_err(io)?;
+        let others = policies
+            .into_iter()
+            .map(|(n, l, g)| (n, l, Some(g)))
+            .collect();
         Self::start_with_listener_and(settings, listener, guard, others)
     }
 
@@ -134,13 +246,19 @@ impl RunningBroker {
         Self::start_with_listener_and(settings, listener, guard, Vec::new())
     }
 
-    /// `activated`: policy sockets systemd passed, by name; the others are bound here.
+    /// `activated`: policy sockets passed in, by name, with their guard
+    /// (`None`: systemd's); the others are bound here.
     fn start_with_listener_and(
         mut settings: Settings,
         listener: tokio::net::UnixListener,
         guard: SocketGuard,
-        mut activated: Vec<(String, std::os::unix::net::UnixListener)>,
+        mut activated: Vec<(
+            String,
+            std::os::unix::net::UnixListener,
+            Option<SocketGuard>,
+        )>,
     ) -> Result<RunningBroker, SocketError> {
+        let mut held = vec![HeldListener::new(&listener, None, &guard)];
         // The `[[sockets]]` sockets, each with its own policy (bound before
         // anything starts, so a socket that cannot be bound stops `serve`).
         let mut listeners = vec![(
@@ -155,10 +273,12 @@ impl RunningBroker {
                 let path = path.to_owned();
                 move |cause| SocketError::Io { path, cause }
             };
-            let (l, g) = match activated.iter().position(|(n, _)| *n == policy.name) {
+            let (l, g) = match activated.iter().position(|(n, _, _)| *n == policy.name) {
                 Some(i) => {
-                    let (_, l) = activated.swap_remove(i);
-                    if let Some(p) = l
+                    let (_, l, g) = activated.swap_remove(i);
+                    if let Some(g) = &g {
+                        policy.path = g.path().to_owned();
+                    } else if let Some(p) = l
                         .local_addr()
                         .ok()
                         .and_then(|a| a.as_pathname().map(PathBuf::from))
@@ -166,19 +286,21 @@ impl RunningBroker {
                         policy.path = p;
                     }
                     l.set_nonblocking(true).map_err(io(&policy.path))?;
-                    (l, SocketGuard::activated(policy.path.clone()))
+                    let g = g.unwrap_or_else(|| SocketGuard::activated(policy.path.clone()));
+                    (l, g)
                 }
                 None => socket::bind_with_mode(&policy.path, policy.mode)?,
             };
             let l = tokio::net::UnixListener::from_std(l).map_err(io(&policy.path))?;
+            held.push(HeldListener::new(&l, Some(policy.name.clone()), &g));
             tracing::info!(socket = %policy.name, path = %policy.path.display(), "policy socket listening");
             listeners.push((l, Arc::new(policy.clone())));
             policy_guards.push(g);
         }
-        for (name, _) in &activated {
+        for (name, _, _) in &activated {
             tracing::warn!(
                 name,
-                "systemd passed a socket no [[sockets]] entry names; closing it"
+                "a socket was passed in that no [[sockets]] entry names; closing it"
             );
         }
         let cancel = CancellationToken::new();
@@ -227,9 +349,16 @@ impl RunningBroker {
             ctx,
             guard,
             _policy_guards: policy_guards,
+            held,
             accept_stop,
             accept_task,
         })
+    }
+
+    /// What a handover passes on: the state and the descriptors it names
+    /// (copies; this instance's own stay open until it exits).
+    pub fn handover(&self) -> std::io::Result<(crate::handover::State, Vec<(String, std::os::fd::OwnedFd)>)> {
+        crate::handover::collect(&self.held)
     }
 
     pub fn socket_path(&self) -> &Path {
@@ -257,18 +386,37 @@ impl RunningBroker {
     ///
     /// Returns false when the deadline cut something off.
     pub async fn shutdown(mut self, deadline: Duration) -> bool {
+        self.stop_serving(deadline, SHUTDOWN_REASON).await
+    }
+
+    /// Stops serving for the next instance ([`crate::handover`]): as
+    /// [`RunningBroker::shutdown`], with `shutdown {reason: "clawmux
+    /// upgrading"}`, but the sockets stay bound and open, for the next
+    /// instance or for [`Released::serve_again`] if it fails.
+    pub async fn release(mut self, deadline: Duration) -> Released {
+        let clean = self.stop_serving(deadline, UPGRADE_REASON).await;
+        Released {
+            settings: self.ctx.settings.clone(),
+            guard: self.guard,
+            policy_guards: self._policy_guards,
+            held: self.held,
+            clean,
+        }
+    }
+
+    async fn stop_serving(&mut self, deadline: Duration, reason: &str) -> bool {
         tracing::info!(
             clients = self.ctx.hub.client_count(),
             deadline_ms = deadline.as_millis() as u64,
+            reason,
             "clawmux shutting down"
         );
         let until = tokio::time::Instant::now() + deadline;
         self.accept_stop.cancel();
         let _ = tokio::time::timeout_at(until, &mut self.accept_task).await;
-        self.ctx.hub.publish_local(
-            "shutdown",
-            &serde_json::json!({ "reason": SHUTDOWN_REASON }),
-        );
+        self.ctx
+            .hub
+            .publish_local("shutdown", &serde_json::json!({ "reason": reason }));
         self.ctx.cancel.cancel();
         self.ctx.tracker.close();
         let mut clean = true;

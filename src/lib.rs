@@ -80,6 +80,7 @@ pub mod context;
 pub mod dedicated_registry;
 pub mod dispatch;
 pub mod files;
+pub mod handover;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod hub;

@@ -8,6 +8,10 @@ use std::time::Duration;
 
 use tokio::signal::unix::{signal, SignalKind};
 
+use std::sync::Arc;
+
+use crate::context::Ctx;
+use crate::handover::upgrade::{Outcome, Program};
 use crate::systemd::Notifier;
 use crate::RunningBroker;
 
@@ -23,20 +27,61 @@ pub const BACKSTOP_GRACE: Duration = Duration::from_secs(1);
 /// Runs until SIGTERM or SIGINT, then stops the broker within
 /// `shutdown_timeout`. Sends `READY=1` first and `STOPPING=1` on the signal.
 /// A second signal during the shutdown exits at once with [`EXIT_FORCED`].
+///
+/// `SIGUSR2` hands the broker over to a new instance of `upgrades`
+/// ([`crate::handover::upgrade`]); when that fails, this one goes on
+/// serving (a new core, if it had stopped) and `current` is told of it.
+/// Under a service manager that keeps a file descriptor store, a stop
+/// first stores the sockets clawmux bound itself for the next start.
 pub async fn serve_until_stopped(
-    broker: RunningBroker,
+    mut broker: RunningBroker,
     shutdown_timeout: Duration,
+    upgrades: Option<Program>,
+    current: Option<tokio::sync::watch::Sender<Arc<Ctx>>>,
 ) -> std::io::Result<()> {
     // Handlers first, so a stop request right after READY=1 is never lost.
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let notifier = Notifier::start(broker.ctx());
-    let signal_name = tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
+    let mut usr2 = signal(SignalKind::user_defined2())?;
+    let mut notifier = Notifier::start(broker.ctx());
+    let signal_name = loop {
+        tokio::select! {
+            _ = term.recv() => break "SIGTERM",
+            _ = int.recv() => break "SIGINT",
+            _ = usr2.recv() => {
+                let Some(program) = &upgrades else {
+                    tracing::info!("SIGUSR2 ignored: this broker cannot hand over (demo mode)");
+                    continue;
+                };
+                tracing::info!(program = %program.path.display(), "SIGUSR2: handing over to a new instance");
+                match crate::handover::upgrade::upgrade(broker, program, shutdown_timeout).await {
+                    Outcome::Upgraded => {
+                        // The new instance is the service now: no STOPPING=1.
+                        notifier.abandon();
+                        return Ok(());
+                    }
+                    Outcome::StillServing(b, why) => {
+                        tracing::error!("upgrade failed, still serving: {why}");
+                        if !Arc::ptr_eq(b.ctx(), notifier.ctx()) {
+                            notifier.abandon();
+                            notifier = Notifier::start(b.ctx());
+                            if let Some(current) = &current {
+                                let _ = current.send(Arc::clone(b.ctx()));
+                            }
+                        }
+                        broker = b;
+                    }
+                    Outcome::Lost(why) => {
+                        notifier.stopping();
+                        return Err(std::io::Error::other(format!("upgrade failed: {why}")));
+                    }
+                }
+            }
+        }
     };
     tracing::info!(signal = signal_name, "stop requested");
     notifier.stopping();
+    store_for_next_start(&broker);
     arm_backstop(shutdown_timeout + BACKSTOP_GRACE);
     tokio::select! {
         clean = broker.shutdown(shutdown_timeout) => {
@@ -51,6 +96,30 @@ pub async fn serve_until_stopped(
         }
         _ = term.recv() => force_exit("a second SIGTERM"),
         _ = int.recv() => force_exit("a second SIGINT"),
+    }
+}
+
+/// Under a service manager with a file descriptor store, stores the state
+/// and the sockets clawmux bound itself (a socket systemd passed stays
+/// systemd's), so the next start serves on them: a connection that arrives
+/// during the restart waits in the socket's queue instead of being
+/// refused. A stop (not a restart) leaves them to systemd, which closes
+/// them once the service is down.
+fn store_for_next_start(broker: &RunningBroker) {
+    if !crate::systemd::keeps_a_store() || broker.is_socket_activated() {
+        return;
+    }
+    let stored = broker.handover().and_then(|(state, mut fds)| {
+        fds.push((
+            crate::handover::state::STATE_FD_NAME.to_owned(),
+            state.to_memfd()?,
+        ));
+        crate::systemd::store(&fds)?;
+        Ok(fds.len())
+    });
+    match stored {
+        Ok(n) => tracing::info!(descriptors = n, "stored the sockets for the next start"),
+        Err(e) => tracing::warn!("cannot store the sockets for the next start ({e}); it binds them anew"),
     }
 }
 

@@ -22,7 +22,10 @@ struct UsageExit(String);
 fn main() -> ExitCode {
     // SAFETY: first thing in main, before anything opens a file descriptor, so
     // the descriptors systemd passed are owned by nothing else (see its docs).
-    let activated = unsafe { clawmux::systemd::take_activated_listener() };
+    let passed = unsafe { clawmux::systemd::take_passed() };
+    // SAFETY: likewise first thing: the descriptors a SIGUSR2 upgrade's old
+    // instance left open for this process, named in its environment.
+    let handed = unsafe { clawmux::handover::Inherited::take_from_env() };
     let cli = Cli::parse();
     // Non-blocking, secret-safe, rate-limited (see clawmux::logging); the
     // guard flushes the last lines when main returns.
@@ -78,7 +81,9 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => serve(args, activated).await.map(|()| ExitCode::SUCCESS),
+            Command::Serve(args) => serve(args, passed, handed)
+                .await
+                .map(|()| ExitCode::SUCCESS),
             Command::MockGateway(args) => mock_gateway(args).await.map(|()| ExitCode::SUCCESS),
             Command::Client(command) => Ok(clawmux::cli::run(command).await),
             Command::Doctor(args) => {
@@ -142,8 +147,18 @@ fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {
 
 async fn serve(
     args: ServeArgs,
-    activated: Result<Option<clawmux::systemd::ActivatedSocket>, clawmux::systemd::ActivationError>,
+    passed: Result<clawmux::systemd::Passed, clawmux::systemd::ActivationError>,
+    handed: Option<Result<clawmux::handover::Inherited, String>>,
 ) -> anyhow::Result<()> {
+    use clawmux::handover::{upgrade::Predecessor, Inherited, Source};
+    let passed = passed?;
+    // What a previous instance handed over: a SIGUSR2 upgrade's (which
+    // waits for our answer) or systemd's store (read by this start only).
+    let inherited = match handed {
+        Some(h) => Some(h.map_err(|e| anyhow::anyhow!("upgrade: {e}"))?),
+        None => Inherited::from_store(passed.stored),
+    };
+    let activated = passed.socket;
     raise_open_file_limit();
     if !args.demo {
         check_startup_token_file(&args.settings)?;
@@ -154,7 +169,6 @@ async fn serve(
         // The demo's throwaway gateway must not leave device tokens in your state dir.
         settings.upstream.device_identity = None;
     }
-    let activated = activated?;
     if args.demo && activated.is_none() {
         // Before the double starts: a second demo on a busy socket fails
         // here, having started nothing.
@@ -198,12 +212,59 @@ async fn serve(
     } else {
         None
     };
-    let broker = match activated {
-        Some(socket) => {
+    let mut predecessor = None;
+    let mut taken = None;
+    if let Some(mut inherited) = inherited.filter(|_| !args.demo) {
+        let names = inherited.names().join(", ");
+        let control = inherited.control();
+        match (inherited.source, inherited.take()) {
+            (Source::Upgrade, result) => {
+                let control = control.ok_or_else(|| anyhow::anyhow!("upgrade: no control socket was passed"))?;
+                let mut old = Predecessor::new(control)?;
+                match result {
+                    Ok(t) => {
+                        old.say("valid").await?;
+                        old.released(shutdown_timeout + clawmux::handover::upgrade::RELEASE_MARGIN)
+                            .await
+                            .map_err(|e| anyhow::anyhow!("upgrade: {e}"))?;
+                        taken = Some(t);
+                        predecessor = Some(old);
+                    }
+                    Err(e) => {
+                        let _ = old.say(&format!("invalid {e}")).await;
+                        anyhow::bail!("upgrade: cannot take over ({e}); the old instance goes on serving");
+                    }
+                }
+            }
+            (Source::Store, Ok(t)) => taken = Some(t),
+            (Source::Store, Err(e)) => tracing::warn!(
+                descriptors = %names,
+                "the stored state cannot be taken ({e}); starting fresh"
+            ),
+        }
+    }
+    let broker = match (taken, activated) {
+        (Some(t), activated) => {
+            tracing::info!(
+                from_pid = t.state.from_pid,
+                from_version = %t.state.from_version,
+                listeners = t.state.listeners.len(),
+                "took over from the previous instance"
+            );
+            if let Some(socket) = activated {
+                tracing::warn!(name = %socket.name, "systemd also passed a socket; serving on the handed-over one");
+            }
+            RunningBroker::start_handed_over(settings, t.main, t.policies)?
+        }
+        (None, Some(socket)) => {
             RunningBroker::start_with_activated(settings, socket.listener, socket.others)?
         }
-        None => RunningBroker::start(settings).await?,
+        (None, None) => RunningBroker::start(settings).await?,
     };
+    if let Some(mut old) = predecessor {
+        old.say("serving").await?;
+        clawmux::systemd::now_main_process();
+    }
     if !args.demo {
         eprintln!(
             "clawmux: serving on {}{} (try: curl --unix-socket {} http://localhost/healthz)",
@@ -231,10 +292,15 @@ async fn serve(
         }
     }
     let reload_args = (!args.demo).then(|| (args.settings.clone(), args.limits.clone()));
-    let ctx = std::sync::Arc::clone(broker.ctx());
+    let (current, ctx) = tokio::sync::watch::channel(std::sync::Arc::clone(broker.ctx()));
+    let upgrades = if args.demo {
+        None
+    } else {
+        Some(clawmux::handover::upgrade::Program::current()?)
+    };
     tokio::select! {
-        r = clawmux::lifecycle::serve_until_stopped(broker, shutdown_timeout) => r?,
-        r = reload_on_sighup(&ctx, reload_args) => r?,
+        r = clawmux::lifecycle::serve_until_stopped(broker, shutdown_timeout, upgrades, Some(current)) => r?,
+        r = reload_on_sighup(ctx, reload_args) => r?,
     }
     Ok(())
 }
@@ -255,7 +321,7 @@ fn raise_open_file_limit() {
 /// `SIGHUP` re-reads the settings: a changed URL or token re-opens the
 /// upstream session; a broken file keeps the old settings running.
 async fn reload_on_sighup(
-    ctx: &clawmux::context::Ctx,
+    current: tokio::sync::watch::Receiver<std::sync::Arc<clawmux::context::Ctx>>,
     args: Option<(SettingsArgs, LimitArgs)>,
 ) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
@@ -269,6 +335,7 @@ async fn reload_on_sighup(
         match args.resolve(limits) {
             Ok(resolved) => {
                 let target = clawmux::upstream::Target::from_settings(&resolved.settings);
+                let ctx = std::sync::Arc::clone(&current.borrow());
                 let changed = ctx.upstream().retarget(target);
                 tracing::info!(changed, "settings reloaded");
             }

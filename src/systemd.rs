@@ -59,9 +59,24 @@ pub struct ActivatedSocket {
 
 static LISTEN_FDS_TAKEN: AtomicBool = AtomicBool::new(false);
 
-/// Takes the listening socket systemd passed (`LISTEN_FDS`, for this process
-/// per `LISTEN_PID`), or `None` when there is none. Only the first call can
-/// return a socket; later calls return `None`.
+/// What the service manager passed: the listening socket (socket
+/// activation) and, apart, the descriptors a previous instance stored
+/// (`FDSTORE=1`, names starting `clawmux-`; see [`crate::handover`]).
+#[derive(Debug, Default)]
+pub struct Passed {
+    pub socket: Option<ActivatedSocket>,
+    pub stored: Vec<(String, OwnedFd)>,
+}
+
+/// Whether a `LISTEN_FDNAMES` entry names a descriptor clawmux stored
+/// itself rather than a socket unit's socket.
+pub fn is_stored_name(name: &str) -> bool {
+    name.starts_with("clawmux-")
+}
+
+/// Takes the descriptors systemd passed (`LISTEN_FDS`, for this process per
+/// `LISTEN_PID`): the listening socket, if any, and the stored ones. Only
+/// the first call takes anything; later calls return nothing.
 ///
 /// # Safety
 ///
@@ -70,25 +85,31 @@ static LISTEN_FDS_TAKEN: AtomicBool = AtomicBool::new(false);
 /// names are then the ones the service manager passed, and nothing in the
 /// process owns them, so taking ownership of them here cannot alias a
 /// descriptor some other object will close or use.
-pub unsafe fn take_activated_listener() -> Result<Option<ActivatedSocket>, ActivationError> {
+pub unsafe fn take_passed() -> Result<Passed, ActivationError> {
     if LISTEN_FDS_TAKEN.swap(true, Ordering::SeqCst) {
-        return Ok(None);
+        return Ok(Passed::default());
     }
     // Checks LISTEN_PID against our pid, verifies each fd is open (fcntl)
     // and marks it close-on-exec.
     let passed: Vec<(RawFd, String)> = sd_notify::listen_fds_with_names()
         .map_err(ActivationError::Environment)?
         .collect();
-    let mut owned: Vec<(OwnedFd, String)> = passed
+    let owned: Vec<(OwnedFd, String)> = passed
         .into_iter()
         // SAFETY: per this function's contract, these fds were inherited and
         // are owned by nothing else; sd-notify verified they are open, and the
         // swap above guarantees they are taken once.
         .map(|(fd, name)| (unsafe { OwnedFd::from_raw_fd(fd) }, name))
         .collect();
+    let (stored, mut owned): (Vec<_>, Vec<_>) =
+        owned.into_iter().partition(|(_, name)| is_stored_name(name));
+    let stored = stored.into_iter().map(|(fd, name)| (name, fd)).collect();
     let names: Vec<&str> = owned.iter().map(|(_, n)| n.as_str()).collect();
     let Some(index) = choose_socket(&names)? else {
-        return Ok(None);
+        return Ok(Passed {
+            socket: None,
+            stored,
+        });
     };
     let (fd, name) = owned.swap_remove(index);
     if let Err(why) = check_unix_listener(&fd) {
@@ -111,11 +132,14 @@ pub unsafe fn take_activated_listener() -> Result<Option<ActivatedSocket>, Activ
             }
         })
         .collect();
-    Ok(Some(ActivatedSocket {
-        listener: UnixListener::from(fd),
-        name,
-        others,
-    }))
+    Ok(Passed {
+        socket: Some(ActivatedSocket {
+            listener: UnixListener::from(fd),
+            name,
+            others,
+        }),
+        stored,
+    })
 }
 
 /// Which of the passed sockets (by `LISTEN_FDNAMES` entry) to serve on: the
@@ -140,7 +164,7 @@ fn choose_socket(names: &[&str]) -> Result<Option<usize>, ActivationError> {
 }
 
 /// The fd must be a listening unix stream socket (`Accept=no`).
-fn check_unix_listener(fd: impl AsFd) -> Result<(), String> {
+pub fn check_unix_listener(fd: impl AsFd) -> Result<(), String> {
     use rustix::net::{sockopt, AddressFamily, SocketType};
     let fd = fd.as_fd();
     let domain = sockopt::socket_domain(fd).map_err(|e| format!("not a socket ({e})"))?;
@@ -201,11 +225,49 @@ fn notify(states: &[NotifyState<'_>]) {
     }
 }
 
+/// Whether a service manager's file descriptor store may take this
+/// process's descriptors: `NOTIFY_SOCKET` is set and `$FDSTORE` (systemd
+/// 254 and later set it to `FileDescriptorStoreMax=`) is not `0`. Older
+/// systemd (Debian 12 has 252) sets no `$FDSTORE` but keeps a store when
+/// the unit sets `FileDescriptorStoreMax=`; there, a store it does not keep
+/// only logs a warning in the journal and closes the copies.
+pub fn keeps_a_store() -> bool {
+    std::env::var_os("NOTIFY_SOCKET").is_some()
+        && std::env::var("FDSTORE").map_or(true, |max| max.trim() != "0")
+}
+
+/// Stores descriptors in the service manager's store, each under its name
+/// (`FDSTORE=1`, `FDNAME=`), for the next start of the service.
+pub fn store(fds: &[(String, OwnedFd)]) -> std::io::Result<()> {
+    for (name, fd) in fds {
+        sd_notify::notify_with_fds(
+            &[NotifyState::FdStore, NotifyState::FdName(name)],
+            &[fd.as_fd()],
+        )?;
+    }
+    Ok(())
+}
+
+/// Removes a stored descriptor by name (`FDSTOREREMOVE=1`, `FDNAME=`).
+pub fn remove_stored(name: &str) {
+    notify(&[NotifyState::FdStoreRemove, NotifyState::FdName(name)]);
+}
+
+/// Tells the service manager this process is the service's main process
+/// now (after a `SIGUSR2` upgrade; needs `NotifyAccess=all`), and ready.
+pub fn now_main_process() {
+    notify(&[
+        NotifyState::MainPid(std::process::id()),
+        NotifyState::Ready,
+    ]);
+}
+
 /// Keeps the service manager informed while the broker runs.
 #[derive(Debug)]
 pub struct Notifier {
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
+    ctx: Arc<Ctx>,
 }
 
 impl Notifier {
@@ -229,7 +291,23 @@ impl Notifier {
             watchdog,
             status,
         ));
-        Notifier { stop, task }
+        Notifier {
+            stop,
+            task,
+            ctx: Arc::clone(ctx),
+        }
+    }
+
+    /// The broker it reports on.
+    pub fn ctx(&self) -> &Arc<Ctx> {
+        &self.ctx
+    }
+
+    /// Stops reporting without telling the service manager anything (the
+    /// broker was handed over: the next instance reports now).
+    pub fn abandon(self) {
+        self.stop.cancel();
+        self.task.abort();
     }
 
     /// Sends `STOPPING=1`; no more status or watchdog messages follow.

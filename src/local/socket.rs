@@ -160,6 +160,39 @@ impl SocketGuard {
     pub fn is_activated(&self) -> bool {
         self.owned.is_none()
     }
+
+    /// For a handover: the socket file's inode and lock path, and a copy of
+    /// the lock's descriptor (the `flock` belongs to the open file, so the
+    /// copy holds the same lock). `None` for a socket systemd owns.
+    pub fn handover_parts(&self) -> Option<(Option<(u64, u64)>, PathBuf, std::os::fd::OwnedFd)> {
+        let owned = self.owned.as_ref()?;
+        let lock = owned._lock.try_clone().ok()?;
+        Some((owned.ino, owned.lock_path.clone(), lock.into()))
+    }
+
+    /// The guard of a socket file the previous instance created and handed
+    /// over with its lock: removed at this instance's final stop.
+    pub fn handed_over(
+        path: PathBuf,
+        ino: Option<(u64, u64)>,
+        lock_path: PathBuf,
+        lock: std::os::fd::OwnedFd,
+    ) -> Self {
+        SocketGuard {
+            path,
+            owned: Some(OwnedSocketFile {
+                ino,
+                lock_path,
+                _lock: File::from(lock),
+            }),
+        }
+    }
+
+    /// After the next instance took the socket over: leave the file and its
+    /// lock file in place (they are the next instance's now).
+    pub fn disarm(&mut self) {
+        self.owned = None;
+    }
 }
 
 impl Drop for SocketGuard {

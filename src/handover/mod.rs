@@ -1,0 +1,254 @@
+//! Handing the broker over to its next instance (design §11, issue 34), so
+//! a restart or an upgrade keeps its sockets: nothing that connects in
+//! between is refused, and a new binary that cannot start leaves the old
+//! one serving.
+//!
+//! What moves today (state [`FORMAT`] 1): every listening socket (the main
+//! one and the `[[sockets]]` policy sockets) with its socket file's lock.
+//! Connected clients do not move yet: they get `shutdown {reason:
+//! "clawmux upgrading"}` and `1001 going away`, reconnect at once to the
+//! same socket, and resume by cursor (docs/src/restarts.md says what a
+//! client sees).
+//!
+//! Two ways in, one format:
+//! - `SIGUSR2` ([`upgrade`]): the broker starts the `clawmux` at the path it
+//!   was started from with the same arguments, passes the state (a sealed
+//!   memfd) and the descriptors by inheritance, named in [`FDS_ENV`], and
+//!   talks to it over a control socket: `valid` (the new one read and
+//!   checked everything) → `released` (the old one stopped serving, so the
+//!   event log and the gateway session are free) → `serving` (the new one
+//!   accepts). The old one exits only then; if the new one fails at any
+//!   step, the old one serves again on the same sockets and logs why.
+//! - systemd's file descriptor store ([`store`]): on SIGTERM, under a
+//!   service manager that keeps a store, the state and the sockets
+//!   clawmux bound itself are stored (`FDSTORE=1`, `FDNAME=`); the next
+//!   start gets them in `LISTEN_FDS`/`LISTEN_FDNAMES` and takes them over,
+//!   then removes them from the store (`FDSTOREREMOVE=1`).
+//!
+//! A state is taken whole or not at all ([`Inherited::take`]): every
+//! descriptor it names must be there and be what it says before any is
+//! used; otherwise every passed descriptor is closed and the new instance
+//! starts fresh (binds its own sockets: a normal restart).
+
+pub mod state;
+pub mod upgrade;
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixListener;
+use std::path::Path;
+
+pub use state::{State, Unreadable, FORMAT};
+
+use crate::broker::HeldListener;
+use crate::local::socket::SocketGuard;
+
+/// The environment variable that names the descriptors a `SIGUSR2`
+/// upgrade passes to the new instance: `name=fd,name=fd,…`.
+pub const FDS_ENV: &str = "CLAWMUX_HANDOVER_FDS";
+
+/// The descriptor name of the control socket of a `SIGUSR2` upgrade.
+pub const CONTROL_FD_NAME: &str = "clawmux-control";
+
+/// The state and the descriptors that go with it (copies of the broker's
+/// own, closed on exec), for [`upgrade`] or the systemd store.
+pub fn collect(held: &[HeldListener]) -> std::io::Result<(State, Vec<(String, OwnedFd)>)> {
+    let mut fds = Vec::new();
+    let mut listeners = Vec::new();
+    for h in held {
+        let fd_name = match &h.policy {
+            None => state::MAIN_LISTENER.to_owned(),
+            Some(name) => state::policy_listener(name),
+        };
+        fds.push((fd_name.clone(), rustix::io::fcntl_dupfd_cloexec(&h.fd, 3)?));
+        let owned = match &h.owned {
+            None => None,
+            Some((ino, lock_path, lock)) => {
+                fds.push((
+                    state::lock_name(&fd_name),
+                    rustix::io::fcntl_dupfd_cloexec(lock, 3)?,
+                ));
+                Some(state::OwnedSocket {
+                    ino: *ino,
+                    lock_path: lock_path.clone(),
+                })
+            }
+        };
+        listeners.push(state::Listener {
+            fd_name,
+            policy: h.policy.clone(),
+            path: h.path.clone(),
+            owned,
+        });
+    }
+    let state = State {
+        format: FORMAT,
+        from_version: env!("CARGO_PKG_VERSION").to_owned(),
+        from_pid: std::process::id(),
+        listeners,
+    };
+    Ok((state, fds))
+}
+
+/// Where the inherited descriptors came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// A `SIGUSR2` upgrade: the old instance waits on the control socket.
+    Upgrade,
+    /// systemd's file descriptor store.
+    Store,
+}
+
+/// Descriptors passed to this process for a handover, by name.
+#[derive(Debug)]
+pub struct Inherited {
+    pub source: Source,
+    fds: Vec<(String, OwnedFd)>,
+}
+
+/// What a handover gives the new instance: its sockets, ready to serve.
+#[derive(Debug)]
+pub struct Taken {
+    pub state: State,
+    pub main: (UnixListener, SocketGuard),
+    pub policies: Vec<(String, UnixListener, SocketGuard)>,
+}
+
+impl Inherited {
+    /// The descriptors named in [`FDS_ENV`], if it is set (and removes it, so
+    /// nothing this process starts inherits the names).
+    ///
+    /// # Safety
+    ///
+    /// Call it first thing in `main`, before anything opens a descriptor:
+    /// the numbers in [`FDS_ENV`] are then descriptors the old instance left
+    /// open for this process, owned by nothing else here, so taking
+    /// ownership cannot alias a descriptor another object closes. Each is
+    /// checked to be open (`fcntl`) before it is taken, and taken once.
+    pub unsafe fn take_from_env() -> Option<Result<Inherited, String>> {
+        let value = std::env::var(FDS_ENV).ok()?;
+        // SAFETY (of the environment change): called before any other
+        // thread exists (first thing in main), so nothing reads the
+        // environment concurrently.
+        unsafe { std::env::remove_var(FDS_ENV) };
+        let mut fds = Vec::new();
+        for entry in value.split(',').filter(|e| !e.is_empty()) {
+            let Some((name, number)) = entry.split_once('=') else {
+                return Some(Err(format!("{FDS_ENV}: {entry:?} is not name=fd")));
+            };
+            let Ok(raw) = number.parse::<RawFd>() else {
+                return Some(Err(format!("{FDS_ENV}: {number:?} is not a descriptor")));
+            };
+            if raw < 3 || fds.iter().any(|(_, fd): &(String, OwnedFd)| fd.as_raw_fd() == raw) {
+                return Some(Err(format!("{FDS_ENV}: descriptor {raw} cannot be taken")));
+            }
+            // SAFETY: see the function's contract; `fcntl_getfd` on a
+            // borrowed descriptor first proves it is open.
+            let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(raw) };
+            if rustix::io::fcntl_getfd(borrowed).is_err() {
+                return Some(Err(format!("{FDS_ENV}: descriptor {raw} is not open")));
+            }
+            // SAFETY: open (checked above), inherited for this process and
+            // named once (duplicates refused above).
+            let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+            let _ = rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::CLOEXEC);
+            fds.push((name.to_owned(), fd));
+        }
+        Some(Ok(Inherited {
+            source: Source::Upgrade,
+            fds,
+        }))
+    }
+
+    /// The descriptors a previous instance stored in systemd's store
+    /// (`None` when there are none). They are removed from the store at
+    /// once: a state is read by one start only.
+    pub fn from_store(stored: Vec<(String, OwnedFd)>) -> Option<Inherited> {
+        if stored.is_empty() {
+            return None;
+        }
+        for (name, _) in &stored {
+            crate::systemd::remove_stored(name);
+        }
+        Some(Inherited {
+            source: Source::Store,
+            fds: stored,
+        })
+    }
+
+    /// Descriptor names, for the log.
+    pub fn names(&self) -> Vec<&str> {
+        self.fds.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    /// Takes the control socket of a `SIGUSR2` upgrade out.
+    pub fn control(&mut self) -> Option<std::os::unix::net::UnixStream> {
+        let i = self.fds.iter().position(|(n, _)| n == CONTROL_FD_NAME)?;
+        Some(self.fds.swap_remove(i).1.into())
+    }
+
+    fn take_fd(&mut self, name: &str) -> Option<OwnedFd> {
+        let i = self.fds.iter().position(|(n, _)| n == name)?;
+        Some(self.fds.swap_remove(i).1)
+    }
+
+    /// Reads and checks the state and every descriptor it names. Whole or
+    /// not at all: on any error every descriptor is closed (dropped).
+    pub fn take(mut self) -> Result<Taken, Unreadable> {
+        let state_fd = self
+            .take_fd(state::STATE_FD_NAME)
+            .ok_or_else(|| Unreadable::Invalid("no state descriptor was passed".into()))?;
+        let state = State::from_fd(&state_fd)?;
+        let mut main = None;
+        let mut policies = Vec::new();
+        for l in &state.listeners {
+            let fd = self.take_fd(&l.fd_name).ok_or_else(|| {
+                Unreadable::Invalid(format!("the state names {} but it was not passed", l.fd_name))
+            })?;
+            let listener = UnixListener::from(fd);
+            check_listener(&listener, &l.path)
+                .map_err(|why| Unreadable::Invalid(format!("{}: {why}", l.fd_name)))?;
+            let guard = match &l.owned {
+                None => SocketGuard::activated(l.path.clone()),
+                Some(owned) => {
+                    let lock_name = state::lock_name(&l.fd_name);
+                    let lock = self.take_fd(&lock_name).ok_or_else(|| {
+                        Unreadable::Invalid(format!("{lock_name} was not passed"))
+                    })?;
+                    rustix::fs::fstat(&lock).map_err(|e| {
+                        Unreadable::Invalid(format!("{lock_name} is not a file ({e})"))
+                    })?;
+                    SocketGuard::handed_over(l.path.clone(), owned.ino, owned.lock_path.clone(), lock)
+                }
+            };
+            match &l.policy {
+                None => main = Some((listener, guard)),
+                Some(name) => policies.push((name.clone(), listener, guard)),
+            }
+        }
+        let main = main.ok_or_else(|| Unreadable::Invalid("no main listener".into()))?;
+        for (name, _) in &self.fds {
+            tracing::warn!(name, "a passed descriptor no handover state names; closing it");
+        }
+        Ok(Taken {
+            state,
+            main,
+            policies,
+        })
+    }
+}
+
+/// A handed-over listener must be a listening unix stream socket bound to
+/// the path the state says.
+fn check_listener(listener: &UnixListener, path: &Path) -> Result<(), String> {
+    crate::systemd::check_unix_listener(listener)?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| format!("unreadable address ({e})"))?;
+    match addr.as_pathname() {
+        Some(p) if p == path => Ok(()),
+        other => Err(format!(
+            "bound to {other:?}, not {} as the state says",
+            path.display()
+        )),
+    }
+}

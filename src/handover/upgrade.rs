@@ -1,0 +1,228 @@
+//! The `SIGUSR2` upgrade: the old instance's side ([`upgrade`]) and the new
+//! one's ([`Predecessor`]). The control socket carries one word per line:
+//! `valid` or `invalid <why>` (new → old), `released` (old → new),
+//! `serving` (new → old).
+
+use std::ffi::OsString;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+
+use super::{state, State, CONTROL_FD_NAME, FDS_ENV};
+use crate::broker::RunningBroker;
+
+/// How long the new instance may take to start and check the state before
+/// the old one gives up on it (and goes on serving).
+pub const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the new instance may take, once the old one stopped serving,
+/// to serve (open the event log, bind nothing, start accepting).
+pub const SERVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the new instance waits for the old one to stop serving, beyond
+/// the old one's own `--shutdown-timeout` (the same flag, as it runs with
+/// the same arguments).
+pub const RELEASE_MARGIN: Duration = Duration::from_secs(5);
+
+/// The program and arguments an upgrade starts: the path this broker was
+/// started from (so an upgraded binary there takes over) and its own
+/// arguments. Taken at start: after a package upgrade `/proc/self/exe`
+/// names the deleted old file.
+#[derive(Debug, Clone)]
+pub struct Program {
+    pub path: PathBuf,
+    pub args: Vec<OsString>,
+}
+
+impl Program {
+    /// This process's program and arguments.
+    pub fn current() -> std::io::Result<Program> {
+        Ok(Program {
+            path: std::env::current_exe()?,
+            args: std::env::args_os().skip(1).collect(),
+        })
+    }
+}
+
+/// How an upgrade ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// The new instance serves: this one exits.
+    Upgraded,
+    /// This one serves (still, or again): why the upgrade did not happen.
+    StillServing(RunningBroker, String),
+    /// The new one failed after this one stopped, and serving again failed
+    /// too: the process ends with this error.
+    Lost(String),
+}
+
+/// Hands the broker over to a new instance of `program`. Nothing is lost
+/// either way: until the new instance says `valid` this broker serves
+/// untouched; after, its clients reconnect (to whichever instance serves).
+pub async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Duration) -> Outcome {
+    let (state, fds) = match broker.handover() {
+        Ok(x) => x,
+        Err(e) => return Outcome::StillServing(broker, format!("cannot copy the sockets: {e}")),
+    };
+    let mut next = match Successor::spawn(program, &state, fds) {
+        Ok(next) => next,
+        Err(e) => {
+            let why = format!("cannot start {}: {e}", program.path.display());
+            return Outcome::StillServing(broker, why);
+        }
+    };
+    tracing::info!(pid = next.pid(), program = %program.path.display(), "upgrade: new instance started");
+    if let Err(why) = next.expect("valid", START_TIMEOUT).await {
+        next.abandon();
+        return Outcome::StillServing(broker, why);
+    }
+    let released = broker.release(shutdown_timeout).await;
+    let serving = match next.say("released").await {
+        Ok(()) => next.expect("serving", SERVE_TIMEOUT).await,
+        Err(e) => Err(format!("the new instance's control socket failed ({e})")),
+    };
+    match serving {
+        Ok(()) => {
+            tracing::info!(pid = next.pid(), "upgrade: the new instance serves; exiting");
+            released.finish();
+            Outcome::Upgraded
+        }
+        Err(why) => {
+            next.abandon();
+            match released.serve_again() {
+                Ok(broker) => Outcome::StillServing(broker, why),
+                Err(e) => Outcome::Lost(format!("{why}; serving again failed too: {e}")),
+            }
+        }
+    }
+}
+
+/// The new instance, seen from the old one.
+struct Successor {
+    child: tokio::process::Child,
+    lines: Lines<BufReader<OwnedReadHalf>>,
+    write: OwnedWriteHalf,
+}
+
+impl Successor {
+    fn spawn(program: &Program, state: &State, mut fds: Vec<(String, OwnedFd)>) -> std::io::Result<Successor> {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+        fds.push((state::STATE_FD_NAME.to_owned(), state.to_memfd()?));
+        fds.push((CONTROL_FD_NAME.to_owned(), theirs.into()));
+        // Copies without close-on-exec, so the child inherits them under
+        // the numbers named in FDS_ENV; closed here right after the spawn.
+        // (The broker starts no other program, so no other child can
+        // inherit them meanwhile.)
+        let inheritable = fds
+            .iter()
+            .map(|(name, fd)| Ok((name.clone(), rustix::io::dup(fd)?)))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let names = inheritable
+            .iter()
+            .map(|(name, fd)| format!("{name}={}", fd.as_raw_fd()))
+            .collect::<Vec<_>>()
+            .join(",");
+        let child = tokio::process::Command::new(&program.path)
+            .args(&program.args)
+            .env(FDS_ENV, names)
+            .env_remove("LISTEN_FDS")
+            .env_remove("LISTEN_PID")
+            .env_remove("LISTEN_FDNAMES")
+            .kill_on_drop(false)
+            .spawn();
+        drop(inheritable);
+        drop(fds);
+        let child = child?;
+        ours.set_nonblocking(true)?;
+        let (read, write) = tokio::net::UnixStream::from_std(ours)?.into_split();
+        Ok(Successor {
+            child,
+            lines: BufReader::new(read).lines(),
+            write,
+        })
+    }
+
+    fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// Waits for `word`; anything else, an exit or the timeout is the
+    /// reason the upgrade did not happen.
+    async fn expect(&mut self, word: &str, timeout: Duration) -> Result<(), String> {
+        let line = tokio::select! {
+            line = tokio::time::timeout(timeout, self.lines.next_line()) => line,
+            status = self.child.wait() => {
+                return Err(match status {
+                    Ok(s) => format!("the new instance exited ({s}) before it said {word}"),
+                    Err(e) => format!("the new instance could not be waited for ({e})"),
+                });
+            }
+        };
+        match line {
+            Err(_) => Err(format!(
+                "the new instance did not say {word} within {} ms",
+                timeout.as_millis()
+            )),
+            Ok(Ok(Some(line))) if line == word => Ok(()),
+            Ok(Ok(Some(line))) => Err(format!(
+                "the new instance refused: {}",
+                crate::sanitize::one_line(line.strip_prefix("invalid ").unwrap_or(&line))
+            )),
+            Ok(Ok(None)) => Err(format!("the new instance closed its control socket before it said {word}")),
+            Ok(Err(e)) => Err(format!("the new instance's control socket failed ({e})")),
+        }
+    }
+
+    async fn say(&mut self, word: &str) -> std::io::Result<()> {
+        self.write.write_all(format!("{word}\n").as_bytes()).await
+    }
+
+    /// Ends a new instance that will not serve (it may be stuck), and reaps
+    /// it in the background.
+    fn abandon(mut self) {
+        let _ = self.child.start_kill();
+        tokio::spawn(async move {
+            let _ = self.child.wait().await;
+        });
+    }
+}
+
+/// The old instance, seen from the new one during a `SIGUSR2` upgrade.
+#[derive(Debug)]
+pub struct Predecessor {
+    lines: Lines<BufReader<OwnedReadHalf>>,
+    write: OwnedWriteHalf,
+}
+
+impl Predecessor {
+    /// Over the control socket the old instance passed.
+    pub fn new(control: std::os::unix::net::UnixStream) -> std::io::Result<Predecessor> {
+        control.set_nonblocking(true)?;
+        let (read, write) = tokio::net::UnixStream::from_std(control)?.into_split();
+        Ok(Predecessor {
+            lines: BufReader::new(read).lines(),
+            write,
+        })
+    }
+
+    pub async fn say(&mut self, word: &str) -> std::io::Result<()> {
+        self.write.write_all(format!("{word}\n").as_bytes()).await
+    }
+
+    /// Waits until the old instance stopped serving (it said `released`).
+    pub async fn released(&mut self, within: Duration) -> Result<(), String> {
+        match tokio::time::timeout(within, self.lines.next_line()).await {
+            Ok(Ok(Some(line))) if line == "released" => Ok(()),
+            Ok(Ok(Some(line))) => Err(format!("the old instance said {line:?}, not released")),
+            Ok(Ok(None)) => Err("the old instance gave up on the upgrade".into()),
+            Ok(Err(e)) => Err(format!("the control socket failed ({e})")),
+            Err(_) => Err(format!(
+                "the old instance did not stop serving within {} ms",
+                within.as_millis()
+            )),
+        }
+    }
+}
