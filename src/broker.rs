@@ -88,7 +88,7 @@ pub struct HeldListener {
     pub policy: Option<String>,
     pub path: PathBuf,
     /// The socket file's inode, lock path and lock (when clawmux bound it).
-    pub owned: Option<(Option<(u64, u64)>, PathBuf, std::os::fd::OwnedFd)>,
+    pub owned: Option<socket::SocketFileParts>,
 }
 
 impl HeldListener {
@@ -355,9 +355,20 @@ impl RunningBroker {
         })
     }
 
+    /// The sockets were stored for the next start (systemd's store): leave
+    /// their files in place at the stop.
+    pub fn keep_socket_files(&mut self) {
+        self.guard.disarm();
+        for g in &mut self._policy_guards {
+            g.disarm();
+        }
+    }
+
     /// What a handover passes on: the state and the descriptors it names
     /// (copies; this instance's own stay open until it exits).
-    pub fn handover(&self) -> std::io::Result<(crate::handover::State, Vec<(String, std::os::fd::OwnedFd)>)> {
+    pub fn handover(
+        &self,
+    ) -> std::io::Result<(crate::handover::State, Vec<(String, std::os::fd::OwnedFd)>)> {
         crate::handover::collect(&self.held)
     }
 

@@ -80,9 +80,9 @@ pub mod context;
 pub mod dedicated_registry;
 pub mod dispatch;
 pub mod files;
-pub mod handover;
 #[doc(hidden)]
 pub mod fuzz_api;
+pub mod handover;
 pub mod hub;
 pub mod install;
 pub mod lifecycle;

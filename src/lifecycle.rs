@@ -81,7 +81,7 @@ pub async fn serve_until_stopped(
     };
     tracing::info!(signal = signal_name, "stop requested");
     notifier.stopping();
-    store_for_next_start(&broker);
+    store_for_next_start(&mut broker);
     arm_backstop(shutdown_timeout + BACKSTOP_GRACE);
     tokio::select! {
         clean = broker.shutdown(shutdown_timeout) => {
@@ -105,7 +105,7 @@ pub async fn serve_until_stopped(
 /// during the restart waits in the socket's queue instead of being
 /// refused. A stop (not a restart) leaves them to systemd, which closes
 /// them once the service is down.
-fn store_for_next_start(broker: &RunningBroker) {
+fn store_for_next_start(broker: &mut RunningBroker) {
     if !crate::systemd::keeps_a_store() || broker.is_socket_activated() {
         return;
     }
@@ -118,8 +118,13 @@ fn store_for_next_start(broker: &RunningBroker) {
         Ok(fds.len())
     });
     match stored {
-        Ok(n) => tracing::info!(descriptors = n, "stored the sockets for the next start"),
-        Err(e) => tracing::warn!("cannot store the sockets for the next start ({e}); it binds them anew"),
+        Ok(n) => {
+            broker.keep_socket_files();
+            tracing::info!(descriptors = n, "stored the sockets for the next start")
+        }
+        Err(e) => {
+            tracing::warn!("cannot store the sockets for the next start ({e}); it binds them anew")
+        }
     }
 }
 

@@ -219,7 +219,8 @@ async fn serve(
         let control = inherited.control();
         match (inherited.source, inherited.take()) {
             (Source::Upgrade, result) => {
-                let control = control.ok_or_else(|| anyhow::anyhow!("upgrade: no control socket was passed"))?;
+                let control = control
+                    .ok_or_else(|| anyhow::anyhow!("upgrade: no control socket was passed"))?;
                 let mut old = Predecessor::new(control)?;
                 match result {
                     Ok(t) => {
@@ -232,7 +233,9 @@ async fn serve(
                     }
                     Err(e) => {
                         let _ = old.say(&format!("invalid {e}")).await;
-                        anyhow::bail!("upgrade: cannot take over ({e}); the old instance goes on serving");
+                        anyhow::bail!(
+                            "upgrade: cannot take over ({e}); the old instance goes on serving"
+                        );
                     }
                 }
             }

@@ -101,8 +101,9 @@ pub unsafe fn take_passed() -> Result<Passed, ActivationError> {
         // swap above guarantees they are taken once.
         .map(|(fd, name)| (unsafe { OwnedFd::from_raw_fd(fd) }, name))
         .collect();
-    let (stored, mut owned): (Vec<_>, Vec<_>) =
-        owned.into_iter().partition(|(_, name)| is_stored_name(name));
+    let (stored, mut owned): (Vec<_>, Vec<_>) = owned
+        .into_iter()
+        .partition(|(_, name)| is_stored_name(name));
     let stored = stored.into_iter().map(|(fd, name)| (name, fd)).collect();
     let names: Vec<&str> = owned.iter().map(|(_, n)| n.as_str()).collect();
     let Some(index) = choose_socket(&names)? else {
@@ -256,10 +257,7 @@ pub fn remove_stored(name: &str) {
 /// Tells the service manager this process is the service's main process
 /// now (after a `SIGUSR2` upgrade; needs `NotifyAccess=all`), and ready.
 pub fn now_main_process() {
-    notify(&[
-        NotifyState::MainPid(std::process::id()),
-        NotifyState::Ready,
-    ]);
+    notify(&[NotifyState::MainPid(std::process::id()), NotifyState::Ready]);
 }
 
 /// Keeps the service manager informed while the broker runs.

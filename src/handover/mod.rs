@@ -35,7 +35,6 @@ pub mod upgrade;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
-use std::path::Path;
 
 pub use state::{State, Unreadable, FORMAT};
 
@@ -62,14 +61,14 @@ pub fn collect(held: &[HeldListener]) -> std::io::Result<(State, Vec<(String, Ow
         fds.push((fd_name.clone(), rustix::io::fcntl_dupfd_cloexec(&h.fd, 3)?));
         let owned = match &h.owned {
             None => None,
-            Some((ino, lock_path, lock)) => {
+            Some(file) => {
                 fds.push((
                     state::lock_name(&fd_name),
-                    rustix::io::fcntl_dupfd_cloexec(lock, 3)?,
+                    rustix::io::fcntl_dupfd_cloexec(&file.lock, 3)?,
                 ));
                 Some(state::OwnedSocket {
-                    ino: *ino,
-                    lock_path: lock_path.clone(),
+                    ino: file.ino,
+                    lock_path: file.lock_path.clone(),
                 })
             }
         };
@@ -138,7 +137,11 @@ impl Inherited {
             let Ok(raw) = number.parse::<RawFd>() else {
                 return Some(Err(format!("{FDS_ENV}: {number:?} is not a descriptor")));
             };
-            if raw < 3 || fds.iter().any(|(_, fd): &(String, OwnedFd)| fd.as_raw_fd() == raw) {
+            if raw < 3
+                || fds
+                    .iter()
+                    .any(|(_, fd): &(String, OwnedFd)| fd.as_raw_fd() == raw)
+            {
                 return Some(Err(format!("{FDS_ENV}: descriptor {raw} cannot be taken")));
             }
             // SAFETY: see the function's contract; `fcntl_getfd` on a
@@ -202,10 +205,13 @@ impl Inherited {
         let mut policies = Vec::new();
         for l in &state.listeners {
             let fd = self.take_fd(&l.fd_name).ok_or_else(|| {
-                Unreadable::Invalid(format!("the state names {} but it was not passed", l.fd_name))
+                Unreadable::Invalid(format!(
+                    "the state names {} but it was not passed",
+                    l.fd_name
+                ))
             })?;
             let listener = UnixListener::from(fd);
-            check_listener(&listener, &l.path)
+            check_listener(&listener)
                 .map_err(|why| Unreadable::Invalid(format!("{}: {why}", l.fd_name)))?;
             let guard = match &l.owned {
                 None => SocketGuard::activated(l.path.clone()),
@@ -217,7 +223,12 @@ impl Inherited {
                     rustix::fs::fstat(&lock).map_err(|e| {
                         Unreadable::Invalid(format!("{lock_name} is not a file ({e})"))
                     })?;
-                    SocketGuard::handed_over(l.path.clone(), owned.ino, owned.lock_path.clone(), lock)
+                    SocketGuard::handed_over(
+                        l.path.clone(),
+                        owned.ino,
+                        owned.lock_path.clone(),
+                        lock,
+                    )
                 }
             };
             match &l.policy {
@@ -227,7 +238,10 @@ impl Inherited {
         }
         let main = main.ok_or_else(|| Unreadable::Invalid("no main listener".into()))?;
         for (name, _) in &self.fds {
-            tracing::warn!(name, "a passed descriptor no handover state names; closing it");
+            tracing::warn!(
+                name,
+                "a passed descriptor no handover state names; closing it"
+            );
         }
         Ok(Taken {
             state,
@@ -237,18 +251,10 @@ impl Inherited {
     }
 }
 
-/// A handed-over listener must be a listening unix stream socket bound to
-/// the path the state says.
-fn check_listener(listener: &UnixListener, path: &Path) -> Result<(), String> {
-    crate::systemd::check_unix_listener(listener)?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| format!("unreadable address ({e})"))?;
-    match addr.as_pathname() {
-        Some(p) if p == path => Ok(()),
-        other => Err(format!(
-            "bound to {other:?}, not {} as the state says",
-            path.display()
-        )),
-    }
+/// A handed-over listener must be a listening unix stream socket. (Its
+/// address is not compared with the path: clawmux binds under a temporary
+/// name and renames the socket file into place, so the kernel keeps the
+/// temporary name as the address.)
+fn check_listener(listener: &UnixListener) -> Result<(), String> {
+    crate::systemd::check_unix_listener(listener)
 }

@@ -102,7 +102,9 @@ impl State {
         let mut names: Vec<&str> = state.listeners.iter().map(|l| l.fd_name.as_str()).collect();
         names.sort_unstable();
         if names.windows(2).any(|w| w[0] == w[1]) {
-            return Err(Unreadable::Invalid("a descriptor name appears twice".into()));
+            return Err(Unreadable::Invalid(
+                "a descriptor name appears twice".into(),
+            ));
         }
         match state.listeners.first() {
             Some(l) if l.fd_name == MAIN_LISTENER && l.policy.is_none() => {}
@@ -197,7 +199,10 @@ mod tests {
                 found: u64::from(FORMAT) + 1
             })
         );
-        assert!(matches!(State::parse(b"{\"format\":1"), Err(Unreadable::Invalid(_))));
+        assert!(matches!(
+            State::parse(b"{\"format\":1"),
+            Err(Unreadable::Invalid(_))
+        ));
         assert!(matches!(State::parse(b"{}"), Err(Unreadable::Invalid(_))));
         let mut unknown = serde_json::to_value(state()).unwrap();
         unknown["clients"] = serde_json::json!([]);

@@ -62,7 +62,11 @@ pub enum Outcome {
 /// Hands the broker over to a new instance of `program`. Nothing is lost
 /// either way: until the new instance says `valid` this broker serves
 /// untouched; after, its clients reconnect (to whichever instance serves).
-pub async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Duration) -> Outcome {
+pub async fn upgrade(
+    broker: RunningBroker,
+    program: &Program,
+    shutdown_timeout: Duration,
+) -> Outcome {
     let (state, fds) = match broker.handover() {
         Ok(x) => x,
         Err(e) => return Outcome::StillServing(broker, format!("cannot copy the sockets: {e}")),
@@ -86,7 +90,10 @@ pub async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout:
     };
     match serving {
         Ok(()) => {
-            tracing::info!(pid = next.pid(), "upgrade: the new instance serves; exiting");
+            tracing::info!(
+                pid = next.pid(),
+                "upgrade: the new instance serves; exiting"
+            );
             released.finish();
             Outcome::Upgraded
         }
@@ -108,7 +115,11 @@ struct Successor {
 }
 
 impl Successor {
-    fn spawn(program: &Program, state: &State, mut fds: Vec<(String, OwnedFd)>) -> std::io::Result<Successor> {
+    fn spawn(
+        program: &Program,
+        state: &State,
+        mut fds: Vec<(String, OwnedFd)>,
+    ) -> std::io::Result<Successor> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         fds.push((state::STATE_FD_NAME.to_owned(), state.to_memfd()?));
         fds.push((CONTROL_FD_NAME.to_owned(), theirs.into()));
@@ -171,7 +182,9 @@ impl Successor {
                 "the new instance refused: {}",
                 crate::sanitize::one_line(line.strip_prefix("invalid ").unwrap_or(&line))
             )),
-            Ok(Ok(None)) => Err(format!("the new instance closed its control socket before it said {word}")),
+            Ok(Ok(None)) => Err(format!(
+                "the new instance closed its control socket before it said {word}"
+            )),
             Ok(Err(e)) => Err(format!("the new instance's control socket failed ({e})")),
         }
     }

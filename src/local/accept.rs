@@ -155,6 +155,11 @@ pub async fn accept_loop(
     }
 }
 
+/// At a stop, how long a connection that has not sent its first request yet
+/// may take to send it before it is closed (it was accepted just before the
+/// stop; its request is answered).
+pub const FIRST_REQUEST_GRACE: Duration = Duration::from_millis(250);
+
 /// One HTTP/1.1 connection, until it ends, is killed, or the broker stops.
 async fn serve_connection(
     stream: CountedStream,
@@ -166,7 +171,10 @@ async fn serve_connection(
     let kill = CancellationToken::new();
     let kill_handle = ConnectionKill(kill.clone());
     let header_read_timeout = ctx.settings.limits.header_read_timeout;
+    let asked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let first_request = Arc::clone(&asked);
     let service = hyper::service::service_fn(move |mut req: hyper::Request<_>| {
+        first_request.store(true, std::sync::atomic::Ordering::Relaxed);
         req.extensions_mut().insert(kill_handle.clone());
         req.extensions_mut().insert(Arc::clone(&socket));
         req.extensions_mut().insert(peer_pid);
@@ -186,6 +194,17 @@ async fn serve_connection(
         }
         _ = kill.cancelled() => {}
         _ = cancel.cancelled() => {
+            // A connection accepted just before the stop has not sent its
+            // request yet, and a graceful shutdown closes a connection with
+            // no request at once: give it a moment to send one, so a request
+            // that was on its way is answered (one in flight always is).
+            if !asked.load(std::sync::atomic::Ordering::Relaxed) {
+                tokio::select! {
+                    _ = conn.as_mut() => return,
+                    _ = kill.cancelled() => return,
+                    _ = tokio::time::sleep(FIRST_REQUEST_GRACE) => {}
+                }
+            }
             conn.as_mut().graceful_shutdown();
             tokio::select! {
                 _ = conn => {}

@@ -134,6 +134,16 @@ pub struct SocketGuard {
     owned: Option<OwnedSocketFile>,
 }
 
+/// A socket file clawmux created, as a handover passes it on.
+#[derive(Debug)]
+pub struct SocketFileParts {
+    /// (device, inode) of the socket file when it was bound.
+    pub ino: Option<(u64, u64)>,
+    pub lock_path: PathBuf,
+    /// A copy of the lock file's descriptor (holding the same `flock`).
+    pub lock: std::os::fd::OwnedFd,
+}
+
 /// The socket file this broker created, and the lock that says so.
 #[derive(Debug)]
 struct OwnedSocketFile {
@@ -164,10 +174,14 @@ impl SocketGuard {
     /// For a handover: the socket file's inode and lock path, and a copy of
     /// the lock's descriptor (the `flock` belongs to the open file, so the
     /// copy holds the same lock). `None` for a socket systemd owns.
-    pub fn handover_parts(&self) -> Option<(Option<(u64, u64)>, PathBuf, std::os::fd::OwnedFd)> {
+    pub fn handover_parts(&self) -> Option<SocketFileParts> {
         let owned = self.owned.as_ref()?;
         let lock = owned._lock.try_clone().ok()?;
-        Some((owned.ino, owned.lock_path.clone(), lock.into()))
+        Some(SocketFileParts {
+            ino: owned.ino,
+            lock_path: owned.lock_path.clone(),
+            lock: lock.into(),
+        })
     }
 
     /// The guard of a socket file the previous instance created and handed

@@ -1,0 +1,533 @@
+//! Handing the broker over to its next instance (issue 34, docs/src/restarts.md):
+//! by `SIGUSR2` (the real binary starts the binary at its own path) and
+//! through a stand-in for systemd's file descriptor store that follows its
+//! documented protocol (`FDSTORE=1`/`FDNAME=` on the notify socket, the next
+//! start with `LISTEN_FDS`/`LISTEN_FDNAMES`/`LISTEN_PID`, `FDSTOREREMOVE=1`).
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+use crate::http_api::state;
+use crate::support::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_clawmux");
+
+/// A process by pid (a handed-over broker is not this test's child), killed
+/// when the test ends.
+struct Pid(u32);
+
+impl Drop for Pid {
+    fn drop(&mut self) {
+        if let Some(pid) = rustix::process::Pid::from_raw(self.0 as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    let Some(p) = rustix::process::Pid::from_raw(pid as i32) else {
+        return false;
+    };
+    // A zombie still "exists": read its state.
+    rustix::process::test_kill_process(p).is_ok()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
+            .unwrap_or(true)
+}
+
+fn serve_command(program: &Path, dir: &Path, socket: &Path, gateway: &str) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.arg("serve")
+        .arg("--socket")
+        .arg(socket)
+        .args([
+            "--gateway-url",
+            gateway,
+            "--token",
+            "test-token",
+            "--no-device-identity",
+        ])
+        .args(["--shutdown-timeout", "2"])
+        .env("HOME", dir)
+        .env("XDG_STATE_HOME", dir.join("state"))
+        .env_remove("CLAWMUX_CONFIG")
+        .env_remove("NOTIFY_SOCKET")
+        .env_remove("LISTEN_FDS")
+        .env_remove("LISTEN_PID")
+        .env_remove("LISTEN_FDNAMES")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    cmd
+}
+
+/// The broker's log, written to a file so the test can wait for a line.
+fn log_to(cmd: &mut Command, dir: &Path) -> PathBuf {
+    let path = dir.join("broker.log");
+    let file = std::fs::File::create(&path).unwrap();
+    cmd.stderr(file);
+    path
+}
+
+async fn wait_log(path: &Path, needle: &str) {
+    eventually(&format!("{needle:?} in the broker's log"), || {
+        std::fs::read_to_string(path).is_ok_and(|l| l.contains(needle))
+    })
+    .await;
+}
+
+fn log_text(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+async fn broker_pid(socket: &Path) -> u32 {
+    state(socket).await["broker"]["pid"].as_u64().unwrap() as u32
+}
+
+/// One `GET /healthz`: `Some(status)`, or `None` when the connection was
+/// refused or dropped.
+async fn healthz(socket: &Path) -> Option<u16> {
+    let mut s = UnixStream::connect(socket).await.ok()?;
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .ok()?;
+    let mut out = Vec::new();
+    tokio::time::timeout(PATIENCE * 4, s.read_to_end(&mut out))
+        .await
+        .ok()?
+        .ok()?;
+    let text = String::from_utf8_lossy(&out);
+    text.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Probes `/healthz` in a loop until stopped: (probes, failures).
+fn probe_continuously(
+    socket: PathBuf,
+) -> (Arc<AtomicBool>, tokio::task::JoinHandle<(usize, usize)>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = Arc::clone(&stop);
+    let task = tokio::spawn(async move {
+        let (probes, failures) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        // Bounded: at most 5,000 probes.
+        for _ in 0..5_000 {
+            if s.load(Ordering::Relaxed) {
+                break;
+            }
+            probes.fetch_add(1, Ordering::Relaxed);
+            if healthz(&socket).await != Some(200) {
+                failures.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        (probes.into_inner(), failures.into_inner())
+    });
+    (stop, task)
+}
+
+async fn exits_with(child: &mut std::process::Child) -> std::process::ExitStatus {
+    eventually_async("the old instance exits", || {
+        let r = child.try_wait().unwrap();
+        async move { r.ok_or("still running") }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigusr2_hands_the_sockets_to_the_new_binary_and_no_connection_is_refused() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+    let log = log_to(&mut cmd, dir.path());
+    let mut first = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let mut pid = broker_pid(&socket).await;
+    assert_eq!(pid, first.0.id());
+    let _last = {
+        let mut keep = Vec::new();
+        for round in 1..=3 {
+            let mut client = WsClient::open(&socket, "/ws").await;
+            client.handshake().await;
+            let (stop, probes) = probe_continuously(socket.clone());
+            signal_pid(pid, rustix::process::Signal::USR2);
+            // The client is told why, and closed so it reconnects at once.
+            let shutdown = client.event_within("shutdown", PATIENCE * 4).await;
+            assert_eq!(
+                shutdown["payload"]["reason"], "clawmux upgrading",
+                "{shutdown}"
+            );
+            assert_eq!(client.expect_close().await.0, 1001);
+            let next = eventually_async("a new instance serves", || {
+                let socket = socket.clone();
+                async move {
+                    match healthz(&socket).await {
+                        Some(200) => {
+                            let p = broker_pid(&socket).await;
+                            if p != pid {
+                                Ok(p)
+                            } else {
+                                Err(format!("pid {p} still serves"))
+                            }
+                        }
+                        other => Err(format!("healthz {other:?}")),
+                    }
+                }
+            })
+            .await;
+            if round == 1 {
+                assert!(
+                    exits_with(&mut first.0).await.success(),
+                    "{}",
+                    log_text(&log)
+                );
+            } else {
+                eventually("the old instance exits", || !alive(pid)).await;
+            }
+            stop.store(true, Ordering::Relaxed);
+            let (n, failures) = probes.await.unwrap();
+            assert!(n > 0);
+            assert_eq!(
+                failures, 0,
+                "{failures} of {n} probes failed during handover {round}"
+            );
+            // The new instance runs the same binary with the same settings.
+            crate::http_api::until_ready(&socket).await;
+            let mut again = WsClient::open(&socket, "/ws").await;
+            again.handshake().await;
+            pid = next;
+            keep.push(Pid(next));
+        }
+        keep
+    };
+    // The last instance owns the socket file now: a stop removes it.
+    signal_pid(pid, rustix::process::Signal::TERM);
+    eventually("the last instance exits", || !alive(pid)).await;
+    eventually("the socket file is removed at the final stop", || {
+        !socket.exists()
+    })
+    .await;
+    assert!(
+        log_text(&log).contains("took over from the previous instance"),
+        "{}",
+        log_text(&log)
+    );
+}
+
+fn signal_pid(pid: u32, sig: rustix::process::Signal) {
+    let p = rustix::process::Pid::from_raw(pid as i32).unwrap();
+    rustix::process::kill_process(p, sig).unwrap();
+}
+
+/// The broker started from a copy of the binary in `dir`, so a test can
+/// put another program at that path (an upgrade to a broken binary).
+fn copied_binary(dir: &Path) -> PathBuf {
+    let path = dir.join("bin").join("clawmux");
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::copy(BIN, &path).unwrap();
+    path
+}
+
+/// Puts `script` at `path` (a new file renamed over it, as a package upgrade does).
+fn replace_with_script(path: &Path, script: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = path.with_extension("new");
+    std::fs::write(&tmp, script).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_takes_over() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let program = copied_binary(dir.path());
+    let mut cmd = serve_command(&program, dir.path(), &socket, &gw.url());
+    let log = log_to(&mut cmd, dir.path());
+    let mut old = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+
+    // 1. A binary that exits at start: nothing changes for anyone.
+    replace_with_script(&program, "#!/bin/sh\necho 'cannot start' >&2\nexit 1\n");
+    signal(&old.0, rustix::process::Signal::USR2);
+    wait_log(&log, "upgrade failed, still serving").await;
+    let res = client.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "the client stayed connected: {res}");
+    assert_eq!(broker_pid(&socket).await, old.0.id());
+
+    // 2. A binary that says valid, lets the old one stop, then dies: the old
+    //    one serves again on the same socket (clients reconnect and resume).
+    replace_with_script(
+        &program,
+        "#!/bin/bash\n\
+         for kv in ${CLAWMUX_HANDOVER_FDS//,/ }; do case $kv in clawmux-control=*) fd=${kv#*=};; esac; done\n\
+         echo valid >&$fd\n\
+         read -r line <&$fd\n\
+         exit 1\n",
+    );
+    signal(&old.0, rustix::process::Signal::USR2);
+    assert_eq!(
+        client.event_within("shutdown", PATIENCE * 4).await["payload"]["reason"],
+        "clawmux upgrading"
+    );
+    eventually_async("the old instance serves again", || {
+        let socket = socket.clone();
+        async move {
+            healthz(&socket)
+                .await
+                .filter(|s| *s == 200)
+                .ok_or("not yet")
+        }
+    })
+    .await;
+    wait_log(&log, "upgrade failed, still serving").await;
+    assert!(
+        old.0.try_wait().unwrap().is_none(),
+        "the old instance still runs"
+    );
+    assert_eq!(broker_pid(&socket).await, old.0.id());
+    crate::http_api::until_ready(&socket).await;
+    let mut again = WsClient::open(&socket, "/ws").await;
+    again.handshake().await;
+
+    // 3. The real binary again: the upgrade happens.
+    std::fs::remove_file(&program).unwrap();
+    std::fs::copy(BIN, &program).unwrap();
+    signal(&old.0, rustix::process::Signal::USR2);
+    assert!(exits_with(&mut old.0).await.success(), "{}", log_text(&log));
+    let new = broker_pid(&socket).await;
+    let _new = Pid(new);
+    assert_ne!(new, old.0.id());
+}
+
+/// A stand-in for systemd's notify socket that keeps what `FDSTORE=1`
+/// stores, by `FDNAME=`, and forgets what `FDSTOREREMOVE=1` removes.
+struct Store {
+    sock: std::os::unix::net::UnixDatagram,
+    path: PathBuf,
+    fds: Vec<(String, OwnedFd)>,
+    lines: Vec<String>,
+}
+
+impl Store {
+    fn bind(dir: &Path) -> Store {
+        let path = dir.join("notify");
+        let sock = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
+        sock.set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+        Store {
+            sock,
+            path,
+            fds: Vec::new(),
+            lines: Vec::new(),
+        }
+    }
+
+    /// Takes every message waiting (bounded by a quiet 50 ms).
+    fn drain(&mut self) {
+        use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+        use std::mem::MaybeUninit;
+        loop {
+            let mut buf = [0u8; 4096];
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(8))];
+            let mut control = RecvAncillaryBuffer::new(&mut space);
+            let got = rustix::net::recvmsg(
+                &self.sock,
+                &mut [std::io::IoSliceMut::new(&mut buf)],
+                &mut control,
+                RecvFlags::CMSG_CLOEXEC,
+            );
+            let Ok(got) = got else { return };
+            let mut fds = Vec::new();
+            for msg in control.drain() {
+                if let RecvAncillaryMessage::ScmRights(rights) = msg {
+                    fds.extend(rights);
+                }
+            }
+            let text = String::from_utf8_lossy(&buf[..got.bytes]).into_owned();
+            let lines: Vec<&str> = text.lines().collect();
+            let name = lines
+                .iter()
+                .find_map(|l| l.strip_prefix("FDNAME="))
+                .unwrap_or("stored");
+            if lines.contains(&"FDSTORE=1") {
+                for fd in fds {
+                    self.fds.push((name.to_owned(), fd));
+                }
+            }
+            if lines.contains(&"FDSTOREREMOVE=1") {
+                self.fds.retain(|(n, _)| n != name);
+            }
+            self.lines.extend(lines.iter().map(|l| l.to_string()));
+        }
+    }
+}
+
+/// The next start as systemd does it: the stored descriptors from fd 3 on,
+/// `LISTEN_FDS`, `LISTEN_FDNAMES`, and `LISTEN_PID` = the binary's own pid
+/// (a shell that then `exec`s it keeps its pid).
+fn start_with_stored(
+    cmd: Command,
+    fds: Vec<(String, OwnedFd)>,
+    notify: &Path,
+    log: Option<&Path>,
+) -> std::process::Child {
+    let names: Vec<String> = fds.iter().map(|(n, _)| n.clone()).collect();
+    let raw: Vec<i32> = fds.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+    let program = cmd.get_program().to_owned();
+    let args: Vec<_> = cmd.get_args().map(|a| a.to_owned()).collect();
+    let mut sh = Command::new("/bin/sh");
+    sh.arg("-c")
+        .arg(r#"LISTEN_PID=$$ exec "$0" "$@""#)
+        .arg(program)
+        .args(args);
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => sh.env(k, v),
+            None => sh.env_remove(k),
+        };
+    }
+    sh.env("LISTEN_FDS", raw.len().to_string())
+        .env("LISTEN_FDNAMES", names.join(":"))
+        .env("NOTIFY_SOCKET", notify)
+        .env("FDSTORE", "64")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(match log {
+            Some(path) => Stdio::from(std::fs::File::create(path).unwrap()),
+            None => Stdio::null(),
+        });
+    // SAFETY: the closure runs in the forked child before exec and calls only
+    // dup/dup2/fcntl (async-signal-safe), allocating nothing. Each fd is first
+    // moved above the target range (so a later dup2 cannot overwrite one not
+    // yet placed), then placed at 3, 4, … without close-on-exec.
+    unsafe {
+        sh.pre_exec(move || {
+            let mut high = [0i32; 16];
+            for (i, fd) in raw.iter().enumerate() {
+                high[i] = libc::fcntl(*fd, libc::F_DUPFD, 100);
+                if high[i] < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            for (i, fd) in high.iter().take(raw.len()).enumerate() {
+                if libc::dup2(*fd, 3 + i as i32) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let child = sh.spawn().unwrap();
+    drop(fds);
+    child
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_removes_the_state() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let mut store = Store::bind(dir.path());
+    let mut first = ChildGuard(
+        serve_command(Path::new(BIN), dir.path(), &socket, &gw.url())
+            .env("NOTIFY_SOCKET", &store.path)
+            .env("FDSTORE", "64")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    sigterm(&first.0);
+    assert!(exits_with(&mut first.0).await.success());
+    store.drain();
+    let mut names: Vec<&str> = store.fds.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        ["clawmux-listen", "clawmux-listen-lock", "clawmux-state"],
+        "{:?}",
+        store.lines
+    );
+    // Between the two lives the socket stays bound: a client that connects
+    // now waits in its queue and is answered by the next start.
+    assert!(socket.exists(), "the socket file stays for the next start");
+    let waiting = tokio::spawn({
+        let socket = socket.clone();
+        async move { healthz(&socket).await }
+    });
+    let fds = std::mem::take(&mut store.fds);
+    let next = start_with_stored(
+        serve_command(Path::new(BIN), dir.path(), &socket, &gw.url()),
+        fds,
+        &store.path,
+        None,
+    );
+    let mut next = ChildGuard(next);
+    assert_eq!(
+        waiting.await.unwrap(),
+        Some(200),
+        "the waiting client is served"
+    );
+    assert_eq!(broker_pid(&socket).await, next.0.id());
+    // Read once: the next start removed what it took from the store.
+    store.drain();
+    for name in ["clawmux-state", "clawmux-listen", "clawmux-listen-lock"] {
+        assert!(
+            store.lines.iter().any(|l| l == &format!("FDNAME={name}"))
+                && store.lines.iter().any(|l| l == "FDSTOREREMOVE=1"),
+            "{name} removed: {:?}",
+            store.lines
+        );
+    }
+    sigterm(&next.0);
+    assert!(exits_with(&mut next.0).await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_state_this_version_cannot_read_starts_fresh() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let store = Store::bind(dir.path());
+    // A state from a future format, with a descriptor that is not a listener.
+    let state = rustix::fs::memfd_create("state", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    std::fs::File::from(state.try_clone().unwrap())
+        .write_all_at(br#"{"format":99,"listeners":[],"clients":[]}"#, 0)
+        .unwrap();
+    let stray = rustix::fs::memfd_create("stray", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    let log = dir.path().join("broker.log");
+    let child = start_with_stored(
+        serve_command(Path::new(BIN), dir.path(), &socket, &gw.url()),
+        vec![
+            ("clawmux-state".into(), state),
+            ("clawmux-listen".into(), stray),
+        ],
+        &store.path,
+        Some(&log),
+    );
+    let _child = ChildGuard(child);
+    eventually("socket exists", || socket.exists()).await;
+    assert_eq!(healthz(&socket).await, Some(200));
+    wait_log(&log, "starting fresh").await;
+    assert!(log_text(&log).contains("format 99"), "{}", log_text(&log));
+}
+
+use std::os::unix::fs::FileExt;
