@@ -122,11 +122,24 @@ pub struct Released {
     guard: SocketGuard,
     policy_guards: Vec<SocketGuard>,
     held: Vec<HeldListener>,
+    /// The clients stopped for the next instance.
+    parcels: Vec<crate::context::Parcel>,
     /// Whether the stop finished within its deadline.
     pub clean: bool,
 }
 
 impl Released {
+    /// The clients to move: the document and their sockets (taken once;
+    /// their queues are emptied into it).
+    pub fn take_clients(
+        &mut self,
+    ) -> (
+        crate::handover::clients::Clients,
+        Vec<(u64, std::os::fd::OwnedFd)>,
+    ) {
+        crate::handover::clients::pack(std::mem::take(&mut self.parcels))
+    }
+
     /// The next instance serves: leave the socket files (now its) in place.
     pub fn finish(mut self) {
         self.guard.disarm();
@@ -137,7 +150,16 @@ impl Released {
 
     /// The next instance failed: serve again on the same sockets (a fresh
     /// core; clients reconnect and resume by cursor as after any restart).
-    pub fn serve_again(self) -> Result<RunningBroker, SocketError> {
+    /// `clients`: what [`Released::take_clients`] gave, if it was called.
+    #[allow(clippy::type_complexity)]
+    pub fn serve_again(
+        mut self,
+        clients: Option<(
+            crate::handover::clients::Clients,
+            Vec<(u64, std::os::fd::OwnedFd)>,
+        )>,
+    ) -> Result<RunningBroker, SocketError> {
+        let (clients, fds) = clients.unwrap_or_else(|| self.take_clients());
         let Released {
             settings,
             guard,
@@ -155,7 +177,9 @@ impl Released {
             let l = h.listener().map_err(io(&h.path))?;
             policies.push((h.policy.clone().unwrap_or_default(), l, g));
         }
-        RunningBroker::start_handed_over(settings, (main, guard), policies)
+        let broker = RunningBroker::start_handed_over(settings, (main, guard), policies)?;
+        broker.restore_clients(clients, fds.into_iter().collect());
+        Ok(broker)
     }
 }
 
@@ -169,6 +193,8 @@ pub struct RunningBroker {
     /// A copy of every listener, for a handover and for serving again
     /// after one that failed.
     held: Vec<HeldListener>,
+    /// The policy of each socket served (the main one first).
+    policies: Vec<Arc<crate::policy::SocketPolicy>>,
     /// Cancelled first at shutdown: stop accepting before clients are told.
     accept_stop: CancellationToken,
     accept_task: tokio::task::JoinHandle<()>,
@@ -326,10 +352,12 @@ impl RunningBroker {
             dedicated,
             allowed_uids: Vec::new(),
             cancel,
+            handoff: Default::default(),
             tracker,
         });
         ctx.tracker.spawn(sweep_deadlines(Arc::clone(&ctx)));
         let accept_stop = ctx.cancel.child_token();
+        let policies = listeners.iter().map(|(_, p)| Arc::clone(p)).collect();
         let loops: Vec<_> = listeners
             .into_iter()
             .map(|(listener, policy)| {
@@ -350,6 +378,7 @@ impl RunningBroker {
             guard,
             _policy_guards: policy_guards,
             held,
+            policies,
             accept_stop,
             accept_task,
         })
@@ -397,7 +426,7 @@ impl RunningBroker {
     ///
     /// Returns false when the deadline cut something off.
     pub async fn shutdown(mut self, deadline: Duration) -> bool {
-        self.stop_serving(deadline, SHUTDOWN_REASON).await
+        self.stop_serving(deadline, Some(SHUTDOWN_REASON)).await
     }
 
     /// Stops serving for the next instance ([`crate::handover`]): as
@@ -405,17 +434,64 @@ impl RunningBroker {
     /// upgrading"}`, but the sockets stay bound and open, for the next
     /// instance or for [`Released::serve_again`] if it fails.
     pub async fn release(mut self, deadline: Duration) -> Released {
-        let clean = self.stop_serving(deadline, UPGRADE_REASON).await;
+        let until = tokio::time::Instant::now() + deadline;
+        self.accept_stop.cancel();
+        if tokio::time::timeout_at(until, &mut self.accept_task)
+            .await
+            .is_ok()
+        {
+            // Finished: `stop_serving` must not poll it again.
+            self.accept_task = tokio::spawn(async {});
+        }
+        // 1. Every client stops at a message boundary and is left for the
+        //    next instance (or closed `1012`, if it cannot move).
+        self.ctx.handoff.requested.cancel();
+        let paused = tokio::time::Instant::now()
+            + crate::local::ws::HANDOVER_PAUSE_TIMEOUT
+            + Duration::from_millis(500);
+        if !self.ctx.handoff.all_left(paused.min(until)).await {
+            tracing::warn!("handover: some clients did not stop in time");
+        }
+        // 2. The sessions end: each request still in flight is answered
+        //    (failed, with whether it was sent) into its client's queue.
+        let clean = self
+            .stop_serving(until - tokio::time::Instant::now(), None)
+            .await;
+        let parcels = self.ctx.handoff.take();
+        tracing::info!(clients = parcels.len(), "handover: clients ready to move");
         Released {
             settings: self.ctx.settings.clone(),
             guard: self.guard,
             policy_guards: self._policy_guards,
             held: self.held,
+            parcels,
             clean,
         }
     }
 
-    async fn stop_serving(&mut self, deadline: Duration, reason: &str) -> bool {
+    /// Serves clients moved from the previous instance (or from this one's
+    /// previous core, after a failed upgrade). Returns how many.
+    pub fn restore_clients(
+        &self,
+        clients: crate::handover::clients::Clients,
+        fds: std::collections::HashMap<u64, std::os::fd::OwnedFd>,
+    ) -> usize {
+        let n = crate::handover::clients::restore(&self.ctx, &self.policies, clients, fds);
+        if n > 0 {
+            tracing::info!(clients = n, "took the clients over");
+        }
+        n
+    }
+
+    /// The socket policies this broker serves, by `[[sockets]]` name
+    /// (`default`: the main socket).
+    pub fn policies(&self) -> &[Arc<crate::policy::SocketPolicy>] {
+        &self.policies
+    }
+
+    /// `reason`: the `shutdown` event's, for the clients still connected
+    /// (`None` at a handover: the clients left are moving).
+    async fn stop_serving(&mut self, deadline: Duration, reason: Option<&str>) -> bool {
         tracing::info!(
             clients = self.ctx.hub.client_count(),
             deadline_ms = deadline.as_millis() as u64,
@@ -424,10 +500,14 @@ impl RunningBroker {
         );
         let until = tokio::time::Instant::now() + deadline;
         self.accept_stop.cancel();
-        let _ = tokio::time::timeout_at(until, &mut self.accept_task).await;
-        self.ctx
-            .hub
-            .publish_local("shutdown", &serde_json::json!({ "reason": reason }));
+        if !self.accept_task.is_finished() {
+            let _ = tokio::time::timeout_at(until, &mut self.accept_task).await;
+        }
+        if let Some(reason) = reason {
+            self.ctx
+                .hub
+                .publish_local("shutdown", &serde_json::json!({ "reason": reason }));
+        }
         self.ctx.cancel.cancel();
         self.ctx.tracker.close();
         let mut clean = true;

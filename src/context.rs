@@ -24,6 +24,79 @@ use crate::upstream::Upstream;
 /// clients (all of the broker's own uid) can hold.
 pub const MAX_HANDSHAKES: usize = 128;
 
+/// A handover of the connected clients to the next instance
+/// ([`crate::handover`]): requested before the broker stops; each client
+/// that can move leaves a [`Parcel`] instead of closing.
+#[derive(Debug, Default)]
+pub struct Handoff {
+    /// Cancelled when the clients are to be handed over.
+    pub requested: CancellationToken,
+    /// What the client tasks left for the next instance.
+    pub parcels: std::sync::Mutex<Vec<Parcel>>,
+    /// Client tasks serving requests now (each leaves at a handover).
+    serving: std::sync::atomic::AtomicUsize,
+    left: tokio::sync::Notify,
+}
+
+/// Counts a client task as serving until dropped.
+#[derive(Debug)]
+pub struct Serving<'a>(&'a Handoff);
+
+impl Drop for Serving<'_> {
+    fn drop(&mut self) {
+        self.0
+            .serving
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.left.notify_waiters();
+    }
+}
+
+/// One local WebSocket client, stopped at a message boundary for the next
+/// instance: its registration (the client, its queue and what it holds),
+/// its socket and the bytes read from it that its parser was not given.
+#[derive(Debug)]
+pub struct Parcel {
+    pub registration: crate::dispatch::Registration,
+    pub fd: std::os::fd::OwnedFd,
+    pub unread: Vec<u8>,
+}
+
+impl Handoff {
+    /// A client task starts serving requests.
+    pub fn serving(&self) -> Serving<'_> {
+        self.serving
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Serving(self)
+    }
+
+    /// Waits until every client task has stopped serving (after
+    /// [`Handoff::requested`]); false if some had not by `until`.
+    pub async fn all_left(&self, until: tokio::time::Instant) -> bool {
+        loop {
+            let left = self.left.notified();
+            tokio::pin!(left);
+            left.as_mut().enable();
+            if self.serving.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(until, left).await.is_err() {
+                return false;
+            }
+        }
+    }
+
+    pub fn leave(&self, parcel: Parcel) {
+        self.parcels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(parcel);
+    }
+
+    pub fn take(&self) -> Vec<Parcel> {
+        std::mem::take(&mut *self.parcels.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
 /// What every task of a running broker shares.
 #[derive(Debug)]
 pub struct Ctx {
@@ -44,6 +117,8 @@ pub struct Ctx {
     pub allowed_uids: Vec<u32>,
     /// Cancelled at shutdown: every task reaches a safe point and ends.
     pub cancel: CancellationToken,
+    /// A handover of the clients, before the shutdown.
+    pub handoff: Handoff,
     /// Every connection and session task, so shutdown can wait for them.
     pub tracker: TaskTracker,
 }

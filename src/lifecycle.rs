@@ -81,8 +81,14 @@ pub async fn serve_until_stopped(
     };
     tracing::info!(signal = signal_name, "stop requested");
     notifier.stopping();
-    store_for_next_start(&mut broker);
     arm_backstop(shutdown_timeout + BACKSTOP_GRACE);
+    if crate::systemd::keeps_a_store() {
+        tokio::select! {
+            r = store_for_next_start(broker, shutdown_timeout) => return r,
+            _ = term.recv() => force_exit("a second SIGTERM"),
+            _ = int.recv() => force_exit("a second SIGINT"),
+        }
+    }
     tokio::select! {
         clean = broker.shutdown(shutdown_timeout) => {
             if !clean {
@@ -99,33 +105,57 @@ pub async fn serve_until_stopped(
     }
 }
 
-/// Under a service manager with a file descriptor store, stores the state
-/// and the sockets clawmux bound itself (a socket systemd passed stays
-/// systemd's), so the next start serves on them: a connection that arrives
-/// during the restart waits in the socket's queue instead of being
-/// refused. A stop (not a restart) leaves them to systemd, which closes
-/// them once the service is down.
-fn store_for_next_start(broker: &mut RunningBroker) {
-    if !crate::systemd::keeps_a_store() || broker.is_socket_activated() {
-        return;
-    }
-    let stored = broker.handover().and_then(|(state, mut fds)| {
-        fds.push((
-            crate::handover::state::STATE_FD_NAME.to_owned(),
-            state.to_memfd()?,
-        ));
-        crate::systemd::store(&fds)?;
-        Ok(fds.len())
+/// Under a service manager with a file descriptor store: hands the broker
+/// over to its next start through the store (design §11). The clients stop
+/// at a message boundary and are stored with their sockets, the state and
+/// the sockets clawmux bound itself (a socket systemd passed stays
+/// systemd's); the next start takes them over, so a restart is a pause.
+/// A stop (not a restart) leaves them to systemd, which closes them once
+/// the service is down: clients see their connection end without a close
+/// frame, and reconnect when it is back (docs/src/restarts.md).
+async fn store_for_next_start(
+    broker: RunningBroker,
+    shutdown_timeout: Duration,
+) -> std::io::Result<()> {
+    let (mut state, mut fds) = broker.handover()?;
+    // What systemd passed stays in systemd's hands.
+    state.listeners.retain(|l| l.owned.is_some());
+    fds.retain(|(name, _)| {
+        state
+            .listeners
+            .iter()
+            .any(|l| *name == l.fd_name || *name == crate::handover::state::lock_name(&l.fd_name))
     });
-    match stored {
-        Ok(n) => {
-            broker.keep_socket_files();
-            tracing::info!(descriptors = n, "stored the sockets for the next start")
+    let mut released = broker.release(shutdown_timeout).await;
+    let (clients, client_fds) = released.take_clients();
+    fds.push((
+        crate::handover::state::STATE_FD_NAME.to_owned(),
+        state.to_memfd()?,
+    ));
+    fds.push((
+        crate::handover::clients::CLIENTS_FD_NAME.to_owned(),
+        clients.to_memfd()?,
+    ));
+    fds.extend(
+        client_fds
+            .into_iter()
+            .map(|(id, fd)| (crate::handover::clients::client_fd_name(id), fd)),
+    );
+    match crate::systemd::store(&fds) {
+        Ok(()) => {
+            released.finish();
+            tracing::info!(
+                descriptors = fds.len(),
+                clients = clients.clients.len(),
+                "stored the sockets and clients for the next start"
+            );
         }
-        Err(e) => {
-            tracing::warn!("cannot store the sockets for the next start ({e}); it binds them anew")
-        }
+        Err(e) => tracing::warn!(
+            "cannot store the sockets and clients for the next start ({e}); they are closed"
+        ),
     }
+    tracing::info!("clawmux stopped");
+    Ok(())
 }
 
 fn force_exit(why: &str) -> ! {

@@ -223,11 +223,13 @@ async fn serve(
                     .ok_or_else(|| anyhow::anyhow!("upgrade: no control socket was passed"))?;
                 let mut old = Predecessor::new(control)?;
                 match result {
-                    Ok(t) => {
+                    Ok(mut t) => {
                         old.say("valid").await?;
-                        old.released(shutdown_timeout + clawmux::handover::upgrade::RELEASE_MARGIN)
+                        let clients = old
+                            .released(shutdown_timeout + clawmux::handover::upgrade::RELEASE_MARGIN)
                             .await
                             .map_err(|e| anyhow::anyhow!("upgrade: {e}"))?;
+                        t.clients = Some(clients);
                         taken = Some(t);
                         predecessor = Some(old);
                     }
@@ -246,24 +248,50 @@ async fn serve(
             ),
         }
     }
+    let mut moved = None;
     let broker = match (taken, activated) {
         (Some(t), activated) => {
             tracing::info!(
                 from_pid = t.state.from_pid,
                 from_version = %t.state.from_version,
                 listeners = t.state.listeners.len(),
+                clients = t.clients.as_ref().map_or(0, |(c, _)| c.clients.len()),
                 "took over from the previous instance"
             );
-            if let Some(socket) = activated {
-                tracing::warn!(name = %socket.name, "systemd also passed a socket; serving on the handed-over one");
-            }
-            RunningBroker::start_handed_over(settings, t.main, t.policies)?
+            moved = t.clients;
+            let main = match (t.main, activated) {
+                (Some(main), activated) => {
+                    if let Some(socket) = activated {
+                        tracing::warn!(name = %socket.name, "systemd also passed a socket; serving on the handed-over one");
+                    }
+                    main
+                }
+                (None, Some(socket)) => {
+                    let path = socket
+                        .listener
+                        .local_addr()
+                        .ok()
+                        .and_then(|a| a.as_pathname().map(std::path::PathBuf::from))
+                        .unwrap_or_else(|| settings.socket_path.clone());
+                    (
+                        socket.listener,
+                        clawmux::local::socket::SocketGuard::activated(path),
+                    )
+                }
+                (None, None) => anyhow::bail!(
+                    "the handed-over state has no main socket and systemd passed none"
+                ),
+            };
+            RunningBroker::start_handed_over(settings, main, t.policies)?
         }
         (None, Some(socket)) => {
             RunningBroker::start_with_activated(settings, socket.listener, socket.others)?
         }
         (None, None) => RunningBroker::start(settings).await?,
     };
+    if let Some((clients, fds)) = moved {
+        broker.restore_clients(clients, fds);
+    }
     if let Some(mut old) = predecessor {
         old.say("serving").await?;
         clawmux::systemd::now_main_process();

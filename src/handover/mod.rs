@@ -30,9 +30,12 @@
 //! used; otherwise every passed descriptor is closed and the new instance
 //! starts fresh (binds its own sockets: a normal restart).
 
+pub mod clients;
 pub mod state;
 pub mod upgrade;
+pub mod wire;
 
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 
@@ -108,8 +111,12 @@ pub struct Inherited {
 #[derive(Debug)]
 pub struct Taken {
     pub state: State,
-    pub main: (UnixListener, SocketGuard),
+    /// `None` when the main socket stayed systemd's (socket activation).
+    pub main: Option<(UnixListener, SocketGuard)>,
     pub policies: Vec<(String, UnixListener, SocketGuard)>,
+    /// The clients stored with the state (systemd's store; a `SIGUSR2`
+    /// upgrade passes them once the old instance stopped serving).
+    pub clients: Option<(clients::Clients, HashMap<u64, OwnedFd>)>,
 }
 
 impl Inherited {
@@ -236,7 +243,21 @@ impl Inherited {
                 Some(name) => policies.push((name.clone(), listener, guard)),
             }
         }
-        let main = main.ok_or_else(|| Unreadable::Invalid("no main listener".into()))?;
+        let clients = match self.take_fd(clients::CLIENTS_FD_NAME) {
+            None => None,
+            Some(doc) => {
+                let doc = clients::Clients::from_fd(&doc)?;
+                let mut fds = HashMap::new();
+                for c in &doc.clients {
+                    let name = clients::client_fd_name(c.id);
+                    let fd = self
+                        .take_fd(&name)
+                        .ok_or_else(|| Unreadable::Invalid(format!("{name} was not passed")))?;
+                    fds.insert(c.id, fd);
+                }
+                Some((doc, fds))
+            }
+        };
         for (name, _) in &self.fds {
             tracing::warn!(
                 name,
@@ -247,6 +268,7 @@ impl Inherited {
             state,
             main,
             policies,
+            clients,
         })
     }
 }

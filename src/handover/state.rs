@@ -106,9 +106,20 @@ impl State {
                 "a descriptor name appears twice".into(),
             ));
         }
-        match state.listeners.first() {
-            Some(l) if l.fd_name == MAIN_LISTENER && l.policy.is_none() => {}
-            _ => return Err(Unreadable::Invalid("the main listener is not first".into())),
+        let mains = state
+            .listeners
+            .iter()
+            .filter(|l| l.policy.is_none())
+            .count();
+        if mains > 1
+            || state
+                .listeners
+                .iter()
+                .any(|l| l.policy.is_none() != (l.fd_name == MAIN_LISTENER))
+        {
+            return Err(Unreadable::Invalid(
+                "the main listener is named twice or wrongly".into(),
+            ));
         }
         Ok(state)
     }
@@ -116,35 +127,43 @@ impl State {
     /// Writes the state into a new memfd and seals it (no write, grow or
     /// shrink, no further seals): the reader gets exactly these bytes.
     pub fn to_memfd(&self) -> std::io::Result<OwnedFd> {
-        use rustix::fs::{MemfdFlags, SealFlags};
-        let fd = rustix::fs::memfd_create(
-            "clawmux-handover",
-            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-        )?;
-        let mut file = std::fs::File::from(fd);
-        file.write_all(&serde_json::to_vec(self).map_err(std::io::Error::other)?)?;
-        rustix::fs::fcntl_add_seals(
-            &file,
-            SealFlags::WRITE | SealFlags::GROW | SealFlags::SHRINK | SealFlags::SEAL,
-        )?;
-        Ok(OwnedFd::from(file))
+        memfd_with(&serde_json::to_vec(self).map_err(std::io::Error::other)?)
     }
 
     /// Reads a state from a memfd (from its start, whatever its offset).
     pub fn from_fd(fd: impl AsFd) -> Result<State, Unreadable> {
-        let io = |e: std::io::Error| Unreadable::Io(e.to_string());
-        let mut file = std::fs::File::from(fd.as_fd().try_clone_to_owned().map_err(io)?);
-        let len = file.metadata().map_err(io)?.len();
-        if len > MAX_STATE_BYTES {
-            return Err(Unreadable::TooLarge(len));
-        }
-        file.seek(SeekFrom::Start(0)).map_err(io)?;
-        let mut bytes = Vec::with_capacity(len as usize);
-        file.take(MAX_STATE_BYTES + 1)
-            .read_to_end(&mut bytes)
-            .map_err(io)?;
-        State::parse(&bytes)
+        State::parse(&read_memfd(fd, MAX_STATE_BYTES)?)
     }
+}
+
+/// A new sealed memfd holding `bytes`.
+pub fn memfd_with(bytes: &[u8]) -> std::io::Result<OwnedFd> {
+    use rustix::fs::{MemfdFlags, SealFlags};
+    let fd = rustix::fs::memfd_create(
+        "clawmux-handover",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )?;
+    let mut file = std::fs::File::from(fd);
+    file.write_all(bytes)?;
+    rustix::fs::fcntl_add_seals(
+        &file,
+        SealFlags::WRITE | SealFlags::GROW | SealFlags::SHRINK | SealFlags::SEAL,
+    )?;
+    Ok(OwnedFd::from(file))
+}
+
+/// A memfd's bytes from its start, at most `max`.
+pub fn read_memfd(fd: impl AsFd, max: u64) -> Result<Vec<u8>, Unreadable> {
+    let io = |e: std::io::Error| Unreadable::Io(e.to_string());
+    let mut file = std::fs::File::from(fd.as_fd().try_clone_to_owned().map_err(io)?);
+    let len = file.metadata().map_err(io)?.len();
+    if len > max {
+        return Err(Unreadable::TooLarge(len));
+    }
+    file.seek(SeekFrom::Start(0)).map_err(io)?;
+    let mut bytes = Vec::with_capacity(len as usize);
+    file.take(max + 1).read_to_end(&mut bytes).map_err(io)?;
+    Ok(bytes)
 }
 
 #[cfg(test)]

@@ -3,15 +3,17 @@
 //! `valid` or `invalid <why>` (new → old), `released` (old → new),
 //! `serving` (new → old).
 
+use std::collections::HashMap;
 use std::ffi::OsString;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
-use super::{state, State, CONTROL_FD_NAME, FDS_ENV};
+use super::clients::Clients;
+use super::{state, wire, State, CONTROL_FD_NAME, FDS_ENV};
 use crate::broker::RunningBroker;
 
 /// How long the new instance may take to start and check the state before
@@ -83,15 +85,17 @@ pub async fn upgrade(
         next.abandon();
         return Outcome::StillServing(broker, why);
     }
-    let released = broker.release(shutdown_timeout).await;
-    let serving = match next.say("released").await {
+    let mut released = broker.release(shutdown_timeout).await;
+    let (clients, fds) = released.take_clients();
+    let serving = match next.send_released(&clients, &fds).await {
         Ok(()) => next.expect("serving", SERVE_TIMEOUT).await,
-        Err(e) => Err(format!("the new instance's control socket failed ({e})")),
+        Err(e) => Err(format!("cannot pass the clients to the new instance ({e})")),
     };
     match serving {
         Ok(()) => {
             tracing::info!(
                 pid = next.pid(),
+                clients = clients.clients.len(),
                 "upgrade: the new instance serves; exiting"
             );
             released.finish();
@@ -99,7 +103,7 @@ pub async fn upgrade(
         }
         Err(why) => {
             next.abandon();
-            match released.serve_again() {
+            match released.serve_again(Some((clients, fds))) {
                 Ok(broker) => Outcome::StillServing(broker, why),
                 Err(e) => Outcome::Lost(format!("{why}; serving again failed too: {e}")),
             }
@@ -189,8 +193,21 @@ impl Successor {
         }
     }
 
-    async fn say(&mut self, word: &str) -> std::io::Result<()> {
-        self.write.write_all(format!("{word}\n").as_bytes()).await
+    /// Says `released`, with the clients document and then every client's
+    /// socket, in its order, as descriptors ([`wire`]).
+    async fn send_released(
+        &mut self,
+        clients: &Clients,
+        fds: &[(u64, OwnedFd)],
+    ) -> std::io::Result<()> {
+        let doc = clients.to_memfd()?;
+        let sock = self.write.as_ref();
+        wire::send(sock, b"released\n", &[doc.as_fd()]).await?;
+        for chunk in fds.chunks(wire::FDS_PER_MESSAGE) {
+            let borrowed: Vec<_> = chunk.iter().map(|(_, fd)| fd.as_fd()).collect();
+            wire::send(sock, b"f", &borrowed).await?;
+        }
+        Ok(())
     }
 
     /// Ends a new instance that will not serve (it may be stuck), and reaps
@@ -206,36 +223,69 @@ impl Successor {
 /// The old instance, seen from the new one during a `SIGUSR2` upgrade.
 #[derive(Debug)]
 pub struct Predecessor {
-    lines: Lines<BufReader<OwnedReadHalf>>,
-    write: OwnedWriteHalf,
+    control: tokio::net::UnixStream,
 }
 
 impl Predecessor {
     /// Over the control socket the old instance passed.
     pub fn new(control: std::os::unix::net::UnixStream) -> std::io::Result<Predecessor> {
         control.set_nonblocking(true)?;
-        let (read, write) = tokio::net::UnixStream::from_std(control)?.into_split();
         Ok(Predecessor {
-            lines: BufReader::new(read).lines(),
-            write,
+            control: tokio::net::UnixStream::from_std(control)?,
         })
     }
 
     pub async fn say(&mut self, word: &str) -> std::io::Result<()> {
-        self.write.write_all(format!("{word}\n").as_bytes()).await
+        self.control.write_all(format!("{word}\n").as_bytes()).await
     }
 
-    /// Waits until the old instance stopped serving (it said `released`).
-    pub async fn released(&mut self, within: Duration) -> Result<(), String> {
-        match tokio::time::timeout(within, self.lines.next_line()).await {
-            Ok(Ok(Some(line))) if line == "released" => Ok(()),
-            Ok(Ok(Some(line))) => Err(format!("the old instance said {line:?}, not released")),
-            Ok(Ok(None)) => Err("the old instance gave up on the upgrade".into()),
-            Ok(Err(e)) => Err(format!("the control socket failed ({e})")),
-            Err(_) => Err(format!(
-                "the old instance did not stop serving within {} ms",
-                within.as_millis()
-            )),
+    /// Waits until the old instance stopped serving (it says `released`),
+    /// and takes the clients it passes: the document, and each client's
+    /// socket by id. Whole or not at all.
+    pub async fn released(
+        &mut self,
+        within: Duration,
+    ) -> Result<(Clients, HashMap<u64, OwnedFd>), String> {
+        tokio::time::timeout(within, self.receive())
+            .await
+            .map_err(|_| {
+                format!(
+                    "the old instance did not stop serving within {} ms",
+                    within.as_millis()
+                )
+            })?
+    }
+
+    async fn receive(&mut self) -> Result<(Clients, HashMap<u64, OwnedFd>), String> {
+        let mut buf = [0u8; 64];
+        let (n, mut fds) = wire::recv(&self.control, &mut buf)
+            .await
+            .map_err(|e| format!("the control socket failed ({e})"))?;
+        if n == 0 {
+            return Err("the old instance gave up on the upgrade".into());
         }
+        if !buf[..n].starts_with(b"released\n") || fds.is_empty() {
+            return Err(format!(
+                "the old instance said {:?}, not released",
+                String::from_utf8_lossy(&buf[..n])
+            ));
+        }
+        let doc = fds.remove(0);
+        let clients = Clients::from_fd(&doc).map_err(|e| e.to_string())?;
+        let mut sockets = fds;
+        while sockets.len() < clients.clients.len() {
+            let (n, more) = wire::recv(&self.control, &mut buf)
+                .await
+                .map_err(|e| format!("the control socket failed ({e})"))?;
+            if n == 0 {
+                return Err("the old instance closed before passing every client".into());
+            }
+            sockets.extend(more);
+        }
+        if sockets.len() != clients.clients.len() {
+            return Err("more client sockets than clients".into());
+        }
+        let fds = clients.clients.iter().map(|c| c.id).zip(sockets).collect();
+        Ok((clients, fds))
     }
 }

@@ -667,6 +667,25 @@ impl Client {
         std::task::Poll::Ready(batch)
     }
 
+    /// For a handover: everything still queued (its bytes leave the
+    /// budget), and the `seq` the next event would get. The writer takes
+    /// nothing more after this.
+    pub fn take_all(&self) -> (Vec<Outgoing>, u64) {
+        let mut q = self.lock();
+        for item in &q.items {
+            self.release(item);
+        }
+        q.bytes = 0;
+        let items = q.items.drain(..).collect();
+        (items, q.next_seq)
+    }
+
+    /// A client taken over from the previous instance: its events go on
+    /// from `next_seq`.
+    pub fn continue_seq(&self, next_seq: u64) {
+        self.lock().next_seq = next_seq;
+    }
+
     /// Whether the client was closed as a slow consumer; if not, the
     /// calling task is woken when it is (a writer waiting on its socket).
     pub fn poll_killed(&self, cx: &mut std::task::Context<'_>) -> bool {

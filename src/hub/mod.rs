@@ -118,6 +118,28 @@ impl Hub {
         Arc::new(self.client_with_id(id))
     }
 
+    /// A client taken over from the previous instance, with its own id,
+    /// `connId` and connection time (later clients get higher ids).
+    pub fn restored_client(&self, id: u64, conn_id: String, connected_at_ms: u64) -> Arc<Client> {
+        self.next_client_id.fetch_max(id + 1, Ordering::Relaxed);
+        let mut client = self.client_with_id(id);
+        client.conn_id = conn_id;
+        client.connected_at_ms = connected_at_ms;
+        Arc::new(client)
+    }
+
+    /// Admits a client taken over from the previous instance: it had its
+    /// `hello-ok` there, so none is queued here.
+    pub fn admit_restored(&self, client: &Arc<Client>) -> Result<(), TooManyClients> {
+        let mut inner = self.lock();
+        if inner.clients.len() >= self.max_clients {
+            return Err(TooManyClients(self.max_clients));
+        }
+        inner.clients.insert(client.id, Arc::clone(client));
+        self.client_count.send_replace(inner.clients.len());
+        Ok(())
+    }
+
     fn client_with_id(&self, id: u64) -> Client {
         Client::with_budget(id, self.queue_limits, Arc::clone(&self.queue_budget))
     }

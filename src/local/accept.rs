@@ -171,6 +171,7 @@ async fn serve_connection(
     let kill = CancellationToken::new();
     let kill_handle = ConnectionKill(kill.clone());
     let header_read_timeout = ctx.settings.limits.header_read_timeout;
+    let conn_fd = super::ConnFd(std::os::fd::AsRawFd::as_raw_fd(&stream.stream));
     let asked = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let first_request = Arc::clone(&asked);
     let service = hyper::service::service_fn(move |mut req: hyper::Request<_>| {
@@ -178,6 +179,7 @@ async fn serve_connection(
         req.extensions_mut().insert(kill_handle.clone());
         req.extensions_mut().insert(Arc::clone(&socket));
         req.extensions_mut().insert(peer_pid);
+        req.extensions_mut().insert(conn_fd);
         http::route(req, Arc::clone(&ctx))
     });
     let conn = http1::Builder::new()

@@ -196,6 +196,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
     }
     let peer_pid = req.extensions().get::<super::PeerPid>().and_then(|p| p.0);
     let peer_uid = req.extensions().get::<super::PeerPid>().and_then(|p| p.1);
+    let conn_fd = req.extensions().get::<super::ConnFd>().copied();
     // A browser (or a proxy for one) sends an Origin: see `dedicated::origin`.
     let browser = req.headers().contains_key(header::ORIGIN);
     let accept = derive_accept_key(key.as_bytes());
@@ -204,11 +205,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
     tracker.spawn(async move {
         match on_upgrade.await {
             Ok(upgraded) => {
-                let config = WebSocketConfig::default()
-                    .read_buffer_size(LOCAL_READ_BUFFER_BYTES)
-                    .write_buffer_size(LOCAL_WRITE_BUFFER_BYTES)
-                    .max_message_size(Some(ctx.settings.limits.max_frame_bytes))
-                    .max_frame_size(Some(ctx.settings.limits.max_frame_bytes));
+                let config = ws_config(&ctx);
                 let budget = super::preconnect::PreconnectBudget::new(
                     ctx.settings.limits.preconnect_max_bytes as u64,
                 );
@@ -219,7 +216,11 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
                 // dedicated route holds a whole gateway handshake).
                 match route {
                     Route::Shared => {
-                        super::ws::run(ws, budget, restarts, socket, peer_pid, ctx).await
+                        let peer = super::ws::Peer {
+                            pid: peer_pid,
+                            fd: conn_fd,
+                        };
+                        super::ws::run(ws, budget, restarts, socket, peer, ctx).await
                     }
                     Route::Dedicated => {
                         Box::pin(super::dedicated::run(ws, budget, peer_uid, browser, ctx)).await
@@ -236,4 +237,13 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
         .header(header::SEC_WEBSOCKET_ACCEPT, accept)
         .body(full(Bytes::new()))
         .unwrap_or_else(|_| Response::new(full(Bytes::new())))
+}
+
+/// The WebSocket settings of a local client's connection.
+pub(super) fn ws_config(ctx: &Ctx) -> WebSocketConfig {
+    WebSocketConfig::default()
+        .read_buffer_size(LOCAL_READ_BUFFER_BYTES)
+        .write_buffer_size(LOCAL_WRITE_BUFFER_BYTES)
+        .max_message_size(Some(ctx.settings.limits.max_frame_bytes))
+        .max_frame_size(Some(ctx.settings.limits.max_frame_bytes))
 }

@@ -31,4 +31,10 @@ pub struct ConnectionKill(pub tokio_util::sync::CancellationToken);
 #[derive(Debug, Clone, Copy)]
 pub struct PeerPid(pub Option<u32>, pub Option<u32>);
 
+/// The connection's socket descriptor, in the request extensions: a
+/// handover passes a copy of it to the next instance. Valid while the
+/// connection's stream lives (the connection owns it).
+#[derive(Debug, Clone, Copy)]
+pub struct ConnFd(pub std::os::fd::RawFd);
+
 pub use accept::accept_loop;

@@ -67,6 +67,40 @@ pub struct Limited<T> {
     /// Bytes read from the socket after a large frame's header and held
     /// back (at most one read, ≤ 2 KiB): handed to the parser next.
     held_back: Vec<u8>,
+    /// A data message has begun and its final frame has not ended yet.
+    in_message: bool,
+    /// Set for a handover: hand the parser nothing past the end of the
+    /// current message, and read no more ([`Pause`]).
+    pause: Pause,
+}
+
+/// Stops a [`Limited`] reader at the next message boundary for a handover
+/// (design §11: stop reading at a frame the parser has whole): what the
+/// socket gave beyond it stays in `held_back`, the bytes the next instance
+/// feeds its own parser first.
+#[derive(Debug, Clone, Default)]
+pub struct Pause(Arc<PauseState>);
+
+#[derive(Debug, Default)]
+struct PauseState {
+    requested: std::sync::atomic::AtomicBool,
+    /// The parser has been handed whole messages only.
+    at_boundary: std::sync::atomic::AtomicBool,
+}
+
+impl Pause {
+    pub fn request(&self) {
+        self.0.requested.store(true, Ordering::SeqCst);
+    }
+
+    fn requested(&self) -> bool {
+        self.0.requested.load(Ordering::SeqCst)
+    }
+
+    /// Whether everything handed to the parser ends with a whole message.
+    pub fn at_boundary(&self) -> bool {
+        self.0.at_boundary.load(Ordering::SeqCst)
+    }
 }
 
 impl<T> Limited<T> {
@@ -76,8 +110,55 @@ impl<T> Limited<T> {
             budget,
             frames: FrameCursor::default(),
             held_back: Vec::new(),
+            in_message: false,
+            pause: Pause::default(),
         }
     }
+
+    /// The handle that pauses this reader at a message boundary.
+    pub fn pause(&self) -> Pause {
+        self.pause.clone()
+    }
+
+    /// After a pause: the bytes read from the socket and not handed to the
+    /// parser (the start of the client's next message, if any).
+    pub fn take_unread(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.held_back)
+    }
+
+    /// Follows `bytes` about to be handed to the parser (see
+    /// [`FrameCursor::advance`]); when paused, stops at the end of the
+    /// current message.
+    fn advance(&mut self, bytes: &[u8]) -> usize {
+        let stop_at_message_end = self.pause.requested();
+        let mut i = 0;
+        while i < bytes.len() {
+            if stop_at_message_end && self.at_message_boundary() {
+                break;
+            }
+            let n = self.frames.advance_one(&bytes[i..], &mut self.in_message);
+            i += n.taken;
+            if n.stop {
+                break;
+            }
+        }
+        self.pause
+            .0
+            .at_boundary
+            .store(self.at_message_boundary(), Ordering::SeqCst);
+        i
+    }
+
+    fn at_message_boundary(&self) -> bool {
+        matches!(self.frames, FrameCursor::Header0) && !self.in_message
+    }
+}
+
+/// What one step of [`FrameCursor::advance_one`] did.
+struct Advanced {
+    taken: usize,
+    /// A large frame's header ended here: hand it over alone.
+    stop: bool,
 }
 
 /// Where the bytes handed to the parser are in the client's frames
@@ -113,10 +194,12 @@ enum FrameCursor {
 }
 
 impl FrameCursor {
-    /// Follows `bytes` about to be handed to the parser. Returns how many of
-    /// them to hand over now: fewer than all when a large frame's header
-    /// ends before their end.
-    fn advance(&mut self, bytes: &[u8]) -> usize {
+    /// Follows `bytes` about to be handed to the parser up to the end of
+    /// the current frame (or of a large frame's header: it is handed over
+    /// alone). `in_message` follows data messages across frames: set by a
+    /// data frame without FIN, cleared by one with FIN (control frames,
+    /// which may come between fragments, leave it).
+    fn advance_one(&mut self, bytes: &[u8], in_message: &mut bool) -> Advanced {
         let mut i = 0;
         while i < bytes.len() {
             match self {
@@ -126,6 +209,10 @@ impl FrameCursor {
                     *left -= take;
                     if *left == 0 {
                         *self = FrameCursor::Header0;
+                        return Advanced {
+                            taken: i,
+                            stop: false,
+                        };
                     }
                 }
                 FrameCursor::Header0 => {
@@ -141,18 +228,26 @@ impl FrameCursor {
                     let Some(payload) = header_payload_len(&head[..*len]) else {
                         continue;
                     };
+                    let (fin, control) = (head[0] & 0x80 != 0, head[0] & 0x08 != 0);
+                    if !control {
+                        *in_message = !fin;
+                    }
                     *self = if payload == 0 {
                         FrameCursor::Header0
                     } else {
                         FrameCursor::Payload(payload)
                     };
-                    if payload > LARGE_FRAME_BYTES && i < bytes.len() {
-                        return i;
+                    let stop = payload > LARGE_FRAME_BYTES && i < bytes.len();
+                    if payload == 0 || stop {
+                        return Advanced { taken: i, stop };
                     }
                 }
             }
         }
-        bytes.len()
+        Advanced {
+            taken: bytes.len(),
+            stop: false,
+        }
     }
 }
 
@@ -255,13 +350,18 @@ impl<T: AsyncRead + Unpin> AsyncRead for Limited<T> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        if this.pause.requested() && this.at_message_boundary() {
+            // Paused for a handover: the rest is the next instance's. (No
+            // wake-up is registered: the handover polls the session itself.)
+            return Poll::Pending;
+        }
         if !this.held_back.is_empty() {
             let n = buf.remaining().min(this.held_back.len());
-            let n = this.frames.advance(&this.held_back[..n]);
-            buf.put_slice(&this.held_back[..n]);
-            this.held_back.drain(..n);
-            if this.held_back.is_empty() {
-                this.held_back = Vec::new();
+            let held = std::mem::take(&mut this.held_back);
+            let n = this.advance(&held[..n]);
+            buf.put_slice(&held[..n]);
+            if n < held.len() {
+                this.held_back = held[n..].to_vec();
             }
             return Poll::Ready(Ok(()));
         }
@@ -269,7 +369,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Limited<T> {
         let polled = this.poll_read_socket(cx, buf);
         if let Poll::Ready(Ok(())) = &polled {
             let read = &buf.filled()[start..];
-            let n = this.frames.advance(read);
+            let n = this.advance(read);
             if n < read.len() {
                 this.held_back = read[n..].to_vec();
                 buf.set_filled(start + n);
@@ -417,6 +517,71 @@ mod tests {
                 "round {round}: the read buffer still holds the frame's allocation"
             );
         }
+    }
+
+    impl FrameCursor {
+        /// All of `bytes` that may be handed over now (as the reader does
+        /// when not paused).
+        fn advance(&mut self, bytes: &[u8]) -> usize {
+            let mut in_message = false;
+            let mut i = 0;
+            while i < bytes.len() {
+                let n = self.advance_one(&bytes[i..], &mut in_message);
+                i += n.taken;
+                if n.stop {
+                    break;
+                }
+            }
+            i
+        }
+    }
+
+    /// Paused for a handover, the reader hands the parser whole messages
+    /// only (a fragmented one up to its final frame, control frames
+    /// between fragments included) and keeps the rest as unread.
+    #[tokio::test]
+    async fn a_paused_reader_stops_at_a_message_boundary_and_keeps_the_rest() {
+        use tokio::io::AsyncReadExt;
+        let text = |fin: bool, opcode: u8, payload: &[u8]| {
+            let mut f = vec![if fin { 0x80 } else { 0 } | opcode, payload.len() as u8];
+            f.extend_from_slice(payload);
+            f
+        };
+        let mut wire = Vec::new();
+        wire.extend(text(false, 0x1, b"he")); // a fragmented message…
+        wire.extend(text(true, 0x9, b"")); // …a ping between its fragments…
+        wire.extend(text(true, 0x0, b"llo")); // …and its final frame
+        let next = text(true, 0x1, b"next");
+        wire.extend(&next);
+        let (mut tx, rx) = tokio::io::duplex(1024);
+        tokio::io::AsyncWriteExt::write_all(&mut tx, &wire)
+            .await
+            .unwrap();
+        let budget = PreconnectBudget::new(1 << 20);
+        budget.lift();
+        let mut reader = Limited::new(rx, budget);
+        let pause = reader.pause();
+        pause.request();
+        let mut got = vec![0u8; 1024];
+        let n = reader.read(&mut got).await.unwrap();
+        assert_eq!(
+            n,
+            wire.len() - next.len(),
+            "the whole first message, nothing more"
+        );
+        assert!(pause.at_boundary());
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let mut buf = [0u8; 16];
+        let mut rb = ReadBuf::new(&mut buf);
+        assert!(Pin::new(&mut reader)
+            .poll_read(&mut cx, &mut rb)
+            .is_pending());
+        assert_eq!(
+            reader.take_unread(),
+            next,
+            "the next message is the next instance's"
+        );
     }
 
     /// Small frames pass whole, however they are split; a large frame's

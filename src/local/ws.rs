@@ -19,7 +19,7 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 
-use super::preconnect::{Limited, PreconnectBudget, ReleaseReadBuffer};
+use super::preconnect::{Limited, Pause, PreconnectBudget, ReleaseReadBuffer};
 use super::ws_errors::{self, ReadFailure};
 use crate::context::Ctx;
 use crate::dispatch::{Member, Registration};
@@ -79,6 +79,8 @@ struct Conn<S = Limited<TokioIo<Upgraded>>> {
     client: Arc<Client>,
     /// Gives a large request's read buffer back once it is handled.
     release: ReleaseReadBuffer,
+    /// Stops the reader under the parser at a message boundary (handover).
+    pause: Pause,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
@@ -172,16 +174,26 @@ impl Restarts {
     }
 }
 
+/// Where a local client's connection comes from.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer {
+    /// The peer's process id from the kernel, for `/v1/state`.
+    pub pid: Option<u32>,
+    /// The connection's socket, for a handover.
+    pub fd: Option<super::ConnFd>,
+}
+
 /// Runs one local client to completion. `budget` is lifted once it is admitted.
-/// `peer_pid` is the peer's process id from the kernel, for `/v1/state`.
 pub async fn run(
     ws: Ws,
     budget: PreconnectBudget,
     restarts: Restarts,
     socket: Arc<SocketPolicy>,
-    peer_pid: Option<u32>,
+    peer: Peer,
     ctx: Arc<Ctx>,
 ) {
+    let peer_pid = peer.pid;
+    let pause = ws.get_ref().pause();
     let (sink, stream) = ws.split();
     let registration = ctx.dispatcher.register(ctx.hub.new_client());
     let client = Arc::clone(registration.client());
@@ -191,6 +203,7 @@ pub async fn run(
         writer: Writer::new(sink),
         client: Arc::clone(&client),
         release: ReleaseReadBuffer::default(),
+        pause,
     };
     let client_id = client.id;
     tracing::debug!(client_id, "local client opened");
@@ -233,8 +246,161 @@ pub async fn run(
     if admitted {
         budget.lift();
         tracing::info!(client_id, conn_id = %client.conn_id, "local client connected");
-        serve_requests(&mut conn, &registration, &ctx, restarts).await;
+        let served = serve_requests(&mut conn, &registration, &ctx, restarts).await;
+        if served == Served::HandOver {
+            match peer.fd {
+                Some(fd) if movable(&registration, restarts) => {
+                    match hand_over(conn, registration, fd.0, &ctx).await {
+                        Ok(()) => return,
+                        Err((conn, registration)) => {
+                            client.close(1012, "service restart");
+                            return finish(conn, registration).await;
+                        }
+                    }
+                }
+                _ => client.close(1012, "service restart"),
+            }
+        }
     }
+    finish(conn, registration).await
+}
+
+/// A client taken over from the previous instance ([`crate::handover`]):
+/// serves it from where that one stopped, on its socket, with the bytes it
+/// had read and not parsed.
+pub async fn resume(
+    stream: tokio::net::UnixStream,
+    unread: Vec<u8>,
+    registration: Registration,
+    ctx: Arc<Ctx>,
+) {
+    use tokio_tungstenite::tungstenite::protocol::Role;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
+    let budget = PreconnectBudget::new(0);
+    budget.lift();
+    let client = Arc::clone(registration.client());
+    client.count_written(budget.written());
+    let io = Limited::new(stream, budget);
+    let config = super::http::ws_config(&ctx);
+    let pause = io.pause();
+    let ws = WebSocketStream::from_partially_read(io, unread, Role::Server, Some(config)).await;
+    let (sink, stream) = ws.split();
+    let mut conn = Conn {
+        stream,
+        writer: Writer::new(sink),
+        client: Arc::clone(&client),
+        release: ReleaseReadBuffer::default(),
+        pause,
+    };
+    tracing::debug!(client_id = client.id, "local client taken over");
+    let served = serve_requests(&mut conn, &registration, &ctx, Restarts::Continuity).await;
+    if served == Served::HandOver {
+        if movable(&registration, Restarts::Continuity) {
+            match hand_over(conn, registration, fd, &ctx).await {
+                Ok(()) => return,
+                Err((conn, registration)) => {
+                    client.close(1012, "service restart");
+                    return finish(conn, registration).await;
+                }
+            }
+        }
+        client.close(1012, "service restart");
+    }
+    finish(conn, registration).await
+}
+
+/// Whether a client moves at a handover: not one on a narrower session
+/// (its gateway session cannot move), not a mirror client (a restart
+/// closes it, as a direct connection would be).
+fn movable(registration: &Registration, restarts: Restarts) -> bool {
+    restarts == Restarts::Continuity && registration.member().narrower.get().is_none()
+}
+
+/// How long a client may take, at a handover, to finish the message it is
+/// sending and to take the batch being written, before it is closed
+/// instead of moved (`1012`; it reconnects and resumes by cursor).
+pub const HANDOVER_PAUSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Stops a client for the next instance (design §11): no more reads past
+/// the message in progress (the messages already read are handled as
+/// usual), the batch being written written whole, then the socket, the
+/// unread bytes and the registration (with the queue not yet written) are
+/// left for the handover. On failure the connection is given back to be
+/// closed as at any stop.
+async fn hand_over<T>(
+    mut conn: Conn<Limited<T>>,
+    registration: Registration,
+    fd: std::os::fd::RawFd,
+    ctx: &Arc<Ctx>,
+) -> Result<(), (Conn<Limited<T>>, Registration)>
+where
+    Limited<T>: AsyncRead + AsyncWrite + Unpin,
+{
+    let pause = conn.pause.clone();
+    pause.request();
+    let member = Arc::clone(registration.member());
+    let stopped = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
+        loop {
+            let read = std::future::poll_fn(|cx| {
+                if let Poll::Ready(end) = conn.writer.poll_drive(cx, &conn.client) {
+                    return Poll::Ready(Err(end));
+                }
+                match poll_incoming(&mut conn.stream, cx) {
+                    Poll::Ready(i) => Poll::Ready(Ok(Some(i))),
+                    Poll::Pending if pause.at_boundary() => Poll::Ready(Ok(None)),
+                    Poll::Pending => Poll::Pending,
+                }
+            })
+            .await;
+            match read {
+                Ok(Some(Incoming::Text(text))) => handle_frame(&text, &member, ctx),
+                Ok(None) => break,
+                // The client left or broke the protocol meanwhile.
+                Ok(Some(_)) | Err(_) => return false,
+            }
+        }
+        std::future::poll_fn(|cx| conn.writer.poll_batch_written(cx, &conn.client)).await
+    })
+    .await;
+    if stopped != Ok(true) {
+        tracing::info!(
+            client_id = conn.client.id,
+            "handover: client not at a boundary in time; closing it"
+        );
+        conn.writer.hold = false;
+        if conn.writer.ended == Some(WriterEnd::Held) {
+            conn.writer.ended = None;
+        }
+        return Err((conn, registration));
+    }
+    // SAFETY: `fd` is the descriptor of the socket under `conn`, which
+    // owns it and is alive here (it is dropped only below), so borrowing
+    // it for the duplication cannot outlive or alias a closed descriptor.
+    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let Ok(copy) = rustix::io::fcntl_dupfd_cloexec(borrowed, 3) else {
+        return Err((conn, registration));
+    };
+    let Conn { stream, writer, .. } = conn;
+    let Ok(mut ws) = stream.reunite(writer.sink) else {
+        unreachable!("the two halves of one socket");
+    };
+    let unread = ws.get_mut().take_unread();
+    ctx.handoff.leave(crate::context::Parcel {
+        registration,
+        fd: copy.into(),
+        unread,
+    });
+    // Dropping `ws` closes this instance's descriptor only: the socket
+    // stays open, through the copy, for the next instance.
+    drop(ws);
+    Ok(())
+}
+
+/// A client's last steps: answer a peer's close, release what it held,
+/// deliver what is queued (bounded), then the socket is closed.
+async fn finish<S: AsyncRead + AsyncWrite + Unpin>(mut conn: Conn<S>, registration: Registration) {
+    let client = Arc::clone(&conn.client);
+    let client_id = client.id;
     // Answer a peer's close (tungstenite only writes the reply on the next
     // write or flush) so the client sees a clean close; a no-op when the
     // broker already queued its own close.
@@ -446,16 +612,26 @@ fn synthesize_hello(
     hello
 }
 
+/// Why [`serve_requests`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Served {
+    /// The client left, was closed, or the broker stops.
+    Ended,
+    /// The broker hands its clients over to its next instance.
+    HandOver,
+}
+
 /// Serves requests after the handshake until the client leaves, the broker
-/// stops, or the writer ends (slow consumer, write error).
-async fn serve_requests(
-    conn: &mut Conn,
+/// stops or hands over, or the writer ends (slow consumer, write error).
+async fn serve_requests<S: AsyncRead + AsyncWrite + Unpin>(
+    conn: &mut Conn<S>,
     registration: &Registration,
     ctx: &Arc<Ctx>,
     restarts: Restarts,
-) {
+) -> Served {
     let limits = &ctx.settings.limits;
     let member: &Arc<Member> = registration.member();
+    let _serving = ctx.handoff.serving();
     let mut upstream = ctx.upstream().subscribe();
     let admitted_on = upstream.borrow_and_update().generation;
     let mirror = restarts == Restarts::Mirror;
@@ -465,12 +641,13 @@ async fn serve_requests(
         let incoming = tokio::select! {
             step = conn.next() => match step {
                 Step::Read(i) => i,
-                Step::WriterEnded => return,
+                Step::WriterEnded => return Served::Ended,
             },
             _ = ctx.cancel.cancelled() => {
                 client.close(1001, "going away");
-                return;
+                return Served::Ended;
             }
+            _ = ctx.handoff.requested.cancelled() => return Served::HandOver,
             changed = upstream.changed(), if mirror => {
                 let (ended, close) = {
                     let s = upstream.borrow_and_update();
@@ -482,7 +659,7 @@ async fn serve_requests(
                 if ended {
                     let (code, reason) = close.unwrap_or((1012, "service restart".into()));
                     client.close(code, truncate_reason(&reason));
-                    return;
+                    return Served::Ended;
                 }
                 continue;
             }
@@ -491,18 +668,26 @@ async fn serve_requests(
             Incoming::Text(t) => t,
             Incoming::TooLarge => {
                 client.close(1009, "frame too large");
-                return;
+                return Served::Ended;
             }
             Incoming::Invalid(code, reason) => {
                 client.close(code, reason);
-                return;
+                return Served::Ended;
             }
-            Incoming::Closed => return,
+            Incoming::Closed => return Served::Ended,
         };
         if let Err(wait) = bucket.take(Instant::now()) {
             refuse_over_rate(client, text.as_str(), wait, limits.request_rate);
             continue;
         }
+        handle_frame(&text, member, ctx);
+    }
+}
+
+/// One frame from an admitted client: forwarded, or answered here.
+fn handle_frame(text: &Utf8Bytes, member: &Arc<Member>, ctx: &Arc<Ctx>) {
+    let client = member.client();
+    {
         match ClientFrame::parse(text.as_str()) {
             Ok(frame) if frame.method == "connect" => {
                 client.push_frame(encode_res_error(
@@ -563,6 +748,9 @@ enum WriterEnd {
     Failed,
     /// The client was closed as a slow consumer while a write waited.
     Killed,
+    /// Held for a handover: the batch taken is written and flushed, and no
+    /// other is taken.
+    Held,
 }
 
 /// The steps of writing a close frame.
@@ -590,6 +778,8 @@ struct Writer<S = Limited<TokioIo<Upgraded>>> {
     ended: Option<WriterEnd>,
     /// Batches taken in the current turn.
     taken_this_turn: u32,
+    /// Take no more batches (a handover leaves them queued).
+    hold: bool,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Writer<S> {
@@ -602,6 +792,24 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Writer<S> {
             close: None,
             ended: None,
             taken_this_turn: 0,
+            hold: false,
+        }
+    }
+
+    /// For a handover: writes and flushes the batch already taken, and
+    /// takes no other. `Ready(true)` once done; `Ready(false)` if the
+    /// writer ended instead (a close, a failed socket).
+    fn poll_batch_written(&mut self, cx: &mut Context<'_>, client: &Client) -> Poll<bool> {
+        if self.ended.is_some() {
+            return Poll::Ready(false);
+        }
+        self.hold = true;
+        match ready!(self.poll_write(cx, client)) {
+            WriterEnd::Held => Poll::Ready(true),
+            end => {
+                self.ended = Some(end);
+                Poll::Ready(false)
+            }
         }
     }
 
@@ -701,6 +909,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Writer<S> {
                     Ok(()) => self.unflushed = false,
                     Err(_) => return Poll::Ready(WriterEnd::Failed),
                 },
+                None if self.hold => return Poll::Ready(WriterEnd::Held),
                 // Turn over: let the caller poll the client's socket for
                 // reads, and come back at once.
                 None if self.taken_this_turn >= WRITER_TURN_BATCHES => {
@@ -776,6 +985,7 @@ mod tests {
             writer: Writer::new(sink),
             client: Arc::clone(&client),
             release: ReleaseReadBuffer::default(),
+            pause: Pause::default(),
         };
         let step = tokio::time::timeout(std::time::Duration::from_secs(5), conn.next())
             .await

@@ -46,6 +46,9 @@ pub struct MainSession {
     has_device: AtomicBool,
     /// The current session's gateway version (for the event at its end).
     server_version: Mutex<String>,
+    /// Clients were taken over from the previous instance: its session
+    /// ended for them, so this one's first is a reconnect to them.
+    took_over: AtomicBool,
 }
 
 impl MainSession {
@@ -68,6 +71,7 @@ impl MainSession {
             invalid_seqs: AtomicU64::new(0),
             has_device: AtomicBool::new(has_device),
             server_version: Mutex::default(),
+            took_over: AtomicBool::new(false),
         }
     }
 
@@ -88,6 +92,26 @@ impl MainSession {
                 .and_then(Value::as_u64),
         );
         self.hub.reset_snapshot(snapshot.clone());
+    }
+
+    /// Clients were taken over from the previous instance (a handover):
+    /// the first session is a reconnect to them (a gap, `clawmux.upstream
+    /// {phase: ready, reason: reconnected}`, their subscriptions sent
+    /// again). Called before the session can be ready, or else the
+    /// subscriptions are sent again here.
+    pub fn clients_taken_over(&self) {
+        self.took_over.store(true, Ordering::SeqCst);
+        if self.session.upstream.ready_generation().is_some() {
+            // Ready already (it raced the takeover): a reconnect now.
+            if self.took_over.swap(false, Ordering::SeqCst) {
+                self.hub.gap();
+                self.hub.publish_local(
+                    "clawmux.upstream",
+                    &json!({"phase": "ready", "reason": "reconnected"}),
+                );
+                self.resubscribe();
+            }
+        }
     }
 
     /// A new session: every held subscription is sent again, before any
@@ -182,6 +206,7 @@ fn restart_hint(payload: Option<&RawValue>) -> Option<Duration> {
 
 impl SessionOwner for MainSession {
     fn ready(&self, _generation: u64, hello: &Arc<UpstreamHello>, reconnected: bool) {
+        let reconnected = reconnected || self.took_over.swap(false, Ordering::SeqCst);
         *self.last_seq.lock().unwrap_or_else(|p| p.into_inner()) = None;
         self.shutdown_seen.store(false, Ordering::Relaxed);
         hello.server_version.clone_into(

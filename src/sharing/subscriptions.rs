@@ -87,6 +87,14 @@ impl SubscriptionState {
         Plan::Forward { gen }
     }
 
+    /// A client taken over from the previous instance holds `key`
+    /// (unconfirmed: the next session subscribes every held key again).
+    pub fn restore(&mut self, key: SubKey, client: u64) {
+        let h = self.keys.entry(key).or_default();
+        h.clients.insert(client, 0);
+        h.confirmed = false;
+    }
+
     /// `client` unsubscribes from `key`: forwarded only when it was the last holder.
     pub fn unsubscribe(&mut self, key: &SubKey, client: u64) -> Plan {
         let Some(h) = self.keys.get_mut(key) else {

@@ -76,7 +76,10 @@ fn serve_command(program: &Path, dir: &Path, socket: &Path, gateway: &str) -> Co
 
 /// The broker's log, written to a file so the test can wait for a line.
 fn log_to(cmd: &mut Command, dir: &Path) -> PathBuf {
-    let path = dir.join("broker.log");
+    let path = match std::env::var_os("HANDOVER_LOG") {
+        Some(p) => PathBuf::from(p),
+        None => dir.join("broker.log"),
+    };
     let file = std::fs::File::create(&path).unwrap();
     cmd.stderr(file);
     path
@@ -145,7 +148,7 @@ async fn exits_with(child: &mut std::process::Child) -> std::process::ExitStatus
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigusr2_hands_the_sockets_to_the_new_binary_and_no_connection_is_refused() {
+async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_refused() {
     let gw = MockGateway::start(mock_config()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("c.sock");
@@ -156,62 +159,106 @@ async fn sigusr2_hands_the_sockets_to_the_new_binary_and_no_connection_is_refuse
     crate::http_api::until_ready(&socket).await;
     let mut pid = broker_pid(&socket).await;
     assert_eq!(pid, first.0.id());
-    let _last = {
-        let mut keep = Vec::new();
-        for round in 1..=3 {
-            let mut client = WsClient::open(&socket, "/ws").await;
-            client.handshake().await;
-            let (stop, probes) = probe_continuously(socket.clone());
-            signal_pid(pid, rustix::process::Signal::USR2);
-            // The client is told why, and closed so it reconnects at once.
-            let shutdown = client.event_within("shutdown", PATIENCE * 4).await;
-            assert_eq!(
-                shutdown["payload"]["reason"], "clawmux upgrading",
-                "{shutdown}"
-            );
-            assert_eq!(client.expect_close().await.0, 1001);
-            let next = eventually_async("a new instance serves", || {
-                let socket = socket.clone();
-                async move {
-                    match healthz(&socket).await {
-                        Some(200) => {
-                            let p = broker_pid(&socket).await;
-                            if p != pid {
-                                Ok(p)
-                            } else {
-                                Err(format!("pid {p} still serves"))
-                            }
-                        }
-                        other => Err(format!("healthz {other:?}")),
-                    }
-                }
-            })
-            .await;
-            if round == 1 {
-                assert!(
-                    exits_with(&mut first.0).await.success(),
-                    "{}",
-                    log_text(&log)
-                );
-            } else {
-                eventually("the old instance exits", || !alive(pid)).await;
-            }
-            stop.store(true, Ordering::Relaxed);
-            let (n, failures) = probes.await.unwrap();
-            assert!(n > 0);
-            assert_eq!(
-                failures, 0,
-                "{failures} of {n} probes failed during handover {round}"
-            );
-            // The new instance runs the same binary with the same settings.
-            crate::http_api::until_ready(&socket).await;
-            let mut again = WsClient::open(&socket, "/ws").await;
-            again.handshake().await;
-            pid = next;
-            keep.push(Pid(next));
+    let mut client = WsClient::open(&socket, "/ws").await;
+    let hello = client.handshake().await;
+    let conn_id = hello["server"]["connId"].clone();
+    let sub = client
+        .request(
+            "sessions.messages.subscribe",
+            serde_json::json!({"key": "agent:main:main"}),
+        )
+        .await;
+    assert_eq!(sub["ok"], true, "{sub}");
+    let mut last_seq = 0u64;
+    let mut last_n = -1i64;
+    let mut n = 0i64;
+    let mut keep = Vec::new();
+    for round in 1..=3 {
+        // Events before the handover arrive once, in order.
+        for _ in 0..20 {
+            gw.broadcast("test.n", serde_json::json!({"n": n}));
+            n += 1;
         }
-        keep
-    };
+        let (stop, probes) = probe_continuously(socket.clone());
+        signal_pid(pid, rustix::process::Signal::USR2);
+        let next = eventually_async("a new instance serves", || {
+            let socket = socket.clone();
+            async move {
+                match healthz(&socket).await {
+                    Some(200) => {
+                        let p = broker_pid(&socket).await;
+                        if p != pid {
+                            Ok(p)
+                        } else {
+                            Err(format!("pid {p} still serves"))
+                        }
+                    }
+                    other => Err(format!("healthz {other:?}")),
+                }
+            }
+        })
+        .await;
+        keep.push(Pid(next));
+        if round == 1 {
+            assert!(
+                exits_with(&mut first.0).await.success(),
+                "{}",
+                log_text(&log)
+            );
+        } else {
+            eventually("the old instance exits", || !alive(pid)).await;
+        }
+        pid = next;
+        stop.store(true, Ordering::Relaxed);
+        let (probed, failures) = probes.await.unwrap();
+        assert!(probed > 0);
+        assert_eq!(
+            failures, 0,
+            "{failures} of {probed} probes failed during handover {round}"
+        );
+        // The client stayed connected: the new instance's session is a
+        // reconnect to it, and everything it got came once, in order.
+        loop {
+            let event = match client.recv_within(PATIENCE).await {
+                Some(Got::Json(v)) if v["type"] == "event" => v,
+                Some(Got::Json(_)) => continue,
+                other => panic!("round {round}: no reconnected event: {other:?}; last seq {last_seq}, last n {last_n}"),
+            };
+            let seq = event["seq"].as_u64().expect("events carry seq");
+            assert!(seq > last_seq, "seq went from {last_seq} to {seq}: {event}");
+            last_seq = seq;
+            if event["event"] == "test.n" {
+                let got = event["payload"]["n"].as_i64().unwrap();
+                assert!(got > last_n, "event {got} after {last_n}");
+                last_n = got;
+            }
+            if event["event"] == "clawmux.upstream" && event["payload"]["reason"] == "reconnected" {
+                break;
+            }
+        }
+        let res = client.request("health", serde_json::json!({})).await;
+        assert_eq!(res["ok"], true, "round {round}: {res}");
+        // Its subscription moved with it and was sent to the new session.
+        eventually("the new session holds the subscription", || {
+            gw.subscriptions()
+                .iter()
+                .any(|(_, keys)| keys.iter().any(|k| k == "agent:main:main"))
+        })
+        .await;
+        gw.emit_session_message(
+            "agent:main:main",
+            serde_json::json!({"sessionKey": "agent:main:main", "text": format!("after {round}")}),
+        );
+        let message = client.event("session.message").await;
+        assert_eq!(message["payload"]["text"], format!("after {round}"));
+        let state = state(&socket).await;
+        let listed = state["clients"].as_array().unwrap();
+        assert!(
+            listed.iter().any(|c| c["conn_id"] == conn_id),
+            "round {round}: the client keeps its connId: {state}"
+        );
+    }
+    assert!(last_n >= 0, "events arrived");
     // The last instance owns the socket file now: a stop removes it.
     signal_pid(pid, rustix::process::Signal::TERM);
     eventually("the last instance exits", || !alive(pid)).await;
@@ -219,11 +266,8 @@ async fn sigusr2_hands_the_sockets_to_the_new_binary_and_no_connection_is_refuse
         !socket.exists()
     })
     .await;
-    assert!(
-        log_text(&log).contains("took over from the previous instance"),
-        "{}",
-        log_text(&log)
-    );
+    let log = log_text(&log);
+    assert!(log.contains("took the clients over"), "{log}");
 }
 
 fn signal_pid(pid: u32, sig: rustix::process::Signal) {
@@ -282,27 +326,22 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
          exit 1\n",
     );
     signal(&old.0, rustix::process::Signal::USR2);
-    assert_eq!(
-        client.event_within("shutdown", PATIENCE * 4).await["payload"]["reason"],
-        "clawmux upgrading"
-    );
-    eventually_async("the old instance serves again", || {
-        let socket = socket.clone();
-        async move {
-            healthz(&socket)
-                .await
-                .filter(|s| *s == 200)
-                .ok_or("not yet")
+    // The old one stopped serving, then took its clients back: the client
+    // stayed connected and sees a reconnect of the gateway session.
+    loop {
+        let event = client.event_within("clawmux.upstream", PATIENCE * 4).await;
+        if event["payload"]["reason"] == "reconnected" {
+            break;
         }
-    })
-    .await;
+    }
     wait_log(&log, "upgrade failed, still serving").await;
     assert!(
         old.0.try_wait().unwrap().is_none(),
         "the old instance still runs"
     );
     assert_eq!(broker_pid(&socket).await, old.0.id());
-    crate::http_api::until_ready(&socket).await;
+    let res = client.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "the client is served again: {res}");
     let mut again = WsClient::open(&socket, "/ws").await;
     again.handshake().await;
 
@@ -462,7 +501,12 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
     names.sort_unstable();
     assert_eq!(
         names,
-        ["clawmux-listen", "clawmux-listen-lock", "clawmux-state"],
+        [
+            "clawmux-clients",
+            "clawmux-listen",
+            "clawmux-listen-lock",
+            "clawmux-state"
+        ],
         "{:?}",
         store.lines
     );
@@ -489,7 +533,12 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
     assert_eq!(broker_pid(&socket).await, next.0.id());
     // Read once: the next start removed what it took from the store.
     store.drain();
-    for name in ["clawmux-state", "clawmux-listen", "clawmux-listen-lock"] {
+    for name in [
+        "clawmux-state",
+        "clawmux-clients",
+        "clawmux-listen",
+        "clawmux-listen-lock",
+    ] {
         assert!(
             store.lines.iter().any(|l| l == &format!("FDNAME={name}"))
                 && store.lines.iter().any(|l| l == "FDSTOREREMOVE=1"),
