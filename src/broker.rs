@@ -398,7 +398,7 @@ impl RunningBroker {
     pub fn handover(
         &self,
     ) -> std::io::Result<(crate::handover::State, Vec<(String, std::os::fd::OwnedFd)>)> {
-        crate::handover::collect(&self.held)
+        collect(&self.held)
     }
 
     pub fn socket_path(&self) -> &Path {
@@ -563,4 +563,49 @@ async fn sweep_deadlines(ctx: Arc<Ctx>) {
             }
         }
     }
+}
+
+/// The state and the descriptors that go with it (copies of the broker's
+/// own, closed on exec), for [`upgrade`] or the systemd store.
+pub(crate) fn collect(
+    held: &[HeldListener],
+) -> std::io::Result<(
+    crate::handover::state::State,
+    Vec<(String, std::os::fd::OwnedFd)>,
+)> {
+    let mut fds = Vec::new();
+    let mut listeners = Vec::new();
+    for h in held {
+        let fd_name = match &h.policy {
+            None => crate::handover::state::MAIN_LISTENER.to_owned(),
+            Some(name) => crate::handover::state::policy_listener(name),
+        };
+        fds.push((fd_name.clone(), rustix::io::fcntl_dupfd_cloexec(&h.fd, 3)?));
+        let owned = match &h.owned {
+            None => None,
+            Some(file) => {
+                fds.push((
+                    crate::handover::state::lock_name(&fd_name),
+                    rustix::io::fcntl_dupfd_cloexec(&file.lock, 3)?,
+                ));
+                Some(crate::handover::state::OwnedSocket {
+                    ino: file.ino,
+                    lock_path: file.lock_path.clone(),
+                })
+            }
+        };
+        listeners.push(crate::handover::state::Listener {
+            fd_name,
+            policy: h.policy.clone(),
+            path: h.path.clone(),
+            owned,
+        });
+    }
+    let state = crate::handover::state::State {
+        format: crate::handover::state::FORMAT,
+        from_version: env!("CARGO_PKG_VERSION").to_owned(),
+        from_pid: std::process::id(),
+        listeners,
+    };
+    Ok((state, fds))
 }

@@ -11,7 +11,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use std::sync::Arc;
 
 use crate::context::Ctx;
-use crate::handover::upgrade::{Outcome, Program};
+use crate::handover::upgrade::Program;
 use crate::systemd::Notifier;
 use crate::RunningBroker;
 
@@ -54,7 +54,7 @@ pub async fn serve_until_stopped(
                     continue;
                 };
                 tracing::info!(program = %program.path.display(), "SIGUSR2: handing over to a new instance");
-                match crate::handover::upgrade::upgrade(broker, program, shutdown_timeout).await {
+                match upgrade(broker, program, shutdown_timeout).await {
                     Outcome::Upgraded => {
                         // The new instance is the service now: no STOPPING=1.
                         notifier.abandon();
@@ -178,5 +178,69 @@ fn arm_backstop(after: Duration) {
         });
     if let Err(e) = spawned {
         tracing::warn!("cannot start the shutdown backstop thread: {e}");
+    }
+}
+
+/// How an upgrade ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// The new instance serves: this one exits.
+    Upgraded,
+    /// This one serves (still, or again): why the upgrade did not happen.
+    StillServing(RunningBroker, String),
+    /// The new one failed after this one stopped, and serving again failed
+    /// too: the process ends with this error.
+    Lost(String),
+}
+
+/// Hands the broker over to a new instance of `program`. Nothing is lost
+/// either way: until the new instance says `valid` this broker serves
+/// untouched; after, its clients reconnect (to whichever instance serves).
+async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Duration) -> Outcome {
+    let (state, fds) = match broker.handover() {
+        Ok(x) => x,
+        Err(e) => return Outcome::StillServing(broker, format!("cannot copy the sockets: {e}")),
+    };
+    let mut next = match crate::handover::upgrade::Successor::spawn(program, &state, fds) {
+        Ok(next) => next,
+        Err(e) => {
+            let why = format!("cannot start {}: {e}", program.path.display());
+            return Outcome::StillServing(broker, why);
+        }
+    };
+    tracing::info!(pid = next.pid(), program = %program.path.display(), "upgrade: new instance started");
+    if let Err(why) = next
+        .expect("valid", crate::handover::upgrade::START_TIMEOUT)
+        .await
+    {
+        next.abandon();
+        return Outcome::StillServing(broker, why);
+    }
+    let mut released = broker.release(shutdown_timeout).await;
+    let (clients, fds) = released.take_clients();
+    let serving = match next.send_released(&clients, &fds).await {
+        Ok(()) => {
+            next.expect("serving", crate::handover::upgrade::SERVE_TIMEOUT)
+                .await
+        }
+        Err(e) => Err(format!("cannot pass the clients to the new instance ({e})")),
+    };
+    match serving {
+        Ok(()) => {
+            tracing::info!(
+                pid = next.pid(),
+                clients = clients.clients.len(),
+                "upgrade: the new instance serves; exiting"
+            );
+            released.finish();
+            Outcome::Upgraded
+        }
+        Err(why) => {
+            next.abandon();
+            match released.serve_again(Some((clients, fds))) {
+                Ok(broker) => Outcome::StillServing(broker, why),
+                Err(e) => Outcome::Lost(format!("{why}; serving again failed too: {e}")),
+            }
+        }
     }
 }

@@ -12,7 +12,7 @@ use base64::Engine as _;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use super::{Unreadable, FORMAT};
+use super::state::{Unreadable, FORMAT};
 use crate::context::{Ctx, Parcel};
 use crate::hub::{ClientIdentity, Outgoing};
 use crate::policy::{Access, Grant, SocketPolicy};

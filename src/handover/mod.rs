@@ -41,7 +41,6 @@ use std::os::unix::net::UnixListener;
 
 pub use state::{State, Unreadable, FORMAT};
 
-use crate::broker::HeldListener;
 use crate::local::socket::SocketGuard;
 
 /// The environment variable that names the descriptors a `SIGUSR2`
@@ -50,46 +49,6 @@ pub const FDS_ENV: &str = "CLAWMUX_HANDOVER_FDS";
 
 /// The descriptor name of the control socket of a `SIGUSR2` upgrade.
 pub const CONTROL_FD_NAME: &str = "clawmux-control";
-
-/// The state and the descriptors that go with it (copies of the broker's
-/// own, closed on exec), for [`upgrade`] or the systemd store.
-pub fn collect(held: &[HeldListener]) -> std::io::Result<(State, Vec<(String, OwnedFd)>)> {
-    let mut fds = Vec::new();
-    let mut listeners = Vec::new();
-    for h in held {
-        let fd_name = match &h.policy {
-            None => state::MAIN_LISTENER.to_owned(),
-            Some(name) => state::policy_listener(name),
-        };
-        fds.push((fd_name.clone(), rustix::io::fcntl_dupfd_cloexec(&h.fd, 3)?));
-        let owned = match &h.owned {
-            None => None,
-            Some(file) => {
-                fds.push((
-                    state::lock_name(&fd_name),
-                    rustix::io::fcntl_dupfd_cloexec(&file.lock, 3)?,
-                ));
-                Some(state::OwnedSocket {
-                    ino: file.ino,
-                    lock_path: file.lock_path.clone(),
-                })
-            }
-        };
-        listeners.push(state::Listener {
-            fd_name,
-            policy: h.policy.clone(),
-            path: h.path.clone(),
-            owned,
-        });
-    }
-    let state = State {
-        format: FORMAT,
-        from_version: env!("CARGO_PKG_VERSION").to_owned(),
-        from_pid: std::process::id(),
-        listeners,
-    };
-    Ok((state, fds))
-}
 
 /// Where the inherited descriptors came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -14,7 +14,6 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
 use super::clients::Clients;
 use super::{state, wire, State, CONTROL_FD_NAME, FDS_ENV};
-use crate::broker::RunningBroker;
 
 /// How long the new instance may take to start and check the state before
 /// the old one gives up on it (and goes on serving).
@@ -49,77 +48,15 @@ impl Program {
     }
 }
 
-/// How an upgrade ended.
-#[derive(Debug)]
-pub enum Outcome {
-    /// The new instance serves: this one exits.
-    Upgraded,
-    /// This one serves (still, or again): why the upgrade did not happen.
-    StillServing(RunningBroker, String),
-    /// The new one failed after this one stopped, and serving again failed
-    /// too: the process ends with this error.
-    Lost(String),
-}
-
-/// Hands the broker over to a new instance of `program`. Nothing is lost
-/// either way: until the new instance says `valid` this broker serves
-/// untouched; after, its clients reconnect (to whichever instance serves).
-pub async fn upgrade(
-    broker: RunningBroker,
-    program: &Program,
-    shutdown_timeout: Duration,
-) -> Outcome {
-    let (state, fds) = match broker.handover() {
-        Ok(x) => x,
-        Err(e) => return Outcome::StillServing(broker, format!("cannot copy the sockets: {e}")),
-    };
-    let mut next = match Successor::spawn(program, &state, fds) {
-        Ok(next) => next,
-        Err(e) => {
-            let why = format!("cannot start {}: {e}", program.path.display());
-            return Outcome::StillServing(broker, why);
-        }
-    };
-    tracing::info!(pid = next.pid(), program = %program.path.display(), "upgrade: new instance started");
-    if let Err(why) = next.expect("valid", START_TIMEOUT).await {
-        next.abandon();
-        return Outcome::StillServing(broker, why);
-    }
-    let mut released = broker.release(shutdown_timeout).await;
-    let (clients, fds) = released.take_clients();
-    let serving = match next.send_released(&clients, &fds).await {
-        Ok(()) => next.expect("serving", SERVE_TIMEOUT).await,
-        Err(e) => Err(format!("cannot pass the clients to the new instance ({e})")),
-    };
-    match serving {
-        Ok(()) => {
-            tracing::info!(
-                pid = next.pid(),
-                clients = clients.clients.len(),
-                "upgrade: the new instance serves; exiting"
-            );
-            released.finish();
-            Outcome::Upgraded
-        }
-        Err(why) => {
-            next.abandon();
-            match released.serve_again(Some((clients, fds))) {
-                Ok(broker) => Outcome::StillServing(broker, why),
-                Err(e) => Outcome::Lost(format!("{why}; serving again failed too: {e}")),
-            }
-        }
-    }
-}
-
 /// The new instance, seen from the old one.
-struct Successor {
+pub struct Successor {
     child: tokio::process::Child,
     lines: Lines<BufReader<OwnedReadHalf>>,
     write: OwnedWriteHalf,
 }
 
 impl Successor {
-    fn spawn(
+    pub fn spawn(
         program: &Program,
         state: &State,
         mut fds: Vec<(String, OwnedFd)>,
@@ -160,13 +97,13 @@ impl Successor {
         })
     }
 
-    fn pid(&self) -> Option<u32> {
+    pub fn pid(&self) -> Option<u32> {
         self.child.id()
     }
 
     /// Waits for `word`; anything else, an exit or the timeout is the
     /// reason the upgrade did not happen.
-    async fn expect(&mut self, word: &str, timeout: Duration) -> Result<(), String> {
+    pub async fn expect(&mut self, word: &str, timeout: Duration) -> Result<(), String> {
         let line = tokio::select! {
             line = tokio::time::timeout(timeout, self.lines.next_line()) => line,
             status = self.child.wait() => {
@@ -195,7 +132,7 @@ impl Successor {
 
     /// Says `released`, with the clients document and then every client's
     /// socket, in its order, as descriptors ([`wire`]).
-    async fn send_released(
+    pub async fn send_released(
         &mut self,
         clients: &Clients,
         fds: &[(u64, OwnedFd)],
@@ -212,7 +149,7 @@ impl Successor {
 
     /// Ends a new instance that will not serve (it may be stuck), and reaps
     /// it in the background.
-    fn abandon(mut self) {
+    pub fn abandon(mut self) {
         let _ = self.child.start_kill();
         tokio::spawn(async move {
             let _ = self.child.wait().await;

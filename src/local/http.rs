@@ -18,7 +18,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde_json::json;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::protocol::Role;
 use tokio_tungstenite::WebSocketStream;
 
 use super::respond::{
@@ -125,23 +125,6 @@ fn header_has(req: &Request<Incoming>, name: header::HeaderName, token: &str) ->
         .any(|v| v.trim().eq_ignore_ascii_case(token))
 }
 
-/// The read buffer of a local WebSocket. tungstenite zero-fills it and
-/// keeps it for the connection's life, so it is resident for every
-/// connected client, idle or not (its default, 128 KiB, made 128 MiB for
-/// 1,000 clients). Requests are small: 2 KiB holds one whole in a read, and
-/// keeps an idle client at ~7 KiB in all. A larger frame still arrives
-/// whole (the buffer grows to the frame's length, up to `max_frame_bytes`),
-/// in reads of this size: a 1 MiB request takes 512 reads (~1 ms).
-/// Measured by `cargo bench --bench clawmux` (BENCHMARKS.md).
-const LOCAL_READ_BUFFER_BYTES: usize = 2 * 1024;
-
-/// Bytes a client's WebSocket buffers before writing to the socket (the
-/// library's default is 128 KiB). A client that does not read holds this
-/// much of serialized copies outside the queue budget until it is closed
-/// (issue 24: 980 such clients held ~160 MiB beyond `queue_total_bytes`);
-/// a writer still flushes once per batch.
-const LOCAL_WRITE_BUFFER_BYTES: usize = 16 * 1024;
-
 /// Which session a WebSocket path gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Route {
@@ -205,7 +188,7 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
     tracker.spawn(async move {
         match on_upgrade.await {
             Ok(upgraded) => {
-                let config = ws_config(&ctx);
+                let config = super::ws::config(&ctx);
                 let budget = super::preconnect::PreconnectBudget::new(
                     ctx.settings.limits.preconnect_max_bytes as u64,
                 );
@@ -237,13 +220,4 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
         .header(header::SEC_WEBSOCKET_ACCEPT, accept)
         .body(full(Bytes::new()))
         .unwrap_or_else(|_| Response::new(full(Bytes::new())))
-}
-
-/// The WebSocket settings of a local client's connection.
-pub(super) fn ws_config(ctx: &Ctx) -> WebSocketConfig {
-    WebSocketConfig::default()
-        .read_buffer_size(LOCAL_READ_BUFFER_BYTES)
-        .write_buffer_size(LOCAL_WRITE_BUFFER_BYTES)
-        .max_message_size(Some(ctx.settings.limits.max_frame_bytes))
-        .max_frame_size(Some(ctx.settings.limits.max_frame_bytes))
 }

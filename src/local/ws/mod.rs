@@ -2,6 +2,11 @@
 //! `hello-ok`, request forwarding, and the writing of its queue, all on the
 //! client's one task.
 
+mod handover;
+
+use handover::{hand_over, movable};
+pub use handover::{resume, HANDOVER_PAUSE_TIMEOUT};
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -263,137 +268,6 @@ pub async fn run(
         }
     }
     finish(conn, registration).await
-}
-
-/// A client taken over from the previous instance ([`crate::handover`]):
-/// serves it from where that one stopped, on its socket, with the bytes it
-/// had read and not parsed.
-pub async fn resume(
-    stream: tokio::net::UnixStream,
-    unread: Vec<u8>,
-    registration: Registration,
-    ctx: Arc<Ctx>,
-) {
-    use tokio_tungstenite::tungstenite::protocol::Role;
-    let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
-    let budget = PreconnectBudget::new(0);
-    budget.lift();
-    let client = Arc::clone(registration.client());
-    client.count_written(budget.written());
-    let io = Limited::new(stream, budget);
-    let config = super::http::ws_config(&ctx);
-    let pause = io.pause();
-    let ws = WebSocketStream::from_partially_read(io, unread, Role::Server, Some(config)).await;
-    let (sink, stream) = ws.split();
-    let mut conn = Conn {
-        stream,
-        writer: Writer::new(sink),
-        client: Arc::clone(&client),
-        release: ReleaseReadBuffer::default(),
-        pause,
-    };
-    tracing::debug!(client_id = client.id, "local client taken over");
-    let served = serve_requests(&mut conn, &registration, &ctx, Restarts::Continuity).await;
-    if served == Served::HandOver {
-        if movable(&registration, Restarts::Continuity) {
-            match hand_over(conn, registration, fd, &ctx).await {
-                Ok(()) => return,
-                Err((conn, registration)) => {
-                    client.close(1012, "service restart");
-                    return finish(conn, registration).await;
-                }
-            }
-        }
-        client.close(1012, "service restart");
-    }
-    finish(conn, registration).await
-}
-
-/// Whether a client moves at a handover: not one on a narrower session
-/// (its gateway session cannot move), not a mirror client (a restart
-/// closes it, as a direct connection would be).
-fn movable(registration: &Registration, restarts: Restarts) -> bool {
-    restarts == Restarts::Continuity && registration.member().narrower.get().is_none()
-}
-
-/// How long a client may take, at a handover, to finish the message it is
-/// sending and to take the batch being written, before it is closed
-/// instead of moved (`1012`; it reconnects and resumes by cursor).
-pub const HANDOVER_PAUSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// Stops a client for the next instance (design §11): no more reads past
-/// the message in progress (the messages already read are handled as
-/// usual), the batch being written written whole, then the socket, the
-/// unread bytes and the registration (with the queue not yet written) are
-/// left for the handover. On failure the connection is given back to be
-/// closed as at any stop.
-async fn hand_over<T>(
-    mut conn: Conn<Limited<T>>,
-    registration: Registration,
-    fd: std::os::fd::RawFd,
-    ctx: &Arc<Ctx>,
-) -> Result<(), (Conn<Limited<T>>, Registration)>
-where
-    Limited<T>: AsyncRead + AsyncWrite + Unpin,
-{
-    let pause = conn.pause.clone();
-    pause.request();
-    let member = Arc::clone(registration.member());
-    let stopped = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
-        loop {
-            let read = std::future::poll_fn(|cx| {
-                if let Poll::Ready(end) = conn.writer.poll_drive(cx, &conn.client) {
-                    return Poll::Ready(Err(end));
-                }
-                match poll_incoming(&mut conn.stream, cx) {
-                    Poll::Ready(i) => Poll::Ready(Ok(Some(i))),
-                    Poll::Pending if pause.at_boundary() => Poll::Ready(Ok(None)),
-                    Poll::Pending => Poll::Pending,
-                }
-            })
-            .await;
-            match read {
-                Ok(Some(Incoming::Text(text))) => handle_frame(&text, &member, ctx),
-                Ok(None) => break,
-                // The client left or broke the protocol meanwhile.
-                Ok(Some(_)) | Err(_) => return false,
-            }
-        }
-        std::future::poll_fn(|cx| conn.writer.poll_batch_written(cx, &conn.client)).await
-    })
-    .await;
-    if stopped != Ok(true) {
-        tracing::info!(
-            client_id = conn.client.id,
-            "handover: client not at a boundary in time; closing it"
-        );
-        conn.writer.hold = false;
-        if conn.writer.ended == Some(WriterEnd::Held) {
-            conn.writer.ended = None;
-        }
-        return Err((conn, registration));
-    }
-    // SAFETY: `fd` is the descriptor of the socket under `conn`, which
-    // owns it and is alive here (it is dropped only below), so borrowing
-    // it for the duplication cannot outlive or alias a closed descriptor.
-    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    let Ok(copy) = rustix::io::fcntl_dupfd_cloexec(borrowed, 3) else {
-        return Err((conn, registration));
-    };
-    let Conn { stream, writer, .. } = conn;
-    let Ok(mut ws) = stream.reunite(writer.sink) else {
-        unreachable!("the two halves of one socket");
-    };
-    let unread = ws.get_mut().take_unread();
-    ctx.handoff.leave(crate::context::Parcel {
-        registration,
-        fd: copy.into(),
-        unread,
-    });
-    // Dropping `ws` closes this instance's descriptor only: the socket
-    // stays open, through the copy, for the next instance.
-    drop(ws);
-    Ok(())
 }
 
 /// A client's last steps: answer a peer's close, release what it held,
@@ -942,6 +816,32 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Writer<S> {
 fn text_message(bytes: Bytes) -> Message {
     // Frames are built only from valid UTF-8 (JSON) pieces.
     Message::Text(Utf8Bytes::try_from(bytes).unwrap_or_else(|_| Utf8Bytes::from_static("{}")))
+}
+
+/// The read buffer of a local WebSocket. tungstenite zero-fills it and
+/// keeps it for the connection's life, so it is resident for every
+/// connected client, idle or not (its default, 128 KiB, made 128 MiB for
+/// 1,000 clients). Requests are small: 2 KiB holds one whole in a read, and
+/// keeps an idle client at ~7 KiB in all. A larger frame still arrives
+/// whole (the buffer grows to the frame's length, up to `max_frame_bytes`),
+/// in reads of this size: a 1 MiB request takes 512 reads (~1 ms).
+/// Measured by `cargo bench --bench clawmux` (BENCHMARKS.md).
+pub(super) const LOCAL_READ_BUFFER_BYTES: usize = 2 * 1024;
+
+/// Bytes a client's WebSocket buffers before writing to the socket (the
+/// library's default is 128 KiB). A client that does not read holds this
+/// much of serialized copies outside the queue budget until it is closed
+/// (issue 24: 980 such clients held ~160 MiB beyond `queue_total_bytes`);
+/// a writer still flushes once per batch.
+pub(super) const LOCAL_WRITE_BUFFER_BYTES: usize = 16 * 1024;
+
+/// The WebSocket settings of a local client's connection.
+pub(super) fn config(ctx: &Ctx) -> tokio_tungstenite::tungstenite::protocol::WebSocketConfig {
+    tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+        .read_buffer_size(LOCAL_READ_BUFFER_BYTES)
+        .write_buffer_size(LOCAL_WRITE_BUFFER_BYTES)
+        .max_message_size(Some(ctx.settings.limits.max_frame_bytes))
+        .max_frame_size(Some(ctx.settings.limits.max_frame_bytes))
 }
 
 #[cfg(test)]
