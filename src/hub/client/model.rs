@@ -16,6 +16,10 @@
 //!   last item the writer gets; the writer is told to give up (killed) and
 //!   woken; what the close discarded is given back to the budget exactly
 //!   once (never below zero, exact when all is dropped).
+//! - `a_graceful_close_comes_after_what_was_queued`: a close queued by the
+//!   client's session (`going away`) wakes a sleeping writer, reaches it
+//!   after everything accepted before it, in order, and nothing pushed
+//!   after it is accepted.
 //! - `a_client_leaving_gives_everything_back`: a client that closes and
 //!   goes away while pushes are under way and its writer holds a batch
 //!   gives back everything, whichever holder lets go last: the count
@@ -338,6 +342,48 @@ fn a_client_leaving_gives_everything_back() {
         drop(held);
         fan_out.join().unwrap();
         router.join().unwrap();
+        assert_eq!(budget.used(), 0, "the client left: all given back");
+    });
+}
+
+#[test]
+fn a_graceful_close_comes_after_what_was_queued() {
+    model(|| {
+        let budget = Arc::new(Counted::default());
+        let c = client(&budget);
+        let pushers = {
+            let c = Arc::clone(&c);
+            thread::spawn(move || {
+                let event = publish(&c, "e1") == Pushed::Queued;
+                let frame = protocol::push_frame(&*c, Item::Frame("r1"));
+                assert!(event || !frame, "a closed queue took a frame");
+                [("e1", event), ("r1", frame)]
+            })
+        };
+        // The client's session, closing it (`going away`, a bad frame).
+        let session = {
+            let c = Arc::clone(&c);
+            thread::spawn(move || protocol::close(&*c, 1001, "going away"))
+        };
+        // The writer, asleep until there is something, runs until the close.
+        let mut got = Vec::new();
+        while got.last() != Some(&"close") {
+            let batch = next_batch(&c);
+            got.extend(names(&batch));
+        }
+        let pushed = pushers.join().unwrap();
+        session.join().unwrap();
+        let accepted: Vec<&str> = pushed.iter().filter(|p| p.1).map(|p| p.0).collect();
+        assert_eq!(
+            got[..got.len() - 1],
+            accepted[..],
+            "everything queued before the close, in order, then the close"
+        );
+        assert!(
+            !c.killed.load(Ordering::SeqCst),
+            "a graceful close kills nothing"
+        );
+        drop(c);
         assert_eq!(budget.used(), 0, "the client left: all given back");
     });
 }
