@@ -19,18 +19,7 @@ mod model;
 mod protocol;
 
 use self::protocol::{Budget, Env, Queue};
-pub use self::protocol::{Pushed, Stall};
-
-/// Close code and reason for a client that does not read (design §5).
-pub const SLOW_CONSUMER_CLOSE: (u16, &str) = (1008, "slow consumer");
-
-/// The most bytes one [`Client::next_batch`] takes (at least one item is
-/// always taken, however large). Taking a batch is the writer's progress
-/// signal, so this bounds how much a client must read to count as reading
-/// within [`QueueLimits::grace`], and how much a writer holds outside the
-/// queue. 256 KiB is a few hundred typical events: one flush per batch keeps
-/// the fan-out cheap.
-pub const MAX_BATCH_BYTES: usize = 256 * 1024;
+pub use self::protocol::{Pushed, Stall, MAX_BATCH_BYTES, SLOW_CONSUMER_CLOSE};
 
 /// What one queued entry costs a client's queue, besides the bytes it
 /// points at: the [`Outgoing`] slot in the queue's ring buffer. A client
@@ -44,11 +33,6 @@ pub const ENTRY_BYTES: usize = std::mem::size_of::<Outgoing>();
 /// allocation holding it (`Arc` counts, the [`SharedEvent`], the `Bytes`
 /// header) and the allocator's rounding, counted once like the bytes.
 pub const EVENT_OVERHEAD_BYTES: usize = std::mem::size_of::<SharedEvent>() + 2 * 8 + 64;
-
-/// A queue whose ring buffer has room for more than this many entries gives
-/// the memory back when it empties: a client that fell behind once does not
-/// keep its high-water allocation (a reader's queue rarely holds more).
-const SHRINK_ABOVE_ENTRIES: usize = 256;
 
 /// Broker-wide accounting of queued memory, shared by every client of a hub.
 ///

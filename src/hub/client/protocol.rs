@@ -1,8 +1,8 @@
 //! A client queue's protocol with no runtime inside: who may push, how a
 //! push wakes the writer, how the writer takes batches, how a close ends
 //! the queue, and what each step counts in the hub's budget.
-//! [`super::Client`] runs it over a `std::sync::Mutex`, the real
-//! `AtomicWaker` and the hub's [`super::QueueBudget`]; the loom model
+//! `Client` runs it over a `std::sync::Mutex`, the real
+//! `AtomicWaker` and the hub's `QueueBudget`; the loom model
 //! (`model.rs`) runs the same functions over loom's mutex, loom's
 //! `AtomicWaker` and a budget that fails the moment it would go negative,
 //! through every interleaving of the hub's fan-out, a client's responses, a
@@ -28,7 +28,21 @@ use std::ops::DerefMut;
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
-use super::{MAX_BATCH_BYTES, SHRINK_ABOVE_ENTRIES, SLOW_CONSUMER_CLOSE};
+/// Close code and reason for a client that does not read (design §5).
+pub const SLOW_CONSUMER_CLOSE: (u16, &str) = (1008, "slow consumer");
+
+/// The most bytes one `Client::next_batch` takes (at least one item is
+/// always taken, however large). Taking a batch is the writer's progress
+/// signal, so this bounds how much a client must read to count as reading
+/// within `QueueLimits::grace`, and how much a writer holds outside the
+/// queue. 256 KiB is a few hundred typical events: one flush per batch keeps
+/// the fan-out cheap.
+pub const MAX_BATCH_BYTES: usize = 256 * 1024;
+
+/// A queue whose ring buffer has room for more than this many entries gives
+/// the memory back when it empties: a client that fell behind once does not
+/// keep its high-water allocation (a reader's queue rarely holds more).
+const SHRINK_ABOVE_ENTRIES: usize = 256;
 
 /// One queued item, as far as the protocol needs to know it.
 pub(crate) trait Item {
