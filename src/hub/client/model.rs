@@ -210,7 +210,7 @@ fn before(got: &[&str], a: &str, b: &str) -> bool {
 /// Runs `f` under loom with at most two forced preemptions per execution
 /// (tokio's own models use 2–3; `LOOM_MAX_PREEMPTIONS` overrides it). The
 /// writer really sleeps and wakes here, which multiplies the executions:
-/// at three the four models take 13 s instead of 1.5 s, and each guard
+/// at three the four models take 13 to 23 s instead of 2 s, and each guard
 /// they check already fails at two (the mutations listed in the book's
 /// status page).
 fn model(f: impl Fn() + Sync + Send + 'static) {
