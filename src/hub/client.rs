@@ -5,7 +5,6 @@
 //! whoever writes the client's socket (its own task) drains the queue in
 //! batches.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,16 +14,12 @@ use futures_util::task::AtomicWaker;
 
 use crate::protocol::EventHead;
 
-/// Close code and reason for a client that does not read (design §5).
-pub const SLOW_CONSUMER_CLOSE: (u16, &str) = (1008, "slow consumer");
+#[cfg(test)]
+mod model;
+mod protocol;
 
-/// The most bytes one [`Client::next_batch`] takes (at least one item is
-/// always taken, however large). Taking a batch is the writer's progress
-/// signal, so this bounds how much a client must read to count as reading
-/// within [`QueueLimits::grace`], and how much a writer holds outside the
-/// queue. 256 KiB is a few hundred typical events: one flush per batch keeps
-/// the fan-out cheap.
-pub const MAX_BATCH_BYTES: usize = 256 * 1024;
+use self::protocol::{Budget, Env, Queue};
+pub use self::protocol::{Pushed, Stall, MAX_BATCH_BYTES, SLOW_CONSUMER_CLOSE};
 
 /// What one queued entry costs a client's queue, besides the bytes it
 /// points at: the [`Outgoing`] slot in the queue's ring buffer. A client
@@ -38,11 +33,6 @@ pub const ENTRY_BYTES: usize = std::mem::size_of::<Outgoing>();
 /// allocation holding it (`Arc` counts, the [`SharedEvent`], the `Bytes`
 /// header) and the allocator's rounding, counted once like the bytes.
 pub const EVENT_OVERHEAD_BYTES: usize = std::mem::size_of::<SharedEvent>() + 2 * 8 + 64;
-
-/// A queue whose ring buffer has room for more than this many entries gives
-/// the memory back when it empties: a client that fell behind once does not
-/// keep its high-water allocation (a reader's queue rarely holds more).
-const SHRINK_ABOVE_ENTRIES: usize = 256;
 
 /// Broker-wide accounting of queued memory, shared by every client of a hub.
 ///
@@ -76,14 +66,6 @@ impl QueueBudget {
         }
     }
 
-    fn add(&self, n: usize) {
-        self.used.fetch_add(n, Ordering::Relaxed);
-    }
-
-    fn sub(&self, n: usize) {
-        self.used.fetch_sub(n, Ordering::Relaxed);
-    }
-
     /// Bytes counted now.
     pub fn used(&self) -> usize {
         self.used.load(Ordering::Relaxed)
@@ -106,6 +88,24 @@ impl QueueBudget {
     pub fn set_upstream_hard(&self, bytes: Option<u64>) {
         let bytes = bytes.map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX));
         self.upstream_hard.store(bytes, Ordering::Relaxed);
+    }
+}
+
+impl protocol::Budget for QueueBudget {
+    fn add(&self, n: usize) {
+        self.used.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn sub(&self, n: usize) {
+        self.used.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    fn used(&self) -> usize {
+        QueueBudget::used(self)
+    }
+
+    fn limit(&self) -> usize {
+        QueueBudget::limit(self)
     }
 }
 
@@ -195,18 +195,6 @@ impl Outgoing {
     }
 }
 
-/// What happened to a pushed event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pushed {
-    Queued,
-    /// Dropped because the client is over its soft limit; a seq was consumed.
-    Dropped,
-    /// The client was already closing; nothing was queued.
-    Closed,
-    /// This push closed the client as a slow consumer.
-    SlowConsumer,
-}
-
 /// How a client reaches the broker; its writer formats queued items for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ClientKind {
@@ -240,36 +228,6 @@ pub struct QueueLimits {
     /// A backlog with no progress (no batch taken by the writer) for this
     /// long closes the client. Zero: one stalled sweep closes it.
     pub grace: Duration,
-}
-
-#[derive(Debug, Default)]
-struct Queue {
-    items: VecDeque<Outgoing>,
-    /// The ring buffer's capacity as counted in the budget (slots).
-    slots_counted: usize,
-    /// Bytes queued, each item with its slot ([`Outgoing::cost`]).
-    bytes: usize,
-    next_seq: u64,
-    /// Batches the writer has taken: its progress.
-    batches_taken: u64,
-    /// `batches_taken` as the last stall sweep saw it.
-    batches_seen: u64,
-    /// Bytes written (see `Client::written`) as the last stall sweep saw them.
-    written_seen: u64,
-    /// The first sweep that saw a backlog and no progress since the one before.
-    stalled_since: Option<Instant>,
-    closing: bool,
-}
-
-/// What a stall sweep found for one client.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stall {
-    /// Empty queue, or the writer took a batch since the last sweep.
-    Progressing,
-    /// A backlog and no progress, for less than the grace so far.
-    Waiting,
-    /// The sweep closed the client as a slow consumer.
-    Closed,
 }
 
 /// Who a client says it is (its `connect`'s `client` block) and where it
@@ -319,7 +277,7 @@ pub struct Client {
     pub killed: tokio_util::sync::CancellationToken,
     limits: QueueLimits,
     budget: Arc<QueueBudget>,
-    queue: Mutex<Queue>,
+    queue: Mutex<Queue<Outgoing>>,
     /// The task writing the client's socket, woken when the queue stops
     /// being empty (and by frames and closes).
     wake: AtomicWaker,
@@ -354,10 +312,7 @@ impl Client {
             killed: tokio_util::sync::CancellationToken::new(),
             limits,
             budget,
-            queue: Mutex::new(Queue {
-                next_seq: 1,
-                ..Queue::default()
-            }),
+            queue: Mutex::new(Queue::new()),
             wake: AtomicWaker::new(),
             written: std::sync::OnceLock::new(),
         }
@@ -412,12 +367,6 @@ impl Client {
         &self.budget
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
-        // A panic while holding this lock cannot leave the queue inconsistent
-        // in a way that matters more than losing the client, so poison is ignored.
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// The hard limit in force: the configured one, raised to the gateway's
     /// `maxBufferedBytes` when that is larger (never stricter than a direct
     /// connection).
@@ -432,160 +381,45 @@ impl Client {
     /// gap); a push past the hard limit closes the client. Being slow is
     /// otherwise judged by progress, in [`Client::sweep_stall`].
     pub fn push_event(&self, event: &Arc<SharedEvent>, droppable: bool) -> Pushed {
-        let mut q = self.lock();
-        if q.closing {
-            return Pushed::Closed;
-        }
-        let seq = q.next_seq;
-        q.next_seq += 1;
         let cost = event.len() + ENTRY_BYTES;
-        // A healthy client is under its soft limit: one comparison.
-        if q.bytes + cost > self.limits.soft_bytes {
-            if droppable && q.bytes >= self.limits.soft_bytes {
-                self.dropped.fetch_add(1, Ordering::Relaxed);
-                return Pushed::Dropped;
-            }
-            // A single event larger than the hard limit still goes to an
-            // idle client: the limit is about falling behind, not event size.
-            if !q.items.is_empty() && q.bytes + cost > self.hard_bytes() {
-                self.close_slow(&mut q);
-                return Pushed::SlowConsumer;
-            }
+        let pushed = protocol::push_event(self, cost, droppable, |seq| {
+            Outgoing::Event(Arc::clone(event), seq)
+        });
+        if pushed == Pushed::Dropped {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
         }
-        // A backlog whose ring buffer must grow past what the broker-wide
-        // budget has left is closed instead of growing: growing first and
-        // shedding after would take every such queue's doubling past the
-        // budget at once (stalled clients grow in step).
-        if self.growth_over_budget(&q) {
-            self.close_slow(&mut q);
-            return Pushed::SlowConsumer;
-        }
-        q.bytes += cost;
-        let was_empty = q.items.is_empty();
-        q.items.push_back(Outgoing::Event(Arc::clone(event), seq));
-        self.recount_slots(&mut q);
-        drop(q);
-        // The writer takes batches until the queue is empty before it waits
-        // again (it registers its waker before it looks), so only the push
-        // that makes the queue non-empty needs to wake it: any later push
-        // finds a writer that has not looked yet. Waking per push cost a
-        // fifth of the broker's fan-out time (measured by the benchmark).
-        if was_empty {
-            self.wake.wake();
-        }
-        Pushed::Queued
+        pushed
     }
 
     /// Queues a frame for this client only. Never dropped: if it would
     /// overflow the hard limit the client is closed as a slow consumer instead.
     pub fn push_frame(&self, frame: Bytes) -> bool {
-        let mut q = self.lock();
-        if q.closing {
-            return false;
-        }
-        if q.bytes + frame.len() + ENTRY_BYTES > self.hard_bytes() && !q.items.is_empty() {
-            self.close_slow(&mut q);
-            return false;
-        }
-        q.bytes += frame.len() + ENTRY_BYTES;
-        self.budget.add(frame.len());
-        q.items.push_back(Outgoing::Frame(frame));
-        self.recount_slots(&mut q);
-        drop(q);
-        self.wake.wake();
-        true
+        protocol::push_frame(self, Outgoing::Frame(frame))
     }
 
     /// Closes after everything already queued has been written.
     pub fn close(&self, code: u16, reason: &str) {
-        let mut q = self.lock();
-        if q.closing {
-            return;
-        }
-        q.closing = true;
-        q.items.push_back(Outgoing::Close(code, reason.to_owned()));
-        self.recount_slots(&mut q);
-        drop(q);
-        self.wake.wake();
+        protocol::close(self, code, reason);
     }
 
     /// Closes now as a slow consumer, discarding what is queued.
     pub fn close_slow_consumer(&self) -> bool {
-        let mut q = self.lock();
-        if q.closing {
-            return false;
-        }
-        self.close_slow(&mut q);
-        true
-    }
-
-    /// Closes now, discarding what is queued (the client is not reading it).
-    fn close_slow(&self, q: &mut Queue) {
-        for item in q.items.drain(..) {
-            self.release(&item);
-        }
-        // The backlog's ring buffer goes too, not only its items.
-        q.items = VecDeque::new();
-        q.bytes = 0;
-        q.closing = true;
-        let (code, reason) = SLOW_CONSUMER_CLOSE;
-        q.items.push_back(Outgoing::Close(code, reason.into()));
-        self.recount_slots(q);
-        tracing::warn!(client_id = self.id, "closing slow consumer");
-        self.killed.cancel();
-        self.wake.wake();
-    }
-
-    /// Uncounts an item leaving the queue. Events uncount themselves when
-    /// their last holder drops them.
-    fn release(&self, item: &Outgoing) {
-        if let Outgoing::Frame(b) = item {
-            self.budget.sub(b.len());
-        }
-    }
-
-    /// Brings the budget's count of this queue's ring buffer up to date
-    /// after it may have grown or shrunk.
-    fn recount_slots(&self, q: &mut Queue) {
-        let slots = q.items.capacity();
-        if slots > q.slots_counted {
-            self.budget.add((slots - q.slots_counted) * ENTRY_BYTES);
-        } else if slots < q.slots_counted {
-            self.budget.sub((q.slots_counted - slots) * ENTRY_BYTES);
-        }
-        q.slots_counted = slots;
-    }
-
-    /// Whether the next push would grow the ring buffer by more than the
-    /// broker-wide budget has left (`VecDeque` doubles when full).
-    /// Only a backlog past the soft limit is judged: a reader's queue grows
-    /// freely (it counts, and the hub sheds the largest backlogs after the
-    /// publish, which are not a reader's).
-    fn growth_over_budget(&self, q: &Queue) -> bool {
-        let slots = q.items.capacity();
-        if q.items.len() < slots
-            || slots < SHRINK_ABOVE_ENTRIES
-            || q.bytes <= self.limits.soft_bytes
-        {
-            return false;
-        }
-        let growth = slots * ENTRY_BYTES;
-        self.budget.used().saturating_add(growth) > self.budget.limit()
+        protocol::close_slow_consumer(self)
     }
 
     /// Consumes one seq number so the client's gap detection fires.
     pub fn skip_seq(&self) {
-        self.lock().next_seq += 1;
+        self.lock_queue().next_seq += 1;
     }
 
     /// Whether a close has been queued.
     pub fn is_closing(&self) -> bool {
-        self.lock().closing
+        self.lock_queue().closing
     }
 
     /// Memory the queue's ring buffer holds now (its slots, used or not).
     pub fn slot_bytes(&self) -> usize {
-        self.lock().items.capacity() * std::mem::size_of::<Outgoing>()
+        self.lock_queue().items.capacity() * std::mem::size_of::<Outgoing>()
     }
 
     /// Over this many queued bytes the client is behind: droppable events
@@ -596,7 +430,7 @@ impl Client {
 
     /// Bytes queued and not yet taken by the writer.
     pub fn queued_bytes(&self) -> usize {
-        self.lock().bytes
+        self.lock_queue().bytes
     }
 
     /// Called periodically (the broker's sweep) with the current time:
@@ -606,24 +440,7 @@ impl Client {
     /// written and flushed, or bytes of a batch accepted by the socket; the stall clock starts at the first sweep that
     /// sees none, so it may run up to one sweep interval late, never early.
     pub fn sweep_stall(&self, now: Instant) -> Stall {
-        let written = self.written();
-        let mut q = self.lock();
-        if q.closing
-            || q.items.is_empty()
-            || q.batches_taken != q.batches_seen
-            || written != q.written_seen
-        {
-            q.batches_seen = q.batches_taken;
-            q.written_seen = written;
-            q.stalled_since = None;
-            return Stall::Progressing;
-        }
-        let since = *q.stalled_since.get_or_insert(now);
-        if now.duration_since(since) >= self.limits.grace {
-            self.close_slow(&mut q);
-            return Stall::Closed;
-        }
-        Stall::Waiting
+        protocol::sweep_stall(self, self.written(), now, self.limits.grace)
     }
 
     /// Waits for and takes the next batch: queued items in order, up to
@@ -641,30 +458,7 @@ impl Client {
         &self,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Vec<Outgoing>> {
-        // Registered before looking, so a push after the look wakes it.
-        self.wake.register(cx.waker());
-        let mut q = self.lock();
-        if q.items.is_empty() {
-            return std::task::Poll::Pending;
-        }
-        let mut taken = 0;
-        let mut n = 0;
-        for item in &q.items {
-            if n > 0 && taken + item.cost() > MAX_BATCH_BYTES {
-                break;
-            }
-            taken += item.cost();
-            self.release(item);
-            n += 1;
-        }
-        q.bytes -= taken;
-        q.batches_taken += 1;
-        let batch = q.items.drain(..n).collect();
-        if q.items.is_empty() && q.items.capacity() > SHRINK_ABOVE_ENTRIES {
-            q.items = VecDeque::new();
-            self.recount_slots(&mut q);
-        }
-        std::task::Poll::Ready(batch)
+        protocol::poll_next_batch(self, cx.waker())
     }
 
     /// For a handover: everything still queued (its bytes leave the
@@ -699,12 +493,62 @@ impl Drop for Client {
     /// draining them) gives their count back; events uncount themselves.
     fn drop(&mut self) {
         let q = self.queue.get_mut().unwrap_or_else(|p| p.into_inner());
-        for item in &q.items {
-            if let Outgoing::Frame(b) = item {
-                self.budget.sub(b.len());
-            }
+        protocol::give_back(q, &*self.budget);
+    }
+}
+
+/// The client queue's protocol over the real lock, waker and budget.
+impl protocol::Env for Client {
+    type Item = Outgoing;
+    type Budget = QueueBudget;
+    type Guard<'a> = std::sync::MutexGuard<'a, Queue<Outgoing>>;
+
+    fn lock_queue(&self) -> Self::Guard<'_> {
+        // A panic while holding this lock cannot leave the queue inconsistent
+        // in a way that matters more than losing the client, so poison is ignored.
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn counter(&self) -> &QueueBudget {
+        &self.budget
+    }
+
+    fn soft_limit(&self) -> usize {
+        self.limits.soft_bytes
+    }
+
+    fn hard_limit(&self) -> usize {
+        self.hard_bytes()
+    }
+
+    fn wake_writer(&self) {
+        self.wake.wake();
+    }
+
+    fn register_writer(&self, waker: &std::task::Waker) {
+        self.wake.register(waker);
+    }
+
+    fn on_slow_consumer(&self) {
+        tracing::warn!(client_id = self.id, "closing slow consumer");
+        self.killed.cancel();
+    }
+}
+
+impl protocol::Item for Outgoing {
+    fn cost(&self) -> usize {
+        Outgoing::cost(self)
+    }
+
+    fn counted(&self) -> usize {
+        match self {
+            Outgoing::Frame(b) => b.len(),
+            Outgoing::Event(..) | Outgoing::Close(..) => 0,
         }
-        self.budget.sub(q.slots_counted * ENTRY_BYTES);
+    }
+
+    fn close(code: u16, reason: &str) -> Self {
+        Outgoing::Close(code, reason.to_owned())
     }
 }
 
@@ -923,7 +767,7 @@ mod tests {
         a.push_event(&ev, false);
         b.push_event(&ev, false);
         drop(ev);
-        let slots = |c: &Client| c.lock().items.capacity() * ENTRY_BYTES;
+        let slots = |c: &Client| c.lock_queue().items.capacity() * ENTRY_BYTES;
         assert!(slots(&a) > 0);
         assert_eq!(
             budget.used(),
@@ -966,12 +810,16 @@ mod tests {
         for _ in 0..5_000 {
             reader.push_event(&ev, false);
         }
-        assert!(reader.lock().items.capacity() >= 5_000);
+        assert!(reader.lock_queue().items.capacity() >= 5_000);
         let high = budget.used();
-        while !reader.lock().items.is_empty() {
+        while !reader.lock_queue().items.is_empty() {
             let _ = reader.next_batch().await;
         }
-        assert_eq!(reader.lock().items.capacity(), 0, "shrunk when emptied");
+        assert_eq!(
+            reader.lock_queue().items.capacity(),
+            0,
+            "shrunk when emptied"
+        );
         assert!(budget.used() + 5_000 * ENTRY_BYTES <= high);
     }
 
