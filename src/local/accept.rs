@@ -234,9 +234,9 @@ fn busy_response(cap: usize) -> Bytes {
 /// takes the spare back. While the refusal lingers its descriptor is the
 /// spare's, lent to it and handed back when the linger ends (the loop waits
 /// for that beside its pause); the linger ends as soon as the client has
-/// read the answer and closed. Returns whether a connection was waiting (then the
-/// loop tries again at once: each round answers a real client, so it cannot
-/// spin).
+/// read the answer and closed. Returns whether a connection was waiting
+/// (then the loop tries again at once: each round answers a real client, so
+/// it cannot spin).
 async fn refuse_with_spare(
     listener: &UnixListener,
     spare: &mut SpareFd,
