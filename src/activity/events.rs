@@ -65,6 +65,11 @@ impl Activity {
         if let Some(handler) = handler(ev.name, p) {
             handler(self, &Event { run_id, p, at }, &mut changes);
         }
+        if self.feed_only {
+            if let Some(run) = self.runs.get_mut(run_id) {
+                run.shed_detail();
+            }
+        }
         self.evict();
         changes
     }

@@ -131,6 +131,9 @@ pub struct Activity {
     /// The reader gets no tool streams (not an observer): tool calls are
     /// taken from `item` events instead ([`Activity::without_tool_streams`]).
     items_only: bool,
+    /// Only the changes are wanted, never the tree ([`Activity::for_feed`]):
+    /// what no later change needs is not kept.
+    feed_only: bool,
 }
 
 /// An event's own time: `ts`, else its message's `timestamp`, else its
@@ -161,6 +164,22 @@ impl Activity {
     pub fn without_tool_streams() -> Self {
         Activity {
             items_only: true,
+            ..Self::default()
+        }
+    }
+
+    /// The projection for a feed of changes (`/v1/hud`, `/ws/hud`: one
+    /// per stream, so what it keeps is multiplied by the streams): it
+    /// produces the same changes as [`Activity::new`] but keeps only what a
+    /// later change needs ([`Run::shed_detail`]): no assistant output or
+    /// thinking text (no HUD event carries them), a tool call's arguments
+    /// and result only until its end is produced, and of an ended run only
+    /// its id, session and status (later events of it change nothing). An
+    /// ended run then costs ~200 bytes instead of up to 16 KiB of output
+    /// plus its tool calls' arguments and results.
+    pub fn for_feed() -> Self {
+        Activity {
+            feed_only: true,
             ..Self::default()
         }
     }

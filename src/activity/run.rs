@@ -109,6 +109,30 @@ impl Run {
         true
     }
 
+    /// Drops what no later change of a feed needs ([`Activity::for_feed`]),
+    /// after each event of the run: its output and thinking text; the
+    /// arguments and result of a tool call that has ended (its `ToolEnd`
+    /// was produced with them); and once the run has ended, its items (a
+    /// later event of an ended run starts nothing and ends nothing).
+    pub(super) fn shed_detail(&mut self) {
+        self.output = String::new();
+        if !self.running() {
+            self.items = Vec::new();
+            return;
+        }
+        for item in &mut self.items {
+            match item {
+                Item::Thinking(t) => t.text = String::new(),
+                Item::Tool(call) if call.ended() => {
+                    call.args = Value::Null;
+                    call.result = Value::Null;
+                    call.meta = None;
+                }
+                Item::Tool(_) => {}
+            }
+        }
+    }
+
     pub(super) fn saw(&mut self, at: Option<u64>) {
         if let Some(at) = at {
             self.last_ms = self.last_ms.max(at);

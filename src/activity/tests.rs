@@ -1065,3 +1065,103 @@ fn tree_lines_of_interleaved_runs_say_which_run_they_belong_to() {
         ]
     );
 }
+
+/// The projection a HUD stream keeps ([`Activity::for_feed`]) produces the
+/// same HUD events as the full one for every kind of run (parallel tool
+/// calls, thinking, an aborted run with an interrupted call, events after
+/// the end, the real gateway's recorded run), while keeping of an ended
+/// run neither its output nor its items (issue 30: 150 `/v1/hud` streams
+/// each kept every ended run's output, ~47 MiB over the queue budget).
+#[test]
+fn the_feed_projection_produces_the_same_changes_and_keeps_no_ended_detail() {
+    let mut events = parallel_run("r1");
+    events.extend([
+        agent("r3", 1000, "lifecycle", json!({"phase": "start"})),
+        tool(
+            "r3",
+            1100,
+            "start",
+            "read",
+            "c1",
+            json!({"args": {"path": "/a", "offset": 1, "limit": 2}}),
+        ),
+        tool(
+            "r3",
+            1200,
+            "result",
+            "read",
+            "c1",
+            json!({"result": {"content": [{"type": "text", "text": "x".repeat(4096)}]}}),
+        ),
+        tool(
+            "r3",
+            1300,
+            "update",
+            "read",
+            "c1",
+            json!({"args": {"path": "/b"}}),
+        ),
+        tool(
+            "r3",
+            1400,
+            "start",
+            "exec",
+            "c2",
+            json!({"args": {"command": "sleep"}}),
+        ),
+        chat("r3", "aborted", json!({"stopReason": "user"})),
+        agent(
+            "r3",
+            5100,
+            "lifecycle",
+            json!({"phase": "end", "aborted": true}),
+        ),
+        tool(
+            "r3",
+            6000,
+            "result",
+            "exec",
+            "c2",
+            json!({"isError": false}),
+        ),
+        tool("r3", 6000, "start", "exec", "c9", json!({})),
+        chat(
+            "r1",
+            "final",
+            json!({"message": message(&"late ".repeat(1000))}),
+        ),
+        agent("r1", 7000, "assistant", json!({"text": "after the end"})),
+    ]);
+    events.extend(fixture_events().into_iter().map(|(frame, _, _)| frame));
+    let strip = |changes: Vec<Change>| -> Vec<Value> {
+        changes
+            .iter()
+            .map(|c| {
+                let mut v = hud::hud_event(c, false);
+                v.as_object_mut().unwrap().remove("id");
+                v
+            })
+            .collect()
+    };
+    let mut full = Activity::new();
+    let mut lean = Activity::for_feed();
+    for e in &events {
+        let seen = |a: &mut Activity| {
+            a.apply(Observed {
+                name: e["event"].as_str().unwrap(),
+                payload: &e["payload"],
+                received_ms: Some(5000),
+            })
+        };
+        assert_eq!(strip(seen(&mut lean)), strip(seen(&mut full)), "{e}");
+    }
+    for (_, runs) in lean.sessions() {
+        for run in runs {
+            assert!(run.output.is_empty(), "{}", run.id);
+            if !run.running() {
+                assert!(run.items.is_empty(), "{}: {:?}", run.id, run.items);
+            }
+        }
+    }
+    assert!(!full.run("r1").unwrap().output.is_empty());
+}

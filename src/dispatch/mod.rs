@@ -136,7 +136,13 @@ impl Dispatcher {
             Kind::StartRun {
                 run_id,
                 session_key,
-            } => self.start_run(member, &request, run_id, session_key.clone()),
+                interrupts,
+            } => {
+                if *interrupts {
+                    self.check_abort(member, None, session_key.as_deref())?;
+                }
+                self.start_run(member, &request, run_id, session_key.clone())
+            }
             Kind::Abort {
                 run_id,
                 session_key,

@@ -7,7 +7,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::policy::methods::{reads_params, ABORT_LIKE};
-use crate::policy::stop::is_stop_message;
+use crate::policy::stop::{interrupts_run, is_stop_message};
 use crate::sharing::SubKey;
 
 /// What the broker does with a request.
@@ -23,10 +23,15 @@ pub enum Kind {
         run_id: String,
         /// The canonical session key it runs in, if named.
         session_key: Option<String>,
+        /// It aborts the session's running run first ([`interrupts_run`]:
+        /// `queueMode: "interrupt"`, or a `/queue interrupt` directive): the
+        /// owner rule, session-wide, before it starts.
+        interrupts: bool,
     },
     /// A method that stops or redirects a run ([`ABORT_LIKE`]), or a
     /// `chat.send`/`sessions.send` whose message the gateway reads as
-    /// "stop" ([`is_stop_message`]): the owner rule.
+    /// "stop" ([`is_stop_message`]), or a `sessions.send` (or a `chat.send`
+    /// without a run id) that interrupts ([`interrupts_run`]): the owner rule.
     Abort {
         run_id: Option<String>,
         /// The canonical session key, if named.
@@ -65,6 +70,7 @@ struct Fields {
     run_id: Option<String>,
     idempotency_key: Option<String>,
     message: Option<String>,
+    queue_mode: Option<String>,
 }
 
 impl Fields {
@@ -79,6 +85,7 @@ impl Fields {
             run_id: text("runId"),
             idempotency_key: text("idempotencyKey"),
             message: text("message"),
+            queue_mode: text("queueMode"),
         }
     }
 }
@@ -150,9 +157,14 @@ impl<'a> Request<'a> {
             asked: None,
         };
         let stops = f.message.as_deref().is_some_and(is_stop_message);
+        let interrupts = matches!(method, "chat.send" | "sessions.send")
+            && interrupts_run(f.queue_mode.as_deref(), f.message.as_deref());
+        let starts = method != "sessions.send" && non_empty(&f.idempotency_key).is_some();
         match method {
-            // The gateway aborts the session's runs instead of starting one.
-            "chat.send" | "sessions.send" if stops => Kind::Abort {
+            // The gateway aborts the session's runs instead of starting one;
+            // or aborts the running one and starts its own, which the broker
+            // does not track for `sessions.send` (as for any of its runs).
+            "chat.send" | "sessions.send" if stops || (interrupts && !starts) => Kind::Abort {
                 run_id: None,
                 // `chat.send` names it `sessionKey`, `sessions.send` `key`.
                 session_key: non_empty(&f.session_key)
@@ -167,6 +179,7 @@ impl<'a> Request<'a> {
                 Some(run_id) => Kind::StartRun {
                     run_id: run_id.to_owned(),
                     session_key: non_empty(&f.session_key).map(canonical),
+                    interrupts,
                 },
                 None => Kind::Plain,
             },
@@ -208,7 +221,8 @@ mod tests {
             ),
             Kind::StartRun {
                 run_id: "r1".into(),
-                session_key: Some("agent:main:main".into())
+                session_key: Some("agent:main:main".into()),
+                interrupts: false,
             }
         );
         assert_eq!(parse("chat.send", r#"{"message":"hi"}"#), Kind::Plain);
@@ -258,7 +272,8 @@ mod tests {
             ),
             Kind::StartRun {
                 run_id: "r1".into(),
-                session_key: Some("agent:main:s".into())
+                session_key: Some("agent:main:s".into()),
+                interrupts: false,
             }
         );
         // Not a stop, or not a string: as before.
@@ -269,6 +284,56 @@ mod tests {
         assert_eq!(
             parse("chat.send", r#"{"sessionKey":"s","message":["stop"]}"#),
             Kind::Plain
+        );
+    }
+
+    #[test]
+    fn an_interrupting_send_carries_the_owner_rule() {
+        let starts = |interrupts| Kind::StartRun {
+            run_id: "r1".into(),
+            session_key: Some("agent:main:s".into()),
+            interrupts,
+        };
+        for params in [
+            r#"{"sessionKey":"s","message":"hi","queueMode":"interrupt","idempotencyKey":"r1"}"#,
+            r#"{"sessionKey":"s","message":"/queue interrupt hi","idempotencyKey":"r1"}"#,
+        ] {
+            assert_eq!(parse("chat.send", params), starts(true), "{params}");
+        }
+        for params in [
+            r#"{"sessionKey":"s","message":"hi","queueMode":"steer","idempotencyKey":"r1"}"#,
+            r#"{"sessionKey":"s","message":"hi","queueMode":"followup","idempotencyKey":"r1"}"#,
+            r#"{"sessionKey":"s","message":"hi","idempotencyKey":"r1"}"#,
+        ] {
+            assert_eq!(parse("chat.send", params), starts(false), "{params}");
+        }
+        // `sessions.send` (its run untracked) and a `chat.send` without a
+        // run id: a session-wide abort.
+        let abort = Kind::Abort {
+            run_id: None,
+            session_key: Some("agent:main:s".into()),
+        };
+        assert_eq!(
+            parse(
+                "sessions.send",
+                r#"{"key":"s","message":"/queue abort now"}"#
+            ),
+            abort
+        );
+        assert_eq!(
+            parse(
+                "chat.send",
+                r#"{"sessionKey":"s","message":"x","queueMode":"interrupt"}"#
+            ),
+            abort
+        );
+        // `agent` has no queue mode and reads no directive.
+        assert_eq!(
+            parse(
+                "agent",
+                r#"{"sessionKey":"s","message":"/queue interrupt","queueMode":"interrupt","idempotencyKey":"r1"}"#
+            ),
+            starts(false)
         );
     }
 }

@@ -2,6 +2,7 @@
 //! descriptors, and one task per admitted connection.
 
 use std::io::{self, Write};
+use std::os::fd::OwnedFd;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -12,7 +13,7 @@ use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::fdlimit::{self, SpareFd};
@@ -33,11 +34,18 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 /// `accept` said "too many open files" (the kernel says so even when
 /// nobody is waiting); nobody there means the loop pauses instead.
 const SPARE_ACCEPT_WAIT: Duration = Duration::from_millis(1);
-/// A connection over the cap is answered `503`, and then its request is
-/// read and dropped for at most this long before the close, so the client
-/// reads the answer instead of a broken pipe on its write. A client that
-/// reads the answer and closes ends the linger at once.
+/// A refused connection (over the cap, or out of descriptors) is answered
+/// `503`, its write side shut, and then its request is read and dropped for
+/// at most this long before the close (a lingering close), so the client
+/// reads the answer instead of a broken pipe on its write: closing with the
+/// request unread makes the kernel fail the client's write (`EPIPE`) and
+/// reset its read. A client that reads the answer and closes ends the
+/// linger at once.
 const REFUSE_LINGER: Duration = Duration::from_secs(1);
+/// The most a lingering refusal reads and drops before it closes anyway: a
+/// request head fits many times over; a client streaming a body at it is
+/// not waited for.
+const REFUSE_DRAIN_MAX_BYTES: usize = 64 * 1024;
 /// At most this many refused connections linger at once (each holds a
 /// descriptor); more are closed right after the answer is written.
 const REFUSE_LINGER_MAX: usize = 16;
@@ -88,7 +96,7 @@ pub async fn accept_loop(
                 // take one back if any is free now.
                 spare.refill();
                 let refused = is_out_of_descriptors(&e)
-                    && refuse_with_spare(&listener, &mut spare, &busy).await;
+                    && refuse_with_spare(&listener, &mut spare, &busy, &lingering).await;
                 if let Some(unlogged) = accept_warn.ready(Instant::now()) {
                     tracing::warn!(
                         unlogged,
@@ -96,11 +104,16 @@ pub async fn accept_loop(
                     );
                 }
                 if refused {
+                    // Progress: a waiting client was answered.
+                    backoff.reset();
                     continue;
                 }
                 tokio::select! {
                     _ = stop.cancelled() => break,
                     _ = tokio::time::sleep(backoff.next()) => {}
+                    // The spare lent to a lingering refusal is back: the
+                    // next waiting client can be answered now.
+                    _ = spare.lent_back() => {}
                 }
                 continue;
             }
@@ -138,7 +151,7 @@ pub async fn accept_loop(
                     "refused a connection: too many open connections"
                 );
             }
-            refuse_over_cap(stream, busy.clone(), &lingering);
+            refuse(stream, busy.clone(), &lingering, None);
             continue;
         };
         let stream = CountedStream {
@@ -238,22 +251,26 @@ fn busy_response(cap: usize) -> Bytes {
 }
 
 /// Out of descriptors: frees the spare, accepts one waiting connection
-/// into its slot, answers it `503`, closes it, and takes the spare back.
-/// Returns whether a connection was waiting (then the loop tries again at
-/// once: each round answers a real client, so it cannot spin).
-async fn refuse_with_spare(listener: &UnixListener, spare: &mut SpareFd, busy: &Bytes) -> bool {
+/// into its slot, answers it `503` with a lingering close ([`refuse`]), and
+/// takes the spare back. While the refusal lingers its descriptor is the
+/// spare's, lent to it and handed back when the linger ends (the loop waits
+/// for that beside its pause); the linger ends as soon as the client has
+/// read the answer and closed. Returns whether a connection was waiting
+/// (then the loop tries again at once: each round answers a real client, so
+/// it cannot spin).
+async fn refuse_with_spare(
+    listener: &UnixListener,
+    spare: &mut SpareFd,
+    busy: &Bytes,
+    lingering: &Arc<Semaphore>,
+) -> bool {
     if !spare.release() {
         return false;
     }
     // The listener was readable a moment ago; do not wait for more.
     let waiting = tokio::time::timeout(SPARE_ACCEPT_WAIT, listener.accept()).await;
     let refused = if let Ok(Ok((stream, _))) = waiting {
-        if let Ok(mut stream) = stream.into_std() {
-            // Best effort, never blocking: a fresh socket's buffer holds it.
-            // The close follows at once (the descriptor is needed back), so
-            // a client still writing its request may see a broken pipe.
-            let _ = stream.write(busy);
-        }
+        refuse(stream, busy.clone(), lingering, Some(spare.lend()));
         true
     } else {
         false
@@ -262,10 +279,20 @@ async fn refuse_with_spare(listener: &UnixListener, spare: &mut SpareFd, busy: &
     refused
 }
 
-/// Over the cap: answers `503` and closes. The request is read (and
-/// dropped) for a short while first, when few refusals are lingering, so
-/// the client's write does not fail before it reads the answer.
-fn refuse_over_cap(mut stream: UnixStream, busy: Bytes, lingering: &Arc<Semaphore>) {
+/// Answers `503` and closes, lingering: the answer is written, the write
+/// side shut, and the client's request read and dropped until it closes,
+/// for at most [`REFUSE_LINGER`] and [`REFUSE_DRAIN_MAX_BYTES`], so the
+/// client's write of its request does not fail before it reads the answer.
+/// With [`REFUSE_LINGER_MAX`] refusals already lingering, the answer is
+/// written (best effort, never blocking: a fresh socket's buffer holds it)
+/// and the connection closed at once. `give_back`: the descriptor is the
+/// lent spare's; it is shut down and handed back instead of closed.
+fn refuse(
+    stream: UnixStream,
+    busy: Bytes,
+    lingering: &Arc<Semaphore>,
+    give_back: Option<oneshot::Sender<OwnedFd>>,
+) {
     let Ok(permit) = Arc::clone(lingering).try_acquire_owned() else {
         if let Ok(mut stream) = stream.into_std() {
             let _ = stream.write(&busy);
@@ -274,15 +301,28 @@ fn refuse_over_cap(mut stream: UnixStream, busy: Bytes, lingering: &Arc<Semaphor
     };
     tokio::spawn(async move {
         let _permit = permit;
-        let _ = tokio::time::timeout(REFUSE_LINGER, async {
-            stream.write_all(&busy).await?;
-            stream.shutdown().await?;
-            let mut sink = [0u8; 4096];
-            while stream.read(&mut sink).await? > 0 {}
-            Ok::<_, io::Error>(())
-        })
-        .await;
+        let mut stream = stream;
+        let _ = tokio::time::timeout(REFUSE_LINGER, linger(&mut stream, &busy)).await;
+        if let (Some(give_back), Ok(stream)) = (give_back, stream.into_std()) {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            let _ = give_back.send(OwnedFd::from(stream));
+        }
     });
+}
+
+/// The lingering close itself, without its time bound.
+async fn linger(stream: &mut UnixStream, busy: &[u8]) -> io::Result<()> {
+    stream.write_all(busy).await?;
+    stream.shutdown().await?;
+    let mut sink = [0u8; 4096];
+    let mut drained = 0;
+    while drained < REFUSE_DRAIN_MAX_BYTES {
+        match stream.read(&mut sink).await? {
+            0 => break,
+            n => drained += n,
+        }
+    }
+    Ok(())
 }
 
 /// Exponential pause between failing accepts (hand-written: two lines; the
@@ -407,6 +447,49 @@ mod tests {
         }
         assert_eq!(t.ready(t0 + WARN_EVERY), Some(20));
         assert_eq!(t.ready(t0 + WARN_EVERY + Duration::from_secs(1)), None);
+    }
+
+    #[tokio::test]
+    async fn a_lingering_refusal_reads_a_late_request_then_closes() {
+        let (ours, mut client) = UnixStream::pair().unwrap();
+        let lingering = Arc::new(Semaphore::new(1));
+        let (give_back, returned) = oneshot::channel();
+        refuse(ours, busy_response(1), &lingering, Some(give_back));
+        let mut answer = Vec::new();
+        client.read_to_end(&mut answer).await.unwrap();
+        assert!(answer.starts_with(b"HTTP/1.1 503 "));
+        // Written after the answer was read to its end: still accepted.
+        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        drop(client);
+        // The client's close ends the linger long before its time bound.
+        let fd = tokio::time::timeout(REFUSE_LINGER / 2, returned)
+            .await
+            .expect("ended by the client's close")
+            .expect("the descriptor handed back");
+        drop(fd);
+        assert_eq!(lingering.available_permits(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_lingering_refusal_drains_a_bounded_number_of_bytes() {
+        let (ours, mut client) = UnixStream::pair().unwrap();
+        let lingering = Arc::new(Semaphore::new(1));
+        refuse(ours, busy_response(1), &lingering, None);
+        // A client that never closes and keeps writing: the broker stops
+        // reading after REFUSE_DRAIN_MAX_BYTES and closes, well before the
+        // time bound; the client's write then fails.
+        let chunk = vec![b'x'; 4096];
+        let writes = async {
+            let mut written = 0usize;
+            while client.write_all(&chunk).await.is_ok() {
+                written += chunk.len();
+            }
+            written
+        };
+        let written = tokio::time::timeout(REFUSE_LINGER / 2, writes)
+            .await
+            .expect("closed after the drain bound, not the time bound");
+        assert!(written >= REFUSE_DRAIN_MAX_BYTES, "{written}");
     }
 
     #[test]

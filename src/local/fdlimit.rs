@@ -9,8 +9,10 @@
 //! process has no descriptor left.
 
 use std::fs::File;
+use std::os::fd::OwnedFd;
 
 use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+use tokio::sync::oneshot;
 
 /// Descriptors kept free for everything that is not a local connection: the
 /// runtime (epoll, wakers, signal pipes), stdio, the listener, the upstream
@@ -76,26 +78,83 @@ pub fn connection_budget(configured: usize, soft_limit: Option<u64>) -> usize {
 /// waiting connection is accepted into its slot, answered `503` and closed,
 /// and the spare is re-opened. Without it a waiting connection would sit in
 /// the backlog unanswered and the listener would report readable forever.
+///
+/// The refusal closes lingering (it reads the client's request first, so
+/// the client sees the answer, not a broken pipe), which takes a while; the
+/// spare is *lent* to it meanwhile and given back as the refused socket's
+/// own descriptor, shut down both ways, never closed in between: a
+/// descriptor closed and re-opened would be taken by the next `accept`
+/// first, leaving no spare for the connection after it.
 #[derive(Debug)]
-pub struct SpareFd(Option<File>);
+pub struct SpareFd {
+    held: Option<OwnedFd>,
+    lent: Option<oneshot::Receiver<OwnedFd>>,
+}
 
 impl SpareFd {
     pub fn open() -> Self {
-        SpareFd(File::open("/dev/null").ok())
+        SpareFd {
+            held: open_dev_null(),
+            lent: None,
+        }
     }
 
     /// Gives the descriptor back to the process; `false` if there was none.
     pub fn release(&mut self) -> bool {
-        self.0.take().is_some()
+        self.held.take().is_some()
     }
 
-    /// Takes a descriptor back if one is free (a failure leaves it empty;
-    /// it is tried again after the next accepted connection).
+    /// The descriptor just released is in use (a lingering refusal): it
+    /// comes back through the returned sender, or, if the sender is
+    /// dropped, the next [`refill`](Self::refill) re-opens one.
+    pub fn lend(&mut self) -> oneshot::Sender<OwnedFd> {
+        let (give_back, lent) = oneshot::channel();
+        self.lent = Some(lent);
+        give_back
+    }
+
+    /// Takes a descriptor back: the lent one if it has come back, else a
+    /// free one if any (a failure leaves it empty; it is tried again after
+    /// the next accepted connection). A lent descriptor that comes back
+    /// when the spare is already held is closed.
     pub fn refill(&mut self) {
-        if self.0.is_none() {
-            self.0 = File::open("/dev/null").ok();
+        if let Some(lent) = &mut self.lent {
+            match lent.try_recv() {
+                Ok(fd) => {
+                    self.lent = None;
+                    if self.held.is_none() {
+                        self.held = Some(fd);
+                    }
+                }
+                Err(oneshot::error::TryRecvError::Closed) => self.lent = None,
+                Err(oneshot::error::TryRecvError::Empty) => {}
+            }
+        }
+        if self.held.is_none() {
+            self.held = open_dev_null();
         }
     }
+}
+
+impl SpareFd {
+    /// Resolves once a lent descriptor has come back (or will not), having
+    /// taken it; never while nothing is lent. The accept loop waits on this
+    /// beside its pause, so the next waiting connection is answered as soon
+    /// as the refusal before it has ended.
+    pub async fn lent_back(&mut self) {
+        let Some(lent) = &mut self.lent else {
+            return std::future::pending().await;
+        };
+        let back = lent.await.ok();
+        self.lent = None;
+        if let (None, Some(fd)) = (&self.held, back) {
+            self.held = Some(fd);
+        }
+    }
+}
+
+fn open_dev_null() -> Option<OwnedFd> {
+    File::open("/dev/null").ok().map(OwnedFd::from)
 }
 
 #[cfg(test)]
@@ -116,6 +175,25 @@ mod tests {
         let mut spare = SpareFd::open();
         assert!(spare.release());
         assert!(!spare.release());
+        spare.refill();
+        assert!(spare.release());
+    }
+
+    #[test]
+    fn a_lent_spare_comes_back_as_the_descriptor_it_was_lent_as() {
+        let mut spare = SpareFd::open();
+        assert!(spare.release());
+        let give_back = spare.lend();
+        let (ours, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        let fd = OwnedFd::from(ours);
+        let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        give_back.send(fd).unwrap();
+        spare.refill();
+        let held = spare.held.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+        assert_eq!(held, Some(raw), "the lent descriptor itself, not a new one");
+        // A sender dropped without giving back: a fresh one is opened.
+        assert!(spare.release());
+        drop(spare.lend());
         spare.refill();
         assert!(spare.release());
     }

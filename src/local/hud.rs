@@ -190,6 +190,63 @@ type Events = std::pin::Pin<
     >,
 >;
 
+/// The `/v1/events` stream's chunks (up to one batch, 256 KiB, each) handed
+/// to the SSE parser one record at a time, as slices of the chunk. The
+/// parser copies what it is given into its own buffer and, per line it
+/// reads, copies the rest of that buffer again: given a whole chunk it
+/// copied it quadratically, and kept a copy of up to a batch outside the
+/// queue budget. Given one record it copies only that record; the chunk
+/// itself (and with it its count in `queue_total_bytes`, [`super::stream_body`])
+/// stays alive until its last record is handed over.
+fn records<S, E>(chunks: S) -> impl futures_util::Stream<Item = Result<Bytes, E>> + Send
+where
+    S: futures_util::Stream<Item = Result<Bytes, E>> + Send + Unpin,
+    E: Send,
+{
+    futures_util::stream::unfold(
+        (chunks, std::collections::VecDeque::new()),
+        |(mut chunks, mut pending)| async move {
+            if pending.is_empty() {
+                match chunks.next().await? {
+                    Ok(chunk) => pending = split_records(chunk),
+                    Err(e) => return Some((Err(e), (chunks, pending))),
+                }
+            }
+            let record = pending.pop_front().unwrap_or_default();
+            Some((Ok(record), (chunks, pending)))
+        },
+    )
+}
+
+/// A chunk's records, each up to its blank line, as slices of the chunk; a
+/// partial last one as it is (the parser keeps it until the next chunk
+/// completes it). Searched once per chunk with `str::find` (`memchr`): a
+/// byte-by-byte search cost more than the parse in a debug build. The
+/// stream is UTF-8 text; a chunk that were not is handed over whole, for
+/// the parser to judge.
+fn split_records(chunk: Bytes) -> std::collections::VecDeque<Bytes> {
+    let mut ends = Vec::new();
+    if let Ok(text) = std::str::from_utf8(&chunk) {
+        let mut from = 0;
+        while let Some(at) = text[from..].find("\n\n") {
+            from += at + 2;
+            ends.push(from);
+        }
+    }
+    if ends.last() != Some(&chunk.len()) {
+        ends.push(chunk.len());
+    }
+    let mut records = std::collections::VecDeque::with_capacity(ends.len());
+    let mut start = 0;
+    for end in ends {
+        if end > start {
+            records.push_back(chunk.slice(start..end));
+            start = end;
+        }
+    }
+    records
+}
+
 /// One HUD client's feed: its `/v1/events` stream through the projection.
 struct HudSource {
     events: Events,
@@ -254,7 +311,7 @@ impl HudSource {
             (None, true) => None,
             (None, false) => newest,
         };
-        let events: Events = Box::pin(resp.into_body().into_data_stream().eventsource());
+        let events: Events = Box::pin(records(resp.into_body().into_data_stream()).eventsource());
         // Requests: copied from the tap into a queue of this stream's own
         // (not a hub client: it receives no events).
         let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
@@ -263,7 +320,8 @@ impl HudSource {
         ctx.router.tap.attach(Arc::clone(&client));
         Ok(HudSource {
             events,
-            activity: Activity::new(),
+            // One projection per stream: the lean one (see `for_feed`).
+            activity: Activity::for_feed(),
             quiet_until,
             newest,
             tap: Some(TapListener {
@@ -526,6 +584,68 @@ fn upgrade(
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// Records are handed one by one (a partial one as it is, completed by
+    /// the next chunk), and a chunk lives until its last record is taken:
+    /// its count in the queue budget with it.
+    #[tokio::test]
+    async fn chunks_are_parsed_one_record_at_a_time_and_live_until_taken() {
+        struct Owner(Vec<u8>, Arc<std::sync::atomic::AtomicBool>);
+        impl AsRef<[u8]> for Owner {
+            fn as_ref(&self) -> &[u8] {
+                &self.0
+            }
+        }
+        impl Drop for Owner {
+            fn drop(&mut self) {
+                self.1.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let first = Bytes::from_owner(Owner(
+            b"id: 1\nevent: a\ndata: {}\n\nid: 2\nevent: b\ndata: {}\n\nid: 3\nev".to_vec(),
+            Arc::clone(&dropped),
+        ));
+        let second = Bytes::from_static(b"ent: c\ndata: {}\n\n");
+        let chunks =
+            futures_util::stream::iter([Ok::<_, std::convert::Infallible>(first), Ok(second)]);
+        let mut split = Box::pin(records(chunks));
+        let mut taken = Vec::new();
+        while let Some(Ok(record)) = split.next().await {
+            let whole_chunk_taken = taken.len() >= 3;
+            assert_eq!(
+                dropped.load(std::sync::atomic::Ordering::SeqCst),
+                whole_chunk_taken,
+                "after {} records",
+                taken.len()
+            );
+            taken.push(String::from_utf8(record.to_vec()).unwrap());
+        }
+        assert_eq!(
+            taken,
+            [
+                "id: 1\nevent: a\ndata: {}\n\n",
+                "id: 2\nevent: b\ndata: {}\n\n",
+                "id: 3\nev",
+                "ent: c\ndata: {}\n\n"
+            ]
+        );
+        // Through the parser: three events, the split one whole.
+        let chunks = futures_util::stream::iter(
+            taken
+                .concat()
+                .into_bytes()
+                .chunks(7)
+                .map(|c| Ok::<_, std::convert::Infallible>(Bytes::copy_from_slice(c)))
+                .collect::<Vec<_>>(),
+        );
+        let names: Vec<String> = records(chunks)
+            .eventsource()
+            .map(|e| e.unwrap().event)
+            .collect()
+            .await;
+        assert_eq!(names, ["a", "b", "c"]);
+    }
 
     #[test]
     fn sse_records_carry_the_id_only_when_the_event_is_logged() {

@@ -38,7 +38,8 @@ pub fn document(ctx: &Ctx) -> Value {
 /// connections as a count (issue 24: every socket saw every client's peer
 /// pid, identity, scopes and connection id, every policy's users, and the
 /// dedicated clients' blocks; issue 30: the session keys other sockets'
-/// clients subscribed to).
+/// clients subscribed to, and the scope sets of other sockets' clients'
+/// narrower sessions).
 pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
     let full = socket.is_main();
     let (snapshot, window, runs) = ctx.hub.snapshot_with_runs();
@@ -135,7 +136,12 @@ pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
             "last_error": status.last_error.as_ref().map(|e| e.to_json()),
             "retry_after_ms": status.retry_after_ms(),
             "reconnects": status.reconnects,
-            "narrower_sessions": ctx.sessions.narrower.to_json(),
+            // On a further socket, only the sessions of its own clients'
+            // grants: another socket's narrower session would tell which
+            // scope sets other clients hold.
+            "narrower_sessions": ctx.sessions.narrower.to_json_where(|grant| {
+                full || mine.iter().any(|c| c.grant() == grant)
+            }),
         },
         "snapshot": snapshot,
         "clients": clients,

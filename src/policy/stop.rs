@@ -154,9 +154,129 @@ fn trigger_text(lower: &str) -> String {
     trim(kept).to_owned()
 }
 
+/// Whether a `chat.send` (or `sessions.send`, which is `chat.send` on the
+/// session's key) interrupts the session's running run before its own
+/// starts: its `queueMode` is `"interrupt"`, or its message carries a
+/// per-message `/queue` directive whose mode is an interrupt
+/// ([`queue_directive_interrupts`]). The gateway then aborts the active
+/// run (`abortByUser`) as `chat.abort {sessionKey}` would.
+///
+/// Read from gateway 2026.9.6: `chat-send-handler.ts`
+/// (`p.queueMode === "interrupt"` → `resolveCurrentInterruptTarget` →
+/// `interruptReplyRunTarget`), `get-reply.ts` (`extractQueueDirective`,
+/// `perMessageQueueMode`, `activeRunQueueMode === "interrupt"`),
+/// `queue/normalize.ts` (`normalizeQueueMode`). The other modes do not
+/// abort: `steer` (also the default) injects the message into the running
+/// run, `followup` and `collect` queue it behind it. A session whose
+/// *persisted* queue mode is `interrupt` (set by an admin's directive or
+/// `sessions.patch`) interrupts on every message; the broker cannot see
+/// that setting, so it is not covered here.
+pub fn interrupts_run(queue_mode: Option<&str>, message: Option<&str>) -> bool {
+    queue_mode == Some("interrupt")
+        || message.is_some_and(|m| queue_directive_interrupts(m) || is_reset_message(m))
+}
+
+/// Whether `message` is a session reset (`/new` or `/reset`, alone or
+/// followed by whitespace and a first message, after `normalizeCommandBody`):
+/// the gateway then resets the session and interrupts its running run
+/// (`get-reply.ts` `resetTriggered` → `activeRunQueueMode = "interrupt"`).
+/// It honours a reset from the broker's connection (it holds
+/// `operator.admin`, `isResetAuthorizedForContext`); sessions configured
+/// with other `session.resetTriggers` are not seen here.
+pub fn is_reset_message(message: &str) -> bool {
+    let cleaned: String = message.nfc().filter(|&c| !dropped_control(c)).collect();
+    let body = command_body(&cleaned).to_lowercase();
+    ["/new", "/reset"].iter().any(|trigger| {
+        body.strip_prefix(trigger)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(is_space))
+    })
+}
+
+/// Whether `message` carries a `/queue` directive (`/queue interrupt`,
+/// `/queue: abort`, `hi /queue interrupts debounce:0`) that makes this
+/// message interrupt. The gateway reads the first `/queue` (preceded by
+/// whitespace or the start, followed by whitespace, `:` or the end), then
+/// its tokens until one is neither a mode nor an option; `reset`,
+/// `default` or `clear` end them. Every `/queue` is read here, and any
+/// interrupt mode among its tokens counts, to err towards "interrupts".
+pub fn queue_directive_interrupts(message: &str) -> bool {
+    let lower = message.to_lowercase();
+    let mut from = 0;
+    while let Some(at) = lower[from..].find("/queue").map(|i| from + i) {
+        from = at + "/queue".len();
+        let before_ok = lower[..at].chars().next_back().is_none_or(is_space);
+        let after = &lower[from..];
+        let after_ok = after.chars().next().is_none_or(|c| is_space(c) || c == ':');
+        if !(before_ok && after_ok) {
+            continue;
+        }
+        // `skipDirectiveArgPrefix`: whitespace then one `:`.
+        let args = after.trim_start_matches(is_space);
+        let args = args.strip_prefix(':').unwrap_or(after);
+        for token in args.split(is_space).filter(|t| !t.is_empty()) {
+            match token {
+                "interrupt" | "interrupts" | "abort" => return true,
+                "reset" | "default" | "clear" => break,
+                "steer" | "steering" | "followup" | "follow-ups" | "followups" | "collect"
+                | "coalesce" => {}
+                option
+                    if ["debounce", "cap", "drop"].iter().any(|name| {
+                        option
+                            .strip_prefix(name)
+                            .is_some_and(|rest| rest.starts_with([':', '=']))
+                    }) => {}
+                _ => break,
+            }
+        }
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_interrupt_queue_mode_or_directive_interrupts_the_running_run() {
+        assert!(interrupts_run(Some("interrupt"), Some("hello")));
+        for mode in ["steer", "followup", "collect", "Interrupt", ""] {
+            assert!(!interrupts_run(Some(mode), Some("hello")), "{mode}");
+        }
+        for message in [
+            "/queue interrupt",
+            "/queue interrupt what now?",
+            "/QUEUE Abort",
+            "/queue:interrupt",
+            "/queue : interrupts",
+            "look here /queue debounce:0 cap=2 interrupt",
+            "/queue steer interrupt",
+            "/queue\ninterrupt",
+            // Every `/queue` is read (the gateway reads the first).
+            "/queue hi /queue interrupt",
+        ] {
+            assert!(interrupts_run(None, Some(message)), "{message:?}");
+        }
+        for message in [
+            "interrupt",
+            "/queue",
+            "/queue steer",
+            "/queue reset interrupt",
+            "/queue hello interrupt",
+            "/queued interrupt",
+            "x/queue interrupt",
+            "/queue collect",
+        ] {
+            assert!(!interrupts_run(None, Some(message)), "{message:?}");
+        }
+        assert!(!interrupts_run(None, None));
+        // A session reset interrupts too.
+        for message in ["/new", "/RESET", " /reset: start over", "/new\nhello"] {
+            assert!(interrupts_run(None, Some(message)), "{message:?}");
+        }
+        for message in ["/newer", "/resetting", "please /reset", "new"] {
+            assert!(!interrupts_run(None, Some(message)), "{message:?}");
+        }
+    }
 
     #[test]
     fn the_stop_command_in_the_forms_the_gateway_reads() {

@@ -316,12 +316,19 @@ impl Narrower {
         )
     }
 
-    /// For `/v1/state`.
+    /// For `/v1/state` on the main socket: every session, and the counters.
     pub fn to_json(&self) -> Value {
+        self.to_json_where(|_| true)
+    }
+
+    /// For `/v1/state`: the sessions whose grant `visible` accepts (on a
+    /// further socket, the grants its own clients hold), and the counters.
+    pub fn to_json_where(&self, visible: impl Fn(&Grant) -> bool) -> Value {
         let sessions: Vec<Value> = self
             .lock()
             .entries
             .iter()
+            .filter(|(grant, _)| visible(grant))
             .map(|(grant, e)| {
                 let s = e.session.upstream.status();
                 json!({

@@ -556,3 +556,52 @@ async fn state_on_a_further_socket_counts_only_its_own_clients_subscriptions() {
         "the main socket sees every client's"
     );
 }
+
+/// Issue 30: `/v1/state` on a further socket listed every narrower session,
+/// and with it the scope set each other socket's clients hold. Each socket
+/// now sees the narrower sessions of its own clients' grants only; the
+/// main socket sees all.
+#[tokio::test]
+async fn state_on_a_further_socket_lists_only_its_own_clients_narrower_sessions() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = dir.path().join("extra.sock");
+    let h = start_with(mock_config(), |s| {
+        s.sockets = vec![methods_only_socket(&extra, false)]
+    })
+    .await;
+    let theirs = ["operator.read", "operator.approvals"];
+    let (mut owner, _) = client_asking(&h.socket(), Some(&theirs), ("owner-tool", "cli")).await;
+    let (mut guest, _) =
+        client_asking(&extra, Some(&["operator.read"]), ("guest-tool", "cli")).await;
+    for client in [&mut owner, &mut guest] {
+        let res = client.request("status", json!({})).await;
+        assert_eq!(res["ok"], true, "{res}");
+    }
+    let scope_sets = |state: &Value| -> Vec<Value> {
+        let mut sets: Vec<Value> = state["upstream"]["narrower_sessions"]["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["scopes"].clone())
+            .collect();
+        sets.sort_by_key(|s| s.to_string());
+        sets
+    };
+    let state = crate::http_api::state(&h.socket()).await;
+    assert_eq!(
+        scope_sets(&state),
+        [
+            json!(["operator.approvals", "operator.read"]),
+            json!(["operator.read"])
+        ],
+        "the main socket sees every narrower session: {state}"
+    );
+    let (status, _, text) = request_text(&extra, "GET", "/v1/state", b"").await;
+    assert_eq!(status, 200);
+    let state: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        scope_sets(&state),
+        [json!(["operator.read"])],
+        "another socket's client's scope set: {text}"
+    );
+}

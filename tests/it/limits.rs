@@ -52,6 +52,25 @@ async fn raw_exchange(socket: &Path, request: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// A client slowed down between its connect and its write (as on a loaded
+/// machine): it reads the broker's whole answer first, to the end, and only
+/// then writes its request. `Ok(answer)` if that write still succeeds (the
+/// broker lingered, reading); `Err` with what the write saw if the broker
+/// had closed the connection with the request unread.
+async fn late_writer(socket: &Path) -> Result<String, String> {
+    let mut s = UnixStream::connect(socket).await.expect("socket accepts");
+    let mut answer = Vec::new();
+    tokio::time::timeout(PATIENCE, s.read_to_end(&mut answer))
+        .await
+        .expect("answered in time")
+        .expect("read");
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    s.write_all(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .await
+        .map_err(|e| format!("{e} after reading {answer:?}"))?;
+    Ok(answer)
+}
+
 /// `clawmux serve` under `bash`, after `setup` (e.g. `ulimit -n 64`), with
 /// its log on a pipe.
 fn serve_under_shell(home: &Path, setup: &str, socket: &Path, gateway: &str) -> Child {
@@ -136,6 +155,8 @@ async fn connections_over_the_cap_get_503_and_the_others_keep_working() {
         answer.contains("max_connections"),
         "says what to raise: {answer}"
     );
+    let late = late_writer(&h.socket()).await.expect("the broker lingers");
+    assert!(late.starts_with("HTTP/1.1 503 "), "{late}");
     let res = a.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "an admitted client keeps working: {res}");
     c.handshake().await;
@@ -197,7 +218,8 @@ async fn a_low_open_file_limit_refuses_cleanly_and_keeps_serving() {
 
 /// Something else ate the descriptors (here: 40 inherited from the shell),
 /// so `accept` itself fails with EMFILE: waiting clients still get an
-/// answer (503 through the spare descriptor, or a close) instead of
+/// answer (503 through the spare descriptor, read even by a client that
+/// writes its request late: issue 30 saw only broken pipes under load) instead of
 /// hanging in the backlog, the log is not flooded, and the broker serves
 /// again once descriptors are free.
 #[tokio::test]
@@ -233,10 +255,15 @@ async fn running_out_of_descriptors_answers_waiting_clients_and_recovers() {
         "expected EMFILE refusals, {} admitted",
         admitted.len()
     );
+    // Every refusal is a 503 the client read, never a broken pipe on its
+    // write (the broker lingers, reading the request, before it closes).
     assert!(
-        refused.iter().any(|e| e == "http 503"),
+        refused.iter().all(|e| e == "http 503"),
         "the spare descriptor answers 503: {refused:?}"
     );
+    // Even a client that writes only after the answer has arrived.
+    let answer = late_writer(&socket).await.expect("the broker lingers");
+    assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
     admitted.clear();
     let _again = eventually_async("recovered: a client admitted", || try_ws(&socket)).await;
     let log = stop_and_read_log(&mut guard.0);

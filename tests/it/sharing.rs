@@ -438,6 +438,91 @@ async fn a_stop_message_to_another_clients_run_is_forbidden_unless_its_own() {
     );
 }
 
+/// A `chat.send` with `queueMode: "interrupt"`, or whose message carries a
+/// `/queue interrupt` directive (or is a `/new` or `/reset`), aborts the session's running run before
+/// its own starts (gateway 2026.9.6 `chat-send-handler.ts`): the abort
+/// ownership rule applies to it, session-wide (issue 30). `steer` (the
+/// default) injects into the run and `followup`/`collect` queue behind it:
+/// forwarded. The owner's own interrupt is forwarded, and its new run is
+/// its own.
+#[tokio::test]
+async fn an_interrupting_send_to_another_clients_run_is_forbidden_unless_its_own() {
+    let (h, mut owner, _key) = a_live_run().await;
+    let (mut other, _) = h.connected_as(&READ_WRITE).await;
+    let run = || uuid::Uuid::new_v4().to_string();
+    for (method, params) in [
+        (
+            "chat.send",
+            json!({"sessionKey": "main", "message": "do this instead",
+                "queueMode": "interrupt", "idempotencyKey": run()}),
+        ),
+        (
+            "chat.send",
+            json!({"sessionKey": "agent:main:main", "message": "/queue interrupt do this instead",
+                "idempotencyKey": run()}),
+        ),
+        (
+            "sessions.send",
+            json!({"key": "main", "message": "/queue: abort now"}),
+        ),
+        // A session reset interrupts the running run too.
+        (
+            "chat.send",
+            json!({"sessionKey": "main", "message": "/reset", "idempotencyKey": run()}),
+        ),
+    ] {
+        let refused = other.request(method, params.clone()).await;
+        assert_eq!(
+            refused["error"]["code"], "studio.forbidden",
+            "{method} {params}: {refused}"
+        );
+    }
+    assert_eq!(upstream_methods(&h, "chat.send"), 1, "only the owner's run");
+    assert_eq!(upstream_methods(&h, "sessions.send"), 0, "refused locally");
+    for mode in ["steer", "followup", "collect"] {
+        let sent = other
+            .request(
+                "chat.send",
+                json!({"sessionKey": "main", "message": "also this",
+                    "queueMode": mode, "idempotencyKey": run()}),
+            )
+            .await;
+        assert_ne!(sent["error"]["code"], "studio.forbidden", "{mode}: {sent}");
+    }
+    assert_eq!(upstream_methods(&h, "chat.send"), 4);
+    // The owner may interrupt its own run, in a session where no other
+    // client's run is live; its new run is then its own.
+    let (h2, mut owner2, _) = a_live_run().await;
+    let again = run();
+    let own = owner2
+        .request(
+            "chat.send",
+            json!({"sessionKey": "main", "message": "instead",
+                "queueMode": "interrupt", "idempotencyKey": again}),
+        )
+        .await;
+    assert_ne!(own["error"]["code"], "studio.forbidden", "{own}");
+    assert_eq!(upstream_methods(&h2, "chat.send"), 2, "forwarded");
+    let (mut third, _) = h2.connected_as(&READ_WRITE).await;
+    let refused = third
+        .request("chat.abort", json!({"sessionKey": "main", "runId": again}))
+        .await;
+    assert_eq!(
+        refused["error"]["code"], "studio.forbidden",
+        "the interrupting run is owned: {refused}"
+    );
+    // In `main` of the first broker the other client's runs are live now:
+    // the first owner's interrupt is refused there.
+    let refused = owner
+        .request(
+            "chat.send",
+            json!({"sessionKey": "main", "message": "x", "queueMode": "interrupt",
+                "idempotencyKey": run()}),
+        )
+        .await;
+    assert_eq!(refused["error"]["code"], "studio.forbidden", "{refused}");
+}
+
 /// A reconnect that is not a gateway restart leaves runs running: their
 /// ownership survives it (a restart forgets them, as the gateway does).
 #[tokio::test]
