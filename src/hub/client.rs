@@ -465,9 +465,10 @@ impl Client {
     /// budget), and the `seq` the next event would get. The writer takes
     /// nothing more after this.
     pub fn take_all(&self) -> (Vec<Outgoing>, u64) {
-        let mut q = self.lock();
+        use protocol::Item as _;
+        let mut q = protocol::Env::lock_queue(self);
         for item in &q.items {
-            self.release(item);
+            protocol::Budget::sub(&*self.budget, item.counted());
         }
         q.bytes = 0;
         let items = q.items.drain(..).collect();
@@ -477,7 +478,7 @@ impl Client {
     /// A client taken over from the previous instance: its events go on
     /// from `next_seq`.
     pub fn continue_seq(&self, next_seq: u64) {
-        self.lock().next_seq = next_seq;
+        protocol::Env::lock_queue(self).next_seq = next_seq;
     }
 
     /// Whether the client was closed as a slow consumer; if not, the
