@@ -27,6 +27,9 @@ pub(crate) struct Cli {
 #[derive(Subcommand, Debug)]
 pub(crate) enum Command {
     /// Run the broker: listen on the unix socket and hold the gateway session.
+    #[command(
+        after_help = "Signals: SIGTERM or SIGINT stops (under systemd with a descriptor store, the clients are stored for the next start); SIGHUP re-reads the settings; SIGUSR2 hands the sockets and the connected clients over to the clawmux now at this binary's path (an upgrade), and goes on serving if it fails. See the book's \"Restarts and upgrades\"."
+    )]
     Serve(ServeArgs),
     /// Show where each setting comes from and try the gateway handshake once (exit 1 on failure).
     Doctor(DoctorArgs),

@@ -226,15 +226,23 @@ fn notify(states: &[NotifyState<'_>]) {
     }
 }
 
-/// Whether a service manager's file descriptor store may take this
-/// process's descriptors: `NOTIFY_SOCKET` is set and `$FDSTORE` (systemd
-/// 254 and later set it to `FileDescriptorStoreMax=`) is not `0`. Older
-/// systemd (Debian 12 has 252) sets no `$FDSTORE` but keeps a store when
-/// the unit sets `FileDescriptorStoreMax=`; there, a store it does not keep
-/// only logs a warning in the journal and closes the copies.
+/// Whether the service manager keeps a file descriptor store for this
+/// service: `NOTIFY_SOCKET` is set, and `$FDSTORE` (systemd 254 and later
+/// set it to `FileDescriptorStoreMax=`) or `$CLAWMUX_FDSTORE` (the
+/// installed unit sets it to the same value, for older systemd such as
+/// Debian 12's 252, which keeps a store but does not say so) is above 0.
+/// A unit installed before handovers existed sets neither: its stop stays
+/// the polite one (`shutdown` event, `1001`), as the store it lacks would
+/// only close what was stored.
 pub fn keeps_a_store() -> bool {
+    let positive = |var: &str| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .is_some_and(|n| n > 0)
+    };
     std::env::var_os("NOTIFY_SOCKET").is_some()
-        && std::env::var("FDSTORE").map_or(true, |max| max.trim() != "0")
+        && (positive("FDSTORE") || positive("CLAWMUX_FDSTORE"))
 }
 
 /// Stores descriptors in the service manager's store, each under its name

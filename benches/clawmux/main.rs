@@ -22,6 +22,7 @@
 mod clients;
 mod double;
 mod fanout;
+mod handover;
 mod memory;
 mod procfs;
 mod relay;
@@ -63,7 +64,11 @@ struct Args {
     #[arg(long, default_value_t = 500_000.0)]
     latency_point: f64,
     /// Which scenarios to run.
-    #[arg(long, value_delimiter = ',', default_value = "fanout,requests,memory")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "fanout,requests,memory,handover"
+    )]
     scenarios: Vec<Scenario>,
     /// Passed by `cargo bench`: a full run. Without it (`cargo test`): the smoke variant.
     #[arg(long, hide = true)]
@@ -75,6 +80,8 @@ enum Scenario {
     Fanout,
     Requests,
     Memory,
+    /// The pause clients see at a `SIGUSR2` handover (`--idle-clients` of them).
+    Handover,
 }
 
 /// The resolved settings of a run.
@@ -115,6 +122,7 @@ impl Args {
                 Scenario::Fanout => "fanout",
                 Scenario::Requests => "requests",
                 Scenario::Memory => "memory",
+                Scenario::Handover => "handover",
             })
             .collect();
         format!(
@@ -157,7 +165,12 @@ fn main() -> ExitCode {
         }
     } else {
         // Under `cargo test`, arguments meant for libtest may be passed: ignored.
-        let all = vec![Scenario::Fanout, Scenario::Requests, Scenario::Memory];
+        let all = vec![
+            Scenario::Fanout,
+            Scenario::Requests,
+            Scenario::Memory,
+            Scenario::Handover,
+        ];
         (
             smoke_config(),
             all,
@@ -303,6 +316,18 @@ async fn run(
         report.memory(&memory)?;
         let many = memory::many_stalled(&cfg, binary).await?;
         report.many_stalled(&many);
+    }
+    if scenarios.contains(&Scenario::Handover) {
+        let binary = std::path::Path::new(env!("CARGO_BIN_EXE_clawmux"));
+        let pauses = handover::run(&cfg, binary).await?;
+        handover::print(&pauses);
+        if pauses.gaps.is_empty() || pauses.lost > 0 {
+            return Err(format!(
+                "handover: {} handovers measured, {} clients lost",
+                pauses.gaps.len(),
+                pauses.lost
+            ));
+        }
     }
     report.print_targets();
     if cfg.smoke {

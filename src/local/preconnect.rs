@@ -105,13 +105,23 @@ impl Pause {
 
 impl<T> Limited<T> {
     pub fn new(inner: T, budget: PreconnectBudget) -> Self {
+        Self::with_unread(inner, budget, Vec::new())
+    }
+
+    /// A reader whose first bytes are `unread`: read from the socket by the
+    /// previous instance and not handed to its parser (they start at a
+    /// message boundary, so the frames are followed from there).
+    pub fn with_unread(inner: T, budget: PreconnectBudget, unread: Vec<u8>) -> Self {
+        let pause = Pause::default();
+        // Nothing handed to the parser yet: a boundary.
+        pause.0.at_boundary.store(true, Ordering::SeqCst);
         Limited {
             inner,
             budget,
             frames: FrameCursor::default(),
-            held_back: Vec::new(),
+            held_back: unread,
             in_message: false,
-            pause: Pause::default(),
+            pause,
         }
     }
 
@@ -554,20 +564,26 @@ mod tests {
         let next = text(true, 0x1, b"next");
         wire.extend(&next);
         let (mut tx, rx) = tokio::io::duplex(1024);
-        tokio::io::AsyncWriteExt::write_all(&mut tx, &wire)
-            .await
-            .unwrap();
         let budget = PreconnectBudget::new(1 << 20);
         budget.lift();
         let mut reader = Limited::new(rx, budget);
         let pause = reader.pause();
-        pause.request();
+        // The first 3 bytes arrive before the pause: a message has begun.
+        tokio::io::AsyncWriteExt::write_all(&mut tx, &wire[..3])
+            .await
+            .unwrap();
         let mut got = vec![0u8; 1024];
+        assert_eq!(reader.read(&mut got).await.unwrap(), 3);
+        assert!(!pause.at_boundary(), "inside the first message");
+        pause.request();
+        tokio::io::AsyncWriteExt::write_all(&mut tx, &wire[3..])
+            .await
+            .unwrap();
         let n = reader.read(&mut got).await.unwrap();
         assert_eq!(
             n,
-            wire.len() - next.len(),
-            "the whole first message, nothing more"
+            wire.len() - next.len() - 3,
+            "the rest of the first message, nothing more"
         );
         assert!(pause.at_boundary());
         let waker = futures_util::task::noop_waker();

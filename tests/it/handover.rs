@@ -169,6 +169,9 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
         )
         .await;
     assert_eq!(sub["ok"], true, "{sub}");
+    // A client that never sends anything after its connect moves too.
+    let mut idle = WsClient::open(&socket, "/ws").await;
+    idle.handshake().await;
     let mut last_seq = 0u64;
     let mut last_n = -1i64;
     let mut n = 0i64;
@@ -238,6 +241,12 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
         }
         let res = client.request("health", serde_json::json!({})).await;
         assert_eq!(res["ok"], true, "round {round}: {res}");
+        loop {
+            let event = idle.event_within("clawmux.upstream", PATIENCE * 4).await;
+            if event["payload"]["reason"] == "reconnected" {
+                break;
+            }
+        }
         // Its subscription moved with it and was sent to the new session.
         eventually("the new session holds the subscription", || {
             gw.subscriptions()
@@ -494,11 +503,24 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
     );
     eventually("socket exists", || socket.exists()).await;
     crate::http_api::until_ready(&socket).await;
+    // A client connected across the restart.
+    let mut client = WsClient::open(&socket, "/ws").await;
+    let hello = client.handshake().await;
+    let conn_id = hello["server"]["connId"].clone();
     sigterm(&first.0);
     assert!(exits_with(&mut first.0).await.success());
     store.drain();
     let mut names: Vec<&str> = store.fds.iter().map(|(n, _)| n.as_str()).collect();
     names.sort_unstable();
+    let clients = names
+        .iter()
+        .filter(|n| n.starts_with("clawmux-client-"))
+        .count();
+    assert_eq!(
+        clients, 1,
+        "the connected client's socket is stored: {names:?}"
+    );
+    names.retain(|n| !n.starts_with("clawmux-client-"));
     assert_eq!(
         names,
         [
@@ -531,6 +553,25 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
         "the waiting client is served"
     );
     assert_eq!(broker_pid(&socket).await, next.0.id());
+    // The client stayed connected: the next start's session is a reconnect
+    // to it, and it is served under its own connId.
+    loop {
+        let event = client.event_within("clawmux.upstream", PATIENCE * 4).await;
+        if event["payload"]["reason"] == "reconnected" {
+            break;
+        }
+    }
+    let res = client.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+    let listed = state(&socket).await["clients"].clone();
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["conn_id"] == conn_id),
+        "{listed}"
+    );
     // Read once: the next start removed what it took from the store.
     store.drain();
     for name in [

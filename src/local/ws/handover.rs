@@ -5,17 +5,16 @@
 use std::sync::Arc;
 use std::task::Poll;
 
-use futures_util::StreamExt;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_tungstenite::WebSocketStream;
 
 use super::{
     config, finish, handle_frame, poll_incoming, serve_requests, Conn, Incoming, Restarts, Served,
-    Writer, WriterEnd,
+    WriterEnd,
 };
 use crate::context::Ctx;
 use crate::dispatch::Registration;
-use crate::local::preconnect::{Limited, PreconnectBudget, ReleaseReadBuffer};
+use crate::local::preconnect::{Limited, PreconnectBudget};
 
 /// A client taken over from the previous instance ([`crate::handover`]):
 /// serves it from where that one stopped, on its socket, with the bytes it
@@ -32,18 +31,12 @@ pub async fn resume(
     budget.lift();
     let client = Arc::clone(registration.client());
     client.count_written(budget.written());
-    let io = Limited::new(stream, budget);
+    // The unread bytes go through the reader, which follows their frames.
+    let io = Limited::with_unread(stream, budget, unread);
     let config = config(&ctx);
     let pause = io.pause();
-    let ws = WebSocketStream::from_partially_read(io, unread, Role::Server, Some(config)).await;
-    let (sink, stream) = ws.split();
-    let mut conn = Conn {
-        stream,
-        writer: Writer::new(sink),
-        client: Arc::clone(&client),
-        release: ReleaseReadBuffer::default(),
-        pause,
-    };
+    let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
+    let mut conn = Conn::new(ws, Arc::clone(&client), pause);
     tracing::debug!(client_id = client.id, "local client taken over");
     let served = serve_requests(&mut conn, &registration, &ctx, Restarts::Continuity).await;
     if served == Served::HandOver {

@@ -89,6 +89,17 @@ struct Conn<S = Limited<TokioIo<Upgraded>>> {
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
+    fn new(ws: WebSocketStream<S>, client: Arc<Client>, pause: Pause) -> Self {
+        let (sink, stream) = ws.split();
+        Conn {
+            stream,
+            writer: Writer::new(sink),
+            client,
+            release: ReleaseReadBuffer::default(),
+            pause,
+        }
+    }
+
     /// The next frame from the client, writing what its queue holds meanwhile.
     async fn next(&mut self) -> Step {
         std::future::poll_fn(|cx| {
@@ -199,17 +210,10 @@ pub async fn run(
 ) {
     let peer_pid = peer.pid;
     let pause = ws.get_ref().pause();
-    let (sink, stream) = ws.split();
     let registration = ctx.dispatcher.register(ctx.hub.new_client());
     let client = Arc::clone(registration.client());
     client.count_written(budget.written());
-    let mut conn = Conn {
-        stream,
-        writer: Writer::new(sink),
-        client: Arc::clone(&client),
-        release: ReleaseReadBuffer::default(),
-        pause,
-    };
+    let mut conn = Conn::new(ws, Arc::clone(&client), pause);
     let client_id = client.id;
     tracing::debug!(client_id, "local client opened");
 
@@ -879,14 +883,7 @@ mod tests {
         ))
         .await
         .unwrap();
-        let (sink, stream) = ws.split();
-        let mut conn = Conn {
-            stream,
-            writer: Writer::new(sink),
-            client: Arc::clone(&client),
-            release: ReleaseReadBuffer::default(),
-            pause: Pause::default(),
-        };
+        let mut conn = Conn::new(ws, Arc::clone(&client), Pause::default());
         let step = tokio::time::timeout(std::time::Duration::from_secs(5), conn.next())
             .await
             .expect("the request is read");

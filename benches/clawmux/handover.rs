@@ -1,0 +1,278 @@
+//! The pause a reader sees when the broker hands itself over (`SIGUSR2`,
+//! docs/src/restarts.md): `clawmux serve` as a child process with N
+//! connected WebSocket clients while the double sends a numbered event
+//! every few milliseconds; several handovers in a row. Per handover, the
+//! largest gap between two events any client received (its own
+//! connection stays open throughout), and the time from the signal to the
+//! new instance answering `/v1/state`.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio_tungstenite::tungstenite::Message;
+
+use crate::clients;
+use crate::double::MockThread;
+use crate::fanout::BENCH_TOKEN;
+use crate::source::now_ns;
+use crate::Config;
+
+/// Milliseconds between two events from the double.
+pub const TICK_MS: u64 = 5;
+
+/// What one run measured.
+pub struct Pauses {
+    pub clients: usize,
+    /// Per handover: the largest gap between two events any client saw.
+    pub gaps: Vec<Duration>,
+    /// Per handover: from `SIGUSR2` to the new instance answering.
+    pub took: Vec<Duration>,
+    /// Clients whose connection ended during the run (should be 0).
+    pub lost: usize,
+}
+
+#[derive(Default)]
+struct Reader {
+    last_ns: AtomicU64,
+    max_gap_ns: AtomicU64,
+}
+
+async fn state(socket: &Path) -> Option<Value> {
+    let mut s = UnixStream::connect(socket).await.ok()?;
+    s.write_all(b"GET /v1/state HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .ok()?;
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out))
+        .await
+        .ok()?
+        .ok()?;
+    let text = String::from_utf8_lossy(&out);
+    let body = text.split("\r\n\r\n").nth(1)?;
+    // Chunked or not: the JSON object is the text between the outer braces.
+    let start = body.find('{')?;
+    let end = body.rfind('}')?;
+    serde_json::from_str(&body[start..=end]).ok()
+}
+
+async fn until<T>(
+    what: &str,
+    within: Duration,
+    mut probe: impl AsyncFnMut() -> Option<T>,
+) -> Result<T, String> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = probe().await {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("handover bench: {what} not within {within:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+fn signal(pid: u32, sig: rustix::process::Signal) {
+    if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(p, sig);
+    }
+}
+
+pub async fn run(cfg: &Config, binary: &Path) -> Result<Pauses, String> {
+    let (n, rounds) = if cfg.smoke {
+        (4, 2)
+    } else {
+        (cfg.idle_clients, 10)
+    };
+    let mock = MockThread::start()?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let socket = dir.path().join("clawmux.sock");
+    let log_path = std::env::var_os("HANDOVER_BENCH_LOG")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| dir.path().join("broker.log"));
+    let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
+    let mut child = std::process::Command::new(binary)
+        .arg("serve")
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--gateway-url", &mock.gw.url(), "--token", BENCH_TOKEN])
+        .args(["--no-device-identity", "--shutdown-timeout", "5"])
+        .env("HOME", dir.path())
+        .env_remove("CLAWMUX_CONFIG")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let result = measure(n, rounds, &socket, &mock).await;
+    // The last instance is not our child (after the first handover).
+    if let Some(s) = state(&socket).await {
+        if let Some(pid) = s["broker"]["pid"].as_u64() {
+            signal(pid as u32, rustix::process::Signal::KILL);
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    result
+}
+
+async fn measure(
+    n: usize,
+    rounds: usize,
+    socket: &Path,
+    mock: &MockThread,
+) -> Result<Pauses, String> {
+    until("the broker", Duration::from_secs(20), async || {
+        state(socket)
+            .await
+            .filter(|s| s["upstream"]["phase"] == "ready")
+    })
+    .await?;
+    let readers: Arc<Vec<Reader>> = Arc::new((0..n).map(|_| Reader::default()).collect());
+    let lost = Arc::new(AtomicUsize::new(0));
+    for i in 0..n {
+        let stream = UnixStream::connect(socket)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut ws = clients::handshake(stream, Some(BENCH_TOKEN)).await?;
+        let readers = Arc::clone(&readers);
+        let lost = Arc::clone(&lost);
+        tokio::spawn(async move {
+            while let Some(Ok(msg)) = ws.next().await {
+                let Message::Text(text) = msg else { continue };
+                if !text.as_str().contains("\"bench.tick\"") {
+                    continue;
+                }
+                let now = now_ns();
+                let r = &readers[i];
+                let prev = r.last_ns.swap(now, Ordering::Relaxed);
+                if prev > 0 {
+                    r.max_gap_ns.fetch_max(now - prev, Ordering::Relaxed);
+                }
+            }
+            lost.fetch_add(1, Ordering::Relaxed);
+        });
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let gw = mock.gw.clone();
+        let stop = Arc::clone(&stop);
+        mock.handle.spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(TICK_MS));
+            // Bounded: at most ten minutes of events.
+            for seq in 0..(600_000 / TICK_MS) {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                tick.tick().await;
+                gw.broadcast("bench.tick", json!({ "n": seq }));
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut gaps = Vec::new();
+    let mut took = Vec::new();
+    for _ in 0..rounds {
+        let pid = until("the broker's pid", Duration::from_secs(10), async || {
+            state(socket).await?["broker"]["pid"].as_u64()
+        })
+        .await?;
+        for r in readers.iter() {
+            r.max_gap_ns.store(0, Ordering::Relaxed);
+        }
+        let signalled = Instant::now();
+        signal(pid as u32, rustix::process::Signal::USR2);
+        until("the new instance", Duration::from_secs(30), async || {
+            state(socket)
+                .await
+                .filter(|s| s["broker"]["pid"].as_u64().is_some_and(|p| p != pid))
+        })
+        .await?;
+        took.push(signalled.elapsed());
+        // Every client is served by the new instance and receiving again.
+        let receiving = until(
+            "every client receiving",
+            Duration::from_secs(30),
+            async || {
+                let since = now_ns();
+                tokio::time::sleep(Duration::from_millis(4 * TICK_MS)).await;
+                let silent = readers
+                    .iter()
+                    .filter(|r| r.last_ns.load(Ordering::Relaxed) <= since)
+                    .count();
+                (silent <= lost.load(Ordering::Relaxed)).then_some(())
+            },
+        )
+        .await;
+        if let Err(e) = receiving {
+            let since = now_ns();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let silent = readers
+                .iter()
+                .filter(|r| r.last_ns.load(Ordering::Relaxed) <= since)
+                .count();
+            return Err(format!(
+                "{e}: {silent} of {n} silent, {} connections ended",
+                lost.load(Ordering::Relaxed)
+            ));
+        }
+        let gap = readers
+            .iter()
+            .map(|r| r.max_gap_ns.load(Ordering::Relaxed))
+            .max()
+            .unwrap_or(0);
+        gaps.push(Duration::from_nanos(gap));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let _ = producer.await;
+    Ok(Pauses {
+        clients: n,
+        gaps,
+        took,
+        lost: lost.load(Ordering::Relaxed),
+    })
+}
+
+fn quantile(sorted: &[Duration], q: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted.get(i).copied().unwrap_or_default()
+}
+
+/// Prints the run as a Markdown table.
+pub fn print(p: &Pauses) {
+    let ms = |d: Duration| format!("{:.0} ms", d.as_secs_f64() * 1e3);
+    let mut gaps = p.gaps.clone();
+    gaps.sort();
+    let mut took = p.took.clone();
+    took.sort();
+    println!(
+        "\n### Handover (SIGUSR2) with {} connected clients\n",
+        p.clients
+    );
+    println!(
+        "An event every {TICK_MS} ms from the double; {} handovers in a row.\n",
+        p.gaps.len()
+    );
+    println!("| figure | p50 | p99 | max |");
+    println!("|---|---|---|---|");
+    println!(
+        "| largest delivery gap any client saw, per handover | {} | {} | {} |",
+        ms(quantile(&gaps, 0.5)),
+        ms(quantile(&gaps, 0.99)),
+        ms(*gaps.last().unwrap_or(&Duration::ZERO))
+    );
+    println!(
+        "| SIGUSR2 → the new instance answers | {} | {} | {} |",
+        ms(quantile(&took, 0.5)),
+        ms(quantile(&took, 0.99)),
+        ms(*took.last().unwrap_or(&Duration::ZERO))
+    );
+    println!("\nclients whose connection ended: {}", p.lost);
+}

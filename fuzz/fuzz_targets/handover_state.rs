@@ -1,0 +1,30 @@
+//! A handover's state and clients documents (`clawmux::handover`): what a
+//! new instance reads from the memfds the old one (or systemd's store)
+//! passed. A document from another version, or damaged, must be refused,
+//! never half taken.
+//!
+//! Property: parsing never panics; a document that parses names each
+//! descriptor once, its main listener (if any) under the main name, and
+//! comes back unchanged after being written and parsed again.
+#![no_main]
+
+use clawmux::handover::clients::Clients;
+use clawmux::handover::state::{State, MAIN_LISTENER};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(state) = State::parse(data) {
+        let mut names: Vec<&str> = state.listeners.iter().map(|l| l.fd_name.as_str()).collect();
+        names.sort_unstable();
+        assert!(names.windows(2).all(|w| w[0] != w[1]), "a name twice: {names:?}");
+        for l in &state.listeners {
+            assert_eq!(l.policy.is_none(), l.fd_name == MAIN_LISTENER, "{l:?}");
+        }
+        let again = State::parse(&serde_json::to_vec(&state).unwrap()).expect("round trip");
+        assert_eq!(again, state);
+    }
+    if let Ok(clients) = Clients::parse(data) {
+        let again = Clients::parse(&serde_json::to_vec(&clients).unwrap()).expect("round trip");
+        assert_eq!(again, clients);
+    }
+});
