@@ -34,6 +34,7 @@ mod install_service;
 mod interop;
 mod interop_dedicated;
 mod interop_diff;
+mod interop_handover;
 mod interop_hud;
 mod interop_scopes;
 mod least_privilege;
