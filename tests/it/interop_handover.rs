@@ -37,25 +37,27 @@ async fn sigusr2_keeps_a_client_of_the_real_gateway_connected() {
     gw.wait_ready(FIRST_START).await;
     let socket = dir.path().join("c.sock");
     let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
-    let mut first = std::process::Command::new(env!("CARGO_BIN_EXE_clawmux"))
-        .arg("serve")
-        .arg("--socket")
-        .arg(&socket)
-        .args([
-            "--gateway-url",
-            &format!("ws://127.0.0.1:{port}"),
-            "--token",
-            TOKEN,
-        ])
-        .env("HOME", dir.path())
-        .env("XDG_STATE_HOME", dir.path().join("state"))
-        .env_remove("CLAWMUX_CONFIG")
-        .env_remove("NOTIFY_SOCKET")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
+    let mut first = crate::support::ChildGuard(
+        std::process::Command::new(env!("CARGO_BIN_EXE_clawmux"))
+            .arg("serve")
+            .arg("--socket")
+            .arg(&socket)
+            .args([
+                "--gateway-url",
+                &format!("ws://127.0.0.1:{port}"),
+                "--token",
+                TOKEN,
+            ])
+            .env("HOME", dir.path())
+            .env("XDG_STATE_HOME", dir.path().join("state"))
+            .env_remove("CLAWMUX_CONFIG")
+            .env_remove("NOTIFY_SOCKET")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    );
     let broker_log = || std::fs::read_to_string(dir.path().join("broker.log")).unwrap_or_default();
     let deadline = Instant::now() + ANSWER;
     while !socket.exists() {
@@ -92,7 +94,7 @@ async fn sigusr2_keeps_a_client_of_the_real_gateway_connected() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         if round == 1 {
-            let status = first.wait().unwrap();
+            let status = first.0.wait().unwrap();
             assert!(status.success(), "{status}\n{}", broker_log());
         }
         pid = next;
