@@ -621,3 +621,53 @@ async fn a_stored_state_this_version_cannot_read_starts_fresh() {
 }
 
 use std::os::unix::fs::FileExt;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_in_flight_at_a_handover_is_answered_once() {
+    let mut cfg = mock_config();
+    // A run long enough to be in flight when the broker hands over.
+    cfg.run_step_delay = Duration::from_millis(300);
+    let gw = MockGateway::start(cfg).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+    let log = log_to(&mut cmd, dir.path());
+    let mut first = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let pid = broker_pid(&socket).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    let key = uuid::Uuid::new_v4().to_string();
+    client
+        .send_json(
+            &serde_json::json!({"type": "req", "id": "run1", "method": "agent",
+            "params": {"message": "go", "idempotencyKey": key}}),
+        )
+        .await;
+    let accepted = client.response("run1").await;
+    assert_eq!(accepted["payload"]["status"], "accepted", "{accepted}");
+    signal_pid(pid, rustix::process::Signal::USR2);
+    assert!(
+        exits_with(&mut first.0).await.success(),
+        "{}",
+        log_text(&log)
+    );
+    let next = broker_pid(&socket).await;
+    let _next = Pid(next);
+    // The run's final answer died with the old gateway session: the client
+    // is told so once, with `sent: true` (it ran, or may have).
+    let last = client.response("run1").await;
+    assert_eq!(last["ok"], false, "{last}");
+    assert_eq!(last["error"]["details"]["sent"], true, "{last}");
+    // Nothing more for run1: a later request's answer comes after anything
+    // queued before it.
+    let res = client.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+    let resent = client
+        .events
+        .iter()
+        .filter(|v| v["type"] == "res" && v["id"] == "run1")
+        .count();
+    assert_eq!(resent, 0, "run1 answered more than once");
+}
