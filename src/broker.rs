@@ -124,8 +124,6 @@ pub struct Released {
     held: Vec<HeldListener>,
     /// The clients stopped for the next instance.
     parcels: Vec<crate::context::Parcel>,
-    /// Whether the stop finished within its deadline.
-    pub clean: bool,
 }
 
 impl Released {
@@ -454,9 +452,12 @@ impl RunningBroker {
         }
         // 2. The sessions end: each request still in flight is answered
         //    (failed, with whether it was sent) into its client's queue.
-        let clean = self
+        if !self
             .stop_serving(until - tokio::time::Instant::now(), None)
-            .await;
+            .await
+        {
+            tracing::warn!("handover: the stop did not finish within its deadline");
+        }
         let parcels = self.ctx.handoff.take();
         tracing::info!(clients = parcels.len(), "handover: clients ready to move");
         Released {
@@ -465,7 +466,6 @@ impl RunningBroker {
             policy_guards: self._policy_guards,
             held: self.held,
             parcels,
-            clean,
         }
     }
 

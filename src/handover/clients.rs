@@ -260,17 +260,3 @@ pub fn restore(
     }
     taken
 }
-
-/// Checks a document and its descriptors before anything is taken: every
-/// client named has its socket (whole or not at all).
-pub fn check(clients: &Clients, fds: &HashMap<u64, OwnedFd>) -> Result<(), Unreadable> {
-    for c in &clients.clients {
-        if !fds.contains_key(&c.id) {
-            return Err(Unreadable::Invalid(format!(
-                "{} was not passed",
-                client_fd_name(c.id)
-            )));
-        }
-    }
-    Ok(())
-}

@@ -96,6 +96,19 @@ fn log_text(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
+/// `clawmux serve` from `program` against the double at `gateway`, its log
+/// in a file, once its gateway session is ready: (the child, the socket,
+/// the log).
+async fn serve_ready(program: &Path, dir: &Path, gateway: &str) -> (ChildGuard, PathBuf, PathBuf) {
+    let socket = dir.join("c.sock");
+    let mut cmd = serve_command(program, dir, &socket, gateway);
+    let log = log_to(&mut cmd, dir);
+    let child = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    (child, socket, log)
+}
+
 async fn broker_pid(socket: &Path) -> u32 {
     state(socket).await["broker"]["pid"].as_u64().unwrap() as u32
 }
@@ -151,12 +164,7 @@ async fn exits_with(child: &mut std::process::Child) -> std::process::ExitStatus
 async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_refused() {
     let gw = MockGateway::start(mock_config()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
-    let log = log_to(&mut cmd, dir.path());
-    let mut first = ChildGuard(cmd.spawn().unwrap());
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
     let mut pid = broker_pid(&socket).await;
     assert_eq!(pid, first.0.id());
     let mut client = WsClient::open(&socket, "/ws").await;
@@ -306,13 +314,8 @@ fn replace_with_script(path: &Path, script: &str) {
 async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_takes_over() {
     let gw = MockGateway::start(mock_config()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
     let program = copied_binary(dir.path());
-    let mut cmd = serve_command(&program, dir.path(), &socket, &gw.url());
-    let log = log_to(&mut cmd, dir.path());
-    let mut old = ChildGuard(cmd.spawn().unwrap());
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
+    let (mut old, socket, log) = serve_ready(&program, dir.path(), &gw.url()).await;
     let mut client = WsClient::open(&socket, "/ws").await;
     client.handshake().await;
 
@@ -629,12 +632,7 @@ async fn a_run_in_flight_at_a_handover_is_answered_once() {
     cfg.run_step_delay = Duration::from_millis(300);
     let gw = MockGateway::start(cfg).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
-    let log = log_to(&mut cmd, dir.path());
-    let mut first = ChildGuard(cmd.spawn().unwrap());
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
     let pid = broker_pid(&socket).await;
     let mut client = WsClient::open(&socket, "/ws").await;
     client.handshake().await;
