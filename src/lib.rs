@@ -72,6 +72,7 @@
 //! mock-gateway` and `clawmux serve --demo`.
 
 pub mod activity;
+pub mod boundary;
 pub mod bounds;
 pub mod broker;
 pub mod cli;

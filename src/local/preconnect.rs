@@ -50,12 +50,14 @@ impl PreconnectBudget {
     }
 }
 
+use crate::boundary::Follower;
+pub use crate::boundary::Pause;
 /// A frame whose payload is larger than this does not fit the idle read
 /// buffer (`read_buffer_size`, 2 KiB): its header is handed to the parser
-/// alone ([`FrameCursor`]), so the parser's buffer for it holds exactly the
+/// alone (`crate::boundary::FrameCursor`), so the parser's buffer for it holds exactly the
 /// payload and can be given back once the frame is handled
 /// ([`ReleaseReadBuffer`]).
-pub const LARGE_FRAME_BYTES: u64 = 2 * 1024;
+pub use crate::boundary::LARGE_FRAME_BYTES;
 
 /// An I/O object whose reads stop at the budget, and stop at the end of a
 /// large frame's header.
@@ -63,44 +65,10 @@ pub const LARGE_FRAME_BYTES: u64 = 2 * 1024;
 pub struct Limited<T> {
     inner: T,
     budget: PreconnectBudget,
-    frames: FrameCursor,
-    /// Bytes read from the socket after a large frame's header and held
-    /// back (at most one read, ≤ 2 KiB): handed to the parser next.
-    held_back: Vec<u8>,
-    /// A data message has begun and its final frame has not ended yet.
-    in_message: bool,
-    /// Set for a handover: hand the parser nothing past the end of the
-    /// current message, and read no more ([`Pause`]).
-    pause: Pause,
-}
-
-/// Stops a [`Limited`] reader at the next message boundary for a handover
-/// (design §11: stop reading at a frame the parser has whole): what the
-/// socket gave beyond it stays in `held_back`, the bytes the next instance
-/// feeds its own parser first.
-#[derive(Debug, Clone, Default)]
-pub struct Pause(Arc<PauseState>);
-
-#[derive(Debug, Default)]
-struct PauseState {
-    requested: std::sync::atomic::AtomicBool,
-    /// The parser has been handed whole messages only.
-    at_boundary: std::sync::atomic::AtomicBool,
-}
-
-impl Pause {
-    pub fn request(&self) {
-        self.0.requested.store(true, Ordering::SeqCst);
-    }
-
-    fn requested(&self) -> bool {
-        self.0.requested.load(Ordering::SeqCst)
-    }
-
-    /// Whether everything handed to the parser ends with a whole message.
-    pub fn at_boundary(&self) -> bool {
-        self.0.at_boundary.load(Ordering::SeqCst)
-    }
+    /// The client's frames (a large frame's header is handed over alone),
+    /// and for a handover the pause at the end of the current message
+    /// ([`Pause`], design §11).
+    follow: Follower,
 }
 
 impl<T> Limited<T> {
@@ -112,177 +80,43 @@ impl<T> Limited<T> {
     /// previous instance and not handed to its parser (they start at a
     /// message boundary, so the frames are followed from there).
     pub fn with_unread(inner: T, budget: PreconnectBudget, unread: Vec<u8>) -> Self {
-        let pause = Pause::default();
-        // Nothing handed to the parser yet: a boundary.
-        pause.0.at_boundary.store(true, Ordering::SeqCst);
         Limited {
             inner,
             budget,
-            frames: FrameCursor::default(),
-            held_back: unread,
-            in_message: false,
-            pause,
+            follow: Follower::new(unread, true),
         }
     }
 
     /// The handle that pauses this reader at a message boundary.
     pub fn pause(&self) -> Pause {
-        self.pause.clone()
+        self.follow.pause()
     }
 
     /// After a pause: the bytes read from the socket and not handed to the
     /// parser (the start of the client's next message, if any).
     pub fn take_unread(&mut self) -> Vec<u8> {
-        std::mem::take(&mut self.held_back)
-    }
-
-    /// Follows `bytes` about to be handed to the parser (see
-    /// [`FrameCursor::advance`]); when paused, stops at the end of the
-    /// current message.
-    fn advance(&mut self, bytes: &[u8]) -> usize {
-        let stop_at_message_end = self.pause.requested();
-        let mut i = 0;
-        while i < bytes.len() {
-            if stop_at_message_end && self.at_message_boundary() {
-                break;
-            }
-            let n = self.frames.advance_one(&bytes[i..], &mut self.in_message);
-            i += n.taken;
-            if n.stop {
-                break;
-            }
-        }
-        self.pause
-            .0
-            .at_boundary
-            .store(self.at_message_boundary(), Ordering::SeqCst);
-        i
-    }
-
-    fn at_message_boundary(&self) -> bool {
-        matches!(self.frames, FrameCursor::Header0) && !self.in_message
+        self.follow.take_unread()
     }
 }
 
-/// What one step of [`FrameCursor::advance_one`] did.
-struct Advanced {
-    taken: usize,
-    /// A large frame's header ended here: hand it over alone.
-    stop: bool,
-}
+// Why a large frame's header goes to the parser alone (see
+// `crate::boundary::FrameCursor`): tungstenite reserves a whole frame's
+// payload in its read buffer as soon as it has the header, reads the
+// payload into it, and splits the payload off the front; the rest of that
+// allocation stays its read buffer, so one 25 MiB request kept 25 MiB for
+// the life of the connection (issue 30: 80 clients pinned 2,003 MiB). It
+// offers no way to shrink the buffer (0.28, and 0.29 alike). But
+// `BytesMut`, when it must grow while the allocation is shared, moves to a
+// fresh one of its original (idle) size and lets go of the old one. So: a
+// large frame's header is handed over alone (the payload bytes read with it
+// are held back), the reservation is then exactly the payload and nothing
+// of the next frame lands in it; and the session keeps the payload
+// ([`ReleaseReadBuffer`]) until the parser's next read has moved to a fresh
+// buffer. Both steps are plain safe code; if a later tungstenite or bytes
+// changes either behaviour, the buffer is merely kept again, and
+// `a_large_request_does_not_pin_its_read_buffer` fails.
 
-/// Where the bytes handed to the parser are in the client's frames
-/// (RFC 6455 §5.2). Only frame boundaries are tracked; the parser checks
-/// everything else.
-///
-/// Why: tungstenite reserves a whole frame's payload in its read buffer as
-/// soon as it has the header, reads the payload into it, and splits the
-/// payload off the front; the rest of that allocation stays its read
-/// buffer, so one 25 MiB request kept 25 MiB for the life of the
-/// connection (issue 30: 80 clients pinned 2,003 MiB). It offers no way to
-/// shrink the buffer (0.28, and 0.29 alike). But `BytesMut`, when it must
-/// grow while the allocation is shared, moves to a fresh one of its
-/// original (idle) size and lets go of the old one. So: a large frame's
-/// header is handed over alone (the payload bytes read with it wait in
-/// `held_back`), the reservation is then exactly the payload and nothing of
-/// the next frame lands in it; and the session keeps the payload
-/// ([`ReleaseReadBuffer`]) until the parser's next read has moved to a
-/// fresh buffer. Both steps are plain safe code; if a later tungstenite or
-/// bytes changes either behaviour, the buffer is merely kept again, and
-/// `a_large_request_does_not_pin_its_read_buffer` fails.
-#[derive(Debug, Default)]
-enum FrameCursor {
-    /// Reading a header: its bytes so far.
-    #[default]
-    Header0,
-    Header {
-        bytes: [u8; 14],
-        len: usize,
-    },
-    /// Reading a payload: bytes left.
-    Payload(u64),
-}
-
-impl FrameCursor {
-    /// Follows `bytes` about to be handed to the parser up to the end of
-    /// the current frame (or of a large frame's header: it is handed over
-    /// alone). `in_message` follows data messages across frames: set by a
-    /// data frame without FIN, cleared by one with FIN (control frames,
-    /// which may come between fragments, leave it).
-    fn advance_one(&mut self, bytes: &[u8], in_message: &mut bool) -> Advanced {
-        let mut i = 0;
-        while i < bytes.len() {
-            match self {
-                FrameCursor::Payload(left) => {
-                    let take = (*left).min((bytes.len() - i) as u64);
-                    i += take as usize;
-                    *left -= take;
-                    if *left == 0 {
-                        *self = FrameCursor::Header0;
-                        return Advanced {
-                            taken: i,
-                            stop: false,
-                        };
-                    }
-                }
-                FrameCursor::Header0 => {
-                    *self = FrameCursor::Header {
-                        bytes: [0; 14],
-                        len: 0,
-                    };
-                }
-                FrameCursor::Header { bytes: head, len } => {
-                    head[*len] = bytes[i];
-                    *len += 1;
-                    i += 1;
-                    let Some(payload) = header_payload_len(&head[..*len]) else {
-                        continue;
-                    };
-                    let (fin, control) = (head[0] & 0x80 != 0, head[0] & 0x08 != 0);
-                    if !control {
-                        *in_message = !fin;
-                    }
-                    *self = if payload == 0 {
-                        FrameCursor::Header0
-                    } else {
-                        FrameCursor::Payload(payload)
-                    };
-                    let stop = payload > LARGE_FRAME_BYTES && i < bytes.len();
-                    if payload == 0 || stop {
-                        return Advanced { taken: i, stop };
-                    }
-                }
-            }
-        }
-        Advanced {
-            taken: bytes.len(),
-            stop: false,
-        }
-    }
-}
-
-/// The payload length once `head` is a whole frame header, else `None`.
-fn header_payload_len(head: &[u8]) -> Option<u64> {
-    if head.len() < 2 {
-        return None;
-    }
-    let mask = if head[1] & 0x80 != 0 { 4 } else { 0 };
-    let (ext, payload) = match head[1] & 0x7f {
-        126 => (2, None),
-        127 => (8, None),
-        n => (0, Some(u64::from(n))),
-    };
-    if head.len() < 2 + ext + mask {
-        return None;
-    }
-    Some(payload.unwrap_or_else(|| {
-        head[2..2 + ext]
-            .iter()
-            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b))
-    }))
-}
-
-/// Gives a large frame's read buffer back (see [`FrameCursor`]): keeps the
+/// Gives a large frame's read buffer back (see `crate::boundary`): keeps the
 /// last large payload the parser returned until the parser has been polled
 /// again, which moves its buffer to a fresh, idle-sized allocation while
 /// the old one is still shared.
@@ -359,71 +193,49 @@ impl<T: AsyncRead + Unpin> AsyncRead for Limited<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        if this.pause.requested() && this.at_message_boundary() {
-            // Paused for a handover: the rest is the next instance's. (No
-            // wake-up is registered: the handover polls the session itself.)
-            return Poll::Pending;
-        }
-        if !this.held_back.is_empty() {
-            let n = buf.remaining().min(this.held_back.len());
-            let held = std::mem::take(&mut this.held_back);
-            let n = this.advance(&held[..n]);
-            buf.put_slice(&held[..n]);
-            if n < held.len() {
-                this.held_back = held[n..].to_vec();
-            }
-            return Poll::Ready(Ok(()));
-        }
-        let start = buf.filled().len();
-        let polled = this.poll_read_socket(cx, buf);
-        if let Poll::Ready(Ok(())) = &polled {
-            let read = &buf.filled()[start..];
-            let n = this.advance(read);
-            if n < read.len() {
-                this.held_back = read[n..].to_vec();
-                buf.set_filled(start + n);
-            }
-        }
-        polled
+        let Limited {
+            inner,
+            budget,
+            follow,
+        } = &mut *self;
+        follow.poll_read(cx, buf, |cx, buf| poll_read_socket(inner, budget, cx, buf))
     }
 }
 
-impl<T: AsyncRead + Unpin> Limited<T> {
-    fn poll_read_socket(
-        &mut self,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let left = self.budget.0.load(Ordering::Relaxed);
-        if left == 0 {
-            // The session closes `1009` on it (see `ws_errors::classify`).
-            return Poll::Ready(Err(OverBudget.into()));
-        }
-        if left == u64::MAX {
-            return Pin::new(&mut self.inner).poll_read(cx, buf);
-        }
-        let room = buf
-            .remaining()
-            .min(usize::try_from(left).unwrap_or(usize::MAX));
-        let mut limited = buf.take(room);
-        let res = Pin::new(&mut self.inner).poll_read(cx, &mut limited);
-        let n = limited.filled().len();
-        if let Poll::Ready(Ok(())) = &res {
-            // SAFETY: `limited` reads into `buf`'s unfilled part, so these
-            // `n` bytes of `buf` were initialized and filled by the inner read.
-            unsafe { buf.assume_init(n) };
-            buf.advance(n);
-            // Lifted meanwhile? Then u64::MAX stays (fetch_update keeps it).
-            let _ = self
-                .budget
-                .0
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
-                    (b != u64::MAX).then(|| b.saturating_sub(n as u64))
-                });
-        }
-        res
+/// A read from the socket, within the pre-`connect` budget.
+fn poll_read_socket<T: AsyncRead + Unpin>(
+    inner: &mut T,
+    budget: &PreconnectBudget,
+    cx: &mut Context<'_>,
+    buf: &mut ReadBuf<'_>,
+) -> Poll<io::Result<()>> {
+    let left = budget.0.load(Ordering::Relaxed);
+    if left == 0 {
+        // The session closes `1009` on it (see `ws_errors::classify`).
+        return Poll::Ready(Err(OverBudget.into()));
     }
+    if left == u64::MAX {
+        return Pin::new(inner).poll_read(cx, buf);
+    }
+    let room = buf
+        .remaining()
+        .min(usize::try_from(left).unwrap_or(usize::MAX));
+    let mut limited = buf.take(room);
+    let res = Pin::new(inner).poll_read(cx, &mut limited);
+    let n = limited.filled().len();
+    if let Poll::Ready(Ok(())) = &res {
+        // SAFETY: `limited` reads into `buf`'s unfilled part, so these
+        // `n` bytes of `buf` were initialized and filled by the inner read.
+        unsafe { buf.assume_init(n) };
+        buf.advance(n);
+        // Lifted meanwhile? Then u64::MAX stays (fetch_update keeps it).
+        let _ = budget
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                (b != u64::MAX).then(|| b.saturating_sub(n as u64))
+            });
+    }
+    res
 }
 
 impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
@@ -468,24 +280,6 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
 mod tests {
     use super::*;
 
-    /// A masked client frame header with a payload of `len` bytes.
-    fn header(len: u64) -> Vec<u8> {
-        let mut h = vec![0x81];
-        match len {
-            0..=125 => h.push(0x80 | len as u8),
-            126..=0xffff => {
-                h.push(0x80 | 126);
-                h.extend_from_slice(&(len as u16).to_be_bytes());
-            }
-            _ => {
-                h.push(0x80 | 127);
-                h.extend_from_slice(&len.to_be_bytes());
-            }
-        }
-        h.extend_from_slice(&[1, 2, 3, 4]);
-        h
-    }
-
     /// After a large frame, the parser's read buffer no longer shares the
     /// frame's allocation once it has been polled again: when the frame is
     /// dropped, its memory is freed (issue 30: the buffer kept it for the
@@ -526,23 +320,6 @@ mod tests {
                 kept.is_unique(),
                 "round {round}: the read buffer still holds the frame's allocation"
             );
-        }
-    }
-
-    impl FrameCursor {
-        /// All of `bytes` that may be handed over now (as the reader does
-        /// when not paused).
-        fn advance(&mut self, bytes: &[u8]) -> usize {
-            let mut in_message = false;
-            let mut i = 0;
-            while i < bytes.len() {
-                let n = self.advance_one(&bytes[i..], &mut in_message);
-                i += n.taken;
-                if n.stop {
-                    break;
-                }
-            }
-            i
         }
     }
 
@@ -598,40 +375,5 @@ mod tests {
             next,
             "the next message is the next instance's"
         );
-    }
-
-    /// Small frames pass whole, however they are split; a large frame's
-    /// header is cut from the payload bytes read with it, and the frame
-    /// after the large one is found again.
-    #[test]
-    fn a_large_frame_header_is_handed_over_alone() {
-        let mut stream = Vec::new();
-        for len in [5u64, 125, 126, 2000] {
-            stream.extend(header(len));
-            stream.extend(std::iter::repeat_n(b'a', len as usize));
-        }
-        let mut cursor = FrameCursor::default();
-        for piece in stream.chunks(7) {
-            assert_eq!(
-                cursor.advance(piece),
-                piece.len(),
-                "small frames pass whole"
-            );
-        }
-        let big = 16u64 << 20;
-        let mut read = header(big);
-        let head = read.len();
-        read.extend(std::iter::repeat_n(b'b', 100));
-        let mut cursor = FrameCursor::default();
-        assert_eq!(cursor.advance(&read), head, "the header alone");
-        assert_eq!(cursor.advance(&read[head..]), 100);
-        // The rest of the payload, then a small frame: whole again.
-        let mut rest = vec![b'b'; (big - 100) as usize];
-        rest.extend(header(3));
-        rest.extend(b"xyz");
-        assert_eq!(cursor.advance(&rest), rest.len());
-        assert!(matches!(cursor, FrameCursor::Header0));
-        assert_eq!(header_payload_len(&header(70_000)), Some(70_000));
-        assert_eq!(header_payload_len(&header(70_000)[..5]), None);
     }
 }

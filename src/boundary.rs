@@ -1,0 +1,357 @@
+//! Following a WebSocket byte stream's frames under its parser (RFC 6455
+//! §5.2), so that a reader can stop at a message boundary and its
+//! connection can move to the broker's next instance with the bytes read
+//! past that boundary (design §11, a handover). Local clients
+//! (`local::preconnect::Limited`) and the gateway socket
+//! (`upstream::movable`) both read through a [`Follower`].
+//!
+//! Only frame boundaries are tracked; the parser above checks everything
+//! else. Hand-written: no crate follows frame boundaries beneath
+//! tungstenite, which reads ahead into its own buffer.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tokio::io::ReadBuf;
+
+/// A frame whose payload is larger than this is "large": a [`Follower`]
+/// built with `split_large` hands its header to the parser alone (see
+/// `local::preconnect`: the parser's buffer for it then holds exactly the
+/// payload and can be given back once the frame is handled).
+pub const LARGE_FRAME_BYTES: u64 = 2 * 1024;
+
+/// Stops a [`Follower`] at the next message boundary for a handover: what
+/// the socket gave beyond it stays unread, the bytes the next instance
+/// feeds its own parser first.
+#[derive(Debug, Clone, Default)]
+pub struct Pause(Arc<PauseState>);
+
+#[derive(Debug, Default)]
+struct PauseState {
+    requested: AtomicBool,
+    /// The parser has been handed whole messages only.
+    at_boundary: AtomicBool,
+}
+
+impl Pause {
+    pub fn request(&self) {
+        self.0.requested.store(true, Ordering::SeqCst);
+    }
+
+    fn requested(&self) -> bool {
+        self.0.requested.load(Ordering::SeqCst)
+    }
+
+    /// Whether everything handed to the parser ends with a whole message.
+    pub fn at_boundary(&self) -> bool {
+        self.0.at_boundary.load(Ordering::SeqCst)
+    }
+}
+
+/// Where the bytes handed to the parser are in the peer's frames.
+#[derive(Debug, Default)]
+pub(crate) enum FrameCursor {
+    /// Reading a header: its bytes so far.
+    #[default]
+    Header0,
+    Header {
+        bytes: [u8; 14],
+        len: usize,
+    },
+    /// Reading a payload: bytes left.
+    Payload(u64),
+}
+
+/// What one step of [`FrameCursor::advance_one`] did.
+pub(crate) struct Advanced {
+    pub taken: usize,
+    /// A large frame's header ended here: hand it over alone.
+    pub stop: bool,
+}
+
+impl FrameCursor {
+    /// Follows `bytes` about to be handed to the parser up to the end of
+    /// the current frame (or of a large frame's header). `in_message`
+    /// follows data messages across frames: set by a data frame without
+    /// FIN, cleared by one with FIN (control frames, which may come between
+    /// fragments, leave it).
+    pub(crate) fn advance_one(&mut self, bytes: &[u8], in_message: &mut bool) -> Advanced {
+        let mut i = 0;
+        while i < bytes.len() {
+            match self {
+                FrameCursor::Payload(left) => {
+                    let take = (*left).min((bytes.len() - i) as u64);
+                    i += take as usize;
+                    *left -= take;
+                    if *left == 0 {
+                        *self = FrameCursor::Header0;
+                        return Advanced {
+                            taken: i,
+                            stop: false,
+                        };
+                    }
+                }
+                FrameCursor::Header0 => {
+                    *self = FrameCursor::Header {
+                        bytes: [0; 14],
+                        len: 0,
+                    };
+                }
+                FrameCursor::Header { bytes: head, len } => {
+                    head[*len] = bytes[i];
+                    *len += 1;
+                    i += 1;
+                    let Some(payload) = header_payload_len(&head[..*len]) else {
+                        continue;
+                    };
+                    let (fin, control) = (head[0] & 0x80 != 0, head[0] & 0x08 != 0);
+                    if !control {
+                        *in_message = !fin;
+                    }
+                    *self = if payload == 0 {
+                        FrameCursor::Header0
+                    } else {
+                        FrameCursor::Payload(payload)
+                    };
+                    let stop = payload > LARGE_FRAME_BYTES && i < bytes.len();
+                    if payload == 0 || stop {
+                        return Advanced { taken: i, stop };
+                    }
+                }
+            }
+        }
+        Advanced {
+            taken: bytes.len(),
+            stop: false,
+        }
+    }
+}
+
+/// The payload length once `head` is a whole frame header (masked or not),
+/// else `None`.
+pub(crate) fn header_payload_len(head: &[u8]) -> Option<u64> {
+    if head.len() < 2 {
+        return None;
+    }
+    let mask = if head[1] & 0x80 != 0 { 4 } else { 0 };
+    let (ext, payload) = match head[1] & 0x7f {
+        126 => (2, None),
+        127 => (8, None),
+        n => (0, Some(u64::from(n))),
+    };
+    if head.len() < 2 + ext + mask {
+        return None;
+    }
+    Some(payload.unwrap_or_else(|| {
+        head[2..2 + ext]
+            .iter()
+            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b))
+    }))
+}
+
+/// Follows what a reader hands its WebSocket parser: frame by frame, and
+/// when paused ([`Pause`]), nothing past the end of the current message.
+#[derive(Debug)]
+pub struct Follower {
+    frames: FrameCursor,
+    /// A data message has begun and its final frame has not ended yet.
+    in_message: bool,
+    pause: Pause,
+    /// Bytes read from the socket and not handed to the parser yet: after a
+    /// large frame's header (at most one read), at a pause, or the unread
+    /// bytes a previous instance passed on.
+    held_back: Vec<u8>,
+    /// Hand a large frame's header to the parser alone.
+    split_large: bool,
+}
+
+impl Follower {
+    /// A follower whose first bytes are `unread`: read from the socket by
+    /// the previous instance and not handed to its parser (they start at a
+    /// message boundary, so the frames are followed from there).
+    pub fn new(unread: Vec<u8>, split_large: bool) -> Self {
+        let pause = Pause::default();
+        // Nothing handed to the parser yet: a boundary.
+        pause.0.at_boundary.store(true, Ordering::SeqCst);
+        Follower {
+            frames: FrameCursor::default(),
+            in_message: false,
+            pause,
+            held_back: unread,
+            split_large,
+        }
+    }
+
+    /// The handle that pauses this reader at a message boundary.
+    pub fn pause(&self) -> Pause {
+        self.pause.clone()
+    }
+
+    /// After a pause: the bytes read from the socket and not handed to the
+    /// parser (the start of the peer's next message, if any).
+    pub fn take_unread(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.held_back)
+    }
+
+    fn at_message_boundary(&self) -> bool {
+        matches!(self.frames, FrameCursor::Header0) && !self.in_message
+    }
+
+    /// How many of `bytes`, about to be handed to the parser, may be handed
+    /// now: up to a large frame's header (when splitting), and when paused
+    /// up to the end of the current message.
+    fn advance(&mut self, bytes: &[u8]) -> usize {
+        let stop_at_message_end = self.pause.requested();
+        let mut i = 0;
+        while i < bytes.len() {
+            if stop_at_message_end && self.at_message_boundary() {
+                break;
+            }
+            let n = self.frames.advance_one(&bytes[i..], &mut self.in_message);
+            i += n.taken;
+            if n.stop && self.split_large {
+                break;
+            }
+        }
+        self.pause
+            .0
+            .at_boundary
+            .store(self.at_message_boundary(), Ordering::SeqCst);
+        i
+    }
+
+    /// A read for the parser: the held-back bytes first, else
+    /// `read_socket`; whatever may not be handed over yet is held back.
+    /// Paused at a boundary, it stays `Pending` and registers no wake-up:
+    /// the handover polls the session itself.
+    pub fn poll_read(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+        read_socket: impl FnOnce(&mut Context<'_>, &mut ReadBuf<'_>) -> Poll<io::Result<()>>,
+    ) -> Poll<io::Result<()>> {
+        if self.pause.requested() && self.at_message_boundary() {
+            return Poll::Pending;
+        }
+        if !self.held_back.is_empty() {
+            let n = buf.remaining().min(self.held_back.len());
+            let held = std::mem::take(&mut self.held_back);
+            let n = self.advance(&held[..n]);
+            buf.put_slice(&held[..n]);
+            if n < held.len() {
+                self.held_back = held[n..].to_vec();
+            }
+            return Poll::Ready(Ok(()));
+        }
+        let start = buf.filled().len();
+        let polled = read_socket(cx, buf);
+        if let Poll::Ready(Ok(())) = &polled {
+            let read = &buf.filled()[start..];
+            let n = self.advance(read);
+            if n < read.len() {
+                self.held_back = read[n..].to_vec();
+                buf.set_filled(start + n);
+            }
+        }
+        polled
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A masked client frame header with a payload of `len` bytes.
+    fn header(len: u64) -> Vec<u8> {
+        let mut h = vec![0x81];
+        match len {
+            0..=125 => h.push(0x80 | len as u8),
+            126..=0xffff => {
+                h.push(0x80 | 126);
+                h.extend_from_slice(&(len as u16).to_be_bytes());
+            }
+            _ => {
+                h.push(0x80 | 127);
+                h.extend_from_slice(&len.to_be_bytes());
+            }
+        }
+        h.extend_from_slice(&[1, 2, 3, 4]);
+        h
+    }
+
+    impl FrameCursor {
+        /// All of `bytes` that may be handed over now (as the reader does
+        /// when not paused).
+        fn advance(&mut self, bytes: &[u8]) -> usize {
+            let mut in_message = false;
+            let mut i = 0;
+            while i < bytes.len() {
+                let n = self.advance_one(&bytes[i..], &mut in_message);
+                i += n.taken;
+                if n.stop {
+                    break;
+                }
+            }
+            i
+        }
+    }
+
+    /// Small frames pass whole, however they are split; a large frame's
+    /// header is cut from the payload bytes read with it, and the frame
+    /// after the large one is found again.
+    #[test]
+    fn a_large_frame_header_is_handed_over_alone() {
+        let mut stream = Vec::new();
+        for len in [5u64, 125, 126, 2000] {
+            stream.extend(header(len));
+            stream.extend(std::iter::repeat_n(b'a', len as usize));
+        }
+        let mut cursor = FrameCursor::default();
+        for piece in stream.chunks(7) {
+            assert_eq!(
+                cursor.advance(piece),
+                piece.len(),
+                "small frames pass whole"
+            );
+        }
+        let big = 16u64 << 20;
+        let mut read = header(big);
+        let head = read.len();
+        read.extend(std::iter::repeat_n(b'b', 100));
+        let mut cursor = FrameCursor::default();
+        assert_eq!(cursor.advance(&read), head, "the header alone");
+        assert_eq!(cursor.advance(&read[head..]), 100);
+        // The rest of the payload, then a small frame: whole again.
+        let mut rest = vec![b'b'; (big - 100) as usize];
+        rest.extend(header(3));
+        rest.extend(b"xyz");
+        assert_eq!(cursor.advance(&rest), rest.len());
+        assert!(matches!(cursor, FrameCursor::Header0));
+        assert_eq!(header_payload_len(&header(70_000)), Some(70_000));
+        assert_eq!(header_payload_len(&header(70_000)[..5]), None);
+    }
+
+    /// Unmasked (server) frames are followed too: a follower that does not
+    /// split large frames, paused inside a message, hands over the rest of
+    /// that message and keeps the next one, large or not.
+    #[test]
+    fn an_unmasked_stream_pauses_at_the_end_of_a_message() {
+        let frame = |payload: &[u8]| {
+            let mut f = vec![0x81, 126];
+            f.extend_from_slice(&(payload.len() as u16).to_be_bytes());
+            f.extend_from_slice(payload);
+            f
+        };
+        let first = frame(&[b'a'; 3000]);
+        let second = frame(&[b'b'; 3000]);
+        let mut follower = Follower::new(Vec::new(), false);
+        assert_eq!(follower.advance(&first[..10]), 10);
+        follower.pause().request();
+        let mut rest = first[10..].to_vec();
+        rest.extend(&second);
+        assert_eq!(follower.advance(&rest), first.len() - 10);
+        assert!(follower.pause().at_boundary());
+    }
+}
