@@ -165,6 +165,10 @@ pub struct Follower {
     held_back: Vec<u8>,
     /// Hand a large frame's header to the parser alone.
     split_large: bool,
+    /// Before the frames, an HTTP response's head is handed over (the
+    /// client side's upgrade, `101 Switching Protocols`): how much of its
+    /// terminating `\r\n\r\n` has been seen, until it is all (`None`).
+    http_head: Option<u8>,
 }
 
 impl Follower {
@@ -181,6 +185,18 @@ impl Follower {
             pause,
             held_back: unread,
             split_large,
+            http_head: None,
+        }
+    }
+
+    /// A follower for a socket that first reads the HTTP response to its
+    /// WebSocket upgrade: the response's head is handed over up to its end
+    /// and no further in one read (so the parser's handshake keeps no
+    /// frame bytes of its own), and the frames are followed from there.
+    pub fn after_http_response(split_large: bool) -> Self {
+        Follower {
+            http_head: Some(0),
+            ..Follower::new(Vec::new(), split_large)
         }
     }
 
@@ -203,6 +219,21 @@ impl Follower {
     /// now: up to a large frame's header (when splitting), and when paused
     /// up to the end of the current message.
     fn advance(&mut self, bytes: &[u8]) -> usize {
+        if let Some(seen) = &mut self.http_head {
+            const END: &[u8; 4] = b"\r\n\r\n";
+            for (i, &b) in bytes.iter().enumerate() {
+                *seen = if b == END[usize::from(*seen)] {
+                    *seen + 1
+                } else {
+                    u8::from(b == b'\r')
+                };
+                if *seen == 4 {
+                    self.http_head = None;
+                    return i + 1;
+                }
+            }
+            return bytes.len();
+        }
         let stop_at_message_end = self.pause.requested();
         let mut i = 0;
         while i < bytes.len() {
@@ -352,6 +383,32 @@ mod tests {
         let mut rest = first[10..].to_vec();
         rest.extend(&second);
         assert_eq!(follower.advance(&rest), first.len() - 10);
+        assert!(follower.pause().at_boundary());
+    }
+
+    /// On the client side of an upgrade, the HTTP response's head is
+    /// handed over alone, however it is split, and the frames after it are
+    /// followed from their first byte.
+    #[test]
+    fn the_upgrade_response_is_handed_over_up_to_its_end() {
+        let head = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n";
+        let mut wire = head.to_vec();
+        wire.extend([0x81, 3, b'a', b'b', b'c']);
+        let mut follower = Follower::after_http_response(false);
+        assert_eq!(follower.advance(&wire[..20]), 20);
+        assert_eq!(
+            follower.advance(&wire[20..]),
+            head.len() - 20,
+            "the head, no frame"
+        );
+        assert_eq!(follower.advance(&wire[head.len()..head.len() + 2]), 2);
+        assert!(!follower.pause().at_boundary(), "inside the first frame");
+        follower.pause().request();
+        assert_eq!(
+            follower.advance(&wire[head.len() + 2..]),
+            3,
+            "the rest of it"
+        );
         assert!(follower.pause().at_boundary());
     }
 }

@@ -31,7 +31,13 @@ pub struct Core {
 impl Core {
     /// Builds the core and starts the main session's connector (tracked by
     /// `tracker`; it stops at `cancel`).
-    pub fn start(settings: &Settings, tracker: &TaskTracker, cancel: &CancellationToken) -> Core {
+    /// `handed_over`: the main connector waits for [`Sessions::adopt`].
+    pub fn start(
+        settings: &Settings,
+        tracker: &TaskTracker,
+        cancel: &CancellationToken,
+        handed_over: bool,
+    ) -> Core {
         let limits = &settings.limits;
         let hub = Arc::new(Hub::new(
             QueueLimits {
@@ -50,7 +56,13 @@ impl Core {
         ));
         let sharing = Arc::new(Sharing::new());
         let sessions = Arc::new(Sessions::start(
-            settings, &hub, &router, &sharing, tracker, cancel,
+            settings,
+            &hub,
+            &router,
+            &sharing,
+            tracker,
+            cancel,
+            handed_over,
         ));
         let dispatcher = Arc::new(Dispatcher::new(
             Arc::clone(&hub),
@@ -78,6 +90,10 @@ pub const SHUTDOWN_REASON: &str = "clawmux stopping";
 /// The `reason` when the broker stops for its next instance (a `SIGUSR2`
 /// upgrade): the socket keeps accepting, so clients reconnect at once.
 pub const UPGRADE_REASON: &str = "clawmux upgrading";
+
+/// How long a handover waits for the gateway session to stop at a message
+/// boundary (its own bound is 1 s; the rest is margin).
+const UPSTREAM_HANDOVER_WAIT: Duration = Duration::from_secs(2);
 
 /// One listening socket kept for a handover: a copy of its descriptor and
 /// what the next instance needs to know of it.
@@ -124,18 +140,18 @@ pub struct Released {
     held: Vec<HeldListener>,
     /// The clients stopped for the next instance.
     parcels: Vec<crate::context::Parcel>,
+    /// The gateway session and the runs, moving with them.
+    carried: crate::handover::clients::Carried,
 }
 
 impl Released {
-    /// The clients to move: the document and their sockets (taken once;
-    /// their queues are emptied into it).
-    pub fn take_clients(
-        &mut self,
-    ) -> (
-        crate::handover::clients::Clients,
-        Vec<(u64, std::os::fd::OwnedFd)>,
-    ) {
-        crate::handover::clients::pack(std::mem::take(&mut self.parcels))
+    /// What moves: the clients document and the sockets (taken once; the
+    /// clients' queues are emptied into it).
+    pub fn take_clients(&mut self) -> crate::handover::clients::Moving {
+        crate::handover::clients::pack(
+            std::mem::take(&mut self.parcels),
+            std::mem::take(&mut self.carried),
+        )
     }
 
     /// The next instance serves: leave the socket files (now its) in place.
@@ -147,17 +163,14 @@ impl Released {
     }
 
     /// The next instance failed: serve again on the same sockets (a fresh
-    /// core; clients reconnect and resume by cursor as after any restart).
-    /// `clients`: what [`Released::take_clients`] gave, if it was called.
-    #[allow(clippy::type_complexity)]
+    /// core, which takes the clients and the gateway session back as the
+    /// next instance would have). `moving`: what [`Released::take_clients`]
+    /// gave, if it was called.
     pub fn serve_again(
         mut self,
-        clients: Option<(
-            crate::handover::clients::Clients,
-            Vec<(u64, std::os::fd::OwnedFd)>,
-        )>,
+        moving: Option<crate::handover::clients::Moving>,
     ) -> Result<RunningBroker, SocketError> {
-        let (clients, fds) = clients.unwrap_or_else(|| self.take_clients());
+        let moving = moving.unwrap_or_else(|| self.take_clients());
         let Released {
             settings,
             guard,
@@ -175,9 +188,7 @@ impl Released {
             let l = h.listener().map_err(io(&h.path))?;
             policies.push((h.policy.clone().unwrap_or_default(), l, g));
         }
-        let broker = RunningBroker::start_handed_over(settings, (main, guard), policies)?;
-        broker.restore_clients(clients, fds.into_iter().collect());
-        Ok(broker)
+        RunningBroker::start_handed_over(settings, (main, guard), policies, Some(moving))
     }
 }
 
@@ -235,17 +246,21 @@ impl RunningBroker {
         let listener = tokio::net::UnixListener::from_std(listener).map_err(io)?;
         let guard = SocketGuard::activated(settings.socket_path.clone());
         let others = others.into_iter().map(|(n, l)| (n, l, None)).collect();
-        Self::start_with_listener_and(settings, listener, guard, others)
+        Self::start_with_listener_and(settings, listener, guard, others, false)
     }
 
     /// Starts serving on the listeners the previous instance handed over
     /// ([`crate::handover`]), each with its guard: the main one, then the
     /// policy sockets by `[[sockets]]` name (one the settings no longer name
-    /// is closed; one they newly name is bound).
+    /// is closed; one they newly name is bound). The clients and the
+    /// gateway session in `moving` are taken over before the gateway
+    /// session is read from (or, without one, before it connects), so no
+    /// event reaches the broker before the clients it is for.
     pub fn start_handed_over(
         mut settings: Settings,
         main: (std::os::unix::net::UnixListener, SocketGuard),
         policies: Vec<(String, std::os::unix::net::UnixListener, SocketGuard)>,
+        moving: Option<crate::handover::clients::Moving>,
     ) -> Result<RunningBroker, SocketError> {
         let (listener, guard) = main;
         settings.socket_path = guard.path().to_owned();
@@ -259,7 +274,16 @@ impl RunningBroker {
             .into_iter()
             .map(|(n, l, g)| (n, l, Some(g)))
             .collect();
-        Self::start_with_listener_and(settings, listener, guard, others)
+        let broker = Self::start_with_listener_and(settings, listener, guard, others, true)?;
+        let n = crate::handover::clients::restore(
+            &broker.ctx,
+            &broker.policies,
+            moving.unwrap_or_default(),
+        );
+        if n > 0 {
+            tracing::info!(clients = n, "took the clients over");
+        }
+        Ok(broker)
     }
 
     fn start_with_listener(
@@ -267,11 +291,12 @@ impl RunningBroker {
         listener: tokio::net::UnixListener,
         guard: SocketGuard,
     ) -> Result<RunningBroker, SocketError> {
-        Self::start_with_listener_and(settings, listener, guard, Vec::new())
+        Self::start_with_listener_and(settings, listener, guard, Vec::new(), false)
     }
 
     /// `activated`: policy sockets passed in, by name, with their guard
-    /// (`None`: systemd's); the others are bound here.
+    /// (`None`: systemd's); the others are bound here. `handed_over`: the
+    /// main connector waits for [`Sessions::adopt`].
     fn start_with_listener_and(
         mut settings: Settings,
         listener: tokio::net::UnixListener,
@@ -281,6 +306,7 @@ impl RunningBroker {
             std::os::unix::net::UnixListener,
             Option<SocketGuard>,
         )>,
+        handed_over: bool,
     ) -> Result<RunningBroker, SocketError> {
         let mut held = vec![HeldListener::new(&listener, None, &guard)];
         // The `[[sockets]]` sockets, each with its own policy (bound before
@@ -335,7 +361,7 @@ impl RunningBroker {
             sharing,
             sessions,
             dispatcher,
-        } = Core::start(&settings, &tracker, &cancel);
+        } = Core::start(&settings, &tracker, &cancel, handed_over);
         let dedicated = Arc::new(crate::dedicated_registry::Dedicated::new(
             settings.limits.max_dedicated,
         ));
@@ -450,8 +476,14 @@ impl RunningBroker {
         if !self.ctx.handoff.all_left(paused.min(until)).await {
             tracing::warn!("handover: some clients did not stop in time");
         }
-        // 2. The sessions end: each request still in flight is answered
-        //    (failed, with whether it was sent) into its client's queue.
+        // 2. The gateway session stops at a message boundary and moves
+        //    with them, unless it cannot (`wss://`): its requests in flight
+        //    for the moving clients move too; every other one is answered
+        //    here (failed, with whether it was sent).
+        let carried = self.carry().await;
+        // 3. The sessions end: each request still in flight on them is
+        //    answered (failed, with whether it was sent) into its client's
+        //    queue.
         if !self
             .stop_serving(until - tokio::time::Instant::now(), None)
             .await
@@ -466,21 +498,62 @@ impl RunningBroker {
             policy_guards: self._policy_guards,
             held: self.held,
             parcels,
+            carried,
         }
     }
 
-    /// Serves clients moved from the previous instance (or from this one's
-    /// previous core, after a failed upgrade). Returns how many.
-    pub fn restore_clients(
-        &self,
-        clients: crate::handover::clients::Clients,
-        fds: std::collections::HashMap<u64, std::os::fd::OwnedFd>,
-    ) -> usize {
-        let n = crate::handover::clients::restore(&self.ctx, &self.policies, clients, fds);
-        if n > 0 {
-            tracing::info!(clients = n, "took the clients over");
+    /// The gateway session (when it can move) and the moving clients' runs.
+    async fn carry(&self) -> crate::handover::clients::Carried {
+        use crate::handover::clients::{Carried, RunEntry, Subscription, UpstreamEntry};
+        let ctx = &self.ctx;
+        let moving = ctx.handoff.client_ids();
+        let moves = |id: u64| moving.contains(&id);
+        let runs = ctx
+            .sharing
+            .runs
+            .entries(moves)
+            .into_iter()
+            .map(|(run_id, owner)| RunEntry {
+                run_id,
+                client_id: owner.client_id,
+                session_key: owner.session_key,
+                tool_events: owner.tool_events,
+            })
+            .collect();
+        let Some(handed) = ctx.upstream().hand_over(UPSTREAM_HANDOVER_WAIT).await else {
+            return Carried {
+                upstream: None,
+                runs,
+            };
+        };
+        let pending = ctx
+            .router
+            .take_for_handover(handed.generation, moves, &handed.unsent);
+        let continued = ctx.sessions.main_owner.continued();
+        let mut hello = handed.hello;
+        // The snapshot as events have updated it since the `hello-ok`.
+        if let Some(payload) = hello.payload.as_object_mut() {
+            payload.insert("snapshot".into(), ctx.hub.snapshot());
         }
-        n
+        use base64::Engine as _;
+        let entry = UpstreamEntry {
+            url: crate::config::redact_url(ctx.settings.gateway_url.trim()),
+            kind: handed.socket.kind,
+            hello,
+            unread: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unread),
+            last_seq: continued.last_seq,
+            confirmed: continued.confirmed.iter().map(Subscription::of).collect(),
+            next_request_id: ctx.router.next_id(),
+            pending,
+        };
+        tracing::info!(
+            requests = entry.pending.len(),
+            "handover: the gateway session moves with the clients"
+        );
+        Carried {
+            upstream: Some((entry, handed.socket.fd)),
+            runs,
+        }
     }
 
     /// The socket policies this broker serves, by `[[sockets]]` name

@@ -92,6 +92,16 @@ impl Handoff {
             .push(parcel);
     }
 
+    /// The ids of the clients left for the next instance so far.
+    pub fn client_ids(&self) -> std::collections::HashSet<u64> {
+        self.parcels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|p| p.registration.client().id)
+            .collect()
+    }
+
     pub fn take(&self) -> Vec<Parcel> {
         std::mem::take(&mut *self.parcels.lock().unwrap_or_else(|p| p.into_inner()))
     }

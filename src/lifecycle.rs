@@ -127,17 +127,22 @@ async fn store_for_next_start(
             .any(|l| *name == l.fd_name || *name == crate::handover::state::lock_name(&l.fd_name))
     });
     let mut released = broker.release(shutdown_timeout).await;
-    let (clients, client_fds) = released.take_clients();
+    let moving = released.take_clients();
+    let clients = moving.doc.clients.len();
     fds.push((
         crate::handover::state::STATE_FD_NAME.to_owned(),
         state.to_memfd()?,
     ));
     fds.push((
         crate::handover::clients::CLIENTS_FD_NAME.to_owned(),
-        clients.to_memfd()?,
+        moving.doc.to_memfd()?,
     ));
+    if let Some(fd) = moving.upstream {
+        fds.push((crate::handover::clients::UPSTREAM_FD_NAME.to_owned(), fd));
+    }
     fds.extend(
-        client_fds
+        moving
+            .clients
             .into_iter()
             .map(|(id, fd)| (crate::handover::clients::client_fd_name(id), fd)),
     );
@@ -146,7 +151,7 @@ async fn store_for_next_start(
             released.finish();
             tracing::info!(
                 descriptors = fds.len(),
-                clients = clients.clients.len(),
+                clients,
                 "stored the sockets and clients for the next start"
             );
         }
@@ -217,8 +222,9 @@ async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Dur
         return Outcome::StillServing(broker, why);
     }
     let mut released = broker.release(shutdown_timeout).await;
-    let (clients, fds) = released.take_clients();
-    let serving = match next.send_released(&clients, &fds).await {
+    let moving = released.take_clients();
+    let clients = moving.doc.clients.len();
+    let serving = match next.send_released(&moving).await {
         Ok(()) => {
             next.expect("serving", crate::handover::upgrade::SERVE_TIMEOUT)
                 .await
@@ -229,7 +235,7 @@ async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Dur
         Ok(()) => {
             tracing::info!(
                 pid = next.pid(),
-                clients = clients.clients.len(),
+                clients,
                 "upgrade: the new instance serves; exiting"
             );
             released.finish();
@@ -237,7 +243,7 @@ async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Dur
         }
         Err(why) => {
             next.abandon();
-            match released.serve_again(Some((clients, fds))) {
+            match released.serve_again(Some(moving)) {
                 Ok(broker) => Outcome::StillServing(broker, why),
                 Err(e) => Outcome::Lost(format!("{why}; serving again failed too: {e}")),
             }

@@ -248,17 +248,16 @@ async fn serve(
             ),
         }
     }
-    let mut moved = None;
     let broker = match (taken, activated) {
         (Some(t), activated) => {
             tracing::info!(
                 from_pid = t.state.from_pid,
                 from_version = %t.state.from_version,
                 listeners = t.state.listeners.len(),
-                clients = t.clients.as_ref().map_or(0, |(c, _)| c.clients.len()),
+                clients = t.clients.as_ref().map_or(0, |m| m.doc.clients.len()),
                 "took over from the previous instance"
             );
-            moved = t.clients;
+            let moved = t.clients;
             let main = match (t.main, activated) {
                 (Some(main), activated) => {
                     if let Some(socket) = activated {
@@ -282,16 +281,13 @@ async fn serve(
                     "the handed-over state has no main socket and systemd passed none"
                 ),
             };
-            RunningBroker::start_handed_over(settings, main, t.policies)?
+            RunningBroker::start_handed_over(settings, main, t.policies, moved)?
         }
         (None, Some(socket)) => {
             RunningBroker::start_with_activated(settings, socket.listener, socket.others)?
         }
         (None, None) => RunningBroker::start(settings).await?,
     };
-    if let Some((clients, fds)) = moved {
-        broker.restore_clients(clients, fds);
-    }
     if let Some(mut old) = predecessor {
         old.say("serving").await?;
         clawmux::systemd::now_main_process();

@@ -152,6 +152,23 @@ struct Pending {
     started: Instant,
     /// The queue it waits in until written (none in unit tests).
     queue: Option<Arc<dyn Withdraw>>,
+    /// An `agent` request whose first answer (`accepted`) was delivered.
+    accepted: bool,
+}
+
+/// A request in flight on a gateway session handed over to the next
+/// instance (design §11): its answer arrives there, on the same
+/// connection, under the same upstream id.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MovedRequest {
+    pub upstream_id: String,
+    pub client_id: u64,
+    /// The client's own id, as it sent it (JSON).
+    pub local_id: String,
+    pub method: String,
+    /// `agent`: its `accepted` answer was delivered; the final one is due.
+    pub accepted: bool,
 }
 
 impl std::fmt::Debug for Pending {
@@ -242,9 +259,99 @@ impl Router {
                 settle,
                 started: Instant::now(),
                 queue,
+                accepted: false,
             },
         );
         Ok(upstream_id)
+    }
+
+    /// The next upstream id's number (handed to the next instance, which
+    /// goes on from it: an answer to an old id can never be taken for a new
+    /// request's).
+    pub fn next_id(&self) -> u64 {
+        self.next_id.load(Ordering::Relaxed)
+    }
+
+    /// Numbers upstream ids from `next` on (at least).
+    pub fn continue_ids(&self, next: u64) {
+        self.next_id.fetch_max(next, Ordering::Relaxed);
+    }
+
+    /// The gateway session `generation` moves to the next instance: takes
+    /// out every request registered for it. Those of a client that moves
+    /// too (`moves`) and that were written are returned, for the next
+    /// instance to wait for their answers; every other one is answered
+    /// here, as failed: `unsent` (withdrawn unwritten) `sent: false`, the
+    /// rest `sent: true` (its answer will reach the next instance, which
+    /// does not know it). Exactly once either way.
+    pub fn take_for_handover(
+        &self,
+        generation: u64,
+        moves: impl Fn(u64) -> bool,
+        unsent: &[String],
+    ) -> Vec<MovedRequest> {
+        let unsent: HashSet<&str> = unsent.iter().map(String::as_str).collect();
+        let ids: Vec<String> = self
+            .pending
+            .iter()
+            .filter(|e| e.value().generation == generation)
+            .map(|e| e.key().clone())
+            .collect();
+        let mut moved = Vec::new();
+        for id in ids {
+            let Some((_, mut p)) = self.pending.remove(&id) else {
+                continue;
+            };
+            let written = !unsent.contains(id.as_str());
+            if written && moves(p.member.id()) {
+                // What the driver recorded stays recorded: the request was
+                // sent, and its outcome is the next instance's to see.
+                drop(p.settle.take());
+                p.member.release_slot(&id);
+                moved.push(MovedRequest {
+                    upstream_id: id,
+                    client_id: p.member.id(),
+                    local_id: p.local_id,
+                    method: p.method,
+                    accepted: p.accepted,
+                });
+                continue;
+            }
+            let error = ErrorShape::studio(
+                StudioCode::UpstreamClosed,
+                "the broker handed its gateway session over to its next instance before the answer",
+            )
+            .with_sent(written);
+            self.answer_error(&id, p, &error);
+        }
+        moved
+    }
+
+    /// Waits, on session `generation`, for the answer to a request the
+    /// previous instance sent for `member` ([`MovedRequest`]). It counts in
+    /// the member's in-flight budget (even over the cap: it is in flight).
+    pub fn adopt(&self, member: &Arc<Requester>, moved: MovedRequest, generation: u64) {
+        member.counter().fetch_add(1, Ordering::AcqRel);
+        member.pending().insert(moved.upstream_id.clone());
+        let timeout = if moved.accepted {
+            self.run_timeout
+        } else {
+            self.request_timeout
+        };
+        self.pending.insert(
+            moved.upstream_id,
+            Pending {
+                member: Arc::clone(member),
+                local_id: moved.local_id,
+                method: moved.method,
+                generation,
+                deadline: deadline_after(timeout),
+                settle: None,
+                started: Instant::now(),
+                queue: None,
+                accepted: moved.accepted,
+            },
+        );
     }
 
     /// Delivers an upstream answer to its client under the client's own id.
@@ -267,6 +374,7 @@ impl Router {
                 return false;
             };
             entry.deadline = deadline_after(self.run_timeout);
+            entry.accepted = true;
             entry
                 .member
                 .client

@@ -31,12 +31,88 @@ pub fn client_fd_name(id: u64) -> String {
     format!("clawmux-client-{id}")
 }
 
-/// Every client moved, in the order of their descriptors.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// The descriptor name of the gateway connection's socket (systemd's store).
+pub const UPSTREAM_FD_NAME: &str = "clawmux-upstream";
+
+/// Every client moved, in the order of their descriptors, and the gateway
+/// session they are on when it moves too.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Clients {
     pub format: u32,
     pub clients: Vec<ClientEntry>,
+    /// The main gateway session, when its connection moves (its socket
+    /// travels as [`UPSTREAM_FD_NAME`], or right after this document).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<UpstreamEntry>,
+    /// The runs the moved clients started and that have not ended.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub runs: Vec<RunEntry>,
+}
+
+/// The main gateway session, moving with its connection (design §11).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamEntry {
+    /// The gateway URL, redacted: the next instance takes the connection
+    /// over only if its settings name the same gateway.
+    pub url: String,
+    pub kind: crate::upstream::SocketKind,
+    /// Its `hello-ok`, with the gateway snapshot as the broker last knew it.
+    pub hello: crate::upstream::UpstreamHello,
+    /// Bytes read from the socket and not parsed (base64).
+    pub unread: String,
+    /// The gateway's last event `seq` on the connection.
+    pub last_seq: Option<u64>,
+    /// The subscriptions the gateway confirmed on the connection.
+    pub confirmed: Vec<Subscription>,
+    /// The next upstream request id's number.
+    pub next_request_id: u64,
+    /// Requests written on the connection and not answered yet.
+    pub pending: Vec<crate::router::MovedRequest>,
+}
+
+/// A run a moved client started ([`crate::sharing::runs`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunEntry {
+    pub run_id: String,
+    pub client_id: u64,
+    pub session_key: Option<String>,
+    pub tool_events: bool,
+}
+
+/// What moves once the old instance stopped serving: the document, each
+/// client's socket by id, and the gateway connection's socket.
+#[derive(Debug, Default)]
+pub struct Moving {
+    pub doc: Clients,
+    pub clients: Vec<(u64, OwnedFd)>,
+    pub upstream: Option<OwnedFd>,
+}
+
+/// What the old instance carries beside its clients: the gateway session
+/// (its entry and socket) and the runs.
+#[derive(Debug, Default)]
+pub struct Carried {
+    pub upstream: Option<(UpstreamEntry, OwnedFd)>,
+    pub runs: Vec<RunEntry>,
+}
+
+impl Subscription {
+    pub fn of(key: &SubKey) -> Subscription {
+        match key {
+            SubKey::Sessions => Subscription::Sessions,
+            SubKey::Messages(key) => Subscription::Messages { key: key.clone() },
+        }
+    }
+
+    pub fn key(self) -> SubKey {
+        match self {
+            Subscription::Sessions => SubKey::Sessions,
+            Subscription::Messages { key } => SubKey::Messages(key),
+        }
+    }
 }
 
 /// One moved client.
@@ -102,9 +178,10 @@ impl Clients {
 }
 
 /// Packs what the client tasks left, once the sessions have ended (every
-/// answer to their requests is queued by then): the document, and each
-/// client's socket by id. The registrations are dropped here.
-pub fn pack(parcels: Vec<Parcel>) -> (Clients, Vec<(u64, OwnedFd)>) {
+/// answer to their requests is queued by then, but those of the requests
+/// that move with the gateway session), with what is `carried`: the
+/// document and the descriptors. The registrations are dropped here.
+pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
     let mut clients = Vec::with_capacity(parcels.len());
     let mut fds = Vec::with_capacity(parcels.len());
     for parcel in parcels {
@@ -122,14 +199,7 @@ pub fn pack(parcels: Vec<Parcel>) -> (Clients, Vec<(u64, OwnedFd)>) {
         }
         let subscriptions = {
             let book = parcel.registration.member().book();
-            let mut subs: Vec<Subscription> = book
-                .subs
-                .iter()
-                .map(|k| match k {
-                    SubKey::Sessions => Subscription::Sessions,
-                    SubKey::Messages(key) => Subscription::Messages { key: key.clone() },
-                })
-                .collect();
+            let mut subs: Vec<Subscription> = book.subs.iter().map(Subscription::of).collect();
             subs.sort_by_key(|s| format!("{s:?}"));
             subs
         };
@@ -160,25 +230,31 @@ pub fn pack(parcels: Vec<Parcel>) -> (Clients, Vec<(u64, OwnedFd)>) {
         });
         fds.push((client.id, parcel.fd));
     }
-    (
-        Clients {
+    let (upstream, upstream_fd) = carried.upstream.unzip();
+    Moving {
+        doc: Clients {
             format: FORMAT,
             clients,
+            upstream,
+            runs: carried.runs,
         },
-        fds,
-    )
+        clients: fds,
+        upstream: upstream_fd,
+    }
 }
 
 /// Serves the moved clients in this instance: each from where the previous
 /// one stopped. A client whose socket or `[[sockets]]` entry is missing is
 /// not taken (its descriptor is closed: it reconnects and resumes by
 /// cursor). Returns how many were taken.
-pub fn restore(
-    ctx: &Arc<Ctx>,
-    policies: &[Arc<SocketPolicy>],
-    clients: Clients,
-    mut fds: HashMap<u64, OwnedFd>,
-) -> usize {
+pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -> usize {
+    let Moving {
+        doc: clients,
+        clients: fds,
+        upstream: upstream_fd,
+    } = moving;
+    let mut fds: HashMap<u64, OwnedFd> = fds.into_iter().collect();
+    let mut registered = HashMap::new();
     let mut taken = 0;
     for entry in clients.clients {
         let Some(fd) = fds.remove(&entry.id) else {
@@ -236,10 +312,7 @@ pub fn restore(
             let mut st = ctx.sharing.subscriptions.lock();
             let mut book = registration.member().book();
             for sub in entry.subscriptions {
-                let key = match sub {
-                    Subscription::Sessions => SubKey::Sessions,
-                    Subscription::Messages { key } => SubKey::Messages(key),
-                };
+                let key = sub.key();
                 st.restore(key.clone(), client.id);
                 book.subs.insert(key);
             }
@@ -247,6 +320,7 @@ pub fn restore(
         for frame in entry.queued {
             client.push_frame(Bytes::from(frame));
         }
+        registered.insert(client.id, Arc::clone(registration.member()));
         ctx.tracker.spawn(crate::local::ws::resume(
             stream,
             unread,
@@ -258,5 +332,66 @@ pub fn restore(
     if taken > 0 {
         ctx.sessions.main_owner.clients_taken_over();
     }
+    for run in clients.runs {
+        let Some(member) = registered.get(&run.client_id) else {
+            continue;
+        };
+        let owner = crate::sharing::runs::RunOwner {
+            client_id: run.client_id,
+            session_key: run.session_key,
+            tool_events: run.tool_events,
+        };
+        if ctx.sharing.runs.start(&run.run_id, owner) {
+            member.book().runs.insert(run.run_id);
+        }
+    }
+    let adoption = match (clients.upstream, upstream_fd) {
+        (Some(entry), Some(fd)) => adopt_upstream(ctx, entry, fd, &registered),
+        (Some(_), None) => {
+            tracing::warn!("handover: the gateway connection's socket was not passed");
+            None
+        }
+        _ => None,
+    };
+    ctx.sessions.adopt(adoption);
     taken
+}
+
+/// Readies the gateway session handed over for this instance's connector:
+/// its requests in flight wait for their answers here again (those of a
+/// client that was not taken are dropped: the previous instance answered
+/// nothing for them, and their client is gone), its ids go on, and the
+/// main session's owner learns its `seq` and subscriptions.
+fn adopt_upstream(
+    ctx: &Arc<Ctx>,
+    entry: UpstreamEntry,
+    fd: OwnedFd,
+    registered: &HashMap<u64, Arc<crate::dispatch::Member>>,
+) -> Option<crate::upstream::Adoption> {
+    let Ok(unread) = base64::engine::general_purpose::STANDARD.decode(&entry.unread) else {
+        tracing::warn!("handover: the gateway connection's unread bytes are not base64");
+        return None;
+    };
+    ctx.router.continue_ids(entry.next_request_id);
+    let generation = ctx.upstream().status().generation;
+    for request in entry.pending {
+        if let Some(member) = registered.get(&request.client_id) {
+            ctx.router.adopt(&member.requester, request, generation);
+        }
+    }
+    ctx.sessions
+        .main_owner
+        .will_continue(crate::sessions::main_session::Continued {
+            last_seq: entry.last_seq,
+            confirmed: entry.confirmed.into_iter().map(Subscription::key).collect(),
+        });
+    Some(crate::upstream::Adoption {
+        socket: crate::upstream::MovedSocket {
+            fd,
+            kind: entry.kind,
+            unread,
+        },
+        hello: entry.hello,
+        url: entry.url,
+    })
 }

@@ -35,7 +35,6 @@ pub mod state;
 pub mod upgrade;
 pub mod wire;
 
-use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 
@@ -73,9 +72,10 @@ pub struct Taken {
     /// `None` when the main socket stayed systemd's (socket activation).
     pub main: Option<(UnixListener, SocketGuard)>,
     pub policies: Vec<(String, UnixListener, SocketGuard)>,
-    /// The clients stored with the state (systemd's store; a `SIGUSR2`
-    /// upgrade passes them once the old instance stopped serving).
-    pub clients: Option<(clients::Clients, HashMap<u64, OwnedFd>)>,
+    /// The clients (and the gateway session) stored with the state
+    /// (systemd's store; a `SIGUSR2` upgrade passes them once the old
+    /// instance stopped serving).
+    pub clients: Option<clients::Moving>,
 }
 
 impl Inherited {
@@ -206,15 +206,25 @@ impl Inherited {
             None => None,
             Some(doc) => {
                 let doc = clients::Clients::from_fd(&doc)?;
-                let mut fds = HashMap::new();
+                let mut fds = Vec::new();
                 for c in &doc.clients {
                     let name = clients::client_fd_name(c.id);
                     let fd = self
                         .take_fd(&name)
                         .ok_or_else(|| Unreadable::Invalid(format!("{name} was not passed")))?;
-                    fds.insert(c.id, fd);
+                    fds.push((c.id, fd));
                 }
-                Some((doc, fds))
+                let upstream = match doc.upstream {
+                    None => None,
+                    Some(_) => Some(self.take_fd(clients::UPSTREAM_FD_NAME).ok_or_else(|| {
+                        Unreadable::Invalid(format!("{} was not passed", clients::UPSTREAM_FD_NAME))
+                    })?),
+                };
+                Some(clients::Moving {
+                    doc,
+                    clients: fds,
+                    upstream,
+                })
             }
         };
         for (name, _) in &self.fds {

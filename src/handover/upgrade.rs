@@ -3,7 +3,6 @@
 //! `valid` or `invalid <why>` (new → old), `released` (old → new),
 //! `serving` (new → old).
 
-use std::collections::HashMap;
 use std::ffi::OsString;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::PathBuf;
@@ -12,7 +11,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
-use super::clients::Clients;
+use super::clients::{Clients, Moving};
 use super::{state, wire, State, CONTROL_FD_NAME, FDS_ENV};
 
 /// How long the new instance may take to start and check the state before
@@ -130,16 +129,21 @@ impl Successor {
         }
     }
 
-    /// Says `released`, with the clients document and then every client's
-    /// socket, in its order, as descriptors ([`wire`]).
-    pub async fn send_released(
-        &mut self,
-        clients: &Clients,
-        fds: &[(u64, OwnedFd)],
-    ) -> std::io::Result<()> {
-        let doc = clients.to_memfd()?;
+    /// Says `released`, with the clients document (and the gateway
+    /// connection's socket, when the document says it moves) and then
+    /// every client's socket, in its order, as descriptors ([`wire`]).
+    pub async fn send_released(&mut self, moving: &Moving) -> std::io::Result<()> {
+        let doc = moving.doc.to_memfd()?;
         let sock = self.write.as_ref();
-        wire::send(sock, b"released\n", &[doc.as_fd()]).await?;
+        let mut first = vec![doc.as_fd()];
+        if moving.doc.upstream.is_some() {
+            let upstream = moving.upstream.as_ref().ok_or_else(|| {
+                std::io::Error::other("the gateway connection's socket is missing")
+            })?;
+            first.push(upstream.as_fd());
+        }
+        wire::send(sock, b"released\n", &first).await?;
+        let fds = &moving.clients;
         for chunk in fds.chunks(wire::FDS_PER_MESSAGE) {
             let borrowed: Vec<_> = chunk.iter().map(|(_, fd)| fd.as_fd()).collect();
             wire::send(sock, b"f", &borrowed).await?;
@@ -177,12 +181,10 @@ impl Predecessor {
     }
 
     /// Waits until the old instance stopped serving (it says `released`),
-    /// and takes the clients it passes: the document, and each client's
-    /// socket by id. Whole or not at all.
-    pub async fn released(
-        &mut self,
-        within: Duration,
-    ) -> Result<(Clients, HashMap<u64, OwnedFd>), String> {
+    /// and takes what it passes: the document, the gateway connection's
+    /// socket if it moves, and each client's socket by id. Whole or not at
+    /// all.
+    pub async fn released(&mut self, within: Duration) -> Result<Moving, String> {
         tokio::time::timeout(within, self.receive())
             .await
             .map_err(|_| {
@@ -193,7 +195,7 @@ impl Predecessor {
             })?
     }
 
-    async fn receive(&mut self) -> Result<(Clients, HashMap<u64, OwnedFd>), String> {
+    async fn receive(&mut self) -> Result<Moving, String> {
         let mut buf = [0u8; 64];
         let (n, mut fds) = wire::recv(&self.control, &mut buf)
             .await
@@ -209,6 +211,13 @@ impl Predecessor {
         }
         let doc = fds.remove(0);
         let clients = Clients::from_fd(&doc).map_err(|e| e.to_string())?;
+        let upstream = match clients.upstream {
+            Some(_) if fds.is_empty() => {
+                return Err("the gateway connection's socket was not passed".into())
+            }
+            Some(_) => Some(fds.remove(0)),
+            None => None,
+        };
         let mut sockets = fds;
         while sockets.len() < clients.clients.len() {
             let (n, more) = wire::recv(&self.control, &mut buf)
@@ -223,6 +232,10 @@ impl Predecessor {
             return Err("more client sockets than clients".into());
         }
         let fds = clients.clients.iter().map(|c| c.id).zip(sockets).collect();
-        Ok((clients, fds))
+        Ok(Moving {
+            doc: clients,
+            clients: fds,
+            upstream,
+        })
     }
 }

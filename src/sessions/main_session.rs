@@ -47,8 +47,22 @@ pub struct MainSession {
     /// The current session's gateway version (for the event at its end).
     server_version: Mutex<String>,
     /// Clients were taken over from the previous instance: its session
-    /// ended for them, so this one's first is a reconnect to them.
+    /// ended for them, so this one's first is a reconnect to them (unless
+    /// it is that very session, handed over: [`SessionOwner::adopted`]).
     took_over: AtomicBool,
+    /// What the previous instance knew of the gateway session it handed
+    /// over, for [`SessionOwner::adopted`].
+    continued: Mutex<Option<Continued>>,
+}
+
+/// What the main session's owner knew of a gateway session, passed to the
+/// next instance with the connection (design §11).
+#[derive(Debug, Clone, Default)]
+pub struct Continued {
+    /// The gateway's last event `seq` on the connection.
+    pub last_seq: Option<u64>,
+    /// The subscriptions the gateway confirmed on it.
+    pub confirmed: Vec<crate::sharing::SubKey>,
 }
 
 impl MainSession {
@@ -72,7 +86,23 @@ impl MainSession {
             has_device: AtomicBool::new(has_device),
             server_version: Mutex::default(),
             took_over: AtomicBool::new(false),
+            continued: Mutex::default(),
         }
+    }
+
+    /// What this owner knows of the current session, for the next
+    /// instance it is handed over to.
+    pub fn continued(&self) -> Continued {
+        Continued {
+            last_seq: *self.last_seq.lock().unwrap_or_else(|p| p.into_inner()),
+            confirmed: self.sharing.subscriptions.lock().confirmed_keys(),
+        }
+    }
+
+    /// The session the previous instance handed over will go on here
+    /// (before the connector takes it: see [`SessionOwner::adopted`]).
+    pub fn will_continue(&self, continued: Continued) {
+        *self.continued.lock().unwrap_or_else(|p| p.into_inner()) = Some(continued);
     }
 
     /// Gateway events whose `seq` was not a non-negative integer (delivered all the same).
@@ -118,8 +148,20 @@ impl MainSession {
     /// client's change can reach it (all under the subscription lock).
     fn resubscribe(&self) {
         let mut st = self.sharing.subscriptions.lock();
+        let again = st.resubscribe();
+        self.send_changes(st, again, Vec::new());
+    }
+
+    /// Sends `subscribe` (each key with its generation) and `release`
+    /// upstream in the one ordered place, then lets go of the lock.
+    fn send_changes(
+        &self,
+        mut st: std::sync::MutexGuard<'_, crate::sharing::subscriptions::SubscriptionState>,
+        subscribe: Vec<(crate::sharing::SubKey, u64)>,
+        release: Vec<crate::sharing::SubKey>,
+    ) {
         let mut deferred = Vec::new();
-        for (key, gen) in st.resubscribe() {
+        for (key, gen) in subscribe {
             let sharing = Arc::clone(&self.sharing);
             let settle_key = key.clone();
             let settle: Settle = Box::new(move |ok| {
@@ -135,6 +177,16 @@ impl MainSession {
                 &key,
                 true,
                 Some(settle),
+            ));
+        }
+        for key in release {
+            deferred.push(self.own.subscription_change(
+                &mut st,
+                &self.session,
+                "release",
+                &key,
+                false,
+                None,
             ));
         }
         drop(st);
@@ -236,6 +288,32 @@ impl SessionOwner for MainSession {
         }
         // Connection-scoped subscriptions died with the old session.
         self.resubscribe();
+    }
+
+    fn adopted(&self, _generation: u64, hello: &Arc<UpstreamHello>) {
+        // The very session the clients were on: no gap, no event; its `seq`
+        // and what the gateway holds for the connection go on.
+        self.took_over.store(false, Ordering::SeqCst);
+        let continued = self
+            .continued
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .unwrap_or_default();
+        *self.last_seq.lock().unwrap_or_else(|p| p.into_inner()) = continued.last_seq;
+        self.shutdown_seen.store(false, Ordering::Relaxed);
+        hello.server_version.clone_into(
+            &mut self
+                .server_version
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        self.adopt(hello);
+        // Subscriptions the gateway holds stay; a held one it does not is
+        // sent; one it holds that no moved client does is released.
+        let mut st = self.sharing.subscriptions.lock();
+        let (subscribe, release) = st.continue_session(&continued.confirmed);
+        self.send_changes(st, subscribe, release);
     }
 
     fn frame(&self, _generation: u64, text: &str) -> Option<Duration> {

@@ -260,6 +260,10 @@ pub struct Sessions {
     pub narrower: Narrower,
     /// The broker's own requests.
     pub own: Arc<OwnRequests>,
+    /// Started for a handover: the main connector waits for the word
+    /// ([`Sessions::adopt`]) before its first attempt.
+    adoption:
+        std::sync::Mutex<Option<tokio::sync::oneshot::Sender<Option<crate::upstream::Adoption>>>>,
 }
 
 impl Sessions {
@@ -274,11 +278,13 @@ impl Sessions {
         sharing: &Arc<Sharing>,
         tracker: &TaskTracker,
         cancel: &CancellationToken,
+        handed_over: bool,
     ) -> Sessions {
         let identity =
             DeviceIdentity::load_configured(settings.upstream.device_identity.as_deref())
                 .map(Arc::new);
-        let (upstream, seed) = Upstream::new(settings);
+        let (upstream, mut seed) = Upstream::new(settings);
+        let adoption = handed_over.then(|| seed.await_adoption());
         let parts = Parts {
             settings,
             hub,
@@ -288,6 +294,7 @@ impl Sessions {
             cancel,
         };
         let sessions = Self::assemble(&parts, upstream, identity.clone());
+        *sessions.adoption.lock().unwrap_or_else(|p| p.into_inner()) = adoption;
         tracker.spawn(seed.run(
             settings,
             SessionSpec::main(),
@@ -328,6 +335,21 @@ impl Sessions {
             main_owner,
             narrower,
             own,
+            adoption: std::sync::Mutex::default(),
+        }
+    }
+
+    /// Started for a handover: the main connector goes on with the gateway
+    /// session the previous instance handed over, or connects itself when
+    /// there is none (`None`). Once; later calls do nothing.
+    pub fn adopt(&self, adoption: Option<crate::upstream::Adoption>) {
+        if let Some(word) = self
+            .adoption
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            let _ = word.send(adoption);
         }
     }
 

@@ -45,6 +45,15 @@ impl Runs {
             .remove_if(run_id, |_, o| o.client_id == client_id);
     }
 
+    /// Every live run whose owner `keep` accepts (for a handover).
+    pub fn entries(&self, keep: impl Fn(u64) -> bool) -> Vec<(String, RunOwner)> {
+        self.owners
+            .iter()
+            .filter(|e| keep(e.value().client_id))
+            .map(|e| (e.key().clone(), e.value().clone()))
+            .collect()
+    }
+
     /// Whether `run_id` is a live run, and who owns it.
     pub fn owner(&self, run_id: &str) -> Option<u64> {
         self.owners.get(run_id).map(|o| o.client_id)

@@ -170,6 +170,50 @@ impl SubscriptionState {
             .collect()
     }
 
+    /// The keys the gateway confirmed on the current session (what it holds
+    /// for the connection), in order.
+    pub fn confirmed_keys(&self) -> Vec<SubKey> {
+        let mut keys: Vec<SubKey> = self
+            .keys
+            .iter()
+            .filter(|(_, h)| h.confirmed)
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    /// The gateway session the previous instance handed over goes on, and
+    /// holds `confirmed` for it: a held key among them is confirmed as it
+    /// is (nothing sent); every other held key is subscribed again (with
+    /// the generation to send it as); a confirmed key no one holds any
+    /// more is to be unsubscribed.
+    pub fn continue_session(&mut self, confirmed: &[SubKey]) -> (Vec<(SubKey, u64)>, Vec<SubKey>) {
+        let mut keys: Vec<SubKey> = self.keys.keys().cloned().collect();
+        keys.sort();
+        let mut subscribe = Vec::new();
+        for k in keys {
+            if confirmed.contains(&k) {
+                if let Some(h) = self.keys.get_mut(&k) {
+                    h.confirmed = true;
+                }
+                continue;
+            }
+            let gen = self.gen();
+            if let Some(h) = self.keys.get_mut(&k) {
+                h.confirmed = false;
+                h.sent_gen = gen;
+            }
+            subscribe.push((k, gen));
+        }
+        let drop = confirmed
+            .iter()
+            .filter(|k| !self.keys.contains_key(k))
+            .cloned()
+            .collect();
+        (subscribe, drop)
+    }
+
     /// The clients holding `key`.
     pub fn holders(&self, key: &SubKey) -> Vec<u64> {
         self.keys

@@ -20,6 +20,8 @@ use crate::protocol::{ErrorShape, StudioCode};
 /// The connector, built but not started: the owner of its sessions is
 /// usually built around the [`Upstream`] handle, so it is given at start.
 pub struct ConnectorSeed {
+    handover: mpsc::Receiver<super::HandoverRequest>,
+    adoption: Option<tokio::sync::oneshot::Receiver<Option<super::Adoption>>>,
     nudge: Arc<tokio::sync::Notify>,
     status: watch::Sender<Status>,
     outlet: Arc<outlet::Outlet>,
@@ -40,6 +42,15 @@ impl ConnectorSeed {
         (self.status, FakeQueue(self.outlet))
     }
 
+    /// The connector will go on with a session the previous instance handed
+    /// over (design §11), or connect itself when told `None`: it waits for
+    /// the word before its first attempt.
+    pub fn await_adoption(&mut self) -> tokio::sync::oneshot::Sender<Option<super::Adoption>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.adoption = Some(rx);
+        tx
+    }
+
     /// The connector's loop, to be spawned (and tracked) by the caller: it
     /// connects as `spec` says, with the broker's device `identity` (loaded
     /// once, at start), reports to `owner`, and stops at `cancel`.
@@ -57,6 +68,8 @@ impl ConnectorSeed {
             identity,
             owner,
             connector::Channels {
+                handover: self.handover,
+                adoption: self.adoption,
                 nudge: self.nudge,
                 status: self.status,
                 outlet: self.outlet,
@@ -73,6 +86,8 @@ impl ConnectorSeed {
 /// The handle to the upstream session.
 #[derive(Debug, Clone)]
 pub struct Upstream {
+    /// Asks the connector to hand its session over ([`Upstream::hand_over`]).
+    handover: mpsc::Sender<super::HandoverRequest>,
     /// Asks the connector to try now instead of at the end of its backoff
     /// (a local client is waiting); rate-limited by the connector.
     nudge: Arc<tokio::sync::Notify>,
@@ -105,8 +120,10 @@ impl Upstream {
         let (offer_tx, offer_rx) = mpsc::channel(16);
         let nudge = Arc::new(tokio::sync::Notify::new());
         let peer_certificate = PeerCertificate::default();
+        let (handover_tx, handover_rx) = mpsc::channel(1);
         (
             Upstream {
+                handover: handover_tx,
                 nudge: Arc::clone(&nudge),
                 status: status_rx,
                 outlet: Arc::clone(&outlet),
@@ -115,6 +132,8 @@ impl Upstream {
                 peer_certificate: Arc::clone(&peer_certificate),
             },
             ConnectorSeed {
+                handover: handover_rx,
+                adoption: None,
                 nudge,
                 status: status_tx,
                 outlet,
@@ -133,6 +152,24 @@ impl Upstream {
         seed.target = self.target.subscribe();
         upstream.target = Arc::clone(&self.target);
         (upstream, seed)
+    }
+
+    /// Stops the ready session for the broker's next instance (design
+    /// §11): its reader stops at a message boundary, what was queued and
+    /// can be written now is written, the rest withdrawn ([`HandedOver`]'s
+    /// `unsent`), and the socket is left as it is for the next instance;
+    /// the connector then stops. `None`: no session is ready, its socket
+    /// cannot move (`wss://`), or it did not stop within `within`; the
+    /// session then goes on, and ends as at any stop.
+    ///
+    /// [`HandedOver`]: super::HandedOver
+    pub async fn hand_over(&self, within: std::time::Duration) -> Option<super::HandedOver> {
+        if self.status.borrow().phase != Phase::Ready {
+            return None;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.handover.try_send(tx).ok()?;
+        tokio::time::timeout(within, rx).await.ok()?.ok()?
     }
 
     /// Points the connector at new settings (SIGHUP). Returns whether

@@ -15,13 +15,7 @@ use crate::config::Secret;
 use crate::protocol::frames::string_array;
 use crate::protocol::{now_ms, ErrorShape, StudioCode, PROTOCOL_MAX, PROTOCOL_MIN};
 
-/// The byte stream under the upstream WebSocket: TCP, or a unix socket for
-/// the demo's built-in double.
-pub trait UpstreamIo:
-    tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static
-{
-}
-impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static> UpstreamIo for T {}
+pub use super::movable::UpstreamIo;
 
 pub type Ws = WebSocketStream<Box<dyn UpstreamIo>>;
 

@@ -34,6 +34,7 @@ mod backoff;
 mod connector;
 mod handle;
 mod handshake;
+mod movable;
 mod outlet;
 mod status;
 
@@ -49,6 +50,7 @@ pub use status::{Phase, Status, UpstreamHello};
 pub(crate) use handshake::warn_lost_scopes;
 pub(crate) use handshake::{closed_before_answer, handshake_timed_out, open_failed};
 pub use handshake::{UpstreamIo, Ws as GatewaySocket};
+pub use movable::{MovedSocket, SocketKind};
 
 /// Opens a gateway WebSocket to `target` exactly as the shared session
 /// does: the same URL and transport checks (`ws://` only where plaintext is
@@ -180,6 +182,13 @@ pub trait SessionOwner: Send + Sync + 'static {
     /// `reconnected`: a session of this connector was ready before.
     /// Events that arrived before `hello-ok` follow as [`SessionOwner::frame`]s.
     fn ready(&self, generation: u64, hello: &Arc<UpstreamHello>, reconnected: bool);
+    /// Session `generation` is a gateway connection the previous instance
+    /// handed over (design §11): the same connection, its `seq` and what
+    /// the gateway holds for it go on. An owner that keeps nothing of the
+    /// previous instance takes it as a first session.
+    fn adopted(&self, generation: u64, hello: &Arc<UpstreamHello>) {
+        self.ready(generation, hello, false);
+    }
     /// One text frame of session `generation` (an event or an answer).
     /// Returns the delay the gateway announced before it restarts, when
     /// this frame was its `shutdown` event (the next attempt waits for it).
@@ -195,6 +204,32 @@ pub trait SessionOwner: Send + Sync + 'static {
     /// was written: there was no socket), and any request still registered
     /// for it must be answered "not sent".
     fn attempt_failed(&self, generation: u64, error: &ErrorShape);
+}
+
+/// A gateway session stopped for the next instance ([`Upstream::hand_over`]):
+/// its socket at a message boundary, what the gateway said in its
+/// `hello-ok`, and the requests that were still queued and are now
+/// withdrawn unwritten (their clients must be answered "not sent").
+#[derive(Debug)]
+pub struct HandedOver {
+    pub socket: MovedSocket,
+    pub hello: UpstreamHello,
+    pub generation: u64,
+    pub unsent: Vec<String>,
+}
+
+/// A request to hand the session over: answered with what moves, or `None`.
+pub(crate) type HandoverRequest = tokio::sync::oneshot::Sender<Option<HandedOver>>;
+
+/// A gateway session the previous instance handed over, for this
+/// instance's connector to go on with.
+#[derive(Debug)]
+pub struct Adoption {
+    pub socket: MovedSocket,
+    pub hello: UpstreamHello,
+    /// The gateway URL it is connected to, redacted: the connector adopts
+    /// it only if its own settings name the same gateway.
+    pub url: String,
 }
 
 /// An owner that does nothing with what it is told (`clawmux doctor`'s

@@ -51,8 +51,10 @@ impl Phase {
     }
 }
 
-/// What the gateway said in its `hello-ok`, as the broker uses it.
-#[derive(Debug, Clone)]
+/// What the gateway said in its `hello-ok`, as the broker uses it (and
+/// passes to its next instance with a moved session).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct UpstreamHello {
     /// The whole `hello-ok` payload (without the device token).
     pub payload: Value,

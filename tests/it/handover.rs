@@ -185,11 +185,19 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
     let mut n = 0i64;
     let mut keep = Vec::new();
     for round in 1..=3 {
-        // Events before the handover arrive once, in order.
-        for _ in 0..20 {
-            gw.broadcast("test.n", serde_json::json!({"n": n}));
-            n += 1;
-        }
+        // A paced, numbered burst runs across the handover.
+        let burst = tokio::spawn({
+            let gw = gw.clone();
+            async move {
+                let mut sent = Vec::new();
+                for i in 0..60 {
+                    gw.broadcast("test.n", serde_json::json!({"n": n + i}));
+                    sent.push(n + i);
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                sent
+            }
+        });
         let (stop, probes) = probe_continuously(socket.clone());
         signal_pid(pid, rustix::process::Signal::USR2);
         let next = eventually_async("a new instance serves", || {
@@ -227,47 +235,57 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
             failures, 0,
             "{failures} of {probed} probes failed during handover {round}"
         );
-        // The client stayed connected: the new instance's session is a
-        // reconnect to it, and everything it got came once, in order.
-        loop {
-            let event = match client.recv_within(PATIENCE).await {
+        let sent = burst.await.unwrap();
+        n += sent.len() as i64;
+        // The client stayed connected, on the same gateway session: every
+        // event of the burst came once, in order, with contiguous seq, and
+        // no gap or reconnect was announced.
+        while last_n < n - 1 {
+            let event = match client.recv_within(PATIENCE * 2).await {
                 Some(Got::Json(v)) if v["type"] == "event" => v,
                 Some(Got::Json(_)) => continue,
-                other => panic!("round {round}: no reconnected event: {other:?}; last seq {last_seq}, last n {last_n}"),
+                other => panic!(
+                    "round {round}: {other:?}; last seq {last_seq}, last n {last_n}\n{}",
+                    log_text(&log)
+                ),
             };
             let seq = event["seq"].as_u64().expect("events carry seq");
-            assert!(seq > last_seq, "seq went from {last_seq} to {seq}: {event}");
+            assert!(
+                last_seq == 0 || seq == last_seq + 1,
+                "round {round}: seq went from {last_seq} to {seq}: {event}"
+            );
             last_seq = seq;
+            assert_ne!(event["event"], "clawmux.upstream", "round {round}: {event}");
+            assert_ne!(event["event"], "clawmux.gap", "round {round}: {event}");
             if event["event"] == "test.n" {
                 let got = event["payload"]["n"].as_i64().unwrap();
-                assert!(got > last_n, "event {got} after {last_n}");
+                assert_eq!(got, last_n + 1, "round {round}: event {got} after {last_n}");
                 last_n = got;
-            }
-            if event["event"] == "clawmux.upstream" && event["payload"]["reason"] == "reconnected" {
-                break;
             }
         }
         let res = client.request("health", serde_json::json!({})).await;
         assert_eq!(res["ok"], true, "round {round}: {res}");
+        // The idle client got the burst too.
         loop {
-            let event = idle.event_within("clawmux.upstream", PATIENCE * 4).await;
-            if event["payload"]["reason"] == "reconnected" {
+            let event = idle.event_within("test.n", PATIENCE * 4).await;
+            if event["payload"]["n"] == n - 1 {
                 break;
             }
         }
-        // Its subscription moved with it and was sent to the new session.
-        eventually("the new session holds the subscription", || {
-            gw.subscriptions()
-                .iter()
-                .any(|(_, keys)| keys.iter().any(|k| k == "agent:main:main"))
-        })
-        .await;
+        // Its subscription stayed at the gateway (never sent again).
         gw.emit_session_message(
             "agent:main:main",
             serde_json::json!({"sessionKey": "agent:main:main", "text": format!("after {round}")}),
         );
         let message = client.event("session.message").await;
         assert_eq!(message["payload"]["text"], format!("after {round}"));
+        // What was read out of order above was seen: the next round's seq
+        // follows the last of it.
+        for seen in std::iter::once(message).chain(client.events.drain(..)) {
+            if let Some(seq) = seen["seq"].as_u64() {
+                last_seq = last_seq.max(seq);
+            }
+        }
         let state = state(&socket).await;
         let listed = state["clients"].as_array().unwrap();
         assert!(
@@ -275,6 +293,14 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
             "round {round}: the client keeps its connId: {state}"
         );
     }
+    // The gateway double saw one connection throughout, and one subscribe.
+    assert_eq!(gw.total_connections(), 1, "{}", log_text(&log));
+    let subscribes = gw
+        .requests()
+        .iter()
+        .filter(|(_, r)| r["method"] == "sessions.messages.subscribe")
+        .count();
+    assert_eq!(subscribes, 1, "the subscription was never sent again");
     assert!(last_n >= 0, "events arrived");
     // The last instance owns the socket file now: a stop removes it.
     signal_pid(pid, rustix::process::Signal::TERM);
@@ -328,7 +354,8 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
     assert_eq!(broker_pid(&socket).await, old.0.id());
 
     // 2. A binary that says valid, lets the old one stop, then dies: the old
-    //    one serves again on the same socket (clients reconnect and resume).
+    //    one serves again on the same socket, and takes its clients and its
+    //    gateway session back.
     replace_with_script(
         &program,
         "#!/bin/bash\n\
@@ -338,15 +365,19 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
          exit 1\n",
     );
     signal(&old.0, rustix::process::Signal::USR2);
-    // The old one stopped serving, then took its clients back: the client
-    // stayed connected and sees a reconnect of the gateway session.
-    loop {
-        let event = client.event_within("clawmux.upstream", PATIENCE * 4).await;
-        if event["payload"]["reason"] == "reconnected" {
-            break;
-        }
-    }
     wait_log(&log, "upgrade failed, still serving").await;
+    gw.broadcast("test.n", serde_json::json!({"n": 1}));
+    let event = client.event("test.n").await;
+    assert_eq!(event["payload"]["n"], 1);
+    assert!(
+        !client
+            .events
+            .iter()
+            .any(|e| e["event"] == "clawmux.upstream"),
+        "the gateway session went on: {:?}",
+        client.events
+    );
+    assert_eq!(gw.total_connections(), 1, "{}", log_text(&log));
     assert!(
         old.0.try_wait().unwrap().is_none(),
         "the old instance still runs"
@@ -530,7 +561,8 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
             "clawmux-clients",
             "clawmux-listen",
             "clawmux-listen-lock",
-            "clawmux-state"
+            "clawmux-state",
+            "clawmux-upstream"
         ],
         "{:?}",
         store.lines
@@ -556,14 +588,20 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
         "the waiting client is served"
     );
     assert_eq!(broker_pid(&socket).await, next.0.id());
-    // The client stayed connected: the next start's session is a reconnect
-    // to it, and it is served under its own connId.
-    loop {
-        let event = client.event_within("clawmux.upstream", PATIENCE * 4).await;
-        if event["payload"]["reason"] == "reconnected" {
-            break;
-        }
-    }
+    // The client stayed connected, on the same gateway session (stored
+    // too), and is served under its own connId.
+    gw.broadcast("test.n", serde_json::json!({"n": 1}));
+    let event = client.event("test.n").await;
+    assert_eq!(event["payload"]["n"], 1);
+    assert!(
+        !client
+            .events
+            .iter()
+            .any(|e| e["event"] == "clawmux.upstream"),
+        "the gateway session went on: {:?}",
+        client.events
+    );
+    assert_eq!(gw.total_connections(), 1);
     let res = client.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "{res}");
     let listed = state(&socket).await["clients"].clone();
@@ -582,6 +620,7 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
         "clawmux-clients",
         "clawmux-listen",
         "clawmux-listen-lock",
+        "clawmux-upstream",
     ] {
         assert!(
             store.lines.iter().any(|l| l == &format!("FDNAME={name}"))
@@ -626,7 +665,7 @@ async fn a_stored_state_this_version_cannot_read_starts_fresh() {
 use std::os::unix::fs::FileExt;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_in_flight_at_a_handover_is_answered_once() {
+async fn a_run_in_flight_at_a_handover_is_answered_once_by_the_next_instance() {
     let mut cfg = mock_config();
     // A run long enough to be in flight when the broker hands over.
     cfg.run_step_delay = Duration::from_millis(300);
@@ -653,11 +692,17 @@ async fn a_run_in_flight_at_a_handover_is_answered_once() {
     );
     let next = broker_pid(&socket).await;
     let _next = Pid(next);
-    // The run's final answer died with the old gateway session: the client
-    // is told so once, with `sent: true` (it ran, or may have).
-    let last = client.response("run1").await;
-    assert_eq!(last["ok"], false, "{last}");
-    assert_eq!(last["error"]["details"]["sent"], true, "{last}");
+    // The gateway session moved with the client: the run's final answer
+    // arrives on it, at the new instance, which delivers it once.
+    let last = loop {
+        match client.recv_within(PATIENCE * 2).await {
+            Some(Got::Json(v)) if v["type"] == "res" && v["id"] == "run1" => break v,
+            Some(Got::Json(v)) => client.events.push(v),
+            other => panic!("no final answer ({other:?}); log:\n{}", log_text(&log)),
+        }
+    };
+    assert_eq!(last["ok"], true, "{last}\n{}", log_text(&log));
+    assert_eq!(last["payload"]["status"], "ok", "{last}");
     // Nothing more for run1: a later request's answer comes after anything
     // queued before it.
     let res = client.request("health", serde_json::json!({})).await;
@@ -668,4 +713,10 @@ async fn a_run_in_flight_at_a_handover_is_answered_once() {
         .filter(|v| v["type"] == "res" && v["id"] == "run1")
         .count();
     assert_eq!(resent, 0, "run1 answered more than once");
+    assert_eq!(
+        gw.total_connections(),
+        1,
+        "the gateway saw one connection\n{}",
+        log_text(&log)
+    );
 }

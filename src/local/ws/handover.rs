@@ -38,6 +38,18 @@ pub async fn resume(
     let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
     let mut conn = Conn::new(ws, Arc::clone(&client), pause);
     tracing::debug!(client_id = client.id, "local client taken over");
+    let serving = ctx.handoff.serving();
+    // The gateway session is taken over (or opened again) right after the
+    // clients: a request read before it is ready would be refused, so the
+    // client waits for it as a connecting client does (`connect_wait`).
+    // Events queued meanwhile are written once it is.
+    // (A stop or another handover meanwhile is seen by `serve_requests`.)
+    let deadline = std::time::Instant::now() + ctx.settings.limits.connect_wait;
+    tokio::select! {
+        _ = ctx.upstream().wait_ready(deadline) => {}
+        _ = ctx.handoff.requested.cancelled() => {}
+        _ = ctx.cancel.cancelled() => {}
+    }
     let served = serve_requests(&mut conn, &registration, &ctx, Restarts::Continuity).await;
     if served == Served::HandOver {
         if movable(&registration, Restarts::Continuity) {
@@ -45,12 +57,14 @@ pub async fn resume(
                 Ok(()) => return,
                 Err((conn, registration)) => {
                     client.close(1012, "service restart");
+                    drop(serving);
                     return finish(conn, registration).await;
                 }
             }
         }
         client.close(1012, "service restart");
     }
+    drop(serving);
     finish(conn, registration).await
 }
 

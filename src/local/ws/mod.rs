@@ -255,6 +255,9 @@ pub async fn run(
     if admitted {
         budget.lift();
         tracing::info!(client_id, conn_id = %client.conn_id, "local client connected");
+        // Counted until the client has left for the next instance (or is
+        // being closed): a handover waits for every one.
+        let serving = ctx.handoff.serving();
         let served = serve_requests(&mut conn, &registration, &ctx, restarts).await;
         if served == Served::HandOver {
             match peer.fd {
@@ -263,6 +266,7 @@ pub async fn run(
                         Ok(()) => return,
                         Err((conn, registration)) => {
                             client.close(1012, "service restart");
+                            drop(serving);
                             return finish(conn, registration).await;
                         }
                     }
@@ -270,6 +274,7 @@ pub async fn run(
                 _ => client.close(1012, "service restart"),
             }
         }
+        drop(serving);
     }
     finish(conn, registration).await
 }
@@ -509,7 +514,6 @@ async fn serve_requests<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> Served {
     let limits = &ctx.settings.limits;
     let member: &Arc<Member> = registration.member();
-    let _serving = ctx.handoff.serving();
     let mut upstream = ctx.upstream().subscribe();
     let admitted_on = upstream.borrow_and_update().generation;
     let mirror = restarts == Restarts::Mirror;

@@ -21,6 +21,7 @@ use super::handshake::{
     MintedToken, Ws,
 };
 use super::identity::DeviceIdentity;
+use super::movable::{Movable, SocketKind};
 use super::tls::{check_transport, TlsClient};
 use super::{
     backoff_delay, clamp_hint, ClientCredential, PeerCertificate, Phase, SessionOwner, SessionSpec,
@@ -62,6 +63,8 @@ impl EarlyEvents {
 
 /// How a ready session ended, as the connect loop needs it.
 struct SessionEnd {
+    /// The session was handed over to the next instance: the connector stops.
+    handed_over: bool,
     /// The gateway announced a restart (`shutdown` with `restartExpectedMs`).
     restart_expected: Option<Duration>,
     cancelled: bool,
@@ -71,6 +74,8 @@ struct SessionEnd {
 
 /// The channels between the connector and the [`super::Upstream`] handle.
 pub(super) struct Channels {
+    pub handover: mpsc::Receiver<super::HandoverRequest>,
+    pub adoption: Option<tokio::sync::oneshot::Receiver<Option<super::Adoption>>>,
     pub nudge: Arc<tokio::sync::Notify>,
     pub status: watch::Sender<Status>,
     pub outlet: Arc<super::outlet::Outlet>,
@@ -93,6 +98,11 @@ enum Parked {
 }
 
 pub(super) struct Connector {
+    /// Requests to hand the session over ([`super::Upstream::hand_over`]).
+    handover: mpsc::Receiver<super::HandoverRequest>,
+    /// A session the previous instance may hand over: waited for before
+    /// the first attempt.
+    adoption: Option<tokio::sync::oneshot::Receiver<Option<super::Adoption>>>,
     url: String,
     token: Option<Secret>,
     password: Option<Secret>,
@@ -137,6 +147,8 @@ impl Connector {
         cancel: CancellationToken,
     ) -> Self {
         let Channels {
+            handover,
+            adoption,
             nudge,
             status,
             outlet,
@@ -147,6 +159,8 @@ impl Connector {
         let device_id = identity.as_ref().map(|i| i.device_id().to_owned());
         status.send_modify(|s| s.device_id = device_id);
         Connector {
+            handover,
+            adoption,
             identity,
             url: settings.gateway_url.trim().to_owned(),
             token: settings.token.clone(),
@@ -238,6 +252,19 @@ impl Connector {
     pub(super) async fn run(mut self) {
         let mut failures: u32 = 0;
         let mut had_session = false;
+        let mut adoption = None;
+        if let Some(word) = self.adoption.take() {
+            tokio::select! {
+                _ = self.cancel.cancelled() => {
+                    self.set_phase(Phase::Stopped);
+                    return;
+                }
+                word = word => adoption = word.ok().flatten(),
+            }
+            // Clients were handed over: whatever session comes next is a
+            // reconnect to them unless it is the one they were on.
+            had_session = true;
+        }
         'attempts: loop {
             if let Some((error, accept_offer)) = self.take_target().await {
                 match self.park(error, accept_offer).await {
@@ -247,6 +274,16 @@ impl Connector {
                         continue;
                     }
                 }
+            }
+            if let Some(adopted) = adoption.take().and_then(|a| self.adopt(a)) {
+                let (ws, hello) = adopted.await;
+                let end = self
+                    .run_session(ws, hello, EarlyEvents::default(), Start::Adopted)
+                    .await;
+                if end.cancelled || end.handed_over {
+                    break;
+                }
+                continue 'attempts;
             }
             self.set_phase(Phase::Connecting);
             let attempt_started = Instant::now();
@@ -267,9 +304,14 @@ impl Connector {
                     // A credential that worked is kept for reconnects; later offers are moot.
                     while self.offers.try_recv().is_ok() {}
                     let started = Instant::now();
-                    let end = self.run_session(ws, hello, early, had_session).await;
+                    let start = if had_session {
+                        Start::Reconnect
+                    } else {
+                        Start::First
+                    };
+                    let end = self.run_session(ws, hello, early, start).await;
                     had_session = true;
-                    if end.cancelled {
+                    if end.cancelled || end.handed_over {
                         break;
                     }
                     if end.retargeted {
@@ -386,6 +428,37 @@ impl Connector {
             }
         }
         self.set_phase(Phase::Stopped);
+    }
+
+    /// The session the previous instance handed over, if this connector's
+    /// settings name the same gateway (else its socket is closed and the
+    /// connector connects itself: a reconnect for the moved clients).
+    fn adopt(
+        &mut self,
+        adoption: super::Adoption,
+    ) -> Option<impl std::future::Future<Output = (Ws, UpstreamHello)>> {
+        if adoption.url != redact_url(&self.url) {
+            tracing::info!(
+                "handover: the settings name another gateway; not taking the gateway connection over"
+            );
+            return None;
+        }
+        let io = match adoption.socket.into_io() {
+            Ok(io) => io,
+            Err(e) => {
+                tracing::warn!("handover: the gateway connection cannot be taken over ({e})");
+                return None;
+            }
+        };
+        let config = socket_config(&self.opts);
+        let hello = adoption.hello;
+        Some(async move {
+            use tokio_tungstenite::tungstenite::protocol::Role;
+            let ws =
+                tokio_tungstenite::WebSocketStream::from_raw_socket(io, Role::Client, Some(config))
+                    .await;
+            (ws, hello)
+        })
     }
 
     /// Opens the socket and performs the handshake. Events that arrive
@@ -586,6 +659,26 @@ impl Connector {
     }
 }
 
+/// The gateway WebSocket's settings: frames bounded by `[upstream]
+/// max_frame_bytes`, a small read buffer ([`UPSTREAM_READ_BUFFER_BYTES`]).
+fn socket_config(opts: &UpstreamOptions) -> WebSocketConfig {
+    WebSocketConfig::default()
+        .read_buffer_size(UPSTREAM_READ_BUFFER_BYTES)
+        .max_message_size(Some(opts.max_frame_bytes))
+        .max_frame_size(Some(opts.max_frame_bytes))
+}
+
+/// How a session began, for its owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Start {
+    /// The connector's first.
+    First,
+    /// A session of this connector was ready before.
+    Reconnect,
+    /// The previous instance handed it over (design §11).
+    Adopted,
+}
+
 /// Opens a gateway WebSocket: [`open_stream`], then the upgrade, frames
 /// bounded by `[upstream] max_frame_bytes`. The shared session and the
 /// dedicated route ([`crate::upstream::open_socket`]) both open their
@@ -600,10 +693,7 @@ pub(crate) async fn open_socket(
     origin: Option<&str>,
 ) -> Result<Ws, AttemptError> {
     use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
-    let config = WebSocketConfig::default()
-        .read_buffer_size(UPSTREAM_READ_BUFFER_BYTES)
-        .max_message_size(Some(opts.max_frame_bytes))
-        .max_frame_size(Some(opts.max_frame_bytes));
+    let config = socket_config(opts);
     let invalid = |what: &str| {
         AttemptError::new(
             StudioCode::GatewayUrlInvalid,
@@ -656,7 +746,8 @@ async fn open_stream(
     };
     if let Some(path) = &opts.unix_socket {
         let unix = tokio::net::UnixStream::connect(path).await;
-        return Ok(Box::new(unix.map_err(unreachable)?));
+        let unix = unix.map_err(unreachable)?;
+        return Ok(Box::new(Movable::new(unix, SocketKind::Unix)));
     }
     let uri: http::Uri = url
         .parse()
@@ -673,7 +764,7 @@ async fn open_stream(
         .map_err(unreachable)?;
     tcp.set_nodelay(true).map_err(unreachable)?;
     if !secure {
-        return Ok(Box::new(tcp));
+        return Ok(Box::new(Movable::new(tcp, SocketKind::Tcp)));
     }
     let client = load_tls_client(tls_client, tls).await?;
     let (stream, seen) = client.connect(url, &host, tcp).await;

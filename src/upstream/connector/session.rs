@@ -14,7 +14,7 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 
-use super::{Connector, EarlyEvents, SessionEnd};
+use super::{Connector, EarlyEvents, SessionEnd, Start};
 use crate::protocol::{ErrorShape, StudioCode};
 use crate::upstream::handshake::Ws;
 use crate::upstream::outlet::WriterEnd;
@@ -55,8 +55,9 @@ impl Connector {
         ws: Ws,
         hello: UpstreamHello,
         early: EarlyEvents,
-        reconnected: bool,
+        start: Start,
     ) -> SessionEnd {
+        let reconnected = start == Start::Reconnect;
         let hello = Arc::new(hello);
         let silence_limit = silence_limit(&hello);
         let mut generation = 0;
@@ -75,8 +76,13 @@ impl Connector {
                 s.reconnects += 1;
             }
         });
-        tracing::info!(session = %self.spec.label, upstream_phase = "ready", generation, server_version = %hello.server_version, protocol = hello.protocol, "upstream session ready");
-        self.owner.ready(generation, &hello, reconnected);
+        if start == Start::Adopted {
+            tracing::info!(session = %self.spec.label, upstream_phase = "ready", generation, server_version = %hello.server_version, "upstream session taken over from the previous instance");
+            self.owner.adopted(generation, &hello);
+        } else {
+            tracing::info!(session = %self.spec.label, upstream_phase = "ready", generation, server_version = %hello.server_version, protocol = hello.protocol, "upstream session ready");
+            self.owner.ready(generation, &hello, reconnected);
+        }
         let mut restart_expected = None;
         for text in &early.frames {
             if let Some(hint) = self.owner.frame(generation, text) {
@@ -87,6 +93,7 @@ impl Connector {
             tracing::warn!(session = %self.spec.label, "the gateway sent more events before hello-ok than the broker keeps");
             self.owner.early_events_lost(generation);
         }
+        let pause = ws.get_ref().pause();
         let (sink, mut stream) = ws.split();
         let outlet = Arc::clone(&self.outlet);
         outlet.install(sink, generation);
@@ -96,6 +103,7 @@ impl Connector {
         let mut retargeted = false;
         let mut close: Option<CloseFrame> = None;
         let mut gateway_close: Option<(u16, String)> = None;
+        let mut handover: Option<crate::upstream::HandoverRequest> = None;
         {
             let writer = outlet.writer(self.opts.write_timeout);
             tokio::pin!(writer);
@@ -166,6 +174,17 @@ impl Connector {
                             break;
                         }
                     }
+                    request = self.handover.recv() => {
+                        let Some(request) = request else { continue };
+                        if pause.is_none() {
+                            // A TLS session stays in this process.
+                            let _ = request.send(None);
+                            continue;
+                        }
+                        handover = Some(request);
+                        end_reason = "handed over to the next instance".into();
+                        break;
+                    }
                     _ = self.cancel.cancelled() => {
                         end_reason = "broker stopping".into();
                         cancelled = true;
@@ -175,9 +194,68 @@ impl Connector {
                 }
             }
         }
+        let mut end_reason = end_reason;
+        let mut unsent_before = Vec::new();
+        if let (Some(request), Some(pause)) = (handover, pause) {
+            match self
+                .hand_over(generation, &pause, stream, &hello, request)
+                .await
+            {
+                Ok(()) => {
+                    return SessionEnd {
+                        handed_over: true,
+                        restart_expected: None,
+                        cancelled: true,
+                        retargeted: false,
+                    };
+                }
+                Err((why, withdrawn)) => {
+                    unsent_before = withdrawn;
+                    tracing::warn!(session = %self.spec.label, "handover: the gateway connection cannot move ({why}); closing it");
+                    end_reason =
+                        format!("broker stopping (the gateway connection could not move: {why})");
+                    cancelled = true;
+                    close = Some(CloseFrame {
+                        code: CloseCode::Normal,
+                        reason: "broker stopping".into(),
+                    });
+                }
+            }
+        }
+        self.end_session(
+            generation,
+            Ending {
+                reason: end_reason,
+                close,
+                cancelled,
+                retargeted,
+                restart_expected,
+                gateway_close,
+                withdrawn: unsent_before,
+            },
+        )
+        .await
+    }
+
+    /// Ends session `generation`: its requests still queued are withdrawn
+    /// and failed "not sent" (with `withdrawn`, those a handover that
+    /// could not finish withdrew), the gateway gets `close` (bounded), and
+    /// the owner and the status are told.
+    async fn end_session(&mut self, generation: u64, ending: Ending) -> SessionEnd {
+        let Ending {
+            reason: end_reason,
+            close,
+            cancelled,
+            retargeted,
+            restart_expected,
+            mut gateway_close,
+            withdrawn,
+        } = ending;
+        let outlet = Arc::clone(&self.outlet);
         // Closed first: from here a request for this generation is refused
         // (answered "not sent"), and those still queued are withdrawn.
-        let unsent = outlet.close(generation);
+        let mut unsent = outlet.close(generation);
+        unsent.extend(withdrawn);
         let sink = outlet.uninstall(generation).await;
         if let (Some(frame), Some(mut sink)) = (close, sink) {
             // Bounded: the socket may be the very thing that is stuck.
@@ -236,12 +314,150 @@ impl Connector {
             },
         );
         SessionEnd {
+            handed_over: false,
             restart_expected,
             cancelled,
             retargeted,
         }
     }
+
+    /// Stops the session for the next instance (design §11): the reader
+    /// stops at a message boundary (every whole message before it goes to
+    /// the owner as usual), what is queued and can be written now is
+    /// written, the rest withdrawn, the writing half is flushed; then the
+    /// socket is left, unclosed, with the bytes read past the boundary.
+    /// Each request of this session is then either written (its answer
+    /// reaches the next instance on this same connection) or withdrawn
+    /// unwritten (`unsent`, for the caller to answer "not sent"), never
+    /// both. `Err`: the session cannot move; the caller ends it as at any
+    /// stop (its requests fail as they would then).
+    async fn hand_over(
+        &mut self,
+        generation: u64,
+        pause: &crate::boundary::Pause,
+        mut stream: futures_util::stream::SplitStream<Ws>,
+        hello: &Arc<UpstreamHello>,
+        request: crate::upstream::HandoverRequest,
+    ) -> Result<(), (String, Vec<String>)> {
+        pause.request();
+        let owner = Arc::clone(&self.owner);
+        let boundary = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
+            loop {
+                let next = std::future::poll_fn(|cx| match stream.poll_next_unpin(cx) {
+                    std::task::Poll::Ready(m) => std::task::Poll::Ready(Some(m)),
+                    std::task::Poll::Pending if pause.at_boundary() => std::task::Poll::Ready(None),
+                    std::task::Poll::Pending => std::task::Poll::Pending,
+                })
+                .await;
+                match next {
+                    None => return Ok(()),
+                    Some(Some(Ok(Message::Text(text)))) => {
+                        owner.frame(generation, text.as_str());
+                    }
+                    Some(Some(Ok(Message::Close(_)))) | Some(None) => {
+                        return Err("the gateway closed the connection meanwhile".to_owned())
+                    }
+                    Some(Some(Ok(_))) => {}
+                    Some(Some(Err(e))) => return Err(format!("the connection failed ({e})")),
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(format!(
+                "the gateway did not finish its message within {} ms",
+                HANDOVER_PAUSE_TIMEOUT.as_millis()
+            ))
+        });
+        // Written now if it can be (the socket is free: the writer was
+        // dropped), else withdrawn: sent or answered "not sent", never both.
+        self.outlet.flush();
+        let unsent = self.outlet.close(generation);
+        let sink = self.outlet.uninstall(generation).await;
+        // Still this connector's to end: the caller fails its requests as
+        // at any end (the ones withdrawn here "not sent").
+        let failed = |why: String, unsent: Vec<String>| (why, unsent);
+        let result = match (boundary, sink) {
+            (Err(why), _) => Err(failed(why, unsent)),
+            (Ok(()), None) => Err(failed("its writing half did not come back".into(), unsent)),
+            (Ok(()), Some(mut sink)) => {
+                match tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, sink.flush()).await {
+                    Ok(Ok(())) => match sink.reunite(stream) {
+                        Ok(mut ws) => match ws.get_mut().take_for_handover() {
+                            Some(Ok(socket)) => Ok((socket, unsent)),
+                            Some(Err(e)) => {
+                                Err(failed(format!("cannot copy its descriptor ({e})"), unsent))
+                            }
+                            None => Err(failed("its socket cannot move".into(), unsent)),
+                        },
+                        Err(_) => Err(failed("its halves do not match".into(), unsent)),
+                    },
+                    Ok(Err(e)) => Err(failed(format!("the last write failed ({e})"), unsent)),
+                    Err(_) => Err(failed("the gateway is not reading".into(), unsent)),
+                }
+            }
+        };
+        match result {
+            Ok((socket, unsent)) => {
+                let handed = crate::upstream::HandedOver {
+                    socket,
+                    hello: (**hello).clone(),
+                    generation,
+                    unsent,
+                };
+                self.status.send_modify(|s| {
+                    s.phase = Phase::Stopped;
+                    s.generation = generation + 1;
+                    s.hello = None;
+                });
+                if let Err(Some(handed)) = request.send(Some(handed)) {
+                    // The broker stopped waiting: the connection closes
+                    // (dropped), and its requests fail as at any end.
+                    tracing::warn!(session = %self.spec.label, "handover: nobody took the gateway connection; closing it");
+                    self.owner.ended(
+                        generation,
+                        &SessionEnded {
+                            reason: "broker stopping".into(),
+                            cancelled: true,
+                            restart_hint: None,
+                            gateway_close_code: None,
+                            error: ErrorShape::studio(
+                                StudioCode::UpstreamClosed,
+                                "the gateway session ended before the answer: broker stopping",
+                            ),
+                            unsent: handed.unsent,
+                        },
+                    );
+                }
+                tracing::info!(session = %self.spec.label, generation, "upstream session handed over to the next instance");
+                Ok(())
+            }
+            Err((why, unsent)) => {
+                let _ = request.send(None);
+                Err((why, unsent))
+            }
+        }
+    }
 }
+
+/// How a session ends (see [`Connector::end_session`]).
+struct Ending {
+    reason: String,
+    /// The close frame to send the gateway, if any.
+    close: Option<CloseFrame>,
+    cancelled: bool,
+    retargeted: bool,
+    restart_expected: Option<Duration>,
+    /// The gateway's own close, if it closed.
+    gateway_close: Option<(u16, String)>,
+    /// Requests a handover that could not finish withdrew unwritten.
+    withdrawn: Vec<String>,
+}
+
+/// How long a gateway session may take, at a handover, to finish the
+/// message it is sending and to take the last write, before it is closed
+/// instead of moved (the next instance then connects again).
+pub const HANDOVER_PAUSE_TIMEOUT: Duration = Duration::from_secs(1);
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,214 @@
+//! The gateway socket as the connector reads it: through a
+//! [`Follower`], so that at a handover its reader stops at a message
+//! boundary and the socket moves to the broker's next instance with the
+//! bytes read past that boundary (design §11). The gateway keeps one
+//! connection, its `seq` and everything it holds per connection
+//! (subscriptions, runs).
+//!
+//! Only a plaintext socket moves (`ws://` over TCP, or the configured unix
+//! socket): a TLS session's keys and record counters live in this process,
+//! so a `wss://` session ends and the next instance connects again.
+
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::boundary::{Follower, Pause};
+
+/// What kind of socket a moved gateway connection is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SocketKind {
+    Tcp,
+    Unix,
+}
+
+/// A gateway socket stopped at a message boundary for the next instance.
+#[derive(Debug)]
+pub struct MovedSocket {
+    /// A copy of its descriptor (close-on-exec).
+    pub fd: OwnedFd,
+    pub kind: SocketKind,
+    /// Bytes read from it and not handed to the parser: the start of the
+    /// gateway's next message, if any.
+    pub unread: Vec<u8>,
+}
+
+/// A plaintext gateway socket whose reads follow the gateway's frames.
+#[derive(Debug)]
+pub struct Movable<T> {
+    inner: T,
+    kind: SocketKind,
+    follow: Follower,
+}
+
+impl<T> Movable<T> {
+    /// A socket just opened: the HTTP response to the upgrade comes first.
+    /// (The gateway's frames are not split: nothing here keeps a large
+    /// frame's read buffer, as the local side does.)
+    pub fn new(inner: T, kind: SocketKind) -> Self {
+        Movable {
+            inner,
+            kind,
+            follow: Follower::after_http_response(false),
+        }
+    }
+
+    /// A socket moved from the previous instance, reading `unread` first:
+    /// bytes it read and did not parse (they start at a message boundary).
+    pub fn moved(inner: T, kind: SocketKind, unread: Vec<u8>) -> Self {
+        Movable {
+            inner,
+            kind,
+            follow: Follower::new(unread, false),
+        }
+    }
+}
+
+impl<T: AsFd> Movable<T> {
+    /// Once paused at a boundary (and every message before it parsed):
+    /// a copy of the descriptor and the bytes read past the boundary.
+    fn take(&mut self) -> io::Result<MovedSocket> {
+        Ok(MovedSocket {
+            fd: rustix::io::fcntl_dupfd_cloexec(self.inner.as_fd(), 3)?,
+            kind: self.kind,
+            unread: self.follow.take_unread(),
+        })
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Movable<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let Movable { inner, follow, .. } = &mut *self;
+        follow.poll_read(cx, buf, |cx, buf| Pin::new(inner).poll_read(cx, buf))
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// The byte stream under the upstream WebSocket: TCP, TLS, or a unix
+/// socket (the demo's built-in double, `[upstream] unix_socket`).
+pub trait UpstreamIo: AsyncRead + AsyncWrite + Send + Unpin + 'static {
+    /// The pause of a socket that can move to the next instance (`None`:
+    /// it cannot, e.g. TLS).
+    fn pause(&self) -> Option<Pause> {
+        None
+    }
+
+    /// Once paused at a boundary: what moves (`None`: it cannot move).
+    fn take_for_handover(&mut self) -> Option<io::Result<MovedSocket>> {
+        None
+    }
+}
+
+impl<T: AsyncRead + AsyncWrite + AsFd + Send + Unpin + 'static> UpstreamIo for Movable<T> {
+    fn pause(&self) -> Option<Pause> {
+        Some(self.follow.pause())
+    }
+
+    fn take_for_handover(&mut self) -> Option<io::Result<MovedSocket>> {
+        Some(self.take())
+    }
+}
+
+impl UpstreamIo for tokio_rustls::client::TlsStream<tokio::net::TcpStream> {}
+
+/// A bare unix socket (the transport's unit tests): it never moves.
+impl UpstreamIo for tokio::net::UnixStream {}
+
+impl MovedSocket {
+    /// The socket again, in this instance's runtime, reading `unread` first.
+    pub fn into_io(self) -> io::Result<Box<dyn UpstreamIo>> {
+        Ok(match self.kind {
+            SocketKind::Tcp => {
+                let s = std::net::TcpStream::from(self.fd);
+                s.set_nonblocking(true)?;
+                Box::new(Movable::moved(
+                    tokio::net::TcpStream::from_std(s)?,
+                    SocketKind::Tcp,
+                    self.unread,
+                ))
+            }
+            SocketKind::Unix => {
+                let s = std::os::unix::net::UnixStream::from(self.fd);
+                s.set_nonblocking(true)?;
+                Box::new(Movable::moved(
+                    tokio::net::UnixStream::from_std(s)?,
+                    SocketKind::Unix,
+                    self.unread,
+                ))
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::protocol::Role;
+    use tokio_tungstenite::tungstenite::Message;
+    use tokio_tungstenite::WebSocketStream;
+
+    /// Paused between two of the gateway's messages, the reader stops
+    /// there: the parser has handed over every message before it, and the
+    /// bytes after it (the next message) are what moves.
+    #[tokio::test]
+    async fn a_paused_gateway_socket_stops_between_messages() {
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+        let io: Box<dyn UpstreamIo> = Box::new(Movable::moved(ours, SocketKind::Unix, Vec::new()));
+        let pause = io.pause().unwrap();
+        let mut ws = WebSocketStream::from_raw_socket(io, Role::Client, None).await;
+        let mut gateway = WebSocketStream::from_raw_socket(theirs, Role::Server, None).await;
+        for n in [3, 300, 70_000] {
+            let text = "x".repeat(n);
+            gateway.send(Message::text(text.clone())).await.unwrap();
+            assert_eq!(ws.next().await.unwrap().unwrap(), Message::text(text));
+            assert!(pause.at_boundary(), "after a message of {n} bytes");
+        }
+        pause.request();
+        gateway.send(Message::text("two")).await.unwrap();
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        assert!(ws.poll_next_unpin(&mut cx).is_pending());
+        assert!(pause.at_boundary());
+        let moved = ws.get_mut().take_for_handover().unwrap().unwrap();
+        assert!(moved.unread.is_empty() || moved.unread.ends_with(b"two"));
+    }
+}
