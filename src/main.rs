@@ -289,8 +289,11 @@ async fn serve(
         (None, None) => RunningBroker::start(settings).await?,
     };
     if let Some(mut old) = predecessor {
-        old.say("serving").await?;
+        // The main process first, then the word that lets the old one
+        // exit: systemd must know who the service is before its main
+        // process goes (it reads notifications before exits).
         clawmux::systemd::now_main_process();
+        old.say("serving").await?;
     }
     if !args.demo {
         eprintln!(

@@ -395,3 +395,31 @@ fn adopt_upstream(
         url: entry.url,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A document with the gateway connection's part (the fuzz seed) is
+    /// read whole and written back unchanged; one from before that part
+    /// existed still reads, with none.
+    #[test]
+    fn a_document_with_the_gateway_connection_round_trips() {
+        let seed = include_str!("../../fuzz/seeds/handover_state/clients-upstream.json");
+        let doc = Clients::parse(seed.as_bytes()).unwrap();
+        let upstream = doc
+            .upstream
+            .as_ref()
+            .expect("the gateway connection's part");
+        assert_eq!(upstream.kind, crate::upstream::SocketKind::Tcp);
+        assert_eq!(upstream.last_seq, Some(41));
+        assert_eq!(upstream.pending[0].upstream_id, "cm-16");
+        assert!(upstream.pending[0].accepted);
+        assert_eq!(doc.runs[0].run_id, "r-1");
+        let again = Clients::parse(&serde_json::to_vec(&doc).unwrap()).unwrap();
+        assert_eq!(again, doc);
+        let older = include_str!("../../fuzz/seeds/handover_state/clients.json");
+        let older = Clients::parse(older.as_bytes()).unwrap();
+        assert!(older.upstream.is_none() && older.runs.is_empty());
+    }
+}

@@ -3,12 +3,11 @@
 //! between is refused, and a new binary that cannot start leaves the old
 //! one serving.
 //!
-//! What moves today (state [`FORMAT`] 1): every listening socket (the main
-//! one and the `[[sockets]]` policy sockets) with its socket file's lock.
-//! Connected clients do not move yet: they get `shutdown {reason:
-//! "clawmux upgrading"}` and `1001 going away`, reconnect at once to the
-//! same socket, and resume by cursor (docs/src/restarts.md says what a
-//! client sees).
+//! What moves (state [`FORMAT`] 1): every listening socket (the main one
+//! and the `[[sockets]]` policy sockets) with its socket file's lock, in
+//! the state; once the old instance has released, every `/ws` client and
+//! the `ws://` gateway connection ([`clients`]): each socket with what it
+//! was in the middle of. docs/src/restarts.md says what does not move.
 //!
 //! Two ways in, one format:
 //! - `SIGUSR2` ([`upgrade`]): the broker starts the `clawmux` at the path it
