@@ -206,6 +206,21 @@ mod tests {
         assert!(file.write_all(b"x").is_err());
     }
 
+    /// A memfd over the cap is not a state this version wrote: refused by
+    /// its size, before a byte is read (`MAX_STATE_BYTES`, limits page).
+    #[test]
+    fn a_state_over_the_cap_is_refused_by_its_size() {
+        let mut big = serde_json::to_vec(&state()).unwrap();
+        big.resize(MAX_STATE_BYTES as usize + 1, b' ');
+        let fd = memfd_with(&big).unwrap();
+        assert_eq!(
+            State::from_fd(&fd),
+            Err(Unreadable::TooLarge(MAX_STATE_BYTES + 1))
+        );
+        big.truncate(MAX_STATE_BYTES as usize);
+        assert_eq!(State::from_fd(memfd_with(&big).unwrap()).unwrap(), state());
+    }
+
     #[test]
     fn another_format_or_a_broken_state_is_refused_not_guessed() {
         let mut next = serde_json::to_value(state()).unwrap();

@@ -720,3 +720,49 @@ async fn a_run_in_flight_at_a_handover_is_answered_once_by_the_next_instance() {
         log_text(&log)
     );
 }
+
+/// `HANDOVER_PAUSE_TIMEOUT` (limits page): a client stuck inside a message
+/// cannot be stopped at a boundary; it is closed `1012` after 1 s and
+/// reconnects, while the others move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_stuck_inside_a_message_is_closed_and_the_others_move() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
+    let pid = broker_pid(&socket).await;
+    let mut stuck = WsClient::open(&socket, "/ws").await;
+    stuck.handshake().await;
+    let mut mover = WsClient::open(&socket, "/ws").await;
+    let conn_id = mover.handshake().await["server"]["connId"].clone();
+    // A masked text frame of 100 bytes, of which 10 are sent.
+    let mut partial = vec![0x81, 0x80 | 100, 1, 2, 3, 4];
+    partial.extend([b'x'; 10]);
+    stuck.raw().write_all(&partial).await.unwrap();
+    signal_pid(pid, rustix::process::Signal::USR2);
+    assert!(
+        exits_with(&mut first.0).await.success(),
+        "{}",
+        log_text(&log)
+    );
+    let _next = Pid(broker_pid(&socket).await);
+    match stuck.recv_within(PATIENCE).await {
+        Some(Got::Close(1012, _)) => {}
+        other => panic!("the stuck client: {other:?}\n{}", log_text(&log)),
+    }
+    assert!(
+        log_text(&log).contains("not at a boundary in time"),
+        "{}",
+        log_text(&log)
+    );
+    let res = mover.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+    let listed = state(&socket).await["clients"].clone();
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["conn_id"] == conn_id),
+        "the other client moved: {listed}"
+    );
+}

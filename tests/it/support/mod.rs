@@ -214,6 +214,12 @@ impl WsClient {
         self.ws.close(None).await.expect("close");
     }
 
+    /// The socket under the WebSocket, to write bytes no client library
+    /// would (half a frame).
+    pub fn raw(&mut self) -> &mut UnixStream {
+        self.ws.get_mut()
+    }
+
     pub async fn send_text(&mut self, text: &str) {
         self.ws.send(Message::text(text)).await.expect("send");
     }
