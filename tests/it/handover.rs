@@ -766,3 +766,48 @@ async fn a_client_stuck_inside_a_message_is_closed_and_the_others_move() {
         "the other client moved: {listed}"
     );
 }
+
+/// The gateway connection's own pause bound (limits page): a gateway
+/// stalled inside a message cannot be stopped at a boundary, so its
+/// connection is closed after 1 s and the new instance connects again; the
+/// clients still move, and see that as a reconnect (as with `wss://`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_stalled_inside_a_message_is_reconnected_and_the_clients_still_move() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
+    let pid = broker_pid(&socket).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    let conn_id = client.handshake().await["server"]["connId"].clone();
+    gw.send_fragment_start("{\"type\":\"event\",\"event\":\"test.half\"");
+    signal_pid(pid, rustix::process::Signal::USR2);
+    assert!(
+        exits_with(&mut first.0).await.success(),
+        "{}",
+        log_text(&log)
+    );
+    let _next = Pid(broker_pid(&socket).await);
+    loop {
+        let event = client.event_within("clawmux.upstream", PATIENCE * 4).await;
+        if event["payload"]["reason"] == "reconnected" {
+            break;
+        }
+    }
+    assert!(
+        log_text(&log).contains("the gateway connection cannot move"),
+        "{}",
+        log_text(&log)
+    );
+    assert_eq!(gw.total_connections(), 2, "a new connection");
+    let res = client.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+    let listed = state(&socket).await["clients"].clone();
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["conn_id"] == conn_id),
+        "the client moved: {listed}"
+    );
+}

@@ -578,6 +578,15 @@ async fn write_loop(
                         .fetch_sub(event.approx_len(), Ordering::AcqRel);
                     Message::text(event.frame(seq))
                 }
+                Outbound::FragmentStart(text) => {
+                    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+                    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+                    Message::Frame(Frame::message(
+                        text.into_bytes(),
+                        OpCode::Data(Data::Text),
+                        false,
+                    ))
+                }
                 Outbound::SkipSeq => {
                     seq += 1;
                     continue;

@@ -464,6 +464,15 @@ impl MockGateway {
         }
     }
 
+    /// Starts a text message on every ready connection and never finishes
+    /// it: the first fragment (no FIN), then nothing more of it (a gateway
+    /// stalled inside a message).
+    pub fn send_fragment_start(&self, text: &str) {
+        for entry in lock(&self.inner.conns).values().filter(|c| c.is_ready()) {
+            entry.send(state::Outbound::FragmentStart(text.to_owned()), 0);
+        }
+    }
+
     /// The connection-scoped subscriptions of each ready connection:
     /// (`sessions.subscribe` flag, `sessions.messages.subscribe` keys, sorted).
     pub fn subscriptions(&self) -> Vec<(bool, Vec<String>)> {

@@ -96,6 +96,9 @@ impl EncodedEvent {
 pub(crate) enum Outbound {
     /// A complete frame without `seq` (responses, `connect.challenge`).
     Frame(String),
+    /// The first fragment of a text message whose rest never follows (a
+    /// gateway stalled inside a message).
+    FragmentStart(String),
     /// A sequenced event; the writer stamps the connection's next `seq`.
     Event(Arc<EncodedEvent>),
     /// Consume one `seq` without sending anything: a seq gap, or an event
