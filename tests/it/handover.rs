@@ -811,3 +811,59 @@ async fn a_gateway_stalled_inside_a_message_is_reconnected_and_the_clients_still
         "the client moved: {listed}"
     );
 }
+
+/// A client with a narrower grant moves too: its grant goes with it, and
+/// the next instance opens its narrower gateway session again for its next
+/// request (which gets the answer tailored to that grant).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_on_a_narrower_session_moves_and_keeps_its_grant() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
+    let pid = broker_pid(&socket).await;
+    let mut reader = WsClient::open(&socket, "/ws").await;
+    let challenge = reader.recv_json().await;
+    assert_eq!(challenge["event"], "connect.challenge");
+    let mut connect = connect_frame("connect-1");
+    connect["params"]["scopes"] = serde_json::json!(["operator.read"]);
+    reader.send_json(&connect).await;
+    let hello = reader.response("connect-1").await;
+    assert_eq!(hello["ok"], true, "{hello}");
+    let conn_id = hello["payload"]["server"]["connId"].clone();
+    let before = reader.request("status", serde_json::json!({})).await;
+    assert_eq!(before["ok"], true, "{before}");
+    assert!(
+        before["payload"]["sessions"].get("paths").is_none(),
+        "redacted for a reader: {before}"
+    );
+    signal_pid(pid, rustix::process::Signal::USR2);
+    assert!(
+        exits_with(&mut first.0).await.success(),
+        "{}",
+        log_text(&log)
+    );
+    let _next = Pid(broker_pid(&socket).await);
+    let after = reader.request("status", serde_json::json!({})).await;
+    assert_eq!(after["ok"], true, "{after}\n{}", log_text(&log));
+    assert!(
+        after["payload"]["sessions"].get("paths").is_none(),
+        "still redacted for a reader: {after}"
+    );
+    // Still a reader: a write is refused by the broker.
+    let write = reader
+        .request(
+            "chat.send",
+            serde_json::json!({"sessionKey": "agent:main:main", "message": "hi", "idempotencyKey": "k1"}),
+        )
+        .await;
+    assert_eq!(write["ok"], false, "{write}");
+    let listed = state(&socket).await["clients"].clone();
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["conn_id"] == conn_id),
+        "the client moved: {listed}"
+    );
+}

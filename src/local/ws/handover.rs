@@ -68,11 +68,15 @@ pub async fn resume(
     finish(conn, registration).await
 }
 
-/// Whether a client moves at a handover: not one on a narrower session
-/// (its gateway session cannot move), not a mirror client (a restart
-/// closes it, as a direct connection would be).
-pub(super) fn movable(registration: &Registration, restarts: Restarts) -> bool {
-    restarts == Restarts::Continuity && registration.member().narrower.get().is_none()
+/// Whether a client moves at a handover: not a mirror client (a restart
+/// closes it, as a direct connection would be). A client whose grant has a
+/// narrower gateway session moves too: that session carries only its
+/// requests and answers (its events and subscriptions are the main
+/// session's), so the next instance opens it again at the client's next
+/// request that needs it; a request in flight on it at the handover is
+/// answered once, failed with `details.sent`.
+pub(super) fn movable(_registration: &Registration, restarts: Restarts) -> bool {
+    restarts == Restarts::Continuity
 }
 
 /// How long a client may take, at a handover, to finish the message it is
