@@ -491,7 +491,13 @@ impl RunningBroker {
             tracing::warn!("handover: the stop did not finish within its deadline");
         }
         let parcels = self.ctx.handoff.take();
-        tracing::info!(clients = parcels.len(), "handover: clients ready to move");
+        let mut carried = carried;
+        carried.dedicated = self.ctx.handoff.take_dedicated();
+        tracing::info!(
+            clients = parcels.len(),
+            dedicated = carried.dedicated.len(),
+            "handover: clients ready to move"
+        );
         Released {
             settings: self.ctx.settings.clone(),
             guard: self.guard,
@@ -524,6 +530,7 @@ impl RunningBroker {
             return Carried {
                 upstream: None,
                 runs,
+                dedicated: Vec::new(),
             };
         };
         let pending = ctx
@@ -553,6 +560,7 @@ impl RunningBroker {
         Carried {
             upstream: Some((entry, handed.socket.fd)),
             runs,
+            dedicated: Vec::new(),
         }
     }
 

@@ -33,6 +33,8 @@ pub struct Handoff {
     pub requested: CancellationToken,
     /// What the client tasks left for the next instance.
     pub parcels: std::sync::Mutex<Vec<Parcel>>,
+    /// The `/ws/dedicated` connections left for the next instance.
+    pub dedicated: std::sync::Mutex<Vec<DedicatedParcel>>,
     /// Client tasks serving requests now (each leaves at a handover).
     serving: std::sync::atomic::AtomicUsize,
     left: tokio::sync::Notify,
@@ -59,6 +61,18 @@ pub struct Parcel {
     pub registration: crate::dispatch::Registration,
     pub fd: std::os::fd::OwnedFd,
     pub unread: Vec<u8>,
+}
+
+/// One `/ws/dedicated` connection, both its readers stopped at a message
+/// boundary for the next instance: the client's socket and the gateway's,
+/// each with the bytes read from it that its parser was not given.
+#[derive(Debug)]
+pub struct DedicatedParcel {
+    pub client: std::os::fd::OwnedFd,
+    pub client_unread: Vec<u8>,
+    pub gateway: crate::upstream::MovedSocket,
+    pub peer_uid: Option<u32>,
+    pub browser: bool,
 }
 
 impl Handoff {
@@ -100,6 +114,17 @@ impl Handoff {
             .iter()
             .map(|p| p.registration.client().id)
             .collect()
+    }
+
+    pub fn leave_dedicated(&self, parcel: DedicatedParcel) {
+        self.dedicated
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(parcel);
+    }
+
+    pub fn take_dedicated(&self) -> Vec<DedicatedParcel> {
+        std::mem::take(&mut *self.dedicated.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     pub fn take(&self) -> Vec<Parcel> {

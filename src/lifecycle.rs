@@ -146,6 +146,11 @@ async fn store_for_next_start(
             .into_iter()
             .map(|(id, fd)| (crate::handover::clients::client_fd_name(id), fd)),
     );
+    for (i, (client, gateway)) in moving.dedicated.into_iter().enumerate() {
+        let (client_name, gateway_name) = crate::handover::clients::dedicated_fd_names(i);
+        fds.push((client_name, client));
+        fds.push((gateway_name, gateway));
+    }
     match crate::systemd::store(&fds) {
         Ok(()) => {
             released.finish();

@@ -48,6 +48,33 @@ pub struct Clients {
     /// The runs the moved clients started and that have not ended.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub runs: Vec<RunEntry>,
+    /// The `/ws/dedicated` connections moved (each with two sockets,
+    /// [`dedicated_fd_names`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dedicated: Vec<DedicatedEntry>,
+}
+
+/// A `/ws/dedicated` connection moved: the client's socket and its own
+/// gateway connection's, each with the bytes read from it and not parsed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DedicatedEntry {
+    /// Bytes read from the client and not parsed (base64).
+    pub client_unread: String,
+    pub gateway_kind: crate::upstream::SocketKind,
+    /// Bytes read from the gateway and not parsed (base64).
+    pub gateway_unread: String,
+    pub peer_uid: Option<u32>,
+    pub browser: bool,
+}
+
+/// The descriptor names of the `i`th dedicated connection's two sockets
+/// (systemd's store): the client's, the gateway's.
+pub fn dedicated_fd_names(i: usize) -> (String, String) {
+    (
+        format!("clawmux-dedicated-{i}"),
+        format!("clawmux-dedicated-{i}-gateway"),
+    )
 }
 
 /// The main gateway session, moving with its connection (design §11).
@@ -89,6 +116,9 @@ pub struct Moving {
     pub doc: Clients,
     pub clients: Vec<(u64, OwnedFd)>,
     pub upstream: Option<OwnedFd>,
+    /// Each dedicated connection's sockets (the client's, the gateway's),
+    /// in the order of `doc.dedicated`.
+    pub dedicated: Vec<(OwnedFd, OwnedFd)>,
 }
 
 /// What the old instance carries beside its clients: the gateway session
@@ -97,6 +127,7 @@ pub struct Moving {
 pub struct Carried {
     pub upstream: Option<(UpstreamEntry, OwnedFd)>,
     pub runs: Vec<RunEntry>,
+    pub dedicated: Vec<crate::context::DedicatedParcel>,
 }
 
 impl Subscription {
@@ -231,15 +262,34 @@ pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
         fds.push((client.id, parcel.fd));
     }
     let (upstream, upstream_fd) = carried.upstream.unzip();
+    let b64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+    let (dedicated, dedicated_fds) = carried
+        .dedicated
+        .into_iter()
+        .map(|d| {
+            (
+                DedicatedEntry {
+                    client_unread: b64(&d.client_unread),
+                    gateway_kind: d.gateway.kind,
+                    gateway_unread: b64(&d.gateway.unread),
+                    peer_uid: d.peer_uid,
+                    browser: d.browser,
+                },
+                (d.client, d.gateway.fd),
+            )
+        })
+        .unzip();
     Moving {
         doc: Clients {
             format: FORMAT,
             clients,
             upstream,
             runs: carried.runs,
+            dedicated,
         },
         clients: fds,
         upstream: upstream_fd,
+        dedicated: dedicated_fds,
     }
 }
 
@@ -252,7 +302,30 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         doc: clients,
         clients: fds,
         upstream: upstream_fd,
+        dedicated,
     } = moving;
+    for (entry, (client, gateway)) in clients.dedicated.iter().zip(dedicated) {
+        let decode = |s: &str| base64::engine::general_purpose::STANDARD.decode(s);
+        let (Ok(client_unread), Ok(gateway_unread)) =
+            (decode(&entry.client_unread), decode(&entry.gateway_unread))
+        else {
+            tracing::warn!("handover: a dedicated connection's unread bytes are not base64");
+            continue;
+        };
+        let parcel = crate::context::DedicatedParcel {
+            client,
+            client_unread,
+            gateway: crate::upstream::MovedSocket {
+                fd: gateway,
+                kind: entry.gateway_kind,
+                unread: gateway_unread,
+            },
+            peer_uid: entry.peer_uid,
+            browser: entry.browser,
+        };
+        ctx.tracker
+            .spawn(crate::local::dedicated::resume(parcel, Arc::clone(ctx)));
+    }
     let mut fds: HashMap<u64, OwnedFd> = fds.into_iter().collect();
     let mut registered = HashMap::new();
     let mut taken = 0;

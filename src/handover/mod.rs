@@ -219,10 +219,20 @@ impl Inherited {
                         Unreadable::Invalid(format!("{} was not passed", clients::UPSTREAM_FD_NAME))
                     })?),
                 };
+                let mut dedicated = Vec::new();
+                for i in 0..doc.dedicated.len() {
+                    let (client, gateway) = clients::dedicated_fd_names(i);
+                    let mut take = |name: &str| {
+                        self.take_fd(name)
+                            .ok_or_else(|| Unreadable::Invalid(format!("{name} was not passed")))
+                    };
+                    dedicated.push((take(&client)?, take(&gateway)?));
+                }
                 Some(clients::Moving {
                     doc,
                     clients: fds,
                     upstream,
+                    dedicated,
                 })
             }
         };

@@ -143,10 +143,13 @@ impl Successor {
             first.push(upstream.as_fd());
         }
         wire::send(sock, b"released\n", &first).await?;
-        let fds = &moving.clients;
+        let mut fds: Vec<_> = moving.clients.iter().map(|(_, fd)| fd.as_fd()).collect();
+        for (client, gateway) in &moving.dedicated {
+            fds.push(client.as_fd());
+            fds.push(gateway.as_fd());
+        }
         for chunk in fds.chunks(wire::FDS_PER_MESSAGE) {
-            let borrowed: Vec<_> = chunk.iter().map(|(_, fd)| fd.as_fd()).collect();
-            wire::send(sock, b"f", &borrowed).await?;
+            wire::send(sock, b"f", chunk).await?;
         }
         Ok(())
     }
@@ -219,7 +222,8 @@ impl Predecessor {
             None => None,
         };
         let mut sockets = fds;
-        while sockets.len() < clients.clients.len() {
+        let expected = clients.clients.len() + 2 * clients.dedicated.len();
+        while sockets.len() < expected {
             let (n, more) = wire::recv(&self.control, &mut buf)
                 .await
                 .map_err(|e| format!("the control socket failed ({e})"))?;
@@ -228,14 +232,20 @@ impl Predecessor {
             }
             sockets.extend(more);
         }
-        if sockets.len() != clients.clients.len() {
+        if sockets.len() != expected {
             return Err("more client sockets than clients".into());
+        }
+        let mut dedicated_fds = sockets.split_off(clients.clients.len()).into_iter();
+        let mut dedicated = Vec::new();
+        while let (Some(client), Some(gateway)) = (dedicated_fds.next(), dedicated_fds.next()) {
+            dedicated.push((client, gateway));
         }
         let fds = clients.clients.iter().map(|c| c.id).zip(sockets).collect();
         Ok(Moving {
             doc: clients,
             clients: fds,
             upstream,
+            dedicated,
         })
     }
 }

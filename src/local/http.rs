@@ -192,13 +192,15 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
                 let budget = super::preconnect::PreconnectBudget::new(
                     ctx.settings.limits.preconnect_max_bytes as u64,
                 );
-                let io = super::preconnect::Limited::new(TokioIo::new(upgraded), budget.clone());
-                let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
                 // Boxed: this task lives as long as the client, and its
                 // future is as large as the larger of the two routes (the
                 // dedicated route holds a whole gateway handshake).
                 match route {
                     Route::Shared => {
+                        let io =
+                            super::preconnect::Limited::new(TokioIo::new(upgraded), budget.clone());
+                        let ws =
+                            WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
                         let peer = super::ws::Peer {
                             pid: peer_pid,
                             fd: conn_fd,
@@ -206,7 +208,17 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
                         super::ws::run(ws, budget, restarts, socket, peer, ctx).await
                     }
                     Route::Dedicated => {
-                        Box::pin(super::dedicated::run(ws, budget, peer_uid, browser, ctx)).await
+                        let io: Box<dyn super::dedicated::ClientIo> =
+                            Box::new(TokioIo::new(upgraded));
+                        let io = super::preconnect::Limited::new(io, budget.clone());
+                        let ws =
+                            WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
+                        let client = super::dedicated::Client {
+                            uid: peer_uid,
+                            browser,
+                            fd: conn_fd.map(|fd| fd.0),
+                        };
+                        Box::pin(super::dedicated::run(ws, budget, client, ctx)).await
                     }
                 }
             }

@@ -157,6 +157,10 @@ impl<R> Releasing<R> {
             release: ReleaseReadBuffer::default(),
         }
     }
+
+    pub fn into_inner(self) -> R {
+        self.inner
+    }
 }
 
 impl<R> futures_util::Stream for Releasing<R>

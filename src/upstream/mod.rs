@@ -83,6 +83,15 @@ pub async fn open_socket(
     .map_err(|e| e.error)
 }
 
+/// A gateway socket moved from the previous instance, as a WebSocket again
+/// (a `/ws/dedicated` connection's: its frames go on where they stopped).
+pub async fn adopt_socket(
+    socket: MovedSocket,
+    opts: &crate::config::UpstreamOptions,
+) -> std::io::Result<GatewaySocket> {
+    connector::adopt_socket(socket, opts).await
+}
+
 pub mod identity;
 
 pub mod tls;

@@ -541,6 +541,11 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
     let mut client = WsClient::open(&socket, "/ws").await;
     let hello = client.handshake().await;
     let conn_id = hello["server"]["connId"].clone();
+    // And a dedicated one, with its own gateway connection.
+    let mut dedicated = WsClient::open(&socket, "/ws/dedicated").await;
+    assert_eq!(dedicated.recv_json().await["event"], "connect.challenge");
+    dedicated.send_json(&connect_frame("c1")).await;
+    assert_eq!(dedicated.response("c1").await["ok"], true);
     sigterm(&first.0);
     assert!(exits_with(&mut first.0).await.success());
     store.drain();
@@ -559,6 +564,8 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
         names,
         [
             "clawmux-clients",
+            "clawmux-dedicated-0",
+            "clawmux-dedicated-0-gateway",
             "clawmux-listen",
             "clawmux-listen-lock",
             "clawmux-state",
@@ -601,7 +608,15 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
         "the gateway session went on: {:?}",
         client.events
     );
-    assert_eq!(gw.total_connections(), 1);
+    assert_eq!(
+        gw.total_connections(),
+        2,
+        "the shared session and the dedicated one"
+    );
+    dedicated
+        .send_json(&serde_json::json!({"type":"req","id":"d2","method":"health"}))
+        .await;
+    assert_eq!(dedicated.response("d2").await["ok"], true);
     let res = client.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "{res}");
     let listed = state(&socket).await["clients"].clone();
@@ -621,6 +636,8 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
         "clawmux-listen",
         "clawmux-listen-lock",
         "clawmux-upstream",
+        "clawmux-dedicated-0",
+        "clawmux-dedicated-0-gateway",
     ] {
         assert!(
             store.lines.iter().any(|l| l == &format!("FDNAME={name}"))
@@ -866,4 +883,51 @@ async fn a_client_on_a_narrower_session_moves_and_keeps_its_grant() {
             .any(|c| c["conn_id"] == conn_id),
         "the client moved: {listed}"
     );
+}
+
+/// A `/ws/dedicated` connection moves whole: the client's socket and its
+/// own gateway connection, each stopped at a message boundary; frames then
+/// pass verbatim both ways through the new instance, and the gateway never
+/// sees a new connection for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dedicated_connection_moves_with_its_own_gateway_connection() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
+    let pid = broker_pid(&socket).await;
+    let mut c = WsClient::open(&socket, "/ws/dedicated").await;
+    let challenge = c.recv_json().await;
+    assert_eq!(challenge["event"], "connect.challenge", "{challenge}");
+    c.send_json(&connect_frame("c1")).await;
+    let res = c.response("c1").await;
+    assert_eq!(res["ok"], true, "{res}");
+    let sub = c
+        .request(
+            "sessions.messages.subscribe",
+            serde_json::json!({"key": "agent:main:main"}),
+        )
+        .await;
+    assert_eq!(sub["ok"], true, "{sub}");
+    assert_eq!(gw.total_connections(), 2, "the shared session and this one");
+    signal_pid(pid, rustix::process::Signal::USR2);
+    assert!(
+        exits_with(&mut first.0).await.success(),
+        "{}",
+        log_text(&log)
+    );
+    let _next = Pid(broker_pid(&socket).await);
+    // Verbatim both ways, through the new instance.
+    c.send_json(&serde_json::json!({"type":"req","id":"same-id","method":"health"}))
+        .await;
+    let health = c.response("same-id").await;
+    assert_eq!(health["ok"], true, "{health}\n{}", log_text(&log));
+    // Its own gateway connection kept its subscription: no new connection.
+    gw.emit_session_message(
+        "agent:main:main",
+        serde_json::json!({"sessionKey": "agent:main:main", "text": "after"}),
+    );
+    let message = c.event("session.message").await;
+    assert_eq!(message["payload"]["text"], "after");
+    assert_eq!(gw.total_connections(), 2, "{}", log_text(&log));
+    assert!(log_text(&log).contains("dedicated client taken over"));
 }

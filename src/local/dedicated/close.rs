@@ -9,8 +9,8 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
+use super::DedicatedWs as Ws;
 use super::{Conn, End, Read, CLOSE_LINGER};
-use crate::local::ws::Ws;
 use crate::upstream::GatewaySocket;
 
 impl Conn {
@@ -120,7 +120,9 @@ impl Conn {
                 )
                 .await;
             }
-            End::Shutdown => {
+            // (A connection that moved is not finished here; one whose move
+            // failed half-way is closed as at a stop.)
+            End::Shutdown | End::HandedOver => {
                 let going = close_frame(1001, "going away");
                 tokio::join!(
                     close_and_drain(&mut up_tx, &mut up_rx, Some(going.clone())),

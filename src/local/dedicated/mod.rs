@@ -42,6 +42,13 @@
 //!   gateway URL as Claw3D derives it (see the `origin` module for who gets
 //!   one and why not everyone).
 //!
+//! At a handover (design §11) a connection whose `connect` the gateway
+//! answered moves whole to the next instance ([`resume`]): both directions
+//! stop reading at a message boundary once what they read is relayed, and
+//! the client's socket and its own gateway socket travel with the bytes
+//! read from each and not parsed. One that cannot (its `connect` is
+//! unanswered, its gateway is `wss://`) is closed `1001` as at a stop.
+//!
 //! Differences from Claw3D, on purpose: no `Origin` header upstream for a
 //! client that is no browser (with one, the gateway would stop pairing its
 //! device silently on loopback), no `openclaw-control-ui` →
@@ -66,8 +73,7 @@ use serde_json::Value;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
-use super::preconnect::{PreconnectBudget, Releasing};
-use super::ws::Ws;
+use super::preconnect::{Limited, PreconnectBudget, Releasing};
 use super::ws_errors::{self, ReadFailure};
 use crate::context::Ctx;
 pub use crate::dedicated_registry::{Dedicated, Outcomes};
@@ -97,6 +103,27 @@ const CONNECT_FAILED_LINGER: Duration = Duration::from_secs(1);
 /// before its socket is dropped.
 const CLOSE_LINGER: Duration = Duration::from_secs(2);
 
+/// The client's byte stream: the upgraded HTTP connection, or, taken over
+/// from the previous instance at a handover, its socket.
+pub trait ClientIo: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static> ClientIo for T {}
+
+/// A dedicated client's WebSocket.
+pub type DedicatedWs = tokio_tungstenite::WebSocketStream<Limited<Box<dyn ClientIo>>>;
+type Ws = DedicatedWs;
+
+/// Who the client is, as the accept loop saw it.
+#[derive(Debug, Clone, Copy)]
+pub struct Client {
+    /// Its uid (from the kernel), which keys its share of the upstream-open
+    /// rate.
+    pub uid: Option<u32>,
+    /// Its upgrade request carried an `Origin` (see the `origin` module).
+    pub browser: bool,
+    /// The descriptor of its socket, for a handover.
+    pub fd: Option<std::os::fd::RawFd>,
+}
+
 /// Whether `/ws/dedicated` is served on a socket with this policy: only
 /// where it limits neither scopes nor methods. The route relays frames
 /// unchecked (and may add the host token), so on a restricted socket it
@@ -105,17 +132,15 @@ pub fn served_on(socket: &SocketPolicy) -> bool {
     socket.scopes.is_none() && socket.methods == MethodFilter::default()
 }
 
-/// Runs one dedicated client to completion.
-/// `peer_uid` (from the kernel) keys the client's share of the
-/// upstream-open rate; `browser`: its upgrade request carried an `Origin`
-/// (see the `origin` module).
-pub async fn run(
-    ws: Ws,
-    budget: PreconnectBudget,
-    peer_uid: Option<u32>,
-    browser: bool,
-    ctx: Arc<Ctx>,
-) {
+/// Runs one dedicated client to completion (or until it moves to the next
+/// instance at a handover: [`resume`] serves it there).
+pub async fn run(ws: Ws, budget: PreconnectBudget, client: Client, ctx: Arc<Ctx>) {
+    let Client {
+        uid: peer_uid,
+        browser,
+        fd,
+    } = client;
+    let local_pause = ws.get_ref().pause();
     let (mut local_tx, local_rx) = ws.split();
     let Some(slot) = ctx.dedicated.try_open() else {
         ctx.dedicated
@@ -148,15 +173,186 @@ pub async fn run(
         }
     };
     if let Some((up, connect_id)) = upstream {
+        let pauses = Pauses {
+            client: local_pause,
+            gateway: up.get_ref().pause().filter(|_| fd.is_some()),
+        };
+        conn.serve(up, &connect_id, false, pauses, fd).await;
+    } else {
+        tracing::info!(dedicated_id, "dedicated client disconnected");
+    }
+}
+
+/// The two readers' pauses for a handover (`gateway`: `None` when its
+/// connection cannot move, `wss://`, or the client's socket is unknown).
+struct Pauses {
+    client: crate::boundary::Pause,
+    gateway: Option<crate::boundary::Pause>,
+}
+
+impl Conn {
+    /// Relays until the connection ends (both sides closed) or moves to the
+    /// next instance (left in the handoff).
+    async fn serve(
+        mut self,
+        up: GatewaySocket,
+        connect_id: &str,
+        answered: bool,
+        pauses: Pauses,
+        fd: Option<std::os::fd::RawFd>,
+    ) {
+        let ctx = Arc::clone(&self.ctx);
+        let dedicated_id = self.slot.id;
+        let cancel = ctx.cancel.clone();
+        let serving = ctx.handoff.serving();
         let (mut up_tx, mut up_rx) = up.split();
         let end = tokio::select! {
-            end = conn.relay(&mut up_tx, &mut up_rx, &connect_id) => end,
+            end = self.relay(&mut up_tx, &mut up_rx, connect_id, answered, &pauses) => end,
             _ = cancel.cancelled() => End::Shutdown,
         };
+        if matches!(end, End::HandedOver) {
+            if let Some(fd) = fd {
+                self.hand_over(up_tx, up_rx, fd);
+            }
+            drop(serving);
+            return;
+        }
+        drop(serving);
         ctx.dedicated.outcomes.ended(end.label());
-        conn.finish(end, up_tx, up_rx).await;
+        self.finish(end, up_tx, up_rx).await;
+        tracing::info!(dedicated_id, "dedicated client disconnected");
     }
-    tracing::info!(dedicated_id, "dedicated client disconnected");
+
+    /// Leaves the connection, both readers stopped at a message boundary,
+    /// for the next instance: both sockets (copies) and the bytes read from
+    /// each and not parsed. On a failure (a descriptor that cannot be
+    /// copied) both sockets close without a close frame; the client
+    /// reconnects.
+    fn hand_over(
+        self,
+        up_tx: SplitSink<GatewaySocket, Message>,
+        up_rx: SplitStream<GatewaySocket>,
+        fd: std::os::fd::RawFd,
+    ) {
+        let Conn {
+            local_tx,
+            local_rx,
+            ctx,
+            slot,
+            browser,
+            peer_uid,
+            ..
+        } = self;
+        let (Ok(mut local), Ok(mut up)) = (
+            local_tx.reunite(local_rx.into_inner()),
+            up_tx.reunite(up_rx),
+        ) else {
+            unreachable!("the two halves of one socket");
+        };
+        // SAFETY: `fd` is the descriptor of the client's socket under
+        // `local`, which owns it and is alive here (dropped only below), so
+        // borrowing it for the duplication cannot outlive or alias a closed
+        // descriptor.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let client = match rustix::io::fcntl_dupfd_cloexec(borrowed, 3) {
+            Ok(copy) => copy,
+            Err(e) => {
+                tracing::warn!(
+                    dedicated_id = slot.id,
+                    "handover: cannot copy a dedicated client's socket ({e}); closing it"
+                );
+                return;
+            }
+        };
+        let gateway = match up.get_mut().take_for_handover() {
+            Some(Ok(moved)) => moved,
+            _ => {
+                tracing::warn!(
+                    dedicated_id = slot.id,
+                    "handover: cannot copy a dedicated gateway socket; closing it"
+                );
+                return;
+            }
+        };
+        ctx.handoff
+            .leave_dedicated(crate::context::DedicatedParcel {
+                client,
+                client_unread: local.get_mut().take_unread(),
+                gateway,
+                peer_uid,
+                browser,
+            });
+        tracing::debug!(
+            dedicated_id = slot.id,
+            "dedicated client left for the next instance"
+        );
+        // Dropping closes this instance's descriptors only.
+        drop((local, up));
+    }
+}
+
+/// Serves a dedicated connection taken over from the previous instance
+/// ([`crate::handover`]): both sockets, from where that one stopped (its
+/// `connect` was answered there).
+pub async fn resume(parcel: crate::context::DedicatedParcel, ctx: Arc<Ctx>) {
+    use tokio_tungstenite::tungstenite::protocol::Role;
+    let Some(slot) = ctx.dedicated.try_open() else {
+        tracing::warn!("handover: too many dedicated connections; closing a moved one");
+        return;
+    };
+    let crate::context::DedicatedParcel {
+        client,
+        client_unread,
+        gateway,
+        peer_uid,
+        browser,
+    } = parcel;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&client);
+    let stream = std::os::unix::net::UnixStream::from(client);
+    let stream = match stream
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::UnixStream::from_std(stream))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("handover: a dedicated client's socket is unusable ({e})");
+            return;
+        }
+    };
+    let up = match crate::upstream::adopt_socket(gateway, &ctx.settings.upstream).await {
+        Ok(up) => up,
+        Err(e) => {
+            tracing::warn!("handover: a dedicated gateway socket is unusable ({e})");
+            return;
+        }
+    };
+    let budget = PreconnectBudget::new(0);
+    budget.lift();
+    let io: Box<dyn ClientIo> = Box::new(stream);
+    let io = Limited::with_unread(io, budget.clone(), client_unread);
+    let client_pause = io.pause();
+    let ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
+        io,
+        Role::Server,
+        Some(super::ws::config(&ctx)),
+    )
+    .await;
+    let (local_tx, local_rx) = ws.split();
+    tracing::info!(dedicated_id = slot.id, "dedicated client taken over");
+    let conn = Conn {
+        local_tx,
+        local_rx: Releasing::new(local_rx),
+        ctx: Arc::clone(&ctx),
+        slot,
+        budget,
+        peer_uid,
+        browser,
+    };
+    let pauses = Pauses {
+        client: client_pause,
+        gateway: up.get_ref().pause(),
+    };
+    conn.serve(up, "", true, pauses, Some(fd)).await;
 }
 
 /// What a read from one side gave.
@@ -212,6 +408,8 @@ enum End {
     GatewayGone,
     /// The broker is stopping.
     Shutdown,
+    /// Both readers stopped at a message boundary for a handover.
+    HandedOver,
 }
 
 impl End {
@@ -225,6 +423,7 @@ impl End {
             End::ClientSlow => "client_slow",
             End::GatewayGone => "gateway_gone",
             End::Shutdown => "shutdown",
+            End::HandedOver => "handed_over",
         }
     }
 }
@@ -607,11 +806,19 @@ impl Conn {
     /// Relays frames both ways until one side ends. Until the gateway
     /// answers the connect, its frames are looked at for that answer, and a
     /// close or silence becomes a `studio.*` error for the client.
+    ///
+    /// At a handover (a connection whose `connect` was answered, and whose
+    /// gateway socket can move), each direction stops reading at the end of
+    /// the message in progress, once what it read is relayed; the relay
+    /// ends [`End::HandedOver`] when both have. `answered`: the gateway
+    /// answered the `connect` already (a connection taken over).
     async fn relay(
         &mut self,
         up_tx: &mut SplitSink<GatewaySocket, Message>,
         up_rx: &mut SplitStream<GatewaySocket>,
         connect_id: &str,
+        answered: bool,
+        pauses: &Pauses,
     ) -> End {
         let handshake_timeout = self.ctx.settings.upstream.handshake_timeout;
         let write_timeout = self.ctx.settings.upstream.write_timeout;
@@ -626,12 +833,29 @@ impl Conn {
             ..
         } = self;
         let outcomes = &ctx.dedicated.outcomes;
+        let answered_now = std::sync::atomic::AtomicBool::new(answered);
+        // Whether this connection moves at the handover, decided once by
+        // the direction that sees the request first.
+        let decided: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let decide = || {
+            *decided
+                .get_or_init(|| answered_now.load(Ordering::Relaxed) && pauses.gateway.is_some())
+        };
+        let requested = &ctx.handoff.requested;
         let down = async {
             let answer_deadline = tokio::time::Instant::now() + handshake_timeout;
-            let mut answered = false;
+            let mut answered = answered;
+            let mut watch = Watch::default();
             loop {
                 let read = if answered {
-                    classify(up_rx.next().await, "gateway")
+                    match watch
+                        .next(up_rx, pauses.gateway.as_ref(), requested, &decide)
+                        .await
+                    {
+                        Next::Item(m) => classify(m, "gateway"),
+                        Next::Paused => return End::HandedOver,
+                        Next::Stop => return End::Shutdown,
+                    }
                 } else {
                     match tokio::time::timeout_at(answer_deadline, up_rx.next()).await {
                         Ok(read) => classify(read, "gateway"),
@@ -673,6 +897,7 @@ impl Conn {
                     if let Message::Text(t) = &msg {
                         if let Some(ok) = connect_answer(t.as_str(), connect_id, slot) {
                             answered = true;
+                            answered_now.store(true, Ordering::Relaxed);
                             if ok {
                                 budget.lift();
                                 outcomes.connected.fetch_add(1, Ordering::Relaxed);
@@ -694,8 +919,17 @@ impl Conn {
             }
         };
         let up = async {
+            let mut watch = Watch::default();
             loop {
-                match classify(local_rx.next().await, "dedicated client") {
+                let read = match watch
+                    .next(local_rx, Some(&pauses.client), requested, &decide)
+                    .await
+                {
+                    Next::Item(m) => m,
+                    Next::Paused => return End::HandedOver,
+                    Next::Stop => return End::Shutdown,
+                };
+                match classify(read, "dedicated client") {
                     Read::Frame(m) => {
                         match tokio::time::timeout(write_timeout, up_tx.send(m)).await {
                             Ok(Ok(())) => {}
@@ -707,10 +941,84 @@ impl Conn {
                 }
             }
         };
-        tokio::select! {
-            end = down => end,
-            end = up => end,
+        tokio::pin!(down, up);
+        let (end, down_left) = tokio::select! {
+            end = &mut down => (end, false),
+            end = &mut up => (end, true),
+        };
+        if !matches!(end, End::HandedOver) {
+            return end;
         }
+        // One direction stopped for the handover: the other stops at its
+        // own boundary, bounded like a `/ws` client's pause.
+        let other = if down_left {
+            tokio::time::timeout(super::ws::HANDOVER_PAUSE_TIMEOUT, &mut down).await
+        } else {
+            tokio::time::timeout(super::ws::HANDOVER_PAUSE_TIMEOUT, &mut up).await
+        };
+        match other {
+            Ok(end) => end,
+            Err(_) => {
+                tracing::info!(
+                    dedicated_id = slot.id,
+                    "handover: a dedicated connection not at a boundary in time; closing it"
+                );
+                End::Shutdown
+            }
+        }
+    }
+}
+
+/// One direction's reads at a handover: until it is requested, a plain
+/// read; once it is, and the connection moves, reads until the reader
+/// stops at a message boundary.
+#[derive(Default)]
+struct Watch {
+    /// The handover was requested and the connection moves: pausing.
+    pausing: bool,
+}
+
+/// What one direction's read gave.
+enum Next<T> {
+    Item(Option<T>),
+    /// Stopped at a message boundary for the handover.
+    Paused,
+    /// A handover was requested and this connection does not move (its
+    /// `connect` is unanswered, or its gateway socket cannot move): it is
+    /// closed now, as at a stop.
+    Stop,
+}
+
+impl Watch {
+    async fn next<S: futures_util::Stream + Unpin>(
+        &mut self,
+        rx: &mut S,
+        pause: Option<&crate::boundary::Pause>,
+        requested: &tokio_util::sync::CancellationToken,
+        decide: &impl Fn() -> bool,
+    ) -> Next<S::Item> {
+        if !self.pausing {
+            tokio::select! {
+                m = rx.next() => return Next::Item(m),
+                _ = requested.cancelled() => {}
+            }
+            match pause {
+                Some(pause) if decide() => {
+                    pause.request();
+                    self.pausing = true;
+                }
+                _ => return Next::Stop,
+            }
+        }
+        let Some(pause) = pause else {
+            return Next::Stop;
+        };
+        std::future::poll_fn(|cx| match rx.poll_next_unpin(cx) {
+            std::task::Poll::Ready(m) => std::task::Poll::Ready(Next::Item(m)),
+            std::task::Poll::Pending if pause.at_boundary() => std::task::Poll::Ready(Next::Paused),
+            std::task::Poll::Pending => std::task::Poll::Pending,
+        })
+        .await
     }
 }
 

@@ -668,6 +668,22 @@ fn socket_config(opts: &UpstreamOptions) -> WebSocketConfig {
         .max_frame_size(Some(opts.max_frame_bytes))
 }
 
+/// A gateway socket moved from the previous instance, as a client-side
+/// WebSocket with this broker's settings.
+pub(crate) async fn adopt_socket(
+    socket: super::MovedSocket,
+    opts: &UpstreamOptions,
+) -> std::io::Result<Ws> {
+    use tokio_tungstenite::tungstenite::protocol::Role;
+    let io = socket.into_io()?;
+    Ok(tokio_tungstenite::WebSocketStream::from_raw_socket(
+        io,
+        Role::Client,
+        Some(socket_config(opts)),
+    )
+    .await)
+}
+
 /// How a session began, for its owner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Start {
