@@ -124,6 +124,20 @@ impl MainSession {
         self.hub.reset_snapshot(snapshot.clone());
     }
 
+    /// A session begins (`last_seq`: the gateway's last event `seq` on it,
+    /// when it goes on from the previous instance).
+    fn begin(&self, hello: &UpstreamHello, last_seq: Option<u64>) {
+        *self.last_seq.lock().unwrap_or_else(|p| p.into_inner()) = last_seq;
+        self.shutdown_seen.store(false, Ordering::Relaxed);
+        hello.server_version.clone_into(
+            &mut self
+                .server_version
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        self.adopt(hello);
+    }
+
     /// Clients were taken over from the previous instance (a handover):
     /// the first session is a reconnect to them (a gap, `clawmux.upstream
     /// {phase: ready, reason: reconnected}`, their subscriptions sent
@@ -259,18 +273,10 @@ fn restart_hint(payload: Option<&RawValue>) -> Option<Duration> {
 impl SessionOwner for MainSession {
     fn ready(&self, _generation: u64, hello: &Arc<UpstreamHello>, reconnected: bool) {
         let reconnected = reconnected || self.took_over.swap(false, Ordering::SeqCst);
-        *self.last_seq.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        self.shutdown_seen.store(false, Ordering::Relaxed);
-        hello.server_version.clone_into(
-            &mut self
-                .server_version
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
-        );
+        self.begin(hello, None);
         if !hello.lost_scopes.is_empty() {
             crate::upstream::warn_lost_scopes(hello, self.has_device.load(Ordering::Relaxed));
         }
-        self.adopt(hello);
         if reconnected {
             // Everything that happened while we were away is unknown to the
             // clients: a gap makes them resync, the event says why.
@@ -300,15 +306,7 @@ impl SessionOwner for MainSession {
             .unwrap_or_else(|p| p.into_inner())
             .take()
             .unwrap_or_default();
-        *self.last_seq.lock().unwrap_or_else(|p| p.into_inner()) = continued.last_seq;
-        self.shutdown_seen.store(false, Ordering::Relaxed);
-        hello.server_version.clone_into(
-            &mut self
-                .server_version
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
-        );
-        self.adopt(hello);
+        self.begin(hello, continued.last_seq);
         // Subscriptions the gateway holds stay; a held one it does not is
         // sent; one it holds that no moved client does is released.
         let mut st = self.sharing.subscriptions.lock();

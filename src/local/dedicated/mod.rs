@@ -135,11 +135,7 @@ pub fn served_on(socket: &SocketPolicy) -> bool {
 /// Runs one dedicated client to completion (or until it moves to the next
 /// instance at a handover: [`resume`] serves it there).
 pub async fn run(ws: Ws, budget: PreconnectBudget, client: Client, ctx: Arc<Ctx>) {
-    let Client {
-        uid: peer_uid,
-        browser,
-        fd,
-    } = client;
+    let fd = client.fd;
     let local_pause = ws.get_ref().pause();
     let (mut local_tx, local_rx) = ws.split();
     let Some(slot) = ctx.dedicated.try_open() else {
@@ -155,15 +151,7 @@ pub async fn run(ws: Ws, budget: PreconnectBudget, client: Client, ctx: Arc<Ctx>
     };
     let dedicated_id = slot.id;
     tracing::info!(dedicated_id, "dedicated client opened");
-    let mut conn = Conn {
-        local_tx,
-        local_rx: Releasing::new(local_rx),
-        ctx: Arc::clone(&ctx),
-        slot,
-        budget,
-        peer_uid,
-        browser,
-    };
+    let mut conn = Conn::new(local_tx, local_rx, &ctx, slot, budget, client);
     let cancel = ctx.cancel.clone();
     let upstream = tokio::select! {
         up = conn.handshake() => up,
@@ -191,6 +179,25 @@ struct Pauses {
 }
 
 impl Conn {
+    fn new(
+        local_tx: SplitSink<Ws, Message>,
+        local_rx: SplitStream<Ws>,
+        ctx: &Arc<Ctx>,
+        slot: Slot,
+        budget: PreconnectBudget,
+        client: Client,
+    ) -> Conn {
+        Conn {
+            local_tx,
+            local_rx: Releasing::new(local_rx),
+            ctx: Arc::clone(ctx),
+            slot,
+            budget,
+            peer_uid: client.uid,
+            browser: client.browser,
+        }
+    }
+
     /// Relays until the connection ends (both sides closed) or moves to the
     /// next instance (left in the handoff).
     async fn serve(
@@ -339,15 +346,12 @@ pub async fn resume(parcel: crate::context::DedicatedParcel, ctx: Arc<Ctx>) {
     .await;
     let (local_tx, local_rx) = ws.split();
     tracing::info!(dedicated_id = slot.id, "dedicated client taken over");
-    let conn = Conn {
-        local_tx,
-        local_rx: Releasing::new(local_rx),
-        ctx: Arc::clone(&ctx),
-        slot,
-        budget,
-        peer_uid,
+    let client = Client {
+        uid: peer_uid,
         browser,
+        fd: Some(fd),
     };
+    let conn = Conn::new(local_tx, local_rx, &ctx, slot, budget, client);
     let pauses = Pauses {
         client: client_pause,
         gateway: up.get_ref().pause(),
