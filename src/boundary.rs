@@ -166,9 +166,9 @@ pub struct Follower {
     /// Hand a large frame's header to the parser alone.
     split_large: bool,
     /// Before the frames, an HTTP response's head is handed over (the
-    /// client side's upgrade, `101 Switching Protocols`): how much of its
-    /// terminating `\r\n\r\n` has been seen, until it is all (`None`).
-    http_head: Option<u8>,
+    /// client side's upgrade, `101 Switching Protocols`): its last bytes
+    /// so far, until its blank line ends it (`None`).
+    http_head: Option<[u8; 3]>,
 }
 
 impl Follower {
@@ -194,10 +194,13 @@ impl Follower {
     /// and no further in one read (so the parser's handshake keeps no
     /// frame bytes of its own), and the frames are followed from there.
     pub fn after_http_response(split_large: bool) -> Self {
-        Follower {
-            http_head: Some(0),
+        let follower = Follower {
+            http_head: Some([0; 3]),
             ..Follower::new(Vec::new(), split_large)
-        }
+        };
+        // Not a boundary to move at until the frames begin.
+        follower.pause.0.at_boundary.store(false, Ordering::SeqCst);
+        follower
     }
 
     /// The handle that pauses this reader at a message boundary.
@@ -219,16 +222,15 @@ impl Follower {
     /// now: up to a large frame's header (when splitting), and when paused
     /// up to the end of the current message.
     fn advance(&mut self, bytes: &[u8]) -> usize {
-        if let Some(seen) = &mut self.http_head {
-            const END: &[u8; 4] = b"\r\n\r\n";
+        if let Some(tail) = &mut self.http_head {
             for (i, &b) in bytes.iter().enumerate() {
-                *seen = if b == END[usize::from(*seen)] {
-                    *seen + 1
-                } else {
-                    u8::from(b == b'\r')
-                };
-                if *seen == 4 {
+                // The blank line: `\r\n\r\n`, or `\n\n` (bare line feeds,
+                // which HTTP parsers accept too).
+                let ends = b == b'\n' && (tail[2] == b'\n' || tail[1..] == *b"\n\r");
+                *tail = [tail[1], tail[2], b];
+                if ends {
                     self.http_head = None;
+                    self.pause.0.at_boundary.store(true, Ordering::SeqCst);
                     return i + 1;
                 }
             }
@@ -396,6 +398,10 @@ mod tests {
         wire.extend([0x81, 3, b'a', b'b', b'c']);
         let mut follower = Follower::after_http_response(false);
         assert_eq!(follower.advance(&wire[..20]), 20);
+        assert!(
+            !follower.pause().at_boundary(),
+            "inside the response's head"
+        );
         assert_eq!(
             follower.advance(&wire[20..]),
             head.len() - 20,
@@ -410,5 +416,12 @@ mod tests {
             "the rest of it"
         );
         assert!(follower.pause().at_boundary());
+        // Bare line feeds end a head too.
+        let mut follower = Follower::after_http_response(false);
+        let head = b"HTTP/1.1 101 Switching Protocols\nUpgrade: websocket\n\n";
+        let mut wire = head.to_vec();
+        wire.extend([0x81, 1, b'a']);
+        assert_eq!(follower.advance(&wire), head.len());
+        assert_eq!(follower.advance(&wire[head.len()..]), 3);
     }
 }

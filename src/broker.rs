@@ -544,7 +544,9 @@ impl RunningBroker {
         }
         use base64::Engine as _;
         let entry = UpstreamEntry {
-            url: crate::config::redact_url(ctx.settings.gateway_url.trim()),
+            // The gateway it is connected to now (a reload may have moved it
+            // since the start).
+            url: crate::config::redact_url(ctx.upstream().target_url().trim()),
             kind: handed.socket.kind,
             hello,
             unread: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unread),

@@ -86,8 +86,13 @@ fn log_to(cmd: &mut Command, dir: &Path) -> PathBuf {
 }
 
 async fn wait_log(path: &Path, needle: &str) {
-    eventually(&format!("{needle:?} in the broker's log"), || {
-        std::fs::read_to_string(path).is_ok_and(|l| l.contains(needle))
+    wait_log_times(path, needle, 1).await;
+}
+
+/// Waits until `needle` is in the broker's log `n` times.
+async fn wait_log_times(path: &Path, needle: &str, n: usize) {
+    eventually(&format!("{needle:?} {n} times in the broker's log"), || {
+        std::fs::read_to_string(path).is_ok_and(|l| l.matches(needle).count() >= n)
     })
     .await;
 }
@@ -365,7 +370,8 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
          exit 1\n",
     );
     signal(&old.0, rustix::process::Signal::USR2);
-    wait_log(&log, "upgrade failed, still serving").await;
+    // (The second failure: the first is step 1's.)
+    wait_log_times(&log, "upgrade failed, still serving", 2).await;
     gw.broadcast("test.n", serde_json::json!({"n": 1}));
     let event = client.event("test.n").await;
     assert_eq!(event["payload"]["n"], 1);
@@ -386,7 +392,14 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
     let res = client.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "the client is served again: {res}");
     let mut again = WsClient::open(&socket, "/ws").await;
-    again.handshake().await;
+    let challenge = again.recv_within(PATIENCE).await;
+    let sent = again.try_send_json(&connect_frame("connect-1")).await;
+    let hello = again.recv_within(PATIENCE).await;
+    assert!(
+        sent.is_ok() && matches!(&hello, Some(Got::Json(v)) if v["ok"] == true),
+        "a new client after the failed upgrade: {challenge:?} {sent:?} {hello:?}\n{}",
+        log_text(&log)
+    );
 
     // 3. The real binary again: the upgrade happens.
     std::fs::remove_file(&program).unwrap();
@@ -930,4 +943,74 @@ async fn a_dedicated_connection_moves_with_its_own_gateway_connection() {
     assert_eq!(message["payload"]["text"], "after");
     assert_eq!(gw.total_connections(), 2, "{}", log_text(&log));
     assert!(log_text(&log).contains("dedicated client taken over"));
+}
+
+/// The next start names another gateway (its settings changed): the
+/// stored gateway connection is not taken over. The requests in flight on
+/// it are answered once, failed with `sent: true` (they may have run), and
+/// the clients, still connected, see a reconnect to the new gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_connection_the_next_start_does_not_take_fails_its_requests_once() {
+    let mut cfg = mock_config();
+    cfg.run_step_delay = Duration::from_millis(300);
+    let old_gw = MockGateway::start(cfg).await.unwrap();
+    let new_gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let mut store = Store::bind(dir.path());
+    let mut first = ChildGuard(
+        serve_command(Path::new(BIN), dir.path(), &socket, &old_gw.url())
+            .env("NOTIFY_SOCKET", &store.path)
+            .env("FDSTORE", "64")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    client
+        .send_json(
+            &serde_json::json!({"type": "req", "id": "run1", "method": "agent",
+            "params": {"message": "go", "idempotencyKey": uuid::Uuid::new_v4().to_string()}}),
+        )
+        .await;
+    let accepted = client.response("run1").await;
+    assert_eq!(accepted["payload"]["status"], "accepted", "{accepted}");
+    sigterm(&first.0);
+    assert!(exits_with(&mut first.0).await.success());
+    store.drain();
+    let fds = std::mem::take(&mut store.fds);
+    let log = dir.path().join("next.log");
+    let mut next = ChildGuard(start_with_stored(
+        serve_command(Path::new(BIN), dir.path(), &socket, &new_gw.url()),
+        fds,
+        &store.path,
+        Some(&log),
+    ));
+    let last = client.response("run1").await;
+    assert_eq!(last["ok"], false, "{last}");
+    assert_eq!(last["error"]["details"]["sent"], true, "{last}");
+    loop {
+        let event = client.event_within("clawmux.upstream", PATIENCE * 4).await;
+        if event["payload"]["reason"] == "reconnected" {
+            break;
+        }
+    }
+    let res = client.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+    assert_eq!(new_gw.total_connections(), 1);
+    let answers = client
+        .events
+        .iter()
+        .filter(|v| v["type"] == "res" && v["id"] == "run1")
+        .count();
+    assert_eq!(answers, 0, "run1 answered once");
+    // (systemd reads its notify socket: so does the stand-in, before the
+    // next stop stores again.)
+    store.drain();
+    sigterm(&next.0);
+    let status = exits_with(&mut next.0).await;
+    assert!(status.success(), "{status}\n{}", log_text(&log));
 }

@@ -5,6 +5,10 @@
 //! is only their [`SessionSpec`] and their [`SessionOwner`].
 
 mod session;
+mod socket;
+
+use socket::socket_config;
+pub(crate) use socket::{adopt_socket, open_socket};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,7 +16,6 @@ use std::time::{Duration, Instant};
 use futures_util::SinkExt;
 use serde_json::Value;
 use tokio::sync::{mpsc, watch};
-use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 
@@ -21,7 +24,6 @@ use super::handshake::{
     MintedToken, Ws,
 };
 use super::identity::DeviceIdentity;
-use super::movable::{Movable, SocketKind};
 use super::tls::{check_transport, TlsClient};
 use super::{
     backoff_delay, clamp_hint, ClientCredential, PeerCertificate, Phase, SessionOwner, SessionSpec,
@@ -83,12 +85,6 @@ pub(super) struct Channels {
     pub offers: mpsc::Receiver<ClientCredential>,
     pub peer_certificate: PeerCertificate,
 }
-
-/// The gateway socket's read buffer. tungstenite zeroes the free part of
-/// its buffer before every read, so its default (128 KiB) cost a 128 KiB
-/// `memset` per read — a tenth of the broker's CPU per request in the
-/// benchmark's profile; 16 KiB still takes ~50 events of 300 bytes per read.
-const UPSTREAM_READ_BUFFER_BYTES: usize = 16 * 1024;
 
 /// How waiting for settings ended.
 enum Parked {
@@ -219,14 +215,20 @@ impl Connector {
         }
     }
 
-    /// Takes the current settings; returns the reason they cannot work, if any.
-    async fn take_target(&mut self) -> Option<(ErrorShape, bool)> {
+    /// Takes the current settings as they are.
+    fn load_target(&mut self) -> Target {
         let target = self.target.borrow_and_update().clone();
         self.url = target.url.trim().to_owned();
         self.token = target.token.clone();
         self.password = target.password.clone();
         self.tls = target.tls.clone();
         self.allow_insecure_private_ws = target.allow_insecure_private_ws;
+        target
+    }
+
+    /// Takes the current settings; returns the reason they cannot work, if any.
+    async fn take_target(&mut self) -> Option<(ErrorShape, bool)> {
+        let target = self.load_target();
         if let Some(e) = target.load_error {
             return Some((e, false));
         }
@@ -265,6 +267,24 @@ impl Connector {
             // reconnect to them unless it is the one they were on.
             had_session = true;
         }
+        if let Some(adoption) = adoption {
+            // Authenticated already: no credential is checked (one a client
+            // offered to the previous instance is not here to offer again).
+            self.load_target();
+            match self.adopt(adoption) {
+                Some(adopted) => {
+                    let (ws, hello) = adopted.await;
+                    let end = self
+                        .run_session(ws, hello, EarlyEvents::default(), Start::Adopted)
+                        .await;
+                    if end.cancelled || end.handed_over {
+                        self.set_phase(Phase::Stopped);
+                        return;
+                    }
+                }
+                None => self.adoption_refused(),
+            }
+        }
         'attempts: loop {
             if let Some((error, accept_offer)) = self.take_target().await {
                 match self.park(error, accept_offer).await {
@@ -274,16 +294,6 @@ impl Connector {
                         continue;
                     }
                 }
-            }
-            if let Some(adopted) = adoption.take().and_then(|a| self.adopt(a)) {
-                let (ws, hello) = adopted.await;
-                let end = self
-                    .run_session(ws, hello, EarlyEvents::default(), Start::Adopted)
-                    .await;
-                if end.cancelled || end.handed_over {
-                    break;
-                }
-                continue 'attempts;
             }
             self.set_phase(Phase::Connecting);
             let attempt_started = Instant::now();
@@ -428,6 +438,35 @@ impl Connector {
             }
         }
         self.set_phase(Phase::Stopped);
+    }
+
+    /// The session handed over was not taken: it ends here, as a session
+    /// of its own generation, so the requests in flight on it (waiting for
+    /// answers that will not come) are answered once, failed with
+    /// `sent: true`, and the next attempt opens the next generation.
+    fn adoption_refused(&mut self) {
+        let mut generation = 0;
+        self.status.send_modify(|s| {
+            generation = s.generation;
+            s.generation += 1;
+        });
+        let reason =
+            "the gateway connection handed over by the previous instance could not be taken over"
+                .to_owned();
+        self.owner.ended(
+            generation,
+            &super::SessionEnded {
+                error: ErrorShape::studio(
+                    StudioCode::UpstreamClosed,
+                    format!("the gateway session ended before the answer: {reason}"),
+                ),
+                reason,
+                cancelled: false,
+                restart_hint: None,
+                gateway_close_code: None,
+                unsent: Vec::new(),
+            },
+        );
     }
 
     /// The session the previous instance handed over, if this connector's
@@ -659,31 +698,6 @@ impl Connector {
     }
 }
 
-/// The gateway WebSocket's settings: frames bounded by `[upstream]
-/// max_frame_bytes`, a small read buffer ([`UPSTREAM_READ_BUFFER_BYTES`]).
-fn socket_config(opts: &UpstreamOptions) -> WebSocketConfig {
-    WebSocketConfig::default()
-        .read_buffer_size(UPSTREAM_READ_BUFFER_BYTES)
-        .max_message_size(Some(opts.max_frame_bytes))
-        .max_frame_size(Some(opts.max_frame_bytes))
-}
-
-/// A gateway socket moved from the previous instance, as a client-side
-/// WebSocket with this broker's settings.
-pub(crate) async fn adopt_socket(
-    socket: super::MovedSocket,
-    opts: &UpstreamOptions,
-) -> std::io::Result<Ws> {
-    use tokio_tungstenite::tungstenite::protocol::Role;
-    let io = socket.into_io()?;
-    Ok(tokio_tungstenite::WebSocketStream::from_raw_socket(
-        io,
-        Role::Client,
-        Some(socket_config(opts)),
-    )
-    .await)
-}
-
 /// How a session began, for its owner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Start {
@@ -693,132 +707,6 @@ enum Start {
     Reconnect,
     /// The previous instance handed it over (design §11).
     Adopted,
-}
-
-/// Opens a gateway WebSocket: [`open_stream`], then the upgrade, frames
-/// bounded by `[upstream] max_frame_bytes`. The shared session and the
-/// dedicated route ([`crate::upstream::open_socket`]) both open their
-/// connections with this, so both reach the same gateways the same way.
-/// `origin`: the `Origin` header of the upgrade request, if any.
-pub(crate) async fn open_socket(
-    url: &str,
-    opts: &UpstreamOptions,
-    tls: &TlsSettings,
-    tls_client: &mut Option<Arc<TlsClient>>,
-    peer_certificate: &PeerCertificate,
-    origin: Option<&str>,
-) -> Result<Ws, AttemptError> {
-    use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
-    let config = socket_config(opts);
-    let invalid = |what: &str| {
-        AttemptError::new(
-            StudioCode::GatewayUrlInvalid,
-            format!("cannot open {}: {what}", redact_url(url)),
-        )
-    };
-    let mut request = url
-        .into_client_request()
-        .map_err(|e| invalid(&e.to_string()))?;
-    if let Some(origin) = origin {
-        let value = http::HeaderValue::from_str(origin)
-            .map_err(|_| invalid("the Origin header is not a valid header value"))?;
-        request.headers_mut().insert(http::header::ORIGIN, value);
-    }
-    let io = open_stream(url, opts, tls, tls_client, peer_certificate).await?;
-    let (ws, _) = tokio_tungstenite::client_async_with_config(request, io, Some(config))
-        .await
-        .map_err(|e| {
-            AttemptError::new(
-                StudioCode::UpstreamError,
-                format!(
-                    "the WebSocket handshake with {} failed: {e}; is this the gateway's URL?",
-                    redact_url(url)
-                ),
-            )
-        })?;
-    Ok(ws)
-}
-
-/// Opens the byte stream to the gateway: TCP to the URL's host and port
-/// (Nagle off, as tokio-tungstenite's own `connect_async` does), then
-/// TLS for `wss://` ([`TlsClient`], loaded into `tls_client` the first
-/// time); or the configured unix socket. The certificate the gateway
-/// showed goes to `peer_certificate`.
-async fn open_stream(
-    url: &str,
-    opts: &UpstreamOptions,
-    tls: &TlsSettings,
-    tls_client: &mut Option<Arc<TlsClient>>,
-    peer_certificate: &PeerCertificate,
-) -> Result<Box<dyn super::handshake::UpstreamIo>, AttemptError> {
-    let unreachable = |e: std::io::Error| {
-        AttemptError::new(
-            StudioCode::UpstreamError,
-            format!(
-                "cannot open the gateway connection to {}: {e}; is the gateway running? (start it: openclaw gateway)",
-                redact_url(url)
-            ),
-        )
-    };
-    if let Some(path) = &opts.unix_socket {
-        let unix = tokio::net::UnixStream::connect(path).await;
-        let unix = unix.map_err(unreachable)?;
-        return Ok(Box::new(Movable::new(unix, SocketKind::Unix)));
-    }
-    let uri: http::Uri = url
-        .parse()
-        .map_err(|e| AttemptError::new(StudioCode::GatewayUrlInvalid, format!("bad URL: {e}")))?;
-    let secure = uri.scheme_str() == Some("wss");
-    let host = uri.host().unwrap_or_default();
-    let host = host
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_owned();
-    let port = uri.port_u16().unwrap_or(if secure { 443 } else { 80 });
-    let tcp = tokio::net::TcpStream::connect((host.as_str(), port))
-        .await
-        .map_err(unreachable)?;
-    tcp.set_nodelay(true).map_err(unreachable)?;
-    if !secure {
-        return Ok(Box::new(Movable::new(tcp, SocketKind::Tcp)));
-    }
-    let client = load_tls_client(tls_client, tls).await?;
-    let (stream, seen) = client.connect(url, &host, tcp).await;
-    *peer_certificate.lock().unwrap_or_else(|p| p.into_inner()) = seen;
-    Ok(Box::new(stream?))
-}
-
-/// The TLS client for `settings`, loading the trust store off the
-/// runtime's threads the first time (kept in `cache`). An unusable CA file
-/// is a settings error: retried only every `backoff_max`.
-async fn load_tls_client(
-    cache: &mut Option<Arc<TlsClient>>,
-    settings: &TlsSettings,
-) -> Result<Arc<TlsClient>, AttemptError> {
-    if let Some(client) = cache.as_ref().filter(|c| c.serves(settings)) {
-        return Ok(Arc::clone(client));
-    }
-    let owned = settings.clone();
-    let loaded = tokio::task::spawn_blocking(move || TlsClient::load(&owned))
-        .await
-        .unwrap_or_else(|e| {
-            Err(crate::protocol::ErrorShape::studio(
-                StudioCode::UpstreamError,
-                format!("loading the TLS trust store failed: {e}"),
-            ))
-        });
-    match loaded {
-        Ok(client) => {
-            let client = Arc::new(client);
-            *cache = Some(Arc::clone(&client));
-            Ok(client)
-        }
-        Err(error) => Err(AttemptError {
-            error,
-            rejected: true,
-            retry_after: None,
-        }),
-    }
 }
 
 #[cfg(test)]

@@ -335,22 +335,37 @@ impl Connector {
         &mut self,
         generation: u64,
         pause: &crate::boundary::Pause,
-        mut stream: futures_util::stream::SplitStream<Ws>,
+        stream: futures_util::stream::SplitStream<Ws>,
         hello: &Arc<UpstreamHello>,
         request: crate::upstream::HandoverRequest,
     ) -> Result<(), (String, Vec<String>)> {
         pause.request();
+        // Written now if it can be (the socket is free: the writer was
+        // dropped), else withdrawn: sent or answered "not sent", never both.
+        // Then nobody else can touch the socket: the reader is read whole
+        // (an unsplit stream: a split one also says "pending" while its
+        // other half is being written, with whole messages still parsed
+        // and not returned).
+        self.outlet.flush();
+        let unsent = self.outlet.close(generation);
+        let Some(sink) = self.outlet.uninstall(generation).await else {
+            let _ = request.send(None);
+            return Err(("its writing half did not come back".into(), unsent));
+        };
+        let Ok(mut ws) = sink.reunite(stream) else {
+            unreachable!("the two halves of one socket");
+        };
         let owner = Arc::clone(&self.owner);
-        let boundary = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
+        let stopped = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
             loop {
-                let next = std::future::poll_fn(|cx| match stream.poll_next_unpin(cx) {
+                let next = std::future::poll_fn(|cx| match ws.poll_next_unpin(cx) {
                     std::task::Poll::Ready(m) => std::task::Poll::Ready(Some(m)),
                     std::task::Poll::Pending if pause.at_boundary() => std::task::Poll::Ready(None),
                     std::task::Poll::Pending => std::task::Poll::Pending,
                 })
                 .await;
                 match next {
-                    None => return Ok(()),
+                    None => break,
                     Some(Some(Ok(Message::Text(text)))) => {
                         owner.frame(generation, text.as_str());
                     }
@@ -361,41 +376,25 @@ impl Connector {
                     Some(Some(Err(e))) => return Err(format!("the connection failed ({e})")),
                 }
             }
+            // What tungstenite still holds to write (an automatic pong).
+            ws.flush()
+                .await
+                .map_err(|e| format!("the last write failed ({e})"))
         })
         .await
         .unwrap_or_else(|_| {
             Err(format!(
-                "the gateway did not finish its message within {} ms",
+                "the gateway did not finish its message, or take the last write, within {} ms",
                 HANDOVER_PAUSE_TIMEOUT.as_millis()
             ))
         });
-        // Written now if it can be (the socket is free: the writer was
-        // dropped), else withdrawn: sent or answered "not sent", never both.
-        self.outlet.flush();
-        let unsent = self.outlet.close(generation);
-        let sink = self.outlet.uninstall(generation).await;
-        // Still this connector's to end: the caller fails its requests as
-        // at any end (the ones withdrawn here "not sent").
-        let failed = |why: String, unsent: Vec<String>| (why, unsent);
-        let result = match (boundary, sink) {
-            (Err(why), _) => Err(failed(why, unsent)),
-            (Ok(()), None) => Err(failed("its writing half did not come back".into(), unsent)),
-            (Ok(()), Some(mut sink)) => {
-                match tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, sink.flush()).await {
-                    Ok(Ok(())) => match sink.reunite(stream) {
-                        Ok(mut ws) => match ws.get_mut().take_for_handover() {
-                            Some(Ok(socket)) => Ok((socket, unsent)),
-                            Some(Err(e)) => {
-                                Err(failed(format!("cannot copy its descriptor ({e})"), unsent))
-                            }
-                            None => Err(failed("its socket cannot move".into(), unsent)),
-                        },
-                        Err(_) => Err(failed("its halves do not match".into(), unsent)),
-                    },
-                    Ok(Err(e)) => Err(failed(format!("the last write failed ({e})"), unsent)),
-                    Err(_) => Err(failed("the gateway is not reading".into(), unsent)),
-                }
-            }
+        let result = match stopped {
+            Err(why) => Err((why, unsent)),
+            Ok(()) => match ws.get_mut().take_for_handover() {
+                Some(Ok(socket)) => Ok((socket, unsent)),
+                Some(Err(e)) => Err((format!("cannot copy its descriptor ({e})"), unsent)),
+                None => Err(("its socket cannot move".into(), unsent)),
+            },
         };
         match result {
             Ok((socket, unsent)) => {

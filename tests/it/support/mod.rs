@@ -224,6 +224,14 @@ impl WsClient {
         self.ws.send(Message::text(text)).await.expect("send");
     }
 
+    /// [`WsClient::send_json`] that reports a failure instead of panicking.
+    pub async fn try_send_json(
+        &mut self,
+        v: &Value,
+    ) -> Result<(), tokio_tungstenite::tungstenite::Error> {
+        self.ws.send(Message::text(v.to_string())).await
+    }
+
     pub async fn send_json(&mut self, v: &Value) {
         self.send_text(&v.to_string()).await;
     }
