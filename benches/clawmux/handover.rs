@@ -35,12 +35,32 @@ pub struct Pauses {
     pub took: Vec<Duration>,
     /// Clients whose connection ended during the run (should be 0).
     pub lost: usize,
+    /// Numbered events a client did not receive, after its first, summed
+    /// over the clients (should be 0: the gateway connection moves too).
+    pub skipped: u64,
+    /// Numbered events a client received again or out of order (should be 0).
+    pub repeated: u64,
 }
 
 #[derive(Default)]
 struct Reader {
     last_ns: AtomicU64,
     max_gap_ns: AtomicU64,
+    /// The last event number received, plus one (0: none yet).
+    next_n: AtomicU64,
+    skipped: AtomicU64,
+    repeated: AtomicU64,
+}
+
+/// The number of a `bench.tick` event (`"n":<digits>`), without parsing
+/// the whole frame.
+fn tick_number(text: &str) -> Option<u64> {
+    let at = text.find("\"n\":")? + 4;
+    let digits: String = text[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
 }
 
 async fn state(socket: &Path) -> Option<Value> {
@@ -155,6 +175,14 @@ async fn measure(
                 if prev > 0 {
                     r.max_gap_ns.fetch_max(now - prev, Ordering::Relaxed);
                 }
+                if let Some(n) = tick_number(text.as_str()) {
+                    let expected = r.next_n.swap(n + 1, Ordering::Relaxed);
+                    if expected > 0 && n > expected {
+                        r.skipped.fetch_add(n - expected, Ordering::Relaxed);
+                    } else if expected > 0 && n < expected {
+                        r.repeated.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
             }
             lost.fetch_add(1, Ordering::Relaxed);
         });
@@ -232,11 +260,19 @@ async fn measure(
     }
     stop.store(true, Ordering::Relaxed);
     let _ = producer.await;
+    let sum = |f: fn(&Reader) -> &AtomicU64| {
+        readers
+            .iter()
+            .map(|r| f(r).load(Ordering::Relaxed))
+            .sum::<u64>()
+    };
     Ok(Pauses {
         clients: n,
         gaps,
         took,
         lost: lost.load(Ordering::Relaxed),
+        skipped: sum(|r| &r.skipped),
+        repeated: sum(|r| &r.repeated),
     })
 }
 
@@ -275,4 +311,8 @@ pub fn print(p: &Pauses) {
         ms(*took.last().unwrap_or(&Duration::ZERO))
     );
     println!("\nclients whose connection ended: {}", p.lost);
+    println!(
+        "numbered events a client missed: {}; received twice or out of order: {}",
+        p.skipped, p.repeated
+    );
 }

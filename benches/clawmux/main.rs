@@ -321,11 +321,13 @@ async fn run(
         let binary = std::path::Path::new(env!("CARGO_BIN_EXE_clawmux"));
         let pauses = handover::run(&cfg, binary).await?;
         handover::print(&pauses);
-        if pauses.gaps.is_empty() || pauses.lost > 0 {
+        if pauses.gaps.is_empty() || pauses.lost > 0 || pauses.skipped + pauses.repeated > 0 {
             return Err(format!(
-                "handover: {} handovers measured, {} clients lost",
+                "handover: {} handovers measured, {} clients lost, {} events missed, {} repeated",
                 pauses.gaps.len(),
-                pauses.lost
+                pauses.lost,
+                pauses.skipped,
+                pauses.repeated
             ));
         }
     }
