@@ -214,8 +214,10 @@ impl Follower {
         std::mem::take(&mut self.held_back)
     }
 
+    /// (Inside an HTTP response's head there is none: a pause then waits
+    /// for the first message to end.)
     fn at_message_boundary(&self) -> bool {
-        matches!(self.frames, FrameCursor::Header0) && !self.in_message
+        self.http_head.is_none() && matches!(self.frames, FrameCursor::Header0) && !self.in_message
     }
 
     /// How many of `bytes`, about to be handed to the parser, may be handed
