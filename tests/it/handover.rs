@@ -97,6 +97,31 @@ async fn wait_log_times(path: &Path, needle: &str, n: usize) {
     .await;
 }
 
+/// Upgrades by `SIGUSR2` once: the old instance (`pid`, the child
+/// `first`) exits 0 and a new one serves (killed when the result drops).
+async fn upgrade_once(first: &mut ChildGuard, pid: u32, socket: &Path, log: &Path) -> Pid {
+    signal_pid(pid, rustix::process::Signal::USR2);
+    assert!(
+        exits_with(&mut first.0).await.success(),
+        "{}",
+        log_text(log)
+    );
+    Pid(broker_pid(socket).await)
+}
+
+/// `/v1/state` still lists the client with `conn_id`.
+async fn assert_listed(socket: &Path, conn_id: &serde_json::Value, what: &str) {
+    let listed = state(socket).await["clients"].clone();
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["conn_id"] == *conn_id),
+        "{what}: {listed}"
+    );
+}
+
 fn log_text(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
@@ -768,13 +793,7 @@ async fn a_client_stuck_inside_a_message_is_closed_and_the_others_move() {
     let mut partial = vec![0x81, 0x80 | 100, 1, 2, 3, 4];
     partial.extend([b'x'; 10]);
     stuck.raw().write_all(&partial).await.unwrap();
-    signal_pid(pid, rustix::process::Signal::USR2);
-    assert!(
-        exits_with(&mut first.0).await.success(),
-        "{}",
-        log_text(&log)
-    );
-    let _next = Pid(broker_pid(&socket).await);
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
     match stuck.recv_within(PATIENCE).await {
         Some(Got::Close(1012, _)) => {}
         other => panic!("the stuck client: {other:?}\n{}", log_text(&log)),
@@ -786,15 +805,7 @@ async fn a_client_stuck_inside_a_message_is_closed_and_the_others_move() {
     );
     let res = mover.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "{res}");
-    let listed = state(&socket).await["clients"].clone();
-    assert!(
-        listed
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|c| c["conn_id"] == conn_id),
-        "the other client moved: {listed}"
-    );
+    assert_listed(&socket, &conn_id, "the other client moved").await;
 }
 
 /// The gateway connection's own pause bound (limits page): a gateway
@@ -810,13 +821,7 @@ async fn a_gateway_stalled_inside_a_message_is_reconnected_and_the_clients_still
     let mut client = WsClient::open(&socket, "/ws").await;
     let conn_id = client.handshake().await["server"]["connId"].clone();
     gw.send_fragment_start("{\"type\":\"event\",\"event\":\"test.half\"");
-    signal_pid(pid, rustix::process::Signal::USR2);
-    assert!(
-        exits_with(&mut first.0).await.success(),
-        "{}",
-        log_text(&log)
-    );
-    let _next = Pid(broker_pid(&socket).await);
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
     loop {
         let event = client.event_within("clawmux.upstream", PATIENCE * 4).await;
         if event["payload"]["reason"] == "reconnected" {
@@ -831,15 +836,7 @@ async fn a_gateway_stalled_inside_a_message_is_reconnected_and_the_clients_still
     assert_eq!(gw.total_connections(), 2, "a new connection");
     let res = client.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "{res}");
-    let listed = state(&socket).await["clients"].clone();
-    assert!(
-        listed
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|c| c["conn_id"] == conn_id),
-        "the client moved: {listed}"
-    );
+    assert_listed(&socket, &conn_id, "the client moved").await;
 }
 
 /// A client with a narrower grant moves too: its grant goes with it, and
@@ -866,13 +863,7 @@ async fn a_client_on_a_narrower_session_moves_and_keeps_its_grant() {
         before["payload"]["sessions"].get("paths").is_none(),
         "redacted for a reader: {before}"
     );
-    signal_pid(pid, rustix::process::Signal::USR2);
-    assert!(
-        exits_with(&mut first.0).await.success(),
-        "{}",
-        log_text(&log)
-    );
-    let _next = Pid(broker_pid(&socket).await);
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
     let after = reader.request("status", serde_json::json!({})).await;
     assert_eq!(after["ok"], true, "{after}\n{}", log_text(&log));
     assert!(
@@ -887,15 +878,7 @@ async fn a_client_on_a_narrower_session_moves_and_keeps_its_grant() {
         )
         .await;
     assert_eq!(write["ok"], false, "{write}");
-    let listed = state(&socket).await["clients"].clone();
-    assert!(
-        listed
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|c| c["conn_id"] == conn_id),
-        "the client moved: {listed}"
-    );
+    assert_listed(&socket, &conn_id, "the client moved").await;
 }
 
 /// A `/ws/dedicated` connection moves whole: the client's socket and its
@@ -922,13 +905,7 @@ async fn a_dedicated_connection_moves_with_its_own_gateway_connection() {
         .await;
     assert_eq!(sub["ok"], true, "{sub}");
     assert_eq!(gw.total_connections(), 2, "the shared session and this one");
-    signal_pid(pid, rustix::process::Signal::USR2);
-    assert!(
-        exits_with(&mut first.0).await.success(),
-        "{}",
-        log_text(&log)
-    );
-    let _next = Pid(broker_pid(&socket).await);
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
     // Verbatim both ways, through the new instance.
     c.send_json(&serde_json::json!({"type":"req","id":"same-id","method":"health"}))
         .await;
