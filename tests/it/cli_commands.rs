@@ -623,6 +623,20 @@ async fn a_wrong_token_reads_whole_in_call_and_status() {
     })
     .await;
     let sock = s(&h.socket()).to_owned();
+    // Once the gateway has refused the token (before that, a call is
+    // answered "not open yet": `/v1/rpc` does not wait for the session).
+    eventually_async("the gateway refused the token", || {
+        let socket = h.socket();
+        async move {
+            let state = crate::http_api::state(&socket).await;
+            if state["upstream"]["phase"] == "rejected" {
+                Ok(())
+            } else {
+                Err(format!("upstream {}", state["upstream"]["phase"]))
+            }
+        }
+    })
+    .await;
     let (code, _, err) = run_clawmux(&["call", "--socket", &sock, "health"]).await;
     assert_eq!(code, 1, "{err}");
     let lines: Vec<&str> = err.lines().collect();
