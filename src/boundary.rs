@@ -48,6 +48,24 @@ impl Pause {
     pub fn at_boundary(&self) -> bool {
         self.0.at_boundary.load(Ordering::SeqCst)
     }
+
+    /// Once requested: what `stream` (the parser reading through this
+    /// pause's [`Follower`]) gives next (`Some(None)`: it ended), or `None`
+    /// once it has stopped at the boundary with no whole message left to
+    /// return. (A split stream also says "pending" while its other half is
+    /// in use: read it so only while nothing else can take that half.)
+    pub async fn next_before_boundary<S: futures_util::Stream + Unpin>(
+        &self,
+        stream: &mut S,
+    ) -> Option<Option<S::Item>> {
+        use futures_util::StreamExt;
+        std::future::poll_fn(|cx| match stream.poll_next_unpin(cx) {
+            Poll::Ready(m) => Poll::Ready(Some(m)),
+            Poll::Pending if self.at_boundary() => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        })
+        .await
+    }
 }
 
 /// Where the bytes handed to the parser are in the peer's frames.

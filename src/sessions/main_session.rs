@@ -141,21 +141,12 @@ impl MainSession {
     /// Clients were taken over from the previous instance (a handover):
     /// the first session is a reconnect to them (a gap, `clawmux.upstream
     /// {phase: ready, reason: reconnected}`, their subscriptions sent
-    /// again). Called before the session can be ready, or else the
-    /// subscriptions are sent again here.
+    /// again), unless it is the very session they were on
+    /// ([`SessionOwner::adopted`]). Called before the connector may open a
+    /// session: a handed-over start holds it until the clients are taken
+    /// over ([`crate::sessions::Sessions::adopt`]).
     pub fn clients_taken_over(&self) {
         self.took_over.store(true, Ordering::SeqCst);
-        if self.session.upstream.ready_generation().is_some() {
-            // Ready already (it raced the takeover): a reconnect now.
-            if self.took_over.swap(false, Ordering::SeqCst) {
-                self.hub.gap();
-                self.hub.publish_local(
-                    "clawmux.upstream",
-                    &json!({"phase": "ready", "reason": "reconnected"}),
-                );
-                self.resubscribe();
-            }
-        }
     }
 
     /// A new session: every held subscription is sent again, before any

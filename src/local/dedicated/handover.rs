@@ -237,11 +237,9 @@ impl Watch {
         let Some(pause) = pause else {
             return Next::Stop;
         };
-        std::future::poll_fn(|cx| match rx.poll_next_unpin(cx) {
-            std::task::Poll::Ready(m) => std::task::Poll::Ready(Next::Item(m)),
-            std::task::Poll::Pending if pause.at_boundary() => std::task::Poll::Ready(Next::Paused),
-            std::task::Poll::Pending => std::task::Poll::Pending,
-        })
-        .await
+        match pause.next_before_boundary(rx).await {
+            Some(m) => Next::Item(m),
+            None => Next::Paused,
+        }
     }
 }

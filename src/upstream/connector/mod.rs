@@ -7,7 +7,6 @@
 mod session;
 mod socket;
 
-use socket::socket_config;
 pub(crate) use socket::{adopt_socket, open_socket};
 
 use std::sync::Arc;
@@ -271,9 +270,8 @@ impl Connector {
             // Authenticated already: no credential is checked (one a client
             // offered to the previous instance is not here to offer again).
             self.load_target();
-            match self.adopt(adoption) {
-                Some(adopted) => {
-                    let (ws, hello) = adopted.await;
+            match self.adopt(adoption).await {
+                Some((ws, hello)) => {
                     let end = self
                         .run_session(ws, hello, EarlyEvents::default(), Start::Adopted)
                         .await;
@@ -472,32 +470,20 @@ impl Connector {
     /// The session the previous instance handed over, if this connector's
     /// settings name the same gateway (else its socket is closed and the
     /// connector connects itself: a reconnect for the moved clients).
-    fn adopt(
-        &mut self,
-        adoption: super::Adoption,
-    ) -> Option<impl std::future::Future<Output = (Ws, UpstreamHello)>> {
+    async fn adopt(&self, adoption: super::Adoption) -> Option<(Ws, UpstreamHello)> {
         if adoption.url != redact_url(&self.url) {
             tracing::info!(
                 "handover: the settings name another gateway; not taking the gateway connection over"
             );
             return None;
         }
-        let io = match adoption.socket.into_io() {
-            Ok(io) => io,
+        match adopt_socket(adoption.socket, &self.opts).await {
+            Ok(ws) => Some((ws, adoption.hello)),
             Err(e) => {
                 tracing::warn!("handover: the gateway connection cannot be taken over ({e})");
-                return None;
+                None
             }
-        };
-        let config = socket_config(&self.opts);
-        let hello = adoption.hello;
-        Some(async move {
-            use tokio_tungstenite::tungstenite::protocol::Role;
-            let ws =
-                tokio_tungstenite::WebSocketStream::from_raw_socket(io, Role::Client, Some(config))
-                    .await;
-            (ws, hello)
-        })
+        }
     }
 
     /// Opens the socket and performs the handshake. Events that arrive

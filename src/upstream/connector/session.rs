@@ -358,13 +358,7 @@ impl Connector {
         let owner = Arc::clone(&self.owner);
         let stopped = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
             loop {
-                let next = std::future::poll_fn(|cx| match ws.poll_next_unpin(cx) {
-                    std::task::Poll::Ready(m) => std::task::Poll::Ready(Some(m)),
-                    std::task::Poll::Pending if pause.at_boundary() => std::task::Poll::Ready(None),
-                    std::task::Poll::Pending => std::task::Poll::Pending,
-                })
-                .await;
-                match next {
+                match pause.next_before_boundary(&mut ws).await {
                     None => break,
                     Some(Some(Ok(Message::Text(text)))) => {
                         owner.frame(generation, text.as_str());

@@ -20,7 +20,7 @@ const UPSTREAM_READ_BUFFER_BYTES: usize = 16 * 1024;
 
 /// The gateway WebSocket's settings: frames bounded by `[upstream]
 /// max_frame_bytes`, a small read buffer ([`UPSTREAM_READ_BUFFER_BYTES`]).
-pub(super) fn socket_config(opts: &UpstreamOptions) -> WebSocketConfig {
+fn socket_config(opts: &UpstreamOptions) -> WebSocketConfig {
     WebSocketConfig::default()
         .read_buffer_size(UPSTREAM_READ_BUFFER_BYTES)
         .max_message_size(Some(opts.max_frame_bytes))
