@@ -493,9 +493,11 @@ impl RunningBroker {
         let parcels = self.ctx.handoff.take();
         let mut carried = carried;
         carried.dedicated = self.ctx.handoff.take_dedicated();
+        carried.streams = self.ctx.handoff.take_streams();
         tracing::info!(
             clients = parcels.len(),
             dedicated = carried.dedicated.len(),
+            streams = carried.streams.len(),
             "handover: clients ready to move"
         );
         Released {
@@ -531,6 +533,7 @@ impl RunningBroker {
                 upstream: None,
                 runs,
                 dedicated: Vec::new(),
+                streams: Vec::new(),
             };
         };
         let pending = ctx
@@ -563,6 +566,7 @@ impl RunningBroker {
             upstream: Some((entry, handed.socket.fd)),
             runs,
             dedicated: Vec::new(),
+            streams: Vec::new(),
         }
     }
 

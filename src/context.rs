@@ -35,6 +35,8 @@ pub struct Handoff {
     pub parcels: std::sync::Mutex<Vec<Parcel>>,
     /// The `/ws/dedicated` connections left for the next instance.
     pub dedicated: std::sync::Mutex<Vec<DedicatedParcel>>,
+    /// The event streams (`/v1/events`) left for the next instance.
+    pub streams: std::sync::Mutex<Vec<Box<dyn StreamParcel>>>,
     /// Client tasks serving requests now (each leaves at a handover).
     serving: std::sync::atomic::AtomicUsize,
     left: tokio::sync::Notify,
@@ -73,6 +75,45 @@ pub struct DedicatedParcel {
     pub gateway: crate::upstream::MovedSocket,
     pub peer_uid: Option<u32>,
     pub browser: bool,
+}
+
+/// An event stream (`/v1/events`), stopped for the next instance with
+/// every byte of its response so far written: what it has not written yet
+/// is made into its [`StreamEntry`] once the sessions have ended (its
+/// queue is whole then). A trait object, so the local layer that knows
+/// the stream's format fills in the entry the handover (above it) sends.
+pub trait StreamParcel: Send + std::fmt::Debug {
+    /// Its part of the clients document, and its socket.
+    fn pack(self: Box<Self>) -> (StreamEntry, std::os::fd::OwnedFd);
+}
+
+/// An event stream moved to the next instance: who it is for, what it
+/// asked for, where it is, and the bytes of its body not written yet.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamEntry {
+    pub id: u64,
+    pub conn_id: String,
+    pub connected_at_ms: u64,
+    pub peer_pid: Option<u32>,
+    /// Its grant's scopes.
+    pub scopes: Vec<String>,
+    /// The socket it connected to (`[[sockets]]` name; `default`: the main one).
+    pub socket: String,
+    /// Its `/v1/events` query, as it was opened with (filters, tap).
+    pub query: String,
+    /// The per-client `seq` its next event gets.
+    pub next_seq: u64,
+    /// The newest cursor it received (written or filtered out).
+    pub last_cursor: u64,
+    /// The per-client `seq` of the last live event it received.
+    pub last_seq: u64,
+    /// A gap comes before its next event.
+    pub gap_pending: bool,
+    /// Body bytes not written yet (SSE records, base64), in order.
+    pub unsent: String,
+    /// The stream ended: `unsent` holds its last record.
+    pub finished: bool,
 }
 
 impl Handoff {
@@ -125,6 +166,17 @@ impl Handoff {
 
     pub fn take_dedicated(&self) -> Vec<DedicatedParcel> {
         std::mem::take(&mut *self.dedicated.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    pub fn leave_stream(&self, parcel: Box<dyn StreamParcel>) {
+        self.streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(parcel);
+    }
+
+    pub fn take_streams(&self) -> Vec<Box<dyn StreamParcel>> {
+        std::mem::take(&mut *self.streams.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     pub fn take(&self) -> Vec<Parcel> {

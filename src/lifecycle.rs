@@ -151,6 +151,9 @@ async fn store_for_next_start(
         fds.push((client_name, client));
         fds.push((gateway_name, gateway));
     }
+    for (i, stream) in moving.streams.into_iter().enumerate() {
+        fds.push((crate::handover::clients::stream_fd_name(i), stream));
+    }
     match crate::systemd::store(&fds) {
         Ok(()) => {
             released.finish();

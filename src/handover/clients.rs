@@ -52,6 +52,15 @@ pub struct Clients {
     /// [`dedicated_fd_names`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dedicated: Vec<DedicatedEntry>,
+    /// The event streams (`/v1/events`) moved (each socket as
+    /// [`stream_fd_name`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub streams: Vec<crate::context::StreamEntry>,
+}
+
+/// The descriptor name of the `i`th event stream's socket (systemd's store).
+pub fn stream_fd_name(i: usize) -> String {
+    format!("clawmux-stream-{i}")
 }
 
 /// A `/ws/dedicated` connection moved: the client's socket and its own
@@ -119,6 +128,8 @@ pub struct Moving {
     /// Each dedicated connection's sockets (the client's, the gateway's),
     /// in the order of `doc.dedicated`.
     pub dedicated: Vec<(OwnedFd, OwnedFd)>,
+    /// Each event stream's socket, in the order of `doc.streams`.
+    pub streams: Vec<OwnedFd>,
 }
 
 /// What the old instance carries beside its clients: the gateway session
@@ -128,6 +139,7 @@ pub struct Carried {
     pub upstream: Option<(UpstreamEntry, OwnedFd)>,
     pub runs: Vec<RunEntry>,
     pub dedicated: Vec<crate::context::DedicatedParcel>,
+    pub streams: Vec<Box<dyn crate::context::StreamParcel>>,
 }
 
 impl Subscription {
@@ -279,6 +291,7 @@ pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
             )
         })
         .unzip();
+    let (streams, stream_fds) = carried.streams.into_iter().map(|s| s.pack()).unzip();
     Moving {
         doc: Clients {
             format: FORMAT,
@@ -286,10 +299,12 @@ pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
             upstream,
             runs: carried.runs,
             dedicated,
+            streams,
         },
         clients: fds,
         upstream: upstream_fd,
         dedicated: dedicated_fds,
+        streams: stream_fds,
     }
 }
 
@@ -299,11 +314,21 @@ pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
 /// cursor). Returns how many were taken.
 pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -> usize {
     let Moving {
-        doc: clients,
+        doc: mut clients,
         clients: fds,
         upstream: upstream_fd,
         dedicated,
+        streams,
     } = moving;
+    // Admitted before the gateway connection is taken over (below), as
+    // the clients are: no event reaches this instance before them.
+    let mut taken = 0;
+    for (entry, fd) in std::mem::take(&mut clients.streams)
+        .into_iter()
+        .zip(streams)
+    {
+        taken += usize::from(crate::local::sse::resume(ctx, policies, entry, fd));
+    }
     for (entry, (client, gateway)) in clients.dedicated.iter().zip(dedicated) {
         let decode = |s: &str| base64::engine::general_purpose::STANDARD.decode(s);
         let (Ok(client_unread), Ok(gateway_unread)) =
@@ -328,7 +353,6 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
     }
     let mut fds: HashMap<u64, OwnedFd> = fds.into_iter().collect();
     let mut registered = HashMap::new();
-    let mut taken = 0;
     for entry in clients.clients {
         let Some(fd) = fds.remove(&entry.id) else {
             tracing::warn!(
@@ -358,9 +382,12 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
                 continue;
             }
         };
-        let client = ctx
-            .hub
-            .restored_client(entry.id, entry.conn_id, entry.connected_at_ms);
+        let client = ctx.hub.restored_client(
+            entry.id,
+            entry.conn_id,
+            entry.connected_at_ms,
+            crate::hub::ClientKind::Ws,
+        );
         let _ = client.identity.set(ClientIdentity {
             client_id: entry.identity.client_id,
             mode: entry.identity.mode,

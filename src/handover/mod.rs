@@ -228,11 +228,20 @@ impl Inherited {
                     };
                     dedicated.push((take(&client)?, take(&gateway)?));
                 }
+                let mut streams = Vec::new();
+                for i in 0..doc.streams.len() {
+                    let name = clients::stream_fd_name(i);
+                    streams
+                        .push(self.take_fd(&name).ok_or_else(|| {
+                            Unreadable::Invalid(format!("{name} was not passed"))
+                        })?);
+                }
                 Some(clients::Moving {
                     doc,
                     clients: fds,
                     upstream,
                     dedicated,
+                    streams,
                 })
             }
         };

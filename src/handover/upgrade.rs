@@ -148,6 +148,7 @@ impl Successor {
             fds.push(client.as_fd());
             fds.push(gateway.as_fd());
         }
+        fds.extend(moving.streams.iter().map(AsFd::as_fd));
         for chunk in fds.chunks(wire::FDS_PER_MESSAGE) {
             wire::send(sock, b"f", chunk).await?;
         }
@@ -222,7 +223,7 @@ impl Predecessor {
             None => None,
         };
         let mut sockets = fds;
-        let expected = clients.clients.len() + 2 * clients.dedicated.len();
+        let expected = clients.clients.len() + 2 * clients.dedicated.len() + clients.streams.len();
         while sockets.len() < expected {
             let (n, more) = wire::recv(&self.control, &mut buf)
                 .await
@@ -235,6 +236,7 @@ impl Predecessor {
         if sockets.len() != expected {
             return Err("more client sockets than clients".into());
         }
+        let streams = sockets.split_off(clients.clients.len() + 2 * clients.dedicated.len());
         let mut dedicated_fds = sockets.split_off(clients.clients.len()).into_iter();
         let mut dedicated = Vec::new();
         while let (Some(client), Some(gateway)) = (dedicated_fds.next(), dedicated_fds.next()) {
@@ -246,6 +248,7 @@ impl Predecessor {
             clients: fds,
             upstream,
             dedicated,
+            streams,
         })
     }
 }

@@ -120,9 +120,15 @@ impl Hub {
 
     /// A client taken over from the previous instance, with its own id,
     /// `connId` and connection time (later clients get higher ids).
-    pub fn restored_client(&self, id: u64, conn_id: String, connected_at_ms: u64) -> Arc<Client> {
+    pub fn restored_client(
+        &self,
+        id: u64,
+        conn_id: String,
+        connected_at_ms: u64,
+        kind: ClientKind,
+    ) -> Arc<Client> {
         self.next_client_id.fetch_max(id + 1, Ordering::Relaxed);
-        let mut client = self.client_with_id(id);
+        let mut client = self.client_with_id(id).with_kind(kind);
         client.conn_id = conn_id;
         client.connected_at_ms = connected_at_ms;
         Arc::new(client)

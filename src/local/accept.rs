@@ -185,6 +185,8 @@ async fn serve_connection(
     let kill_handle = ConnectionKill(kill.clone());
     let header_read_timeout = ctx.settings.limits.header_read_timeout;
     let conn_fd = super::ConnFd(std::os::fd::AsRawFd::as_raw_fd(&stream.stream));
+    let conn_socket = super::ConnSocket::new(conn_fd.0);
+    let forget = conn_socket.clone();
     let asked = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let first_request = Arc::clone(&asked);
     let service = hyper::service::service_fn(move |mut req: hyper::Request<_>| {
@@ -193,14 +195,23 @@ async fn serve_connection(
         req.extensions_mut().insert(Arc::clone(&socket));
         req.extensions_mut().insert(peer_pid);
         req.extensions_mut().insert(conn_fd);
+        req.extensions_mut().insert(conn_socket.clone());
         http::route(req, Arc::clone(&ctx))
     });
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
+        // Queued, not copied: an event stream's chunk is dropped only once
+        // written whole, framing and all, which is what lets a handover
+        // move the stream (`stream_body::Drained`). A unix socket takes
+        // vectored writes, so hyper would choose this anyway; asked for so
+        // it does not depend on that.
+        .writev(true)
         .header_read_timeout(header_read_timeout)
         .serve_connection(TokioIo::new(stream), service)
         .with_upgrades();
     tokio::pin!(conn);
+    // Dropped before `conn` (which closes the socket): see `ConnSocket`.
+    let _forget = forget.closing();
     tokio::select! {
         res = conn.as_mut() => {
             if let Err(e) = res {

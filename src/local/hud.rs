@@ -295,7 +295,7 @@ impl HudSource {
                 )))
             }
         }
-        let resp = super::sse::open(&req, ctx);
+        let resp = super::sse::open_stream(&req, ctx, false);
         if resp.status() != StatusCode::OK {
             return Err(Box::new(resp));
         }

@@ -37,4 +37,43 @@ pub struct PeerPid(pub Option<u32>, pub Option<u32>);
 #[derive(Debug, Clone, Copy)]
 pub struct ConnFd(pub std::os::fd::RawFd);
 
+/// The connection's socket, in the request extensions, for a route that
+/// answers with a body hyper writes and that may move at a handover (an
+/// event stream): a copy of it can be taken for as long as the connection
+/// owns it. The connection's task forgets the descriptor, under the same
+/// lock, before it closes it, so a copy is never taken of a descriptor
+/// that was closed (and perhaps reused).
+#[derive(Debug, Clone)]
+pub struct ConnSocket(std::sync::Arc<std::sync::Mutex<Option<std::os::fd::RawFd>>>);
+
+impl ConnSocket {
+    pub fn new(fd: std::os::fd::RawFd) -> ConnSocket {
+        ConnSocket(std::sync::Arc::new(std::sync::Mutex::new(Some(fd))))
+    }
+
+    /// A copy of the socket (close-on-exec), if the connection still owns it.
+    pub fn dup(&self) -> Option<std::os::fd::OwnedFd> {
+        let fd = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let raw = (*fd)?;
+        // SAFETY: `raw` is open while the lock is held: the connection's
+        // task clears it under this lock before it closes the socket
+        // ([`ConnSocket::closing`]), and the lock is held until the copy is
+        // made, so the borrow cannot outlive or alias a closed descriptor.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(raw) };
+        rustix::io::fcntl_dupfd_cloexec(borrowed, 3).ok()
+    }
+
+    /// Forgets the descriptor when dropped: made right after the connection
+    /// (so it is dropped before it, which closes the socket).
+    pub fn closing(&self) -> impl Drop + '_ {
+        struct Closing<'a>(&'a ConnSocket);
+        impl Drop for Closing<'_> {
+            fn drop(&mut self) {
+                *self.0 .0.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            }
+        }
+        Closing(self)
+    }
+}
+
 pub use accept::accept_loop;

@@ -99,8 +99,17 @@ pub fn event_stream_response(
     chunks: impl futures_util::Stream<Item = Bytes> + Send + 'static,
     budget: &Arc<crate::hub::QueueBudget>,
 ) -> Response<Body> {
+    event_stream_response_watched(chunks, budget).0
+}
+
+/// [`event_stream_response`], and a watch on what hyper has written of it.
+pub fn event_stream_response_watched(
+    chunks: impl futures_util::Stream<Item = Bytes> + Send + 'static,
+    budget: &Arc<crate::hub::QueueBudget>,
+) -> (Response<Body>, super::stream_body::Drained) {
     use futures_util::StreamExt;
     let counted = super::stream_body::Counted::new(chunks, Arc::clone(budget));
+    let drained = counted.drained();
     let body = http_body_util::StreamBody::new(
         counted.map(|chunk| Ok::<_, Infallible>(hyper::body::Frame::data(chunk))),
     )
@@ -119,5 +128,5 @@ pub fn event_stream_response(
         header::CONNECTION,
         header::HeaderValue::from_static("close"),
     );
-    resp
+    (resp, drained)
 }

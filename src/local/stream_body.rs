@@ -31,11 +31,12 @@ use crate::hub::QueueBudget;
 pub const UNWRITTEN_BYTES: usize = 64 * 1024;
 
 /// Bytes of a stream's chunks that hyper holds, and its waker (woken when
-/// hyper lets go of one).
+/// hyper lets go of one), and a second for [`Drained`].
 #[derive(Debug, Default)]
 struct Unwritten {
     bytes: AtomicUsize,
     waker: AtomicWaker,
+    drained: AtomicWaker,
 }
 
 /// One chunk as hyper holds it: counted until hyper drops it.
@@ -57,6 +58,35 @@ impl Drop for Chunk {
             .bytes
             .fetch_sub(self.bytes.len(), Ordering::AcqRel);
         self.unwritten.waker.wake();
+        self.unwritten.drained.wake();
+    }
+}
+
+/// Watches a stream's chunks until hyper has written every one it took
+/// (a handover moves an event stream only then: [`super::sse`]).
+///
+/// hyper drops a chunk once its last byte, and with it the chunk's framing
+/// (size line, trailing CRLF), is written to the socket: it queues each
+/// encoded chunk whole when the socket takes vectored writes, which the
+/// accept loop asks for (`writev(true)`). So when no chunk is held, every
+/// byte of the response so far is on the socket, its head included (the
+/// head is written before the first chunk, and the first chunk is taken
+/// before anything can wait here).
+#[derive(Debug, Clone)]
+pub struct Drained(Arc<Unwritten>);
+
+impl Drained {
+    /// Resolves once hyper holds none of the stream's chunks.
+    pub async fn all_written(&self) {
+        std::future::poll_fn(|cx| {
+            self.0.drained.register(cx.waker());
+            if self.0.bytes.load(Ordering::Acquire) == 0 {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await
     }
 }
 
@@ -74,6 +104,11 @@ impl<S: Stream<Item = Bytes>> Counted<S> {
             budget,
             unwritten: Arc::default(),
         }
+    }
+
+    /// A watch on this stream's chunks ([`Drained`]).
+    pub fn drained(&self) -> Drained {
+        Drained(Arc::clone(&self.unwritten))
     }
 
     /// Bytes of this stream's chunks that are not written yet.

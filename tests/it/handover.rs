@@ -210,6 +210,16 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
     // A client that never sends anything after its connect moves too.
     let mut idle = WsClient::open(&socket, "/ws").await;
     idle.handshake().await;
+    // Event streams move too, each with its filter: they go on, on the
+    // same HTTP response, read by a real HTTP client (which would fail on
+    // a chunk cut in two).
+    let mut streams = Vec::new();
+    for path in ["/v1/events", "/v1/events?events=test.n"] {
+        let sse = crate::http_api::open_events(&socket, path, &[])
+            .await
+            .unwrap_or_else(|e| panic!("{path}: {e:?}"));
+        streams.push((path, sse, -1i64, 0u64));
+    }
     let mut last_seq = 0u64;
     let mut last_n = -1i64;
     let mut n = 0i64;
@@ -302,6 +312,36 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
                 break;
             }
         }
+        // So did each event stream: every event once, in order, no gap
+        // said, no close.
+        for (path, sse, seen_n, last_id) in &mut streams {
+            while *seen_n < n - 1 {
+                match sse.next_item_within(PATIENCE * 2).await {
+                    crate::http_api::Item::Event { id, name, data, .. } => {
+                        assert!(
+                            id > *last_id,
+                            "round {round}, {path}: id {id} after {last_id}"
+                        );
+                        *last_id = id;
+                        assert_ne!(name, "clawmux.gap", "round {round}, {path}: {data}");
+                        if name == "test.n" {
+                            let got = data["payload"]["n"].as_i64().unwrap();
+                            assert_eq!(
+                                got,
+                                *seen_n + 1,
+                                "round {round}, {path}: {got} after {seen_n}"
+                            );
+                            *seen_n = got;
+                        }
+                    }
+                    crate::http_api::Item::Comment(_) => {}
+                    crate::http_api::Item::Other(other) if other.starts_with("retry:") => {}
+                    crate::http_api::Item::Other(other) => {
+                        panic!("round {round}, {path}: {other}\n{}", log_text(&log))
+                    }
+                }
+            }
+        }
         // Its subscription stayed at the gateway (never sent again).
         gw.emit_session_message(
             "agent:main:main",
@@ -341,6 +381,9 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
     .await;
     let log = log_text(&log);
     assert!(log.contains("took the clients over"), "{log}");
+    // The event streams moved (not closed and reopened: the reader above
+    // would have failed on the end of its response).
+    assert_eq!(log.matches("streams=2").count(), 3, "{log}");
 }
 
 fn signal_pid(pid: u32, sig: rustix::process::Signal) {
@@ -374,6 +417,9 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
     let (mut old, socket, log) = serve_ready(&program, dir.path(), &gw.url()).await;
     let mut client = WsClient::open(&socket, "/ws").await;
     client.handshake().await;
+    let mut events = crate::http_api::open_events(&socket, "/v1/events?events=test.n", &[])
+        .await
+        .unwrap();
 
     // 1. A binary that exits at start: nothing changes for anyone.
     replace_with_script(&program, "#!/bin/sh\necho 'cannot start' >&2\nexit 1\n");
@@ -400,6 +446,12 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
     gw.broadcast("test.n", serde_json::json!({"n": 1}));
     let event = client.event("test.n").await;
     assert_eq!(event["payload"]["n"], 1);
+    // The event stream was taken back too, on its same response.
+    let (_, name, data) = events.next_event().await;
+    assert_eq!(
+        (name.as_str(), &data["payload"]["n"]),
+        ("test.n", &serde_json::json!(1))
+    );
     assert!(
         !client
             .events
@@ -434,6 +486,14 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
     let new = broker_pid(&socket).await;
     let _new = Pid(new);
     assert_ne!(new, old.0.id());
+    gw.broadcast("test.n", serde_json::json!({"n": 2}));
+    let (_, name, data) = events.next_event().await;
+    assert_eq!(
+        (name.as_str(), &data["payload"]["n"]),
+        ("test.n", &serde_json::json!(2)),
+        "{}",
+        log_text(&log)
+    );
 }
 
 /// A stand-in for systemd's notify socket that keeps what `FDSTORE=1`
@@ -584,6 +644,10 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
     assert_eq!(dedicated.recv_json().await["event"], "connect.challenge");
     dedicated.send_json(&connect_frame("c1")).await;
     assert_eq!(dedicated.response("c1").await["ok"], true);
+    // And an event stream.
+    let mut events = crate::http_api::open_events(&socket, "/v1/events?events=test.n", &[])
+        .await
+        .unwrap();
     sigterm(&first.0);
     assert!(exits_with(&mut first.0).await.success());
     store.drain();
@@ -607,6 +671,7 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
             "clawmux-listen",
             "clawmux-listen-lock",
             "clawmux-state",
+            "clawmux-stream-0",
             "clawmux-upstream"
         ],
         "{:?}",
@@ -638,6 +703,12 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
     gw.broadcast("test.n", serde_json::json!({"n": 1}));
     let event = client.event("test.n").await;
     assert_eq!(event["payload"]["n"], 1);
+    // The event stream was taken back too, on its same response.
+    let (_, name, data) = events.next_event().await;
+    assert_eq!(
+        (name.as_str(), &data["payload"]["n"]),
+        ("test.n", &serde_json::json!(1))
+    );
     assert!(
         !client
             .events

@@ -32,10 +32,14 @@ use tokio_util::sync::CancellationToken;
 
 use super::respond::{error_response, shape_response, Body};
 use super::ConnectionKill;
+
+mod moving;
+
 use crate::context::Ctx;
 use crate::hub::replay::{EventId, ResumePoint, GAP_EVENT};
 use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
 use crate::protocol::{ErrorShape, EventHead, StudioCode};
+pub(crate) use moving::resume;
 
 /// Response header naming the broker life serving the stream (information:
 /// cursors are valid across lives).
@@ -232,6 +236,16 @@ pub(crate) fn parse_query(
 /// `tap=1` without `operator.admin`, 410 for a cursor the log cannot serve
 /// (older than the oldest kept, or never handed out), 503 at the client limit.
 pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
+    open_stream(req, ctx, true)
+}
+
+/// [`open`]; `movable`: the stream moves at a handover (a stream whose body
+/// the broker reads itself, the HUD's, does not: it has no socket of its own).
+pub(crate) fn open_stream(
+    req: &Request<Incoming>,
+    ctx: &Arc<Ctx>,
+    movable: bool,
+) -> Response<Body> {
     let wanted = match parse_request(req, |k| ctx.sharing.canonical(k)) {
         Ok(w) => w,
         Err(message) => return error_response(StatusCode::BAD_REQUEST, "INVALID_REQUEST", message),
@@ -291,14 +305,13 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     });
     tracing::info!(client_id = client.id, cursor = ?wanted.from.cursor, backlog = backlog.events.len(), "event stream opened");
     let done = CancellationToken::new();
-    if let Some(kill) = req.extensions().get::<ConnectionKill>() {
-        ctx.tracker.spawn(cut_when_stuck(
-            Arc::clone(&client),
-            ctx.cancel.clone(),
-            done.clone(),
-            kill.0.clone(),
-        ));
-    }
+    let peer_pid = req.extensions().get::<super::PeerPid>().and_then(|p| p.0);
+    // Moves at a handover when it has a socket of its own to move.
+    let socket = req
+        .extensions()
+        .get::<super::ConnSocket>()
+        .cloned()
+        .filter(|_| movable);
     let stream = EventStream {
         client: Arc::clone(&client),
         last_cursor: after,
@@ -312,25 +325,64 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         keepalive: ctx.settings.limits.sse_keepalive,
         last_write: Instant::now(),
         cancel: ctx.cancel.clone(),
+        handoff: ctx.handoff.requested.clone(),
+        moves: socket.is_some(),
+        query: req.uri().query().unwrap_or("").to_owned(),
+        peer_pid,
         finished: false,
-        _registration: Registration {
+        registration: Registration {
             ctx: Arc::clone(ctx),
             client_id: client.id,
-            done,
+            done: done.clone(),
             tapped: wanted.tap,
+            moved: false,
         },
     };
     let first = Bytes::from(format!(
         ": clawmux events, epoch {epoch}\n\nretry: 1000\n\n{}",
         hello.unwrap_or_default()
     ));
+    // The body hands the stream to `moving::watch` when it stops for a
+    // handover, and then never ends (its connection is cut once the
+    // stream has left).
+    let (stopped, on_stop) = tokio::sync::oneshot::channel();
     let chunks = futures_util::stream::once(async move { first }).chain(
-        futures_util::stream::unfold(stream, |mut s| async move {
-            let chunk = s.next_chunk().await?;
-            Some((chunk, s))
+        futures_util::stream::unfold((stream, Some(stopped)), |(mut s, mut stopped)| async move {
+            loop {
+                match s.next().await {
+                    Step::Chunk(chunk) => return Some((chunk, (s, stopped))),
+                    Step::End => return None,
+                    Step::Stop => {
+                        // It stops once at most.
+                        s.moves = false;
+                        let Some(tx) = stopped.take() else { continue };
+                        match tx.send(s) {
+                            Ok(()) => {
+                                match std::future::pending::<std::convert::Infallible>().await {}
+                            }
+                            // The handover gave up on it: it goes on here.
+                            Err(back) => s = back,
+                        }
+                    }
+                }
+            }
         }),
     );
-    let mut resp = super::respond::event_stream_response(chunks, ctx.hub.queue_budget());
+    let (mut resp, drained) =
+        super::respond::event_stream_response_watched(chunks, ctx.hub.queue_budget());
+    if let Some(kill) = req.extensions().get::<ConnectionKill>() {
+        ctx.tracker.spawn(moving::watch(
+            Arc::clone(ctx),
+            Arc::clone(&client),
+            done,
+            kill.0.clone(),
+            socket.map(|socket| moving::Movable {
+                socket,
+                stopped: on_stop,
+                drained,
+            }),
+        ));
+    }
     let headers = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&epoch) {
         headers.insert(EPOCH_HEADER, v);
@@ -347,6 +399,8 @@ struct Registration {
     client_id: u64,
     done: CancellationToken,
     tapped: bool,
+    /// Left for the next instance (which serves it on).
+    moved: bool,
 }
 
 impl Drop for Registration {
@@ -356,34 +410,30 @@ impl Drop for Registration {
         }
         self.ctx.hub.remove(self.client_id);
         self.done.cancel();
-        tracing::info!(client_id = self.client_id, "event stream closed");
-    }
-}
-
-/// hyper stops polling a body while the socket is full, so a stream stuck
-/// on a reader that does not read cannot notice its own slow-consumer close
-/// or the broker's shutdown. After a short grace, cut its connection.
-async fn cut_when_stuck(
-    client: Arc<Client>,
-    shutdown: CancellationToken,
-    done: CancellationToken,
-    kill: CancellationToken,
-) {
-    tokio::select! {
-        _ = done.cancelled() => return,
-        _ = client.killed.cancelled() => {}
-        _ = shutdown.cancelled() => {}
-    }
-    tokio::select! {
-        _ = done.cancelled() => {}
-        _ = tokio::time::sleep(CLOSE_LINGER) => {
-            tracing::info!(client_id = client.id, "cutting an event stream that does not drain");
-            kill.cancel();
+        if self.moved {
+            tracing::debug!(
+                client_id = self.client_id,
+                "event stream left for the next instance"
+            );
+        } else {
+            tracing::info!(client_id = self.client_id, "event stream closed");
         }
     }
 }
 
-/// The writer of one SSE client, driven by hyper polling the body.
+/// What the body does next.
+enum Step {
+    /// Write this.
+    Chunk(Bytes),
+    /// End the response (after the last chunk).
+    End,
+    /// Stop for a handover, every chunk so far handed out: the stream
+    /// moves ([`moving`]).
+    Stop,
+}
+
+/// The writer of one SSE client, driven by hyper polling the body (or, in
+/// an instance it moved to, by [`moving`]'s writer).
 struct EventStream {
     client: Arc<Client>,
     /// The newest cursor this stream has received (written or filtered
@@ -407,62 +457,84 @@ struct EventStream {
     keepalive: Duration,
     last_write: Instant,
     cancel: CancellationToken,
+    /// Cancelled when the clients are to be handed over.
+    handoff: CancellationToken,
+    /// It stops for a handover (it has a socket of its own).
+    moves: bool,
+    /// Its query string, as it was opened (or moved) with.
+    query: String,
+    peer_pid: Option<u32>,
     finished: bool,
-    _registration: Registration,
+    registration: Registration,
 }
 
 impl EventStream {
-    /// The next piece of the body; `None` ends the response.
-    async fn next_chunk(&mut self) -> Option<Bytes> {
+    /// The next piece of the body.
+    async fn next(&mut self) -> Step {
         if self.finished {
-            return None;
+            return Step::End;
+        }
+        // Before the history too: what it has not written moves.
+        if self.moves && self.handoff.is_cancelled() {
+            return Step::Stop;
         }
         let mut out = BytesMut::new();
-        while out.len() < CHUNK_BYTES {
-            let Some((head, gap)) = self.backlog.next() else {
-                self.gap_pending |= std::mem::take(&mut self.gap_after_backlog);
-                break;
-            };
-            self.gap_pending |= gap;
-            self.write_event(&mut out, &head);
-        }
+        self.write_backlog(&mut out, CHUNK_BYTES);
         if !out.is_empty() {
-            return Some(self.sent(out));
+            return Step::Chunk(self.sent(out));
         }
         loop {
             let idle_until = self.last_write + self.keepalive;
             let batch = tokio::select! {
                 batch = self.client.next_batch() => batch,
                 _ = tokio::time::sleep_until(idle_until.into()) => {
-                    return Some(self.sent(BytesMut::from(&b": keep-alive\n\n"[..])));
+                    return Step::Chunk(self.sent(BytesMut::from(&b": keep-alive\n\n"[..])));
                 }
                 _ = self.cancel.cancelled() => {
                     write_close(&mut out, 1001, "going away");
                     self.finished = true;
-                    return Some(self.sent(out));
+                    return Step::Chunk(self.sent(out));
                 }
+                _ = self.handoff.cancelled(), if self.moves => return Step::Stop,
             };
-            for item in batch {
-                match item {
-                    Outgoing::Event(head, seq) => {
-                        self.gap_pending |= seq > self.last_seq + 1;
-                        self.last_seq = seq;
-                        self.write_event(&mut out, &head)
-                    }
-                    Outgoing::Frame(frame) if self.tapped => {
-                        crate::local::tap_stream::write_tapped(&mut out, &frame)
-                    }
-                    // Responses and greetings are for WebSocket clients only.
-                    Outgoing::Frame(_) => {}
-                    Outgoing::Close(code, reason) => {
-                        write_close(&mut out, code, &reason);
-                        self.finished = true;
-                        break;
-                    }
-                }
-            }
+            self.write_batch(&mut out, batch);
             if !out.is_empty() {
-                return Some(self.sent(out));
+                return Step::Chunk(self.sent(out));
+            }
+        }
+    }
+
+    /// Writes history until `out` holds `limit` bytes or the history ends.
+    fn write_backlog(&mut self, out: &mut BytesMut, limit: usize) {
+        while out.len() < limit {
+            let Some((head, gap)) = self.backlog.next() else {
+                self.gap_pending |= std::mem::take(&mut self.gap_after_backlog);
+                break;
+            };
+            self.gap_pending |= gap;
+            self.write_event(out, &head);
+        }
+    }
+
+    /// Writes what the queue gave, up to a close (which ends the stream).
+    fn write_batch(&mut self, out: &mut BytesMut, batch: Vec<Outgoing>) {
+        for item in batch {
+            match item {
+                Outgoing::Event(head, seq) => {
+                    self.gap_pending |= seq > self.last_seq + 1;
+                    self.last_seq = seq;
+                    self.write_event(out, &head)
+                }
+                Outgoing::Frame(frame) if self.tapped => {
+                    crate::local::tap_stream::write_tapped(out, &frame)
+                }
+                // Responses and greetings are for WebSocket clients only.
+                Outgoing::Frame(_) => {}
+                Outgoing::Close(code, reason) => {
+                    write_close(out, code, &reason);
+                    self.finished = true;
+                    break;
+                }
             }
         }
     }

@@ -1,0 +1,382 @@
+//! An event stream at a handover (design §11): stopped with every byte of
+//! its response so far written, left for the next instance ([`watch`]),
+//! and written on there from where it stopped ([`resume`]).
+//!
+//! In the instance that answered the request, hyper writes the response:
+//! the stream stops between two chunks, once hyper has written every
+//! chunk it took ([`crate::local::stream_body::Drained`]), so the socket
+//! is at a chunk boundary of the chunked body. What the stream had not
+//! written (the rest of its history, its queue) is formatted by the same
+//! writer once the sessions have ended, and travels as bytes; its cursor,
+//! its per-client `seq` and its filters travel with it. The next instance
+//! has no HTTP connection to write through (hyper cannot adopt a response
+//! in the middle of its body), so it writes the chunked encoding itself:
+//! a size line, the chunk, a CRLF, and `0` CRLF CRLF at the end, which is
+//! all of it (RFC 9112 §7.1; hand-written, as no crate writes one chunk of
+//! a body it did not start).
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use base64::Engine as _;
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+
+use super::{EventStream, Registration, Step, CLOSE_LINGER};
+use crate::context::{Ctx, StreamEntry, StreamParcel};
+use crate::hub::{Client, ClientIdentity, ClientKind};
+use crate::local::stream_body::Drained;
+use crate::local::ws::HANDOVER_PAUSE_TIMEOUT;
+use crate::policy::{Access, Grant, SocketPolicy};
+
+/// What a stream that can move hands its watch: its connection's socket,
+/// the stream itself once it stopped, and what hyper has written of it.
+pub(super) struct Movable {
+    pub(super) socket: super::super::ConnSocket,
+    pub(super) stopped: oneshot::Receiver<EventStream>,
+    pub(super) drained: Drained,
+}
+
+/// Watches one stream that hyper writes: at a handover, moves it
+/// ([`stop`]); once it is closed (a slow consumer) or the broker stops, cuts
+/// its connection if it does not end on its own within [`CLOSE_LINGER`]
+/// (hyper stops polling a body while the socket is full, so such a stream
+/// cannot notice its own close).
+pub(super) async fn watch(
+    ctx: Arc<Ctx>,
+    client: Arc<Client>,
+    done: CancellationToken,
+    kill: CancellationToken,
+    movable: Option<Movable>,
+) {
+    // A stream that can move counts as serving until it has left.
+    let serving = movable.as_ref().map(|_| ctx.handoff.serving());
+    let requested = ctx.handoff.requested.clone();
+    tokio::select! {
+        _ = done.cancelled() => return,
+        _ = client.killed.cancelled() => {}
+        _ = ctx.cancel.cancelled() => {}
+        _ = requested.cancelled(), if movable.is_some() => {
+            let Some(movable) = movable else { return };
+            match stop(movable, &ctx).await {
+                // Left for the next instance, or stopped but not written in
+                // time (cut: the reader resumes by cursor): either way this
+                // instance's connection ends here.
+                Stopped::Moved | Stopped::Unwritten => kill.cancel(),
+                Stopped::Ended => {}
+                Stopped::NotInTime => {
+                    // Told, once the body is polled again; cut after the
+                    // grace whatever happens (it may have stopped just as
+                    // it was given up on, with nobody to end it).
+                    tracing::info!(client_id = client.id, "handover: event stream not at a chunk boundary in time; closing it");
+                    client.close(1012, "service restart");
+                    drop(serving);
+                    tokio::time::sleep(CLOSE_LINGER).await;
+                    kill.cancel();
+                }
+            }
+            return;
+        }
+    }
+    drop(serving);
+    tokio::select! {
+        _ = done.cancelled() => {}
+        _ = tokio::time::sleep(CLOSE_LINGER) => {
+            tracing::info!(client_id = client.id, "cutting an event stream that does not drain");
+            kill.cancel();
+        }
+    }
+}
+
+enum Stopped {
+    /// Left for the next instance.
+    Moved,
+    /// Stopped, but hyper had not written all of it in time.
+    Unwritten,
+    /// Not stopped in time: it goes on here.
+    NotInTime,
+    /// It ended meanwhile.
+    Ended,
+}
+
+/// Waits, at most [`HANDOVER_PAUSE_TIMEOUT`], for the body to stop between
+/// two chunks and for hyper to write every chunk it took; then leaves the
+/// stream with a copy of its socket for the next instance.
+async fn stop(movable: Movable, ctx: &Arc<Ctx>) -> Stopped {
+    let Movable {
+        socket,
+        mut stopped,
+        drained,
+    } = movable;
+    let until = tokio::time::Instant::now() + HANDOVER_PAUSE_TIMEOUT;
+    let stream = match tokio::time::timeout_at(until, &mut stopped).await {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(_)) => return Stopped::Ended,
+        Err(_) => {
+            // Given up on: a body that stops from now on goes on instead.
+            // One that stopped just now is taken all the same.
+            stopped.close();
+            match stopped.try_recv() {
+                Ok(stream) => stream,
+                Err(_) => return Stopped::NotInTime,
+            }
+        }
+    };
+    if tokio::time::timeout_at(until, drained.all_written())
+        .await
+        .is_err()
+    {
+        return Stopped::Unwritten;
+    }
+    let Some(fd) = socket.dup() else {
+        return Stopped::Ended;
+    };
+    ctx.handoff.leave_stream(Box::new(Moved { stream, fd }));
+    Stopped::Moved
+}
+
+/// A stream left for the next instance.
+struct Moved {
+    stream: EventStream,
+    fd: OwnedFd,
+}
+
+impl std::fmt::Debug for Moved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Moved")
+            .field("client_id", &self.stream.client.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StreamParcel for Moved {
+    /// What it has not written, formatted as it would have written it: the
+    /// rest of its history, then its queue (whole now: the sessions have
+    /// ended). It then leaves the hub.
+    fn pack(self: Box<Self>) -> (StreamEntry, OwnedFd) {
+        let Moved { mut stream, fd } = *self;
+        let mut out = BytesMut::new();
+        stream.write_backlog(&mut out, usize::MAX);
+        let (items, next_seq) = stream.client.take_all();
+        if !stream.finished {
+            stream.write_batch(&mut out, items);
+        }
+        stream.registration.moved = true;
+        let client = &stream.client;
+        let access = client.access();
+        let entry = StreamEntry {
+            id: client.id,
+            conn_id: client.conn_id.clone(),
+            connected_at_ms: client.connected_at_ms,
+            peer_pid: stream.peer_pid,
+            scopes: access
+                .map(|a| a.grant.scopes().to_vec())
+                .unwrap_or_default(),
+            socket: access.map_or_else(|| "default".into(), |a| a.socket.name.clone()),
+            query: stream.query.clone(),
+            next_seq,
+            last_cursor: stream.last_cursor,
+            last_seq: stream.last_seq,
+            gap_pending: stream.gap_pending,
+            unsent: base64::engine::general_purpose::STANDARD.encode(&out),
+            finished: stream.finished,
+        };
+        (entry, fd)
+    }
+}
+
+/// Serves a stream moved from the previous instance: admitted now (before
+/// the gateway connection is taken over, so no event is missed), written
+/// on by its own task. False when it cannot be (its socket policy is gone,
+/// the client limit): its socket is closed, and the reader resumes by
+/// cursor.
+pub(crate) fn resume(
+    ctx: &Arc<Ctx>,
+    policies: &[Arc<SocketPolicy>],
+    entry: StreamEntry,
+    fd: OwnedFd,
+) -> bool {
+    let Some(policy) = policies.iter().find(|p| p.name == entry.socket) else {
+        tracing::warn!(client_id = entry.id, socket = %entry.socket, "handover: the event stream's socket is no longer configured; closing it");
+        return false;
+    };
+    let Ok(unsent) = base64::engine::general_purpose::STANDARD.decode(&entry.unsent) else {
+        return false;
+    };
+    let wanted = match super::parse_query(Some(&entry.query), None, |k| ctx.sharing.canonical(k)) {
+        Ok(wanted) => wanted,
+        Err(why) => {
+            tracing::warn!(client_id = entry.id, %why, "handover: an event stream's query does not parse here; closing it");
+            return false;
+        }
+    };
+    let stream = std::os::unix::net::UnixStream::from(fd);
+    let stream = match stream
+        .set_nonblocking(true)
+        .and_then(|()| UnixStream::from_std(stream))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(
+                client_id = entry.id,
+                "handover: an event stream's socket is unusable ({e})"
+            );
+            return false;
+        }
+    };
+    let client = ctx.hub.restored_client(
+        entry.id,
+        entry.conn_id,
+        entry.connected_at_ms,
+        ClientKind::Sse,
+    );
+    let _ = client.identity.set(ClientIdentity {
+        peer_pid: entry.peer_pid,
+        ..Default::default()
+    });
+    let asked = Grant::new(&entry.scopes);
+    client.set_access(Access {
+        grant: asked.within(&policy.ceiling(&asked)),
+        socket: Arc::clone(policy),
+    });
+    client
+        .observer
+        .store(wanted.observe_tools, std::sync::atomic::Ordering::Relaxed);
+    client.continue_seq(entry.next_seq);
+    if ctx.hub.admit_restored(&client).is_err() {
+        return false;
+    }
+    if wanted.tap {
+        ctx.router.tap.attach(Arc::clone(&client));
+    }
+    let stream_state = EventStream {
+        client: Arc::clone(&client),
+        last_cursor: entry.last_cursor,
+        last_seq: entry.last_seq,
+        gap_pending: entry.gap_pending,
+        gap_after_backlog: false,
+        backlog: Vec::new().into_iter(),
+        filter: wanted.filter,
+        sessions: wanted.sessions,
+        tapped: wanted.tap,
+        keepalive: ctx.settings.limits.sse_keepalive,
+        last_write: std::time::Instant::now(),
+        cancel: ctx.cancel.clone(),
+        handoff: ctx.handoff.requested.clone(),
+        moves: true,
+        query: entry.query,
+        peer_pid: entry.peer_pid,
+        finished: entry.finished,
+        registration: Registration {
+            ctx: Arc::clone(ctx),
+            client_id: client.id,
+            done: CancellationToken::new(),
+            tapped: wanted.tap,
+            moved: false,
+        },
+    };
+    tracing::debug!(client_id = client.id, "event stream taken over");
+    ctx.tracker.spawn(write_on(
+        Arc::clone(ctx),
+        stream,
+        stream_state,
+        Bytes::from(unsent),
+    ));
+    true
+}
+
+/// Writes a moved stream's body, chunk by chunk, until it ends, its reader
+/// leaves, or it moves again.
+async fn write_on(ctx: Arc<Ctx>, mut socket: UnixStream, mut stream: EventStream, unsent: Bytes) {
+    let serving = ctx.handoff.serving();
+    let mut next = (!unsent.is_empty()).then_some(Step::Chunk(unsent));
+    loop {
+        let step = match next.take() {
+            Some(step) => step,
+            None => {
+                let (mut read, _) = socket.split();
+                tokio::select! {
+                    step = stream.next() => step,
+                    () = reader_left(&mut read) => return,
+                }
+            }
+        };
+        match step {
+            Step::Chunk(bytes) => {
+                if !write_chunk(&mut socket, &bytes, &stream, &ctx).await {
+                    tracing::info!(
+                        client_id = stream.client.id,
+                        "cutting an event stream that does not drain"
+                    );
+                    return;
+                }
+            }
+            Step::End => {
+                // The last chunk: the body ends (the connection with it).
+                let _ = tokio::time::timeout(CLOSE_LINGER, socket.write_all(b"0\r\n\r\n")).await;
+                return;
+            }
+            Step::Stop => {
+                // Every chunk is written whole: the socket moves as it is.
+                match socket.into_std() {
+                    Ok(std) => {
+                        let fd = OwnedFd::from(std);
+                        ctx.handoff.leave_stream(Box::new(Moved { stream, fd }));
+                    }
+                    Err(e) => {
+                        tracing::warn!("handover: cannot take an event stream's socket ({e})")
+                    }
+                }
+                drop(serving);
+                return;
+            }
+        }
+    }
+}
+
+/// Resolves when the reader has closed its side (or its socket failed).
+/// A reader sends nothing after its request (the response said
+/// `connection: close`); whatever it sends is read and dropped.
+async fn reader_left(read: &mut tokio::net::unix::ReadHalf<'_>) {
+    let mut sink = [0u8; 512];
+    while let Ok(n) = read.read(&mut sink).await {
+        if n == 0 {
+            return;
+        }
+    }
+}
+
+/// Writes one chunk of the body (counted in the queue budget while it is
+/// written); false when the reader does not take it before the stream is
+/// closed (slow consumer), the broker stops, or a handover asks (each with
+/// its grace).
+async fn write_chunk(
+    socket: &mut UnixStream,
+    bytes: &[u8],
+    stream: &EventStream,
+    ctx: &Arc<Ctx>,
+) -> bool {
+    let _hold = ctx.hub.queue_budget().hold(bytes.len());
+    let size = format!("{:X}\r\n", bytes.len());
+    let write = async {
+        socket.write_all(size.as_bytes()).await?;
+        socket.write_all(bytes).await?;
+        socket.write_all(b"\r\n").await
+    };
+    let stuck = async {
+        tokio::select! {
+            _ = stream.client.killed.cancelled() => tokio::time::sleep(CLOSE_LINGER).await,
+            _ = stream.cancel.cancelled() => tokio::time::sleep(CLOSE_LINGER).await,
+            _ = stream.handoff.cancelled(), if stream.moves => {
+                tokio::time::sleep(HANDOVER_PAUSE_TIMEOUT).await
+            }
+        }
+    };
+    tokio::select! {
+        written = write => written.is_ok(),
+        () = stuck => false,
+    }
+}
