@@ -48,7 +48,7 @@ impl Core {
             limits.max_clients,
         ));
         hub.set_queue_budget(limits.queue_total_bytes);
-        hub.open_replay_log(settings);
+        hub.open_replay_log(settings, handed_over);
         let router = Arc::new(Router::new(
             limits.request_timeout,
             limits.run_timeout,

@@ -518,8 +518,16 @@ mod tests {
         assert_eq!(doc.runs[0].run_id, "r-1");
         let again = Clients::parse(&serde_json::to_vec(&doc).unwrap()).unwrap();
         assert_eq!(again, doc);
+        let streams = include_str!("../../fuzz/seeds/handover_state/clients-streams.json");
+        let streams = Clients::parse(streams.as_bytes()).unwrap();
+        assert_eq!(streams.streams[0].query, "events=test.n");
+        assert_eq!(streams.streams[0].last_cursor, 40);
+        assert_eq!(
+            Clients::parse(&serde_json::to_vec(&streams).unwrap()).unwrap(),
+            streams
+        );
         let older = include_str!("../../fuzz/seeds/handover_state/clients.json");
         let older = Clients::parse(older.as_bytes()).unwrap();
-        assert!(older.upstream.is_none() && older.runs.is_empty());
+        assert!(older.upstream.is_none() && older.runs.is_empty() && older.streams.is_empty());
     }
 }

@@ -336,7 +336,14 @@ impl ReplayLog {
     /// appended, and a writer thread keeps the file from then on. A file
     /// that cannot be used is logged and the log stays in memory. Does disk
     /// I/O: call it before the log is shared, never under the hub's lock.
-    pub fn open(limits: ReplayLimits, file: Option<&Path>) -> Self {
+    ///
+    /// `handed_over`: this life takes over from the previous instance
+    /// (design §11). When that one closed the file cleanly, nothing was
+    /// missed in between (what the gateway sent meanwhile waits on the
+    /// connection that moved, or a reconnect says its own gap): the
+    /// cursors go on from the last one, and no gap is logged, so history
+    /// shows what the moved clients saw live.
+    pub fn open(limits: ReplayLimits, file: Option<&Path>, handed_over: bool) -> Self {
         let Some(path) = file else {
             return ReplayLog::in_memory(limits);
         };
@@ -372,15 +379,30 @@ impl ReplayLog {
         }
         let known = loaded.newest.max(log.newest_seq);
         let clean = loaded.stopped_at.is_some();
+        let continued = handed_over && clean && loaded.any;
         // Every life starts its cursors above any earlier life's: above the
         // newest the file shows, and above the current time in
         // microseconds, which is above anything a life that kept no file
         // (`replay_persist = false`), or crashed before writing, handed out
-        // (it would have needed more than one event per microsecond).
-        let start = (known + 1).max(now_micros());
-        let gap = loaded.any.then_some(start);
+        // (it would have needed more than one event per microsecond). A
+        // life handed a cleanly closed file goes on right after it.
+        let start = if continued {
+            known + 1
+        } else {
+            (known + 1).max(now_micros())
+        };
+        let gap = (loaded.any && !continued).then_some(start);
         match gap {
             Some(gap) => log.newest_seq = gap - 1,
+            None if continued => {
+                log.newest_seq = known;
+                tracing::info!(
+                    file = %path.display(),
+                    held = log.events.len(),
+                    after = known,
+                    "replay log: continuing the previous instance's history (handed over)"
+                );
+            }
             None => {
                 log.newest_seq = start - 1;
                 log.floor = log.newest_seq;
@@ -629,10 +651,12 @@ impl Hub {
     /// the state dir unless persistence is off) and continues what the
     /// previous broker life left there. At startup, before any event; the
     /// disk work happens before the hub's lock is taken.
-    pub fn open_replay_log(&self, settings: &crate::config::Settings) {
+    /// `handed_over`: see [`ReplayLog::open`].
+    pub fn open_replay_log(&self, settings: &crate::config::Settings, handed_over: bool) {
         let log = ReplayLog::open(
             ReplayLimits::from(&settings.limits),
             log_file(settings).as_deref(),
+            handed_over,
         );
         // The runs in flight as the log left them (a run that spans the
         // restart is still one run).

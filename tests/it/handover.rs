@@ -54,13 +54,9 @@ fn serve_command(program: &Path, dir: &Path, socket: &Path, gateway: &str) -> Co
     cmd.arg("serve")
         .arg("--socket")
         .arg(socket)
-        .args([
-            "--gateway-url",
-            gateway,
-            "--token",
-            "test-token",
-            "--no-device-identity",
-        ])
+        // With the device identity (the default): its state dir also
+        // keeps the replay log's file, which a handover continues.
+        .args(["--gateway-url", gateway, "--token", "test-token"])
         .args(["--shutdown-timeout", "2"])
         .env("HOME", dir)
         .env("XDG_STATE_HOME", dir.join("state"))
@@ -220,6 +216,7 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
             .unwrap_or_else(|e| panic!("{path}: {e:?}"));
         streams.push((path, sse, -1i64, 0u64));
     }
+    let mut first_event = (0, 0u64, serde_json::Value::Null);
     let mut last_seq = 0u64;
     let mut last_n = -1i64;
     let mut n = 0i64;
@@ -325,6 +322,9 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
                         *last_id = id;
                         assert_ne!(name, "clawmux.gap", "round {round}, {path}: {data}");
                         if name == "test.n" {
+                            if first_event.0 == 0 && *path == "/v1/events" {
+                                first_event = (1, id, data.clone());
+                            }
                             let got = data["payload"]["n"].as_i64().unwrap();
                             assert_eq!(
                                 got,
@@ -362,6 +362,24 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
             listed.iter().any(|c| c["conn_id"] == conn_id),
             "round {round}: the client keeps its connId: {state}"
         );
+    }
+    // History shows what the streams saw live: every event once, no gap
+    // (the log went on across the handovers, its cursors too).
+    let (_, first, _) = &first_event;
+    let mut history = crate::http_api::open_events(
+        &socket,
+        &format!(
+            "/v1/events?events=test.n,clawmux.gap&after_seq={}",
+            first - 1
+        ),
+        &[],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("history: {e:?}\n{}", log_text(&log)));
+    for expected in 0..n {
+        let (_, name, data) = history.next_event().await;
+        assert_eq!(name, "test.n", "{data}");
+        assert_eq!(data["payload"]["n"], expected);
     }
     // The gateway double saw one connection throughout, and one subscribe.
     assert_eq!(gw.total_connections(), 1, "{}", log_text(&log));
@@ -864,6 +882,42 @@ async fn a_client_stuck_inside_a_message_is_closed_and_the_others_move() {
     let mut partial = vec![0x81, 0x80 | 100, 1, 2, 3, 4];
     partial.extend([b'x'; 10]);
     stuck.raw().write_all(&partial).await.unwrap();
+    // An event stream whose reader reads nothing, with more events than
+    // its socket and hyper's buffer hold: it cannot stop between two
+    // chunks. And one that reads, which moves.
+    let mut stuck_stream = UnixStream::connect(&socket).await.unwrap();
+    stuck_stream
+        .write_all(b"GET /v1/events HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut reading = crate::http_api::open_events(&socket, "/v1/events?events=test.n", &[])
+        .await
+        .unwrap();
+    crate::support::eventually_async("both streams admitted", || async {
+        let streams = state(&socket).await["clients"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["kind"] == "sse")
+            .count();
+        if streams == 2 {
+            Ok(())
+        } else {
+            Err(streams)
+        }
+    })
+    .await;
+    let big = "x".repeat(16 * 1024);
+    for n in 0..64 {
+        gw.broadcast("test.n", serde_json::json!({"n": n, "pad": big}));
+        let (_, _, data) = reading.next_event().await;
+        assert_eq!(data["payload"]["n"], n);
+        // The WebSocket clients read theirs (they stop for what they do
+        // inside a message, not for this).
+        for ws in [&mut stuck, &mut mover] {
+            assert_eq!(ws.event("test.n").await["payload"]["n"], n);
+        }
+    }
     let _next = upgrade_once(&mut first, pid, &socket, &log).await;
     match stuck.recv_within(PATIENCE).await {
         Some(Got::Close(1012, _)) => {}
@@ -877,6 +931,22 @@ async fn a_client_stuck_inside_a_message_is_closed_and_the_others_move() {
     let res = mover.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "{res}");
     assert_listed(&socket, &conn_id, "the other client moved").await;
+    assert!(
+        log_text(&log).contains("event stream not at a chunk boundary in time"),
+        "{}",
+        log_text(&log)
+    );
+    // The stuck stream's connection ends (cut, its reader resumes by
+    // cursor); the reading one moved and goes on.
+    let mut sink = vec![0u8; 64 * 1024];
+    let ended = tokio::time::timeout(PATIENCE * 2, async {
+        while stuck_stream.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+    })
+    .await;
+    assert!(ended.is_ok(), "the stuck stream's connection ended");
+    gw.broadcast("test.n", serde_json::json!({"n": 64}));
+    let (_, _, data) = reading.next_event().await;
+    assert_eq!(data["payload"]["n"], 64, "{}", log_text(&log));
 }
 
 /// The gateway connection's own pause bound (limits page): a gateway

@@ -68,13 +68,12 @@ pub(super) async fn watch(
                 Stopped::Moved | Stopped::Unwritten => kill.cancel(),
                 Stopped::Ended => {}
                 Stopped::NotInTime => {
-                    // Told, once the body is polled again; cut after the
-                    // grace whatever happens (it may have stopped just as
-                    // it was given up on, with nobody to end it).
-                    tracing::info!(client_id = client.id, "handover: event stream not at a chunk boundary in time; closing it");
-                    client.close(1012, "service restart");
+                    // Its reader has not taken what hyper holds for a
+                    // whole pause: a close record would not reach it
+                    // either. Cut now (a linger would hold up the whole
+                    // handover); it resumes by cursor.
+                    tracing::info!(client_id = client.id, "handover: event stream not at a chunk boundary in time; cutting it");
                     drop(serving);
-                    tokio::time::sleep(CLOSE_LINGER).await;
                     kill.cancel();
                 }
             }
