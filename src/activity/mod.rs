@@ -119,8 +119,9 @@ pub enum Change {
     },
 }
 
-/// The projection: every run seen, by session.
-#[derive(Debug, Clone, Default)]
+/// The projection: every run seen, by session. Serializable: a HUD
+/// stream moves with its projection at a handover.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct Activity {
     runs: HashMap<String, Run>,
     /// Runs set aside by [`Activity::forget_unfinished`]: not shown, but a

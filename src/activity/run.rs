@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 use super::{Activity, Change, ToolCall, MAX_ITEMS_PER_RUN, MAX_RUNS, MAX_TEXT_CHARS};
 
 /// How a run ended, or that it has not.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum RunStatus {
     Running,
     Ok,
@@ -28,7 +28,7 @@ impl RunStatus {
 
 /// A stretch of thinking: from its first `thinking` event to the next event
 /// of another kind in the same run.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Thinking {
     /// `<runId>:think:<n>`, n from 1 (stable, for views).
     pub id: String,
@@ -44,14 +44,14 @@ pub struct Thinking {
 }
 
 /// A child of a run, in the order it began.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Item {
     Thinking(Thinking),
     Tool(ToolCall),
 }
 
 /// One agent run.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Run {
     pub id: String,
     pub session_key: String,

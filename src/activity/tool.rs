@@ -9,7 +9,7 @@ use super::run::close_thinking;
 use super::{positive, render, Activity, Change, Item, MAX_VALUE_BYTES};
 
 /// One tool call.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ToolCall {
     pub call_id: String,
     pub name: String,

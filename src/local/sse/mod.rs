@@ -23,7 +23,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use futures_util::StreamExt;
 use http::{HeaderValue, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde::Deserialize;
@@ -39,7 +38,7 @@ use crate::context::Ctx;
 use crate::hub::replay::{EventId, ResumePoint, GAP_EVENT};
 use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
 use crate::protocol::{ErrorShape, EventHead, StudioCode};
-pub(crate) use moving::resume;
+pub(crate) use moving::{body_of, resume, watch, write_on, BodySource, Movable};
 
 /// Response header naming the broker life serving the stream (information:
 /// cursors are valid across lives).
@@ -153,19 +152,8 @@ pub(crate) struct StreamRequest {
     observe_tools: bool,
 }
 
-fn parse_request(
-    req: &Request<Incoming>,
-    canonical: impl Fn(&str) -> String,
-) -> Result<StreamRequest, String> {
-    parse_query(
-        req.uri().query(),
-        req.headers().get("last-event-id"),
-        canonical,
-    )
-}
-
-/// [`parse_request`] on its parts (the query string and the
-/// `Last-Event-ID` header), so the fuzz targets reach it without a request.
+/// A stream's query string and `Last-Event-ID` header, parsed (the fuzz
+/// targets reach it without a request).
 /// `canonical` spells a session key the way the gateway does.
 pub(crate) fn parse_query(
     query: Option<&str>,
@@ -241,17 +229,49 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
 
 /// [`open`]; `movable`: the stream moves at a handover (a stream whose body
 /// the broker reads itself, the HUD's, does not: it has no socket of its own).
-pub(crate) fn open_stream(
-    req: &Request<Incoming>,
-    ctx: &Arc<Ctx>,
-    movable: bool,
-) -> Response<Body> {
-    let wanted = match parse_request(req, |k| ctx.sharing.canonical(k)) {
+pub(crate) fn open_stream(req: &Request<Incoming>, ctx: &Arc<Ctx>, movable: bool) -> Response<Body> {
+    open_from(
+        Opening {
+            query: req.uri().query().map(str::to_owned),
+            last_event_id: req.headers().get("last-event-id").cloned(),
+            access: super::respond::http_access(req, ctx),
+            peer_pid: req.extensions().get::<super::PeerPid>().and_then(|p| p.0),
+            kill: req.extensions().get::<ConnectionKill>().map(|k| k.0.clone()),
+            socket: req
+                .extensions()
+                .get::<super::ConnSocket>()
+                .cloned()
+                .filter(|_| movable),
+        },
+        ctx,
+    )
+}
+
+/// What opens a stream: the request's parts ([`open_stream`]), or those a
+/// moved HUD stream opens its own with in the next instance.
+pub(crate) struct Opening {
+    pub(crate) query: Option<String>,
+    pub(crate) last_event_id: Option<HeaderValue>,
+    pub(crate) access: crate::policy::Access,
+    pub(crate) peer_pid: Option<u32>,
+    /// Cuts the connection (a stream that does not drain once closed).
+    pub(crate) kill: Option<CancellationToken>,
+    /// The connection's socket, when the stream moves at a handover.
+    pub(crate) socket: Option<super::ConnSocket>,
+}
+
+/// Opens a stream from its parts (see [`open`] for the answers).
+pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
+    let wanted = match parse_query(
+        opening.query.as_deref(),
+        opening.last_event_id.as_ref(),
+        |k| ctx.sharing.canonical(k),
+    ) {
         Ok(w) => w,
         Err(message) => return error_response(StatusCode::BAD_REQUEST, "INVALID_REQUEST", message),
     };
     let client = ctx.hub.new_client_of_kind(ClientKind::Sse);
-    client.set_access(super::respond::http_access(req, ctx));
+    client.set_access(opening.access);
     if let Some(refusal) = client.access().and_then(|a| {
         crate::local::tap_stream::observer_refusal(a, wanted.tap, wanted.observe_tools)
     }) {
@@ -270,7 +290,7 @@ pub(crate) fn open_stream(
         );
     }
     let _ = client.identity.set(crate::hub::ClientIdentity {
-        peer_pid: req.extensions().get::<super::PeerPid>().and_then(|p| p.0),
+        peer_pid: opening.peer_pid,
         ..Default::default()
     });
     // Before admission: history and live events are filtered alike.
@@ -305,13 +325,9 @@ pub(crate) fn open_stream(
     });
     tracing::info!(client_id = client.id, cursor = ?wanted.from.cursor, backlog = backlog.events.len(), "event stream opened");
     let done = CancellationToken::new();
-    let peer_pid = req.extensions().get::<super::PeerPid>().and_then(|p| p.0);
+    let peer_pid = opening.peer_pid;
     // Moves at a handover when it has a socket of its own to move.
-    let socket = req
-        .extensions()
-        .get::<super::ConnSocket>()
-        .cloned()
-        .filter(|_| movable);
+    let socket = opening.socket;
     let stream = EventStream {
         client: Arc::clone(&client),
         last_cursor: after,
@@ -327,7 +343,7 @@ pub(crate) fn open_stream(
         cancel: ctx.cancel.clone(),
         handoff: ctx.handoff.requested.clone(),
         moves: socket.is_some(),
-        query: req.uri().query().unwrap_or("").to_owned(),
+        query: opening.query.unwrap_or_default(),
         peer_pid,
         finished: false,
         registration: Registration {
@@ -342,40 +358,15 @@ pub(crate) fn open_stream(
         ": clawmux events, epoch {epoch}\n\nretry: 1000\n\n{}",
         hello.unwrap_or_default()
     ));
-    // The body hands the stream to `moving::watch` when it stops for a
-    // handover, and then never ends (its connection is cut once the
-    // stream has left).
-    let (stopped, on_stop) = tokio::sync::oneshot::channel();
-    let chunks = futures_util::stream::once(async move { first }).chain(
-        futures_util::stream::unfold((stream, Some(stopped)), |(mut s, mut stopped)| async move {
-            loop {
-                match s.next().await {
-                    Step::Chunk(chunk) => return Some((chunk, (s, stopped))),
-                    Step::End => return None,
-                    Step::Stop => {
-                        // It stops once at most.
-                        s.moves = false;
-                        let Some(tx) = stopped.take() else { continue };
-                        match tx.send(s) {
-                            Ok(()) => {
-                                match std::future::pending::<std::convert::Infallible>().await {}
-                            }
-                            // The handover gave up on it: it goes on here.
-                            Err(back) => s = back,
-                        }
-                    }
-                }
-            }
-        }),
-    );
+    let (chunks, on_stop) = moving::body_of(first, stream);
     let (mut resp, drained) =
         super::respond::event_stream_response_watched(chunks, ctx.hub.queue_budget());
-    if let Some(kill) = req.extensions().get::<ConnectionKill>() {
+    if let Some(kill) = opening.kill {
         ctx.tracker.spawn(moving::watch(
             Arc::clone(ctx),
-            Arc::clone(&client),
+            Some(Arc::clone(&client)),
             done,
-            kill.0.clone(),
+            kill,
             socket.map(|socket| moving::Movable {
                 socket,
                 stopped: on_stop,
@@ -422,7 +413,7 @@ impl Drop for Registration {
 }
 
 /// What the body does next.
-enum Step {
+pub(crate) enum Step {
     /// Write this.
     Chunk(Bytes),
     /// End the response (after the last chunk).

@@ -15,6 +15,7 @@
 //! all of it (RFC 9112 §7.1; hand-written, as no crate writes one chunk of
 //! a body it did not start).
 
+use std::future::Future;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
@@ -32,12 +33,63 @@ use crate::local::stream_body::Drained;
 use crate::local::ws::HANDOVER_PAUSE_TIMEOUT;
 use crate::policy::{Access, Grant, SocketPolicy};
 
+/// A body the broker writes chunk by chunk and that can move at a
+/// handover: `/v1/events` ([`EventStream`]) and `/v1/hud`'s.
+pub(crate) trait BodySource: Send + Sized + 'static {
+    /// The next piece of the body ([`Step::Stop`] only while it moves).
+    fn next_step(&mut self) -> impl Future<Output = Step> + Send;
+    /// Resolves when a write that does not finish is to be given up on
+    /// (the stream was closed, the broker stops, a handover asks), each
+    /// after its grace.
+    fn give_up(&self) -> impl Future<Output = ()> + Send;
+    /// It stopped for a handover: it stops once at most.
+    fn stopped(&mut self);
+    /// Left for the next instance, with its socket.
+    fn into_parcel(self, fd: OwnedFd) -> Box<dyn StreamParcel>;
+    /// For the log.
+    fn id(&self) -> u64;
+}
+
+/// The body hyper writes: `first`, then what `source` gives. When it stops
+/// for a handover it is handed to the receiver (its watch: [`watch`]), and
+/// the body then never ends (its connection is cut once it has left).
+pub(crate) fn body_of<S: BodySource>(
+    first: Bytes,
+    source: S,
+) -> (
+    impl futures_util::Stream<Item = Bytes> + Send + 'static,
+    oneshot::Receiver<S>,
+) {
+    use futures_util::StreamExt;
+    let (stopped, on_stop) = oneshot::channel();
+    let chunks = futures_util::stream::once(async move { first }).chain(
+        futures_util::stream::unfold((source, Some(stopped)), |(mut s, mut stopped)| async move {
+            loop {
+                match s.next_step().await {
+                    Step::Chunk(chunk) => return Some((chunk, (s, stopped))),
+                    Step::End => return None,
+                    Step::Stop => {
+                        s.stopped();
+                        let Some(tx) = stopped.take() else { continue };
+                        match tx.send(s) {
+                            Ok(()) => match std::future::pending::<std::convert::Infallible>().await {},
+                            // The handover gave up on it: it goes on here.
+                            Err(back) => s = back,
+                        }
+                    }
+                }
+            }
+        }),
+    );
+    (chunks, on_stop)
+}
+
 /// What a stream that can move hands its watch: its connection's socket,
 /// the stream itself once it stopped, and what hyper has written of it.
-pub(super) struct Movable {
-    pub(super) socket: super::super::ConnSocket,
-    pub(super) stopped: oneshot::Receiver<EventStream>,
-    pub(super) drained: Drained,
+pub(crate) struct Movable<S> {
+    pub(crate) socket: super::super::ConnSocket,
+    pub(crate) stopped: oneshot::Receiver<S>,
+    pub(crate) drained: Drained,
 }
 
 /// Watches one stream that hyper writes: at a handover, moves it
@@ -45,20 +97,29 @@ pub(super) struct Movable {
 /// its connection if it does not end on its own within [`CLOSE_LINGER`]
 /// (hyper stops polling a body while the socket is full, so such a stream
 /// cannot notice its own close).
-pub(super) async fn watch(
+///
+/// `client`: the stream's hub client, whose close this watch follows
+/// (`None`: another watch does, the HUD's inner stream's).
+pub(crate) async fn watch<S: BodySource>(
     ctx: Arc<Ctx>,
-    client: Arc<Client>,
+    client: Option<Arc<Client>>,
     done: CancellationToken,
     kill: CancellationToken,
-    movable: Option<Movable>,
+    movable: Option<Movable<S>>,
 ) {
     // A stream that can move counts as serving until it has left.
     let serving = movable.as_ref().map(|_| ctx.handoff.serving());
     let requested = ctx.handoff.requested.clone();
+    let killed = async {
+        match &client {
+            Some(client) => client.killed.cancelled().await,
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         _ = done.cancelled() => return,
-        _ = client.killed.cancelled() => {}
-        _ = ctx.cancel.cancelled() => {}
+        _ = killed => {}
+        _ = ctx.cancel.cancelled(), if client.is_some() => {}
         _ = requested.cancelled(), if movable.is_some() => {
             let Some(movable) = movable else { return };
             match stop(movable, &ctx).await {
@@ -72,7 +133,7 @@ pub(super) async fn watch(
                     // whole pause: a close record would not reach it
                     // either. Cut now (a linger would hold up the whole
                     // handover); it resumes by cursor.
-                    tracing::info!(client_id = client.id, "handover: event stream not at a chunk boundary in time; cutting it");
+                    tracing::info!(client_id = client.as_ref().map(|c| c.id), "handover: event stream not at a chunk boundary in time; cutting it");
                     drop(serving);
                     kill.cancel();
                 }
@@ -84,7 +145,7 @@ pub(super) async fn watch(
     tokio::select! {
         _ = done.cancelled() => {}
         _ = tokio::time::sleep(CLOSE_LINGER) => {
-            tracing::info!(client_id = client.id, "cutting an event stream that does not drain");
+            tracing::info!(client_id = client.as_ref().map(|c| c.id), "cutting an event stream that does not drain");
             kill.cancel();
         }
     }
@@ -104,7 +165,7 @@ enum Stopped {
 /// Waits, at most [`HANDOVER_PAUSE_TIMEOUT`], for the body to stop between
 /// two chunks and for hyper to write every chunk it took; then leaves the
 /// stream with a copy of its socket for the next instance.
-async fn stop(movable: Movable, ctx: &Arc<Ctx>) -> Stopped {
+async fn stop<S: BodySource>(movable: Movable<S>, ctx: &Arc<Ctx>) -> Stopped {
     let Movable {
         socket,
         mut stopped,
@@ -133,7 +194,7 @@ async fn stop(movable: Movable, ctx: &Arc<Ctx>) -> Stopped {
     let Some(fd) = socket.dup() else {
         return Stopped::Ended;
     };
-    ctx.handoff.leave_stream(Box::new(Moved { stream, fd }));
+    ctx.handoff.leave_stream(stream.into_parcel(fd));
     Stopped::Moved
 }
 
@@ -289,7 +350,12 @@ pub(crate) fn resume(
 
 /// Writes a moved stream's body, chunk by chunk, until it ends, its reader
 /// leaves, or it moves again.
-async fn write_on(ctx: Arc<Ctx>, mut socket: UnixStream, mut stream: EventStream, unsent: Bytes) {
+pub(crate) async fn write_on<S: BodySource>(
+    ctx: Arc<Ctx>,
+    mut socket: UnixStream,
+    mut stream: S,
+    unsent: Bytes,
+) {
     let serving = ctx.handoff.serving();
     let mut next = (!unsent.is_empty()).then_some(Step::Chunk(unsent));
     loop {
@@ -298,7 +364,7 @@ async fn write_on(ctx: Arc<Ctx>, mut socket: UnixStream, mut stream: EventStream
             None => {
                 let (mut read, _) = socket.split();
                 tokio::select! {
-                    step = stream.next() => step,
+                    step = stream.next_step() => step,
                     () = reader_left(&mut read) => return,
                 }
             }
@@ -307,7 +373,7 @@ async fn write_on(ctx: Arc<Ctx>, mut socket: UnixStream, mut stream: EventStream
             Step::Chunk(bytes) => {
                 if !write_chunk(&mut socket, &bytes, &stream, &ctx).await {
                     tracing::info!(
-                        client_id = stream.client.id,
+                        client_id = stream.id(),
                         "cutting an event stream that does not drain"
                     );
                     return;
@@ -322,8 +388,8 @@ async fn write_on(ctx: Arc<Ctx>, mut socket: UnixStream, mut stream: EventStream
                 // Every chunk is written whole: the socket moves as it is.
                 match socket.into_std() {
                     Ok(std) => {
-                        let fd = OwnedFd::from(std);
-                        ctx.handoff.leave_stream(Box::new(Moved { stream, fd }));
+                        stream.stopped();
+                        ctx.handoff.leave_stream(stream.into_parcel(OwnedFd::from(std)));
                     }
                     Err(e) => {
                         tracing::warn!("handover: cannot take an event stream's socket ({e})")
@@ -352,10 +418,10 @@ async fn reader_left(read: &mut tokio::net::unix::ReadHalf<'_>) {
 /// written); false when the reader does not take it before the stream is
 /// closed (slow consumer), the broker stops, or a handover asks (each with
 /// its grace).
-async fn write_chunk(
+async fn write_chunk<S: BodySource>(
     socket: &mut UnixStream,
     bytes: &[u8],
-    stream: &EventStream,
+    stream: &S,
     ctx: &Arc<Ctx>,
 ) -> bool {
     let _hold = ctx.hub.queue_budget().hold(bytes.len());
@@ -365,17 +431,38 @@ async fn write_chunk(
         socket.write_all(bytes).await?;
         socket.write_all(b"\r\n").await
     };
-    let stuck = async {
-        tokio::select! {
-            _ = stream.client.killed.cancelled() => tokio::time::sleep(CLOSE_LINGER).await,
-            _ = stream.cancel.cancelled() => tokio::time::sleep(CLOSE_LINGER).await,
-            _ = stream.handoff.cancelled(), if stream.moves => {
-                tokio::time::sleep(HANDOVER_PAUSE_TIMEOUT).await
-            }
-        }
-    };
     tokio::select! {
         written = write => written.is_ok(),
-        () = stuck => false,
+        () = stream.give_up() => false,
+    }
+}
+
+impl BodySource for EventStream {
+    fn next_step(&mut self) -> impl Future<Output = Step> + Send {
+        EventStream::next(self)
+    }
+
+    fn give_up(&self) -> impl Future<Output = ()> + Send {
+        async {
+            tokio::select! {
+                _ = self.client.killed.cancelled() => tokio::time::sleep(CLOSE_LINGER).await,
+                _ = self.cancel.cancelled() => tokio::time::sleep(CLOSE_LINGER).await,
+                _ = self.handoff.cancelled(), if self.moves => {
+                    tokio::time::sleep(HANDOVER_PAUSE_TIMEOUT).await
+                }
+            }
+        }
+    }
+
+    fn stopped(&mut self) {
+        self.moves = false;
+    }
+
+    fn into_parcel(self, fd: OwnedFd) -> Box<dyn StreamParcel> {
+        Box::new(Moved { stream: self, fd })
+    }
+
+    fn id(&self) -> u64 {
+        self.client.id
     }
 }
