@@ -114,6 +114,23 @@ pub struct StreamEntry {
     pub unsent: String,
     /// The stream ended: `unsent` holds its last record.
     pub finished: bool,
+    /// A `/v1/hud` stream's feed (then `last_cursor` is the newest cursor
+    /// its feed applied, and the per-client fields are unused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hud: Option<HudEntry>,
+}
+
+/// A `/v1/hud` stream's feed, moving with it: its projection, and which
+/// of what it applies it sends.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HudEntry {
+    /// Records up to this cursor are applied but not sent.
+    pub quiet_until: Option<u64>,
+    /// Records up to this cursor are flagged `replay`.
+    pub newest: Option<u64>,
+    /// The activity projection ([`crate::activity::Activity`], as JSON).
+    pub activity: serde_json::Value,
 }
 
 impl Handoff {

@@ -327,7 +327,12 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         .into_iter()
         .zip(streams)
     {
-        taken += usize::from(crate::local::sse::resume(ctx, policies, entry, fd));
+        let resumed = if entry.hud.is_some() {
+            crate::local::hud::resume(ctx, policies, entry, fd)
+        } else {
+            crate::local::sse::resume(ctx, policies, entry, fd)
+        };
+        taken += usize::from(resumed);
     }
     for (entry, (client, gateway)) in clients.dedicated.iter().zip(dedicated) {
         let decode = |s: &str| base64::engine::general_purpose::STANDARD.decode(s);

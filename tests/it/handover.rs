@@ -1132,3 +1132,65 @@ async fn a_gateway_connection_the_next_start_does_not_take_fails_its_requests_on
     let status = exits_with(&mut next.0).await;
     assert!(status.success(), "{status}\n{}", log_text(&log));
 }
+
+/// The next HUD event of a `/v1/hud` stream (`clawmux.*` records fail).
+async fn next_hud(sse: &mut crate::http_api::Sse, log: &Path) -> serde_json::Value {
+    loop {
+        let record = match sse.next_item().await {
+            crate::http_api::Item::Other(record) => record,
+            crate::http_api::Item::Comment(_) => continue,
+            crate::http_api::Item::Event { name, data, .. } => {
+                panic!("{name} on the HUD stream: {data}\n{}", log_text(log))
+            }
+        };
+        if record.starts_with("retry:") {
+            continue;
+        }
+        let data = record
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .unwrap_or_else(|| panic!("a data line: {record}"));
+        return serde_json::from_str(data).expect("one HUD event per data line");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hud_stream_moves_with_its_projection_and_a_run_across_the_handover_is_one_turn() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
+    let pid = broker_pid(&socket).await;
+    let mut hud = crate::http_api::open_events(&socket, "/v1/hud", &[])
+        .await
+        .unwrap();
+    let agent = |phase: &str| {
+        serde_json::json!({"runId": "r-hud", "sessionKey": "agent:main:main",
+            "stream": "lifecycle", "data": {"phase": phase}})
+    };
+    gw.broadcast("agent", agent("start"));
+    let start = next_hud(&mut hud, &log).await;
+    assert_eq!(
+        (&start["event"], &start["correlationId"]),
+        (
+            &serde_json::json!("turn_start"),
+            &serde_json::json!("r-hud")
+        )
+    );
+    let next = upgrade_once(&mut first, pid, &socket, &log).await;
+    // Its end comes after the handover: the projection moved with the
+    // stream, so it closes the same turn (no second `turn_start`, no gap).
+    gw.broadcast("agent", agent("end"));
+    let end = next_hud(&mut hud, &log).await;
+    assert_eq!(
+        (&end["event"], &end["correlationId"], &end["status"]),
+        (
+            &serde_json::json!("turn_end"),
+            &serde_json::json!("r-hud"),
+            &serde_json::json!("ok")
+        ),
+        "{end}"
+    );
+    assert_eq!(end.get("replay"), None, "live, as before: {end}");
+    assert!(log_text(&log).contains("streams=1"), "{}", log_text(&log));
+    drop(next);
+}

@@ -38,7 +38,7 @@ use crate::context::Ctx;
 use crate::hub::replay::{EventId, ResumePoint, GAP_EVENT};
 use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
 use crate::protocol::{ErrorShape, EventHead, StudioCode};
-pub(crate) use moving::{body_of, resume, watch, write_on, BodySource, Movable};
+pub(crate) use moving::{adopt_socket, body_of, resume, watch, write_on, BodySource, Movable};
 
 /// Response header naming the broker life serving the stream (information:
 /// cursors are valid across lives).
@@ -229,14 +229,21 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
 
 /// [`open`]; `movable`: the stream moves at a handover (a stream whose body
 /// the broker reads itself, the HUD's, does not: it has no socket of its own).
-pub(crate) fn open_stream(req: &Request<Incoming>, ctx: &Arc<Ctx>, movable: bool) -> Response<Body> {
+pub(crate) fn open_stream(
+    req: &Request<Incoming>,
+    ctx: &Arc<Ctx>,
+    movable: bool,
+) -> Response<Body> {
     open_from(
         Opening {
             query: req.uri().query().map(str::to_owned),
             last_event_id: req.headers().get("last-event-id").cloned(),
             access: super::respond::http_access(req, ctx),
             peer_pid: req.extensions().get::<super::PeerPid>().and_then(|p| p.0),
-            kill: req.extensions().get::<ConnectionKill>().map(|k| k.0.clone()),
+            kill: req
+                .extensions()
+                .get::<ConnectionKill>()
+                .map(|k| k.0.clone()),
             socket: req
                 .extensions()
                 .get::<super::ConnSocket>()

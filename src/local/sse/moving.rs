@@ -72,7 +72,9 @@ pub(crate) fn body_of<S: BodySource>(
                         s.stopped();
                         let Some(tx) = stopped.take() else { continue };
                         match tx.send(s) {
-                            Ok(()) => match std::future::pending::<std::convert::Infallible>().await {},
+                            Ok(()) => {
+                                match std::future::pending::<std::convert::Infallible>().await {}
+                            }
                             // The handover gave up on it: it goes on here.
                             Err(back) => s = back,
                         }
@@ -243,6 +245,7 @@ impl StreamParcel for Moved {
             gap_pending: stream.gap_pending,
             unsent: base64::engine::general_purpose::STANDARD.encode(&out),
             finished: stream.finished,
+            hud: None,
         };
         (entry, fd)
     }
@@ -273,19 +276,8 @@ pub(crate) fn resume(
             return false;
         }
     };
-    let stream = std::os::unix::net::UnixStream::from(fd);
-    let stream = match stream
-        .set_nonblocking(true)
-        .and_then(|()| UnixStream::from_std(stream))
-    {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(
-                client_id = entry.id,
-                "handover: an event stream's socket is unusable ({e})"
-            );
-            return false;
-        }
+    let Some(stream) = adopt_socket(fd) else {
+        return false;
     };
     let client = ctx.hub.restored_client(
         entry.id,
@@ -348,6 +340,21 @@ pub(crate) fn resume(
     true
 }
 
+/// A moved stream's socket, for tokio.
+pub(crate) fn adopt_socket(fd: OwnedFd) -> Option<UnixStream> {
+    let stream = std::os::unix::net::UnixStream::from(fd);
+    match stream
+        .set_nonblocking(true)
+        .and_then(|()| UnixStream::from_std(stream))
+    {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!("handover: an event stream's socket is unusable ({e})");
+            None
+        }
+    }
+}
+
 /// Writes a moved stream's body, chunk by chunk, until it ends, its reader
 /// leaves, or it moves again.
 pub(crate) async fn write_on<S: BodySource>(
@@ -371,7 +378,7 @@ pub(crate) async fn write_on<S: BodySource>(
         };
         match step {
             Step::Chunk(bytes) => {
-                if !write_chunk(&mut socket, &bytes, &stream, &ctx).await {
+                if !write_chunk(&mut socket, &bytes, stream.give_up(), &ctx).await {
                     tracing::info!(
                         client_id = stream.id(),
                         "cutting an event stream that does not drain"
@@ -389,7 +396,8 @@ pub(crate) async fn write_on<S: BodySource>(
                 match socket.into_std() {
                     Ok(std) => {
                         stream.stopped();
-                        ctx.handoff.leave_stream(stream.into_parcel(OwnedFd::from(std)));
+                        ctx.handoff
+                            .leave_stream(stream.into_parcel(OwnedFd::from(std)));
                     }
                     Err(e) => {
                         tracing::warn!("handover: cannot take an event stream's socket ({e})")
@@ -418,10 +426,10 @@ async fn reader_left(read: &mut tokio::net::unix::ReadHalf<'_>) {
 /// written); false when the reader does not take it before the stream is
 /// closed (slow consumer), the broker stops, or a handover asks (each with
 /// its grace).
-async fn write_chunk<S: BodySource>(
+async fn write_chunk(
     socket: &mut UnixStream,
     bytes: &[u8],
-    stream: &S,
+    give_up: impl Future<Output = ()>,
     ctx: &Arc<Ctx>,
 ) -> bool {
     let _hold = ctx.hub.queue_budget().hold(bytes.len());
@@ -433,7 +441,7 @@ async fn write_chunk<S: BodySource>(
     };
     tokio::select! {
         written = write => written.is_ok(),
-        () = stream.give_up() => false,
+        () = give_up => false,
     }
 }
 
@@ -443,11 +451,17 @@ impl BodySource for EventStream {
     }
 
     fn give_up(&self) -> impl Future<Output = ()> + Send {
-        async {
+        let (client, cancel, handoff, moves) = (
+            Arc::clone(&self.client),
+            self.cancel.clone(),
+            self.handoff.clone(),
+            self.moves,
+        );
+        async move {
             tokio::select! {
-                _ = self.client.killed.cancelled() => tokio::time::sleep(CLOSE_LINGER).await,
-                _ = self.cancel.cancelled() => tokio::time::sleep(CLOSE_LINGER).await,
-                _ = self.handoff.cancelled(), if self.moves => {
+                _ = client.killed.cancelled() => tokio::time::sleep(CLOSE_LINGER).await,
+                _ = cancel.cancelled() => tokio::time::sleep(CLOSE_LINGER).await,
+                _ = handoff.cancelled(), if moves => {
                     tokio::time::sleep(HANDOVER_PAUSE_TIMEOUT).await
                 }
             }

@@ -44,6 +44,10 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
 use super::respond::{error_response, full, Body};
+use tokio_util::sync::CancellationToken;
+
+mod moving;
+
 use crate::activity::hud::hud_event;
 use crate::activity::{Activity, Observed};
 use crate::context::Ctx;
@@ -51,6 +55,7 @@ use crate::hub::replay::{EventId, ReplayWindow};
 use crate::hub::{Client, ClientKind, Outgoing};
 use crate::policy::Grant;
 use crate::protocol::StudioCode;
+pub(crate) use moving::resume;
 
 /// The query of `/v1/hud` and `/ws/hud`.
 #[derive(Debug, Default, Deserialize)]
@@ -90,26 +95,48 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     if websocket {
         return upgrade(req, ctx, query, history);
     }
+    let socket = req.extensions().get::<super::ConnSocket>().cloned();
+    let kill = req
+        .extensions()
+        .get::<super::ConnectionKill>()
+        .map(|k| k.0.clone());
+    let peer_pid = req.extensions().get::<super::PeerPid>().and_then(|p| p.0);
+    let query_text = req.uri().query().unwrap_or("").to_owned();
     let source = match HudSource::open(req, ctx, query, history) {
         Ok(source) => source,
         Err(resp) => return *resp,
     };
-    let first = Bytes::from_static(b": clawmux HUD events\n\nretry: 1000\n\n");
-    let keepalive = ctx.settings.limits.sse_keepalive;
-    let chunks = futures_util::stream::once(async move { first }).chain(
-        futures_util::stream::unfold(source, move |mut s| async move {
-            let idle_until = tokio::time::Instant::now() + keepalive;
-            loop {
-                match tokio::time::timeout_at(idle_until, s.next_records()).await {
-                    Ok(None) => return None,
-                    Ok(Some(records)) if records.is_empty() => continue,
-                    Ok(Some(records)) => return Some((sse_chunk(&records), s)),
-                    Err(_) => return Some((Bytes::from_static(b": keep-alive\n\n"), s)),
-                }
-            }
-        }),
+    // It moves at a handover when it has a socket of its own and the log
+    // goes on in the next instance (its feed continues from it there).
+    let moves = socket.is_some() && ctx.hub.replay_file().is_some();
+    let done = CancellationToken::new();
+    let body = moving::HudBody::new(
+        ctx,
+        source,
+        &access,
+        peer_pid,
+        query_text,
+        moves,
+        done.clone(),
     );
-    super::respond::event_stream_response(chunks, ctx.hub.queue_budget())
+    let first = Bytes::from_static(b": clawmux HUD events\n\nretry: 1000\n\n");
+    let (chunks, on_stop) = super::sse::body_of(first, body);
+    let (resp, drained) =
+        super::respond::event_stream_response_watched(chunks, ctx.hub.queue_budget());
+    if let (Some(socket), Some(kill), true) = (socket, kill, moves) {
+        ctx.tracker.spawn(super::sse::watch(
+            Arc::clone(ctx),
+            None,
+            done,
+            kill,
+            Some(super::sse::Movable {
+                socket,
+                stopped: on_stop,
+                drained,
+            }),
+        ));
+    }
+    resp
 }
 
 /// The query of `/v1/hud` and `/ws/hud`, and whether it asks for history;
@@ -140,7 +167,7 @@ pub enum Record {
     Broker { name: String, data: String },
 }
 
-fn sse_chunk(records: &[Record]) -> Bytes {
+pub(super) fn sse_chunk(records: &[Record]) -> Bytes {
     let mut out = String::new();
     for record in records {
         match record {
@@ -259,13 +286,16 @@ struct HudSource {
     newest: Option<u64>,
     tap: Option<TapListener>,
     done: bool,
+    /// The newest logged cursor it applied (or where its feed started):
+    /// a moved stream's feed goes on after it.
+    applied: u64,
 }
 
 impl HudSource {
     /// Opens the underlying `/v1/events` stream (as an observer, from the
     /// log's start) on `req`, rewritten; an error answer is passed on.
     fn open(
-        mut req: Request<Incoming>,
+        req: Request<Incoming>,
         ctx: &Arc<Ctx>,
         query: HudQuery,
         history: bool,
@@ -283,34 +313,48 @@ impl HudSource {
             resume.as_deref(),
             query.epoch.as_deref(),
         );
-        req.headers_mut().remove("last-event-id");
-        let uri = format!("/v1/events?{events_query}");
-        match uri.parse() {
-            Ok(uri) => *req.uri_mut() = uri,
-            Err(_) => {
-                return Err(Box::new(error_response(
-                    StatusCode::BAD_REQUEST,
-                    "INVALID_REQUEST",
-                    "bad after_seq or epoch".into(),
-                )))
-            }
-        }
-        let resp = super::sse::open_stream(&req, ctx, false);
+        let resp = super::sse::open_from(
+            super::sse::Opening {
+                query: Some(events_query),
+                last_event_id: None,
+                access: super::respond::http_access(&req, ctx),
+                peer_pid: req.extensions().get::<super::PeerPid>().and_then(|p| p.0),
+                kill: req
+                    .extensions()
+                    .get::<super::ConnectionKill>()
+                    .map(|k| k.0.clone()),
+                socket: None,
+            },
+            ctx,
+        );
         if resp.status() != StatusCode::OK {
             return Err(Box::new(resp));
         }
-        let header = |name: &str| {
-            resp.headers()
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<u64>().ok())
-        };
-        let newest = header(super::sse::NEWEST_SEQ_HEADER);
+        let newest = header(&resp, super::sse::NEWEST_SEQ_HEADER);
         let quiet_until = match (resumed, history) {
             (Some(cursor), _) => Some(cursor),
             (None, true) => None,
             (None, false) => newest,
         };
+        Ok(HudSource::on(
+            resp,
+            ctx,
+            Activity::for_feed(),
+            quiet_until,
+            newest,
+        ))
+    }
+
+    /// A feed on the `/v1/events` stream `resp` (answered 200), through
+    /// `activity`, with the request tap.
+    fn on(
+        resp: Response<Body>,
+        ctx: &Arc<Ctx>,
+        activity: Activity,
+        quiet_until: Option<u64>,
+        newest: Option<u64>,
+    ) -> HudSource {
+        let applied = header(&resp, super::sse::AFTER_SEQ_HEADER).unwrap_or(0);
         let events: Events = Box::pin(records(resp.into_body().into_data_stream()).eventsource());
         // Requests: copied from the tap into a queue of this stream's own
         // (not a hub client: it receives no events).
@@ -318,10 +362,9 @@ impl HudSource {
         // Counted in the budget: the shedder and the stall sweep see it.
         ctx.hub.watch(&client);
         ctx.router.tap.attach(Arc::clone(&client));
-        Ok(HudSource {
+        HudSource {
             events,
-            // One projection per stream: the lean one (see `for_feed`).
-            activity: Activity::for_feed(),
+            activity,
             quiet_until,
             newest,
             tap: Some(TapListener {
@@ -329,7 +372,8 @@ impl HudSource {
                 client,
             }),
             done: false,
-        })
+            applied,
+        }
     }
 
     /// The next records (possibly none: an event that changed nothing);
@@ -358,6 +402,10 @@ impl HudSource {
     }
 
     fn on_event(&mut self, event: eventsource_stream::Event) -> Vec<Record> {
+        // (An `EventSource` keeps the last id for records without one.)
+        if let Ok(id) = event.id.parse::<u64>() {
+            self.applied = self.applied.max(id);
+        }
         match event.event.as_str() {
             "clawmux.close" => {
                 self.done = true;
@@ -452,6 +500,14 @@ impl HudSource {
     }
 }
 
+/// A numeric header of a response.
+fn header(resp: &Response<Body>, name: &str) -> Option<u64> {
+    resp.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
 /// The `/v1/events` query for a HUD stream: an observer's, from the log's
 /// start when the client's resume point (if any) is in the log (a bare
 /// cursor, as the HUD's own `id:` lines give it, or one of this broker
@@ -526,6 +582,7 @@ fn upgrade(
     let max_frame = ctx.settings.limits.max_frame_bytes;
     let keepalive = ctx.settings.limits.sse_keepalive;
     let cancel = ctx.cancel.clone();
+    let handoff = ctx.handoff.requested.clone();
     ctx.tracker.spawn(async move {
         let Ok(upgraded) = on_upgrade.await else {
             return;
@@ -564,7 +621,22 @@ fn upgrade(
                     }
                     last_write = Instant::now();
                 }
-                _ = cancel.cancelled() => break,
+                _ = cancel.cancelled() => {
+                    // A `/ws/hud` client does not move at a handover (its
+                    // feed is rebuilt when it reconnects with its last id):
+                    // it is told to come back.
+                    let (code, reason) = if handoff.is_cancelled() {
+                        (1012, "service restart")
+                    } else {
+                        (1001, "going away")
+                    };
+                    let frame = tokio_tungstenite::tungstenite::protocol::CloseFrame {
+                        code: code.into(),
+                        reason: reason.into(),
+                    };
+                    let _ = sink.send(Message::Close(Some(frame))).await;
+                    break;
+                }
             }
         }
         let _ = sink.close().await;

@@ -1,0 +1,284 @@
+//! A `/v1/hud` stream at a handover (design §11): its body stops between
+//! two chunks as a `/v1/events` stream's does ([`crate::local::sse`]), and
+//! it moves with its projection. Its feed (its own `/v1/events` stream,
+//! read in this process) does not move: the next instance opens it again
+//! right after the newest cursor the projection applied, from the event
+//! log, which a handover continues without a gap. So what the feed had
+//! received and not yet applied is applied there, once, by the same
+//! projection, and the HUD records come out as they would have here.
+//! Requests the tap had queued for it are applied here and their records
+//! travel as bytes. It moves only when the log is kept in a file (else the
+//! next instance's log starts empty, and the stream is closed instead).
+
+use std::future::Future;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use http::StatusCode;
+use tokio_util::sync::CancellationToken;
+
+use super::{sse_chunk, Activity, HudSource, Record};
+use crate::context::{Ctx, HudEntry, StreamEntry, StreamParcel};
+use crate::local::sse::{BodySource, Opening, Step};
+use crate::local::ws::HANDOVER_PAUSE_TIMEOUT;
+use crate::policy::{Access, Grant, SocketPolicy};
+
+/// A HUD stream's body: its feed, as SSE chunks, with keep-alives.
+pub(super) struct HudBody {
+    source: HudSource,
+    keepalive: Duration,
+    cancel: CancellationToken,
+    handoff: CancellationToken,
+    /// It stops for a handover.
+    moves: bool,
+    /// Who it is for, for the next instance.
+    scopes: Vec<String>,
+    socket: String,
+    peer_pid: Option<u32>,
+    /// Its `/v1/hud` query.
+    query: String,
+    /// Cut by its feed's watch once the feed was closed and did not drain
+    /// (a moved stream's own; hyper's connection otherwise).
+    kill: Option<CancellationToken>,
+    _done: DoneOnDrop,
+}
+
+/// Cancels its token when the body is dropped (its watch then ends).
+struct DoneOnDrop(CancellationToken);
+
+impl Drop for DoneOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
+impl HudBody {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        ctx: &Ctx,
+        source: HudSource,
+        access: &Access,
+        peer_pid: Option<u32>,
+        query: String,
+        moves: bool,
+        done: CancellationToken,
+    ) -> HudBody {
+        HudBody {
+            source,
+            keepalive: ctx.settings.limits.sse_keepalive,
+            cancel: ctx.cancel.clone(),
+            handoff: ctx.handoff.requested.clone(),
+            moves,
+            scopes: access.grant.scopes().to_vec(),
+            socket: access.socket.name.clone(),
+            peer_pid,
+            query,
+            kill: None,
+            _done: DoneOnDrop(done),
+        }
+    }
+
+    async fn next(&mut self) -> Step {
+        if self.moves && self.handoff.is_cancelled() {
+            return Step::Stop;
+        }
+        let idle_until = tokio::time::Instant::now() + self.keepalive;
+        loop {
+            tokio::select! {
+                next = tokio::time::timeout_at(idle_until, self.source.next_records()) => {
+                    return match next {
+                        Ok(None) => Step::End,
+                        Ok(Some(records)) if records.is_empty() => continue,
+                        Ok(Some(records)) => Step::Chunk(sse_chunk(&records)),
+                        Err(_) => Step::Chunk(Bytes::from_static(b": keep-alive\n\n")),
+                    };
+                }
+                _ = self.handoff.cancelled(), if self.moves => return Step::Stop,
+            }
+        }
+    }
+}
+
+impl BodySource for HudBody {
+    fn next_step(&mut self) -> impl Future<Output = Step> + Send {
+        HudBody::next(self)
+    }
+
+    fn give_up(&self) -> impl Future<Output = ()> + Send {
+        let (kill, cancel, handoff, moves) = (
+            self.kill.clone(),
+            self.cancel.clone(),
+            self.handoff.clone(),
+            self.moves,
+        );
+        async move {
+            let kill = async {
+                match &kill {
+                    Some(kill) => kill.cancelled().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = kill => {}
+                _ = cancel.cancelled() => tokio::time::sleep(Duration::from_secs(2)).await,
+                _ = handoff.cancelled(), if moves => {
+                    tokio::time::sleep(HANDOVER_PAUSE_TIMEOUT).await
+                }
+            }
+        }
+    }
+
+    fn stopped(&mut self) {
+        self.moves = false;
+    }
+
+    fn into_parcel(self, fd: OwnedFd) -> Box<dyn StreamParcel> {
+        Box::new(HudMoved { body: self, fd })
+    }
+
+    fn id(&self) -> u64 {
+        self.source.tap.as_ref().map_or(0, |t| t.client.id)
+    }
+}
+
+/// A HUD stream left for the next instance.
+struct HudMoved {
+    body: HudBody,
+    fd: OwnedFd,
+}
+
+impl std::fmt::Debug for HudMoved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HudMoved").finish_non_exhaustive()
+    }
+}
+
+impl StreamParcel for HudMoved {
+    /// The requests its tap queued are applied now (their records travel
+    /// as bytes), then its projection goes as it is.
+    fn pack(self: Box<Self>) -> (StreamEntry, OwnedFd) {
+        let HudMoved { mut body, fd } = *self;
+        let mut records: Vec<Record> = Vec::new();
+        if let Some(tap) = &body.source.tap {
+            let (items, _) = tap.client.take_all();
+            records = body.source.on_requests(items);
+        }
+        let unsent = if records.is_empty() {
+            Bytes::new()
+        } else {
+            sse_chunk(&records)
+        };
+        let source = &body.source;
+        let entry = StreamEntry {
+            id: body.id(),
+            conn_id: String::new(),
+            connected_at_ms: 0,
+            peer_pid: body.peer_pid,
+            scopes: std::mem::take(&mut body.scopes),
+            socket: std::mem::take(&mut body.socket),
+            query: std::mem::take(&mut body.query),
+            next_seq: 0,
+            last_cursor: source.applied,
+            last_seq: 0,
+            gap_pending: false,
+            unsent: base64::engine::general_purpose::STANDARD.encode(&unsent),
+            finished: false,
+            hud: Some(HudEntry {
+                quiet_until: source.quiet_until,
+                newest: source.newest,
+                activity: serde_json::to_value(&source.activity).unwrap_or_default(),
+            }),
+        };
+        (entry, fd)
+    }
+}
+
+/// Serves a HUD stream moved from the previous instance: its feed opens
+/// again right after the newest cursor it applied (admitted now, before
+/// the gateway connection is taken over), through its projection, written
+/// on by its own task. False when it cannot be: its socket is closed (or,
+/// when the log cannot serve its feed, ended with a `clawmux.close`), and
+/// the reader resumes by `Last-Event-ID`.
+pub(crate) fn resume(
+    ctx: &Arc<Ctx>,
+    policies: &[Arc<SocketPolicy>],
+    entry: StreamEntry,
+    fd: OwnedFd,
+) -> bool {
+    let Some(hud) = entry.hud else {
+        return false;
+    };
+    let Some(policy) = policies.iter().find(|p| p.name == entry.socket) else {
+        tracing::warn!(socket = %entry.socket, "handover: the HUD stream's socket is no longer configured; closing it");
+        return false;
+    };
+    let asked = Grant::new(&entry.scopes);
+    let access = Access {
+        grant: asked.within(&policy.ceiling(&asked)),
+        socket: Arc::clone(policy),
+    };
+    let (Ok(unsent), Ok(activity)) = (
+        base64::engine::general_purpose::STANDARD.decode(&entry.unsent),
+        serde_json::from_value::<Activity>(hud.activity),
+    ) else {
+        tracing::warn!("handover: a HUD stream's state does not read here; closing it");
+        return false;
+    };
+    if !super::may_observe(&access.grant) {
+        return false;
+    }
+    let Some(socket) = crate::local::sse::adopt_socket(fd) else {
+        return false;
+    };
+    let kill = CancellationToken::new();
+    let resp = crate::local::sse::open_from(
+        Opening {
+            query: Some(format!("tool_events=all&after_seq={}", entry.last_cursor)),
+            last_event_id: None,
+            access: access.clone(),
+            peer_pid: entry.peer_pid,
+            kill: Some(kill.clone()),
+            socket: None,
+        },
+        ctx,
+    );
+    if resp.status() != StatusCode::OK {
+        tracing::warn!(status = %resp.status(), "handover: the HUD stream's feed cannot go on here; closing it");
+        ctx.tracker.spawn(end_with_close(socket));
+        return false;
+    }
+    let source = HudSource::on(resp, ctx, activity, hud.quiet_until, hud.newest);
+    let moves = ctx.hub.replay_file().is_some();
+    let mut body = HudBody::new(
+        ctx,
+        source,
+        &access,
+        entry.peer_pid,
+        entry.query,
+        moves,
+        CancellationToken::new(),
+    );
+    body.kill = Some(kill);
+    tracing::debug!("HUD stream taken over");
+    ctx.tracker.spawn(crate::local::sse::write_on(
+        Arc::clone(ctx),
+        socket,
+        body,
+        Bytes::from(unsent),
+    ));
+    true
+}
+
+/// Ends a moved stream that cannot go on: a last chunk saying so, then the
+/// end of the body (bounded: the reader may not read).
+async fn end_with_close(mut socket: tokio::net::UnixStream) {
+    use tokio::io::AsyncWriteExt;
+    let record = b"event: clawmux.close\ndata: {\"code\":1012,\"reason\":\"service restart\"}\n\n";
+    let mut out = format!("{:X}\r\n", record.len()).into_bytes();
+    out.extend_from_slice(record);
+    out.extend_from_slice(b"\r\n0\r\n\r\n");
+    let _ = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, socket.write_all(&out)).await;
+}
