@@ -131,6 +131,12 @@ pub struct HudEntry {
     pub newest: Option<u64>,
     /// The activity projection ([`crate::activity::Activity`], as JSON).
     pub activity: serde_json::Value,
+    /// A `/ws/hud` client (its `unsent` is one HUD event per line).
+    #[serde(default)]
+    pub websocket: bool,
+    /// Bytes read from a `/ws/hud` client and not parsed (base64).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub unread: String,
 }
 
 impl Handoff {

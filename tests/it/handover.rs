@@ -1133,6 +1133,14 @@ async fn a_gateway_connection_the_next_start_does_not_take_fails_its_requests_on
     assert!(status.success(), "{status}\n{}", log_text(&log));
 }
 
+/// The next HUD event of a `/ws/hud` client.
+async fn next_ws_hud(ws: &mut WsClient, log: &Path) -> serde_json::Value {
+    match ws.recv_within(PATIENCE).await {
+        Some(Got::Json(v)) => v,
+        other => panic!("/ws/hud: {other:?}\n{}", log_text(log)),
+    }
+}
+
 /// The next HUD event of a `/v1/hud` stream (`clawmux.*` records fail).
 async fn next_hud(sse: &mut crate::http_api::Sse, log: &Path) -> serde_json::Value {
     loop {
@@ -1163,6 +1171,8 @@ async fn a_hud_stream_moves_with_its_projection_and_a_run_across_the_handover_is
     let mut hud = crate::http_api::open_events(&socket, "/v1/hud", &[])
         .await
         .unwrap();
+    // And the same feed over WebSocket.
+    let mut ws_hud = WsClient::open(&socket, "/ws/hud").await;
     let agent = |phase: &str| {
         serde_json::json!({"runId": "r-hud", "sessionKey": "agent:main:main",
             "stream": "lifecycle", "data": {"phase": phase}})
@@ -1176,6 +1186,8 @@ async fn a_hud_stream_moves_with_its_projection_and_a_run_across_the_handover_is
             &serde_json::json!("r-hud")
         )
     );
+    let ws_start = next_ws_hud(&mut ws_hud, &log).await;
+    assert_eq!(ws_start["event"], "turn_start", "{ws_start}");
     let next = upgrade_once(&mut first, pid, &socket, &log).await;
     // Its end comes after the handover: the projection moved with the
     // stream, so it closes the same turn (no second `turn_start`, no gap).
@@ -1191,6 +1203,12 @@ async fn a_hud_stream_moves_with_its_projection_and_a_run_across_the_handover_is
         "{end}"
     );
     assert_eq!(end.get("replay"), None, "live, as before: {end}");
-    assert!(log_text(&log).contains("streams=1"), "{}", log_text(&log));
+    let ws_end = next_ws_hud(&mut ws_hud, &log).await;
+    assert_eq!(
+        (&ws_end["event"], &ws_end["correlationId"]),
+        (&serde_json::json!("turn_end"), &serde_json::json!("r-hud")),
+        "{ws_end}"
+    );
+    assert!(log_text(&log).contains("streams=2"), "{}", log_text(&log));
     drop(next);
 }

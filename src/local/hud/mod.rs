@@ -27,11 +27,10 @@
 //! Who may: the same as `tool_events=all` on `/v1/events` ([`may_observe`]).
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 use eventsource_stream::Eventsource;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::StreamExt;
 use http::{header, HeaderValue, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -39,14 +38,12 @@ use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use serde_json::Value;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
-use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::WebSocketStream;
 
 use super::respond::{error_response, full, Body};
 use tokio_util::sync::CancellationToken;
 
 mod moving;
+mod ws;
 
 use crate::activity::hud::hud_event;
 use crate::activity::{Activity, Observed};
@@ -289,6 +286,9 @@ struct HudSource {
     /// The newest logged cursor it applied (or where its feed started):
     /// a moved stream's feed goes on after it.
     applied: u64,
+    /// Cancelled when it moved: its feed's watch ends (the feed is
+    /// reopened in the next instance).
+    feed_left: CancellationToken,
 }
 
 impl HudSource {
@@ -308,6 +308,7 @@ impl HudSource {
             .filter(|v| !v.is_empty())
             .map(str::to_owned);
         let resume = last_event_id.or(query.after_seq.clone());
+        let feed_left = CancellationToken::new();
         let (events_query, resumed) = events_query(
             &ctx.hub.replay_window(),
             resume.as_deref(),
@@ -324,6 +325,7 @@ impl HudSource {
                     .get::<super::ConnectionKill>()
                     .map(|k| k.0.clone()),
                 socket: None,
+                reader_left: Some(feed_left.clone()),
             },
             ctx,
         );
@@ -342,6 +344,7 @@ impl HudSource {
             Activity::for_feed(),
             quiet_until,
             newest,
+            feed_left,
         ))
     }
 
@@ -353,6 +356,7 @@ impl HudSource {
         activity: Activity,
         quiet_until: Option<u64>,
         newest: Option<u64>,
+        feed_left: CancellationToken,
     ) -> HudSource {
         let applied = header(&resp, super::sse::AFTER_SEQ_HEADER).unwrap_or(0);
         let events: Events = Box::pin(records(resp.into_body().into_data_stream()).eventsource());
@@ -373,6 +377,7 @@ impl HudSource {
             }),
             done: false,
             applied,
+            feed_left,
         }
     }
 
@@ -575,71 +580,25 @@ fn upgrade(
         );
     };
     let on_upgrade = hyper::upgrade::on(&mut req);
-    let mut source = match HudSource::open(req, ctx, query, history) {
+    let access = super::respond::http_access(&req, ctx);
+    let who = ws::Who {
+        scopes: access.grant.scopes().to_vec(),
+        socket: access.socket.name.clone(),
+        peer_pid: req.extensions().get::<super::PeerPid>().and_then(|p| p.0),
+        query: req.uri().query().unwrap_or("").to_owned(),
+        fd: req.extensions().get::<super::ConnFd>().map(|fd| fd.0),
+    };
+    let source = match HudSource::open(req, ctx, query, history) {
         Ok(source) => source,
         Err(resp) => return *resp,
     };
-    let max_frame = ctx.settings.limits.max_frame_bytes;
-    let keepalive = ctx.settings.limits.sse_keepalive;
-    let cancel = ctx.cancel.clone();
-    let handoff = ctx.handoff.requested.clone();
-    ctx.tracker.spawn(async move {
+    let ctx = Arc::clone(ctx);
+    ctx.tracker.clone().spawn(async move {
         let Ok(upgraded) = on_upgrade.await else {
             return;
         };
-        let config = WebSocketConfig::default()
-            .max_message_size(Some(max_frame))
-            .max_frame_size(Some(max_frame));
-        let ws =
-            WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(config))
-                .await;
-        let (mut sink, mut incoming) = ws.split();
-        let mut last_write = Instant::now();
-        loop {
-            let idle = last_write + keepalive;
-            tokio::select! {
-                records = source.next_records() => {
-                    let Some(records) = records else { break };
-                    for record in records {
-                        // One HUD event per text frame; the broker's own
-                        // records are for SSE readers only.
-                        if let Record::Hud { event, .. } = record {
-                            if sink.send(Message::text(event.to_string())).await.is_err() {
-                                return;
-                            }
-                            last_write = Instant::now();
-                        }
-                    }
-                }
-                msg = incoming.next() => match msg {
-                    Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
-                    Some(Ok(_)) => {}
-                },
-                _ = tokio::time::sleep_until(idle.into()) => {
-                    if sink.send(Message::Ping(Bytes::new())).await.is_err() {
-                        return;
-                    }
-                    last_write = Instant::now();
-                }
-                _ = cancel.cancelled() => {
-                    // A `/ws/hud` client does not move at a handover (its
-                    // feed is rebuilt when it reconnects with its last id):
-                    // it is told to come back.
-                    let (code, reason) = if handoff.is_cancelled() {
-                        (1012, "service restart")
-                    } else {
-                        (1001, "going away")
-                    };
-                    let frame = tokio_tungstenite::tungstenite::protocol::CloseFrame {
-                        code: code.into(),
-                        reason: reason.into(),
-                    };
-                    let _ = sink.send(Message::Close(Some(frame))).await;
-                    break;
-                }
-            }
-        }
-        let _ = sink.close().await;
+        let (ws, pause) = ws::websocket(Box::new(TokioIo::new(upgraded)), Vec::new(), &ctx).await;
+        ws::serve(ws, pause, source, who, Vec::new(), ctx).await;
     });
     let mut resp = Response::new(full(Bytes::new()));
     *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;

@@ -133,6 +133,7 @@ impl BodySource for HudBody {
 
     fn stopped(&mut self) {
         self.moves = false;
+        self.source.feed_left.cancel();
     }
 
     fn into_parcel(self, fd: OwnedFd) -> Box<dyn StreamParcel> {
@@ -190,6 +191,8 @@ impl StreamParcel for HudMoved {
                 quiet_until: source.quiet_until,
                 newest: source.newest,
                 activity: serde_json::to_value(&source.activity).unwrap_or_default(),
+                websocket: false,
+                unread: String::new(),
             }),
         };
         (entry, fd)
@@ -233,7 +236,11 @@ pub(crate) fn resume(
     let Some(socket) = crate::local::sse::adopt_socket(fd) else {
         return false;
     };
+    let unread = base64::engine::general_purpose::STANDARD
+        .decode(&hud.unread)
+        .unwrap_or_default();
     let kill = CancellationToken::new();
+    let feed_left = CancellationToken::new();
     let resp = crate::local::sse::open_from(
         Opening {
             query: Some(format!("tool_events=all&after_seq={}", entry.last_cursor)),
@@ -242,15 +249,39 @@ pub(crate) fn resume(
             peer_pid: entry.peer_pid,
             kill: Some(kill.clone()),
             socket: None,
+            reader_left: Some(feed_left.clone()),
         },
         ctx,
     );
     if resp.status() != StatusCode::OK {
         tracing::warn!(status = %resp.status(), "handover: the HUD stream's feed cannot go on here; closing it");
-        ctx.tracker.spawn(end_with_close(socket));
+        if !hud.websocket {
+            ctx.tracker.spawn(end_with_close(socket));
+        }
         return false;
     }
-    let source = HudSource::on(resp, ctx, activity, hud.quiet_until, hud.newest);
+    let source = HudSource::on(resp, ctx, activity, hud.quiet_until, hud.newest, feed_left);
+    if hud.websocket {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&socket);
+        let who = super::ws::Who {
+            scopes: entry.scopes,
+            socket: entry.socket,
+            peer_pid: entry.peer_pid,
+            query: entry.query,
+            fd: Some(fd),
+        };
+        let first = String::from_utf8_lossy(&unsent)
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        let ctx = Arc::clone(ctx);
+        ctx.tracker.clone().spawn(async move {
+            let (ws, pause) = super::ws::websocket(Box::new(socket), unread, &ctx).await;
+            super::ws::serve(ws, pause, source, who, first, ctx).await;
+        });
+        tracing::debug!("/ws/hud client taken over");
+        return true;
+    }
     let moves = ctx.hub.replay_file().is_some();
     let mut body = HudBody::new(
         ctx,

@@ -249,6 +249,7 @@ pub(crate) fn open_stream(
                 .get::<super::ConnSocket>()
                 .cloned()
                 .filter(|_| movable),
+            reader_left: None,
         },
         ctx,
     )
@@ -265,6 +266,10 @@ pub(crate) struct Opening {
     pub(crate) kill: Option<CancellationToken>,
     /// The connection's socket, when the stream moves at a handover.
     pub(crate) socket: Option<super::ConnSocket>,
+    /// Cancelled when the stream's reader is done with it without
+    /// dropping it (a HUD stream that moved: its feed is reopened in the
+    /// next instance), so its watch ends.
+    pub(crate) reader_left: Option<CancellationToken>,
 }
 
 /// Opens a stream from its parts (see [`open`] for the answers).
@@ -331,7 +336,10 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
         crate::local::tap_stream::hello_record(ctx)
     });
     tracing::info!(client_id = client.id, cursor = ?wanted.from.cursor, backlog = backlog.events.len(), "event stream opened");
-    let done = CancellationToken::new();
+    let done = opening
+        .reader_left
+        .as_ref()
+        .map_or_else(CancellationToken::new, CancellationToken::child_token);
     let peer_pid = opening.peer_pid;
     // Moves at a handover when it has a socket of its own to move.
     let socket = opening.socket;
