@@ -143,6 +143,10 @@ impl BodySource for HudBody {
     fn id(&self) -> u64 {
         self.source.tap.as_ref().map_or(0, |t| t.client.id)
     }
+
+    fn moves(&self) -> bool {
+        self.moves
+    }
 }
 
 /// A HUD stream left for the next instance.

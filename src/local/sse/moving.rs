@@ -48,6 +48,8 @@ pub(crate) trait BodySource: Send + Sized + 'static {
     fn into_parcel(self, fd: OwnedFd) -> Box<dyn StreamParcel>;
     /// For the log.
     fn id(&self) -> u64;
+    /// It stops for a handover (while it does, the handover waits for it).
+    fn moves(&self) -> bool;
 }
 
 /// The body hyper writes: `first`, then what `source` gives. When it stops
@@ -363,7 +365,7 @@ pub(crate) async fn write_on<S: BodySource>(
     mut stream: S,
     unsent: Bytes,
 ) {
-    let serving = ctx.handoff.serving();
+    let serving = stream.moves().then(|| ctx.handoff.serving());
     let mut next = (!unsent.is_empty()).then_some(Step::Chunk(unsent));
     loop {
         let step = match next.take() {
@@ -478,5 +480,9 @@ impl BodySource for EventStream {
 
     fn id(&self) -> u64 {
         self.client.id
+    }
+
+    fn moves(&self) -> bool {
+        self.moves
     }
 }
