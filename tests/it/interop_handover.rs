@@ -76,6 +76,10 @@ async fn sigusr2_keeps_a_client_of_the_real_gateway_connected() {
     let hello = c.response("connect-1", ANSWER).await;
     assert_eq!(hello["ok"], true, "{hello}");
     let conn_id = hello["payload"]["server"]["connId"].clone();
+    // An event stream moves too, on the same response.
+    let _events = crate::http_api::open_events(&socket, "/v1/events", &[])
+        .await
+        .expect("an event stream");
     let mut pid = broker_pid(&socket).await.unwrap();
     for round in 1..=2 {
         let p = rustix::process::Pid::from_raw(pid as i32).unwrap();
@@ -115,6 +119,11 @@ async fn sigusr2_keeps_a_client_of_the_real_gateway_connected() {
             1,
             "one handshake with the gateway\n{log}"
         );
+        assert_eq!(
+            log.matches("streams=1").count(),
+            round,
+            "round {round}: the event stream moved\n{log}"
+        );
         let state = crate::http_api::state(&socket).await;
         assert!(
             state["clients"]
@@ -123,6 +132,14 @@ async fn sigusr2_keeps_a_client_of_the_real_gateway_connected() {
                 .iter()
                 .any(|cl| cl["conn_id"] == conn_id),
             "round {round}: {state}"
+        );
+        assert!(
+            state["clients"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|cl| cl["kind"] == "sse"),
+            "round {round}: the event stream is served: {state}"
         );
     }
     let p = rustix::process::Pid::from_raw(pid as i32).unwrap();

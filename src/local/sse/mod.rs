@@ -14,6 +14,7 @@
 //! upstream gap or reconnect, or events this stream's queue dropped) it also
 //! gets a `clawmux.gap` record, so even a filtered stream learns of the
 //! hole; a broker restart is a logged `clawmux.gap` record with an `id:`.
+//! At a handover the stream moves, on the same response ([`moving`]).
 //!
 //! Server-Sent Events are formatted by hand: the format is three kinds of
 //! line, and hyper (without a framework) has no helper for it.
@@ -223,17 +224,9 @@ pub(crate) fn parse_query(
 /// Answers `/v1/events`: 200 with a stream, 400 for a bad query, 403 for
 /// `tap=1` without `operator.admin`, 410 for a cursor the log cannot serve
 /// (older than the oldest kept, or never handed out), 503 at the client limit.
+///
+/// The stream moves at a handover with its connection ([`moving`]).
 pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
-    open_stream(req, ctx, true)
-}
-
-/// [`open`]; `movable`: the stream moves at a handover (a stream whose body
-/// the broker reads itself, the HUD's, does not: it has no socket of its own).
-pub(crate) fn open_stream(
-    req: &Request<Incoming>,
-    ctx: &Arc<Ctx>,
-    movable: bool,
-) -> Response<Body> {
     open_from(
         Opening {
             query: req.uri().query().map(str::to_owned),
@@ -244,19 +237,15 @@ pub(crate) fn open_stream(
                 .extensions()
                 .get::<ConnectionKill>()
                 .map(|k| k.0.clone()),
-            socket: req
-                .extensions()
-                .get::<super::ConnSocket>()
-                .cloned()
-                .filter(|_| movable),
+            socket: req.extensions().get::<super::ConnSocket>().cloned(),
             reader_left: None,
         },
         ctx,
     )
 }
 
-/// What opens a stream: the request's parts ([`open_stream`]), or those a
-/// moved HUD stream opens its own with in the next instance.
+/// What opens a stream: the request's parts ([`open`]), or those a HUD
+/// stream opens its feed with (here, or in the instance it moved to).
 pub(crate) struct Opening {
     pub(crate) query: Option<String>,
     pub(crate) last_event_id: Option<HeaderValue>,
