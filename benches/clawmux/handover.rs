@@ -1,10 +1,11 @@
 //! The pause a reader sees when the broker hands itself over (`SIGUSR2`,
 //! docs/src/restarts.md): `clawmux serve` as a child process with N
 //! connected WebSocket clients while the double sends a numbered event
-//! every few milliseconds; several handovers in a row. Per handover, the
-//! largest gap between two events any client received (its own
-//! connection stays open throughout), and the time from the signal to the
-//! new instance answering `/v1/state`.
+//! every few milliseconds (a tenth of them `/v1/events` streams);
+//! several handovers in a row. Per handover, the largest gap between two
+//! events any client or stream received (its own connection stays open
+//! throughout), and the time from the signal to the new instance answering
+//! `/v1/state`. Every numbered event must arrive once, in order.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -29,6 +30,8 @@ pub const TICK_MS: u64 = 5;
 /// What one run measured.
 pub struct Pauses {
     pub clients: usize,
+    /// Event streams (`/v1/events`) read beside the clients.
+    pub streams: usize,
     /// Per handover: the largest gap between two events any client saw.
     pub gaps: Vec<Duration>,
     /// Per handover: from `SIGUSR2` to the new instance answering.
@@ -50,6 +53,25 @@ struct Reader {
     next_n: AtomicU64,
     skipped: AtomicU64,
     repeated: AtomicU64,
+}
+
+impl Reader {
+    /// A `bench.tick` event arrived now.
+    fn received(&self, text: &str) {
+        let now = now_ns();
+        let prev = self.last_ns.swap(now, Ordering::Relaxed);
+        if prev > 0 {
+            self.max_gap_ns.fetch_max(now - prev, Ordering::Relaxed);
+        }
+        if let Some(n) = tick_number(text) {
+            let expected = self.next_n.swap(n + 1, Ordering::Relaxed);
+            if expected > 0 && n > expected {
+                self.skipped.fetch_add(n - expected, Ordering::Relaxed);
+            } else if expected > 0 && n < expected {
+                self.repeated.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
 }
 
 /// The number of a `bench.tick` event (`"n":<digits>`), without parsing
@@ -154,7 +176,11 @@ async fn measure(
             .filter(|s| s["upstream"]["phase"] == "ready")
     })
     .await?;
-    let readers: Arc<Vec<Reader>> = Arc::new((0..n).map(|_| Reader::default()).collect());
+    // A tenth of the clients (at least one) are event streams.
+    let streams = (n / 10).max(1);
+    let n = n.saturating_sub(streams).max(1);
+    let readers: Arc<Vec<Reader>> =
+        Arc::new((0..n + streams).map(|_| Reader::default()).collect());
     let lost = Arc::new(AtomicUsize::new(0));
     for i in 0..n {
         let stream = UnixStream::connect(socket)
@@ -169,18 +195,36 @@ async fn measure(
                 if !text.as_str().contains("\"bench.tick\"") {
                     continue;
                 }
-                let now = now_ns();
-                let r = &readers[i];
-                let prev = r.last_ns.swap(now, Ordering::Relaxed);
-                if prev > 0 {
-                    r.max_gap_ns.fetch_max(now - prev, Ordering::Relaxed);
+                readers[i].received(text.as_str());
+            }
+            lost.fetch_add(1, Ordering::Relaxed);
+        });
+    }
+    for i in n..n + streams {
+        let mut stream = UnixStream::connect(socket)
+            .await
+            .map_err(|e| e.to_string())?;
+        stream
+            .write_all(b"GET /v1/events?events=bench.tick HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .map_err(|e| e.to_string())?;
+        let readers = Arc::clone(&readers);
+        let lost = Arc::clone(&lost);
+        tokio::spawn(async move {
+            // Records end with a blank line; the chunked encoding's size
+            // lines fall between them, and a record names its number once.
+            let mut buf = Vec::new();
+            let mut chunk = vec![0u8; 64 * 1024];
+            while let Ok(got) = stream.read(&mut chunk).await {
+                if got == 0 {
+                    break;
                 }
-                if let Some(n) = tick_number(text.as_str()) {
-                    let expected = r.next_n.swap(n + 1, Ordering::Relaxed);
-                    if expected > 0 && n > expected {
-                        r.skipped.fetch_add(n - expected, Ordering::Relaxed);
-                    } else if expected > 0 && n < expected {
-                        r.repeated.fetch_add(1, Ordering::Relaxed);
+                buf.extend_from_slice(&chunk[..got]);
+                while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+                    let record: Vec<u8> = buf.drain(..end + 2).collect();
+                    let text = String::from_utf8_lossy(&record);
+                    if text.contains("event: bench.tick") {
+                        readers[i].received(&text);
                     }
                 }
             }
@@ -246,7 +290,8 @@ async fn measure(
                 .filter(|r| r.last_ns.load(Ordering::Relaxed) <= since)
                 .count();
             return Err(format!(
-                "{e}: {silent} of {n} silent, {} connections ended",
+                "{e}: {silent} of {} silent, {} connections ended",
+                n + streams,
                 lost.load(Ordering::Relaxed)
             ));
         }
@@ -268,6 +313,7 @@ async fn measure(
     };
     Ok(Pauses {
         clients: n,
+        streams,
         gaps,
         took,
         lost: lost.load(Ordering::Relaxed),
@@ -289,8 +335,8 @@ pub fn print(p: &Pauses) {
     let mut took = p.took.clone();
     took.sort();
     println!(
-        "\n### Handover (SIGUSR2) with {} connected clients\n",
-        p.clients
+        "\n### Handover (SIGUSR2) with {} connected clients and {} event streams\n",
+        p.clients, p.streams
     );
     println!(
         "An event every {TICK_MS} ms from the double; {} handovers in a row.\n",
