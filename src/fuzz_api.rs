@@ -34,3 +34,35 @@ pub fn hud_events_query(
 ) -> (String, Option<u64>) {
     crate::local::hud::events_query(window, resume, epoch)
 }
+
+/// A moved HUD stream's projection, as the next instance reads it from the
+/// clients document (`local::hud::moving`), then driven on: each run it
+/// holds gets a tool call, thinking, its end, and a gap. `None` when it
+/// does not read; the projection written back when it does.
+pub fn hud_projection(activity: serde_json::Value) -> Option<serde_json::Value> {
+    use crate::activity::{Activity, Observed};
+    use serde_json::json;
+    let mut projection: Activity = serde_json::from_value(activity).ok()?;
+    let written = serde_json::to_value(&projection).ok()?;
+    let runs: Vec<String> = written["runs"]
+        .as_object()
+        .map(|runs| runs.keys().cloned().collect())
+        .unwrap_or_default();
+    for run in runs {
+        for (stream, data) in [
+            ("tool", json!({"phase": "start", "toolCallId": "c", "name": "exec", "args": {}})),
+            ("thinking", json!({"text": "t"})),
+            ("tool", json!({"phase": "result", "toolCallId": "c", "result": {}, "isError": false})),
+            ("lifecycle", json!({"phase": "end"})),
+        ] {
+            let payload = json!({"runId": run, "sessionKey": "agent:main:main", "stream": stream, "data": data});
+            projection.apply(Observed {
+                name: "agent",
+                payload: &payload,
+                received_ms: Some(1),
+            });
+        }
+    }
+    projection.forget_unfinished();
+    Some(written)
+}

@@ -5,7 +5,9 @@
 //!
 //! Property: parsing never panics; a document that parses names each
 //! descriptor once, its main listener (if any) under the main name, and
-//! comes back unchanged after being written and parsed again.
+//! comes back unchanged after being written and parsed again. A moved HUD
+//! stream's projection that reads is driven on without a panic, and reads
+//! back the same once written.
 #![no_main]
 
 use clawmux::handover::clients::Clients;
@@ -26,5 +28,11 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(clients) = Clients::parse(data) {
         let again = Clients::parse(&serde_json::to_vec(&clients).unwrap()).expect("round trip");
         assert_eq!(again, clients);
+        for hud in clients.streams.iter().filter_map(|s| s.hud.as_ref()) {
+            if let Some(written) = clawmux::fuzz_api::hud_projection(hud.activity.clone()) {
+                let again = clawmux::fuzz_api::hud_projection(written.clone()).expect("reads back");
+                assert_eq!(again, written);
+            }
+        }
     }
 });
