@@ -50,9 +50,15 @@ pub fn hud_projection(activity: serde_json::Value) -> Option<serde_json::Value> 
         .unwrap_or_default();
     for run in runs {
         for (stream, data) in [
-            ("tool", json!({"phase": "start", "toolCallId": "c", "name": "exec", "args": {}})),
+            (
+                "tool",
+                json!({"phase": "start", "toolCallId": "c", "name": "exec", "args": {}}),
+            ),
             ("thinking", json!({"text": "t"})),
-            ("tool", json!({"phase": "result", "toolCallId": "c", "result": {}, "isError": false})),
+            (
+                "tool",
+                json!({"phase": "result", "toolCallId": "c", "result": {}, "isError": false}),
+            ),
             ("lifecycle", json!({"phase": "end"})),
         ] {
             let payload = json!({"runId": run, "sessionKey": "agent:main:main", "stream": stream, "data": data});

@@ -179,8 +179,7 @@ async fn measure(
     // A tenth of the clients (at least one) are event streams.
     let streams = (n / 10).max(1);
     let n = n.saturating_sub(streams).max(1);
-    let readers: Arc<Vec<Reader>> =
-        Arc::new((0..n + streams).map(|_| Reader::default()).collect());
+    let readers: Arc<Vec<Reader>> = Arc::new((0..n + streams).map(|_| Reader::default()).collect());
     let lost = Arc::new(AtomicUsize::new(0));
     for i in 0..n {
         let stream = UnixStream::connect(socket)

@@ -537,7 +537,10 @@ mod tests {
         let entry = hud.streams[0].hud.as_ref().unwrap();
         assert!(entry.websocket);
         let written = crate::fuzz_api::hud_projection(entry.activity.clone()).expect("reads");
-        assert_eq!(written["runs"]["r-hud"]["items"][0]["Tool"]["call_id"], "c1");
+        assert_eq!(
+            written["runs"]["r-hud"]["items"][0]["Tool"]["call_id"],
+            "c1"
+        );
         let older = include_str!("../../fuzz/seeds/handover_state/clients.json");
         let older = Clients::parse(older.as_bytes()).unwrap();
         assert!(older.upstream.is_none() && older.runs.is_empty() && older.streams.is_empty());

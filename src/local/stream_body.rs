@@ -39,6 +39,59 @@ struct Unwritten {
     drained: AtomicWaker,
 }
 
+/// What a handover's wait for an event stream's chunks runs on: a count
+/// of bytes hyper holds and a waker. The protocol (register, then look;
+/// take off, then wake) is here once, generic, so the loom model in
+/// `stream_body/model.rs` checks these very functions.
+pub(crate) trait Held {
+    fn add(&self, n: usize);
+    /// Takes `n` off; what was held before.
+    fn sub(&self, n: usize) -> usize;
+    fn load(&self) -> usize;
+    fn register(&self, waker: &std::task::Waker);
+    fn wake(&self);
+}
+
+impl Held for Unwritten {
+    fn add(&self, n: usize) {
+        self.bytes.fetch_add(n, Ordering::AcqRel);
+    }
+
+    fn sub(&self, n: usize) -> usize {
+        self.bytes.fetch_sub(n, Ordering::AcqRel)
+    }
+
+    fn load(&self) -> usize {
+        self.bytes.load(Ordering::Acquire)
+    }
+
+    fn register(&self, waker: &std::task::Waker) {
+        self.drained.register(waker);
+    }
+
+    fn wake(&self) {
+        self.drained.wake();
+    }
+}
+
+/// hyper let go of a chunk of `n` bytes: it is off the count, then the
+/// watcher is woken (after: it looks at the count when woken).
+pub(crate) fn let_go<H: Held>(held: &H, n: usize) {
+    held.sub(n);
+    held.wake();
+}
+
+/// Ready once nothing is held. The waker is registered before the count is
+/// read, so a `let_go` between the two still wakes it.
+pub(crate) fn poll_all_written<H: Held>(held: &H, cx: &mut Context<'_>) -> Poll<()> {
+    held.register(cx.waker());
+    if held.load() == 0 {
+        Poll::Ready(())
+    } else {
+        Poll::Pending
+    }
+}
+
 /// One chunk as hyper holds it: counted until hyper drops it.
 struct Chunk {
     bytes: Bytes,
@@ -54,11 +107,8 @@ impl AsRef<[u8]> for Chunk {
 
 impl Drop for Chunk {
     fn drop(&mut self) {
-        self.unwritten
-            .bytes
-            .fetch_sub(self.bytes.len(), Ordering::AcqRel);
+        let_go(&*self.unwritten, self.bytes.len());
         self.unwritten.waker.wake();
-        self.unwritten.drained.wake();
     }
 }
 
@@ -78,15 +128,7 @@ pub struct Drained(Arc<Unwritten>);
 impl Drained {
     /// Resolves once hyper holds none of the stream's chunks.
     pub async fn all_written(&self) {
-        std::future::poll_fn(|cx| {
-            self.0.drained.register(cx.waker());
-            if self.0.bytes.load(Ordering::Acquire) == 0 {
-                Poll::Ready(())
-            } else {
-                Poll::Pending
-            }
-        })
-        .await
+        std::future::poll_fn(|cx| poll_all_written(&*self.0, cx)).await
     }
 }
 
@@ -133,9 +175,7 @@ impl<S: Stream<Item = Bytes>> Stream for Counted<S> {
         let Some(bytes) = ready!(this.inner.as_mut().poll_next(cx)) else {
             return Poll::Ready(None);
         };
-        this.unwritten
-            .bytes
-            .fetch_add(bytes.len(), Ordering::AcqRel);
+        this.unwritten.add(bytes.len());
         let chunk = Chunk {
             _hold: this.budget.hold(bytes.len()),
             bytes,
@@ -144,6 +184,9 @@ impl<S: Stream<Item = Bytes>> Stream for Counted<S> {
         Poll::Ready(Some(Bytes::from_owner(chunk)))
     }
 }
+
+#[cfg(test)]
+mod model;
 
 #[cfg(test)]
 mod tests {
