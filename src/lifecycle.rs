@@ -82,7 +82,17 @@ pub async fn serve_until_stopped(
     tracing::info!(signal = signal_name, "stop requested");
     notifier.stopping();
     arm_backstop(shutdown_timeout + BACKSTOP_GRACE);
-    if crate::systemd::keeps_a_store() {
+    // A stop for good (not a restart) is the polite one: nothing would take
+    // what is stored, and systemd would close it without a word.
+    let restarting = crate::systemd::keeps_a_store()
+        && match crate::systemd::stopping().await {
+            crate::systemd::Stopping::ForGood => {
+                tracing::info!("systemd stops the service (not a restart): closing the clients");
+                false
+            }
+            _ => true,
+        };
+    if restarting {
         tokio::select! {
             r = store_for_next_start(broker, shutdown_timeout) => return r,
             _ = term.recv() => force_exit("a second SIGTERM"),
@@ -110,9 +120,10 @@ pub async fn serve_until_stopped(
 /// at a message boundary and are stored with their sockets, the state and
 /// the sockets clawmux bound itself (a socket systemd passed stays
 /// systemd's); the next start takes them over, so a restart is a pause.
-/// A stop (not a restart) leaves them to systemd, which closes them once
-/// the service is down: clients see their connection end without a close
-/// frame, and reconnect when it is back (docs/src/restarts.md).
+/// A stop the broker cannot tell from a restart ([`crate::systemd::stopping`])
+/// leaves them to systemd, which closes them once the service is down:
+/// clients see their connection end without a close frame, and reconnect
+/// when it is back (docs/src/restarts.md).
 async fn store_for_next_start(
     broker: RunningBroker,
     shutdown_timeout: Duration,

@@ -245,6 +245,85 @@ pub fn keeps_a_store() -> bool {
         && (positive("FDSTORE") || positive("CLAWMUX_FDSTORE"))
 }
 
+/// What the service manager is doing to the service as it sends `SIGTERM`
+/// ([`stopping`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopping {
+    /// A stop (`systemctl stop`, a logout, a shutdown): nothing will take
+    /// what is stored, so the stop is the polite one.
+    ForGood,
+    /// A restart: the next start takes over what is stored.
+    Restart,
+    /// Not known (no `systemctl`, no bus, no job): stored, as for a restart.
+    Unknown,
+}
+
+/// How long [`stopping`] waits for `systemctl`.
+pub const STOPPING_QUERY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Asks the service manager, at `SIGTERM`, whether its job on this service
+/// is a stop or a restart: `systemd` sends `SIGTERM` for both, and only the
+/// job tells them apart (`systemctl list-jobs`: `restart` while the stop of
+/// a restart runs, `stop` for a stop). Its unit is read from the
+/// process's cgroup (`…/user@1000.service/…/clawmux.service`), `--user`
+/// when it runs under a user manager.
+pub async fn stopping() -> Stopping {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let (unit, user) = own_unit(&cgroup);
+    let mut cmd = tokio::process::Command::new("systemctl");
+    if user {
+        cmd.arg("--user");
+    }
+    cmd.args(["list-jobs", "--no-legend", "--plain", &unit])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    match tokio::time::timeout(STOPPING_QUERY_TIMEOUT, cmd.output()).await {
+        Ok(Ok(out)) if out.status.success() => job_on(&String::from_utf8_lossy(&out.stdout), &unit),
+        _ => Stopping::Unknown,
+    }
+}
+
+/// The service unit a process runs in, by its cgroup path, and whether a
+/// user manager runs it; `clawmux.service` under the user manager when the
+/// path names no service (as the installed unit).
+fn own_unit(cgroup: &str) -> (String, bool) {
+    let path = cgroup
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .or_else(|| {
+            cgroup
+                .lines()
+                .find_map(|l| l.split_once(":name=systemd:").map(|(_, p)| p))
+        })
+        .unwrap_or("");
+    let unit = path
+        .rsplit('/')
+        .find(|c| c.ends_with(".service") && !c.starts_with("user@"));
+    match unit {
+        Some(unit) => (unit.to_owned(), path.contains("/user@")),
+        None => ("clawmux.service".to_owned(), true),
+    }
+}
+
+/// Reads `systemctl list-jobs --no-legend --plain` (`<id> <unit> <type>
+/// <state>` per line): the job on `unit`.
+fn job_on(list: &str, unit: &str) -> Stopping {
+    for line in list.lines() {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        if cols.get(1) == Some(&unit) {
+            return match cols.get(2).copied() {
+                Some("stop") => Stopping::ForGood,
+                Some("restart" | "try-restart" | "reload-or-restart" | "try-reload-or-restart") => {
+                    Stopping::Restart
+                }
+                _ => Stopping::Unknown,
+            };
+        }
+    }
+    Stopping::Unknown
+}
+
 /// Stores descriptors in the service manager's store, each under its name
 /// (`FDSTORE=1`, `FDNAME=`), for the next start of the service.
 pub fn store(fds: &[(String, OwnedFd)]) -> std::io::Result<()> {
@@ -375,6 +454,27 @@ async fn keep_informed(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_unit_and_its_job_are_read_from_the_cgroup_and_systemctl() {
+        let user = "0::/user.slice/user-1000.slice/user@1000.service/app.slice/clawmux.service\n";
+        assert_eq!(own_unit(user), ("clawmux.service".to_owned(), true));
+        let system =
+            "12:name=systemd:/system.slice/clawmux@x.service\n0::/system.slice/clawmux@x.service\n";
+        assert_eq!(own_unit(system), ("clawmux@x.service".to_owned(), false));
+        assert_eq!(own_unit("0::/\n"), ("clawmux.service".to_owned(), true));
+        let jobs = "41 other.service start waiting\n42 clawmux.service stop running\n";
+        assert_eq!(job_on(jobs, "clawmux.service"), Stopping::ForGood);
+        assert_eq!(
+            job_on("7 clawmux.service restart running\n", "clawmux.service"),
+            Stopping::Restart
+        );
+        assert_eq!(job_on("", "clawmux.service"), Stopping::Unknown);
+        assert_eq!(
+            job_on("7 clawmux.service start waiting\n", "clawmux.service"),
+            Stopping::Unknown
+        );
+    }
     use crate::protocol::{ErrorShape, StudioCode};
     use crate::upstream::UpstreamHello;
 

@@ -668,6 +668,8 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
         serve_command(Path::new(BIN), dir.path(), &socket, &gw.url())
             .env("NOTIFY_SOCKET", &store.path)
             .env("FDSTORE", "64")
+            // systemd's job on the service: a restart.
+            .env("PATH", fake_systemctl(dir.path(), "restart"))
             .stderr(Stdio::null())
             .spawn()
             .unwrap(),
@@ -1230,4 +1232,75 @@ async fn a_hud_stream_moves_with_its_projection_and_a_run_across_the_handover_is
     );
     assert!(log_text(&log).contains("streams=2"), "{}", log_text(&log));
     drop(next);
+}
+
+/// A `systemctl` first on the returned `PATH` whose `list-jobs` says that
+/// systemd's job on `clawmux.service` is `job` (as the real one prints it).
+fn fake_systemctl(dir: &Path, job: &str) -> std::ffi::OsString {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let path = bin.join("systemctl");
+    std::fs::write(
+        &path,
+        format!(
+            "#!/bin/sh\necho \"$*\" >> {}/systemctl.args\necho '7 clawmux.service {job} running'\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut joined = bin.into_os_string();
+    joined.push(":");
+    joined.push(std::env::var_os("PATH").unwrap_or_default());
+    joined
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn systemctl_stop_closes_the_clients_politely_and_stores_none_of_them() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let mut store = Store::bind(dir.path());
+    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+    cmd.env("NOTIFY_SOCKET", &store.path)
+        .env("FDSTORE", "64")
+        // systemd's job on the service: a stop, not a restart.
+        .env("PATH", fake_systemctl(dir.path(), "stop"));
+    let log = log_to(&mut cmd, dir.path());
+    let mut first = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    sigterm(&first.0);
+    // Told, as at any polite stop: the gateway's `shutdown` event, then 1001.
+    let shutdown = client.event("shutdown").await;
+    assert_eq!(
+        shutdown["payload"]["reason"], "clawmux stopping",
+        "{shutdown}"
+    );
+    match client.recv_within(PATIENCE).await {
+        Some(Got::Close(1001, _)) => {}
+        other => panic!("{other:?}\n{}", log_text(&log)),
+    }
+    assert!(store.drain_until_exit(&mut first.0).await.success());
+    assert!(
+        !store
+            .fds
+            .iter()
+            .any(|(n, _)| n.starts_with("clawmux-client-") || n == "clawmux-clients"),
+        "nothing stored for a next start that will not take it: {:?}",
+        store.lines
+    );
+    let asked = std::fs::read_to_string(dir.path().join("systemctl.args")).unwrap();
+    assert_eq!(
+        asked.trim(),
+        "--user list-jobs --no-legend --plain clawmux.service"
+    );
+    assert!(
+        log_text(&log).contains("systemd stops the service (not a restart)"),
+        "{}",
+        log_text(&log)
+    );
 }
