@@ -1304,3 +1304,99 @@ async fn systemctl_stop_closes_the_clients_politely_and_stores_none_of_them() {
         log_text(&log)
     );
 }
+
+/// The first event (`type: event`) a client receives, whatever its name.
+async fn first_event(ws: &mut WsClient, log: &Path) -> serde_json::Value {
+    loop {
+        match ws.recv_within(PATIENCE * 2).await {
+            Some(Got::Json(v)) if v["type"] == "event" => return v,
+            Some(Got::Json(_)) => continue,
+            other => panic!("{other:?}\n{}", log_text(log)),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_sockets_than_one_message_holds_each_move_to_their_own_client() {
+    // 191 clients, 8 dedicated connections (two sockets each) and 10 event
+    // streams: 217 sockets, two control messages, the first ending inside
+    // a dedicated connection's pair. Half of each kind differs from the
+    // other half (a subscription, a filter), so a socket taken for another
+    // one's would show.
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
+    let pid = broker_pid(&socket).await;
+    let key = "agent:main:main";
+    let mut clients = Vec::new();
+    for i in 0..191 {
+        let mut c = WsClient::open(&socket, "/ws").await;
+        c.handshake().await;
+        if i % 2 == 0 {
+            let sub = c
+                .request(
+                    "sessions.messages.subscribe",
+                    serde_json::json!({"key": key}),
+                )
+                .await;
+            assert_eq!(sub["ok"], true, "{sub}");
+        }
+        clients.push(c);
+    }
+    let mut dedicated = Vec::new();
+    for i in 0..8 {
+        let mut d = WsClient::open(&socket, "/ws/dedicated").await;
+        assert_eq!(d.recv_json().await["event"], "connect.challenge");
+        d.send_json(&connect_frame("c1")).await;
+        assert_eq!(d.response("c1").await["ok"], true);
+        if i % 2 == 0 {
+            d.send_json(&serde_json::json!({"type": "req", "id": "s1",
+                "method": "sessions.messages.subscribe", "params": {"key": key}}))
+                .await;
+            assert_eq!(d.response("s1").await["ok"], true);
+        }
+        dedicated.push(d);
+    }
+    let mut streams = Vec::new();
+    for i in 0..10 {
+        let path = if i % 2 == 0 {
+            "/v1/events?events=test.n"
+        } else {
+            "/v1/events?events=test.m"
+        };
+        streams.push(
+            crate::http_api::open_events(&socket, path, &[])
+                .await
+                .unwrap(),
+        );
+    }
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    assert!(log_text(&log).contains("streams=10"), "{}", log_text(&log));
+    // Subscribers first get the message, the others the broadcast after it.
+    gw.emit_session_message(key, serde_json::json!({"sessionKey": key, "text": "after"}));
+    gw.broadcast("test.m", serde_json::json!({}));
+    gw.broadcast("test.n", serde_json::json!({}));
+    for (i, c) in clients.iter_mut().enumerate() {
+        let e = first_event(c, &log).await;
+        let expected = if i % 2 == 0 {
+            "session.message"
+        } else {
+            "test.m"
+        };
+        assert_eq!(e["event"], expected, "client {i}: {e}");
+    }
+    for (i, d) in dedicated.iter_mut().enumerate() {
+        let e = first_event(d, &log).await;
+        let expected = if i % 2 == 0 {
+            "session.message"
+        } else {
+            "test.m"
+        };
+        assert_eq!(e["event"], expected, "dedicated {i}: {e}");
+    }
+    for (i, sse) in streams.iter_mut().enumerate() {
+        let (_, name, _) = sse.next_event().await;
+        let expected = if i % 2 == 0 { "test.n" } else { "test.m" };
+        assert_eq!(name, expected, "stream {i}");
+    }
+}
