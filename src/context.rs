@@ -114,6 +114,10 @@ pub struct StreamEntry {
     pub unsent: String,
     /// The stream ended: `unsent` holds its last record.
     pub finished: bool,
+    /// It was still writing its history: the next instance reads the rest
+    /// (and what it had queued) from the log, after `last_cursor`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub from_log: bool,
     /// A `/v1/hud` stream's feed (then `last_cursor` is the newest cursor
     /// its feed applied, and the per-client fields are unused).
     #[serde(default, skip_serializing_if = "Option::is_none")]

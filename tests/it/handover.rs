@@ -1400,3 +1400,62 @@ async fn more_sockets_than_one_message_holds_each_move_to_their_own_client() {
         assert_eq!(name, expected, "stream {i}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_moved_in_the_middle_of_its_history_goes_on_from_the_log() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
+    let pid = broker_pid(&socket).await;
+    let before = state(&socket).await["newest_seq"].as_u64().unwrap();
+    // 3 MiB of history: more than a moving stream writes into the clients
+    // document (1 MiB), the rest it reads from the log in the next instance.
+    let pad = "x".repeat(16 * 1024);
+    for n in 0..200 {
+        gw.broadcast("test.n", serde_json::json!({"n": n, "pad": pad}));
+    }
+    crate::http_api::wait_newest_seq(&socket, before + 200).await;
+    let mut sse = crate::http_api::open_events(
+        &socket,
+        &format!("/v1/events?events=test.n&after_seq={before}"),
+        &[],
+    )
+    .await
+    .unwrap();
+    let read = Arc::new(AtomicUsize::new(0));
+    let reader = tokio::spawn({
+        let read = Arc::clone(&read);
+        async move {
+            let mut got = Vec::new();
+            while got.last() != Some(&200) {
+                let (_, name, data) = sse.next_event().await;
+                assert_eq!(name, "test.n", "{data}");
+                got.push(data["payload"]["n"].as_i64().unwrap());
+                read.fetch_add(1, Ordering::Relaxed);
+                // A reader slower than the history is long.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            got
+        }
+    });
+    eventually("the reader is into its history", || {
+        read.load(Ordering::Relaxed) >= 5
+    })
+    .await;
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    assert!(
+        read.load(Ordering::Relaxed) < 150,
+        "the handover came in the middle of the history"
+    );
+    gw.broadcast("test.n", serde_json::json!({"n": 200}));
+    let got = tokio::time::timeout(PATIENCE * 4, reader)
+        .await
+        .expect("the whole history and the live event")
+        .unwrap();
+    assert_eq!(got, (0..=200).collect::<Vec<i64>>(), "{}", log_text(&log));
+    assert!(
+        log_text(&log).contains("history goes on from the log"),
+        "{}",
+        log_text(&log)
+    );
+}

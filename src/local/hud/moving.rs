@@ -191,6 +191,7 @@ impl StreamParcel for HudMoved {
             gap_pending: false,
             unsent: base64::engine::general_purpose::STANDARD.encode(&unsent),
             finished: false,
+            from_log: false,
             hud: Some(HudEntry {
                 quiet_until: source.quiet_until,
                 newest: source.newest,
@@ -260,7 +261,8 @@ pub(crate) fn resume(
     if resp.status() != StatusCode::OK {
         tracing::warn!(status = %resp.status(), "handover: the HUD stream's feed cannot go on here; closing it");
         if !hud.websocket {
-            ctx.tracker.spawn(end_with_close(socket));
+            ctx.tracker
+                .spawn(crate::local::sse::end_with(socket, Vec::new(), true));
         }
         return false;
     }
@@ -305,15 +307,4 @@ pub(crate) fn resume(
         Bytes::from(unsent),
     ));
     true
-}
-
-/// Ends a moved stream that cannot go on: a last chunk saying so, then the
-/// end of the body (bounded: the reader may not read).
-async fn end_with_close(mut socket: tokio::net::UnixStream) {
-    use tokio::io::AsyncWriteExt;
-    let record = b"event: clawmux.close\ndata: {\"code\":1012,\"reason\":\"service restart\"}\n\n";
-    let mut out = format!("{:X}\r\n", record.len()).into_bytes();
-    out.extend_from_slice(record);
-    out.extend_from_slice(b"\r\n0\r\n\r\n");
-    let _ = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, socket.write_all(&out)).await;
 }

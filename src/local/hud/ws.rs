@@ -235,6 +235,7 @@ impl StreamParcel for WsHudMoved {
             gap_pending: false,
             unsent: b64(unsent.as_bytes()),
             finished: false,
+            from_log: false,
             hud: Some(HudEntry {
                 quiet_until: source.quiet_until,
                 newest: source.newest,

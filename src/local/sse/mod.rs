@@ -39,7 +39,9 @@ use crate::context::Ctx;
 use crate::hub::replay::{EventId, ResumePoint, GAP_EVENT};
 use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
 use crate::protocol::{ErrorShape, EventHead, StudioCode};
-pub(crate) use moving::{adopt_socket, body_of, resume, watch, write_on, BodySource, Movable};
+pub(crate) use moving::{
+    adopt_socket, body_of, end_with, resume, watch, write_on, BodySource, Movable,
+};
 
 /// Response header naming the broker life serving the stream (information:
 /// cursors are valid across lives).
@@ -639,6 +641,13 @@ fn write_logged_gap(out: &mut BytesMut, cursor: u64, head: &EventHead) {
     out.put_slice(cursor.to_string().as_bytes());
     out.put_u8(b'\n');
     write_event_body(out, GAP_EVENT, payload.as_bytes());
+}
+
+/// [`write_close`] into a plain buffer.
+fn write_close_to(out: &mut Vec<u8>, code: u16, reason: &str) {
+    let mut record = BytesMut::new();
+    write_close(&mut record, code, reason);
+    out.extend_from_slice(&record);
 }
 
 /// The last record of a stream the broker ends (slow consumer, shutdown).

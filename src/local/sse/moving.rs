@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{EventStream, Registration, Step, CLOSE_LINGER};
 use crate::context::{Ctx, StreamEntry, StreamParcel};
-use crate::hub::{Client, ClientIdentity, ClientKind};
+use crate::hub::{Client, ClientIdentity, ClientKind, Outgoing};
 use crate::local::stream_body::Drained;
 use crate::local::ws::HANDOVER_PAUSE_TIMEOUT;
 use crate::policy::{Access, Grant, SocketPolicy};
@@ -223,9 +223,26 @@ impl StreamParcel for Moved {
     fn pack(self: Box<Self>) -> (StreamEntry, OwnedFd) {
         let Moved { mut stream, fd } = *self;
         let mut out = BytesMut::new();
-        stream.write_backlog(&mut out, usize::MAX);
-        let (items, next_seq) = stream.client.take_all();
-        if !stream.finished {
+        stream.write_backlog(&mut out, MOVED_HISTORY_BYTES);
+        let (items, mut next_seq) = stream.client.take_all();
+        // More history than travels: the next instance reads the rest, and
+        // the events queued after it, from the log (which the handover
+        // continues), after the last cursor written here. What the queue
+        // holds that the log does not (the request tap's records) travels.
+        let from_log = stream.backlog.len() > 0;
+        if from_log {
+            for item in items {
+                if let Outgoing::Frame(frame) = item {
+                    if stream.tapped {
+                        crate::local::tap_stream::write_tapped(&mut out, &frame);
+                    }
+                }
+            }
+            // Its queue's events are not written: the next instance's
+            // per-client `seq` starts afresh with what it reads.
+            next_seq = 0;
+            stream.last_seq = 0;
+        } else if !stream.finished {
             stream.write_batch(&mut out, items);
         }
         stream.registration.moved = true;
@@ -247,6 +264,7 @@ impl StreamParcel for Moved {
             gap_pending: stream.gap_pending,
             unsent: base64::engine::general_purpose::STANDARD.encode(&out),
             finished: stream.finished,
+            from_log,
             hud: None,
         };
         (entry, fd)
@@ -299,9 +317,40 @@ pub(crate) fn resume(
     client
         .observer
         .store(wanted.observe_tools, std::sync::atomic::Ordering::Relaxed);
-    client.continue_seq(entry.next_seq);
-    if ctx.hub.admit_restored(&client).is_err() {
-        return false;
+    let mut backlog = Vec::new().into_iter();
+    let mut gap_after_backlog = false;
+    if entry.from_log {
+        // The rest of its history, and what it had queued, from the log.
+        let cursor = crate::hub::replay::EventId {
+            epoch: None,
+            cursor: entry.last_cursor,
+        };
+        let from = crate::hub::replay::ResumePoint::new(None, Some(cursor), None);
+        match ctx.hub.admit_at_cursor(&client, &from) {
+            Ok((history, _)) => {
+                tracing::info!(
+                    client_id = entry.id,
+                    after = entry.last_cursor,
+                    events = history.events.len(),
+                    "handover: an event stream's history goes on from the log"
+                );
+                backlog = history.events.into_iter();
+                gap_after_backlog = history.gap_after;
+            }
+            Err(e) => {
+                tracing::warn!(
+                    client_id = entry.id,
+                    "handover: an event stream's history cannot go on here ({e}); closing it"
+                );
+                ctx.tracker.spawn(end_with(stream, unsent, true));
+                return false;
+            }
+        }
+    } else {
+        client.continue_seq(entry.next_seq);
+        if ctx.hub.admit_restored(&client).is_err() {
+            return false;
+        }
     }
     if wanted.tap {
         ctx.router.tap.attach(Arc::clone(&client));
@@ -311,8 +360,8 @@ pub(crate) fn resume(
         last_cursor: entry.last_cursor,
         last_seq: entry.last_seq,
         gap_pending: entry.gap_pending,
-        gap_after_backlog: false,
-        backlog: Vec::new().into_iter(),
+        gap_after_backlog,
+        backlog,
         filter: wanted.filter,
         sessions: wanted.sessions,
         tapped: wanted.tap,
@@ -340,6 +389,28 @@ pub(crate) fn resume(
         Bytes::from(unsent),
     ));
     true
+}
+
+/// How much of a moving stream's history it writes into the clients
+/// document; past this, the next instance reads the rest from the log.
+pub const MOVED_HISTORY_BYTES: usize = 1024 * 1024;
+
+/// Ends a moved stream that cannot go on here: what it had not written,
+/// then (when `close`) a `clawmux.close` record saying so, then the end of
+/// its body (bounded: the reader may not read). It resumes by cursor.
+pub(crate) async fn end_with(mut socket: UnixStream, unsent: Vec<u8>, close: bool) {
+    let mut body = unsent;
+    if close {
+        super::write_close_to(&mut body, 1012, "service restart");
+    }
+    let mut out = Vec::new();
+    if !body.is_empty() {
+        out.extend_from_slice(format!("{:X}\r\n", body.len()).as_bytes());
+        out.extend_from_slice(&body);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"0\r\n\r\n");
+    let _ = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, socket.write_all(&out)).await;
 }
 
 /// A moved stream's socket, for tokio.
