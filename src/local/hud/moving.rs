@@ -24,7 +24,7 @@ use super::{sse_chunk, Activity, HudSource, Record};
 use crate::context::{Ctx, HudEntry, StreamEntry, StreamParcel};
 use crate::local::sse::{BodySource, Opening, Step};
 use crate::local::ws::HANDOVER_PAUSE_TIMEOUT;
-use crate::policy::{Access, Grant, SocketPolicy};
+use crate::policy::{Access, SocketPolicy};
 
 /// A HUD stream's body: its feed, as SSE chunks, with keep-alives.
 pub(super) struct HudBody {
@@ -162,45 +162,65 @@ impl std::fmt::Debug for HudMoved {
 }
 
 impl StreamParcel for HudMoved {
-    /// The requests its tap queued are applied now (their records travel
-    /// as bytes), then its projection goes as it is.
     fn pack(self: Box<Self>) -> (StreamEntry, OwnedFd) {
         let HudMoved { mut body, fd } = *self;
-        let mut records: Vec<Record> = Vec::new();
-        if let Some(tap) = &body.source.tap {
-            let (items, _) = tap.client.take_all();
-            records = body.source.on_requests(items);
-        }
-        let unsent = if records.is_empty() {
-            Bytes::new()
-        } else {
-            sse_chunk(&records)
-        };
-        let source = &body.source;
-        let entry = StreamEntry {
-            id: body.id(),
-            conn_id: String::new(),
-            connected_at_ms: 0,
-            peer_pid: body.peer_pid,
+        let who = super::ws::Who {
             scopes: std::mem::take(&mut body.scopes),
             socket: std::mem::take(&mut body.socket),
+            peer_pid: body.peer_pid,
             query: std::mem::take(&mut body.query),
-            next_seq: 0,
-            last_cursor: source.applied,
-            last_seq: 0,
-            gap_pending: false,
-            unsent: base64::engine::general_purpose::STANDARD.encode(&unsent),
-            finished: false,
-            from_log: false,
-            hud: Some(HudEntry {
-                quiet_until: source.quiet_until,
-                newest: source.newest,
-                activity: serde_json::to_value(&source.activity).unwrap_or_default(),
-                websocket: false,
-                unread: String::new(),
-            }),
+            fd: None,
         };
+        let entry = hud_entry(&mut body.source, who, None, |records| {
+            sse_chunk(records).to_vec()
+        });
         (entry, fd)
+    }
+}
+
+/// A HUD stream's part of the clients document: the requests its tap
+/// queued are applied now (their records travel in `unsent`, as `encode`
+/// writes them), then its projection goes as it is. `unread`: a `/ws/hud`
+/// client's bytes read and not parsed (`None` for `/v1/hud`).
+pub(super) fn hud_entry(
+    source: &mut HudSource,
+    who: super::ws::Who,
+    unread: Option<&[u8]>,
+    encode: impl Fn(&[Record]) -> Vec<u8>,
+) -> StreamEntry {
+    let mut records: Vec<Record> = Vec::new();
+    if let Some(tap) = &source.tap {
+        let (items, _) = tap.client.take_all();
+        records = source.on_requests(items);
+    }
+    let unsent = if records.is_empty() {
+        Vec::new()
+    } else {
+        encode(&records)
+    };
+    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+    StreamEntry {
+        id: source.tap.as_ref().map_or(0, |t| t.client.id),
+        conn_id: String::new(),
+        connected_at_ms: 0,
+        peer_pid: who.peer_pid,
+        scopes: who.scopes,
+        socket: who.socket,
+        query: who.query,
+        next_seq: 0,
+        last_cursor: source.applied,
+        last_seq: 0,
+        gap_pending: false,
+        unsent: b64(&unsent),
+        finished: false,
+        from_log: false,
+        hud: Some(HudEntry {
+            quiet_until: source.quiet_until,
+            newest: source.newest,
+            activity: serde_json::to_value(&source.activity).unwrap_or_default(),
+            websocket: unread.is_some(),
+            unread: unread.map(b64).unwrap_or_default(),
+        }),
     }
 }
 
@@ -213,20 +233,14 @@ impl StreamParcel for HudMoved {
 pub(crate) fn resume(
     ctx: &Arc<Ctx>,
     policies: &[Arc<SocketPolicy>],
-    entry: StreamEntry,
+    mut entry: StreamEntry,
     fd: OwnedFd,
 ) -> bool {
-    let Some(hud) = entry.hud else {
+    let Some(access) = crate::local::sse::moved_access(policies, &entry) else {
         return false;
     };
-    let Some(policy) = policies.iter().find(|p| p.name == entry.socket) else {
-        tracing::warn!(socket = %entry.socket, "handover: the HUD stream's socket is no longer configured; closing it");
+    let Some(hud) = entry.hud.take() else {
         return false;
-    };
-    let asked = Grant::new(&entry.scopes);
-    let access = Access {
-        grant: asked.within(&policy.ceiling(&asked)),
-        socket: Arc::clone(policy),
     };
     let (Ok(unsent), Ok(activity)) = (
         base64::engine::general_purpose::STANDARD.decode(&entry.unsent),

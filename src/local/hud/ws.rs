@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Instant;
 
-use base64::Engine as _;
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
@@ -20,7 +19,7 @@ use tokio_tungstenite::WebSocketStream;
 
 use super::{HudSource, Record};
 use crate::boundary::Pause;
-use crate::context::{Ctx, HudEntry, StreamEntry, StreamParcel};
+use crate::context::{Ctx, StreamEntry, StreamParcel};
 use crate::local::dedicated::ClientIo;
 use crate::local::preconnect::{Limited, PreconnectBudget};
 use crate::local::ws::HANDOVER_PAUSE_TIMEOUT;
@@ -201,8 +200,8 @@ impl std::fmt::Debug for WsHudMoved {
 }
 
 impl StreamParcel for WsHudMoved {
-    /// As a `/v1/hud` stream's ([`super::moving`]); its unsent HUD events
-    /// are one JSON text per line.
+    /// As a `/v1/hud` stream's ([`super::moving::hud_entry`]); its unsent
+    /// HUD events are one JSON text per line.
     fn pack(self: Box<Self>) -> (StreamEntry, OwnedFd) {
         let WsHudMoved {
             mut source,
@@ -210,40 +209,16 @@ impl StreamParcel for WsHudMoved {
             unread,
             fd,
         } = *self;
-        let mut unsent = String::new();
-        if let Some(tap) = &source.tap {
-            let (items, _) = tap.client.take_all();
-            for record in source.on_requests(items) {
+        let entry = super::moving::hud_entry(&mut source, who, Some(&unread), |records| {
+            let mut lines = String::new();
+            for record in records {
                 if let Record::Hud { event, .. } = record {
-                    unsent.push_str(&event.to_string());
-                    unsent.push('\n');
+                    lines.push_str(&event.to_string());
+                    lines.push('\n');
                 }
             }
-        }
-        let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
-        let entry = StreamEntry {
-            id: source.tap.as_ref().map_or(0, |t| t.client.id),
-            conn_id: String::new(),
-            connected_at_ms: 0,
-            peer_pid: who.peer_pid,
-            scopes: who.scopes,
-            socket: who.socket,
-            query: who.query,
-            next_seq: 0,
-            last_cursor: source.applied,
-            last_seq: 0,
-            gap_pending: false,
-            unsent: b64(unsent.as_bytes()),
-            finished: false,
-            from_log: false,
-            hud: Some(HudEntry {
-                quiet_until: source.quiet_until,
-                newest: source.newest,
-                activity: serde_json::to_value(&source.activity).unwrap_or_default(),
-                websocket: true,
-                unread: b64(&unread),
-            }),
-        };
+            lines.into_bytes()
+        });
         (entry, fd)
     }
 }

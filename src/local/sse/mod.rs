@@ -40,7 +40,7 @@ use crate::hub::replay::{EventId, ResumePoint, GAP_EVENT};
 use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
 use crate::protocol::{ErrorShape, EventHead, StudioCode};
 pub(crate) use moving::{
-    adopt_socket, body_of, end_with, resume, watch, write_on, BodySource, Movable,
+    adopt_socket, body_of, end_with, moved_access, resume, watch, write_on, BodySource, Movable,
 };
 
 /// Response header naming the broker life serving the stream (information:

@@ -282,8 +282,7 @@ pub(crate) fn resume(
     entry: StreamEntry,
     fd: OwnedFd,
 ) -> bool {
-    let Some(policy) = policies.iter().find(|p| p.name == entry.socket) else {
-        tracing::warn!(client_id = entry.id, socket = %entry.socket, "handover: the event stream's socket is no longer configured; closing it");
+    let Some(access) = moved_access(policies, &entry) else {
         return false;
     };
     let Ok(unsent) = base64::engine::general_purpose::STANDARD.decode(&entry.unsent) else {
@@ -309,11 +308,7 @@ pub(crate) fn resume(
         peer_pid: entry.peer_pid,
         ..Default::default()
     });
-    let asked = Grant::new(&entry.scopes);
-    client.set_access(Access {
-        grant: asked.within(&policy.ceiling(&asked)),
-        socket: Arc::clone(policy),
-    });
+    client.set_access(access);
     client
         .observer
         .store(wanted.observe_tools, std::sync::atomic::Ordering::Relaxed);
@@ -411,6 +406,21 @@ pub(crate) async fn end_with(mut socket: UnixStream, unsent: Vec<u8>, close: boo
     }
     out.extend_from_slice(b"0\r\n\r\n");
     let _ = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, socket.write_all(&out)).await;
+}
+
+/// What a moved stream may do here: its grant, within its socket's
+/// ceiling (as a moved client's). `None` when its `[[sockets]]` entry is
+/// gone: it is closed, and resumes by cursor.
+pub(crate) fn moved_access(policies: &[Arc<SocketPolicy>], entry: &StreamEntry) -> Option<Access> {
+    let Some(policy) = policies.iter().find(|p| p.name == entry.socket) else {
+        tracing::warn!(socket = %entry.socket, "handover: an event stream's socket is no longer configured; closing it");
+        return None;
+    };
+    let asked = Grant::new(&entry.scopes);
+    Some(Access {
+        grant: asked.within(&policy.ceiling(&asked)),
+        socket: Arc::clone(policy),
+    })
 }
 
 /// A moved stream's socket, for tokio.
