@@ -28,16 +28,29 @@ pub struct Core {
     pub dispatcher: Arc<Dispatcher>,
 }
 
+/// How a broker starts: fresh, or taken over from the previous instance
+/// (design §11).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    Fresh,
+    /// Handed over: the main connector waits for [`Sessions::adopt`]; the
+    /// newest cursor the previous instance's event log handed out, when it
+    /// said (its log goes on right after it).
+    HandedOver {
+        replay_newest: Option<u64>,
+    },
+}
+
 impl Core {
     /// Builds the core and starts the main session's connector (tracked by
     /// `tracker`; it stops at `cancel`).
-    /// `handed_over`: the main connector waits for [`Sessions::adopt`].
     pub fn start(
         settings: &Settings,
         tracker: &TaskTracker,
         cancel: &CancellationToken,
-        handed_over: bool,
+        start: Start,
     ) -> Core {
+        let handed_over = start != Start::Fresh;
         let limits = &settings.limits;
         let hub = Arc::new(Hub::new(
             QueueLimits {
@@ -48,7 +61,13 @@ impl Core {
             limits.max_clients,
         ));
         hub.set_queue_budget(limits.queue_total_bytes);
-        hub.open_replay_log(settings, handed_over);
+        hub.open_replay_log(
+            settings,
+            match start {
+                Start::HandedOver { replay_newest } => replay_newest,
+                Start::Fresh => None,
+            },
+        );
         let router = Arc::new(Router::new(
             limits.request_timeout,
             limits.run_timeout,
@@ -246,7 +265,7 @@ impl RunningBroker {
         let listener = tokio::net::UnixListener::from_std(listener).map_err(io)?;
         let guard = SocketGuard::activated(settings.socket_path.clone());
         let others = others.into_iter().map(|(n, l)| (n, l, None)).collect();
-        Self::start_with_listener_and(settings, listener, guard, others, false)
+        Self::start_with_listener_and(settings, listener, guard, others, Start::Fresh)
     }
 
     /// Starts serving on the listeners the previous instance handed over
@@ -274,7 +293,10 @@ impl RunningBroker {
             .into_iter()
             .map(|(n, l, g)| (n, l, Some(g)))
             .collect();
-        let broker = Self::start_with_listener_and(settings, listener, guard, others, true)?;
+        let start = Start::HandedOver {
+            replay_newest: moving.as_ref().and_then(|m| m.doc.replay_newest),
+        };
+        let broker = Self::start_with_listener_and(settings, listener, guard, others, start)?;
         let n = crate::handover::clients::restore(
             &broker.ctx,
             &broker.policies,
@@ -291,12 +313,11 @@ impl RunningBroker {
         listener: tokio::net::UnixListener,
         guard: SocketGuard,
     ) -> Result<RunningBroker, SocketError> {
-        Self::start_with_listener_and(settings, listener, guard, Vec::new(), false)
+        Self::start_with_listener_and(settings, listener, guard, Vec::new(), Start::Fresh)
     }
 
     /// `activated`: policy sockets passed in, by name, with their guard
-    /// (`None`: systemd's); the others are bound here. `handed_over`: the
-    /// main connector waits for [`Sessions::adopt`].
+    /// (`None`: systemd's); the others are bound here.
     fn start_with_listener_and(
         mut settings: Settings,
         listener: tokio::net::UnixListener,
@@ -306,7 +327,7 @@ impl RunningBroker {
             std::os::unix::net::UnixListener,
             Option<SocketGuard>,
         )>,
-        handed_over: bool,
+        start: Start,
     ) -> Result<RunningBroker, SocketError> {
         let mut held = vec![HeldListener::new(&listener, None, &guard)];
         // The `[[sockets]]` sockets, each with its own policy (bound before
@@ -361,7 +382,7 @@ impl RunningBroker {
             sharing,
             sessions,
             dispatcher,
-        } = Core::start(&settings, &tracker, &cancel, handed_over);
+        } = Core::start(&settings, &tracker, &cancel, start);
         let dedicated = Arc::new(crate::dedicated_registry::Dedicated::new(
             settings.limits.max_dedicated,
         ));
@@ -494,6 +515,7 @@ impl RunningBroker {
         let mut carried = carried;
         carried.dedicated = self.ctx.handoff.take_dedicated();
         carried.streams = self.ctx.handoff.take_streams();
+        carried.replay_newest = Some(self.ctx.hub.replay_window().newest_seq);
         tracing::info!(
             clients = parcels.len(),
             dedicated = carried.dedicated.len(),
@@ -534,6 +556,7 @@ impl RunningBroker {
                 runs,
                 dedicated: Vec::new(),
                 streams: Vec::new(),
+                replay_newest: None,
             };
         };
         let pending = ctx
@@ -567,6 +590,7 @@ impl RunningBroker {
             runs,
             dedicated: Vec::new(),
             streams: Vec::new(),
+            replay_newest: None,
         }
     }
 

@@ -56,6 +56,11 @@ pub struct Clients {
     /// [`stream_fd_name`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub streams: Vec<crate::context::StreamEntry>,
+    /// The newest cursor the old instance's event log handed out: the next
+    /// instance goes on right after it only when its log file ends there
+    /// ([`crate::hub::replay::ReplayLog::open`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_newest: Option<u64>,
 }
 
 /// The descriptor name of the `i`th event stream's socket (systemd's store).
@@ -140,6 +145,8 @@ pub struct Carried {
     pub runs: Vec<RunEntry>,
     pub dedicated: Vec<crate::context::DedicatedParcel>,
     pub streams: Vec<Box<dyn crate::context::StreamParcel>>,
+    /// The newest cursor its event log handed out.
+    pub replay_newest: Option<u64>,
 }
 
 impl Subscription {
@@ -300,6 +307,7 @@ pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
             runs: carried.runs,
             dedicated,
             streams,
+            replay_newest: carried.replay_newest,
         },
         clients: fds,
         upstream: upstream_fd,
@@ -320,6 +328,12 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         dedicated,
         streams,
     } = moving;
+    // Every moved client keeps its id: no client made here (a moved HUD
+    // stream's feed, below) may take one of theirs first.
+    let carried = clients.clients.iter().map(|c| c.id);
+    if let Some(top) = carried.chain(clients.streams.iter().map(|s| s.id)).max() {
+        ctx.hub.reserve_ids_through(top);
+    }
     // Admitted before the gateway connection is taken over (below), as
     // the clients are: no event reaches this instance before them.
     let mut taken = 0;

@@ -134,6 +134,12 @@ impl Hub {
         Arc::new(client)
     }
 
+    /// Keeps the ids up to `top` for clients taken over from the previous
+    /// instance: clients made from now on get higher ones.
+    pub fn reserve_ids_through(&self, top: u64) {
+        self.next_client_id.fetch_max(top + 1, Ordering::Relaxed);
+    }
+
     /// Admits a client taken over from the previous instance: it had its
     /// `hello-ok` there, so none is queued here.
     pub fn admit_restored(&self, client: &Arc<Client>) -> Result<(), TooManyClients> {

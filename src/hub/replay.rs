@@ -337,13 +337,16 @@ impl ReplayLog {
     /// that cannot be used is logged and the log stays in memory. Does disk
     /// I/O: call it before the log is shared, never under the hub's lock.
     ///
-    /// `handed_over`: this life takes over from the previous instance
-    /// (design §11). When that one closed the file cleanly, nothing was
-    /// missed in between (what the gateway sent meanwhile waits on the
-    /// connection that moved, or a reconnect says its own gap): the
-    /// cursors go on from the last one, and no gap is logged, so history
-    /// shows what the moved clients saw live.
-    pub fn open(limits: ReplayLimits, file: Option<&Path>, handed_over: bool) -> Self {
+    /// `handed_newest`: this life takes over from the previous instance
+    /// (design §11), whose log handed out cursors up to this one. When that
+    /// instance closed this very file there (it was cleanly closed and ends
+    /// at that cursor), nothing was missed in between (what the gateway
+    /// sent meanwhile waits on the connection that moved, or a reconnect
+    /// says its own gap): the cursors go on from the last one, and no gap
+    /// is logged, so history shows what the moved clients saw live.
+    /// Otherwise (the file is another's, or older) it is a restart, above
+    /// the handed cursor too.
+    pub fn open(limits: ReplayLimits, file: Option<&Path>, handed_newest: Option<u64>) -> Self {
         let Some(path) = file else {
             return ReplayLog::in_memory(limits);
         };
@@ -379,7 +382,7 @@ impl ReplayLog {
         }
         let known = loaded.newest.max(log.newest_seq);
         let clean = loaded.stopped_at.is_some();
-        let continued = handed_over && clean && loaded.any;
+        let continued = clean && loaded.any && handed_newest == Some(loaded.newest);
         // Every life starts its cursors above any earlier life's: above the
         // newest the file shows, and above the current time in
         // microseconds, which is above anything a life that kept no file
@@ -389,7 +392,9 @@ impl ReplayLog {
         let start = if continued {
             known + 1
         } else {
-            (known + 1).max(now_micros())
+            (known + 1)
+                .max(now_micros())
+                .max(handed_newest.map_or(0, |n| n + 1))
         };
         let gap = (loaded.any && !continued).then_some(start);
         match gap {
@@ -651,12 +656,12 @@ impl Hub {
     /// the state dir unless persistence is off) and continues what the
     /// previous broker life left there. At startup, before any event; the
     /// disk work happens before the hub's lock is taken.
-    /// `handed_over`: see [`ReplayLog::open`].
-    pub fn open_replay_log(&self, settings: &crate::config::Settings, handed_over: bool) {
+    /// `handed_newest`: see [`ReplayLog::open`].
+    pub fn open_replay_log(&self, settings: &crate::config::Settings, handed_newest: Option<u64>) {
         let log = ReplayLog::open(
             ReplayLimits::from(&settings.limits),
             log_file(settings).as_deref(),
-            handed_over,
+            handed_newest,
         );
         // The runs in flight as the log left them (a run that spans the
         // restart is still one run).
@@ -762,6 +767,45 @@ mod tests {
             max_events,
             max_bytes,
         })
+    }
+
+    /// Closes a log with a file as a stop does; its newest cursor.
+    async fn close(mut log: ReplayLog) -> u64 {
+        let newest = log.newest_seq;
+        log.persist.take().expect("a file").close(newest).await;
+        newest
+    }
+
+    /// A handover goes on right after the cursor the previous instance
+    /// handed out, with no gap, only when the file ends there; a file that
+    /// does not (another life's, an older one) is a restart, above the
+    /// handed cursor too.
+    #[tokio::test]
+    async fn a_handed_over_log_goes_on_only_from_the_file_the_previous_instance_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("replay.jsonl");
+        let limits = ReplayLimits {
+            max_events: 100,
+            max_bytes: 1 << 20,
+        };
+        let mut first = ReplayLog::open(limits, Some(&file), None);
+        for n in 0..3 {
+            first.append(event(n), &Audience::All);
+        }
+        let newest = close(first).await;
+        let mut next = ReplayLog::open(limits, Some(&file), Some(newest));
+        assert_eq!(next.newest_seq, newest, "no gap, no jump");
+        assert!(next.events.iter().all(|e| e.head.name() != GAP_EVENT));
+        let continued = next.append(event(3), &Audience::All);
+        assert_eq!(continued.cursor(), newest + 1);
+        let newest = close(next).await;
+        // The previous instance handed out more than this file holds (it
+        // did not write it, or not all of it): a restart, above both.
+        let handed = newest + 1_000_000_000_000;
+        let other = ReplayLog::open(limits, Some(&file), Some(handed));
+        let gap = other.events.back().unwrap();
+        assert_eq!(gap.head.name(), GAP_EVENT);
+        assert!(gap.cursor() > handed, "{} <= {handed}", gap.cursor());
     }
 
     fn event(n: u64) -> EventHead {

@@ -76,4 +76,15 @@ impl ConnSocket {
     }
 }
 
+/// The socket of a request whose streamed answer can move at a handover:
+/// an HTTP/1.1 one, whose body is chunked (the next instance writes the
+/// rest of it in chunks). An HTTP/1.0 reader's body ends with the
+/// connection, unframed: it does not move (it is closed, and resumes by
+/// cursor).
+pub(crate) fn movable_socket<B>(req: &::http::Request<B>) -> Option<ConnSocket> {
+    (req.version() == ::http::Version::HTTP_11)
+        .then(|| req.extensions().get::<ConnSocket>().cloned())
+        .flatten()
+}
+
 pub use accept::accept_loop;

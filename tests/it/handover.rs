@@ -1189,6 +1189,10 @@ async fn a_hud_stream_moves_with_its_projection_and_a_run_across_the_handover_is
     let dir = tempfile::tempdir().unwrap();
     let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
     let pid = broker_pid(&socket).await;
+    // A client connected before: its id is taken over with it, and the
+    // HUD's feed, opened again in the next instance, must not take it.
+    let mut client = WsClient::open(&socket, "/ws").await;
+    let conn_id = client.handshake().await["server"]["connId"].clone();
     let mut hud = crate::http_api::open_events(&socket, "/v1/hud", &[])
         .await
         .unwrap();
@@ -1231,6 +1235,9 @@ async fn a_hud_stream_moves_with_its_projection_and_a_run_across_the_handover_is
         "{ws_end}"
     );
     assert!(log_text(&log).contains("streams=2"), "{}", log_text(&log));
+    let res = client.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+    assert_listed(&socket, &conn_id, "the earlier client keeps its place").await;
     drop(next);
 }
 
@@ -1455,6 +1462,101 @@ async fn a_stream_moved_in_the_middle_of_its_history_goes_on_from_the_log() {
     assert_eq!(got, (0..=200).collect::<Vec<i64>>(), "{}", log_text(&log));
     assert!(
         log_text(&log).contains("history goes on from the log"),
+        "{}",
+        log_text(&log)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_1_0_stream_is_closed_at_a_handover_not_moved() {
+    // Its body is not chunked (it ends with the connection): the next
+    // instance could not go on with it in chunks.
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
+    let pid = broker_pid(&socket).await;
+    let mut s = UnixStream::connect(&socket).await.unwrap();
+    s.write_all(b"GET /v1/events?events=test.n HTTP/1.0\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("retry: 1000") {
+        let n = tokio::time::timeout(PATIENCE, s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&got).to_lowercase();
+    assert!(head.starts_with("http/1.0 200"), "{head}");
+    assert!(!head.contains("transfer-encoding"), "{head}");
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    let mut rest = Vec::new();
+    tokio::time::timeout(PATIENCE * 2, s.read_to_end(&mut rest))
+        .await
+        .expect("the stream ends")
+        .unwrap();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        rest.contains("event: clawmux.close\ndata: {\"code\":1012,\"reason\":\"service restart\"}"),
+        "told to come back: {rest:?}"
+    );
+    assert!(!rest.contains("\r\n"), "no chunk framing: {rest:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_socket_may_no_longer_observe_is_closed_not_moved() {
+    // The next instance reads the settings afresh: an observer stream on a
+    // socket whose `observe` was switched off meanwhile is told to come
+    // back (and is then refused), never served on.
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let obs = dir.path().join("obs.sock");
+    let config = dir.path().join("config.toml");
+    let write_config = |observe: bool| {
+        std::fs::write(
+            &config,
+            format!(
+                "[[sockets]]\nname = \"obs\"\npath = \"{}\"\nscopes = [\"operator.read\"]\nobserve = {observe}\n",
+                obs.display()
+            ),
+        )
+        .unwrap()
+    };
+    write_config(true);
+    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+    cmd.arg("--config").arg(&config);
+    let log = log_to(&mut cmd, dir.path());
+    let mut first = ChildGuard(cmd.spawn().unwrap());
+    eventually("sockets exist", || socket.exists() && obs.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let pid = broker_pid(&socket).await;
+    let mut sse =
+        crate::http_api::open_events(&obs, "/v1/events?tool_events=all&events=test.n", &[])
+            .await
+            .unwrap_or_else(|e| panic!("{e:?}\n{}", log_text(&log)));
+    write_config(false);
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    loop {
+        match sse.next_item().await {
+            crate::http_api::Item::Other(record) if record.contains("clawmux.close") => {
+                assert!(record.contains("1012"), "{record}");
+                break;
+            }
+            crate::http_api::Item::Event { name, data, .. } => {
+                panic!(
+                    "{name} served after the handover: {data}\n{}",
+                    log_text(&log)
+                )
+            }
+            _ => {}
+        }
+    }
+    assert!(
+        log_text(&log).contains("may no longer read what it asked for"),
         "{}",
         log_text(&log)
     );

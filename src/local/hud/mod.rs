@@ -92,7 +92,7 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     if websocket {
         return upgrade(req, ctx, query, history);
     }
-    let socket = req.extensions().get::<super::ConnSocket>().cloned();
+    let socket = super::movable_socket(&req);
     let kill = req
         .extensions()
         .get::<super::ConnectionKill>()

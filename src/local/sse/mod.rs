@@ -239,7 +239,7 @@ pub fn open(req: &Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
                 .extensions()
                 .get::<ConnectionKill>()
                 .map(|k| k.0.clone()),
-            socket: req.extensions().get::<super::ConnSocket>().cloned(),
+            socket: super::movable_socket(req),
             reader_left: None,
         },
         ctx,
@@ -488,7 +488,13 @@ impl EventStream {
                     return Step::Chunk(self.sent(BytesMut::from(&b": keep-alive\n\n"[..])));
                 }
                 _ = self.cancel.cancelled() => {
-                    write_close(&mut out, 1001, "going away");
+                    // Not moved at a handover: told to come back.
+                    let (code, reason) = if self.handoff.is_cancelled() {
+                        (1012, "service restart")
+                    } else {
+                        (1001, "going away")
+                    };
+                    write_close(&mut out, code, reason);
                     self.finished = true;
                     return Step::Chunk(self.sent(out));
                 }

@@ -298,6 +298,19 @@ pub(crate) fn resume(
     let Some(stream) = adopt_socket(fd) else {
         return false;
     };
+    // Checked again: the settings may have changed with the handover (a
+    // socket that may no longer observe, a narrower ceiling).
+    let refused =
+        crate::local::tap_stream::observer_refusal(&access, wanted.tap, wanted.observe_tools)
+            .or_else(|| {
+                (wanted.tap && !access.grant.is_admin())
+                    .then(|| "tap=1 needs operator.admin".to_owned())
+            });
+    if let Some(why) = refused {
+        tracing::warn!(client_id = entry.id, %why, "handover: an event stream may no longer read what it asked for; closing it");
+        ctx.tracker.spawn(end_with(stream, Vec::new(), true));
+        return false;
+    }
     let client = ctx.hub.restored_client(
         entry.id,
         entry.conn_id,
@@ -515,6 +528,10 @@ async fn write_chunk(
     give_up: impl Future<Output = ()>,
     ctx: &Arc<Ctx>,
 ) -> bool {
+    if bytes.is_empty() {
+        // (A chunk of size 0 would end the body.)
+        return true;
+    }
     let _hold = ctx.hub.queue_budget().hold(bytes.len());
     let size = format!("{:X}\r\n", bytes.len());
     let write = async {
