@@ -550,6 +550,34 @@ impl RunningBroker {
                 tool_events: owner.tool_events,
             })
             .collect();
+        // The narrower sessions move the same way, each on its own.
+        let mut narrower = Vec::new();
+        for (grant, handed) in ctx
+            .sessions
+            .narrower
+            .hand_over(UPSTREAM_HANDOVER_WAIT)
+            .await
+        {
+            use base64::Engine as _;
+            let pending = ctx
+                .router
+                .take_for_handover(handed.generation, moves, &handed.unsent);
+            let entry = crate::handover::clients::NarrowerEntry {
+                scopes: grant.scopes().to_vec(),
+                url: crate::config::redact_url(ctx.upstream().target_url().trim()),
+                kind: handed.socket.kind,
+                hello: handed.hello,
+                unread: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unread),
+                next_request_id: ctx.router.next_id(),
+                pending,
+            };
+            tracing::info!(
+                scopes = %entry.scopes.join(","),
+                requests = entry.pending.len(),
+                "handover: a narrower gateway session moves with the clients"
+            );
+            narrower.push((entry, handed.socket.fd));
+        }
         let Some(handed) = ctx.upstream().hand_over(UPSTREAM_HANDOVER_WAIT).await else {
             return Carried {
                 upstream: None,
@@ -557,6 +585,7 @@ impl RunningBroker {
                 dedicated: Vec::new(),
                 streams: Vec::new(),
                 replay_newest: None,
+                narrower,
             };
         };
         let pending = ctx
@@ -591,6 +620,7 @@ impl RunningBroker {
             dedicated: Vec::new(),
             streams: Vec::new(),
             replay_newest: None,
+            narrower,
         }
     }
 

@@ -165,6 +165,9 @@ async fn store_for_next_start(
     for (i, stream) in moving.streams.into_iter().enumerate() {
         fds.push((crate::handover::clients::stream_fd_name(i), stream));
     }
+    for (i, session) in moving.narrower.into_iter().enumerate() {
+        fds.push((crate::handover::clients::narrower_fd_name(i), session));
+    }
     match crate::systemd::store(&fds) {
         Ok(()) => {
             released.finish();

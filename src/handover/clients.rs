@@ -56,11 +56,41 @@ pub struct Clients {
     /// [`stream_fd_name`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub streams: Vec<crate::context::StreamEntry>,
+    /// The narrower gateway sessions, when their connections move (each
+    /// socket as [`narrower_fd_name`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub narrower: Vec<NarrowerEntry>,
     /// The newest cursor the old instance's event log handed out: the next
     /// instance goes on right after it only when its log file ends there
     /// ([`crate::hub::replay::ReplayLog::open`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay_newest: Option<u64>,
+}
+
+/// A narrower gateway session (one client grant's), moving with its
+/// connection as the main session does ([`UpstreamEntry`]); it carries
+/// only requests and answers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NarrowerEntry {
+    /// The grant it holds.
+    pub scopes: Vec<String>,
+    /// The gateway URL, redacted (taken over only if the settings name it).
+    pub url: String,
+    pub kind: crate::upstream::SocketKind,
+    pub hello: crate::upstream::UpstreamHello,
+    /// Bytes read from the socket and not parsed (base64).
+    pub unread: String,
+    /// The next upstream request id's number (as [`UpstreamEntry`]'s: the
+    /// ids its requests in flight hold are never given out again).
+    pub next_request_id: u64,
+    /// Requests written on the connection and not answered yet.
+    pub pending: Vec<crate::router::MovedRequest>,
+}
+
+/// The descriptor name of the `i`th narrower session's socket (systemd's store).
+pub fn narrower_fd_name(i: usize) -> String {
+    format!("clawmux-narrower-{i}")
 }
 
 /// The descriptor name of the `i`th event stream's socket (systemd's store).
@@ -135,6 +165,8 @@ pub struct Moving {
     pub dedicated: Vec<(OwnedFd, OwnedFd)>,
     /// Each event stream's socket, in the order of `doc.streams`.
     pub streams: Vec<OwnedFd>,
+    /// Each narrower session's socket, in the order of `doc.narrower`.
+    pub narrower: Vec<OwnedFd>,
 }
 
 /// What the old instance carries beside its clients: the gateway session
@@ -147,6 +179,8 @@ pub struct Carried {
     pub streams: Vec<Box<dyn crate::context::StreamParcel>>,
     /// The newest cursor its event log handed out.
     pub replay_newest: Option<u64>,
+    /// The narrower sessions that move, and their sockets.
+    pub narrower: Vec<(NarrowerEntry, OwnedFd)>,
 }
 
 impl Subscription {
@@ -299,6 +333,7 @@ pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
         })
         .unzip();
     let (streams, stream_fds) = carried.streams.into_iter().map(|s| s.pack()).unzip();
+    let (narrower, narrower_fds) = carried.narrower.into_iter().unzip();
     Moving {
         doc: Clients {
             format: FORMAT,
@@ -307,12 +342,14 @@ pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
             runs: carried.runs,
             dedicated,
             streams,
+            narrower,
             replay_newest: carried.replay_newest,
         },
         clients: fds,
         upstream: upstream_fd,
         dedicated: dedicated_fds,
         streams: stream_fds,
+        narrower: narrower_fds,
     }
 }
 
@@ -327,6 +364,7 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         upstream: upstream_fd,
         dedicated,
         streams,
+        narrower,
     } = moving;
     // Every moved client keeps its id: no client made here (a moved HUD
     // stream's feed, below) may take one of theirs first.
@@ -464,6 +502,12 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             member.book().runs.insert(run.run_id);
         }
     }
+    for (entry, fd) in std::mem::take(&mut clients.narrower)
+        .into_iter()
+        .zip(narrower)
+    {
+        adopt_narrower(ctx, entry, fd, &registered);
+    }
     let adoption = match (clients.upstream, upstream_fd) {
         (Some(entry), Some(fd)) => adopt_upstream(ctx, entry, fd, &registered),
         (Some(_), None) => {
@@ -474,6 +518,40 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
     };
     ctx.sessions.adopt(adoption);
     taken
+}
+
+/// Goes on with a narrower session the previous instance handed over: its
+/// connector takes the connection over, and its requests in flight wait
+/// for their answers here again (those of a client that was not taken are
+/// dropped, as for the main session).
+fn adopt_narrower(
+    ctx: &Arc<Ctx>,
+    entry: NarrowerEntry,
+    fd: OwnedFd,
+    registered: &HashMap<u64, Arc<crate::dispatch::Member>>,
+) {
+    let Ok(unread) = base64::engine::general_purpose::STANDARD.decode(&entry.unread) else {
+        tracing::warn!("handover: a narrower session's unread bytes are not base64");
+        return;
+    };
+    ctx.router.continue_ids(entry.next_request_id);
+    let generation = ctx.sessions.narrower.adopt(
+        &Grant::new(&entry.scopes),
+        crate::upstream::Adoption {
+            socket: crate::upstream::MovedSocket {
+                fd,
+                kind: entry.kind,
+                unread,
+            },
+            hello: entry.hello,
+            url: entry.url,
+        },
+    );
+    for request in entry.pending {
+        if let Some(member) = registered.get(&request.client_id) {
+            ctx.router.adopt(&member.requester, request, generation);
+        }
+    }
 }
 
 /// Readies the gateway session handed over for this instance's connector:

@@ -236,12 +236,21 @@ impl Inherited {
                             Unreadable::Invalid(format!("{name} was not passed"))
                         })?);
                 }
+                let mut narrower = Vec::new();
+                for i in 0..doc.narrower.len() {
+                    let name = clients::narrower_fd_name(i);
+                    narrower
+                        .push(self.take_fd(&name).ok_or_else(|| {
+                            Unreadable::Invalid(format!("{name} was not passed"))
+                        })?);
+                }
                 Some(clients::Moving {
                     doc,
                     clients: fds,
                     upstream,
                     dedicated,
                     streams,
+                    narrower,
                 })
             }
         };

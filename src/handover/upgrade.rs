@@ -149,6 +149,7 @@ impl Successor {
             fds.push(gateway.as_fd());
         }
         fds.extend(moving.streams.iter().map(AsFd::as_fd));
+        fds.extend(moving.narrower.iter().map(AsFd::as_fd));
         for chunk in fds.chunks(wire::FDS_PER_MESSAGE) {
             wire::send(sock, b"f", chunk).await?;
         }
@@ -223,7 +224,10 @@ impl Predecessor {
             None => None,
         };
         let mut sockets = fds;
-        let expected = clients.clients.len() + 2 * clients.dedicated.len() + clients.streams.len();
+        let expected = clients.clients.len()
+            + 2 * clients.dedicated.len()
+            + clients.streams.len()
+            + clients.narrower.len();
         while sockets.len() < expected {
             let (n, more) = wire::recv(&self.control, &mut buf)
                 .await
@@ -236,6 +240,8 @@ impl Predecessor {
         if sockets.len() != expected {
             return Err("more client sockets than clients".into());
         }
+        let narrower = sockets
+            .split_off(clients.clients.len() + 2 * clients.dedicated.len() + clients.streams.len());
         let streams = sockets.split_off(clients.clients.len() + 2 * clients.dedicated.len());
         let mut dedicated_fds = sockets.split_off(clients.clients.len()).into_iter();
         let mut dedicated = Vec::new();
@@ -249,6 +255,7 @@ impl Predecessor {
             upstream,
             dedicated,
             streams,
+            narrower,
         })
     }
 }

@@ -242,17 +242,30 @@ impl Narrower {
     /// Starts a session for `grant` (its connector is tracked, and stops
     /// when the entry is dropped or the broker stops).
     fn open(&self, grant: &Grant) -> Entry {
+        self.open_with(grant, None)
+    }
+
+    /// [`Narrower::open`], going on with `adopted` when given.
+    fn open_with(&self, grant: &Grant, adopted: Option<crate::upstream::Adoption>) -> Entry {
         let n = self.opened.fetch_add(1, Ordering::Relaxed);
         let base = GENERATION_BASE + n * GENERATIONS_PER_SESSION;
-        let (upstream, seed) = self.factory.main.follow(base);
+        let (upstream, mut seed) = self.factory.main.follow(base);
         let scopes = grant.scopes().to_vec();
+        match adopted {
+            Some(adoption) => {
+                tracing::info!(scopes = %scopes.join(","), "taking a narrower upstream session over from the previous instance");
+                let _ = seed.await_adoption().send(Some(adoption));
+            }
+            None => {
+                tracing::info!(scopes = %scopes.join(","), "opening a narrower upstream session")
+            }
+        }
         let session = Session::narrower(upstream, &scopes);
         let cancel = self.factory.cancel.child_token();
         let owner = Arc::new(NarrowerSession {
             scopes: scopes.clone(),
             router: Arc::clone(&self.factory.router),
         });
-        tracing::info!(scopes = %scopes.join(","), "opening a narrower upstream session");
         self.factory.tracker.spawn(seed.run(
             &self.factory.settings,
             SessionSpec::narrower(&scopes),
@@ -266,6 +279,40 @@ impl Narrower {
             idled: 0,
             cancel,
         }
+    }
+
+    /// Stops every ready narrower session for the broker's next instance
+    /// ([`Upstream::hand_over`]): each that stops at a message boundary
+    /// within `within`, with its grant. The others end as at any stop.
+    pub async fn hand_over(&self, within: Duration) -> Vec<(Grant, crate::upstream::HandedOver)> {
+        let sessions: Vec<(Grant, Upstream)> = self
+            .lock()
+            .entries
+            .iter()
+            .map(|(grant, e)| (grant.clone(), e.session.upstream.clone()))
+            .collect();
+        let mut handed = Vec::new();
+        for (grant, upstream) in sessions {
+            if let Some(h) = upstream.hand_over(within).await {
+                handed.push((grant, h));
+            }
+        }
+        handed
+    }
+
+    /// Goes on with `grant`'s session the previous instance handed over
+    /// (its connector takes the connection as it is, or connects itself
+    /// if it cannot); no client holds it yet, so it lingers as an idle
+    /// one does. The generation its requests in flight wait on.
+    pub fn adopt(&self, grant: &Grant, adoption: crate::upstream::Adoption) -> u64 {
+        let mut entry = self.open_with(grant, Some(adoption));
+        let generation = entry.session.upstream.status().generation;
+        entry.holders = 1;
+        self.lock().entries.insert(grant.clone(), entry);
+        // As if its last holder just left: closed after the linger unless
+        // a moved client uses it again.
+        self.release(grant);
+        generation
     }
 
     /// A client that held `grant`'s session left; [`IDLE_LINGER`] after

@@ -1006,7 +1006,7 @@ async fn a_gateway_stalled_inside_a_message_is_reconnected_and_the_clients_still
 /// the next instance opens its narrower gateway session again for its next
 /// request (which gets the answer tailored to that grant).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_on_a_narrower_session_moves_and_keeps_its_grant() {
+async fn a_client_on_a_narrower_session_moves_with_it_and_keeps_its_grant() {
     let gw = MockGateway::start(mock_config()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
@@ -1026,9 +1026,21 @@ async fn a_client_on_a_narrower_session_moves_and_keeps_its_grant() {
         before["payload"]["sessions"].get("paths").is_none(),
         "redacted for a reader: {before}"
     );
+    assert_eq!(
+        gw.total_connections(),
+        2,
+        "the main session and the narrower one"
+    );
     let _next = upgrade_once(&mut first, pid, &socket, &log).await;
     let after = reader.request("status", serde_json::json!({})).await;
     assert_eq!(after["ok"], true, "{after}\n{}", log_text(&log));
+    // The narrower session's connection moved too: no new one.
+    assert_eq!(gw.total_connections(), 2, "{}", log_text(&log));
+    assert!(
+        log_text(&log).contains("taking a narrower upstream session over"),
+        "{}",
+        log_text(&log)
+    );
     assert!(
         after["payload"]["sessions"].get("paths").is_none(),
         "still redacted for a reader: {after}"
