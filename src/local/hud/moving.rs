@@ -20,8 +20,8 @@ use bytes::Bytes;
 use http::StatusCode;
 use tokio_util::sync::CancellationToken;
 
-use super::{sse_chunk, Activity, HudSource, Record};
-use crate::context::{Ctx, HudEntry, StreamEntry, StreamParcel};
+use super::{sse_chunk, Activity, HudSource};
+use crate::context::{Ctx, StreamEntry, StreamParcel};
 use crate::local::sse::{BodySource, Opening, Step};
 use crate::local::ws::HANDOVER_PAUSE_TIMEOUT;
 use crate::policy::{Access, SocketPolicy};
@@ -171,56 +171,10 @@ impl StreamParcel for HudMoved {
             query: std::mem::take(&mut body.query),
             fd: None,
         };
-        let entry = hud_entry(&mut body.source, who, None, |records| {
+        let entry = super::ws::hud_entry(&mut body.source, who, None, |records| {
             sse_chunk(records).to_vec()
         });
         (entry, fd)
-    }
-}
-
-/// A HUD stream's part of the clients document: the requests its tap
-/// queued are applied now (their records travel in `unsent`, as `encode`
-/// writes them), then its projection goes as it is. `unread`: a `/ws/hud`
-/// client's bytes read and not parsed (`None` for `/v1/hud`).
-pub(super) fn hud_entry(
-    source: &mut HudSource,
-    who: super::ws::Who,
-    unread: Option<&[u8]>,
-    encode: impl Fn(&[Record]) -> Vec<u8>,
-) -> StreamEntry {
-    let mut records: Vec<Record> = Vec::new();
-    if let Some(tap) = &source.tap {
-        let (items, _) = tap.client.take_all();
-        records = source.on_requests(items);
-    }
-    let unsent = if records.is_empty() {
-        Vec::new()
-    } else {
-        encode(&records)
-    };
-    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
-    StreamEntry {
-        id: source.tap.as_ref().map_or(0, |t| t.client.id),
-        conn_id: String::new(),
-        connected_at_ms: 0,
-        peer_pid: who.peer_pid,
-        scopes: who.scopes,
-        socket: who.socket,
-        query: who.query,
-        next_seq: 0,
-        last_cursor: source.applied,
-        last_seq: 0,
-        gap_pending: false,
-        unsent: b64(&unsent),
-        finished: false,
-        from_log: false,
-        hud: Some(HudEntry {
-            quiet_until: source.quiet_until,
-            newest: source.newest,
-            activity: serde_json::to_value(&source.activity).unwrap_or_default(),
-            websocket: unread.is_some(),
-            unread: unread.map(b64).unwrap_or_default(),
-        }),
     }
 }
 

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Instant;
 
+use base64::Engine as _;
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
@@ -19,7 +20,7 @@ use tokio_tungstenite::WebSocketStream;
 
 use super::{HudSource, Record};
 use crate::boundary::Pause;
-use crate::context::{Ctx, StreamEntry, StreamParcel};
+use crate::context::{Ctx, HudEntry, StreamEntry, StreamParcel};
 use crate::local::dedicated::ClientIo;
 use crate::local::preconnect::{Limited, PreconnectBudget};
 use crate::local::ws::HANDOVER_PAUSE_TIMEOUT;
@@ -200,7 +201,7 @@ impl std::fmt::Debug for WsHudMoved {
 }
 
 impl StreamParcel for WsHudMoved {
-    /// As a `/v1/hud` stream's ([`super::moving::hud_entry`]); its unsent
+    /// As a `/v1/hud` stream's ([`hud_entry`]); its unsent
     /// HUD events are one JSON text per line.
     fn pack(self: Box<Self>) -> (StreamEntry, OwnedFd) {
         let WsHudMoved {
@@ -209,7 +210,7 @@ impl StreamParcel for WsHudMoved {
             unread,
             fd,
         } = *self;
-        let entry = super::moving::hud_entry(&mut source, who, Some(&unread), |records| {
+        let entry = hud_entry(&mut source, who, Some(&unread), |records| {
             let mut lines = String::new();
             for record in records {
                 if let Record::Hud { event, .. } = record {
@@ -220,5 +221,51 @@ impl StreamParcel for WsHudMoved {
             lines.into_bytes()
         });
         (entry, fd)
+    }
+}
+
+/// A HUD stream's part of the clients document: the requests its tap
+/// queued are applied now (their records travel in `unsent`, as `encode`
+/// writes them), then its projection goes as it is. `unread`: a `/ws/hud`
+/// client's bytes read and not parsed (`None` for `/v1/hud`).
+pub(super) fn hud_entry(
+    source: &mut HudSource,
+    who: Who,
+    unread: Option<&[u8]>,
+    encode: impl Fn(&[Record]) -> Vec<u8>,
+) -> StreamEntry {
+    let mut records: Vec<Record> = Vec::new();
+    if let Some(tap) = &source.tap {
+        let (items, _) = tap.client.take_all();
+        records = source.on_requests(items);
+    }
+    let unsent = if records.is_empty() {
+        Vec::new()
+    } else {
+        encode(&records)
+    };
+    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+    StreamEntry {
+        id: source.tap.as_ref().map_or(0, |t| t.client.id),
+        conn_id: String::new(),
+        connected_at_ms: 0,
+        peer_pid: who.peer_pid,
+        scopes: who.scopes,
+        socket: who.socket,
+        query: who.query,
+        next_seq: 0,
+        last_cursor: source.applied,
+        last_seq: 0,
+        gap_pending: false,
+        unsent: b64(&unsent),
+        finished: false,
+        from_log: false,
+        hud: Some(HudEntry {
+            quiet_until: source.quiet_until,
+            newest: source.newest,
+            activity: serde_json::to_value(&source.activity).unwrap_or_default(),
+            websocket: unread.is_some(),
+            unread: unread.map(b64).unwrap_or_default(),
+        }),
     }
 }
