@@ -228,22 +228,19 @@ impl Inherited {
                     };
                     dedicated.push((take(&client)?, take(&gateway)?));
                 }
-                let mut streams = Vec::new();
-                for i in 0..doc.streams.len() {
-                    let name = clients::stream_fd_name(i);
-                    streams
-                        .push(self.take_fd(&name).ok_or_else(|| {
-                            Unreadable::Invalid(format!("{name} was not passed"))
-                        })?);
-                }
-                let mut narrower = Vec::new();
-                for i in 0..doc.narrower.len() {
-                    let name = clients::narrower_fd_name(i);
-                    narrower
-                        .push(self.take_fd(&name).ok_or_else(|| {
-                            Unreadable::Invalid(format!("{name} was not passed"))
-                        })?);
-                }
+                // The `n` descriptors named `name(0)`, `name(1)`, ….
+                let mut numbered = |n: usize, name: fn(usize) -> String| {
+                    (0..n)
+                        .map(|i| {
+                            let name = name(i);
+                            self.take_fd(&name).ok_or_else(|| {
+                                Unreadable::Invalid(format!("{name} was not passed"))
+                            })
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                };
+                let streams = numbered(doc.streams.len(), clients::stream_fd_name)?;
+                let narrower = numbered(doc.narrower.len(), clients::narrower_fd_name)?;
                 Some(clients::Moving {
                     doc,
                     clients: fds,
