@@ -535,8 +535,9 @@ fn adopt_narrower(
         return;
     };
     ctx.router.continue_ids(entry.next_request_id);
+    let grant = Grant::new(&entry.scopes);
     let generation = ctx.sessions.narrower.adopt(
-        &Grant::new(&entry.scopes),
+        &grant,
         crate::upstream::Adoption {
             socket: crate::upstream::MovedSocket {
                 fd,
@@ -547,6 +548,12 @@ fn adopt_narrower(
             url: entry.url,
         },
     );
+    // The moved clients with this grant hold it, as they did there.
+    for member in registered.values() {
+        if member.client().grant() == &grant {
+            ctx.sessions.narrower.hold(&grant, &member.narrower);
+        }
+    }
     for request in entry.pending {
         if let Some(member) = registered.get(&request.client_id) {
             ctx.router.adopt(&member.requester, request, generation);

@@ -315,6 +315,18 @@ impl Narrower {
         generation
     }
 
+    /// A moved client (`holder`) held `grant`'s session in the previous
+    /// instance: it holds the one taken over here, as from its first
+    /// request on it (so the session stays open while the client does).
+    pub fn hold(&self, grant: &Grant, holder: &OnceLock<Grant>) {
+        let mut state = self.lock();
+        if let Some(entry) = state.entries.get_mut(grant) {
+            if holder.set(grant.clone()).is_ok() {
+                entry.holders += 1;
+            }
+        }
+    }
+
     /// A client that held `grant`'s session left; [`IDLE_LINGER`] after
     /// the last one, it is closed (the timer is tracked, and ends with the
     /// broker).

@@ -1032,9 +1032,15 @@ async fn a_client_on_a_narrower_session_moves_with_it_and_keeps_its_grant() {
         "the main session and the narrower one"
     );
     let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    // The narrower session's connection moved too. The moved client holds
+    // it, as it did, before any request of its own here (it stays open
+    // while the client does).
+    let sessions = state(&socket).await["upstream"]["narrower_sessions"]["sessions"].clone();
+    assert_eq!(sessions.as_array().map(Vec::len), Some(1), "{sessions}");
+    assert_eq!(sessions[0]["holders"], 1, "{sessions}");
     let after = reader.request("status", serde_json::json!({})).await;
     assert_eq!(after["ok"], true, "{after}\n{}", log_text(&log));
-    // The narrower session's connection moved too: no new one.
+    // No new connection for it.
     assert_eq!(gw.total_connections(), 2, "{}", log_text(&log));
     assert!(
         log_text(&log).contains("taking a narrower upstream session over"),
