@@ -63,6 +63,9 @@ pub struct Parcel {
     pub registration: crate::dispatch::Registration,
     pub fd: std::os::fd::OwnedFd,
     pub unread: Vec<u8>,
+    /// It asked to be closed as a direct gateway connection would be
+    /// (`restarts=mirror`): it keeps asking in the next instance.
+    pub mirror: bool,
 }
 
 /// One `/ws/dedicated` connection, both its readers stopped at a message

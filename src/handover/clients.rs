@@ -219,6 +219,9 @@ pub struct ClientEntry {
     pub queued: Vec<String>,
     /// Bytes read from its socket and not parsed (base64).
     pub unread: String,
+    /// `restarts=mirror`: closed as a direct gateway connection would be.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mirror: bool,
 }
 
 /// What a client declared at connect (for `/v1/state`).
@@ -311,6 +314,7 @@ pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
             subscriptions,
             queued,
             unread: base64::engine::general_purpose::STANDARD.encode(&parcel.unread),
+            mirror: parcel.mirror,
         });
         fds.push((client.id, parcel.fd));
     }
@@ -409,6 +413,10 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             .spawn(crate::local::dedicated::resume(parcel, Arc::clone(ctx)));
     }
     let mut fds: HashMap<u64, OwnedFd> = fds.into_iter().collect();
+    // A mirror client (`restarts=mirror`) stays only on the gateway
+    // connection it was on: when that does not move, it is closed as a
+    // direct gateway connection would be by the reconnect.
+    let upstream_moves = clients.upstream.is_some() && upstream_fd.is_some();
     let mut registered = HashMap::new();
     for entry in clients.clients {
         let Some(fd) = fds.remove(&entry.id) else {
@@ -478,10 +486,19 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             client.push_frame(Bytes::from(frame));
         }
         registered.insert(client.id, Arc::clone(registration.member()));
+        let restarts = if entry.mirror {
+            if !upstream_moves {
+                client.close(1012, "service restart");
+            }
+            crate::local::ws::Restarts::Mirror
+        } else {
+            crate::local::ws::Restarts::Continuity
+        };
         ctx.tracker.spawn(crate::local::ws::resume(
             stream,
             unread,
             registration,
+            restarts,
             Arc::clone(ctx),
         ));
         taken += 1;

@@ -1579,3 +1579,31 @@ async fn a_stream_whose_socket_may_no_longer_observe_is_closed_not_moved() {
         log_text(&log)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirror_client_moves_when_its_gateway_connection_does() {
+    // Claw3D's path closes its clients as a direct gateway connection
+    // would be closed. A handover moves the gateway connection, so a direct
+    // connection would see nothing: the client moves, and stays.
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
+    let pid = broker_pid(&socket).await;
+    let mut mirror = WsClient::open(&socket, "/api/gateway/ws").await;
+    let conn_id = mirror.handshake().await["server"]["connId"].clone();
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    gw.broadcast("test.n", serde_json::json!({"n": 1}));
+    let event = mirror.event("test.n").await;
+    assert_eq!(event["payload"]["n"], 1, "{}", log_text(&log));
+    let res = mirror.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+    assert_listed(&socket, &conn_id, "the mirror client moved").await;
+    // Still a mirror client: a gateway restart closes it, as it would a
+    // direct connection.
+    gw.restart_notice(Some(100)).await;
+    mirror.event("shutdown").await;
+    assert_eq!(
+        mirror.expect_close().await,
+        (1012, "service restart".into())
+    );
+}

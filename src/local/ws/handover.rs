@@ -23,6 +23,7 @@ pub async fn resume(
     stream: tokio::net::UnixStream,
     unread: Vec<u8>,
     registration: Registration,
+    restarts: Restarts,
     ctx: Arc<Ctx>,
 ) {
     use tokio_tungstenite::tungstenite::protocol::Role;
@@ -50,10 +51,10 @@ pub async fn resume(
         _ = ctx.handoff.requested.cancelled() => {}
         _ = ctx.cancel.cancelled() => {}
     }
-    let served = serve_requests(&mut conn, &registration, &ctx, Restarts::Continuity).await;
+    let served = serve_requests(&mut conn, &registration, &ctx, restarts).await;
     if served == Served::HandOver {
-        if movable(&registration, Restarts::Continuity) {
-            match hand_over(conn, registration, fd, &ctx).await {
+        if movable(&registration, restarts) {
+            match hand_over(conn, registration, fd, restarts, &ctx).await {
                 Ok(()) => return,
                 Err((conn, registration)) => {
                     client.close(1012, "service restart");
@@ -68,15 +69,14 @@ pub async fn resume(
     finish(conn, registration).await
 }
 
-/// Whether a client moves at a handover: not a mirror client (a restart
-/// closes it, as a direct connection would be). A client whose grant has a
-/// narrower gateway session moves too: that session carries only its
-/// requests and answers (its events and subscriptions are the main
-/// session's), so the next instance opens it again at the client's next
-/// request that needs it; a request in flight on it at the handover is
-/// answered once, failed with `details.sent`.
-pub(super) fn movable(_registration: &Registration, restarts: Restarts) -> bool {
-    restarts == Restarts::Continuity
+/// Whether a client moves at a handover: every one does. A mirror client
+/// (`restarts=mirror`) too: a direct gateway connection would not see the
+/// broker's handover, and the gateway connection moves with it (when it
+/// cannot, `wss://`, the next instance's reconnect closes it, as a gateway
+/// restart would). A client on a narrower gateway session moves with that
+/// session's connection.
+pub(super) fn movable(_registration: &Registration, _restarts: Restarts) -> bool {
+    true
 }
 
 /// How long a client may take, at a handover, to finish the message it is
@@ -94,6 +94,7 @@ pub(super) async fn hand_over<T>(
     mut conn: Conn<Limited<T>>,
     registration: Registration,
     fd: std::os::fd::RawFd,
+    restarts: Restarts,
     ctx: &Arc<Ctx>,
 ) -> Result<(), (Conn<Limited<T>>, Registration)>
 where
@@ -152,6 +153,7 @@ where
         registration,
         fd: copy,
         unread,
+        mirror: restarts == Restarts::Mirror,
     });
     // Dropping `ws` closes this instance's descriptor only: the socket
     // stays open, through the copy, for the next instance.

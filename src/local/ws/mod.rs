@@ -262,7 +262,7 @@ pub async fn run(
         if served == Served::HandOver {
             match peer.fd {
                 Some(fd) if movable(&registration, restarts) => {
-                    match hand_over(conn, registration, fd.0, &ctx).await {
+                    match hand_over(conn, registration, fd.0, restarts, &ctx).await {
                         Ok(()) => return,
                         Err((conn, registration)) => {
                             client.close(1012, "service restart");
