@@ -547,35 +547,25 @@ fn adopt_narrower(
     fd: OwnedFd,
     registered: &HashMap<u64, Arc<crate::dispatch::Member>>,
 ) {
-    let Ok(unread) = base64::engine::general_purpose::STANDARD.decode(&entry.unread) else {
-        tracing::warn!("handover: a narrower session's unread bytes are not base64");
+    let moved = MovedConnection {
+        fd,
+        kind: entry.kind,
+        unread: &entry.unread,
+        hello: entry.hello,
+        url: entry.url,
+    };
+    let Some(adoption) = moved.adoption(ctx, entry.next_request_id) else {
         return;
     };
-    ctx.router.continue_ids(entry.next_request_id);
     let grant = Grant::new(&entry.scopes);
-    let generation = ctx.sessions.narrower.adopt(
-        &grant,
-        crate::upstream::Adoption {
-            socket: crate::upstream::MovedSocket {
-                fd,
-                kind: entry.kind,
-                unread,
-            },
-            hello: entry.hello,
-            url: entry.url,
-        },
-    );
+    let generation = ctx.sessions.narrower.adopt(&grant, adoption);
     // The moved clients with this grant hold it, as they did there.
     for member in registered.values() {
         if member.client().grant() == &grant {
             ctx.sessions.narrower.hold(&grant, &member.narrower);
         }
     }
-    for request in entry.pending {
-        if let Some(member) = registered.get(&request.client_id) {
-            ctx.router.adopt(&member.requester, request, generation);
-        }
-    }
+    adopt_pending(ctx, entry.pending, generation, registered);
 }
 
 /// Readies the gateway session handed over for this instance's connector:
@@ -589,32 +579,68 @@ fn adopt_upstream(
     fd: OwnedFd,
     registered: &HashMap<u64, Arc<crate::dispatch::Member>>,
 ) -> Option<crate::upstream::Adoption> {
-    let Ok(unread) = base64::engine::general_purpose::STANDARD.decode(&entry.unread) else {
-        tracing::warn!("handover: the gateway connection's unread bytes are not base64");
-        return None;
+    let moved = MovedConnection {
+        fd,
+        kind: entry.kind,
+        unread: &entry.unread,
+        hello: entry.hello,
+        url: entry.url,
     };
-    ctx.router.continue_ids(entry.next_request_id);
+    let adoption = moved.adoption(ctx, entry.next_request_id)?;
     let generation = ctx.upstream().status().generation;
-    for request in entry.pending {
-        if let Some(member) = registered.get(&request.client_id) {
-            ctx.router.adopt(&member.requester, request, generation);
-        }
-    }
+    adopt_pending(ctx, entry.pending, generation, registered);
     ctx.sessions
         .main_owner
         .will_continue(crate::sessions::main_session::Continued {
             last_seq: entry.last_seq,
             confirmed: entry.confirmed.into_iter().map(Subscription::key).collect(),
         });
-    Some(crate::upstream::Adoption {
-        socket: crate::upstream::MovedSocket {
-            fd,
-            kind: entry.kind,
-            unread,
-        },
-        hello: entry.hello,
-        url: entry.url,
-    })
+    Some(adoption)
+}
+
+/// A gateway connection as the document describes it (main or narrower).
+struct MovedConnection<'a> {
+    fd: OwnedFd,
+    kind: crate::upstream::SocketKind,
+    unread: &'a str,
+    hello: crate::upstream::UpstreamHello,
+    url: String,
+}
+
+impl MovedConnection<'_> {
+    /// What its connector adopts; its upstream ids go on after
+    /// `next_request_id`. `None` when its unread bytes are not base64.
+    fn adoption(self, ctx: &Ctx, next_request_id: u64) -> Option<crate::upstream::Adoption> {
+        let Ok(unread) = base64::engine::general_purpose::STANDARD.decode(self.unread) else {
+            tracing::warn!("handover: a gateway connection's unread bytes are not base64");
+            return None;
+        };
+        ctx.router.continue_ids(next_request_id);
+        Some(crate::upstream::Adoption {
+            socket: crate::upstream::MovedSocket {
+                fd: self.fd,
+                kind: self.kind,
+                unread,
+            },
+            hello: self.hello,
+            url: self.url,
+        })
+    }
+}
+
+/// Requests in flight on a moved connection wait for their answers here,
+/// on `generation`, for the clients that were taken.
+fn adopt_pending(
+    ctx: &Ctx,
+    pending: Vec<crate::router::MovedRequest>,
+    generation: u64,
+    registered: &HashMap<u64, Arc<crate::dispatch::Member>>,
+) {
+    for request in pending {
+        if let Some(member) = registered.get(&request.client_id) {
+            ctx.router.adopt(&member.requester, request, generation);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -53,30 +53,20 @@ pub async fn resume(
     }
     let served = serve_requests(&mut conn, &registration, &ctx, restarts).await;
     if served == Served::HandOver {
-        if movable(&registration, restarts) {
-            match hand_over(conn, registration, fd, restarts, &ctx).await {
-                Ok(()) => return,
-                Err((conn, registration)) => {
-                    client.close(1012, "service restart");
-                    drop(serving);
-                    return finish(conn, registration).await;
-                }
+        // Every client moves, a mirror one too: a direct gateway connection
+        // would see nothing of the broker's handover (when the gateway
+        // connection cannot move, the next instance closes it).
+        match hand_over(conn, registration, fd, restarts, &ctx).await {
+            Ok(()) => return,
+            Err((conn, registration)) => {
+                client.close(1012, "service restart");
+                drop(serving);
+                return finish(conn, registration).await;
             }
         }
-        client.close(1012, "service restart");
     }
     drop(serving);
     finish(conn, registration).await
-}
-
-/// Whether a client moves at a handover: every one does. A mirror client
-/// (`restarts=mirror`) too: a direct gateway connection would not see the
-/// broker's handover, and the gateway connection moves with it (when it
-/// cannot, `wss://`, the next instance's reconnect closes it, as a gateway
-/// restart would). A client on a narrower gateway session moves with that
-/// session's connection.
-pub(super) fn movable(_registration: &Registration, _restarts: Restarts) -> bool {
-    true
 }
 
 /// How long a client may take, at a handover, to finish the message it is

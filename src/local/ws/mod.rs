@@ -5,7 +5,7 @@
 mod handover;
 mod writer;
 
-use handover::{hand_over, movable};
+use handover::hand_over;
 pub use handover::{resume, HANDOVER_PAUSE_TIMEOUT};
 use writer::{Writer, WriterEnd};
 
@@ -261,16 +261,14 @@ pub async fn run(
         let served = serve_requests(&mut conn, &registration, &ctx, restarts).await;
         if served == Served::HandOver {
             match peer.fd {
-                Some(fd) if movable(&registration, restarts) => {
-                    match hand_over(conn, registration, fd.0, restarts, &ctx).await {
-                        Ok(()) => return,
-                        Err((conn, registration)) => {
-                            client.close(1012, "service restart");
-                            drop(serving);
-                            return finish(conn, registration).await;
-                        }
+                Some(fd) => match hand_over(conn, registration, fd.0, restarts, &ctx).await {
+                    Ok(()) => return,
+                    Err((conn, registration)) => {
+                        client.close(1012, "service restart");
+                        drop(serving);
+                        return finish(conn, registration).await;
                     }
-                }
+                },
                 _ => client.close(1012, "service restart"),
             }
         }
