@@ -255,8 +255,12 @@ const CLOCK_KEYS: &[&str] = &[
 ];
 
 /// Keys whose whole value is a live measurement of the gateway process
-/// (event-loop delay and CPU shares, sampled when asked).
-const MEASURED_KEYS: &[&str] = &["eventLoop", "processMemory"];
+/// (event-loop delay and CPU shares, sampled when asked) or of the work in
+/// flight gateway-wide at that instant: `status`'s `shutdownBudget`
+/// counts every other connection's request still running
+/// (`getActiveGatewayRootWorkCount({ excludeCurrent: true })`), and a
+/// differential run asks both sides at once, so each may count the other.
+const MEASURED_KEYS: &[&str] = &["eventLoop", "processMemory", "activeWork", "writeCustody"];
 
 /// `(parent, key)` pairs minted per run where the key alone is too common
 /// a name: a transcript's storage id.
@@ -609,5 +613,13 @@ mod tests {
         assert!(strip(&mut f, "payload/x/*/z"));
         assert!(!strip(&mut f, "payload/none"));
         assert_eq!(f, json!({"payload": {"auth": {"b": 2}, "x": [{"y": 1}]}}));
+        // Work in flight gateway-wide is a reading, not a difference: the
+        // direct side may count the broker's concurrent call (CI once did).
+        let status = |root: u64| {
+            json!({"shutdownBudget": {"activeWork": {"rootRequests": root, "cronRuns": 0},
+                "writeCustody": [], "graceMs": 5000}})
+        };
+        assert_eq!(n.normalize(&status(1)), n.normalize(&status(0)));
+        assert_eq!(n.normalize(&status(0))["shutdownBudget"]["graceMs"], 5000);
     }
 }
