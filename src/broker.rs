@@ -207,7 +207,13 @@ impl Released {
             let l = h.listener().map_err(io(&h.path))?;
             policies.push((h.policy.clone().unwrap_or_default(), l, g));
         }
-        RunningBroker::start_handed_over(settings, (main, guard), policies, Some(moving))
+        RunningBroker::start_handed_over(
+            settings,
+            (main, guard),
+            policies,
+            Some(moving),
+            crate::gate::Gate::opened(),
+        )
     }
 }
 
@@ -265,7 +271,14 @@ impl RunningBroker {
         let listener = tokio::net::UnixListener::from_std(listener).map_err(io)?;
         let guard = SocketGuard::activated(settings.socket_path.clone());
         let others = others.into_iter().map(|(n, l)| (n, l, None)).collect();
-        Self::start_with_listener_and(settings, listener, guard, others, Start::Fresh)
+        Self::start_with_listener_and(
+            settings,
+            listener,
+            guard,
+            others,
+            Start::Fresh,
+            crate::gate::Gate::opened(),
+        )
     }
 
     /// Starts serving on the listeners the previous instance handed over
@@ -280,6 +293,7 @@ impl RunningBroker {
         main: (std::os::unix::net::UnixListener, SocketGuard),
         policies: Vec<(String, std::os::unix::net::UnixListener, SocketGuard)>,
         moving: Option<crate::handover::clients::Moving>,
+        gate: crate::gate::Gate,
     ) -> Result<RunningBroker, SocketError> {
         let (listener, guard) = main;
         settings.socket_path = guard.path().to_owned();
@@ -296,7 +310,7 @@ impl RunningBroker {
         let start = Start::HandedOver {
             replay_newest: moving.as_ref().and_then(|m| m.doc.replay_newest),
         };
-        let broker = Self::start_with_listener_and(settings, listener, guard, others, start)?;
+        let broker = Self::start_with_listener_and(settings, listener, guard, others, start, gate)?;
         let n = crate::handover::clients::restore(
             &broker.ctx,
             &broker.policies,
@@ -313,7 +327,14 @@ impl RunningBroker {
         listener: tokio::net::UnixListener,
         guard: SocketGuard,
     ) -> Result<RunningBroker, SocketError> {
-        Self::start_with_listener_and(settings, listener, guard, Vec::new(), Start::Fresh)
+        Self::start_with_listener_and(
+            settings,
+            listener,
+            guard,
+            Vec::new(),
+            Start::Fresh,
+            crate::gate::Gate::opened(),
+        )
     }
 
     /// `activated`: policy sockets passed in, by name, with their guard
@@ -328,6 +349,7 @@ impl RunningBroker {
             Option<SocketGuard>,
         )>,
         start: Start,
+        gate: crate::gate::Gate,
     ) -> Result<RunningBroker, SocketError> {
         let mut held = vec![HeldListener::new(&listener, None, &guard)];
         // The `[[sockets]]` sockets, each with its own policy (bound before
@@ -399,6 +421,7 @@ impl RunningBroker {
             cancel,
             handoff: Default::default(),
             tracker,
+            gate,
         });
         ctx.tracker.spawn(sweep_deadlines(Arc::clone(&ctx)));
         let accept_stop = ctx.cancel.child_token();
@@ -409,8 +432,18 @@ impl RunningBroker {
                 crate::local::accept_loop(listener, policy, Arc::clone(&ctx), accept_stop.clone())
             })
             .collect();
+        // Nothing is accepted before the gate opens: a connection accepted
+        // by an upgrade's new instance that then fails would be lost, while
+        // in the backlog the old one serving again takes it.
+        let (gate, stop) = (ctx.gate.clone(), accept_stop.clone());
         let accept_task = ctx.tracker.spawn(async move {
-            futures_util::future::join_all(loops).await;
+            tokio::select! {
+                biased;
+                _ = stop.cancelled() => {}
+                _ = gate.passed() => {
+                    futures_util::future::join_all(loops).await;
+                }
+            }
         });
         tracing::info!(
             socket = %guard.path().display(),

@@ -238,9 +238,31 @@ pub struct Ctx {
     pub handoff: Handoff,
     /// Every connection and session task, so shutdown can wait for them.
     pub tracker: TaskTracker,
+    /// Closed while a `SIGUSR2` upgrade's old instance may still serve the
+    /// moved sockets again; every task on a moved socket (and the accept
+    /// loops) waits at it. Open from the start otherwise.
+    pub gate: crate::gate::Gate,
 }
 
 impl Ctx {
+    /// Spawns a task on a moved socket: tracked, and first polled once the
+    /// gate is open (so it reads and writes nothing before). A stop before
+    /// then drops it unpolled, closing this instance's copy of the socket.
+    pub fn spawn_moved<F>(&self, task: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let gate = self.gate.clone();
+        let cancel = self.cancel.clone();
+        self.tracker.spawn(async move {
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => {}
+                _ = gate.passed() => task.await,
+            }
+        });
+    }
+
     /// The main session's transport (its phase, its `hello-ok`, reloads).
     pub fn upstream(&self) -> &Upstream {
         &self.sessions.main.upstream

@@ -47,7 +47,8 @@
 //! - At the bottom, pure: [`config`] (settings and every limit),
 //!   [`policy`] (scopes, the gateway's method table, socket policies),
 //!   [`protocol`] (frames with raw payloads, the `studio.*` errors),
-//!   [`rate`] (token buckets, the upstream-open limiter), [`files`] and
+//!   [`rate`] (token buckets, the upstream-open limiter), [`gate`] (a
+//!   one-way gate moved sockets wait at during an upgrade), [`files`] and
 //!   [`private_files`] (local files read with a bound; the 0700/0600 state dir).
 //! - [`tap`]: a broker-side copy of requests, answers and targeted events
 //!   for `clawmux record --requests` (secrets redacted).
@@ -83,6 +84,7 @@ pub mod dispatch;
 pub mod files;
 #[doc(hidden)]
 pub mod fuzz_api;
+pub mod gate;
 pub mod handover;
 pub mod hub;
 pub mod install;

@@ -221,8 +221,10 @@ pub enum Outcome {
 }
 
 /// Hands the broker over to a new instance of `program`. Nothing is lost
-/// either way: until the new instance says `valid` this broker serves
-/// untouched; after, its clients reconnect (to whichever instance serves).
+/// or repeated either way: until the new instance says `valid` this broker
+/// serves untouched; until it says `commit` it can serve every moved
+/// client again exactly (the new one touched none); after, they are the
+/// new instance's (the control protocol: [`crate::handover::upgrade`]).
 async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Duration) -> Outcome {
     let (state, fds) = match broker.handover() {
         Ok(x) => x,
@@ -246,14 +248,31 @@ async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Dur
     let mut released = broker.release(shutdown_timeout).await;
     let moving = released.take_clients();
     let clients = moving.doc.clients.len();
-    let serving = match next.send_released(&moving).await {
-        Ok(()) => {
-            next.expect("serving", crate::handover::upgrade::SERVE_TIMEOUT)
-                .await
-        }
+    use crate::handover::upgrade::SERVE_TIMEOUT;
+    let ready = match next.send_released(&moving).await {
+        Ok(()) => next.expect("ready", SERVE_TIMEOUT).await,
         Err(e) => Err(format!("cannot pass the clients to the new instance ({e})")),
     };
-    match serving {
+    // Until `commit` is written the new instance has read and written
+    // nothing moved: this one can serve it all again, exactly (no byte
+    // twice, none lost).
+    let committed = match ready {
+        Ok(()) => next
+            .commit()
+            .await
+            .map_err(|e| format!("the new instance is gone before the commit ({e})")),
+        Err(why) => Err(why),
+    };
+    if let Err(why) = committed {
+        next.end().await;
+        return match released.serve_again(Some(moving)) {
+            Ok(broker) => Outcome::StillServing(broker, why),
+            Err(e) => Outcome::Lost(format!("{why}; serving again failed too: {e}")),
+        };
+    }
+    // Committed: the moved sockets are the new instance's alone, whatever
+    // happens next.
+    match next.expect("serving", SERVE_TIMEOUT).await {
         Ok(()) => {
             tracing::info!(
                 pid = next.pid(),
@@ -264,8 +283,14 @@ async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Dur
             Outcome::Upgraded
         }
         Err(why) => {
-            next.abandon();
-            match released.serve_again(Some(moving)) {
+            // It failed after it took everything: its clients lose their
+            // connection (nothing is sent twice) and reconnect here, where
+            // the event log goes on with a restart gap they are told of.
+            next.end().await;
+            drop(moving);
+            crate::systemd::now_main_process();
+            let why = format!("{why} (after the commit: its clients reconnect)");
+            match released.serve_again(Some(Default::default())) {
                 Ok(broker) => Outcome::StillServing(broker, why),
                 Err(e) => Outcome::Lost(format!("{why}; serving again failed too: {e}")),
             }

@@ -145,6 +145,49 @@ fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {
     Ok(dir)
 }
 
+/// The end of a `SIGUSR2` upgrade, in the new instance: everything is
+/// taken over and its gate is closed (nothing moved was read or written).
+/// Says `ready`; on the old instance's `commit` opens the gate and says
+/// `serving`. Without the commit the old instance serves everything again,
+/// so this one exits at once, touching nothing (not even the socket files:
+/// no destructor runs).
+async fn commit_with(old: &mut clawmux::handover::upgrade::Predecessor, broker: &RunningBroker) {
+    if let Some(ms) = std::env::var_os(FAULT_BEFORE_READY)
+        .and_then(|v| v.to_str().and_then(|v| v.parse::<u64>().ok()))
+    {
+        // A crash stand-in for the tests: everything is taken over and
+        // the gate holds it for `ms`, as a slow new instance would.
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        eprintln!("clawmux: {FAULT_BEFORE_READY} set: exiting before ready");
+        std::process::exit(1);
+    }
+    let commit = match old.say("ready").await {
+        Ok(()) => {
+            old.committed(clawmux::handover::upgrade::SERVE_TIMEOUT)
+                .await
+        }
+        Err(e) => Err(format!("the control socket failed ({e})")),
+    };
+    if let Err(why) = commit {
+        tracing::error!("upgrade: no commit ({why}); the old instance goes on serving");
+        eprintln!("clawmux: upgrade: no commit ({why}); the old instance goes on serving");
+        std::process::exit(1);
+    }
+    broker.ctx().gate.open();
+    // The main process first, then the word that lets the old one exit:
+    // systemd must know who the service is before its main process goes
+    // (it reads notifications before exits).
+    clawmux::systemd::now_main_process();
+    if let Err(e) = old.say("serving").await {
+        // Committed: the clients are this instance's; it serves on.
+        tracing::warn!("upgrade: cannot tell the old instance it serves ({e})");
+    }
+}
+
+/// Test hook: the new instance of an upgrade exits this many ms after it
+/// took everything over, before it says `ready` (tests/it/handover.rs).
+const FAULT_BEFORE_READY: &str = "CLAWMUX_TEST_EXIT_BEFORE_READY_MS";
+
 async fn serve(
     args: ServeArgs,
     passed: Result<clawmux::systemd::Passed, clawmux::systemd::ActivationError>,
@@ -281,7 +324,15 @@ async fn serve(
                     "the handed-over state has no main socket and systemd passed none"
                 ),
             };
-            RunningBroker::start_handed_over(settings, main, t.policies, moved)?
+            // After a `SIGUSR2` upgrade nothing moved is touched before the
+            // old instance commits (below); systemd's store has no old
+            // instance left to serve again.
+            let gate = if predecessor.is_some() {
+                clawmux::gate::Gate::closed()
+            } else {
+                clawmux::gate::Gate::opened()
+            };
+            RunningBroker::start_handed_over(settings, main, t.policies, moved, gate)?
         }
         (None, Some(socket)) => {
             RunningBroker::start_with_activated(settings, socket.listener, socket.others)?
@@ -289,11 +340,7 @@ async fn serve(
         (None, None) => RunningBroker::start(settings).await?,
     };
     if let Some(mut old) = predecessor {
-        // The main process first, then the word that lets the old one
-        // exit: systemd must know who the service is before its main
-        // process goes (it reads notifications before exits).
-        clawmux::systemd::now_main_process();
-        old.say("serving").await?;
+        commit_with(&mut old, &broker).await;
     }
     if !args.demo {
         eprintln!(

@@ -409,8 +409,7 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             peer_uid: entry.peer_uid,
             browser: entry.browser,
         };
-        ctx.tracker
-            .spawn(crate::local::dedicated::resume(parcel, Arc::clone(ctx)));
+        ctx.spawn_moved(crate::local::dedicated::resume(parcel, Arc::clone(ctx)));
     }
     let mut fds: HashMap<u64, OwnedFd> = fds.into_iter().collect();
     // A mirror client (`restarts=mirror`) stays only on the gateway
@@ -494,7 +493,7 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         } else {
             crate::local::ws::Restarts::Continuity
         };
-        ctx.tracker.spawn(crate::local::ws::resume(
+        ctx.spawn_moved(crate::local::ws::resume(
             stream,
             unread,
             registration,
@@ -533,7 +532,16 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         }
         _ => None,
     };
-    ctx.sessions.adopt(adoption);
+    match adoption {
+        // Its connector waits at the gate (`Adoption::gate`).
+        Some(adoption) => ctx.sessions.adopt(Some(adoption)),
+        // The connector connects itself once told: only after the gate, so
+        // nothing reaches the event log (or a client) before the commit.
+        None => {
+            let sessions = Arc::clone(&ctx.sessions);
+            ctx.spawn_moved(async move { sessions.adopt(None) });
+        }
+    }
     taken
 }
 
@@ -624,6 +632,7 @@ impl MovedConnection<'_> {
             },
             hello: self.hello,
             url: self.url,
+            gate: ctx.gate.clone(),
         })
     }
 }

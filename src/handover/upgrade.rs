@@ -1,14 +1,30 @@
-//! The `SIGUSR2` upgrade: the old instance's side ([`upgrade`]) and the new
-//! one's ([`Predecessor`]). The control socket carries one word per line:
-//! `valid` or `invalid <why>` (new → old), `released` (old → new),
-//! `serving` (new → old).
+//! The `SIGUSR2` upgrade: the old instance's side ([`Successor`], driven by
+//! `lifecycle::upgrade`) and the new one's ([`Predecessor`]). The control
+//! socket carries one word per line:
+//!
+//! 1. `valid` or `invalid <why>` (new → old): the state reads here;
+//! 2. `released` (old → new), with the descriptors: the old one stopped
+//!    serving at a message boundary;
+//! 3. `ready` (new → old): everything is taken over, and nothing moved has
+//!    been read or written yet (the new instance's [`crate::gate::Gate`] is
+//!    closed), so the old one can still serve it all again, exactly;
+//! 4. `commit` (old → new): the old one will never serve the moved sockets
+//!    again; from here the new one owns them, and opens its gate;
+//! 5. `serving` (new → old): systemd knows the new main process; the old
+//!    one exits.
+//!
+//! So a moved socket is served by exactly one instance at a time: before
+//! `commit` only the old one may touch it (and does again if the upgrade
+//! fails), after only the new one. An upgrade that fails after `commit`
+//! (the new instance dies in between) closes the moved clients; they
+//! reconnect to the old one, which serves on, and resume by cursor.
 
 use std::ffi::OsString;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
 use super::clients::{Clients, Moving};
@@ -21,6 +37,9 @@ pub const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the new instance may take, once the old one stopped serving,
 /// to serve (open the event log, bind nothing, start accepting).
 pub const SERVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the old instance waits for a killed new one to be gone.
+pub const END_WAIT: Duration = Duration::from_secs(2);
 
 /// How long the new instance waits for the old one to stop serving, beyond
 /// the old one's own `--shutdown-timeout` (the same flag, as it runs with
@@ -156,6 +175,31 @@ impl Successor {
         Ok(())
     }
 
+    /// Says `commit`: from here the new instance owns what moved. An error
+    /// means the word was not written (the new instance is gone, it cannot
+    /// have read it): the moved sockets are still this instance's alone.
+    pub async fn commit(&mut self) -> std::io::Result<()> {
+        self.write.write_all(b"commit\n").await
+    }
+
+    /// Ends a new instance that will not serve (it may be stuck) and waits,
+    /// bounded, until it is gone: what it holds (the event log's lock, its
+    /// copies of the sockets) is let go before this one serves again.
+    pub async fn end(mut self) {
+        let _ = self.child.start_kill();
+        if tokio::time::timeout(END_WAIT, self.child.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                pid = self.child.id(),
+                "upgrade: the new instance did not end within {} ms",
+                END_WAIT.as_millis()
+            );
+            self.abandon();
+        }
+    }
+
     /// Ends a new instance that will not serve (it may be stuck), and reaps
     /// it in the background.
     pub fn abandon(mut self) {
@@ -183,6 +227,37 @@ impl Predecessor {
 
     pub async fn say(&mut self, word: &str) -> std::io::Result<()> {
         self.control.write_all(format!("{word}\n").as_bytes()).await
+    }
+
+    /// After `ready`: waits for the old instance's `commit`. Anything else
+    /// (it closed the socket, it gave up on the upgrade, the timeout) means
+    /// it serves the moved sockets again: this instance must not touch them.
+    pub async fn committed(&mut self, within: Duration) -> Result<(), String> {
+        let mut line = Vec::new();
+        let read = async {
+            let mut byte = [0u8; 1];
+            while line.len() < 64 {
+                match self.control.read(&mut byte).await {
+                    Ok(0) => return Err("the old instance closed the control socket".to_owned()),
+                    Ok(_) if byte[0] == b'\n' => return Ok(()),
+                    Ok(_) => line.push(byte[0]),
+                    Err(e) => return Err(format!("the control socket failed ({e})")),
+                }
+            }
+            Err("the old instance said too much".to_owned())
+        };
+        match tokio::time::timeout(within, read).await {
+            Err(_) => Err(format!(
+                "the old instance did not commit within {} ms",
+                within.as_millis()
+            )),
+            Ok(Err(why)) => Err(why),
+            Ok(Ok(())) if line == b"commit" => Ok(()),
+            Ok(Ok(())) => Err(format!(
+                "the old instance said {:?}, not commit",
+                String::from_utf8_lossy(&line)
+            )),
+        }
     }
 
     /// Waits until the old instance stopped serving (it says `released`),

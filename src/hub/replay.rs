@@ -382,13 +382,19 @@ impl ReplayLog {
         }
         let known = loaded.newest.max(log.newest_seq);
         let clean = loaded.stopped_at.is_some();
-        let continued = clean && loaded.any && handed_newest == Some(loaded.newest);
+        // The previous instance handed out cursors up to `handed_newest`,
+        // and the file ends there: nothing is missing, nothing was written
+        // after (whether or not it carries the stop record: an upgrade's
+        // new instance that was not committed may have rewritten it, the
+        // same records, before the old one serves again).
+        let continued = loaded.any && handed_newest == Some(loaded.newest);
         // Every life starts its cursors above any earlier life's: above the
         // newest the file shows, and above the current time in
         // microseconds, which is above anything a life that kept no file
         // (`replay_persist = false`), or crashed before writing, handed out
         // (it would have needed more than one event per microsecond). A
-        // life handed a cleanly closed file goes on right after it.
+        // life handed a file that ends at the cursor it was handed goes on
+        // right after it.
         let start = if continued {
             known + 1
         } else {
@@ -799,6 +805,21 @@ mod tests {
         let continued = next.append(event(3), &Audience::All);
         assert_eq!(continued.cursor(), newest + 1);
         let newest = close(next).await;
+        // The file an upgrade's new instance rewrote (the same records, no
+        // stop record) before it was killed uncommitted: the old instance
+        // serving again goes on from it, with no gap, as nothing is missing.
+        let text = std::fs::read_to_string(&file).unwrap();
+        assert!(text.contains(r#"{"stop":"#), "{text}");
+        let rewritten: String = text
+            .lines()
+            .filter(|l| !l.starts_with(r#"{"stop":"#))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        std::fs::write(&file, rewritten).unwrap();
+        let again = ReplayLog::open(limits, Some(&file), Some(newest));
+        assert_eq!(again.newest_seq, newest, "no gap, no jump");
+        assert!(again.events.iter().all(|e| e.head.name() != GAP_EVENT));
+        let newest = close(again).await;
         // The previous instance handed out more than this file holds (it
         // did not write it, or not all of it): a restart, above both.
         let handed = newest + 1_000_000_000_000;

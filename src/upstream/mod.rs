@@ -239,6 +239,9 @@ pub struct Adoption {
     /// The gateway URL it is connected to, redacted: the connector adopts
     /// it only if its own settings name the same gateway.
     pub url: String,
+    /// The connector reads and writes the socket only once this is open
+    /// (the previous instance may still serve it again until then).
+    pub gate: crate::gate::Gate,
 }
 
 /// An owner that does nothing with what it is told (`clawmux doctor`'s

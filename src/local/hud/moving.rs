@@ -229,8 +229,7 @@ pub(crate) fn resume(
     if resp.status() != StatusCode::OK {
         tracing::warn!(status = %resp.status(), "handover: the HUD stream's feed cannot go on here; closing it");
         if !hud.websocket {
-            ctx.tracker
-                .spawn(crate::local::sse::end_with(socket, Vec::new(), true));
+            ctx.spawn_moved(crate::local::sse::end_with(socket, Vec::new(), true));
         }
         return false;
     }
@@ -249,7 +248,7 @@ pub(crate) fn resume(
             .map(str::to_owned)
             .collect();
         let ctx = Arc::clone(ctx);
-        ctx.tracker.clone().spawn(async move {
+        ctx.clone().spawn_moved(async move {
             let (ws, pause) = super::ws::websocket(Box::new(socket), unread, &ctx).await;
             super::ws::serve(ws, pause, source, who, first, ctx).await;
         });
@@ -268,7 +267,7 @@ pub(crate) fn resume(
     );
     body.kill = Some(kill);
     tracing::debug!("HUD stream taken over");
-    ctx.tracker.spawn(crate::local::sse::write_on(
+    ctx.spawn_moved(crate::local::sse::write_on(
         Arc::clone(ctx),
         socket,
         body,

@@ -308,7 +308,7 @@ pub(crate) fn resume(
             });
     if let Some(why) = refused {
         tracing::warn!(client_id = entry.id, %why, "handover: an event stream may no longer read what it asked for; closing it");
-        ctx.tracker.spawn(end_with(stream, Vec::new(), true));
+        ctx.spawn_moved(end_with(stream, Vec::new(), true));
         return false;
     }
     let client = ctx.hub.restored_client(
@@ -350,7 +350,7 @@ pub(crate) fn resume(
                     client_id = entry.id,
                     "handover: an event stream's history cannot go on here ({e}); closing it"
                 );
-                ctx.tracker.spawn(end_with(stream, unsent, true));
+                ctx.spawn_moved(end_with(stream, unsent, true));
                 return false;
             }
         }
@@ -390,7 +390,7 @@ pub(crate) fn resume(
         },
     };
     tracing::debug!(client_id = client.id, "event stream taken over");
-    ctx.tracker.spawn(write_on(
+    ctx.spawn_moved(write_on(
         Arc::clone(ctx),
         stream,
         stream_state,

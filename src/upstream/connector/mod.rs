@@ -280,6 +280,11 @@ impl Connector {
                         return;
                     }
                 }
+                // Stopped before the gate opened: nothing was taken.
+                None if self.cancel.is_cancelled() => {
+                    self.set_phase(Phase::Stopped);
+                    return;
+                }
                 None => self.adoption_refused(),
             }
         }
@@ -471,6 +476,11 @@ impl Connector {
     /// settings name the same gateway (else its socket is closed and the
     /// connector connects itself: a reconnect for the moved clients).
     async fn adopt(&self, adoption: super::Adoption) -> Option<(Ws, UpstreamHello)> {
+        tokio::select! {
+            biased;
+            _ = self.cancel.cancelled() => return None,
+            _ = adoption.gate.passed() => {}
+        }
         if adoption.url != redact_url(&self.url) {
             tracing::info!(
                 "handover: the settings name another gateway; not taking the gateway connection over"
