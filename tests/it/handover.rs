@@ -514,6 +514,111 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
     );
 }
 
+/// The new instance takes everything over and then dies before it says
+/// `ready` (the test hook holds it 300 ms first, during a paced burst):
+/// it read and wrote nothing moved (its gate stayed closed), so the old
+/// instance serves every client, stream and the gateway connection again,
+/// exactly: each event once, in order, with contiguous seq, no gap told;
+/// no probe refused (the new instance accepted nothing); one gateway
+/// connection; the event log goes on with no gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_instance_that_dies_before_the_commit_touched_nothing_and_the_old_one_serves_on_exactly(
+) {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+    // Inherited by the new instance, the only one that reads it.
+    cmd.env("CLAWMUX_TEST_EXIT_BEFORE_READY_MS", "300");
+    let log = log_to(&mut cmd, dir.path());
+    let mut old = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let pid = old.0.id();
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    let mut events = crate::http_api::open_events(&socket, "/v1/events?events=test.n", &[])
+        .await
+        .unwrap();
+    let burst = tokio::spawn({
+        let gw = gw.clone();
+        async move {
+            for n in 0..120 {
+                gw.broadcast("test.n", serde_json::json!({ "n": n }));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    });
+    let (stop, probes) = probe_continuously(socket.clone());
+    signal_pid(pid, rustix::process::Signal::USR2);
+    wait_log(&log, "upgrade failed, still serving").await;
+    burst.await.unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let (probed, failures) = probes.await.unwrap();
+    assert!(probed > 0);
+    assert_eq!(
+        failures,
+        0,
+        "{failures} of {probed} probes failed\n{}",
+        log_text(&log)
+    );
+    let text = log_text(&log);
+    assert!(text.contains("exiting before ready"), "{text}");
+    let mut last_seq = 0;
+    let mut want = 0;
+    while want < 120 {
+        let event = match client.recv_within(PATIENCE * 2).await {
+            Some(Got::Json(v)) if v["type"] == "event" => v,
+            Some(Got::Json(_)) => continue,
+            other => panic!("{other:?} after n {want}\n{}", log_text(&log)),
+        };
+        let seq = event["seq"].as_u64().expect("events carry seq");
+        assert!(
+            last_seq == 0 || seq == last_seq + 1,
+            "seq {last_seq} then {seq}: {event}"
+        );
+        last_seq = seq;
+        assert_ne!(event["event"], "clawmux.upstream", "{event}");
+        assert_ne!(event["event"], "clawmux.gap", "{event}");
+        if event["event"] == "test.n" {
+            assert_eq!(event["payload"]["n"], want, "{event}\n{}", log_text(&log));
+            want += 1;
+        }
+    }
+    let mut first_id = None;
+    for want in 0..120 {
+        let (id, name, data) = events.next_event().await;
+        first_id.get_or_insert(id);
+        assert_eq!(name, "test.n", "{data}");
+        assert_eq!(data["payload"]["n"], want, "{data}\n{}", log_text(&log));
+    }
+    // Nothing more (a repeat) is on its way.
+    gw.broadcast("test.n", serde_json::json!({ "n": 120 }));
+    assert_eq!(client.event("test.n").await["payload"]["n"], 120);
+    assert_eq!(events.next_event().await.2["payload"]["n"], 120);
+    assert_eq!(gw.total_connections(), 1, "{}", log_text(&log));
+    assert_eq!(broker_pid(&socket).await, pid);
+    // History equals live: every event once, no gap, across the attempt.
+    let first = first_id.unwrap();
+    let mut history = crate::http_api::open_events(
+        &socket,
+        &format!(
+            "/v1/events?events=test.n,clawmux.gap&after_seq={}",
+            first - 1
+        ),
+        &[],
+    )
+    .await
+    .unwrap();
+    for want in 0..=120 {
+        let (_, name, data) = history.next_event().await;
+        assert_eq!(name, "test.n", "{data}");
+        assert_eq!(data["payload"]["n"], want);
+    }
+    signal(&old.0, rustix::process::Signal::TERM);
+    assert!(exits_with(&mut old.0).await.success());
+}
+
 /// A stand-in for systemd's notify socket that keeps what `FDSTORE=1`
 /// stores, by `FDNAME=`, and forgets what `FDSTOREREMOVE=1` removes.
 struct Store {
