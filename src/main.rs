@@ -152,14 +152,16 @@ fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {
 /// so this one exits at once, touching nothing (not even the socket files:
 /// no destructor runs).
 async fn commit_with(old: &mut clawmux::handover::upgrade::Predecessor, broker: &RunningBroker) {
-    if let Some(ms) = std::env::var_os(FAULT_BEFORE_READY)
-        .and_then(|v| v.to_str().and_then(|v| v.parse::<u64>().ok()))
-    {
-        // A crash stand-in for the tests: everything is taken over and
-        // the gate holds it for `ms`, as a slow new instance would.
-        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
-        eprintln!("clawmux: {FAULT_BEFORE_READY} set: exiting before ready");
+    // Crash stand-ins for the tests: the new instance holds what it took
+    // over 300 ms, then exits, before `ready` or after the commit.
+    let fault = std::env::var(UPGRADE_FAULT).ok();
+    let crash_at = |point: &'static str| async move {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        eprintln!("clawmux: {UPGRADE_FAULT}={point}: exiting");
         std::process::exit(1);
+    };
+    if fault.as_deref() == Some("before-ready") {
+        crash_at("before-ready").await;
     }
     let commit = match old.say("ready").await {
         Ok(()) => {
@@ -174,6 +176,9 @@ async fn commit_with(old: &mut clawmux::handover::upgrade::Predecessor, broker: 
         std::process::exit(1);
     }
     broker.ctx().gate.open();
+    if fault.as_deref() == Some("after-commit") {
+        crash_at("after-commit").await;
+    }
     // The main process first, then the word that lets the old one exit:
     // systemd must know who the service is before its main process goes
     // (it reads notifications before exits).
@@ -184,9 +189,9 @@ async fn commit_with(old: &mut clawmux::handover::upgrade::Predecessor, broker: 
     }
 }
 
-/// Test hook: the new instance of an upgrade exits this many ms after it
-/// took everything over, before it says `ready` (tests/it/handover.rs).
-const FAULT_BEFORE_READY: &str = "CLAWMUX_TEST_EXIT_BEFORE_READY_MS";
+/// Test hook (tests/it/handover.rs): `before-ready` or `after-commit`, where
+/// the new instance of an upgrade exits.
+const UPGRADE_FAULT: &str = "CLAWMUX_TEST_UPGRADE_FAULT";
 
 async fn serve(
     args: ServeArgs,

@@ -529,7 +529,7 @@ async fn a_new_instance_that_dies_before_the_commit_touched_nothing_and_the_old_
     let socket = dir.path().join("c.sock");
     let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
     // Inherited by the new instance, the only one that reads it.
-    cmd.env("CLAWMUX_TEST_EXIT_BEFORE_READY_MS", "300");
+    cmd.env("CLAWMUX_TEST_UPGRADE_FAULT", "before-ready");
     let log = log_to(&mut cmd, dir.path());
     let mut old = ChildGuard(cmd.spawn().unwrap());
     eventually("socket exists", || socket.exists()).await;
@@ -563,7 +563,7 @@ async fn a_new_instance_that_dies_before_the_commit_touched_nothing_and_the_old_
         log_text(&log)
     );
     let text = log_text(&log);
-    assert!(text.contains("exiting before ready"), "{text}");
+    assert!(text.contains("=before-ready: exiting"), "{text}");
     let mut last_seq = 0;
     let mut want = 0;
     while want < 120 {
@@ -615,6 +615,122 @@ async fn a_new_instance_that_dies_before_the_commit_touched_nothing_and_the_old_
         assert_eq!(name, "test.n", "{data}");
         assert_eq!(data["payload"]["n"], want);
     }
+    signal(&old.0, rustix::process::Signal::TERM);
+    assert!(exits_with(&mut old.0).await.success());
+}
+
+/// The new instance dies after the commit (the hook lets it serve 300 ms
+/// first, during a paced burst): its clients lose their connection, never
+/// a repeat (the old instance touches none of them again) and reconnect to
+/// the old instance, which serves on; an event stream resuming by cursor
+/// gets each event at most once, and a `clawmux.gap` where some are lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_instance_that_dies_after_the_commit_costs_a_reconnect_never_a_repeat() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+    cmd.env("CLAWMUX_TEST_UPGRADE_FAULT", "after-commit");
+    let log = log_to(&mut cmd, dir.path());
+    let mut old = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let pid = old.0.id();
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    let mut events = crate::http_api::open_events(&socket, "/v1/events?events=test.n", &[])
+        .await
+        .unwrap();
+    let burst = tokio::spawn({
+        let gw = gw.clone();
+        async move {
+            for n in 0..120 {
+                gw.broadcast("test.n", serde_json::json!({ "n": n }));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    });
+    signal_pid(pid, rustix::process::Signal::USR2);
+    wait_log(&log, "after the commit: its clients reconnect").await;
+    burst.await.unwrap();
+    assert!(log_text(&log).contains("=after-commit: exiting"));
+    // The WebSocket client: every event once, in order, then the end.
+    let (mut last_seq, mut last_n) = (0, -1);
+    let end = loop {
+        match client.recv_within(PATIENCE * 2).await {
+            Some(Got::Json(v)) if v["type"] == "event" => {
+                let seq = v["seq"].as_u64().expect("events carry seq");
+                assert!(
+                    last_seq == 0 || seq == last_seq + 1,
+                    "seq {last_seq} then {seq}: {v}"
+                );
+                last_seq = seq;
+                if v["event"] == "test.n" {
+                    let n = v["payload"]["n"].as_i64().unwrap();
+                    assert_eq!(n, last_n + 1, "{v}\n{}", log_text(&log));
+                    last_n = n;
+                }
+            }
+            Some(Got::Json(_)) => {}
+            other => break other,
+        }
+    };
+    assert!(
+        matches!(end, Some(Got::Eof | Got::Close(..)) | None),
+        "{end:?}"
+    );
+    // The old instance serves on, for a client reconnecting.
+    let mut again = WsClient::open(&socket, "/ws").await;
+    again.handshake().await;
+    assert_eq!(broker_pid(&socket).await, pid);
+    // The event stream: each event at most once, in order, until its
+    // response ends; resumed by cursor, the rest, a gap told where events
+    // were lost.
+    let (mut last_id, mut seen) = (0, Vec::new());
+    while let Some(item) = events.next_item_or_end(PATIENCE * 2).await {
+        if let crate::http_api::Item::Event { id, name, data, .. } = item {
+            assert!(id > last_id, "id {id} after {last_id}");
+            last_id = id;
+            if name == "test.n" {
+                seen.push(data["payload"]["n"].as_i64().unwrap());
+            }
+        }
+    }
+    let mut resumed = crate::http_api::open_events(
+        &socket,
+        &format!("/v1/events?events=test.n,clawmux.gap&after_seq={last_id}"),
+        &[],
+    )
+    .await
+    .unwrap();
+    crate::http_api::until_ready(&socket).await;
+    gw.broadcast("test.n", serde_json::json!({ "n": 1000 }));
+    let mut gap_told = false;
+    loop {
+        let (id, name, data) = resumed.next_event().await;
+        assert!(id > last_id, "id {id} after {last_id}");
+        last_id = id;
+        if name == "clawmux.gap" {
+            gap_told = true;
+            continue;
+        }
+        let n = data["payload"]["n"].as_i64().unwrap();
+        let previous = seen.last().copied().unwrap_or(-1);
+        assert!(
+            n > previous,
+            "{n} after {previous}: a repeat\n{}",
+            log_text(&log)
+        );
+        assert!(
+            n == previous + 1 || gap_told,
+            "{n} after {previous} with no gap told"
+        );
+        seen.push(n);
+        if n == 1000 {
+            break;
+        }
+    }
+    assert!(gap_told, "the restart is told: {seen:?}");
     signal(&old.0, rustix::process::Signal::TERM);
     assert!(exits_with(&mut old.0).await.success());
 }

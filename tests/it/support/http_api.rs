@@ -152,6 +152,28 @@ impl Sse {
         }
     }
 
+    /// The next record, or `None` once the response ended (or broke).
+    pub async fn next_item_or_end(&mut self, wait: std::time::Duration) -> Option<Item> {
+        loop {
+            if let Some(end) = self.buf.find("\n\n") {
+                let record: String = self.buf.drain(..end + 2).collect();
+                return Some(parse_record(record.trim_end()));
+            }
+            let frame = tokio::time::timeout(wait, self.body.frame())
+                .await
+                .expect("an SSE record or the end within the patience window");
+            match frame {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.buf
+                            .push_str(std::str::from_utf8(&data).expect("UTF-8"));
+                    }
+                }
+                None | Some(Err(_)) => return None,
+            }
+        }
+    }
+
     /// The next event, skipping comments and other records.
     pub async fn next_event(&mut self) -> (u64, String, Value) {
         loop {
