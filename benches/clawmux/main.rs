@@ -318,9 +318,16 @@ async fn run(
         report.many_stalled(&many);
     }
     if scenarios.contains(&Scenario::Handover) {
-        let binary = std::path::Path::new(env!("CARGO_BIN_EXE_clawmux"));
-        let pauses = handover::run(&cfg, binary).await?;
+        // Another build (say, the commit before a change) can be measured
+        // with this bench's clients: HANDOVER_BENCH_BINARY=/path/to/clawmux.
+        let binary = std::env::var_os("HANDOVER_BENCH_BINARY")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_clawmux").into());
+        let pauses = handover::run(&cfg, &binary).await?;
         handover::print(&pauses);
+        if std::env::var_os("HANDOVER_BENCH_BINARY").is_some() {
+            println!("- the broker measured: {}", binary.display());
+        }
         if pauses.gaps.is_empty() || pauses.lost > 0 || pauses.skipped + pauses.repeated > 0 {
             return Err(format!(
                 "handover: {} handovers measured, {} clients lost, {} events missed, {} repeated",

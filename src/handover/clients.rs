@@ -493,7 +493,8 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         } else {
             crate::local::ws::Restarts::Continuity
         };
-        ctx.spawn_moved(crate::local::ws::resume(
+        // It waits at the gate itself, once set up.
+        ctx.tracker.spawn(crate::local::ws::resume(
             stream,
             unread,
             registration,

@@ -45,6 +45,13 @@ pub async fn resume(
     // client waits for it as a connecting client does (`connect_wait`).
     // Events queued meanwhile are written once it is.
     // (A stop or another handover meanwhile is seen by `serve_requests`.)
+    // Set up before the gate, so the commit wakes only I/O; nothing is
+    // read or written before it (a stop before then writes nothing).
+    tokio::select! {
+        biased;
+        _ = ctx.cancel.cancelled() => return,
+        _ = ctx.gate.passed() => {}
+    }
     let deadline = std::time::Instant::now() + ctx.settings.limits.connect_wait;
     tokio::select! {
         _ = ctx.upstream().wait_ready(deadline) => {}
