@@ -396,6 +396,13 @@ impl RunningBroker {
                 "a socket was passed in that no [[sockets]] entry names; closing it"
             );
         }
+        let slots = crate::context::ConnectionSlots::new(
+            listeners.iter().map(|(_, p)| p.name.as_str()),
+            crate::local::fdlimit::connection_budget(
+                settings.limits.max_connections(),
+                crate::local::fdlimit::soft_limit(),
+            ),
+        );
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
         let Core {
@@ -421,6 +428,7 @@ impl RunningBroker {
             cancel,
             handoff: Default::default(),
             tracker,
+            slots,
             gate,
         });
         ctx.tracker.spawn(sweep_deadlines(Arc::clone(&ctx)));

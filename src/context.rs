@@ -238,10 +238,50 @@ pub struct Ctx {
     pub handoff: Handoff,
     /// Every connection and session task, so shutdown can wait for them.
     pub tracker: TaskTracker,
+    /// Each socket's cap on open connections (`max_connections`, within
+    /// the open-file limit), by socket name: held by every connection the
+    /// accept loop takes, and by every moved one.
+    pub slots: ConnectionSlots,
     /// Closed while a `SIGUSR2` upgrade's old instance may still serve the
     /// moved sockets again; every task on a moved socket (and the accept
     /// loops) waits at it. Open from the start otherwise.
     pub gate: crate::gate::Gate,
+}
+
+/// The connection slots of each socket the broker serves.
+#[derive(Debug, Default)]
+pub struct ConnectionSlots(std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>);
+
+impl ConnectionSlots {
+    /// `cap` slots for each socket named.
+    pub fn new<'a>(names: impl IntoIterator<Item = &'a str>, cap: usize) -> ConnectionSlots {
+        ConnectionSlots(
+            names
+                .into_iter()
+                .map(|n| (n.to_owned(), Arc::new(tokio::sync::Semaphore::new(cap))))
+                .collect(),
+        )
+    }
+
+    /// The slots of the socket named `socket`.
+    pub fn of(&self, socket: &str) -> Option<&Arc<tokio::sync::Semaphore>> {
+        self.0.get(socket)
+    }
+
+    /// A slot of `socket`, held until dropped; `None` when it has none free
+    /// (or is not served).
+    pub fn take(&self, socket: &str) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        Arc::clone(self.of(socket)?).try_acquire_owned().ok()
+    }
+}
+
+/// Runs `task` holding `slot` (a connection slot) until it ends.
+pub async fn holding<F: std::future::Future>(
+    slot: tokio::sync::OwnedSemaphorePermit,
+    task: F,
+) -> F::Output {
+    let _slot = slot;
+    task.await
 }
 
 impl Ctx {

@@ -383,10 +383,15 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         .into_iter()
         .zip(streams)
     {
+        // It holds one of its socket's connection slots, as when accepted.
+        let Some(slot) = ctx.slots.take(&entry.socket) else {
+            tracing::warn!(client_id = entry.id, socket = %entry.socket, "handover: the socket's max_connections is reached; closing a moved event stream");
+            continue;
+        };
         let resumed = if entry.hud.is_some() {
-            crate::local::hud::resume(ctx, policies, entry, fd)
+            crate::local::hud::resume(ctx, policies, entry, fd, slot)
         } else {
-            crate::local::sse::resume(ctx, policies, entry, fd)
+            crate::local::sse::resume(ctx, policies, entry, fd, slot)
         };
         taken += usize::from(resumed);
     }
@@ -409,7 +414,14 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             peer_uid: entry.peer_uid,
             browser: entry.browser,
         };
-        ctx.spawn_moved(crate::local::dedicated::resume(parcel, Arc::clone(ctx)));
+        // Dedicated connections are counted on the main socket (the
+        // document does not say which socket they came through).
+        let Some(slot) = policies.first().and_then(|p| ctx.slots.take(&p.name)) else {
+            tracing::warn!("handover: the main socket's max_connections is reached; closing a moved dedicated connection");
+            continue;
+        };
+        let resumed = crate::local::dedicated::resume(parcel, Arc::clone(ctx));
+        ctx.spawn_moved(crate::context::holding(slot, resumed));
     }
     let mut fds: HashMap<u64, OwnedFd> = fds.into_iter().collect();
     // A mirror client (`restarts=mirror`) stays only on the gateway
@@ -430,6 +442,11 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             continue;
         };
         let Ok(unread) = base64::engine::general_purpose::STANDARD.decode(&entry.unread) else {
+            continue;
+        };
+        // It holds one of its socket's connection slots, as when accepted.
+        let Some(slot) = ctx.slots.take(&policy.name) else {
+            tracing::warn!(client_id = entry.id, socket = %policy.name, "handover: the socket's max_connections is reached; closing a moved client");
             continue;
         };
         let stream = std::os::unix::net::UnixStream::from(fd);
@@ -494,13 +511,9 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             crate::local::ws::Restarts::Continuity
         };
         // It waits at the gate itself, once set up.
-        ctx.tracker.spawn(crate::local::ws::resume(
-            stream,
-            unread,
-            registration,
-            restarts,
-            Arc::clone(ctx),
-        ));
+        let resumed =
+            crate::local::ws::resume(stream, unread, registration, restarts, Arc::clone(ctx));
+        ctx.tracker.spawn(crate::context::holding(slot, resumed));
         taken += 1;
     }
     if taken > 0 {

@@ -72,7 +72,11 @@ pub async fn accept_loop(
             "the open-file limit cannot hold every allowed connection: at most {cap} are accepted; raise it (LimitNOFILE= in the unit, ulimit -n)"
         );
     }
-    let slots = Arc::new(Semaphore::new(cap));
+    // Shared with the moved connections this socket's clients hold.
+    let Some(slots) = ctx.slots.of(&socket.name).cloned() else {
+        tracing::error!(socket = %socket.name, "no connection slots for this socket; not accepting");
+        return;
+    };
     let lingering = Arc::new(Semaphore::new(REFUSE_LINGER_MAX));
     let busy = busy_response(cap);
     let mut spare = SpareFd::open();

@@ -1828,3 +1828,56 @@ async fn a_mirror_client_moves_when_its_gateway_connection_does() {
         (1012, "service restart".into())
     );
 }
+
+/// Moved connections hold their socket's connection slots in the next
+/// instance, as accepted ones do: `max_connections` still bounds every
+/// open connection after a handover (without, the moved ones were not
+/// counted, and as many again could be accepted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moved_connections_still_count_against_max_connections() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, "[limits]\nmax_connections = 4\n").unwrap();
+    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+    cmd.arg("--config").arg(&config);
+    let log = log_to(&mut cmd, dir.path());
+    let mut first = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let pid = broker_pid(&socket).await;
+    // Two WebSocket clients and an event stream move.
+    let mut clients = Vec::new();
+    for _ in 0..2 {
+        let mut c = WsClient::open(&socket, "/ws").await;
+        c.handshake().await;
+        clients.push(c);
+    }
+    let mut sse = crate::http_api::open_events(&socket, "/v1/events?events=test.n", &[])
+        .await
+        .unwrap();
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    // The fourth connection takes the last slot; a fifth is refused.
+    let mut fourth = WsClient::open(&socket, "/ws").await;
+    fourth.handshake().await;
+    assert_eq!(healthz(&socket).await, Some(503), "{}", log_text(&log));
+    // Every moved connection is still served.
+    gw.broadcast("test.n", serde_json::json!({ "n": 1 }));
+    for c in &mut clients {
+        assert_eq!(c.event("test.n").await["payload"]["n"], 1);
+    }
+    assert_eq!(sse.next_event().await.2["payload"]["n"], 1);
+    // A moved client that leaves gives its slot back.
+    drop(clients.pop());
+    eventually_async("a slot is free again", || {
+        let socket = socket.clone();
+        async move {
+            match healthz(&socket).await {
+                Some(200) => Ok(()),
+                other => Err(format!("healthz {other:?}")),
+            }
+        }
+    })
+    .await;
+}

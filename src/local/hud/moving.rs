@@ -10,6 +10,7 @@
 //! travel as bytes. It moves only when the log is kept in a file (else the
 //! next instance's log starts empty, and the stream is closed instead).
 
+use crate::context::holding;
 use std::future::Future;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -189,6 +190,7 @@ pub(crate) fn resume(
     policies: &[Arc<SocketPolicy>],
     mut entry: StreamEntry,
     fd: OwnedFd,
+    slot: tokio::sync::OwnedSemaphorePermit,
 ) -> bool {
     let Some(access) = crate::local::sse::moved_access(policies, &entry) else {
         return false;
@@ -229,7 +231,10 @@ pub(crate) fn resume(
     if resp.status() != StatusCode::OK {
         tracing::warn!(status = %resp.status(), "handover: the HUD stream's feed cannot go on here; closing it");
         if !hud.websocket {
-            ctx.spawn_moved(crate::local::sse::end_with(socket, Vec::new(), true));
+            ctx.spawn_moved(holding(
+                slot,
+                crate::local::sse::end_with(socket, Vec::new(), true),
+            ));
         }
         return false;
     }
@@ -249,6 +254,7 @@ pub(crate) fn resume(
             .collect();
         let ctx = Arc::clone(ctx);
         ctx.clone().spawn_moved(async move {
+            let _slot = slot;
             let (ws, pause) = super::ws::websocket(Box::new(socket), unread, &ctx).await;
             super::ws::serve(ws, pause, source, who, first, ctx).await;
         });
@@ -267,11 +273,9 @@ pub(crate) fn resume(
     );
     body.kill = Some(kill);
     tracing::debug!("HUD stream taken over");
-    ctx.spawn_moved(crate::local::sse::write_on(
-        Arc::clone(ctx),
-        socket,
-        body,
-        Bytes::from(unsent),
+    ctx.spawn_moved(holding(
+        slot,
+        crate::local::sse::write_on(Arc::clone(ctx), socket, body, Bytes::from(unsent)),
     ));
     true
 }

@@ -15,6 +15,7 @@
 //! all of it (RFC 9112 §7.1; hand-written, as no crate writes one chunk of
 //! a body it did not start).
 
+use crate::context::holding;
 use std::future::Future;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -281,6 +282,7 @@ pub(crate) fn resume(
     policies: &[Arc<SocketPolicy>],
     entry: StreamEntry,
     fd: OwnedFd,
+    slot: tokio::sync::OwnedSemaphorePermit,
 ) -> bool {
     let Some(access) = moved_access(policies, &entry) else {
         return false;
@@ -308,7 +310,7 @@ pub(crate) fn resume(
             });
     if let Some(why) = refused {
         tracing::warn!(client_id = entry.id, %why, "handover: an event stream may no longer read what it asked for; closing it");
-        ctx.spawn_moved(end_with(stream, Vec::new(), true));
+        ctx.spawn_moved(holding(slot, end_with(stream, Vec::new(), true)));
         return false;
     }
     let client = ctx.hub.restored_client(
@@ -350,7 +352,7 @@ pub(crate) fn resume(
                     client_id = entry.id,
                     "handover: an event stream's history cannot go on here ({e}); closing it"
                 );
-                ctx.spawn_moved(end_with(stream, unsent, true));
+                ctx.spawn_moved(holding(slot, end_with(stream, unsent, true)));
                 return false;
             }
         }
@@ -390,11 +392,9 @@ pub(crate) fn resume(
         },
     };
     tracing::debug!(client_id = client.id, "event stream taken over");
-    ctx.spawn_moved(write_on(
-        Arc::clone(ctx),
-        stream,
-        stream_state,
-        Bytes::from(unsent),
+    ctx.spawn_moved(holding(
+        slot,
+        write_on(Arc::clone(ctx), stream, stream_state, Bytes::from(unsent)),
     ));
     true
 }
