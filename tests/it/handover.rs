@@ -514,6 +514,62 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
     );
 }
 
+/// A broker whose upgrades' new instance exits at `fault`
+/// (`CLAWMUX_TEST_UPGRADE_FAULT`, inherited: only a new instance reads
+/// it), with a WebSocket client and an event stream, and a paced burst of
+/// 120 numbered events (one every 5 ms) running.
+struct FaultyUpgrade {
+    gw: MockGateway,
+    _dir: tempfile::TempDir,
+    socket: PathBuf,
+    log: PathBuf,
+    old: ChildGuard,
+    pid: u32,
+    client: WsClient,
+    events: crate::http_api::Sse,
+    burst: tokio::task::JoinHandle<()>,
+}
+
+impl FaultyUpgrade {
+    async fn start(fault: &str) -> FaultyUpgrade {
+        let gw = MockGateway::start(mock_config()).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("c.sock");
+        let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+        cmd.env("CLAWMUX_TEST_UPGRADE_FAULT", fault);
+        let log = log_to(&mut cmd, dir.path());
+        let old = ChildGuard(cmd.spawn().unwrap());
+        eventually("socket exists", || socket.exists()).await;
+        crate::http_api::until_ready(&socket).await;
+        let pid = old.0.id();
+        let mut client = WsClient::open(&socket, "/ws").await;
+        client.handshake().await;
+        let events = crate::http_api::open_events(&socket, "/v1/events?events=test.n", &[])
+            .await
+            .unwrap();
+        let burst = tokio::spawn({
+            let gw = gw.clone();
+            async move {
+                for n in 0..120 {
+                    gw.broadcast("test.n", serde_json::json!({ "n": n }));
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        });
+        FaultyUpgrade {
+            gw,
+            _dir: dir,
+            socket,
+            log,
+            old,
+            pid,
+            client,
+            events,
+            burst,
+        }
+    }
+}
+
 /// The new instance takes everything over and then dies before it says
 /// `ready` (the test hook holds it 300 ms first, during a paced burst):
 /// it read and wrote nothing moved (its gate stayed closed), so the old
@@ -524,31 +580,17 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_instance_that_dies_before_the_commit_touched_nothing_and_the_old_one_serves_on_exactly(
 ) {
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
-    // Inherited by the new instance, the only one that reads it.
-    cmd.env("CLAWMUX_TEST_UPGRADE_FAULT", "before-ready");
-    let log = log_to(&mut cmd, dir.path());
-    let mut old = ChildGuard(cmd.spawn().unwrap());
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
-    let pid = old.0.id();
-    let mut client = WsClient::open(&socket, "/ws").await;
-    client.handshake().await;
-    let mut events = crate::http_api::open_events(&socket, "/v1/events?events=test.n", &[])
-        .await
-        .unwrap();
-    let burst = tokio::spawn({
-        let gw = gw.clone();
-        async move {
-            for n in 0..120 {
-                gw.broadcast("test.n", serde_json::json!({ "n": n }));
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        }
-    });
+    let FaultyUpgrade {
+        gw,
+        _dir,
+        socket,
+        log,
+        mut old,
+        pid,
+        mut client,
+        mut events,
+        burst,
+    } = FaultyUpgrade::start("before-ready").await;
     let (stop, probes) = probe_continuously(socket.clone());
     signal_pid(pid, rustix::process::Signal::USR2);
     wait_log(&log, "upgrade failed, still serving").await;
@@ -626,30 +668,17 @@ async fn a_new_instance_that_dies_before_the_commit_touched_nothing_and_the_old_
 /// gets each event at most once, and a `clawmux.gap` where some are lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_instance_that_dies_after_the_commit_costs_a_reconnect_never_a_repeat() {
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
-    cmd.env("CLAWMUX_TEST_UPGRADE_FAULT", "after-commit");
-    let log = log_to(&mut cmd, dir.path());
-    let mut old = ChildGuard(cmd.spawn().unwrap());
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
-    let pid = old.0.id();
-    let mut client = WsClient::open(&socket, "/ws").await;
-    client.handshake().await;
-    let mut events = crate::http_api::open_events(&socket, "/v1/events?events=test.n", &[])
-        .await
-        .unwrap();
-    let burst = tokio::spawn({
-        let gw = gw.clone();
-        async move {
-            for n in 0..120 {
-                gw.broadcast("test.n", serde_json::json!({ "n": n }));
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        }
-    });
+    let FaultyUpgrade {
+        gw,
+        _dir,
+        socket,
+        log,
+        mut old,
+        pid,
+        mut client,
+        mut events,
+        burst,
+    } = FaultyUpgrade::start("after-commit").await;
     signal_pid(pid, rustix::process::Signal::USR2);
     wait_log(&log, "after the commit: its clients reconnect").await;
     burst.await.unwrap();
