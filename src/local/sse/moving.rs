@@ -230,13 +230,23 @@ impl StreamParcel for Moved {
         // the events queued after it, from the log (which the handover
         // continues), after the last cursor written here. What the queue
         // holds that the log does not (the request tap's records) travels.
-        let from_log = stream.backlog.len() > 0;
+        let mut from_log = stream.backlog.len() > 0;
         if from_log {
             for item in items {
-                if let Outgoing::Frame(frame) = item {
-                    if stream.tapped {
+                match item {
+                    Outgoing::Frame(frame) if stream.tapped => {
                         crate::local::tap_stream::write_tapped(&mut out, &frame);
                     }
+                    // A close queued (a slow consumer's): the stream ends
+                    // after what it wrote, told so, and its reader resumes
+                    // by cursor from the last event it got (each once).
+                    Outgoing::Close(code, reason) => {
+                        super::write_close(&mut out, code, &reason);
+                        stream.finished = true;
+                        from_log = false;
+                        break;
+                    }
+                    _ => {}
                 }
             }
             // Its queue's events are not written: the next instance's
