@@ -296,8 +296,23 @@ async fn serve(
             ),
         }
     }
+    // After a `SIGUSR2` upgrade nothing moved is touched before the old
+    // instance commits (`commit_with`), not even the socket files at a
+    // failed start; systemd's store has no old instance left to serve again.
+    let gate = if predecessor.is_some() {
+        clawmux::gate::Gate::closed()
+    } else {
+        clawmux::gate::Gate::opened()
+    };
     let broker = match (taken, activated) {
-        (Some(t), activated) => {
+        (Some(mut t), activated) => {
+            t.main = t
+                .main
+                .map(|(l, guard)| (l, guard.removed_only_after(&gate)));
+            t.policies = std::mem::take(&mut t.policies)
+                .into_iter()
+                .map(|(name, l, guard)| (name, l, guard.removed_only_after(&gate)))
+                .collect();
             tracing::info!(
                 from_pid = t.state.from_pid,
                 from_version = %t.state.from_version,
@@ -328,14 +343,6 @@ async fn serve(
                 (None, None) => anyhow::bail!(
                     "the handed-over state has no main socket and systemd passed none"
                 ),
-            };
-            // After a `SIGUSR2` upgrade nothing moved is touched before the
-            // old instance commits (below); systemd's store has no old
-            // instance left to serve again.
-            let gate = if predecessor.is_some() {
-                clawmux::gate::Gate::closed()
-            } else {
-                clawmux::gate::Gate::opened()
             };
             RunningBroker::start_handed_over(settings, main, t.policies, moved, gate)?
         }

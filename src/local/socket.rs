@@ -150,6 +150,9 @@ struct OwnedSocketFile {
     ino: Option<(u64, u64)>,
     lock_path: PathBuf,
     _lock: File,
+    /// Removed only once this is open (an upgrade's new instance owns the
+    /// files only from the old one's commit on).
+    after: Option<crate::gate::Gate>,
 }
 
 impl SocketGuard {
@@ -198,8 +201,19 @@ impl SocketGuard {
                 ino,
                 lock_path,
                 _lock: File::from(lock),
+                after: None,
             }),
         }
+    }
+
+    /// Leaves the files in place if dropped before `gate` opens: an
+    /// upgrade's new instance that ends before the old one committed (the
+    /// old one serves on them).
+    pub fn removed_only_after(mut self, gate: &crate::gate::Gate) -> Self {
+        if let Some(owned) = &mut self.owned {
+            owned.after = Some(gate.clone());
+        }
+        self
     }
 
     /// After the next instance took the socket over: leave the file and its
@@ -214,6 +228,9 @@ impl Drop for SocketGuard {
         let Some(owned) = &self.owned else {
             return;
         };
+        if owned.after.as_ref().is_some_and(|g| !g.is_open()) {
+            return;
+        }
         if let Ok(meta) = fs::symlink_metadata(&self.path) {
             if Some((meta.dev(), meta.ino())) == owned.ino {
                 let _ = fs::remove_file(&self.path);
@@ -352,6 +369,7 @@ pub fn bind_with_mode(
                 ino,
                 lock_path,
                 _lock: lock,
+                after: None,
             }),
         },
     ))

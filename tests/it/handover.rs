@@ -1931,3 +1931,50 @@ async fn moved_connections_still_count_against_max_connections() {
     })
     .await;
 }
+
+/// A new instance whose start fails after the old one released (a
+/// `[[sockets]]` entry it cannot bind) leaves the socket file and its lock
+/// in place: the old instance serves on, and new connections reach it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_instance_that_cannot_start_after_the_release_leaves_the_socket_file() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, "").unwrap();
+    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+    cmd.arg("--config").arg(&config);
+    let log = log_to(&mut cmd, dir.path());
+    let mut old = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let pid = old.0.id();
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    // A socket under a regular file cannot be bound.
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "").unwrap();
+    std::fs::write(
+        &config,
+        format!(
+            "[[sockets]]\nname = \"x\"\npath = \"{}\"\n",
+            file.join("x.sock").display()
+        ),
+    )
+    .unwrap();
+    signal_pid(pid, rustix::process::Signal::USR2);
+    wait_log(&log, "upgrade failed, still serving").await;
+    assert!(
+        socket.exists(),
+        "the socket file is still there\n{}",
+        log_text(&log)
+    );
+    assert_eq!(broker_pid(&socket).await, pid, "{}", log_text(&log));
+    let res = client.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+    let mut again = WsClient::open(&socket, "/ws").await;
+    again.handshake().await;
+    signal(&old.0, rustix::process::Signal::TERM);
+    assert!(exits_with(&mut old.0).await.success());
+    assert!(!socket.exists(), "the old instance's final stop removes it");
+}
