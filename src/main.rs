@@ -189,8 +189,9 @@ async fn commit_with(old: &mut clawmux::handover::upgrade::Predecessor, broker: 
     }
 }
 
-/// Test hook (tests/it/handover.rs): `before-ready` or `after-commit`, where
-/// the new instance of an upgrade exits.
+/// Test hook (tests/it/handover.rs): where the new instance of an upgrade
+/// fails: `after-valid` (an error returned), `before-ready` or
+/// `after-commit` (it exits).
 const UPGRADE_FAULT: &str = "CLAWMUX_TEST_UPGRADE_FAULT";
 
 async fn serve(
@@ -260,12 +261,24 @@ async fn serve(
     } else {
         None
     };
+    // After a `SIGUSR2` upgrade nothing moved is touched before the old
+    // instance commits (`commit_with`), not even the socket files, however
+    // this start fails; systemd's store has no old instance left to serve.
+    let inherited = inherited.filter(|_| !args.demo);
+    let gate = if inherited
+        .as_ref()
+        .is_some_and(|i| i.source == Source::Upgrade)
+    {
+        clawmux::gate::Gate::closed()
+    } else {
+        clawmux::gate::Gate::opened()
+    };
     let mut predecessor = None;
     let mut taken = None;
-    if let Some(mut inherited) = inherited.filter(|_| !args.demo) {
+    if let Some(mut inherited) = inherited {
         let names = inherited.names().join(", ");
         let control = inherited.control();
-        match (inherited.source, inherited.take()) {
+        match (inherited.source, inherited.take(&gate)) {
             (Source::Upgrade, result) => {
                 let control = control
                     .ok_or_else(|| anyhow::anyhow!("upgrade: no control socket was passed"))?;
@@ -273,6 +286,11 @@ async fn serve(
                 match result {
                     Ok(mut t) => {
                         old.say("valid").await?;
+                        if std::env::var(UPGRADE_FAULT).as_deref() == Ok("after-valid") {
+                            // A start that fails as an error returned (its
+                            // destructors run), once the state was valid.
+                            anyhow::bail!("upgrade: {UPGRADE_FAULT}=after-valid");
+                        }
                         let clients = old
                             .released(shutdown_timeout + clawmux::handover::upgrade::RELEASE_MARGIN)
                             .await
@@ -296,23 +314,8 @@ async fn serve(
             ),
         }
     }
-    // After a `SIGUSR2` upgrade nothing moved is touched before the old
-    // instance commits (`commit_with`), not even the socket files at a
-    // failed start; systemd's store has no old instance left to serve again.
-    let gate = if predecessor.is_some() {
-        clawmux::gate::Gate::closed()
-    } else {
-        clawmux::gate::Gate::opened()
-    };
     let broker = match (taken, activated) {
-        (Some(mut t), activated) => {
-            t.main = t
-                .main
-                .map(|(l, guard)| (l, guard.removed_only_after(&gate)));
-            t.policies = std::mem::take(&mut t.policies)
-                .into_iter()
-                .map(|(name, l, guard)| (name, l, guard.removed_only_after(&gate)))
-                .collect();
+        (Some(t), activated) => {
             tracing::info!(
                 from_pid = t.state.from_pid,
                 from_version = %t.state.from_version,

@@ -414,14 +414,16 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             peer_uid: entry.peer_uid,
             browser: entry.browser,
         };
-        // Dedicated connections are counted on the main socket (the
-        // document does not say which socket they came through).
-        let Some(slot) = policies.first().and_then(|p| ctx.slots.take(&p.name)) else {
-            tracing::warn!("handover: the main socket's max_connections is reached; closing a moved dedicated connection");
-            continue;
-        };
+        // Counted on the main socket when it has a slot free: the document
+        // does not say which socket a dedicated connection came through, so
+        // one is never closed for a count it may not belong to (it held a
+        // slot of its own socket in the previous instance).
+        let slot = policies.first().and_then(|p| ctx.slots.take(&p.name));
         let resumed = crate::local::dedicated::resume(parcel, Arc::clone(ctx));
-        ctx.spawn_moved(crate::context::holding(slot, resumed));
+        ctx.spawn_moved(async move {
+            let _slot = slot;
+            resumed.await
+        });
     }
     let mut fds: HashMap<u64, OwnedFd> = fds.into_iter().collect();
     // A mirror client (`restarts=mirror`) stays only on the gateway

@@ -160,8 +160,11 @@ impl Inherited {
     }
 
     /// Reads and checks the state and every descriptor it names. Whole or
-    /// not at all: on any error every descriptor is closed (dropped).
-    pub fn take(mut self) -> Result<Taken, Unreadable> {
+    /// not at all: on any error every descriptor is closed (dropped). The
+    /// socket files' guards remove them only once `after` is open (an
+    /// upgrade's new instance owns them only from the old one's commit on:
+    /// until then, however it fails, the old one serves on them).
+    pub fn take(mut self, after: &crate::gate::Gate) -> Result<Taken, Unreadable> {
         let state_fd = self
             .take_fd(state::STATE_FD_NAME)
             .ok_or_else(|| Unreadable::Invalid("no state descriptor was passed".into()))?;
@@ -194,6 +197,7 @@ impl Inherited {
                         owned.lock_path.clone(),
                         lock,
                     )
+                    .removed_only_after(after)
                 }
             };
             match &l.policy {

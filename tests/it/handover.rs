@@ -1964,12 +1964,43 @@ async fn a_new_instance_that_cannot_start_after_the_release_leaves_the_socket_fi
     .unwrap();
     signal_pid(pid, rustix::process::Signal::USR2);
     wait_log(&log, "upgrade failed, still serving").await;
-    assert!(
-        socket.exists(),
-        "the socket file is still there\n{}",
-        log_text(&log)
-    );
+    // It failed after the release (the state was valid), in its start.
+    let text = log_text(&log);
+    assert!(text.contains("before it said ready"), "{text}");
+    assert!(socket.exists(), "the socket file is still there\n{text}");
     assert_eq!(broker_pid(&socket).await, pid, "{}", log_text(&log));
+    let res = client.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+    let mut again = WsClient::open(&socket, "/ws").await;
+    again.handshake().await;
+    signal(&old.0, rustix::process::Signal::TERM);
+    assert!(exits_with(&mut old.0).await.success());
+    assert!(!socket.exists(), "the old instance's final stop removes it");
+}
+
+/// A new instance that fails once it said `valid` (an error returned, so
+/// every destructor runs, the socket guards' too) leaves the socket file
+/// and its lock to the old instance, which serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_instance_that_fails_after_valid_leaves_the_socket_file_to_the_old_one() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+    cmd.env("CLAWMUX_TEST_UPGRADE_FAULT", "after-valid");
+    let log = log_to(&mut cmd, dir.path());
+    let mut old = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let pid = old.0.id();
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    signal_pid(pid, rustix::process::Signal::USR2);
+    wait_log(&log, "upgrade failed, still serving").await;
+    let text = log_text(&log);
+    assert!(text.contains("=after-valid"), "{text}");
+    assert!(socket.exists(), "the socket file is still there\n{text}");
+    assert_eq!(broker_pid(&socket).await, pid);
     let res = client.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "{res}");
     let mut again = WsClient::open(&socket, "/ws").await;
