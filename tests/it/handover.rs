@@ -514,6 +514,29 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
     );
 }
 
+/// `clawmux serve` from the binary under test against the double `gw`,
+/// with `config.toml` in `dir` holding `config` and the environment `env`
+/// added, once its gateway session is ready: (the child, its socket, its
+/// log, the config file).
+async fn serve_configured(
+    dir: &Path,
+    gw: &MockGateway,
+    config: &str,
+    env: &[(&str, &str)],
+) -> (ChildGuard, PathBuf, PathBuf, PathBuf) {
+    let socket = dir.join("c.sock");
+    let config_path = dir.join("config.toml");
+    std::fs::write(&config_path, config).unwrap();
+    let mut cmd = serve_command(Path::new(BIN), dir, &socket, &gw.url());
+    cmd.arg("--config").arg(&config_path);
+    cmd.envs(env.iter().copied());
+    let log = log_to(&mut cmd, dir);
+    let child = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    (child, socket, log, config_path)
+}
+
 /// A broker whose upgrades' new instance exits at `fault`
 /// (`CLAWMUX_TEST_UPGRADE_FAULT`, inherited: only a new instance reads
 /// it), with a WebSocket client and an event stream, and a paced burst of
@@ -534,13 +557,13 @@ impl FaultyUpgrade {
     async fn start(fault: &str) -> FaultyUpgrade {
         let gw = MockGateway::start(mock_config()).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("c.sock");
-        let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
-        cmd.env("CLAWMUX_TEST_UPGRADE_FAULT", fault);
-        let log = log_to(&mut cmd, dir.path());
-        let old = ChildGuard(cmd.spawn().unwrap());
-        eventually("socket exists", || socket.exists()).await;
-        crate::http_api::until_ready(&socket).await;
+        let (old, socket, log, _) = serve_configured(
+            dir.path(),
+            &gw,
+            "",
+            &[("CLAWMUX_TEST_UPGRADE_FAULT", fault)],
+        )
+        .await;
         let pid = old.0.id();
         let mut client = WsClient::open(&socket, "/ws").await;
         client.handshake().await;
@@ -1866,15 +1889,8 @@ async fn a_mirror_client_moves_when_its_gateway_connection_does() {
 async fn moved_connections_still_count_against_max_connections() {
     let gw = MockGateway::start(mock_config()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let config = dir.path().join("config.toml");
-    std::fs::write(&config, "[limits]\nmax_connections = 4\n").unwrap();
-    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
-    cmd.arg("--config").arg(&config);
-    let log = log_to(&mut cmd, dir.path());
-    let mut first = ChildGuard(cmd.spawn().unwrap());
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
+    let (mut first, socket, log, _) =
+        serve_configured(dir.path(), &gw, "[limits]\nmax_connections = 4\n", &[]).await;
     let pid = broker_pid(&socket).await;
     // Two WebSocket clients and an event stream move.
     let mut clients = Vec::new();
@@ -1939,15 +1955,7 @@ async fn moved_connections_still_count_against_max_connections() {
 async fn a_new_instance_that_cannot_start_after_the_release_leaves_the_socket_file() {
     let gw = MockGateway::start(mock_config()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let config = dir.path().join("config.toml");
-    std::fs::write(&config, "").unwrap();
-    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
-    cmd.arg("--config").arg(&config);
-    let log = log_to(&mut cmd, dir.path());
-    let mut old = ChildGuard(cmd.spawn().unwrap());
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
+    let (mut old, socket, log, config) = serve_configured(dir.path(), &gw, "", &[]).await;
     let pid = old.0.id();
     let mut client = WsClient::open(&socket, "/ws").await;
     client.handshake().await;
@@ -1985,13 +1993,13 @@ async fn a_new_instance_that_cannot_start_after_the_release_leaves_the_socket_fi
 async fn a_new_instance_that_fails_after_valid_leaves_the_socket_file_to_the_old_one() {
     let gw = MockGateway::start(mock_config()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
-    cmd.env("CLAWMUX_TEST_UPGRADE_FAULT", "after-valid");
-    let log = log_to(&mut cmd, dir.path());
-    let mut old = ChildGuard(cmd.spawn().unwrap());
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
+    let (mut old, socket, log, _) = serve_configured(
+        dir.path(),
+        &gw,
+        "",
+        &[("CLAWMUX_TEST_UPGRADE_FAULT", "after-valid")],
+    )
+    .await;
     let pid = old.0.id();
     let mut client = WsClient::open(&socket, "/ws").await;
     client.handshake().await;
