@@ -254,8 +254,8 @@ impl Predecessor {
             Ok(Err(why)) => Err(why),
             Ok(Ok(())) if line == b"commit" => Ok(()),
             Ok(Ok(())) => Err(format!(
-                "the old instance said {:?}, not commit",
-                String::from_utf8_lossy(&line)
+                "the old instance said \"{}\", not commit",
+                crate::sanitize::one_line(&String::from_utf8_lossy(&line))
             )),
         }
     }
@@ -285,8 +285,8 @@ impl Predecessor {
         }
         if !buf[..n].starts_with(b"released\n") || fds.is_empty() {
             return Err(format!(
-                "the old instance said {:?}, not released",
-                String::from_utf8_lossy(&buf[..n])
+                "the old instance said \"{}\", not released",
+                crate::sanitize::one_line(&String::from_utf8_lossy(&buf[..n]))
             ));
         }
         let doc = fds.remove(0);
