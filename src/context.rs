@@ -275,11 +275,8 @@ impl ConnectionSlots {
     }
 }
 
-/// Runs `task` holding `slot` (a connection slot) until it ends.
-pub async fn holding<F: std::future::Future>(
-    slot: tokio::sync::OwnedSemaphorePermit,
-    task: F,
-) -> F::Output {
+/// Runs `task` holding `slot` (a connection slot, or none) until it ends.
+pub async fn holding<S, F: std::future::Future>(slot: S, task: F) -> F::Output {
     let _slot = slot;
     task.await
 }

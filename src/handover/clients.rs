@@ -420,10 +420,7 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         // slot of its own socket in the previous instance).
         let slot = policies.first().and_then(|p| ctx.slots.take(&p.name));
         let resumed = crate::local::dedicated::resume(parcel, Arc::clone(ctx));
-        ctx.spawn_moved(async move {
-            let _slot = slot;
-            resumed.await
-        });
+        ctx.spawn_moved(crate::context::holding(slot, resumed));
     }
     let mut fds: HashMap<u64, OwnedFd> = fds.into_iter().collect();
     // A mirror client (`restarts=mirror`) stays only on the gateway

@@ -186,6 +186,55 @@ async fn exits_with(child: &mut std::process::Child) -> std::process::ExitStatus
     .await
 }
 
+/// The event log, read from cursor `first` on, holds the numbered events
+/// `0..count` (and whatever else), each once, in order, with no gap told
+/// between them: history equals what was seen live.
+async fn assert_history_numbered(socket: &Path, first: u64, count: i64, log: &Path) {
+    let mut history = crate::http_api::open_events(
+        socket,
+        &format!(
+            "/v1/events?events=test.n,clawmux.gap&after_seq={}",
+            first - 1
+        ),
+        &[],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("history: {e:?}\n{}", log_text(log)));
+    for expected in 0..count {
+        let (_, name, data) = history.next_event().await;
+        assert_eq!(name, "test.n", "{data}");
+        assert_eq!(data["payload"]["n"], expected);
+    }
+}
+
+/// The client's next event: its `seq` follows `last_seq` (then updated),
+/// and it announces no reconnect and no gap; `Some(n)` for a numbered
+/// `test.n`, `None` for any other event. Panics, saying `what`, when the
+/// connection ends or nothing comes.
+async fn next_numbered(
+    client: &mut WsClient,
+    last_seq: &mut u64,
+    what: &str,
+    log: &Path,
+) -> Option<i64> {
+    let event = loop {
+        match client.recv_within(PATIENCE * 2).await {
+            Some(Got::Json(v)) if v["type"] == "event" => break v,
+            Some(Got::Json(_)) => continue,
+            other => panic!("{what}: {other:?}; last seq {last_seq}\n{}", log_text(log)),
+        }
+    };
+    let seq = event["seq"].as_u64().expect("events carry seq");
+    assert!(
+        *last_seq == 0 || seq == *last_seq + 1,
+        "{what}: seq went from {last_seq} to {seq}: {event}"
+    );
+    *last_seq = seq;
+    assert_ne!(event["event"], "clawmux.upstream", "{what}: {event}");
+    assert_ne!(event["event"], "clawmux.gap", "{what}: {event}");
+    (event["event"] == "test.n").then(|| event["payload"]["n"].as_i64().unwrap())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_refused() {
     let gw = MockGateway::start(mock_config()).await.unwrap();
@@ -277,26 +326,10 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
         // The client stayed connected, on the same gateway session: every
         // event of the burst came once, in order, with contiguous seq, and
         // no gap or reconnect was announced.
+        let what = format!("round {round}");
         while last_n < n - 1 {
-            let event = match client.recv_within(PATIENCE * 2).await {
-                Some(Got::Json(v)) if v["type"] == "event" => v,
-                Some(Got::Json(_)) => continue,
-                other => panic!(
-                    "round {round}: {other:?}; last seq {last_seq}, last n {last_n}\n{}",
-                    log_text(&log)
-                ),
-            };
-            let seq = event["seq"].as_u64().expect("events carry seq");
-            assert!(
-                last_seq == 0 || seq == last_seq + 1,
-                "round {round}: seq went from {last_seq} to {seq}: {event}"
-            );
-            last_seq = seq;
-            assert_ne!(event["event"], "clawmux.upstream", "round {round}: {event}");
-            assert_ne!(event["event"], "clawmux.gap", "round {round}: {event}");
-            if event["event"] == "test.n" {
-                let got = event["payload"]["n"].as_i64().unwrap();
-                assert_eq!(got, last_n + 1, "round {round}: event {got} after {last_n}");
+            if let Some(got) = next_numbered(&mut client, &mut last_seq, &what, &log).await {
+                assert_eq!(got, last_n + 1, "{what}: event {got} after {last_n}");
                 last_n = got;
             }
         }
@@ -366,21 +399,7 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
     // History shows what the streams saw live: every event once, no gap
     // (the log went on across the handovers, its cursors too).
     let (_, first, _) = &first_event;
-    let mut history = crate::http_api::open_events(
-        &socket,
-        &format!(
-            "/v1/events?events=test.n,clawmux.gap&after_seq={}",
-            first - 1
-        ),
-        &[],
-    )
-    .await
-    .unwrap_or_else(|e| panic!("history: {e:?}\n{}", log_text(&log)));
-    for expected in 0..n {
-        let (_, name, data) = history.next_event().await;
-        assert_eq!(name, "test.n", "{data}");
-        assert_eq!(data["payload"]["n"], expected);
-    }
+    assert_history_numbered(&socket, *first, n, &log).await;
     // The gateway double saw one connection throughout, and one subscribe.
     assert_eq!(gw.total_connections(), 1, "{}", log_text(&log));
     let subscribes = gw
@@ -603,17 +622,10 @@ impl FaultyUpgrade {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_instance_that_dies_before_the_commit_touched_nothing_and_the_old_one_serves_on_exactly(
 ) {
-    let FaultyUpgrade {
-        gw,
-        _dir,
-        socket,
-        log,
-        mut old,
-        pid,
-        mut client,
-        mut events,
-        burst,
-    } = FaultyUpgrade::start("before-ready").await;
+    let f = FaultyUpgrade::start("before-ready").await;
+    let (gw, socket, log, pid) = (f.gw.clone(), f.socket.clone(), f.log.clone(), f.pid);
+    let (mut old, mut client, mut events) = (f.old, f.client, f.events);
+    let burst = f.burst;
     let (stop, probes) = probe_continuously(socket.clone());
     signal_pid(pid, rustix::process::Signal::USR2);
     wait_log(&log, "upgrade failed, still serving").await;
@@ -632,21 +644,9 @@ async fn a_new_instance_that_dies_before_the_commit_touched_nothing_and_the_old_
     let mut last_seq = 0;
     let mut want = 0;
     while want < 120 {
-        let event = match client.recv_within(PATIENCE * 2).await {
-            Some(Got::Json(v)) if v["type"] == "event" => v,
-            Some(Got::Json(_)) => continue,
-            other => panic!("{other:?} after n {want}\n{}", log_text(&log)),
-        };
-        let seq = event["seq"].as_u64().expect("events carry seq");
-        assert!(
-            last_seq == 0 || seq == last_seq + 1,
-            "seq {last_seq} then {seq}: {event}"
-        );
-        last_seq = seq;
-        assert_ne!(event["event"], "clawmux.upstream", "{event}");
-        assert_ne!(event["event"], "clawmux.gap", "{event}");
-        if event["event"] == "test.n" {
-            assert_eq!(event["payload"]["n"], want, "{event}\n{}", log_text(&log));
+        let what = format!("after n {want}");
+        if let Some(got) = next_numbered(&mut client, &mut last_seq, &what, &log).await {
+            assert_eq!(got, want, "{}", log_text(&log));
             want += 1;
         }
     }
@@ -664,22 +664,7 @@ async fn a_new_instance_that_dies_before_the_commit_touched_nothing_and_the_old_
     assert_eq!(gw.total_connections(), 1, "{}", log_text(&log));
     assert_eq!(broker_pid(&socket).await, pid);
     // History equals live: every event once, no gap, across the attempt.
-    let first = first_id.unwrap();
-    let mut history = crate::http_api::open_events(
-        &socket,
-        &format!(
-            "/v1/events?events=test.n,clawmux.gap&after_seq={}",
-            first - 1
-        ),
-        &[],
-    )
-    .await
-    .unwrap();
-    for want in 0..=120 {
-        let (_, name, data) = history.next_event().await;
-        assert_eq!(name, "test.n", "{data}");
-        assert_eq!(data["payload"]["n"], want);
-    }
+    assert_history_numbered(&socket, first_id.unwrap(), 121, &log).await;
     signal(&old.0, rustix::process::Signal::TERM);
     assert!(exits_with(&mut old.0).await.success());
 }
@@ -691,17 +676,10 @@ async fn a_new_instance_that_dies_before_the_commit_touched_nothing_and_the_old_
 /// gets each event at most once, and a `clawmux.gap` where some are lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_instance_that_dies_after_the_commit_costs_a_reconnect_never_a_repeat() {
-    let FaultyUpgrade {
-        gw,
-        _dir,
-        socket,
-        log,
-        mut old,
-        pid,
-        mut client,
-        mut events,
-        burst,
-    } = FaultyUpgrade::start("after-commit").await;
+    let f = FaultyUpgrade::start("after-commit").await;
+    let (gw, socket, log, pid) = (f.gw.clone(), f.socket.clone(), f.log.clone(), f.pid);
+    let (mut old, mut client, mut events) = (f.old, f.client, f.events);
+    let burst = f.burst;
     signal_pid(pid, rustix::process::Signal::USR2);
     wait_log(&log, "after the commit: its clients reconnect").await;
     burst.await.unwrap();
