@@ -253,6 +253,12 @@ pub struct UpstreamOptions {
     /// client (`[upstream] dedicated_origin`). Default: derived from the
     /// gateway URL ([`derived_origin`]).
     pub dedicated_origin: DedicatedOrigin,
+    /// `SO_SNDBUF` of the gateway socket, in bytes: how much the kernel
+    /// holds for a gateway that stops reading. `None` (the default, and the
+    /// only value the settings offer) keeps the kernel's own sizing; a test
+    /// that must fill the buffers sets it, so it decides by a figure it
+    /// controls rather than by this machine's defaults.
+    pub send_buffer_bytes: Option<usize>,
 }
 
 impl Default for UpstreamOptions {
@@ -266,6 +272,7 @@ impl Default for UpstreamOptions {
             unix_socket: None,
             device_identity: default_state_dir(),
             dedicated_origin: DedicatedOrigin::Derived,
+            send_buffer_bytes: None,
         }
     }
 }

@@ -101,6 +101,7 @@ pub mod sanitize;
 pub mod sessions;
 pub mod settings;
 pub mod sharing;
+pub mod signals;
 pub mod systemd;
 pub mod tap;
 pub mod upstream;

@@ -6,14 +6,20 @@
 
 use std::time::Duration;
 
-use tokio::signal::unix::{signal, SignalKind};
-
 use std::sync::Arc;
 
 use crate::context::Ctx;
 use crate::handover::upgrade::Program;
 use crate::systemd::Notifier;
 use crate::RunningBroker;
+
+/// The signals [`serve_until_stopped`] acts on, installed by the caller
+/// first thing ([`crate::signals::ServeSignals`]).
+pub struct Signals {
+    pub term: tokio::signal::unix::Signal,
+    pub int: tokio::signal::unix::Signal,
+    pub usr2: tokio::signal::unix::Signal,
+}
 
 /// Exit status when the stop was forced: a second SIGTERM/SIGINT during the
 /// shutdown, or the shutdown overran its deadline by [`BACKSTOP_GRACE`].
@@ -38,11 +44,15 @@ pub async fn serve_until_stopped(
     shutdown_timeout: Duration,
     upgrades: Option<Program>,
     current: Option<tokio::sync::watch::Sender<Arc<Ctx>>>,
+    signals: Signals,
 ) -> std::io::Result<()> {
-    // Handlers first, so a stop request right after READY=1 is never lost.
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut usr2 = signal(SignalKind::user_defined2())?;
+    // The handlers were installed before the broker started (and the
+    // signals held before that: crate::signals), so none is lost.
+    let Signals {
+        mut term,
+        mut int,
+        mut usr2,
+    } = signals;
     let mut notifier = Notifier::start(broker.ctx());
     let signal_name = loop {
         tokio::select! {
@@ -51,6 +61,7 @@ pub async fn serve_until_stopped(
             _ = usr2.recv() => {
                 let Some(program) = &upgrades else {
                     tracing::info!("SIGUSR2 ignored: this broker cannot hand over (demo mode)");
+                    eprintln!("clawmux: SIGUSR2 ignored: the demo cannot hand over (its gateway double lives in this process); stop it with Ctrl-C and start it again");
                     continue;
                 };
                 tracing::info!(program = %program.path.display(), "SIGUSR2: handing over to a new instance");

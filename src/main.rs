@@ -20,13 +20,26 @@ use clawmux_mock::{MockConfig, MockGateway};
 struct UsageExit(String);
 
 fn main() -> ExitCode {
-    // SAFETY: first thing in main, before anything opens a file descriptor, so
+    // Before anything else: a stop, reload or upgrade signal that arrives
+    // while the process starts waits for its handler (clawmux::signals).
+    let held = clawmux::signals::hold();
+    // SAFETY: first thing in main (after the signal mask, which opens no
+    // file descriptor), before anything opens a file descriptor, so
     // the descriptors systemd passed are owned by nothing else (see its docs).
     let passed = unsafe { clawmux::systemd::take_passed() };
     // SAFETY: likewise first thing: the descriptors a SIGUSR2 upgrade's old
     // instance left open for this process, named in its environment.
     let handed = unsafe { clawmux::handover::Inherited::take_from_env() };
     let cli = Cli::parse();
+    // Only `serve` keeps them held until its handlers are installed; every
+    // other command gets the default actions back (a hang-up ends `tail`).
+    let mut held = match cli.command {
+        Command::Serve(_) => Some(held),
+        _ => {
+            held.release();
+            None
+        }
+    };
     // Non-blocking, secret-safe, rate-limited (see clawmux::logging); the
     // guard flushes the last lines when main returns.
     let _log = clawmux::logging::init(cli.log.as_deref().unwrap_or(match cli.command {
@@ -81,7 +94,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => serve(args, passed, handed)
+            Command::Serve(args) => serve(args, passed, handed, held.take())
                 .await
                 .map(|()| ExitCode::SUCCESS),
             Command::MockGateway(args) => mock_gateway(args).await.map(|()| ExitCode::SUCCESS),
@@ -154,7 +167,7 @@ fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {
 async fn commit_with(old: &mut clawmux::handover::upgrade::Predecessor, broker: &RunningBroker) {
     // Crash stand-ins for the tests: the new instance holds what it took
     // over 300 ms, then exits, before `ready` or after the commit.
-    let fault = std::env::var(UPGRADE_FAULT).ok();
+    let fault = upgrade_fault();
     let crash_at = |point: &'static str| async move {
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
         eprintln!("clawmux: {UPGRADE_FAULT}={point}: exiting");
@@ -194,12 +207,27 @@ async fn commit_with(old: &mut clawmux::handover::upgrade::Predecessor, broker: 
 /// `after-commit` (it exits).
 const UPGRADE_FAULT: &str = "CLAWMUX_TEST_UPGRADE_FAULT";
 
+/// [`UPGRADE_FAULT`], read only by a build with debug assertions (the test
+/// suite's): a release build, the one users install and run as a service,
+/// never looks at it, so no environment can make a broker fail on purpose.
+fn upgrade_fault() -> Option<String> {
+    if cfg!(debug_assertions) {
+        std::env::var(UPGRADE_FAULT).ok()
+    } else {
+        None
+    }
+}
+
 async fn serve(
     args: ServeArgs,
     passed: Result<clawmux::systemd::Passed, clawmux::systemd::ActivationError>,
     handed: Option<Result<clawmux::handover::Inherited, String>>,
+    held: Option<clawmux::signals::Held>,
 ) -> anyhow::Result<()> {
     use clawmux::handover::{upgrade::Predecessor, Inherited, Source};
+    // The handlers first, before anything can fail or wait: every signal
+    // from now on is acted on once the broker serves.
+    let signals = clawmux::signals::ServeSignals::install(held.expect("serve holds the signals"))?;
     let passed = passed?;
     // What a previous instance handed over: a SIGUSR2 upgrade's (which
     // waits for our answer) or systemd's store (read by this start only).
@@ -286,7 +314,7 @@ async fn serve(
                 match result {
                     Ok(mut t) => {
                         old.say("valid").await?;
-                        if std::env::var(UPGRADE_FAULT).as_deref() == Ok("after-valid") {
+                        if upgrade_fault().as_deref() == Some("after-valid") {
                             // A start that fails as an error returned (its
                             // destructors run), once the state was valid.
                             anyhow::bail!("upgrade: {UPGRADE_FAULT}=after-valid");
@@ -390,9 +418,14 @@ async fn serve(
     } else {
         Some(clawmux::handover::upgrade::Program::current()?)
     };
+    let stop = clawmux::lifecycle::Signals {
+        term: signals.term,
+        int: signals.int,
+        usr2: signals.usr2,
+    };
     tokio::select! {
-        r = clawmux::lifecycle::serve_until_stopped(broker, shutdown_timeout, upgrades, Some(current)) => r?,
-        r = reload_on_sighup(ctx, reload_args) => r?,
+        r = clawmux::lifecycle::serve_until_stopped(broker, shutdown_timeout, upgrades, Some(current), stop) => r?,
+        r = reload_on_sighup(ctx, reload_args, signals.hup) => r?,
     }
     Ok(())
 }
@@ -415,13 +448,14 @@ fn raise_open_file_limit() {
 async fn reload_on_sighup(
     current: tokio::sync::watch::Receiver<std::sync::Arc<clawmux::context::Ctx>>,
     args: Option<(SettingsArgs, LimitArgs)>,
+    mut hup: tokio::signal::unix::Signal,
 ) -> anyhow::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut hup = signal(SignalKind::hangup())?;
     loop {
         hup.recv().await;
         let Some((args, limits)) = &args else {
-            tracing::info!("SIGHUP ignored in demo mode");
+            eprintln!(
+                "clawmux: SIGHUP ignored: the demo's settings are its own and are not re-read"
+            );
             continue;
         };
         match args.resolve(limits) {

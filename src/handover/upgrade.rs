@@ -95,7 +95,11 @@ impl Successor {
             .map(|(name, fd)| format!("{name}={}", fd.as_raw_fd()))
             .collect::<Vec<_>>()
             .join(",");
-        let child = tokio::process::Command::new(&program.path)
+        let mut command = tokio::process::Command::new(&program.path);
+        // Blocked until the new instance's handlers are installed: a second
+        // upgrade or a reload signalled at once must not kill it.
+        crate::signals::hold_in_child(&mut command);
+        let child = command
             .args(&program.args)
             .env(FDS_ENV, names)
             .env_remove("LISTEN_FDS")

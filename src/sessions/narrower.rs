@@ -28,7 +28,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
@@ -207,7 +207,9 @@ impl Narrower {
                 );
                 return Ok(Choice::Main);
             }
-            if let Err(limited) = self.opens.try_acquire(&peer, Instant::now()) {
+            // tokio's clock: the system's in a broker, a test's own on paused time.
+            let now = tokio::time::Instant::now().into_std();
+            if let Err(limited) = self.opens.try_acquire(&peer, now) {
                 drop(state);
                 self.throttled.fetch_add(1, Ordering::Relaxed);
                 let limits = &self.factory.settings.limits;

@@ -1995,3 +1995,144 @@ async fn a_new_instance_that_fails_after_valid_leaves_the_socket_file_to_the_old
     assert!(exits_with(&mut old.0).await.success());
     assert!(!socket.exists(), "the old instance's final stop removes it");
 }
+
+/// One `GET /v1/state` (HTTP/1.0: the body ends with the connection), or
+/// `None` when no broker answered.
+async fn try_state(socket: &Path) -> Option<serde_json::Value> {
+    let mut s = UnixStream::connect(socket).await.ok()?;
+    s.write_all(b"GET /v1/state HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .ok()?;
+    let mut out = Vec::new();
+    tokio::time::timeout(PATIENCE, s.read_to_end(&mut out))
+        .await
+        .ok()?
+        .ok()?;
+    let at = out.windows(4).position(|w| w == b"\r\n\r\n")?;
+    serde_json::from_slice(&out[at + 4..]).ok()
+}
+
+/// The live serve processes of `socket` (every instance an upgrade
+/// started: they are not this test's children).
+fn serve_processes(socket: &Path) -> Vec<u32> {
+    let needle = socket.as_os_str().as_encoded_bytes();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.windows(needle.len()).any(|w| w == needle))
+                && alive(pid)
+        })
+        .collect()
+}
+
+/// A signal never kills a broker, whatever step of an upgrade it lands in:
+/// `SIGUSR2` and `SIGHUP` sent to the new instance the moment `/v1/state`
+/// names it (before, its handlers were installed only after the gate
+/// opened, and the default action killed it with no process left to serve
+/// the socket), and a storm of both to every serve process of the socket
+/// (old, new, both) every few milliseconds. It ends with one serving broker
+/// and every client still connected, answered and receiving events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signal_storms_at_every_step_of_an_upgrade_end_with_one_broker_and_every_client_connected()
+{
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (_first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        let mut c = WsClient::open(&socket, "/ws").await;
+        c.handshake().await;
+        clients.push(c);
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    let mut pid = broker_pid(&socket).await;
+    seen.insert(pid);
+    let send = |pid: u32, sig| {
+        if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+            let _ = rustix::process::kill_process(p, sig);
+        }
+    };
+    let storm_stop = Arc::new(AtomicBool::new(false));
+    for round in 0..16 {
+        // Odd rounds add the storm: both signals to every serve process of
+        // this socket every 5 ms (bounded: 400 volleys) until the round ends.
+        let storm = (round % 2 == 1).then(|| {
+            let (stop, socket) = (Arc::clone(&storm_stop), socket.clone());
+            stop.store(false, Ordering::Relaxed);
+            tokio::spawn(async move {
+                for volley in 0..400 {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let sig = if volley % 3 == 0 {
+                        rustix::process::Signal::HUP
+                    } else {
+                        rustix::process::Signal::USR2
+                    };
+                    for p in serve_processes(&socket) {
+                        if let Some(p) = rustix::process::Pid::from_raw(p as i32) {
+                            let _ = rustix::process::kill_process(p, sig);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+        });
+        send(pid, rustix::process::Signal::USR2);
+        // The moment the state names a new instance, signal it: the window
+        // between its gate opening and its handlers running.
+        let next = eventually_within("a new instance serves", PATIENCE * 4, || {
+            let socket = socket.clone();
+            async move {
+                match try_state(&socket).await {
+                    Some(s) => match s["broker"]["pid"].as_u64() {
+                        Some(p) if p as u32 != pid => Ok(p as u32),
+                        other => Err(format!("{other:?} still serves")),
+                    },
+                    None => Err("no answer".to_owned()),
+                }
+            }
+        })
+        .await;
+        send(next, rustix::process::Signal::USR2);
+        send(next, rustix::process::Signal::HUP);
+        seen.insert(next);
+        pid = next;
+        storm_stop.store(true, Ordering::Relaxed);
+        if let Some(storm) = storm {
+            storm.await.unwrap();
+        }
+        for p in serve_processes(&socket) {
+            seen.insert(p);
+        }
+    }
+    // Every upgrade a pending signal started runs to its end: one broker
+    // is left, and it is the one the state names.
+    let last = eventually_within("one serve process is left", PATIENCE * 6, || {
+        let socket = socket.clone();
+        async move {
+            let live = serve_processes(&socket);
+            match (live.as_slice(), try_state(&socket).await) {
+                ([one], Some(s)) if s["broker"]["pid"].as_u64() == Some(u64::from(*one)) => {
+                    Ok(*one)
+                }
+                (live, _) => Err(format!("live: {live:?}")),
+            }
+        }
+    })
+    .await;
+    let _guards: Vec<Pid> = seen.iter().chain([&last]).map(|&p| Pid(p)).collect();
+    gw.broadcast("test.after", serde_json::json!({}));
+    for (i, c) in clients.iter_mut().enumerate() {
+        let got = c.event_within("test.after", PATIENCE * 2).await;
+        assert_eq!(got["event"], "test.after", "client {i}\n{}", log_text(&log));
+        let res = c.request("health", serde_json::json!({})).await;
+        assert_eq!(res["ok"], true, "client {i}: {res}\n{}", log_text(&log));
+    }
+    let text = log_text(&log);
+    assert!(!text.contains("upgrade failed"), "{text}");
+}

@@ -115,7 +115,7 @@ fn stop_and_read_log(child: &mut Child) -> String {
     log
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_client_trickling_its_request_head_is_cut_off() {
     let h = start_with(mock_config(), |s| {
         s.limits.header_read_timeout = Duration::from_millis(300);
@@ -342,7 +342,7 @@ async fn an_absurd_config_value_is_a_settings_error_naming_the_key() {
 
 /// The header timeout is about request heads only: an `/v1/events` stream
 /// open much longer than it keeps flowing.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_event_stream_outlives_the_header_read_timeout() {
     let h = start_with(mock_config(), |s| {
         s.limits.header_read_timeout = Duration::from_millis(200);

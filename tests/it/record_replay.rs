@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::http_api::until_ready;
 use crate::support::*;
@@ -421,22 +421,24 @@ fn synthetic(offsets: &[u64], gap_before: Option<usize>) -> String {
     lines.iter().map(|l| format!("{l}\n")).collect()
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn speed_paces_the_replay_and_gaps_stay_visible() {
-    // Recorded: 4,000 s apart in all, so a replay that ignored the speed (or
-    // `--instant`) would not deliver within the read's patience: no upper
-    // bound on the clock is needed to see the pace was applied.
+    // Recorded: 4,000 s apart in all; replayed at 4000x on tokio's paused
+    // clock, the span is the pace's alone, whatever this machine's speed.
     let offsets = [0, 1_000_000, 2_000_000, 4_000_000];
     let rec = Recording::parse(&synthetic(&offsets, Some(2))).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (_gw, path) = replay_double(dir.path(), rec.clone(), Pace::Speed(4000.0), false).await;
     let (mut c, _) = direct_client(&path).await;
     let first = c.event("chat").await;
-    let t0 = Instant::now();
+    let t0 = tokio::time::Instant::now();
     let rest = read_events(&mut c, 3).await;
     let span = t0.elapsed();
-    // At 4000x: 1 s. Timers never fire early (a loaded machine is only late).
-    assert!(span >= Duration::from_millis(900), "{span:?}");
+    // At 4000x: 1 s (ignoring the speed: 4,000 s; `--instant`: none).
+    assert!(
+        span >= Duration::from_millis(999) && span < Duration::from_millis(1100),
+        "{span:?}"
+    );
     let seqs: Vec<u64> = std::iter::once(&first)
         .chain(&rest)
         .map(|e| e["seq"].as_u64().unwrap())

@@ -8,7 +8,6 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use crate::support::*;
 use serde_json::json;
@@ -416,7 +415,6 @@ async fn sigterm_with_a_client_that_never_reads_exits_within_the_deadline() {
     stuck.handshake().await;
     // From here on `stuck` never reads again.
     let last_seq = flood(&gw, &mut reader).await;
-    let started = Instant::now();
     sigterm(&broker.0);
     let shutdown = reader.event("shutdown").await;
     assert_eq!(shutdown["payload"], json!({"reason": "clawmux stopping"}));
@@ -428,17 +426,14 @@ async fn sigterm_with_a_client_that_never_reads_exits_within_the_deadline() {
     );
     assert_eq!(reader.expect_close().await, (1001, "going away".into()));
     let status = wait_exit(&mut broker.0).await;
-    let took = started.elapsed();
+    // Exit 0, not the backstop's 3: the broker's own deadline ended the
+    // stop (the backstop would have, a second after it, had the shutdown
+    // waited on the stuck client), whatever this machine's speed.
     assert!(
         status.success(),
         "a stop cut short for a stuck client is still clean: {status:?}"
     );
-    assert!(
-        took < Duration::from_millis(2500),
-        "exit within the 1 s deadline (plus scheduling slack), took {took:?}"
-    );
     // The stuck client really held the shutdown until the deadline cut it off.
-    assert!(took >= Duration::from_secs(1), "took {took:?}");
     let mut log = String::new();
     std::io::Read::read_to_string(&mut broker.0.stderr.take().unwrap(), &mut log).unwrap();
     assert!(log.contains("shutdown deadline reached"), "{log}");

@@ -38,7 +38,7 @@ fn seq(ev: &Value) -> u64 {
 /// A restart announced by the gateway: `shutdown` with `restartExpectedMs`,
 /// close 1012. Clients stay, see the event and a gap, and the broker waits
 /// the announced time before reconnecting.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn announced_restart_is_ridden_through_after_restart_expected_ms() {
     let h = start_honouring_hints().await;
     let (mut a, _) = h.connected().await;
@@ -55,7 +55,7 @@ async fn announced_restart_is_ridden_through_after_restart_expected_ms() {
         );
         assert_eq!(seq(&lost), seq(&shutdown) + 1);
     }
-    let lost_at = Instant::now();
+    let lost_at = tokio::time::Instant::now();
     let back = a.event("clawmux.upstream").await;
     let waited = lost_at.elapsed();
     assert_eq!(back["payload"]["phase"], "ready", "{back}");
@@ -97,13 +97,13 @@ async fn crash_is_ridden_through_with_a_gap() {
 /// While the gateway starts it answers `UNAVAILABLE` + `retryAfterMs:500`
 /// and closes 1013. The broker waits that long each time (no hammering) and
 /// a local connect made meanwhile simply succeeds once the gateway is up.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn slow_start_waits_retry_after_ms_between_attempts() {
     let faults = Faults {
         unavailable_connects: 2,
         ..Faults::default()
     };
-    let t0 = Instant::now();
+    let t0 = tokio::time::Instant::now();
     let h = start_faulty(mock_config(), faults, |s| {
         s.upstream.backoff_max = Duration::from_secs(2);
     })
@@ -158,13 +158,13 @@ async fn silence_trips_the_watchdog_and_the_broker_reconnects() {
 /// A refused connect (wrong token, pairing) is retried only every
 /// `backoff_max`, never in a tight loop; once the gateway accepts again the
 /// broker recovers by itself.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn rejected_connects_are_retried_only_every_backoff_max() {
     let faults = Faults {
         reject_connect: Some(Rejection::token_mismatch()),
         ..Faults::default()
     };
-    let t0 = Instant::now();
+    let t0 = tokio::time::Instant::now();
     let h = start_faulty(mock_config(), faults, |s| {
         s.upstream.backoff_initial = Duration::from_millis(1);
         s.upstream.backoff_max = Duration::from_millis(100);
@@ -453,11 +453,31 @@ async fn phases_are_reported_on_healthz() {
     assert_eq!(ctx.upstream().phase().as_str(), "stopped");
 }
 
-/// Frames of [`fill_socket_buffers`].
-const FILL_FRAMES: usize = 64;
+/// The socket buffers between broker and gateway, each way: set by the
+/// test on both ends, so what fills first is the test's figure, not the
+/// kernel's defaults (loopback TCP may otherwise buffer tens of MiB).
+const SOCKET_BUFFER: usize = 64 * 1024;
 
-/// Sends 64 MiB of requests: more than the socket buffers between broker
-/// and a gateway that stopped reading can hold.
+/// Frames of [`fill_socket_buffers`]: 8 MiB in all, far more than the
+/// [`SOCKET_BUFFER`]s hold (the kernel at most doubles each) and half the
+/// outlet's 16 MiB bound, so the writer stalls with every request queued.
+const FILL_FRAMES: usize = 8;
+
+/// A broker in front of a double whose sockets have [`SOCKET_BUFFER`]s.
+async fn start_small_buffers(cfg: MockConfig, tweak: impl FnOnce(&mut Settings)) -> Harness {
+    let cfg = MockConfig {
+        recv_buffer_bytes: Some(SOCKET_BUFFER as u32),
+        ..cfg
+    };
+    start_with(cfg, |s| {
+        s.upstream.send_buffer_bytes = Some(SOCKET_BUFFER);
+        tweak(s);
+    })
+    .await
+}
+
+/// Sends [`FILL_FRAMES`] requests of 1 MiB: more than the socket buffers
+/// between broker and a gateway that stopped reading can hold.
 async fn fill_socket_buffers(a: &mut WsClient) {
     let pad = "x".repeat(1 << 20);
     for i in 0..FILL_FRAMES {
@@ -472,17 +492,16 @@ async fn fill_socket_buffers(a: &mut WsClient) {
 /// writes wait, events are still read (the gateway's ticks keep the silence
 /// watchdog quiet, which would otherwise fire first); a write that makes no
 /// progress for `write_timeout` ends the session, pending requests fail at
-/// once, and the broker reconnects when the gateway reads again.
-#[tokio::test]
+/// once, and the broker reconnects when the gateway reads again. On paused
+/// time: ticks every second (silence limit 2 s) and a 1.5 s write timeout
+/// come in that order on any machine.
+#[tokio::test(start_paused = true)]
 async fn a_gateway_that_stops_reading_ends_the_session_not_the_broker() {
-    // Ticks every second (silence limit 2 s) and a 1.5 s write timeout: the
-    // writer's timeout comes first while ticks are read, with room for a
-    // loaded machine to deliver a tick late.
     let cfg = MockConfig {
         tick_interval_ms: 1000,
         ..mock_config()
     };
-    let h = start_with(cfg, |s| {
+    let h = start_small_buffers(cfg, |s| {
         s.upstream.write_timeout = Duration::from_millis(1500);
     })
     .await;
@@ -491,9 +510,9 @@ async fn a_gateway_that_stops_reading_ends_the_session_not_the_broker() {
         stop_reading: true,
         ..Faults::default()
     });
-    // Enough bytes to fill every socket buffer between broker and gateway
-    // (loopback TCP may buffer 32 MiB on the receiving side alone).
     fill_socket_buffers(&mut a).await;
+    // Read while the writer waits: the tick the gateway sends meanwhile.
+    a.event("tick").await;
     let lost = a.event("clawmux.upstream").await;
     assert_eq!(lost["payload"]["phase"], "backoff", "{lost}");
     assert!(
@@ -503,10 +522,22 @@ async fn a_gateway_that_stops_reading_ends_the_session_not_the_broker() {
             .contains("no progress"),
         "the writer timed out while the reader kept reading ticks: {lost}"
     );
-    let failed = a.response(&format!("big{}", FILL_FRAMES - 1)).await;
-    assert_eq!(
-        failed["error"]["code"], "studio.upstream_closed",
-        "{failed}"
+    // The first may have been read as the gateway stopped (its read was
+    // already under way); from the first failed one on, every one fails.
+    let mut failing = false;
+    for i in 0..FILL_FRAMES {
+        let res = a.response(&format!("big{i}")).await;
+        failing |= res["ok"] == false;
+        if failing {
+            assert_eq!(
+                res["error"]["code"], "studio.upstream_closed",
+                "big{i}: {res}"
+            );
+        }
+    }
+    assert!(
+        failing,
+        "the requests written to a gateway that stopped reading fail"
     );
     h.gw.set_faults(Faults::default());
     let back = a.event("clawmux.upstream").await;
@@ -516,9 +547,9 @@ async fn a_gateway_that_stops_reading_ends_the_session_not_the_broker() {
 
 /// A full upstream queue answers at once with a retryable error instead of
 /// blocking the client's reads (and with them every other request).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_full_upstream_queue_fails_requests_at_once() {
-    let h = start_with(mock_config(), |s| {
+    let h = start_small_buffers(mock_config(), |s| {
         s.upstream.write_timeout = Duration::from_secs(30);
         s.limits.max_inflight = 4096;
     })
@@ -557,7 +588,7 @@ async fn a_restart_hint_of_a_day_is_capped_at_backoff_max() {
 
 /// A gateway that closes every session right after `hello-ok` is retried
 /// with growing delays, not at a fixed pace.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn sessions_closed_right_after_hello_back_off() {
     let h = start_with(mock_config(), |s| {
         s.upstream.backoff_initial = Duration::from_millis(50);
@@ -571,6 +602,8 @@ async fn sessions_closed_right_after_hello_back_off() {
         ..Faults::default()
     });
     h.gw.restart_notice(Some(0)).await;
+    // Two seconds of tokio's paused clock: the count is the backoff's,
+    // whatever this machine's speed.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let sessions = h.gw.total_connections() - before;
     h.gw.set_faults(Faults::default());

@@ -118,6 +118,11 @@ pub struct MockConfig {
     /// A client that fails the TLS handshake never reaches the WebSocket
     /// and is not counted in [`MockGateway::total_connections`].
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// `SO_RCVBUF` of every accepted TCP socket (set on the listener, so
+    /// the kernel's autotuning is off from the first byte): with
+    /// [`Faults::stop_reading`], how much a client can write before its
+    /// socket is full. `None`: the kernel's own sizing.
+    pub recv_buffer_bytes: Option<u32>,
 }
 
 /// A TLS server configuration from a PEM certificate chain (leaf first) and
@@ -164,6 +169,7 @@ impl Default for MockConfig {
             challenge_extra: None,
             replay: None,
             tls: None,
+            recv_buffer_bytes: None,
         }
     }
 }
@@ -255,6 +261,9 @@ impl MockGateway {
             TcpSocket::new_v6()?
         };
         socket.set_reuseaddr(true)?;
+        if let Some(bytes) = cfg.recv_buffer_bytes {
+            socket.set_recv_buffer_size(bytes)?;
+        }
         socket.bind(addr)?;
         let listener = socket.listen(1024)?;
         let addr = listener.local_addr()?;

@@ -10,7 +10,10 @@ mod socket;
 pub(crate) use socket::{adopt_socket, open_socket};
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+// tokio's clock, which every timer here sleeps on: the system's in a broker, a
+// test's own on paused time.
+use tokio::time::Instant;
 
 use futures_util::SinkExt;
 use serde_json::Value;
@@ -407,7 +410,7 @@ impl Connector {
             let mut retry_at = Instant::now() + delay;
             self.status.send_modify(|s| {
                 s.phase = phase_after;
-                s.retry_at = Some(retry_at);
+                s.retry_at = Some(retry_at.into_std());
             });
             tracing::debug!(
                 session = %self.spec.label,
@@ -426,7 +429,7 @@ impl Connector {
                         if earliest < retry_at {
                             tracing::debug!("a local client is waiting: trying the gateway sooner");
                             retry_at = earliest;
-                            self.status.send_modify(|s| s.retry_at = Some(retry_at));
+                            self.status.send_modify(|s| s.retry_at = Some(retry_at.into_std()));
                         }
                     }
                     changed = self.target.changed() => {

@@ -87,6 +87,16 @@ pub(crate) async fn open_socket(
     Ok(ws)
 }
 
+/// Applies [`UpstreamOptions::send_buffer_bytes`], when set.
+fn set_send_buffer(socket: &impl std::os::fd::AsFd, opts: &UpstreamOptions) -> std::io::Result<()> {
+    match opts.send_buffer_bytes {
+        Some(bytes) => Ok(rustix::net::sockopt::set_socket_send_buffer_size(
+            socket, bytes,
+        )?),
+        None => Ok(()),
+    }
+}
+
 /// Opens the byte stream to the gateway: TCP to the URL's host and port
 /// (Nagle off, as tokio-tungstenite's own `connect_async` does), then
 /// TLS for `wss://` ([`TlsClient`], loaded into `tls_client` the first
@@ -111,6 +121,7 @@ async fn open_stream(
     if let Some(path) = &opts.unix_socket {
         let unix = tokio::net::UnixStream::connect(path).await;
         let unix = unix.map_err(unreachable)?;
+        set_send_buffer(&unix, opts).map_err(unreachable)?;
         return Ok(Box::new(Movable::new(unix, SocketKind::Unix)));
     }
     let uri: http::Uri = url
@@ -127,6 +138,7 @@ async fn open_stream(
         .await
         .map_err(unreachable)?;
     tcp.set_nodelay(true).map_err(unreachable)?;
+    set_send_buffer(&tcp, opts).map_err(unreachable)?;
     if !secure {
         return Ok(Box::new(Movable::new(tcp, SocketKind::Tcp)));
     }
