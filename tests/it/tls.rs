@@ -724,15 +724,22 @@ async fn real_gateway_with_tls_enabled() {
 
     // The gateway writes its certificate at startup (first run may install it first).
     let cert = d.join("tls/gateway-cert.pem");
-    let deadline = std::time::Instant::now() + Duration::from_secs(300);
-    while std::fs::read_to_string(&cert).map_or(true, |t| !t.contains("END CERTIFICATE")) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no certificate from the gateway:\n{}",
-            gw.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    eventually_within(
+        "the gateway's certificate (the first run installs the gateway first)",
+        Duration::from_secs(300),
+        || {
+            let found = std::fs::read_to_string(&cert).is_ok_and(|t| t.contains("END CERTIFICATE"));
+            let tail = gw.log_tail();
+            async move {
+                if found {
+                    Ok(())
+                } else {
+                    Err(tail)
+                }
+            }
+        },
+    )
+    .await;
 
     // Settings from OpenClaw's config alone.
     let env = env_for(
@@ -758,19 +765,19 @@ async fn real_gateway_with_tls_enabled() {
     settings.limits.connect_wait = Duration::from_secs(20);
     let broker = RunningBroker::start(settings).await.expect("broker starts");
     let sock = broker.socket_path().to_owned();
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        let (_, body) = http_get(&sock, "/healthz").await;
-        if body["upstream"] == "ready" {
-            break;
+    eventually_within("ready over wss://", Duration::from_secs(120), || {
+        let sock = sock.clone();
+        let tail = gw.log_tail();
+        async move {
+            let (_, body) = http_get(&sock, "/healthz").await;
+            if body["upstream"] == "ready" {
+                Ok(())
+            } else {
+                Err(format!("{body}\n{tail}"))
+            }
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "not ready over wss://: {body}\n{}",
-            gw.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await;
     let mut c = WsClient::open(&sock, "/ws").await;
     let hello = c.handshake().await;
     assert_eq!(hello["type"], "hello-ok", "{hello}");
