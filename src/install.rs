@@ -15,9 +15,10 @@ pub const SOCKET_UNIT: &str = include_str!("../systemd/clawmux.socket");
 /// The service unit template; [`render_service`] puts the binary path in.
 pub const SERVICE_UNIT: &str = include_str!("../systemd/clawmux.service");
 
-/// The `ExecStart=` program in the template (where `cargo install` puts
-/// clawmux), replaced by the path of the binary that runs `install-service`.
-const TEMPLATE_PROGRAM: &str = "ExecStart=%h/.cargo/bin/clawmux ";
+/// The program of the template's `ExecStart=` and `ExecReload=` (where
+/// `cargo install` puts clawmux), replaced by the path of the binary that
+/// runs `install-service`.
+const TEMPLATE_PROGRAM: &str = "=%h/.cargo/bin/clawmux ";
 
 /// Why installing failed; each message says what to do.
 #[derive(Debug, thiserror::Error)]
@@ -132,8 +133,8 @@ pub fn render_service(binary: &Path) -> Result<String, InstallError> {
     } else {
         escaped
     };
-    debug_assert_eq!(SERVICE_UNIT.matches(TEMPLATE_PROGRAM).count(), 1);
-    Ok(SERVICE_UNIT.replacen(TEMPLATE_PROGRAM, &format!("ExecStart={program} "), 1))
+    debug_assert_eq!(SERVICE_UNIT.matches(TEMPLATE_PROGRAM).count(), 2);
+    Ok(SERVICE_UNIT.replace(TEMPLATE_PROGRAM, &format!("={program} ")))
 }
 
 /// The two units for `binary` in `dir`, compared with what is there.

@@ -344,6 +344,12 @@ async fn serve(
     }
     let broker = match (taken, activated) {
         (Some(t), activated) => {
+            clawmux::handover::record::took_over(
+                t.state.from_pid,
+                &t.state.from_version,
+                t.clients.as_ref().map_or(0, |m| m.doc.clients.len()),
+                t.clients.as_ref().map_or(0, |m| m.doc.streams.len()),
+            );
             tracing::info!(
                 from_pid = t.state.from_pid,
                 from_version = %t.state.from_version,

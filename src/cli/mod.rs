@@ -23,6 +23,7 @@ pub mod status;
 pub mod style;
 pub mod tail;
 pub mod top;
+pub mod upgrade;
 pub mod watch;
 
 use std::path::PathBuf;
@@ -68,6 +69,8 @@ pub enum ClientCommand {
     Metrics(metrics::MetricsArgs),
     /// Watch the broker and its agents live: clients, event rate, and each run's thinking and tool calls.
     Top(top::TopArgs),
+    /// Hand the broker behind this socket over to the clawmux now at its binary's path (after an install), and say how it went.
+    Upgrade(upgrade::UpgradeArgs),
 }
 
 /// Where to find the broker.
@@ -154,6 +157,7 @@ pub async fn run(command: ClientCommand) -> ExitCode {
         ClientCommand::Record(args) => ("record", record::run(args).await),
         ClientCommand::Metrics(args) => ("metrics", metrics::run(args).await),
         ClientCommand::Top(args) => ("top", top::run(args).await),
+        ClientCommand::Upgrade(args) => ("upgrade", upgrade::run(args).await),
     };
     match result {
         Ok(code) => ExitCode::from(code),

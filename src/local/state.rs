@@ -120,6 +120,9 @@ pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
             "uptime_ms": process_uptime_ms(),
             "socket": main_socket,
             "policy_sockets": policy_sockets,
+            // What `clawmux upgrade` reads: can this broker hand over, how
+            // its upgrades went, what it took over itself.
+            "upgrade": crate::handover::record::to_json(),
         },
         "upstream": {
             "phase": status.phase.as_str(),

@@ -1983,8 +1983,10 @@ async fn a_new_instance_that_fails_after_valid_leaves_the_socket_file_to_the_old
     client.handshake().await;
     signal_pid(pid, rustix::process::Signal::USR2);
     wait_log(&log, "upgrade failed, still serving").await;
+    // The new instance says why as it exits, which may come after the old
+    // one saw its control socket close.
+    wait_log(&log, "=after-valid").await;
     let text = log_text(&log);
-    assert!(text.contains("=after-valid"), "{text}");
     assert!(socket.exists(), "the socket file is still there\n{text}");
     assert_eq!(broker_pid(&socket).await, pid);
     let res = client.request("health", serde_json::json!({})).await;
@@ -2135,4 +2137,85 @@ async fn signal_storms_at_every_step_of_an_upgrade_end_with_one_broker_and_every
     }
     let text = log_text(&log);
     assert!(!text.contains("upgrade failed"), "{text}");
+}
+
+/// `clawmux upgrade --socket S`: (exit code, what it printed).
+async fn upgrade_command(socket: &Path, dir: &Path) -> (Option<i32>, String) {
+    let out = tokio::process::Command::new(BIN)
+        .args(["upgrade", "--timeout", "20", "--socket"])
+        .arg(socket)
+        .env("HOME", dir)
+        .env_remove("CLAWMUX_CONFIG")
+        .output();
+    let out = tokio::time::timeout(PATIENCE * 6, out)
+        .await
+        .expect("clawmux upgrade ends")
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+/// `clawmux upgrade` finds the broker behind the socket (not a process by
+/// name), hands it over and says what happened in one line, with an exit
+/// status a script can use: 0 and old pid → new pid with what moved; 1 and
+/// the reason when the new binary fails (the old one serves on); 3 when no
+/// broker answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upgrade_command_reports_the_outcome_and_exits_by_it() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let program = copied_binary(dir.path());
+    let (mut first, socket, log) = serve_ready(&program, dir.path(), &gw.url()).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    let old = first.0.id();
+
+    // A new binary that cannot start: exit 1, the reason, the old one serves.
+    replace_with_script(&program, "#!/bin/sh\necho 'cannot start' >&2\nexit 1\n");
+    let (code, text) = upgrade_command(&socket, dir.path()).await;
+    assert_eq!(code, Some(1), "{text}\n{}", log_text(&log));
+    assert!(text.starts_with("upgrade failed: "), "{text}");
+    assert!(text.contains(&format!("pid {old} still serves")), "{text}");
+    assert_eq!(text.lines().count(), 1, "{text}");
+    assert_eq!(
+        client.request("health", serde_json::json!({})).await["ok"],
+        true
+    );
+
+    // The real binary: exit 0, old pid → new pid, the client moved.
+    std::fs::remove_file(&program).unwrap();
+    std::fs::copy(BIN, &program).unwrap();
+    let (code, text) = upgrade_command(&socket, dir.path()).await;
+    assert_eq!(code, Some(0), "{text}\n{}", log_text(&log));
+    let new = broker_pid(&socket).await;
+    let _new = Pid(new);
+    assert_ne!(new, old);
+    assert!(
+        text.starts_with(&format!("upgraded: pid {old} ("))
+            && text.contains(&format!("→ pid {new} (")),
+        "{text}"
+    );
+    assert!(
+        text.contains("1 client and 0 event streams moved"),
+        "{text}"
+    );
+    assert!(
+        exits_with(&mut first.0).await.success(),
+        "{}",
+        log_text(&log)
+    );
+    assert_eq!(
+        client.request("health", serde_json::json!({})).await["ok"],
+        true
+    );
+
+    // No broker: exit 3, naming the socket it tried.
+    let nowhere = dir.path().join("nowhere.sock");
+    let (code, text) = upgrade_command(&nowhere, dir.path()).await;
+    assert_eq!(code, Some(3), "{text}");
+    assert!(text.contains(&nowhere.display().to_string()), "{text}");
 }
