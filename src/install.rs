@@ -282,11 +282,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_template_has_one_program_to_replace() {
-        assert_eq!(SERVICE_UNIT.matches(TEMPLATE_PROGRAM).count(), 1);
+    fn the_template_has_two_programs_to_replace() {
+        assert_eq!(SERVICE_UNIT.matches(TEMPLATE_PROGRAM).count(), 2);
         let unit = render_service(Path::new("/opt/claw mux/bin/clawmux%1")).unwrap();
         assert!(
             unit.contains("\nExecStart=\"/opt/claw mux/bin/clawmux%%1\" serve "),
+            "{unit}"
+        );
+        assert!(
+            unit.contains("\nExecReload=\"/opt/claw mux/bin/clawmux%%1\" upgrade"),
             "{unit}"
         );
         assert_eq!(unit.lines().count(), SERVICE_UNIT.lines().count());

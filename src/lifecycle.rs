@@ -68,9 +68,12 @@ pub async fn serve_until_stopped(
                 tracing::info!(program = %program.path.display(), "SIGUSR2: handing over to a new instance");
                 crate::handover::record::attempt();
                 match upgrade(broker, program, shutdown_timeout).await {
-                    Outcome::Upgraded => {
+                    Outcome::Upgraded(next) => {
                         // The new instance is the service now: no STOPPING=1.
                         notifier.abandon();
+                        if keeps_its_terminal() {
+                            return stand_in_for(next, term, usr2).await;
+                        }
                         return Ok(());
                     }
                     Outcome::StillServing(b, why) => {
@@ -222,11 +225,57 @@ fn arm_backstop(after: Duration) {
     }
 }
 
+/// Whether this broker was started in a terminal by hand (not by systemd,
+/// which tracks the new main process itself): then the process the shell
+/// started stays, so the shell does not take its terminal back while a
+/// broker still writes to it.
+fn keeps_its_terminal() -> bool {
+    use std::io::IsTerminal;
+    std::env::var_os("NOTIFY_SOCKET").is_none()
+        && (std::io::stdin().is_terminal() || std::io::stderr().is_terminal())
+}
+
+/// After an upgrade in a terminal: this process (the one the shell waits
+/// for) stays until the instance that took over ends, and exits with its
+/// status. Ctrl-C reaches that instance from the terminal itself (the same
+/// process group), so `SIGINT` is not passed on (twice would force its
+/// stop); `SIGTERM` and `SIGUSR2` sent to this pid are, so `kill` and
+/// `clawmux upgrade` work on the pid the shell shows as on the broker.
+async fn stand_in_for(
+    mut next: tokio::process::Child,
+    mut term: tokio::signal::unix::Signal,
+    mut usr2: tokio::signal::unix::Signal,
+) -> std::io::Result<()> {
+    tracing::info!(
+        pid = next.id(),
+        "upgrade: the new instance serves; this process stays for the terminal until it ends"
+    );
+    let pass_on = |next: &tokio::process::Child, sig| {
+        if let Some(pid) = next
+            .id()
+            .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+        {
+            let _ = rustix::process::kill_process(pid, sig);
+        }
+    };
+    loop {
+        tokio::select! {
+            status = next.wait() => {
+                let code = status?.code().unwrap_or(EXIT_FORCED);
+                std::process::exit(code);
+            }
+            _ = term.recv() => pass_on(&next, rustix::process::Signal::TERM),
+            _ = usr2.recv() => pass_on(&next, rustix::process::Signal::USR2),
+        }
+    }
+}
+
 /// How an upgrade ended.
 #[derive(Debug)]
 pub enum Outcome {
-    /// The new instance serves: this one exits.
-    Upgraded,
+    /// The new instance (this process) serves: this one exits, or stays
+    /// for its terminal.
+    Upgraded(tokio::process::Child),
     /// This one serves (still, or again): why the upgrade did not happen.
     StillServing(RunningBroker, String),
     /// The new one failed after this one stopped, and serving again failed
@@ -294,7 +343,7 @@ async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Dur
                 "upgrade: the new instance serves; exiting"
             );
             released.finish();
-            Outcome::Upgraded
+            Outcome::Upgraded(next.into_child())
         }
         Err(why) => {
             // It failed after it took everything: its clients lose their

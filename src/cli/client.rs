@@ -132,33 +132,6 @@ impl BrokerClient {
         ensure_ours("the process serving it", peer.uid(), me).map_err(not_ours)
     }
 
-    /// The pid of the process serving the socket, from the kernel
-    /// (`SO_PEERCRED` of a connection to it), once it is known to be ours:
-    /// the process to signal, whatever `/v1/state` or a process list says.
-    pub async fn serving_pid(&self) -> Result<u32, CliError> {
-        let stream =
-            match tokio::time::timeout(CONNECT_TIMEOUT, UnixStream::connect(&self.socket)).await {
-                Err(_) => return Err(self.unreachable("timed out connecting")),
-                Ok(Err(e)) => {
-                    return Err(match e.kind() {
-                        ErrorKind::NotFound => self.not_there("no socket there"),
-                        ErrorKind::ConnectionRefused => {
-                            self.not_there("nothing is listening (a stale socket?)")
-                        }
-                        _ => self.unreachable(e.to_string()),
-                    })
-                }
-                Ok(Ok(stream)) => stream,
-            };
-        self.check_it_is_ours(&stream)?;
-        let peer = stream
-            .peer_cred()
-            .map_err(|e| self.unreachable(format!("cannot read who serves it ({e})")))?;
-        peer.pid()
-            .and_then(|p| u32::try_from(p).ok())
-            .ok_or_else(|| self.unreachable("the kernel does not say which process serves it"))
-    }
-
     /// Sends one request; the response body is left to the caller to read
     /// (whole, or as a stream for `/v1/events`).
     pub async fn send(

@@ -1,10 +1,11 @@
 //! `clawmux upgrade`: hands the broker behind this socket over to the
 //! `clawmux` now at its binary's path, waits, and says what happened in one
-//! line. The broker is found by the socket, not by a process name: the
-//! process the kernel says serves it (`SO_PEERCRED`), checked against the
-//! pid `/v1/state` gives. Its outcome is read back from `/v1/state`: a new
-//! pid that took over (success), or the old one's `broker.upgrade.failures`
-//! grown (it serves on).
+//! line. The broker is found by the socket, not by a process name: the pid
+//! its `/v1/state` gives, over a connection the client checked is served by
+//! this user (`SO_PEERCRED`'s pid would not do: it names the process that
+//! first listened, systemd's or an instance long gone). The outcome is read
+//! back from `/v1/state`: a new pid that took over (success), or the old
+//! one's `broker.upgrade.failures` grown (it serves on).
 
 use std::time::Duration;
 
@@ -32,13 +33,6 @@ pub async fn run(args: UpgradeArgs) -> Result<u8, CliError> {
     let client = args.broker.client();
     let before = state(&client).await?;
     let old_pid = before["broker"]["pid"].as_u64().unwrap_or(0) as u32;
-    let serving = client.serving_pid().await?;
-    if serving != old_pid {
-        return Err(CliError::Answer(format!(
-            "the process serving {} (pid {serving}) is not the one its state names (pid {old_pid}); an upgrade may be under way: try again",
-            client.socket().display()
-        )));
-    }
     let upgrade = &before["broker"]["upgrade"];
     if upgrade["can_upgrade"] != true {
         return Err(CliError::Answer(

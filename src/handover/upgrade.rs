@@ -204,6 +204,12 @@ impl Successor {
         }
     }
 
+    /// The new instance's process, once it serves: a broker that keeps its
+    /// terminal waits for it ([`crate::lifecycle`]).
+    pub fn into_child(self) -> tokio::process::Child {
+        self.child
+    }
+
     /// Ends a new instance that will not serve (it may be stuck), and reaps
     /// it in the background.
     pub fn abandon(mut self) {

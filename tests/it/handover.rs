@@ -2219,3 +2219,99 @@ async fn the_upgrade_command_reports_the_outcome_and_exits_by_it() {
     assert_eq!(code, Some(3), "{text}");
     assert!(text.contains(&nowhere.display().to_string()), "{text}");
 }
+
+/// A broker started in a terminal keeps it across upgrades: the process the
+/// shell started stays (so the prompt does not come back while a broker
+/// still writes to the terminal) and Ctrl-C stops the broker, however many
+/// upgrades it had. Run under a real pty as the controlling terminal of a
+/// new session, as a shell runs a foreground job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_started_in_a_terminal_stops_on_ctrl_c_after_two_upgrades() {
+    use std::os::fd::FromRawFd;
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let (mut master, mut slave) = (0, 0);
+    // SAFETY: openpty writes two new descriptors into the integers it is
+    // given (the name, termios and size are not asked for); both are owned
+    // below exactly once.
+    let opened = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(opened, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: fresh descriptors from openpty, owned by nothing else.
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+    cmd.stdin(slave.try_clone().unwrap())
+        .stdout(slave.try_clone().unwrap())
+        .stderr(slave.try_clone().unwrap());
+    // SAFETY: setsid and ioctl are async-signal-safe; the hook allocates
+    // nothing. The child leads a new session whose controlling terminal is
+    // the pty on its stdin, so the terminal's Ctrl-C reaches its group.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut first = ChildGuard(cmd.spawn().unwrap());
+    // The terminal's other end stays open only in the brokers, so reading
+    // it ends when the last of them has gone.
+    drop(cmd);
+    drop(slave);
+    // What the brokers write to the terminal, read so they never block on it.
+    let screen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let reader = {
+        let mut master = std::fs::File::from(master.try_clone().unwrap());
+        let screen = Arc::clone(&screen);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = std::io::Read::read(&mut master, &mut buf) {
+                screen.lock().unwrap().extend_from_slice(&buf[..n]);
+            }
+        })
+    };
+    let seen = || String::from_utf8_lossy(&screen.lock().unwrap()).into_owned();
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    let mut pids = vec![first.0.id()];
+    for round in 1..=2 {
+        let (code, text) = upgrade_command(&socket, dir.path()).await;
+        assert_eq!(code, Some(0), "upgrade {round}: {text}\n{}", seen());
+        pids.push(broker_pid(&socket).await);
+        assert!(
+            first.0.try_wait().unwrap().is_none(),
+            "after upgrade {round} the process the shell started is still there\n{}",
+            seen()
+        );
+    }
+    let _guards: Vec<Pid> = pids[1..].iter().map(|&p| Pid(p)).collect();
+    assert_eq!(
+        client.request("health", serde_json::json!({})).await["ok"],
+        true
+    );
+    // Ctrl-C, typed at the terminal.
+    std::io::Write::write_all(
+        &mut std::fs::File::from(master.try_clone().unwrap()),
+        b"\x03",
+    )
+    .unwrap();
+    let status = exits_with(&mut first.0).await;
+    assert!(status.success(), "{status:?}\n{}", seen());
+    for p in &pids[1..] {
+        eventually("every instance ends", || !alive(*p)).await;
+    }
+    assert!(seen().contains("stop requested"), "{}", seen());
+    drop(master);
+    let _ = reader.join();
+}
