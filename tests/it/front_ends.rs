@@ -443,8 +443,9 @@ async fn status_says_when_claw3d_points_at_this_broker() {
 
 /// A Node program: connects with `ws` to `URL` (with `Origin` computed as
 /// Claw3D's proxy computes it from the URL, gateway-proxy.js 124-133),
-/// answers the challenge with `CONNECT` and prints the answer with the
-/// URL's hostname (what `isUpstreamAllowed` and `isLocalGatewayUrl` check).
+/// answers the challenge with `CONNECT`, sends a `health` request, and
+/// prints both answers with the URL's hostname (what `isUpstreamAllowed`
+/// and `isLocalGatewayUrl` check).
 const NODE_CLIENT: &str = r#"
 const { WebSocket } = require("ws");
 const url = process.env.URL;
@@ -452,18 +453,68 @@ const u = new URL(url);
 const hostname = ["127.0.0.1", "::1", "0.0.0.0"].includes(u.hostname) ? "localhost" : u.hostname;
 const origin = `${u.protocol === "wss:" ? "https:" : "http:"}//${u.port ? hostname + ":" + u.port : hostname}`;
 const ws = new WebSocket(url, { origin, handshakeTimeout: 5000 });
-const timer = setTimeout(() => { console.error("no answer"); process.exit(3); }, 5000);
+const timer = setTimeout(() => { console.error("no answer"); process.exit(3); }, Number(process.env.PATIENCE_MS));
+let hello = null;
 ws.on("message", (raw) => {
   const m = JSON.parse(String(raw));
   if (m.type === "event" && m.event === "connect.challenge") ws.send(process.env.CONNECT);
-  if (m.type === "res") {
-    console.log(JSON.stringify({ hostname: u.hostname, origin, ok: m.ok, type: m.payload && m.payload.type }));
+  if (m.type === "res" && !hello) {
+    hello = m;
+    if (!m.ok) { console.log(JSON.stringify(m)); process.exit(4); }
+    ws.send(JSON.stringify({ type: "req", id: "h1", method: "health", params: {} }));
+  } else if (m.type === "res" && m.id === "h1") {
+    console.log(JSON.stringify({ hostname: u.hostname, origin, hello: hello.payload.type, health: m.ok }));
     clearTimeout(timer);
     ws.close();
   }
 });
 ws.on("error", (e) => { console.error(String(e)); process.exit(2); });
 "#;
+
+/// `NODE_PATH` with the `ws` the real gateway's install brings (where it
+/// is installed), after the caller's own.
+fn node_path() -> std::ffi::OsString {
+    let peers = std::env::var_os("PEERS_DIR")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/clawmux-peers"))
+        });
+    let mut paths: Vec<PathBuf> = std::env::var_os("NODE_PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    paths.extend(peers.map(|p| p.join("openclaw/node_modules")));
+    std::env::join_paths(paths).unwrap_or_default()
+}
+
+/// Runs [`NODE_CLIENT`] against `url` and returns what it printed.
+async fn node_client(url: &str, patience: Duration) -> Value {
+    let out = tokio::time::timeout(
+        patience + Duration::from_secs(5),
+        tokio::process::Command::new("node")
+            .args(["-e", NODE_CLIENT])
+            .env("NODE_PATH", node_path())
+            .env("URL", url)
+            .env("CONNECT", connect_frame("c1").to_string())
+            .env("PATIENCE_MS", patience.as_millis().to_string())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("node finishes")
+    .expect("node runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{url}: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).unwrap()
+}
+
+/// What [`NODE_CLIENT`] prints when all went well.
+fn node_answer() -> Value {
+    json!({"hostname": "localhost", "origin": "http://localhost", "hello": "hello-ok", "health": true})
+}
 
 #[tokio::test]
 #[cfg_attr(
@@ -475,34 +526,39 @@ async fn node_ws_with_the_localhost_url_form_gets_hello_ok_on_both_routes() {
     let socket = h.socket();
     for route in ["/ws", "/api/gateway/ws"] {
         let url = format!("ws+unix://localhost{}:{route}", socket.display());
-        let out = tokio::time::timeout(
-            Duration::from_secs(10),
-            tokio::process::Command::new("node")
-                .args(["-e", NODE_CLIENT])
-                .env("URL", &url)
-                .env("CONNECT", connect_frame("c1").to_string())
-                .kill_on_drop(true)
-                .output(),
-        )
-        .await
-        .expect("node finishes")
-        .expect("node runs");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{url}: {stdout}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let got: Value = serde_json::from_str(stdout.trim()).unwrap();
-        assert_eq!(
-            got,
-            json!({"hostname": "localhost", "origin": "http://localhost", "ok": true, "type": "hello-ok"}),
-            "{url}"
-        );
+        assert_eq!(node_client(&url, PATIENCE).await, node_answer(), "{url}");
     }
     // The URL setup writes is one of them.
     assert_eq!(
         clawmux::frontends::setup::claw3d_url(&socket).unwrap(),
         format!("ws+unix://localhost{}:/api/gateway/ws", socket.display())
     );
+}
+
+/// The same through the broker to a real OpenClaw gateway: the URL form
+/// setup writes for Claw3D, and the Origin Claw3D's proxy sends with it.
+#[tokio::test]
+#[ignore = "needs a real OpenClaw gateway (~1 GB, installed from npm): run by .ci/interop"]
+async fn node_ws_reaches_a_real_gateway_through_the_url_setup_writes() {
+    use crate::real_gateway::*;
+    if !peers_present("front_ends::node_ws_reaches_a_real_gateway_through_the_url_setup_writes") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut gw = Gateway::start(port, dir.path().join("gateway.log"));
+    gw.wait_ready(FIRST_START).await;
+    let mut settings = broker_settings(dir.path(), port, TOKEN);
+    settings.upstream.device_identity = None;
+    let broker = clawmux::RunningBroker::start(settings).await.unwrap();
+    let socket = broker.socket_path().to_owned();
+    wait_phase(&socket, "ready", Duration::from_secs(60), &gw).await;
+    let url = clawmux::frontends::setup::claw3d_url(&socket).unwrap();
+    assert_eq!(
+        node_client(&url, Duration::from_secs(30)).await,
+        node_answer(),
+        "{url}"
+    );
+    broker.shutdown(Duration::from_secs(5)).await;
+    gw.stop().await;
 }
