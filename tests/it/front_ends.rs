@@ -438,6 +438,13 @@ async fn status_says_when_claw3d_points_at_this_broker() {
     let (code, out, _) = run_clawmux_in(home.path(), &["status"], PATIENCE).await;
     assert_eq!(code, 0, "{out}");
     assert!(out.contains(&format!("discovery  {note}")), "{out}");
+    let (_, out, _) = run_clawmux_in(home.path(), &["doctor"], PATIENCE).await;
+    assert!(out.contains(&format!("  discovery    {note}")), "{out}");
+    assert!(out.contains("OpenClaw /"), "{out}");
+    assert!(
+        out.contains("openclaw.json: points at the gateway (ws://localhost:"),
+        "{out}"
+    );
     assert_eq!(gw.connects()[0]["auth"]["token"], "test-token");
 }
 
