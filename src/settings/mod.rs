@@ -36,6 +36,7 @@ mod own_socket;
 use self::file::*;
 use self::limits::{apply_limits, socket_policies};
 pub use self::own_socket::{own_socket_named, socket_path_in_url};
+use self::own_socket::{passed_over_note, self_url_refused};
 
 /// What the command line said (flags only; the environment is read here so
 /// that each value's source can be told apart).
@@ -610,48 +611,6 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
         warnings,
         discovery,
     })
-}
-
-/// A configured gateway URL (flag, environment, config.toml) that names one
-/// of this broker's sockets: the broker would be its own gateway.
-fn self_url_refused(url: &str, source: &Source, mine: &Path) -> ErrorShape {
-    ErrorShape::studio(
-        StudioCode::GatewayUrlInvalid,
-        format!(
-            "the gateway URL from {source} ({}) points at this broker's own socket {}: \
-             clawmux cannot be its own gateway; set it to the gateway's ws:// or wss:// URL \
-             (e.g. ws://localhost:18789)",
-            crate::sanitize::field(&config::redact_url(url), 300),
-            mine.display()
-        ),
-    )
-}
-
-/// What discovery says about a settings file it passed over: whose file,
-/// which socket it names, and what was used instead.
-fn passed_over_note(
-    whose: &str,
-    file: &Path,
-    mine: &Path,
-    used_url: &str,
-    used: &Source,
-) -> String {
-    let instead = match used {
-        Source::Default => format!("using the default {used_url}"),
-        Source::File(p) | Source::FileKey(p, _) => match p.file_name() {
-            Some(name) => format!("using {} ({})", name.to_string_lossy(), p.display()),
-            None => format!("using {}", p.display()),
-        },
-        other => format!("using {other}"),
-    };
-    format!(
-        "{whose} {} points at this broker ({}); {instead}",
-        file.file_name().map_or_else(
-            || file.display().to_string(),
-            |n| n.to_string_lossy().into_owned()
-        ),
-        mine.display()
-    )
 }
 
 /// A short, non-reversible fingerprint of a secret for display:

@@ -14,6 +14,9 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
 
+use super::Source;
+use crate::protocol::{ErrorShape, StudioCode};
+
 /// The URL schemes that name a unix socket rather than a host.
 const UNIX_SCHEMES: &[&str] = &["ws+unix", "wss+unix", "http+unix", "https+unix", "unix"];
 
@@ -115,6 +118,48 @@ fn percent_decode(s: &str) -> String {
         }
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A configured gateway URL (flag, environment, config.toml) that names one
+/// of this broker's sockets: the broker would be its own gateway.
+pub(super) fn self_url_refused(url: &str, source: &Source, mine: &Path) -> ErrorShape {
+    ErrorShape::studio(
+        StudioCode::GatewayUrlInvalid,
+        format!(
+            "the gateway URL from {source} ({}) points at this broker's own socket {}: \
+             clawmux cannot be its own gateway; set it to the gateway's ws:// or wss:// URL \
+             (e.g. ws://localhost:18789)",
+            crate::sanitize::field(&crate::config::redact_url(url), 300),
+            mine.display()
+        ),
+    )
+}
+
+/// What discovery says about a settings file it passed over: whose file,
+/// which socket it names, and what was used instead.
+pub(super) fn passed_over_note(
+    whose: &str,
+    file: &Path,
+    mine: &Path,
+    used_url: &str,
+    used: &Source,
+) -> String {
+    let instead = match used {
+        Source::Default => format!("using the default {used_url}"),
+        Source::File(p) | Source::FileKey(p, _) => match p.file_name() {
+            Some(name) => format!("using {} ({})", name.to_string_lossy(), p.display()),
+            None => format!("using {}", p.display()),
+        },
+        other => format!("using {other}"),
+    };
+    format!(
+        "{whose} {} points at this broker ({}); {instead}",
+        file.file_name().map_or_else(
+            || file.display().to_string(),
+            |n| n.to_string_lossy().into_owned()
+        ),
+        mine.display()
+    )
 }
 
 #[cfg(test)]
