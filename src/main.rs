@@ -563,8 +563,8 @@ fn socket_path(args: &SocketPathArgs) -> ExitCode {
 }
 
 /// `clawmux setup claw3d [--undo]`: shows the change, asks on a terminal
-/// (`--yes` does not), writes it; exit 0 when done, 1 when refused, 2 when
-/// it could not ask and was not told `--yes`.
+/// (`--yes` does not), writes it; exit 0 when done (or nothing was left to
+/// do), 1 when refused, 2 when it could not ask and was not told `--yes`.
 fn setup_claw3d(args: &SetupClaw3dArgs) -> ExitCode {
     use clawmux::frontends::setup;
     use std::io::{IsTerminal, Write};
@@ -612,6 +612,10 @@ fn setup_claw3d(args: &SetupClaw3dArgs) -> ExitCode {
     };
     match result {
         Ok(_) => ExitCode::SUCCESS,
+        Err(setup::SetupError::AlreadyDone(message)) => {
+            println!("{message}");
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("clawmux setup claw3d: {e}");
             ExitCode::from(1)

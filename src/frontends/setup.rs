@@ -50,6 +50,9 @@ pub struct Options {
 /// Why setup (or undo) did nothing; each message says what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
+    /// Claw3D already points at this broker: nothing to change (not a failure).
+    #[error("{0}")]
+    AlreadyDone(String),
     #[error("{0}")]
     Refused(String),
     #[error(transparent)]
@@ -105,12 +108,6 @@ pub fn plan(resolved: &Resolved, env: &Env, opts: &Options) -> Result<Plan, Setu
             refused("cannot tell where clawmux's config.toml is: set HOME or --config")
         })?;
     let record = record_path(&config_file);
-    if record.exists() {
-        return Err(refused(format!(
-            "Claw3D is already set up for clawmux ({} records it): `clawmux setup claw3d --undo` first",
-            record.display()
-        )));
-    }
     let original = read_file(&settings_file)?;
     let mut doc: Value = match &original {
         None => json!({}),
@@ -140,10 +137,24 @@ pub fn plan(resolved: &Resolved, env: &Env, opts: &Options) -> Result<Plan, Setu
         .as_deref()
         .and_then(|u| settings::own_socket_named(u, &own))
     {
-        return Err(refused(format!(
-            "{} already points at this broker ({}); nothing to do",
+        let undo = if record.exists() {
+            "; `clawmux setup claw3d --undo` goes back"
+        } else {
+            ""
+        };
+        return Err(SetupError::AlreadyDone(format!(
+            "{} already points at this broker ({}): nothing to do{undo}",
             settings_file.display(),
             mine.display()
+        )));
+    }
+    if record.exists() {
+        return Err(refused(format!(
+            "{} records an earlier setup, but {} no longer points at this broker (changed since, \
+             e.g. in the studio's settings page): `clawmux setup claw3d --undo` first (it puts back \
+             the settings from before that setup), then run setup again",
+            record.display(),
+            settings_file.display()
         )));
     }
     let new_url = claw3d_url(&resolved.settings.socket_path)?;

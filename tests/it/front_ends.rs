@@ -323,10 +323,15 @@ async fn setup_claw3d_writes_backs_up_keeps_the_gateway_and_undoes() {
     assert_eq!(mode_of(&token_file), 0o600);
     let record = std::fs::read_to_string(config_dir.join("claw3d-setup.json")).unwrap();
     assert!(!record.contains("test-token"), "{record}");
-    // A second setup says it is done already.
-    let (code, _, err) = run_clawmux_in(home.path(), &["setup", "claw3d", "--yes"], PATIENCE).await;
-    assert_eq!(code, 1);
-    assert!(err.contains("--undo"), "{err}");
+    // A second setup says it is done already, and changes nothing.
+    let before = std::fs::read(&settings).unwrap();
+    let (code, out, _) = run_clawmux_in(home.path(), &["setup", "claw3d", "--yes"], PATIENCE).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("already points at this broker") && out.contains("--undo"),
+        "{out}"
+    );
+    assert_eq!(std::fs::read(&settings).unwrap(), before);
 
     // With the file pointing at the broker, a zero-config broker finds the gateway.
     let log = home.path().join("serve.log");
@@ -393,6 +398,59 @@ async fn undo_leaves_the_rest_of_config_toml_alone() {
         run_clawmux_in(home.path(), &["setup", "claw3d", "--undo"], PATIENCE).await;
     assert_eq!(code, 0, "{err}");
     assert_eq!(std::fs::read_to_string(&config).unwrap(), mine);
+}
+
+/// Claw3D's proxy needs a token of its own: when its file has none and the
+/// broker holds the credential, setup gives it a placeholder; a saved
+/// profile for the same gateway follows the URL. Only what came from
+/// Claw3D's file is recorded (here the URL; the token is config.toml's).
+#[tokio::test]
+async fn setup_gives_claw3d_a_placeholder_token_and_moves_its_profile() {
+    let home = tempfile::tempdir().unwrap();
+    let settings = home.path().join(".openclaw/claw3d/settings.json");
+    std::fs::create_dir_all(settings.parent().unwrap()).unwrap();
+    let original = json!({"gateway": {"url": "wss://gw.example", "token": "",
+        "profiles": {"openclaw": {"url": "wss://gw.example", "token": ""},
+                     "hermes": {"url": "ws://localhost:9999", "token": ""}}}})
+    .to_string();
+    std::fs::write(&settings, &original).unwrap();
+    let config = home.path().join("config/clawmux/config.toml");
+    std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+    std::fs::write(&config, "[gateway]\ntoken = \"cfg-token\"\n").unwrap();
+    std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (code, out, err) = run_clawmux_in(home.path(), &["setup", "claw3d", "-y"], PATIENCE).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("placeholder"), "{out}");
+    let written: Value =
+        serde_json::from_str(&std::fs::read_to_string(&settings).unwrap()).unwrap();
+    let url = written["gateway"]["url"].as_str().unwrap().to_owned();
+    assert!(url.starts_with("ws+unix://localhost/"), "{written}");
+    assert_eq!(
+        written["gateway"]["token"],
+        json!(clawmux::frontends::setup::PLACEHOLDER_TOKEN)
+    );
+    assert_eq!(
+        written["gateway"]["profiles"]["openclaw"]["url"],
+        json!(url)
+    );
+    assert_eq!(
+        written["gateway"]["profiles"]["hermes"]["url"],
+        "ws://localhost:9999"
+    );
+    let during = std::fs::read_to_string(&config).unwrap();
+    assert!(
+        during.contains("url = \"wss://gw.example\"") && !during.contains("token_file"),
+        "{during}"
+    );
+    assert!(!home.path().join("config/clawmux/gateway-token").exists());
+    let (code, _, err) =
+        run_clawmux_in(home.path(), &["setup", "claw3d", "--undo"], PATIENCE).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(std::fs::read_to_string(&settings).unwrap(), original);
+    assert_eq!(
+        std::fs::read_to_string(&config).unwrap(),
+        "[gateway]\ntoken = \"cfg-token\"\n"
+    );
 }
 
 /// `clawmux status` says which file discovery passed over and what it used.
