@@ -37,6 +37,9 @@ pub(crate) enum Command {
     MockGateway(MockArgs),
     /// Install the systemd user units (clawmux.socket, clawmux.service) for this binary.
     InstallService(InstallArgs),
+    /// Point a front end at this broker, showing the change first (`setup claw3d`; `--undo` puts it back).
+    #[command(subcommand)]
+    Setup(SetupCommand),
     /// Print the socket path the broker uses, as `serve` resolves it (for `S=$(clawmux socket-path)`).
     SocketPath(SocketPathArgs),
     /// Print a shell completion script, e.g. `clawmux completions bash > ~/.local/share/bash-completion/completions/clawmux`.
@@ -53,6 +56,37 @@ pub(crate) struct SocketPathArgs {
     #[arg(long, value_name = "PATH")]
     pub(crate) socket: Option<PathBuf>,
     /// Config file (env CLAWMUX_CONFIG) [default: $XDG_CONFIG_HOME/clawmux/config.toml].
+    #[arg(long, value_name = "PATH")]
+    pub(crate) config: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum SetupCommand {
+    /// Point Claw3D studio at this broker: its settings.json gets the broker's socket URL (backed up beside it, mode 0600), and the gateway it named is kept in clawmux's own config.toml so the broker still finds it.
+    #[command(
+        after_help = "Claw3D reads the file at each connection: reconnect in the studio. In production (NODE_ENV=production: `npm start`, its Docker image) Claw3D also needs UPSTREAM_ALLOWLIST=localhost. See the book's \"Claw3D\" page."
+    )]
+    Claw3d(SetupClaw3dArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct SetupClaw3dArgs {
+    /// Put back what an earlier setup changed (Claw3D's settings from the backup, clawmux's config.toml as it was).
+    #[arg(long)]
+    pub(crate) undo: bool,
+    /// Show the change, write nothing.
+    #[arg(long, conflicts_with = "undo")]
+    pub(crate) dry_run: bool,
+    /// Write without asking (needed when standard input is not a terminal).
+    #[arg(long, short = 'y')]
+    pub(crate) yes: bool,
+    /// Claw3D's settings file [default: $OPENCLAW_STATE_DIR/claw3d/settings.json, else ~/.openclaw/claw3d/settings.json].
+    #[arg(long, value_name = "PATH")]
+    pub(crate) settings_file: Option<PathBuf>,
+    /// The broker's socket to point Claw3D at (env CLAWMUX_SOCKET) [default: the one `serve` uses].
+    #[arg(long, value_name = "PATH")]
+    pub(crate) socket: Option<PathBuf>,
+    /// clawmux's config file (env CLAWMUX_CONFIG) [default: $XDG_CONFIG_HOME/clawmux/config.toml].
     #[arg(long, value_name = "PATH")]
     pub(crate) config: Option<PathBuf>,
 }
@@ -168,13 +202,16 @@ impl SettingsArgs {
     }
 
     /// Whether `e` is an error in clawmux's own settings: its config.toml
-    /// (unreadable, a typo, a bad value) or inconsistent limits. At start that
+    /// (unreadable, a typo, a bad value), inconsistent limits, or a gateway
+    /// URL given by flag, environment or config.toml that names one of the
+    /// broker's own sockets (resolve reports no other `gateway_url_invalid`). At start that
     /// is a usage error (exit 2): nothing was wrong but what the user wrote.
     /// Errors in files clawmux only borrows (Claw3D's, OpenClaw's, a systemd
     /// credential) are served to clients instead, who learn what to fix.
     pub(crate) fn is_own_config_error(&self, e: &clawmux::protocol::ErrorShape) -> bool {
         let config = settings::config_file_path(&self.overrides(), &Env::from_process());
         e.message.starts_with("inconsistent limits")
+            || e.code == clawmux::protocol::StudioCode::GatewayUrlInvalid.as_str()
             || config.is_some_and(|path| {
                 e.message
                     .starts_with(&format!("cannot load settings from {}:", path.display()))

@@ -403,6 +403,10 @@ pub struct Settings {
     /// The settings could not be loaded: the broker serves, and every local
     /// connect is answered with this `studio.settings_load_failed`.
     pub load_error: Option<ErrorShape>,
+    /// Settings files discovery passed over because they point at this
+    /// broker, each in one sentence naming what was used instead (shown by
+    /// `clawmux status` and `doctor`).
+    pub discovery: Vec<String>,
 }
 
 impl Settings {
@@ -419,7 +423,16 @@ impl Settings {
             upstream: UpstreamOptions::default(),
             sockets: Vec::new(),
             load_error: None,
+            discovery: Vec::new(),
         }
+    }
+
+    /// Every socket this broker serves: the main one and each `[[sockets]]`
+    /// entry. A gateway URL naming one of them is this broker, not a gateway.
+    pub fn own_socket_paths(&self) -> Vec<PathBuf> {
+        std::iter::once(self.socket_path.clone())
+            .chain(self.sockets.iter().map(|s| s.path.clone()))
+            .collect()
     }
 }
 

@@ -13,6 +13,8 @@
 //! - [`cli`]: the everyday commands (`status`, `tail`, `call`, `record`,
 //!   `top`), which talk to a running broker over its socket like any other
 //!   client.
+//! - [`frontends`]: the front ends on this machine (Claw3D's and OpenClaw's
+//!   settings) and where each points, for `doctor`; `setup claw3d` and its undo.
 //! - [`broker`]: assembly and shutdown; [`lifecycle`] runs `serve` from
 //!   ready to exit; [`systemd`]: socket activation and notifications.
 //! - [`local`]: the unix listener (peer uid check, connection cap, open-file
@@ -82,6 +84,7 @@ pub mod context;
 pub mod dedicated_registry;
 pub mod dispatch;
 pub mod files;
+pub mod frontends;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod gate;

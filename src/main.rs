@@ -71,6 +71,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Command::Man(args) => return man(args),
+        Command::Setup(SetupCommand::Claw3d(args)) => return setup_claw3d(args),
         Command::Serve(args) if args.replay.replay.is_some() && !args.demo => {
             let mut cli = <Cli as clap::CommandFactory>::command();
             cli.build();
@@ -112,7 +113,10 @@ fn main() -> ExitCode {
                     code
                 })
             }
-            Command::SocketPath(_) | Command::Completions(_) | Command::Man(_) => {
+            Command::SocketPath(_)
+            | Command::Completions(_)
+            | Command::Man(_)
+            | Command::Setup(_) => {
                 unreachable!("answered before the runtime starts")
             }
             Command::InstallService(a) => clawmux::install::install_service(
@@ -566,6 +570,10 @@ fn own_config_error(command: &Command) -> Option<String> {
             LimitArgs::default(),
         ),
         Command::Client(_) => (settings_from(None, None), LimitArgs::default()),
+        Command::Setup(SetupCommand::Claw3d(a)) => (
+            settings_from(a.socket.clone(), a.config.clone()),
+            LimitArgs::default(),
+        ),
         Command::MockGateway(_)
         | Command::InstallService(_)
         | Command::Completions(_)
@@ -592,6 +600,67 @@ fn socket_path(args: &SocketPathArgs) -> ExitCode {
             .display()
     );
     ExitCode::SUCCESS
+}
+
+/// `clawmux setup claw3d [--undo]`: shows the change, asks on a terminal
+/// (`--yes` does not), writes it; exit 0 when done (or nothing was left to
+/// do), 1 when refused, 2 when it could not ask and was not told `--yes`.
+fn setup_claw3d(args: &SetupClaw3dArgs) -> ExitCode {
+    use clawmux::frontends::setup;
+    use std::io::{IsTerminal, Write};
+    let settings = settings_from(args.socket.clone(), args.config.clone());
+    let resolved = match settings.resolve(&LimitArgs::default()) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!(
+                "clawmux setup claw3d: {} ({}); nothing was done",
+                e.message, e.code
+            );
+            return ExitCode::from(1);
+        }
+    };
+    let env = clawmux::settings::Env::from_process();
+    let mut out = std::io::stdout();
+    let result = if args.undo {
+        setup::undo(&resolved, &env, &mut out).map(|()| true)
+    } else {
+        let opts = setup::Options {
+            settings_file: args.settings_file.clone(),
+            dry_run: args.dry_run,
+        };
+        let mut asked_without_terminal = false;
+        let mut confirm = || {
+            if args.yes {
+                return true;
+            }
+            if !std::io::stdin().is_terminal() {
+                asked_without_terminal = true;
+                return false;
+            }
+            print!("Write these changes? [y/N] ");
+            let _ = std::io::stdout().flush();
+            let mut answer = String::new();
+            let _ = std::io::stdin().read_line(&mut answer);
+            matches!(answer.trim(), "y" | "Y" | "yes")
+        };
+        let result = setup::setup(&resolved, &env, &opts, &mut confirm, &mut out);
+        if asked_without_terminal {
+            eprintln!("clawmux setup claw3d: standard input is not a terminal, so it cannot ask: rerun with --yes to write the change above");
+            return ExitCode::from(2);
+        }
+        result
+    };
+    match result {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(setup::SetupError::AlreadyDone(message)) => {
+            println!("{message}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("clawmux setup claw3d: {e}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 /// On a terminal the page is shown formatted, through `man -l -` (and its

@@ -63,6 +63,11 @@ pub async fn check(resolved: Result<Resolved, crate::protocol::ErrorShape>) -> V
         "device_key": device_key,
         "tls": tls_settings(&resolved),
         "warnings": resolved.warnings,
+        "discovery": resolved.discovery,
+        "front_ends": crate::frontends::to_json(&crate::frontends::found(
+            &resolved,
+            &crate::settings::Env::from_process(),
+        )),
     });
     if let Some(demo) = super::client::running_demo(&s.socket_path).await {
         // The broker there talks to its built-in double, not to the gateway
@@ -247,6 +252,9 @@ pub fn render(report: &Value, paint: &super::style::Paint) -> String {
     for w in s["warnings"].as_array().into_iter().flatten() {
         line(format!("  {}: {}", paint.warn("warning"), text(w)));
     }
+    for l in front_end_lines(s) {
+        line(l);
+    }
     line("gateway:".into());
     let g = &report["gateway"];
     if g["certificate"].is_object() {
@@ -294,6 +302,34 @@ pub fn render(report: &Value, paint: &super::style::Paint) -> String {
         }
     }
     out
+}
+
+/// What discovery passed over, and the front ends found on this machine
+/// with where each points (this broker, the gateway, elsewhere).
+fn front_end_lines(s: &Value) -> Vec<String> {
+    let mut lines: Vec<String> = s["discovery"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|note| format!("  discovery    {}", text(note)))
+        .collect();
+    let front_ends = s["front_ends"].as_array().cloned().unwrap_or_default();
+    if front_ends.is_empty() {
+        return lines;
+    }
+    lines.push("front ends:".into());
+    for f in &front_ends {
+        let whose = format!("{:<8} {}", text(&f["name"]), text(&f["file"]));
+        lines.push(match (f["error"].as_str(), f["points_at"].as_str()) {
+            (Some(_), _) => format!("  {whose}: unreadable: {}", text(&f["error"])),
+            (None, Some("this broker")) => {
+                format!("  {whose}: points at this broker ({})", text(&f["socket"]))
+            }
+            (None, Some(at)) => format!("  {whose}: points at {at} ({})", text(&f["url"])),
+            (None, None) => format!("  {whose}: no gateway URL"),
+        });
+    }
+    lines
 }
 
 /// A string of the report, escaped: gateway messages, certificate

@@ -133,6 +133,9 @@ pub fn render_styled(state: &Value, paint: &super::style::Paint) -> String {
         up["session"], up["reconnects"]
     ));
     line("upstream", upstream);
+    for note in up["discovery"].as_array().into_iter().flatten() {
+        line("discovery", text(note).into_owned());
+    }
     if up["scopes"].is_array() {
         let mut scopes = list(&up["scopes"]);
         if up["lost_scopes"].as_array().is_some_and(|l| !l.is_empty()) {

@@ -127,6 +127,8 @@ pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
         "upstream": {
             "phase": status.phase.as_str(),
             "url": crate::config::redact_url(&ctx.upstream().target_url()),
+            // Settings files passed over because they point at this broker.
+            "discovery": ctx.upstream().target_discovery(),
             "session": status.sessions,
             "server_version": hello.map(|h| h.server_version.as_str()),
             "protocol": hello.map(|h| h.protocol),

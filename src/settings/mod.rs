@@ -31,9 +31,12 @@ use crate::protocol::{ErrorShape, StudioCode};
 
 mod file;
 mod limits;
+mod own_socket;
 
 use self::file::*;
 use self::limits::{apply_limits, socket_policies};
+pub use self::own_socket::{own_socket_named, socket_path_in_url};
+use self::own_socket::{passed_over_note, self_url_refused};
 
 /// What the command line said (flags only; the environment is read here so
 /// that each value's source can be told apart).
@@ -140,6 +143,9 @@ pub struct Resolved {
     /// Things worth fixing that do not stop the broker (e.g. a token file
     /// other users can read).
     pub warnings: Vec<String>,
+    /// Settings files passed over because they point at this broker, in
+    /// words (also in `settings.discovery` for `clawmux status`).
+    pub discovery: Vec<String>,
 }
 
 /// Whether a `ws://`/`wss://` URL points at this machine.
@@ -248,6 +254,26 @@ fn token_from_file(path: &Path, warnings: &mut Vec<String>) -> Result<Secret, Er
     })
 }
 
+/// Claw3D studio's settings file: `<stateDir>/claw3d/settings.json`.
+pub fn claw3d_settings_path(env: &Env) -> PathBuf {
+    openclaw_state_dir(env).join("claw3d/settings.json")
+}
+
+/// OpenClaw's config file: `OPENCLAW_CONFIG_PATH`, else `<stateDir>/openclaw.json`.
+pub fn openclaw_config_path(env: &Env) -> PathBuf {
+    env.get("OPENCLAW_CONFIG_PATH")
+        .map(|p| env.expand(p))
+        .unwrap_or_else(|| openclaw_state_dir(env).join("openclaw.json"))
+}
+
+/// A front end's JSON settings file (JSON5 for OpenClaw's), read and parsed
+/// as discovery reads it; `Ok(None)` when it does not exist.
+pub fn read_front_end_file(path: &Path, json5: bool) -> Result<Option<Value>, ErrorShape> {
+    read_optional(path)?
+        .map(|text| parse_json_like(path, &text, json5))
+        .transpose()
+}
+
 /// clawmux's own config.toml: --config, CLAWMUX_CONFIG, else
 /// $XDG_CONFIG_HOME/clawmux/config.toml (`~/.config/…`).
 pub fn config_file_path(over: &Overrides, env: &Env) -> Option<PathBuf> {
@@ -294,6 +320,10 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
         (config::default_socket_path(), Source::Default)
     };
     let mut settings = Settings::new(socket_path);
+    let path = config_file.clone().unwrap_or_default();
+    settings.sockets = socket_policies(&settings.socket_path, &file.sockets, env)
+        .map_err(|why| load_failed(&path, why))?;
+    let own_sockets = settings.own_socket_paths();
 
     // URL and token from the broker's own sources.
     let mut url: Option<(String, Source)> = over
@@ -306,6 +336,11 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
                 .map(|u| (u.trim().to_owned(), Source::Env("CLAWMUX_GATEWAY_URL")))
         })
         .or_else(|| file.gateway.url.clone().map(|u| (u, file_src())));
+    if let Some((u, source)) = &url {
+        if let Some(mine) = own_socket_named(u, &own_sockets) {
+            return Err(self_url_refused(u, source, mine));
+        }
+    }
     let mut token: Option<(Secret, Source)> = None;
     if let Some(t) = &over.token {
         token = Some((t.clone(), Source::Flag("--token")));
@@ -374,17 +409,23 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
         });
 
     // Claw3D studio settings, then OpenClaw's own config, only if still needed.
+    // A file whose URL names one of this broker's sockets describes no
+    // gateway: neither its URL nor its credentials are used.
     let state_dir = openclaw_state_dir(env);
+    let mut passed_over: Vec<(&'static str, PathBuf, PathBuf)> = Vec::new();
     if url.is_none() || token.is_none() {
-        let path = state_dir.join("claw3d/settings.json");
+        let path = claw3d_settings_path(env);
         if let Some(text) = read_optional(&path)? {
             let v = parse_json_like(&path, &text, false)?;
-            if url.is_none() {
+            let mine = str_at(&v, "/gateway/url").and_then(|u| own_socket_named(u, &own_sockets));
+            if let Some(mine) = mine {
+                passed_over.push(("Claw3D's", path.clone(), mine.to_path_buf()));
+            } else if url.is_none() {
                 if let Some(u) = str_at(&v, "/gateway/url").filter(|u| !u.is_empty()) {
                     url = Some((u.to_owned(), Source::File(path.clone())));
                 }
             }
-            if token.is_none() && file_token_allowed(&url, &path) {
+            if mine.is_none() && token.is_none() && file_token_allowed(&url, &path) {
                 if let Some(t) = str_at(&v, "/gateway/token").filter(|t| !t.is_empty()) {
                     check_secret_file(&path, &mut warnings);
                     token = Some((Secret::new(t), Source::File(path.clone())));
@@ -393,16 +434,22 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
         }
     }
     if url.is_none() || token.is_none() {
-        let path = env
-            .get("OPENCLAW_CONFIG_PATH")
-            .map(|p| env.expand(p))
-            .unwrap_or_else(|| state_dir.join("openclaw.json"));
+        let path = openclaw_config_path(env);
         let v = match read_optional(&path)? {
             Some(text) => parse_json_like(&path, &text, true)?,
             None => Value::Null,
         };
         let key = |k: &'static str| Source::FileKey(path.clone(), k);
-        let remote_mode = str_at(&v, "/gateway/mode") == Some("remote");
+        let mut remote_mode = str_at(&v, "/gateway/mode") == Some("remote");
+        if let Some(mine) = non_empty(str_at(&v, "/gateway/remote/url"))
+            .filter(|_| remote_mode)
+            .and_then(|u| own_socket_named(u, &own_sockets))
+        {
+            // Its remote gateway is this broker: OpenClaw's local gateway
+            // (and its `gateway.auth`) is the one left to try.
+            passed_over.push(("OpenClaw's", path.clone(), mine.to_path_buf()));
+            remote_mode = false;
+        }
         let tls_enabled = v.pointer("/gateway/tls/enabled").and_then(Value::as_bool) == Some(true);
         // Where the URL taken from this file points: the remote gateway, or
         // the local one with its own TLS.
@@ -512,6 +559,14 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
     }
     let (gateway_url, url_source) =
         url.unwrap_or_else(|| (DEFAULT_GATEWAY_URL.to_owned(), Source::Default));
+    let discovery: Vec<String> = passed_over
+        .iter()
+        .map(|(whose, file, mine)| passed_over_note(whose, file, mine, &gateway_url, &url_source))
+        .collect();
+    for note in &discovery {
+        tracing::info!("{note}");
+    }
+    settings.discovery = discovery.clone();
     settings.gateway_url = gateway_url;
     let token_source = token.as_ref().map(|(_, s)| s.clone());
     settings.token = token.map(|(t, _)| t);
@@ -526,10 +581,7 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
         .get(crate::upstream::tls::BREAK_GLASS_ENV)
         .is_some_and(|v| v == "1");
 
-    let path = config_file.clone().unwrap_or_default();
     apply_limits(&mut settings, &file).map_err(|why| load_failed(&path, why))?;
-    settings.sockets = socket_policies(&settings.socket_path, &file.sockets, env)
-        .map_err(|why| load_failed(&path, why))?;
     let up = &file.upstream;
     if let Some(dir) = over
         .state_dir
@@ -557,6 +609,7 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
         config_file,
         openclaw_state_dir: state_dir,
         warnings,
+        discovery,
     })
 }
 

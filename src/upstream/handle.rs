@@ -184,6 +184,8 @@ impl Upstream {
                 || current.load_error != target.load_error;
             if changed {
                 *current = target;
+            } else {
+                current.discovery = target.discovery;
             }
             changed
         })
@@ -275,6 +277,12 @@ impl Upstream {
     /// The gateway URL the connector is pointed at now (after any reload).
     pub fn target_url(&self) -> String {
         self.target.borrow().url.clone()
+    }
+
+    /// Settings files discovery passed over because they point at this
+    /// broker, in words.
+    pub fn target_discovery(&self) -> Vec<String> {
+        self.target.borrow().discovery.clone()
     }
 
     pub fn status(&self) -> Status {

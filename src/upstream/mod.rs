@@ -134,6 +134,9 @@ pub struct Target {
     pub allow_insecure_private_ws: bool,
     /// The settings could not be loaded (`studio.settings_load_failed`).
     pub load_error: Option<ErrorShape>,
+    /// Settings files discovery passed over (they point at this broker).
+    /// Shown by `/v1/state`; a change alone does not reconnect.
+    pub discovery: Vec<String>,
 }
 
 impl Target {
@@ -145,6 +148,7 @@ impl Target {
             tls: settings.tls.clone(),
             allow_insecure_private_ws: settings.allow_insecure_private_ws,
             load_error: settings.load_error.clone(),
+            discovery: settings.discovery.clone(),
         }
     }
 }
