@@ -488,3 +488,17 @@ fn demo_says_what_to_run_next_and_shows_activity() {
     );
     sigterm(&broker.0);
 }
+
+/// `call --scopes` takes only scope names the gateway knows: another one
+/// is a usage error (exit 2) listing the valid names, before any broker
+/// is asked.
+#[tokio::test]
+async fn call_refuses_an_unknown_scope_and_lists_the_valid_ones() {
+    let (code, out, err) = run_clawmux(&["call", "health", "--scopes", "read,banana"]).await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("\"banana\" is not a scope")
+            && err.contains("read, write, admin, approvals, pairing"),
+        "{err}"
+    );
+}
