@@ -297,13 +297,20 @@ impl ReplayArgs {
             return Ok(None);
         };
         let recording = clawmux_mock::recording::Recording::load(path)?;
+        // What a recording file says is not this program's text: shown
+        // through the one sanitizer.
+        use clawmux::sanitize::Shown;
         for warning in &recording.warnings {
-            eprintln!("clawmux: warning: recording {}: {warning}", path.display());
+            eprintln!(
+                "clawmux: warning: recording {}: {}",
+                Shown(&path.display().to_string()),
+                Shown(warning)
+            );
         }
         eprintln!(
             "clawmux: replaying {} (gateway {}): {} events, {} recorded answers",
-            path.display(),
-            recording.gateway_version().unwrap_or("?"),
+            Shown(&path.display().to_string()),
+            clawmux::sanitize::field(recording.gateway_version().unwrap_or("?"), 100),
             recording.timeline.len(),
             recording.exchanges.len()
         );
