@@ -75,10 +75,7 @@ pub fn init(directives: &str) -> LogGuard {
         .buffered_lines_limit(LOG_BUFFER_LINES)
         .thread_name("clawmux-log")
         .finish(Escaping(std::io::stderr()));
-    let fmt = human_layer(
-        writer,
-        std::io::IsTerminal::is_terminal(&std::io::stderr()),
-    );
+    let fmt = human_layer(writer, std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let _ = tracing_subscriber::registry()
         .with(filter)
         .with(tracing_subscriber::filter::filter_fn(reveals_nothing))
@@ -348,9 +345,10 @@ mod tests {
     #[test]
     fn lines_carry_no_module_path_nor_a_broker_wide_generation() {
         let base = crate::sessions::narrower::GENERATION_BASE;
-        let line = formatted(false, || {
-            tracing::info!(session = %"narrow", generation = base + 1, "upstream session ready")
-        });
+        let line = formatted(
+            false,
+            || tracing::info!(session = %"narrow", generation = base + 1, "upstream session ready"),
+        );
         assert!(!line.contains("clawmux::"), "{line:?}");
         assert!(line.contains("session=narrow generation=1\n"), "{line:?}");
         assert!(!line.contains(&(base + 1).to_string()), "{line:?}");

@@ -207,10 +207,7 @@ pub fn render_styled(state: &Value, paint: &super::style::Paint) -> String {
         (Some(o), Some(n)) if o <= n => format!("#{o} to #{n} kept for clients that resume"),
         _ => "none kept yet".to_owned(),
     };
-    line(
-        "events",
-        format!("newest #{}, {held}", state["newest_seq"]),
-    );
+    line("events", format!("newest #{}, {held}", state["newest_seq"]));
     out
 }
 
@@ -249,7 +246,8 @@ mod tests {
         demo["upstream"]["demo"] = json!(true);
         let shown = render(&demo);
         assert!(
-            shown.contains("upstream   backoff the built-in demo gateway (`serve --demo`), session")
+            shown
+                .contains("upstream   backoff the built-in demo gateway (`serve --demo`), session")
                 && !shown.contains("ws://"),
             "{shown}"
         );

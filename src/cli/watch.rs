@@ -494,7 +494,8 @@ mod tests {
             stream_ended(r#"{"code":1001,"reason":"going away"}"#),
             "the broker ended the stream: the broker is shutting down or restarting"
         );
-        assert!(stream_ended(r#"{"code":1008,"reason":"slow consumer"}"#).contains("fell too far behind"));
+        assert!(stream_ended(r#"{"code":1008,"reason":"slow consumer"}"#)
+            .contains("fell too far behind"));
         assert_eq!(
             stream_ended(r#"{"code":4000,"reason":"x\u001b]0;t\u0007"}"#),
             "the broker ended the stream: x\\e]0;t\\x07"

@@ -518,7 +518,12 @@ mod tests {
         let page = include_str!("../../docs/src/least-privilege.md");
         let page = page.split_whitespace().collect::<Vec<_>>().join(" ");
         let read = ["config.get", "config.schema", "config.schema.lookup"];
-        let admin = ["config.set", "config.patch", "config.apply", "config.openFile"];
+        let admin = [
+            "config.set",
+            "config.patch",
+            "config.apply",
+            "config.openFile",
+        ];
         let listed = |names: &[&str]| {
             names
                 .iter()

@@ -177,11 +177,7 @@ pub(super) fn parse_toml(path: &Path, text: &str) -> Result<ConfigFile, ErrorSha
         } else if key.is_none() {
             format!("TOML syntax error{at}: {}", syntax_in_words(message))
         } else {
-            format!(
-                "{}{at}: {}",
-                key.unwrap_or_default(),
-                scrub(message)
-            )
+            format!("{}{at}: {}", key.unwrap_or_default(), scrub(message))
         };
         load_failed(path, why)
     })
@@ -247,7 +243,9 @@ fn syntax_in_words(message: &str) -> String {
         "unclosed table" => "a table header has no closing `]` (write e.g. `[limits]`)",
         "unclosed array" => "a list has no closing `]`",
         "unclosed array of tables" => "a `[[sockets]]` header has no closing `]]`",
-        "string values must be quoted" => "text must be in quotes (e.g. url = \"ws://localhost:18789\")",
+        "string values must be quoted" => {
+            "text must be in quotes (e.g. url = \"ws://localhost:18789\")"
+        }
         "duplicate key" => "this key or table appears twice",
         "invalid basic string" | "invalid literal string" => {
             "a quoted text has no closing quote on its line"

@@ -688,21 +688,38 @@ mod tests {
         assert_eq!(token(&r), "file-token");
         assert_eq!(r.token_source, Some(Source::File(file.clone())));
         assert!(r.warnings.is_empty(), "{:?}", r.warnings);
-        let r = resolve(&Overrides::default(), &env(&[("CLAWMUX_GATEWAY_TOKEN", "env")])).unwrap();
+        let r = resolve(
+            &Overrides::default(),
+            &env(&[("CLAWMUX_GATEWAY_TOKEN", "env")]),
+        )
+        .unwrap();
         assert_eq!(token(&r), "env");
         std::fs::write(dir.join("config.toml"), "[gateway]\ntoken = \"toml\"\n").unwrap();
-        std::fs::set_permissions(dir.join("config.toml"), std::fs::Permissions::from_mode(0o600))
-            .unwrap();
-        assert_eq!(token(&resolve(&Overrides::default(), &env(&[])).unwrap()), "toml");
+        std::fs::set_permissions(
+            dir.join("config.toml"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
+        assert_eq!(
+            token(&resolve(&Overrides::default(), &env(&[])).unwrap()),
+            "toml"
+        );
         std::fs::remove_file(dir.join("config.toml")).unwrap();
         // Readable by others: used, with the same warning as --token-file.
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
         let r = resolve(&Overrides::default(), &env(&[])).unwrap();
         assert_eq!(token(&r), "file-token");
-        assert!(r.warnings.iter().any(|w| w.contains("chmod 600")), "{:?}", r.warnings);
+        assert!(
+            r.warnings.iter().any(|w| w.contains("chmod 600")),
+            "{:?}",
+            r.warnings
+        );
         // Without the file, Claw3D's token is next.
         std::fs::remove_file(&file).unwrap();
-        assert_eq!(token(&resolve(&Overrides::default(), &env(&[])).unwrap()), "claw3d-token");
+        assert_eq!(
+            token(&resolve(&Overrides::default(), &env(&[])).unwrap()),
+            "claw3d-token"
+        );
     }
 
     /// Resolves with `toml` as the config file and the main socket at

@@ -529,6 +529,9 @@ fn help_lists_everyday_commands_first_and_says_the_log_default_once() {
         let out = Command::new(BIN).args([sub, "--help"]).output().unwrap();
         let help = String::from_utf8_lossy(&out.stdout);
         assert!(help.contains("--log"), "{sub}: {help}");
-        assert!(!help.contains("off for doctor"), "{sub} repeats the log default: {help}");
+        assert!(
+            !help.contains("off for doctor"),
+            "{sub} repeats the log default: {help}"
+        );
     }
 }

@@ -34,7 +34,10 @@ async fn status_summarizes_a_running_broker() {
         assert!(out.contains(want), "{want:?} in\n{out}");
     }
     let epoch = state["epoch"].as_str().unwrap();
-    assert!(!out.contains(epoch), "no broker-life hash in everyday output:\n{out}");
+    assert!(
+        !out.contains(epoch),
+        "no broker-life hash in everyday output:\n{out}"
+    );
     // The socket from the environment, and the raw document.
     let out = tokio::time::timeout(
         PATIENCE,

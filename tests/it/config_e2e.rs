@@ -307,9 +307,15 @@ async fn doctor_shows_a_hostile_rejection_escaped() {
                 (c.is_control() && c != '\n')
                     || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
             });
-            assert_eq!(raw, None, "doctor (json: {json}) {name} printed {raw:?} raw: {text:?}");
+            assert_eq!(
+                raw, None,
+                "doctor (json: {json}) {name} printed {raw:?} raw: {text:?}"
+            );
         }
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(text.contains("desrever"), "the message is still shown: {text}");
+        assert!(
+            text.contains("desrever"),
+            "the message is still shown: {text}"
+        );
     }
 }

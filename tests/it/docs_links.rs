@@ -107,10 +107,15 @@ fn the_built_book_is_checked_page_by_page() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(
-        text.contains("benchmark-results.html:1: docs/src/restarts.html: no such file in the built book"),
+        text.contains(
+            "benchmark-results.html:1: docs/src/restarts.html: no such file in the built book"
+        ),
         "{text}"
     );
-    assert!(text.contains("print.html:2: #nowhere: no id #nowhere"), "{text}");
+    assert!(
+        text.contains("print.html:2: #nowhere: no id #nowhere"),
+        "{text}"
+    );
     assert!(text.contains("2 broken"), "{text}");
 }
 

@@ -350,12 +350,23 @@ async fn text_from_a_recording_file_reaches_the_terminal_escaped() {
     );
     let said = stderr_until(&mut gw, "listening").await;
     assert_visible("mock-gateway --replay", &said);
-    assert!(said.contains("(gateway x\\e]0;t\\x07\\r\\x7f\\u{9b}31m\\u{202e})"), "{said}");
+    assert!(
+        said.contains("(gateway x\\e]0;t\\x07\\r\\x7f\\u{9b}31m\\u{202e})"),
+        "{said}"
+    );
     let _ = gw.start_kill();
 
     let socket = files.path().join("demo.sock");
     let (mut demo, _home) = spawn_clawmux(
-        &["serve", "--demo", "--instant", "--replay", file, "--socket", socket.to_str().unwrap()],
+        &[
+            "serve",
+            "--demo",
+            "--instant",
+            "--replay",
+            file,
+            "--socket",
+            socket.to_str().unwrap(),
+        ],
         &[("NO_COLOR", "1")],
     );
     let said = stderr_until(&mut demo, "Ctrl-C stops the demo").await;
@@ -368,7 +379,8 @@ async fn text_from_a_recording_file_reaches_the_terminal_escaped() {
     let version = "\u{1b}]52;c;aGk=\u{7}\u{202e}";
     let header = json!({"format": "clawmux-recording", "version": version});
     std::fs::write(&broken, format!("{header}\n")).unwrap();
-    let (code, out, err) = run_clawmux(&["mock-gateway", "--replay", broken.to_str().unwrap()]).await;
+    let (code, out, err) =
+        run_clawmux(&["mock-gateway", "--replay", broken.to_str().unwrap()]).await;
     assert_eq!(code, 1, "{out}{err}");
     assert_visible("mock-gateway --replay (refused)", &err);
     assert!(err.contains("format version"), "{err}");
