@@ -15,9 +15,15 @@ use clawmux::settings::{self, Env, Overrides, Resolved};
 /// number of local clients use it through a unix socket that only you can open.
 /// Clients speak the normal gateway protocol to `ws+unix://<socket>:/ws`.
 #[derive(Parser, Debug)]
-#[command(name = "clawmux", version, about, long_about)]
+#[command(
+    name = "clawmux",
+    version,
+    about,
+    long_about,
+    after_help = "Logging: --log FILTER (or CLAWMUX_LOG) on any command, e.g. debug or clawmux=trace. Default: info for serve (warn for its demo) and mock-gateway, off for doctor (its report says everything), warn for the rest. Secrets are never logged."
+)]
 pub(crate) struct Cli {
-    /// Log filter (e.g. info, debug, clawmux=trace) [default: info for serve (warn for its demo) and mock-gateway, off for doctor (its report says everything), warn for the rest]. Secrets are never logged.
+    /// Log filter, e.g. debug (defaults: see `clawmux --help`).
     #[arg(long, global = true, env = "CLAWMUX_LOG", value_name = "FILTER")]
     pub(crate) log: Option<String>,
     #[command(subcommand)]
@@ -30,21 +36,28 @@ pub(crate) enum Command {
     #[command(
         after_help = "Signals: SIGTERM or SIGINT stops (under systemd with a descriptor store, the clients are stored for the next start); SIGHUP re-reads the settings; SIGUSR2 hands the sockets and the connected clients over to the clawmux now at this binary's path (an upgrade), and goes on serving if it fails. See the book's \"Restarts and upgrades\"."
     )]
+    #[command(display_order = 5)]
     Serve(ServeArgs),
     /// Show where each setting comes from and try the gateway handshake once (exit 1 on failure).
+    #[command(display_order = 6)]
     Doctor(DoctorArgs),
     /// Run the gateway test double on loopback (for trying clients and the broker without a real gateway).
+    #[command(display_order = 99)]
     MockGateway(MockArgs),
     /// Install the systemd user units (clawmux.socket, clawmux.service) for this binary.
+    #[command(display_order = 9)]
     InstallService(InstallArgs),
     /// Point a front end at this broker, showing the change first (`setup claw3d`; `--undo` puts it back).
     #[command(subcommand)]
     Setup(SetupCommand),
     /// Print the socket path the broker uses, as `serve` resolves it (for `S=$(clawmux socket-path)`).
+    #[command(display_order = 10)]
     SocketPath(SocketPathArgs),
     /// Print a shell completion script, e.g. `clawmux completions bash > ~/.local/share/bash-completion/completions/clawmux`.
+    #[command(display_order = 11)]
     Completions(CompletionsArgs),
     /// Print the man page (roff) to stdout, or write one page per command into a directory.
+    #[command(display_order = 12)]
     Man(ManArgs),
     #[command(flatten)]
     Client(clawmux::cli::ClientCommand),
@@ -321,13 +334,20 @@ impl ReplayArgs {
             return Ok(None);
         };
         let recording = clawmux_mock::recording::Recording::load(path)?;
+        // What a recording file says is not this program's text: shown
+        // through the one sanitizer.
+        use clawmux::sanitize::Shown;
         for warning in &recording.warnings {
-            eprintln!("clawmux: warning: recording {}: {warning}", path.display());
+            eprintln!(
+                "clawmux: warning: recording {}: {}",
+                Shown(&path.display().to_string()),
+                Shown(warning)
+            );
         }
         eprintln!(
             "clawmux: replaying {} (gateway {}): {} events, {} recorded answers",
-            path.display(),
-            recording.gateway_version().unwrap_or("?"),
+            Shown(&path.display().to_string()),
+            clawmux::sanitize::field(recording.gateway_version().unwrap_or("?"), 100),
             recording.timeline.len(),
             recording.exchanges.len()
         );

@@ -12,6 +12,10 @@ use crate::protocol::{ErrorShape, StudioCode};
 /// The default gateway URL (the gateway's default port on loopback).
 pub const DEFAULT_GATEWAY_URL: &str = "ws://localhost:18789";
 
+/// What to do when no token is found anywhere: write clawmux's own token
+/// file, privately (the file `serve` and `doctor` read by default).
+pub const NO_TOKEN_ADVICE: &str = "no gateway token: write the gateway's token (its gateway.auth.token) to ~/.config/clawmux/gateway-token with `install -d -m 700 ~/.config/clawmux && (umask 077; printf '%s' 'TOKEN' > ~/.config/clawmux/gateway-token)`, or use --token-file or CLAWMUX_GATEWAY_TOKEN; or connect with your own auth";
+
 /// A secret (token or password). It cannot be printed by accident: `Debug`
 /// and `Display` show `<redacted>`; only [`Secret::expose`] reveals it.
 #[derive(Clone, PartialEq, Eq)]

@@ -137,6 +137,33 @@ pub fn render_service(binary: &Path) -> Result<String, InstallError> {
     Ok(SERVICE_UNIT.replace(TEMPLATE_PROGRAM, &format!("={program} ")))
 }
 
+/// Where a package (the Debian one) puts the user units.
+pub const PACKAGED_UNIT_DIRS: &[&str] = &["/usr/lib/systemd/user", "/lib/systemd/user"];
+
+/// When a package's units exist too: systemd takes a user's units in
+/// `~/.config/systemd/user` over a package's of the same name, so the
+/// user is told which ones win and how to go back to the package's.
+pub fn shadowing_note(dir: &Path, packaged: &[&str]) -> Option<String> {
+    let shadowed: Vec<String> = ["clawmux.socket", "clawmux.service"]
+        .iter()
+        .filter_map(|name| {
+            packaged
+                .iter()
+                .map(|d| Path::new(d).join(name))
+                .find(|p| p.exists())
+        })
+        .map(|p| p.display().to_string())
+        .collect();
+    if shadowed.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "note: these units in {} take the place of the installed package's ({}): systemd runs this binary, not the package's; to use the package's again, delete clawmux.socket and clawmux.service there and run `systemctl --user daemon-reload`",
+        dir.display(),
+        shadowed.join(", ")
+    ))
+}
+
 /// The two units for `binary` in `dir`, compared with what is there.
 pub fn plan(dir: &Path, binary: &Path) -> Result<Vec<UnitFile>, InstallError> {
     let wanted = [
@@ -232,10 +259,13 @@ pub fn install_service(opts: InstallOptions, out: &mut impl Write) -> Result<(),
     if binary.components().any(|c| c.as_os_str() == "target") {
         print(
             out,
-            "note: this binary is in a cargo build tree; `cargo install --path .` and rerunning \
+            "note: this binary is in a cargo build tree; `cargo install --locked --path .` and rerunning \
              install-service from ~/.cargo/bin keeps the service working after a cargo clean"
                 .into(),
         );
+    }
+    if let Some(note) = shadowing_note(&dir, PACKAGED_UNIT_DIRS) {
+        print(out, note);
     }
     let token = token_path(&config);
     if !token.exists() {
@@ -280,6 +310,22 @@ pub fn install_service(opts: InstallOptions, out: &mut impl Write) -> Result<(),
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn units_that_shadow_a_packages_are_named() {
+        let package = tempfile::tempdir().unwrap();
+        let packaged = package.path().to_str().unwrap();
+        let mine = Path::new("/home/u/.config/systemd/user");
+        assert_eq!(shadowing_note(mine, &[packaged]), None);
+        std::fs::write(package.path().join("clawmux.service"), "[Unit]\n").unwrap();
+        let note = shadowing_note(mine, &["/nonexistent", packaged]).unwrap();
+        assert!(
+            note.contains("/home/u/.config/systemd/user take the place of the installed package's")
+                && note.contains(&format!("{packaged}/clawmux.service"))
+                && note.contains("daemon-reload"),
+            "{note}"
+        );
+    }
 
     #[test]
     fn the_template_has_two_programs_to_replace() {

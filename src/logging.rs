@@ -75,10 +75,7 @@ pub fn init(directives: &str) -> LogGuard {
         .buffered_lines_limit(LOG_BUFFER_LINES)
         .thread_name("clawmux-log")
         .finish(Escaping(std::io::stderr()));
-    let fmt = tracing_subscriber::fmt::layer()
-        .fmt_fields(EscapedFields)
-        .with_writer(writer)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    let fmt = human_layer(writer, std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let _ = tracing_subscriber::registry()
         .with(filter)
         .with(tracing_subscriber::filter::filter_fn(reveals_nothing))
@@ -86,6 +83,20 @@ pub fn init(directives: &str) -> LogGuard {
         .with(fmt)
         .try_init();
     LogGuard(guard)
+}
+
+/// The line format: a person reads it, so no module paths (`--log` still
+/// filters by them) and every value escaped ([`EscapedFields`]).
+fn human_layer<S, W>(writer: W, ansi: bool) -> impl Layer<S>
+where
+    S: Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + 'static,
+{
+    tracing_subscriber::fmt::layer()
+        .fmt_fields(EscapedFields)
+        .with_target(false)
+        .with_writer(writer)
+        .with_ansi(ansi)
 }
 
 /// Writes an event's (and a span's) fields like `tracing-subscriber`'s
@@ -121,6 +132,17 @@ impl Visit for EscapingVisitor<'_> {
     fn record_str(&mut self, field: &Field, value: &str) {
         if field.name() == "message" {
             self.record_debug(field, &format_args!("{value}"));
+        } else {
+            self.record_debug(field, &value);
+        }
+    }
+
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        if field.name() == "generation" {
+            // Counted within its session (the `session` field names it),
+            // not the broker-wide number that keeps sessions apart.
+            let shown = crate::sessions::narrower::generation_in_session(value);
+            self.record_debug(field, &shown);
         } else {
             self.record_debug(field, &value);
         }
@@ -285,10 +307,7 @@ mod tests {
     fn formatted(ansi: bool, log: impl FnOnce()) -> String {
         let lines = Lines::default();
         let sink = lines.clone();
-        let fmt = tracing_subscriber::fmt::layer()
-            .fmt_fields(EscapedFields)
-            .with_writer(move || Escaping(sink.clone()))
-            .with_ansi(ansi);
+        let fmt = human_layer(move || Escaping(sink.clone()), ansi);
         tracing::subscriber::with_default(tracing_subscriber::registry().with(fmt), log);
         let bytes = lines.0.lock().unwrap().clone();
         String::from_utf8(bytes).unwrap()
@@ -319,6 +338,22 @@ mod tests {
         let plain = formatted(false, || tracing::info!(server_version = %version, "ready"));
         assert!(!plain.contains('\x1b'), "{plain:?}");
         assert!(plain.contains("server_version=2026\\e[8m"), "{plain:?}");
+    }
+
+    /// A line says what happened in words a user reads: no module path,
+    /// and a session's generation counted within that session.
+    #[test]
+    fn lines_carry_no_module_path_nor_a_broker_wide_generation() {
+        let base = crate::sessions::narrower::GENERATION_BASE;
+        let line = formatted(
+            false,
+            || tracing::info!(session = %"narrow", generation = base + 1, "upstream session ready"),
+        );
+        assert!(!line.contains("clawmux::"), "{line:?}");
+        assert!(line.contains("session=narrow generation=1\n"), "{line:?}");
+        assert!(!line.contains(&(base + 1).to_string()), "{line:?}");
+        let main = formatted(false, || tracing::info!(generation = 3u64, "ready"));
+        assert!(main.contains("generation=3"), "{main:?}");
     }
 
     #[test]

@@ -135,7 +135,9 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("clawmux: {e:#}");
+            // An error can quote a file or a peer (a recording's header, a
+            // gateway's words): each line through the one sanitizer.
+            eprintln!("clawmux: {}", clawmux::sanitize::lines(&format!("{e:#}")));
             if e.downcast_ref::<UsageExit>().is_some() {
                 ExitCode::from(2)
             } else {
@@ -788,17 +790,24 @@ fn demo_banner(socket: &std::path::Path, replay: Option<&clawmux_mock::replay::R
                 }
             );
             // Only a request the recording can answer is worth suggesting.
+            // Method names and params come from the recording file: shown
+            // through the one sanitizer.
+            use clawmux::sanitize;
             let call = match replay.recording.exchanges.first() {
                 Some(e) if e.params.is_null() || e.params == serde_json::json!({}) => {
-                    format!("{bin} call {}{flag}     # answered as recorded", e.method)
+                    format!(
+                        "{bin} call {}{flag}     # answered as recorded",
+                        sanitize::Shown(&e.method)
+                    )
                 }
                 Some(e) if e.params.to_string().len() <= 80 => format!(
                     "{bin} call {} '{}'{flag}     # answered as recorded",
-                    e.method, e.params
+                    sanitize::Shown(&e.method),
+                    sanitize::json(&e.params)
                 ),
                 Some(_) => format!(
                     "{bin} call …{flag}     # answered as recorded for: {}",
-                    replay.answered_methods().join(", ")
+                    sanitize::text(&replay.answered_methods().join(", "))
                 ),
                 None => "(no `call`: the recording has no answers; `clawmux record --requests` records them)".to_owned(),
             };

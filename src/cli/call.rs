@@ -26,14 +26,28 @@ pub struct CallArgs {
     pub scopes: Option<Vec<String>>,
 }
 
-/// `read` means `operator.read`; full names pass as they are.
-fn scope_name(s: &str) -> String {
+/// `read` means `operator.read`, `talk.secrets` `operator.talk.secrets`;
+/// a name that is no operator scope is refused with the valid ones.
+fn scope_name(s: &str) -> Result<String, CliError> {
+    use crate::policy::scopes::ALL;
     let s = s.trim();
-    if s.contains('.') {
+    let full = if s.starts_with("operator.") {
         s.to_owned()
     } else {
         format!("operator.{s}")
+    };
+    if ALL.contains(&full.as_str()) {
+        return Ok(full);
     }
+    let short: Vec<&str> = ALL
+        .iter()
+        .map(|a| a.trim_start_matches("operator."))
+        .collect();
+    Err(CliError::Usage(format!(
+        "--scopes: {} is not a scope; valid scopes: {} (each also as operator.<name>)",
+        sanitize::quoted(s),
+        short.join(", ")
+    )))
 }
 
 /// Prints the payload (pretty JSON) and exits 0 on `ok`; prints the error
@@ -58,11 +72,11 @@ pub async fn run(args: CallArgs) -> Result<u8, CliError> {
     let (status, res) = match &args.scopes {
         None => client.json(Method::POST, "/v1/rpc", Some(&body)).await?,
         Some(scopes) => {
-            let scopes: Vec<String> = scopes
+            let scopes = scopes
                 .iter()
                 .filter(|s| !s.trim().is_empty())
                 .map(|s| scope_name(s))
-                .collect();
+                .collect::<Result<Vec<String>, _>>()?;
             // The broker narrows this request to these scopes (`X-Clawmux-Scopes`).
             let header = [(crate::protocol::SCOPES_HEADER, scopes.join(","))];
             client
@@ -221,7 +235,21 @@ mod tests {
 
     #[test]
     fn short_scope_names_mean_operator_scopes() {
-        assert_eq!(scope_name("read"), "operator.read");
-        assert_eq!(scope_name(" operator.admin "), "operator.admin");
+        let name = |s: &str| scope_name(s).ok();
+        assert_eq!(name("read").as_deref(), Some("operator.read"));
+        assert_eq!(name(" operator.admin ").as_deref(), Some("operator.admin"));
+        assert_eq!(
+            name("talk.secrets").as_deref(),
+            Some("operator.talk.secrets")
+        );
+        for bad in ["banana", "operator.banana", "node.read"] {
+            match scope_name(bad) {
+                Err(CliError::Usage(m)) => assert!(
+                    m.contains("valid scopes: read, write, admin") && m.contains("sessions.write"),
+                    "{m}"
+                ),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
     }
 }

@@ -310,25 +310,56 @@ fn listening_clawmux_sockets(except: &Path) -> Vec<PathBuf> {
         .collect();
     found.sort();
     found.dedup();
-    // The likeliest first: the usual runtime dir, then anything in this
-    // user's home; others (another session's, a test's) after.
+    // Only where a broker of the user's own would listen: the usual runtime
+    // dir first, then this user's home, then the default without
+    // XDG_RUNTIME_DIR; another program's or a test's temporary socket is
+    // not a suggestion.
     let runtime = PathBuf::from(format!("/run/user/{me}"));
     let home = std::env::var_os("HOME").map(PathBuf::from);
-    found.sort_by_key(|p| {
-        if p.starts_with(&runtime) {
-            0
-        } else if home.as_ref().is_some_and(|h| p.starts_with(h)) {
-            1
-        } else {
-            2
-        }
-    });
-    found
+    let fallback = std::env::temp_dir().join(format!("clawmux-{me}"));
+    let mut ranked: Vec<(u8, PathBuf)> = found
+        .into_iter()
+        .filter_map(|p| Some((likely_yours(&p, &runtime, home.as_deref(), &fallback)?, p)))
+        .collect();
+    ranked.sort_by_key(|(rank, _)| *rank);
+    ranked.into_iter().map(|(_, p)| p).collect()
+}
+
+/// How likely a listening socket is the user's own broker (lower is
+/// likelier), or `None` when it is somewhere only another program or a
+/// test would put one.
+fn likely_yours(p: &Path, runtime: &Path, home: Option<&Path>, fallback: &Path) -> Option<u8> {
+    if p.starts_with(runtime) {
+        Some(0)
+    } else if home.is_some_and(|h| p.starts_with(h)) {
+        Some(1)
+    } else if p.parent() == Some(fallback) {
+        Some(2)
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_socket_where_a_users_broker_listens_is_suggested() {
+        let rank = |p: &str| {
+            likely_yours(
+                Path::new(p),
+                Path::new("/run/user/1000"),
+                Some(Path::new("/home/u")),
+                Path::new("/tmp/clawmux-1000"),
+            )
+        };
+        assert_eq!(rank("/run/user/1000/clawmux.sock"), Some(0));
+        assert_eq!(rank("/home/u/run/clawmux-ro.sock"), Some(1));
+        assert_eq!(rank("/tmp/clawmux-1000/clawmux.sock"), Some(2));
+        assert_eq!(rank("/tmp/.tmpAbC123/clawmux.sock"), None, "a test's");
+        assert_eq!(rank("/tmp/clawmux-1001/clawmux.sock"), None);
+    }
 
     #[test]
     fn only_my_own_uid_is_trusted() {

@@ -298,7 +298,10 @@ pub fn render(report: &Value, paint: &super::style::Paint) -> String {
             text(&g["code"])
         ));
         if !g["gateway_code"].is_null() {
-            line(format!("  gateway detail: {}", g["gateway_code"]));
+            line(format!(
+                "  gateway detail: {}",
+                crate::sanitize::json(&g["gateway_code"])
+            ));
         }
     }
     out

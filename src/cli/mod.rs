@@ -58,16 +58,22 @@ pub const EXIT_UNREACHABLE: u8 = 3;
 #[derive(Subcommand, Debug)]
 pub enum ClientCommand {
     /// Show what the broker is doing: upstream session, gateway snapshot, clients, event cursor.
+    #[command(display_order = 1)]
     Status(status::StatusArgs),
     /// Follow gateway events as they happen, one line each; resumes after disconnects and broker restarts.
+    #[command(display_order = 2)]
     Tail(tail::TailArgs),
     /// Send one gateway request (e.g. `clawmux call health`) and print its answer.
+    #[command(display_order = 3)]
     Call(call::CallArgs),
     /// Record the gateway session the broker shares (events, and with --requests every request and answer) as JSON Lines, for `mock-gateway --replay`.
+    #[command(display_order = 7)]
     Record(record::RecordArgs),
     /// Print the broker's Prometheus metrics, or write them for node_exporter (`--textfile DIR`).
+    #[command(display_order = 8)]
     Metrics(metrics::MetricsArgs),
     /// Watch the broker and its agents live: clients, event rate, and each run's thinking and tool calls.
+    #[command(display_order = 4)]
     Top(top::TopArgs),
     /// Hand the broker behind this socket over to the clawmux now at its binary's path (after an install), and say how it went.
     Upgrade(upgrade::UpgradeArgs),

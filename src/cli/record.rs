@@ -225,10 +225,7 @@ pub async fn run(args: RecordArgs) -> Result<u8, CliError> {
         };
         let Some(line) = to_line(&record, &args) else {
             if record.event == "clawmux.close" {
-                break Stop::StreamEnded(format!(
-                    "the broker ended the stream: {}",
-                    crate::sanitize::text(&record.data)
-                ));
+                break Stop::StreamEnded(super::watch::stream_ended(&record.data));
             }
             continue;
         };

@@ -19,11 +19,8 @@ pub struct StatusArgs {
 /// Exit 0 when the upstream session is ready, 1 when the broker runs but
 /// the session is not (so `clawmux status && …` waits for a usable broker).
 pub async fn run(args: StatusArgs) -> Result<u8, CliError> {
-    let (status, state) = args
-        .broker
-        .client()
-        .json(Method::GET, "/v1/state", None)
-        .await?;
+    let client = args.broker.client();
+    let (status, mut state) = client.json(Method::GET, "/v1/state", None).await?;
     if !status.is_success() {
         return Err(CliError::Answer(format!(
             "the broker answered {status}: {}",
@@ -33,6 +30,10 @@ pub async fn run(args: StatusArgs) -> Result<u8, CliError> {
     if args.json {
         super::print_line(&crate::sanitize::json_pretty(&state));
     } else {
+        if super::client::running_demo(client.socket()).await.is_some() {
+            // The URL of the demo's double names no gateway a person could reach.
+            state["upstream"]["demo"] = Value::Bool(true);
+        }
         print!("{}", render_styled(&state, &super::style::Paint::stdout()));
     }
     Ok(if state["upstream"]["phase"] == "ready" {
@@ -120,7 +121,11 @@ pub fn render_styled(state: &Value, paint: &super::style::Paint) -> String {
         ),
     );
     let up = &state["upstream"];
-    let mut upstream = format!("{} {}", paint.phase(&text(&up["phase"])), text(&up["url"]));
+    let gateway = match up["demo"] == true {
+        true => Cow::Borrowed("the built-in demo gateway (`serve --demo`)"),
+        false => text(&up["url"]),
+    };
+    let mut upstream = format!("{} {gateway}", paint.phase(&text(&up["phase"])));
     if let Some(version) = up["server_version"].as_str() {
         upstream.push_str(&format!(
             ", gateway {} (protocol {})",
@@ -181,12 +186,20 @@ pub fn render_styled(state: &Value, paint: &super::style::Paint) -> String {
     let clients = state["clients"].as_array().cloned().unwrap_or_default();
     let count = |kind: &str| clients.iter().filter(|c| c["kind"] == kind).count();
     let sum = |key: &str| clients.iter().filter_map(|c| c[key].as_u64()).sum::<u64>();
+    let (ws, sse) = (count("ws"), count("sse"));
+    let connected = match (ws, sse) {
+        (0, 0) => "none connected".to_owned(),
+        _ => format!(
+            "{} connected ({} over WebSocket, {} reading the event stream)",
+            ws + sse,
+            ws,
+            sse
+        ),
+    };
     line(
         "clients",
         format!(
-            "{} ws, {} sse; {} bytes queued, {} events dropped; {} requests pending",
-            count("ws"),
-            count("sse"),
+            "{connected}; {} bytes queued, {} events dropped; {} requests pending",
             sum("queue_bytes"),
             sum("drops"),
             state["requests_pending"]
@@ -194,17 +207,10 @@ pub fn render_styled(state: &Value, paint: &super::style::Paint) -> String {
     );
     let (oldest, newest) = (state["oldest_seq"].as_u64(), state["newest_seq"].as_u64());
     let held = match (oldest, newest) {
-        (Some(o), Some(n)) if o <= n => format!("seq {o} to {n} kept for clients that resume"),
+        (Some(o), Some(n)) if o <= n => format!("#{o} to #{n} kept for clients that resume"),
         _ => "none kept yet".to_owned(),
     };
-    line(
-        "events",
-        format!(
-            "newest seq {}, {held}, epoch {}",
-            state["newest_seq"],
-            text(&state["epoch"])
-        ),
-    );
+    line("events", format!("newest #{}, {held}", state["newest_seq"]));
     out
 }
 
@@ -239,14 +245,24 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("2 presence entries"), "{text}");
+        let mut demo = state.clone();
+        demo["upstream"]["demo"] = json!(true);
+        let shown = render(&demo);
         assert!(
-            text.contains("1 ws, 1 sse; 10 bytes queued, 2 events dropped"),
+            shown
+                .contains("upstream   backoff the built-in demo gateway (`serve --demo`), session")
+                && !shown.contains("ws://"),
+            "{shown}"
+        );
+        assert!(
+            text.contains("2 connected (1 over WebSocket, 1 reading the event stream); 10 bytes queued, 2 events dropped"),
             "{text}"
         );
         assert!(
-            text.contains("newest seq 42, seq 1 to 42 kept for clients that resume, epoch abc"),
+            text.contains("newest #42, #1 to #42 kept for clients that resume"),
             "{text}"
         );
+        assert!(!text.contains("epoch") && !text.contains("abc"), "{text}");
     }
 
     #[test]
@@ -273,7 +289,8 @@ mod tests {
         }
         assert!(!text.contains("..="), "{text}");
         assert!(!text.contains("stateVersion"), "{text}");
-        assert!(text.contains("newest seq 0, none kept yet"), "{text}");
+        assert!(text.contains("newest #0, none kept yet"), "{text}");
+        assert!(text.contains("clients    none connected;"), "{text}");
     }
 
     #[test]

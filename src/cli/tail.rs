@@ -55,7 +55,7 @@ pub struct TailArgs {
     /// Only events of this session (`agent:main:main`, or `main` / a bare key of the default agent).
     #[arg(long, value_name = "KEY")]
     pub session: Option<String>,
-    /// Only events of this run (its runId, or a prefix of it), also with --tree and --hud.
+    /// Only events of this run (its runId, or a prefix of it), its tool calls included where the socket allows observers; also with --tree and --hud.
     #[arg(long, value_name = "RUN_ID")]
     pub run: Option<String>,
     /// Print each event's gateway frame as one JSON line (its `seq` is the broker cursor).
@@ -261,7 +261,10 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
             Some(_) => Vec::new(),
             None => args.events.clone(),
         },
-        observer: activity.is_some(),
+        // A run's tool calls are targeted events: `--run` asks for every
+        // one (then filters by run) where this socket lets the CLI observe
+        // (`/v1/state` shows `runs` only there).
+        observer: activity.is_some() || (args.run.is_some() && !state["runs"].is_null()),
     };
     let (tx, mut feed) = tokio::sync::mpsc::channel(FEED_CHANNEL);
     let follower = tokio::spawn(follow_with(client.clone(), how, tx));

@@ -227,7 +227,7 @@ pub async fn follow_with(client: BrokerClient, how: Follow, tx: mpsc::Sender<Fee
         while let Some(Ok(event)) = events.next().await {
             match event.event.as_str() {
                 "clawmux.close" => {
-                    let what = format!("the broker ended the stream: {}", event.data);
+                    let what = stream_ended(&event.data);
                     if tx.send(Feed::Lost(what)).await.is_err() {
                         return;
                     }
@@ -272,6 +272,23 @@ pub async fn follow_with(client: BrokerClient, how: Follow, tx: mpsc::Sender<Fee
     }
 }
 
+/// A `clawmux.close` record (`{"code":1001,"reason":"going away"}`) as a
+/// sentence: why the broker ended the stream, in words.
+pub fn stream_ended(data: &str) -> String {
+    let record: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+    let reason = record["reason"].as_str().unwrap_or_default();
+    let why = match (record["code"].as_u64(), reason) {
+        (Some(1001), _) => "the broker is shutting down or restarting".to_owned(),
+        (Some(1008), "slow consumer") => {
+            "this reader fell too far behind (it did not read fast enough)".to_owned()
+        }
+        (Some(1012), _) => "the broker is restarting".to_owned(),
+        (_, "") => "no reason given".to_owned(),
+        (_, reason) => crate::sanitize::field(reason, 200).into_owned(),
+    };
+    format!("the broker ended the stream: {why}")
+}
+
 /// What to say when the broker cannot resume after `asked` (`410`, its
 /// replay window in `error.details`), and where to go on: the oldest held
 /// event after a restart or an eviction (what is still held was not seen),
@@ -285,18 +302,18 @@ pub fn gone(asked: Option<&EventId>, window: &Value) -> (String, Option<EventId>
     let asked_epoch = asked.and_then(|a| a.epoch.as_deref());
     let (why, next) = if asked_epoch.is_some() && epoch.as_deref() != asked_epoch {
         (
-            "the broker's log no longer holds that broker life: events since were missed"
+            "the broker restarted without the events this stream had reached (another state dir, or its log was reset): events since were missed"
                 .to_owned(),
             oldest.saturating_sub(1),
         )
     } else if cursor.is_some_and(|a| a > newest) {
         (
-            format!("seq {shown} is newer than the newest event this broker has sent ({newest}); nothing was missed"),
+            format!("#{shown} is newer than the newest event this broker has sent (#{newest}); nothing was missed"),
             newest,
         )
     } else {
         (
-            format!("those events are no longer held (the broker holds seq {oldest}..={newest}); events in between were missed"),
+            format!("those events are no longer held (the broker holds #{oldest} to #{newest}); events in between were missed"),
             oldest.saturating_sub(1),
         )
     };
@@ -472,6 +489,21 @@ mod tests {
     }
 
     #[test]
+    fn a_stream_end_is_said_in_words() {
+        assert_eq!(
+            stream_ended(r#"{"code":1001,"reason":"going away"}"#),
+            "the broker ended the stream: the broker is shutting down or restarting"
+        );
+        assert!(stream_ended(r#"{"code":1008,"reason":"slow consumer"}"#)
+            .contains("fell too far behind"));
+        assert_eq!(
+            stream_ended(r#"{"code":4000,"reason":"x\u001b]0;t\u0007"}"#),
+            "the broker ended the stream: x\\e]0;t\\x07"
+        );
+        assert!(!stream_ended(r#"{"code":1001,"reason":"going away"}"#).contains('{'));
+    }
+
+    #[test]
     fn a_410_is_read_from_error_details_and_a_restart_resumes_at_the_new_logs_start() {
         // The broker's 410 body: the window is under error.details.
         let body = json!({"ok": false, "error": {"code": "studio.replay_unavailable", "message": "gone",
@@ -482,7 +514,7 @@ mod tests {
         };
         let (message, next) = gone(Some(&asked), &body["error"]["details"]);
         assert!(
-            message.contains("no longer holds that broker life"),
+            message.contains("the broker restarted without the events this stream had reached"),
             "{message}"
         );
         assert_eq!(

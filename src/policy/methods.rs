@@ -511,6 +511,35 @@ mod tests {
         );
     }
 
+    /// What the least-privilege page says of the config methods is the
+    /// gateway's table: reading needs read, changing needs admin.
+    #[test]
+    fn the_least_privilege_page_says_what_the_config_methods_need() {
+        let page = include_str!("../../docs/src/least-privilege.md");
+        let page = page.split_whitespace().collect::<Vec<_>>().join(" ");
+        let read = ["config.get", "config.schema", "config.schema.lookup"];
+        let admin = [
+            "config.set",
+            "config.patch",
+            "config.apply",
+            "config.openFile",
+        ];
+        let listed = |names: &[&str]| {
+            names
+                .iter()
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        for (names, scope) in [(&read[..], scopes::READ), (&admin[..], scopes::ADMIN)] {
+            for m in names {
+                assert_eq!(table().get(m), Some(&Rule::Scope(scope)), "{m}");
+            }
+            let said = format!("`{scope}` ({})", listed(names));
+            assert!(page.contains(&said), "the page says {said}");
+        }
+    }
+
     #[test]
     fn dynamic_methods_decide_from_params() {
         let write = g(&[scopes::WRITE]);

@@ -14,6 +14,21 @@ pub const TALK_SECRETS: &str = "operator.talk.secrets";
 pub const SESSIONS_READ: &str = "operator.sessions.read";
 pub const SESSIONS_WRITE: &str = "operator.sessions.write";
 
+/// Every operator scope the gateway knows, for naming the valid ones when
+/// a person types another.
+pub const ALL: [&str; 10] = [
+    READ,
+    WRITE,
+    ADMIN,
+    APPROVALS,
+    PAIRING,
+    QUESTIONS,
+    TALK,
+    TALK_SECRETS,
+    SESSIONS_READ,
+    SESSIONS_WRITE,
+];
+
 /// The operator scopes the broker asks the gateway for on its main session
 /// (the full set, so that local clients can do whatever a direct operator
 /// connection could), in the order the gateway lists them.

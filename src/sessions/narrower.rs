@@ -62,6 +62,15 @@ pub const GENERATION_BASE: u64 = 1 << 48;
 /// Generations each narrower session may use (its reconnects).
 const GENERATIONS_PER_SESSION: u64 = 1 << 24;
 
+/// A generation as a person counts it: the main session's as it is, a
+/// narrower session's from its own start (its first connection is 0).
+pub fn generation_in_session(generation: u64) -> u64 {
+    match generation.checked_sub(GENERATION_BASE) {
+        Some(offset) => offset % GENERATIONS_PER_SESSION,
+        None => generation,
+    }
+}
+
 /// Methods that keep running on the main session whatever the grant:
 /// subscriptions are per-connection state for the events the main session
 /// publishes, and a run sends its tool events to the connection that

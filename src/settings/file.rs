@@ -148,20 +148,112 @@ pub(super) fn line_col(text: &str, offset: usize) -> (usize, usize) {
 
 pub(super) fn parse_toml(path: &Path, text: &str) -> Result<ConfigFile, ErrorShape> {
     toml::from_str(text).map_err(|e| {
-        let at = e
-            .span()
-            .map(|s| {
-                let (l, c) = line_col(text, s.start);
+        let start = e.span().map(|s| s.start);
+        let at = start
+            .map(|start| {
+                let (l, c) = line_col(text, start);
                 format!(" at line {l} column {c}")
             })
             .unwrap_or_default();
         let message = e.message().trim();
-        let why = match unknown_key(message) {
-            Some((key, valid)) => format!("{key}{at}{valid}"),
-            None => format!("{}{at}", scrub(message)),
+        let key = error_key(&e);
+        let why = if let Some((key, valid)) = unknown_key(message) {
+            // `[limts]`: the unknown key is a table header.
+            let header = start.is_some_and(|s| text[..s.min(text.len())].ends_with('['));
+            let what = match key.strip_prefix("unknown key `") {
+                Some(name) if header => format!("unknown table `[{}]`", name.trim_end_matches('`')),
+                _ => key,
+            };
+            format!("{what}{at}{valid}")
+        } else if let Some(field) = message
+            .strip_prefix("missing field `")
+            .and_then(|f| f.strip_suffix('`'))
+            .filter(|f| f.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+        {
+            let table = key.map(|k| format!("{k} ")).unwrap_or_default();
+            format!("{table}needs the key `{field}`{at}")
+        } else if let Some(plain) = key.as_deref().and_then(|k| wrong_value(k, message)) {
+            format!("{}{at}: {plain}", key.unwrap_or_default())
+        } else if key.is_none() {
+            format!("TOML syntax error{at}: {}", syntax_in_words(message))
+        } else {
+            format!("{}{at}: {}", key.unwrap_or_default(), scrub(message))
         };
         load_failed(path, why)
     })
+}
+
+/// The dotted key an error is about (`limits.max_clients`), if any: toml
+/// names it only in its context-free rendering.
+fn error_key(e: &toml::de::Error) -> Option<String> {
+    let mut bare = e.clone();
+    bare.set_input(None);
+    let shown = bare.to_string();
+    let key = shown
+        .lines()
+        .find_map(|l| l.strip_prefix("in `")?.strip_suffix('`'))?;
+    Some(key.to_owned())
+}
+
+/// serde's "invalid type: string \"abc\", expected usize" as "expected a
+/// whole number, found \"abc\"". The found value is shown (cut, and never
+/// for a key that holds a secret): a number where text belongs is not a
+/// token, and text where a number belongs is what the user must see.
+fn wrong_value(key: &str, message: &str) -> Option<String> {
+    let rest = message
+        .strip_prefix("invalid type: ")
+        .or_else(|| message.strip_prefix("invalid value: "))?;
+    let (found, expected) = rest.rsplit_once(", expected ")?;
+    let expected = match expected {
+        "usize" | "u64" => "a whole number (0 or more)".to_owned(),
+        "u32" => format!("a whole number from 0 to {}", u32::MAX),
+        "u16" => format!("a whole number from 0 to {}", u16::MAX),
+        "a boolean" => "true or false".to_owned(),
+        "a string" => "text in quotes".to_owned(),
+        "a sequence" => "a list in brackets, e.g. [\"a\", \"b\"]".to_owned(),
+        "path string" | "a path" => "a path in quotes".to_owned(),
+        other => other.to_owned(),
+    };
+    let secret = key.ends_with("token") || key.ends_with("password");
+    let found = if secret {
+        "something else".to_owned()
+    } else if let Some(s) = found.strip_prefix("string ") {
+        cut(s, 40)
+    } else if let Some(v) = ["integer ", "floating point ", "boolean "]
+        .iter()
+        .find_map(|p| found.strip_prefix(p))
+    {
+        cut(v.trim_matches('`'), 40)
+    } else {
+        found.to_owned()
+    };
+    Some(format!("expected {expected}, found {found}"))
+}
+
+fn cut(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &s[..at]),
+        None => s.to_owned(),
+    }
+}
+
+/// The TOML parser's words for the common mistakes, as a person would say them.
+fn syntax_in_words(message: &str) -> String {
+    let plain = match message.split(", expected").next().unwrap_or(message) {
+        "unclosed table" => "a table header has no closing `]` (write e.g. `[limits]`)",
+        "unclosed array" => "a list has no closing `]`",
+        "unclosed array of tables" => "a `[[sockets]]` header has no closing `]]`",
+        "string values must be quoted" => {
+            "text must be in quotes (e.g. url = \"ws://localhost:18789\")"
+        }
+        "duplicate key" => "this key or table appears twice",
+        "invalid basic string" | "invalid literal string" => {
+            "a quoted text has no closing quote on its line"
+        }
+        "key with no value" => "a key has no `=` and value",
+        _ => return scrub(message),
+    };
+    plain.to_owned()
 }
 
 /// Every key config.toml takes, as `(shown, spellings)`: `[gateway] url` is
@@ -192,8 +284,10 @@ pub(super) fn config_keys() -> Vec<(String, Vec<String>)> {
         ("sockets", "[[sockets]]", fields::<SocketSection>()),
     ];
     for top in fields::<ConfigFile>() {
-        if !tables.iter().any(|(name, _, _)| *name == top) {
-            keys.push((top.clone(), vec![top]));
+        match tables.iter().find(|(name, _, _)| *name == top) {
+            // A misspelt table header (`[limts]`) finds its table.
+            Some((_, shown, _)) => keys.push((shown.to_string(), vec![top])),
+            None => keys.push((top.clone(), vec![top])),
         }
     }
     for (name, shown, table) in tables {

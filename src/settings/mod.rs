@@ -3,6 +3,7 @@
 //!
 //! Precedence, highest first: flags > `CLAWMUX_*` environment >
 //! `$CREDENTIALS_DIRECTORY/gateway-token` (token only) > `config.toml` >
+//! `~/.config/clawmux/gateway-token` (token only) >
 //! Claw3D studio settings (`<stateDir>/claw3d/settings.json`) > OpenClaw's
 //! own config (`<stateDir>/openclaw.json`, JSON5, plus `OPENCLAW_GATEWAY_PORT`
 //! / `OPENCLAW_GATEWAY_TOKEN`) > defaults.
@@ -289,6 +290,19 @@ pub fn config_file_path(over: &Overrides, env: &Env) -> Option<PathBuf> {
         })
 }
 
+/// clawmux's own token file, read when no flag, variable, credential or
+/// config.toml key names a token: `$XDG_CONFIG_HOME/clawmux/gateway-token`
+/// (`~/.config/…`), the file the README has you write and the service's
+/// `LoadCredential=` reads. The same checks as `--token-file` apply.
+pub fn default_token_file(env: &Env) -> Option<PathBuf> {
+    let base = env
+        .get("XDG_CONFIG_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| env.home().map(|h| h.join(".config")))?;
+    Some(base.join("clawmux").join(crate::systemd::TOKEN_CREDENTIAL))
+}
+
 /// Resolves every setting. `Err` is a `studio.settings_load_failed` (or an
 /// unusable token file); the caller keeps serving and reports it to clients.
 pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
@@ -370,6 +384,8 @@ pub fn resolve(over: &Overrides, env: &Env) -> Result<Resolved, ErrorShape> {
             token = Some((Secret::new(t), file_src()));
         } else if let Some(p) = &file.gateway.token_file {
             let p = env.expand(&p.to_string_lossy());
+            token = Some((token_from_file(&p, &mut warnings)?, Source::File(p)));
+        } else if let Some(p) = default_token_file(env).filter(|p| p.exists()) {
             token = Some((token_from_file(&p, &mut warnings)?, Source::File(p)));
         }
     }
@@ -695,6 +711,70 @@ mod tests {
         }
     }
 
+    /// The token file the README writes is read when nothing ranked above
+    /// it names a token, and it outranks Claw3D's and OpenClaw's files.
+    #[test]
+    fn the_default_token_file_is_read_below_the_brokers_own_sources() {
+        use std::os::unix::fs::PermissionsExt;
+        let home = tempfile::tempdir().unwrap();
+        let dir = home.path().join(".config/clawmux");
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("gateway-token");
+        std::fs::write(&file, "file-token\n").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let claw3d = home.path().join(".openclaw/claw3d");
+        std::fs::create_dir_all(&claw3d).unwrap();
+        std::fs::write(
+            claw3d.join("settings.json"),
+            r#"{"gateway":{"url":"ws://localhost:1","token":"claw3d-token"}}"#,
+        )
+        .unwrap();
+        let env = |extra: &[(&str, &str)]| Env {
+            vars: [("HOME", home.path().to_str().unwrap())]
+                .iter()
+                .chain(extra)
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        let token = |r: &Resolved| r.settings.token.as_ref().unwrap().expose().to_owned();
+        let r = resolve(&Overrides::default(), &env(&[])).unwrap();
+        assert_eq!(token(&r), "file-token");
+        assert_eq!(r.token_source, Some(Source::File(file.clone())));
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+        let r = resolve(
+            &Overrides::default(),
+            &env(&[("CLAWMUX_GATEWAY_TOKEN", "env")]),
+        )
+        .unwrap();
+        assert_eq!(token(&r), "env");
+        std::fs::write(dir.join("config.toml"), "[gateway]\ntoken = \"toml\"\n").unwrap();
+        std::fs::set_permissions(
+            dir.join("config.toml"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
+        assert_eq!(
+            token(&resolve(&Overrides::default(), &env(&[])).unwrap()),
+            "toml"
+        );
+        std::fs::remove_file(dir.join("config.toml")).unwrap();
+        // Readable by others: used, with the same warning as --token-file.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let r = resolve(&Overrides::default(), &env(&[])).unwrap();
+        assert_eq!(token(&r), "file-token");
+        assert!(
+            r.warnings.iter().any(|w| w.contains("chmod 600")),
+            "{:?}",
+            r.warnings
+        );
+        // Without the file, Claw3D's token is next.
+        std::fs::remove_file(&file).unwrap();
+        assert_eq!(
+            token(&resolve(&Overrides::default(), &env(&[])).unwrap()),
+            "claw3d-token"
+        );
+    }
+
     /// Resolves with `toml` as the config file and the main socket at
     /// `/run/x/main.sock`.
     fn resolve_with(toml: &str) -> Result<Resolved, ErrorShape> {
@@ -797,6 +877,56 @@ mod tests {
             let err = resolve_with(toml).unwrap_err();
             assert!(err.message.contains(says), "{toml}: {}", err.message);
         }
+    }
+
+    /// A wrong value names the key, what was expected and what was found,
+    /// in words; a syntax error says where; a misspelt table header gets
+    /// its real name. Never a value of a key that holds a secret.
+    #[test]
+    fn config_errors_are_in_the_users_words() {
+        let why = |text: &str| {
+            parse_toml(Path::new("/c.toml"), text)
+                .unwrap_err()
+                .message
+                .trim_start_matches("cannot load settings from /c.toml: ")
+                .trim_end_matches("; fix or remove the file")
+                .to_owned()
+        };
+        assert_eq!(
+            why("[limits]\nmax_clients = \"abc\"\n"),
+            "limits.max_clients at line 2 column 15: expected a whole number (0 or more), found \"abc\""
+        );
+        assert_eq!(
+            why("[limits]\nmax_clients = -1\n"),
+            "limits.max_clients at line 2 column 15: expected a whole number (0 or more), found -1"
+        );
+        assert_eq!(
+            why("[limits]\nrequest_rate = 99999999999\n"),
+            "limits.request_rate at line 2 column 16: expected a whole number from 0 to 4294967295, found 99999999999"
+        );
+        assert_eq!(
+            why("[limits]\nreplay_persist = 1\n"),
+            "limits.replay_persist at line 2 column 18: expected true or false, found 1"
+        );
+        assert_eq!(
+            why("[gateway]\ntoken = 12345\n"),
+            "gateway.token at line 2 column 9: expected text in quotes, found something else"
+        );
+        assert_eq!(
+            why("[limits\nmax_clients = 1\n"),
+            "TOML syntax error at line 1 column 8: a table header has no closing `]` (write e.g. `[limits]`)"
+        );
+        assert_eq!(
+            why("[[sockets]]\nname = \"a\"\n"),
+            "sockets needs the key `path` at line 1 column 1"
+        );
+        let e = why("[limts]\nmax_clients = 1\n");
+        assert!(
+            e.starts_with("unknown table `[limts]` at line 1 column 2 (did you mean `[limits]`?"),
+            "{e}"
+        );
+        let e = why("[gatewy]\nurl = \"ws://x\"\n");
+        assert!(e.contains("did you mean `[gateway]`?"), "{e}");
     }
 
     #[test]

@@ -908,3 +908,42 @@ async fn the_hud_feed_needs_what_tool_events_need() {
     .await
     .is_ok());
 }
+
+/// `tail --run R` (the flat view) shows that run's tool calls, as `--tree`
+/// does: on a socket that allows observers it follows every tool-stream
+/// event and keeps that run's.
+#[tokio::test]
+async fn tail_run_shows_that_runs_tool_calls() {
+    let h = start().await;
+    let home = TestHome::new();
+    let key = uuid::Uuid::new_v4().to_string();
+    let (_tail, mut rx) = spawn_tail(&home, &h.socket(), &["--run", &key]);
+    let socket = h.socket();
+    eventually_within("tail observes tool events", TERMINAL_PATIENCE, || async {
+        let s = state(&socket).await;
+        let observing = s["clients"]
+            .as_array()
+            .is_some_and(|c| c.iter().any(|c| c["tool_observer"] == true));
+        if observing {
+            Ok(())
+        } else {
+            Err(s)
+        }
+    })
+    .await;
+    let (mut c, _) = h.connected().await;
+    c.request(
+        "chat.send",
+        json!({"sessionKey": "main", "message": "hi", "idempotencyKey": key}),
+    )
+    .await;
+    let lines = lines_until(&mut rx, "stream=lifecycle end").await;
+    assert!(
+        lines.iter().all(|l| l.contains(&format!("run={key}"))),
+        "only that run: {lines:#?}"
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("stream=tool exec")),
+        "its tool calls: {lines:#?}"
+    );
+}

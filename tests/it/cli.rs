@@ -488,3 +488,50 @@ fn demo_says_what_to_run_next_and_shows_activity() {
     );
     sigterm(&broker.0);
 }
+
+/// `call --scopes` takes only scope names the gateway knows: another one
+/// is a usage error (exit 2) listing the valid names, before any broker
+/// is asked.
+#[tokio::test]
+async fn call_refuses_an_unknown_scope_and_lists_the_valid_ones() {
+    let (code, out, err) = run_clawmux(&["call", "health", "--scopes", "read,banana"]).await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("\"banana\" is not a scope")
+            && err.contains("read, write, admin, approvals, pairing"),
+        "{err}"
+    );
+}
+
+/// `clawmux --help` lists the everyday commands first and the test double
+/// last; the long `--log` default is said once, there, not on every
+/// command's help.
+#[test]
+fn help_lists_everyday_commands_first_and_says_the_log_default_once() {
+    let out = Command::new(BIN).arg("--help").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let commands: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .collect();
+    assert_eq!(
+        commands[..6],
+        ["status", "tail", "call", "top", "serve", "doctor"],
+        "{text}"
+    );
+    assert_eq!(commands.last(), Some(&"mock-gateway"), "{text}");
+    assert_eq!(text.matches("off for doctor").count(), 1, "{text}");
+    for sub in ["status", "serve", "tail", "doctor"] {
+        let out = Command::new(BIN).args([sub, "--help"]).output().unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(help.contains("--log"), "{sub}: {help}");
+        assert!(
+            !help.contains("off for doctor"),
+            "{sub} repeats the log default: {help}"
+        );
+    }
+}

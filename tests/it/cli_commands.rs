@@ -28,11 +28,16 @@ async fn status_summarizes_a_running_broker() {
         "upstream   ready ",
         "gateway 2026.9.6-mock (protocol 4)",
         "scopes     operator.admin",
-        "clients    1 ws, 0 sse",
-        &format!("epoch {}", state["epoch"].as_str().unwrap()),
+        "clients    1 connected (1 over WebSocket, 0 reading the event stream)",
+        &format!("events     newest #{}", state["newest_seq"]),
     ] {
         assert!(out.contains(want), "{want:?} in\n{out}");
     }
+    let epoch = state["epoch"].as_str().unwrap();
+    assert!(
+        !out.contains(epoch),
+        "no broker-life hash in everyday output:\n{out}"
+    );
     // The socket from the environment, and the raw document.
     let out = tokio::time::timeout(
         PATIENCE,
@@ -74,16 +79,27 @@ async fn status_exit_codes_for_a_broker_without_upstream_and_for_no_broker() {
     );
 
     let missing = dir.path().join("nobody-here.sock");
-    let (code, out, err) = run_clawmux(&["status", "--socket", s(&missing)]).await;
+    // With this test's dir as HOME, its broker is one of the user's own: the
+    // hint names that listening socket to use instead.
+    let (code, out, err) =
+        run_clawmux_in(dir.path(), &["status", "--socket", s(&missing)], PATIENCE).await;
     assert_eq!(code, 3, "{err}");
     assert!(out.is_empty());
     assert_eq!(err.lines().count(), 3, "three short lines: {err}");
-    // This test's broker (or, under a parallel run, another test's) listens
-    // elsewhere: the hint names a listening socket to use instead.
     assert!(
-        err.contains(s(&missing)) && err.contains("A clawmux socket of yours is listening at "),
+        err.contains(s(&missing))
+            && err.contains(&format!(
+                "A clawmux socket of yours is listening at {}",
+                s(broker.socket_path())
+            )),
         "{err}"
     );
+    // From another home the same broker is some other program's temporary
+    // socket: the message names the socket it tried, and not that one.
+    let (code, _, err) = run_clawmux(&["status", "--socket", s(&missing)]).await;
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains(s(&missing)), "{err}");
+    assert!(!err.contains(s(broker.socket_path())), "{err}");
 }
 
 /// A reader that goes away early (`clawmux call … | head -c 1`) ends

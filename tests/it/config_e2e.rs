@@ -234,3 +234,88 @@ async fn doctor_shows_sources_and_probes_the_gateway() {
         "{text}"
     );
 }
+
+/// The token file the README has you write (`~/.config/clawmux/gateway-token`)
+/// is read by `doctor` with no flag; without it, doctor's advice names that
+/// file and how to write it privately, not a plaintext key in config.toml.
+#[tokio::test]
+async fn doctor_reads_the_readme_token_file_and_names_it_when_missing() {
+    use std::os::unix::fs::PermissionsExt;
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let doctor = || {
+        let mut cmd = clawmux(home.path());
+        cmd.args(["doctor", "--no-device-identity", "--gateway-url", &gw.url()])
+            .env("NO_COLOR", "1");
+        cmd
+    };
+    let out = doctor().output_async().await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("~/.config/clawmux/gateway-token") && text.contains("umask 077"),
+        "the advice names the token file and a private way to write it: {text}"
+    );
+    assert!(
+        !text.contains("set gateway.token"),
+        "no plaintext token in config.toml proposed: {text}"
+    );
+    // The README's recipe, verbatim paths (XDG_CONFIG_HOME is <home>/config here).
+    let file = home.path().join("config/clawmux/gateway-token");
+    std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+    std::fs::write(&file, "test-token").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let out = doctor().output_async().await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("(from {})", file.display())),
+        "the token's source is the file: {text}"
+    );
+    assert!(!text.contains("test-token"), "{text}");
+}
+
+/// A gateway's rejection message is not the user's text: control, C1 and
+/// bidi characters in it reach the terminal only escaped, in the human
+/// report and in `--json`, on stdout and on stderr.
+#[tokio::test]
+async fn doctor_shows_a_hostile_rejection_escaped() {
+    let hostile = "no\x7f \u{9b}31m \u{202e}desrever\x1b]0;t\x07";
+    let mut rejection = clawmux_mock::Rejection::token_mismatch();
+    rejection.message = hostile.into();
+    rejection.close_reason = hostile.into();
+    rejection.details = Some(json!({"code": hostile}));
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    gw.set_faults(clawmux_mock::Faults {
+        reject_connect: Some(rejection),
+        ..Default::default()
+    });
+    let home = tempfile::tempdir().unwrap();
+    for json in [false, true] {
+        let mut cmd = clawmux(home.path());
+        cmd.args(["doctor", "--no-device-identity", "--token", "t"])
+            .args(["--gateway-url", &gw.url()])
+            .env("NO_COLOR", "1");
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output_async().await;
+        assert_eq!(out.status.code(), Some(1));
+        for (name, bytes) in [("stdout", &out.stdout), ("stderr", &out.stderr)] {
+            let text = String::from_utf8_lossy(bytes);
+            let raw = text.chars().find(|&c| {
+                (c.is_control() && c != '\n')
+                    || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+            });
+            assert_eq!(
+                raw, None,
+                "doctor (json: {json}) {name} printed {raw:?} raw: {text:?}"
+            );
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("desrever"),
+            "the message is still shown: {text}"
+        );
+    }
+}

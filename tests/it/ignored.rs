@@ -66,3 +66,35 @@ fn a_test_without_its_tool_shows_as_ignored_with_its_reason() {
     );
     assert!(stdout.contains("1 ignored"), "{stdout}");
 }
+
+/// An ignored test's reason tells a user of this repository how to run it:
+/// no path that exists only beside the maintainers' checkout, no `pip
+/// install` into a system Python (PEP 668 refuses it); the doc-example
+/// tests point at `source .ci/doc-tools.sh`.
+#[test]
+fn every_ignore_reason_is_a_usable_hint() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it");
+    let mut bad = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "rs") || path.ends_with("ignored.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        for (n, line) in text.lines().enumerate() {
+            let Some(at) = line.find("ignore = \"") else {
+                continue;
+            };
+            let reason = &line[at..];
+            let doc_tools = name == "readme.rs" || name == "serve_messages.rs";
+            if reason.contains("../shared")
+                || reason.contains("pip install")
+                || (doc_tools && !reason.contains("`source .ci/doc-tools.sh`"))
+            {
+                bad.push(format!("{name}:{}: {reason}", n + 1));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}

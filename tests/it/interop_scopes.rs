@@ -43,7 +43,7 @@ fn cli_args(command: &[&str], port: u16) -> Vec<String> {
 }
 
 #[tokio::test]
-#[ignore = "needs the real gateway (../shared/peers); run by .ci/interop"]
+#[ignore = "needs a real OpenClaw gateway (~1 GB, installed from npm): run by .ci/interop"]
 async fn the_cli_reading_gets_the_same_answers_direct_and_through_the_broker() {
     if !peers_present("interop_scopes") {
         return;

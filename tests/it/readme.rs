@@ -29,7 +29,7 @@ const START_PATIENCE: Duration = Duration::from_secs(20);
 fn require(present: bool, why: &str, ex: &Example) {
     assert!(
         present,
-        "{} line {}: {why} (build.rs found it when the tests were built: `touch build.rs` after removing or installing a tool; .ci/doc-tools.sh installs them all)",
+        "{} line {}: {why} (build.rs found it when the tests were built: `touch build.rs` after removing or installing a tool; `source .ci/doc-tools.sh` installs them all)",
         ex.file, ex.line
     );
 }
@@ -281,7 +281,7 @@ fn sigterm_tokio(child: &tokio::process::Child) {
 #[tokio::test]
 #[cfg_attr(
     not(all(has_tool = "curl", has_tool = "jq")),
-    ignore = "needs curl and jq (apt-get install curl jq; .ci/doc-tools.sh installs them and CI runs this)"
+    ignore = "needs curl and jq: `source .ci/doc-tools.sh` installs them (or apt-get install curl jq), then run the tests again"
 )]
 async fn readme_shell_examples_work_with_xdg_runtime_dir() {
     readme_examples_work(true, "sh").await;
@@ -290,7 +290,7 @@ async fn readme_shell_examples_work_with_xdg_runtime_dir() {
 #[tokio::test]
 #[cfg_attr(
     not(all(has_tool = "curl", has_tool = "jq")),
-    ignore = "needs curl and jq (apt-get install curl jq; .ci/doc-tools.sh installs them and CI runs this)"
+    ignore = "needs curl and jq: `source .ci/doc-tools.sh` installs them (or apt-get install curl jq), then run the tests again"
 )]
 async fn readme_shell_examples_work_without_xdg_runtime_dir() {
     readme_examples_work(false, "sh").await;
@@ -299,7 +299,7 @@ async fn readme_shell_examples_work_without_xdg_runtime_dir() {
 #[tokio::test]
 #[cfg_attr(
     not(has_tool = "python_websockets"),
-    ignore = "needs python3 with websockets (pip install websockets; .ci/doc-tools.sh installs it and CI runs this)"
+    ignore = "needs python3 with websockets: `source .ci/doc-tools.sh` makes a venv with it and puts it on PATH, then run the tests again"
 )]
 async fn readme_python_examples_work_with_xdg_runtime_dir() {
     readme_examples_work(true, "python").await;
@@ -308,7 +308,7 @@ async fn readme_python_examples_work_with_xdg_runtime_dir() {
 #[tokio::test]
 #[cfg_attr(
     not(has_tool = "python_websockets"),
-    ignore = "needs python3 with websockets (pip install websockets; .ci/doc-tools.sh installs it and CI runs this)"
+    ignore = "needs python3 with websockets: `source .ci/doc-tools.sh` makes a venv with it and puts it on PATH, then run the tests again"
 )]
 async fn readme_python_examples_work_without_xdg_runtime_dir() {
     readme_examples_work(false, "python").await;
@@ -317,7 +317,7 @@ async fn readme_python_examples_work_without_xdg_runtime_dir() {
 #[tokio::test]
 #[cfg_attr(
     not(has_tool = "node_ws"),
-    ignore = "needs node with ws (npm install ws, NODE_PATH; .ci/doc-tools.sh installs it and CI runs this)"
+    ignore = "needs node with ws: `source .ci/doc-tools.sh` installs it and sets NODE_PATH, then run the tests again"
 )]
 async fn readme_node_examples_work_with_xdg_runtime_dir() {
     readme_examples_work(true, "node").await;
@@ -326,7 +326,7 @@ async fn readme_node_examples_work_with_xdg_runtime_dir() {
 #[tokio::test]
 #[cfg_attr(
     not(has_tool = "node_ws"),
-    ignore = "needs node with ws (npm install ws, NODE_PATH; .ci/doc-tools.sh installs it and CI runs this)"
+    ignore = "needs node with ws: `source .ci/doc-tools.sh` installs it and sets NODE_PATH, then run the tests again"
 )]
 async fn readme_node_examples_work_without_xdg_runtime_dir() {
     readme_examples_work(false, "node").await;

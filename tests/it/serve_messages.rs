@@ -248,7 +248,7 @@ async fn man_is_roff_in_a_pipe() {
 #[tokio::test]
 #[cfg_attr(
     not(all(has_tool = "man", has_tool = "script")),
-    ignore = "needs man and script (apt-get install man-db bsdutils; .ci/doc-tools.sh installs them and CI runs this)"
+    ignore = "needs man and script: `source .ci/doc-tools.sh` installs them (or apt-get install man-db bsdutils), then run the tests again"
 )]
 async fn man_is_formatted_on_a_terminal() {
     let home = tempfile::tempdir().unwrap();

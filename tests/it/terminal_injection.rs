@@ -302,3 +302,86 @@ async fn json_outputs_escape_c1_del_and_bidi_characters() {
         format!("2026.9.6{RAW_IN_JSON}")
     );
 }
+
+/// A recording whose header, event and recorded request carry ESC, BEL, CR,
+/// DEL, C1 and bidi characters (JSON-escaped in the file, raw once parsed).
+fn hostile_recording(dir: &std::path::Path) -> std::path::PathBuf {
+    let bad = "x\u{1b}]0;t\u{7}\r\u{7f}\u{9b}31m\u{202e}";
+    let lines = [
+        json!({"format": "clawmux-recording", "version": 1, "gateway_version": bad,
+            "started_ms": 1000, "hello": {"type": "hello-ok"}}),
+        json!({"ms": 1000, "dir": "out", "frame": {"type": "req", "id": "1", "method": bad, "params": {"k": bad}}}),
+        json!({"ms": 1001, "dir": "in", "frame": {"type": "res", "id": "1", "ok": true, "payload": {}}}),
+        json!({"ms": 1002, "dir": "in", "frame": {"type": "event", "event": bad, "payload": {"t": bad}}}),
+    ];
+    let path = dir.join("hostile.jsonl");
+    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Reads `child`'s stderr until a line containing `needle`; all of it so far.
+async fn stderr_until(child: &mut Child, needle: &str) -> String {
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = String::new();
+    while !seen.contains(needle) {
+        match tokio::time::timeout(PATIENCE, lines.next_line()).await {
+            Ok(Ok(Some(line))) => {
+                seen.push_str(&line);
+                seen.push('\n');
+            }
+            _ => panic!("no {needle:?} on stderr:\n{seen:?}"),
+        }
+    }
+    seen
+}
+
+/// `mock-gateway --replay` and `serve --demo --replay` say what the
+/// recording holds (its gateway version, a method it answers) only
+/// escaped; so does the error for a header they cannot read.
+#[tokio::test]
+async fn text_from_a_recording_file_reaches_the_terminal_escaped() {
+    let files = tempfile::tempdir().unwrap();
+    let file = hostile_recording(files.path());
+    let file = file.to_str().unwrap();
+    let (mut gw, _home) = spawn_clawmux(
+        &["mock-gateway", "--port", "0", "--instant", "--replay", file],
+        &[("NO_COLOR", "1")],
+    );
+    let said = stderr_until(&mut gw, "listening").await;
+    assert_visible("mock-gateway --replay", &said);
+    assert!(
+        said.contains("(gateway x\\e]0;t\\x07\\r\\x7f\\u{9b}31m\\u{202e})"),
+        "{said}"
+    );
+    let _ = gw.start_kill();
+
+    let socket = files.path().join("demo.sock");
+    let (mut demo, _home) = spawn_clawmux(
+        &[
+            "serve",
+            "--demo",
+            "--instant",
+            "--replay",
+            file,
+            "--socket",
+            socket.to_str().unwrap(),
+        ],
+        &[("NO_COLOR", "1")],
+    );
+    let said = stderr_until(&mut demo, "Ctrl-C stops the demo").await;
+    assert_visible("serve --demo --replay", &said);
+    assert!(said.contains("answered as recorded"), "{said}");
+    let _ = demo.start_kill();
+
+    // A header this clawmux cannot read, quoting the file's own value.
+    let broken = files.path().join("broken.jsonl");
+    let version = "\u{1b}]52;c;aGk=\u{7}\u{202e}";
+    let header = json!({"format": "clawmux-recording", "version": version});
+    std::fs::write(&broken, format!("{header}\n")).unwrap();
+    let (code, out, err) =
+        run_clawmux(&["mock-gateway", "--replay", broken.to_str().unwrap()]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert_visible("mock-gateway --replay (refused)", &err);
+    assert!(err.contains("format version"), "{err}");
+}

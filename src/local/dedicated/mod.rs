@@ -586,7 +586,7 @@ impl Conn {
                 req.id,
                 Box::new(ErrorShape::studio(
                     StudioCode::GatewayTokenMissing,
-                    "no gateway token on this host and the client sent no auth: set gateway.token_file in ~/.config/clawmux/config.toml, --token-file or CLAWMUX_GATEWAY_TOKEN, or connect with your own auth or device identity",
+                    "no gateway token on this host and the client sent no auth: write the gateway's token to ~/.config/clawmux/gateway-token (`(umask 077; printf '%s' 'TOKEN' > ~/.config/clawmux/gateway-token)`), or use --token-file or CLAWMUX_GATEWAY_TOKEN; or connect with your own auth or device identity",
                 )),
             ));
         };

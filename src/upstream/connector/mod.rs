@@ -246,7 +246,7 @@ impl Connector {
         {
             let e = ErrorShape::studio(
                 StudioCode::GatewayTokenMissing,
-                "no gateway token: set gateway.token in ~/.config/clawmux/config.toml, --token-file, or CLAWMUX_GATEWAY_TOKEN (the gateway's gateway.auth.token), or connect with your own auth",
+                crate::config::NO_TOKEN_ADVICE,
             );
             return Some((e, true));
         }
