@@ -423,7 +423,7 @@ impl Connector {
             loop {
                 tokio::select! {
                     _ = self.cancel.cancelled() => break 'attempts,
-                    _ = tokio::time::sleep_until(retry_at.into()) => break,
+                    _ = tokio::time::sleep_until(retry_at) => break,
                     _ = nudge.notified(), if !rejected && self.spec.nudgeable => {
                         let earliest = (attempt_started + super::NUDGE_MIN_INTERVAL).max(Instant::now());
                         if earliest < retry_at {
