@@ -377,16 +377,27 @@ async fn ready_does_not_wait_for_the_gateway() {
     assert!(wait_exit(&mut broker.0).await.success());
 }
 
-/// 64 events of 64 KiB: far more than a unix socket and the WebSocket write
-/// buffer hold, so a client that does not read has its writer blocked.
-/// Returns the reader's highest seq so far.
+/// Events of 64 KiB, 2 MiB more than the broker's socket to a client holds
+/// (its send buffer is the kernel's `wmem_default`, read here rather than
+/// assumed) and far less than the 8 MiB a client may have queued: a client
+/// that does not read has its writer blocked, and is not yet closed as a
+/// slow consumer. Returns the reader's highest seq so far.
 async fn flood(gw: &MockGateway, reader: &mut WsClient) -> u64 {
     let blob = "x".repeat(64 * 1024);
-    for n in 0..64 {
+    let kernel = std::fs::read_to_string("/proc/sys/net/core/wmem_default")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(256 * 1024);
+    let count = (kernel + (2 << 20)).div_ceil(64 * 1024);
+    assert!(
+        count * 64 * 1024 < 6 << 20,
+        "a socket send buffer of {kernel} bytes leaves no room below the 8 MiB hard limit"
+    );
+    for n in 0..count {
         gw.broadcast("test.big", json!({"n": n, "blob": blob}));
     }
     let mut last = 0;
-    for n in 0..64 {
+    for n in 0..count {
         let e = reader.event("test.big").await;
         assert_eq!(e["payload"]["n"], n);
         last = e["seq"].as_u64().expect("events carry seq");
