@@ -48,7 +48,7 @@ pub(crate) enum Command {
     #[command(display_order = 9)]
     InstallService(InstallArgs),
     /// Point a front end at this broker, showing the change first (`setup claw3d`; `--undo` puts it back).
-    #[command(subcommand)]
+    #[command(subcommand, display_order = 7)]
     Setup(SetupCommand),
     /// Print the socket path the broker uses, as `serve` resolves it (for `S=$(clawmux socket-path)`).
     #[command(display_order = 10)]

@@ -67,15 +67,16 @@ pub enum ClientCommand {
     #[command(display_order = 3)]
     Call(call::CallArgs),
     /// Record the gateway session the broker shares (events, and with --requests every request and answer) as JSON Lines, for `mock-gateway --replay`.
-    #[command(display_order = 7)]
+    #[command(display_order = 9)]
     Record(record::RecordArgs),
     /// Print the broker's Prometheus metrics, or write them for node_exporter (`--textfile DIR`).
-    #[command(display_order = 8)]
+    #[command(display_order = 9)]
     Metrics(metrics::MetricsArgs),
     /// Watch the broker and its agents live: clients, event rate, and each run's thinking and tool calls.
     #[command(display_order = 4)]
     Top(top::TopArgs),
     /// Hand the broker behind this socket over to the clawmux now at its binary's path (after an install), and say how it went.
+    #[command(display_order = 8)]
     Upgrade(upgrade::UpgradeArgs),
 }
 
