@@ -3,46 +3,19 @@
 //! `clawmux setup claw3d` and its undo, and Node's `ws` (what Claw3D's proxy
 //! uses) reaching the broker with the URL form setup writes.
 
-use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use clawmux::settings::{resolve, Env, Overrides, Source};
+use clawmux::settings::{resolve, Overrides, Source};
 use clawmux_mock::MockGateway;
 use serde_json::{json, Value};
 
+use crate::home::Home;
 use crate::support::*;
 
-/// A home with Claw3D's and OpenClaw's files under `.openclaw`.
-struct Home {
-    dir: tempfile::TempDir,
-}
-
+/// The broker's socket in such a home, and the overrides that name it.
 impl Home {
-    fn new() -> Home {
-        Home {
-            dir: tempfile::tempdir().unwrap(),
-        }
-    }
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-    fn write(&self, rel: &str, text: &str) -> PathBuf {
-        let p = self.path().join(rel);
-        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        std::fs::write(&p, text).unwrap();
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-        p
-    }
-    fn env(&self, extra: &[(&str, &str)]) -> Env {
-        let mut vars: HashMap<String, String> = HashMap::new();
-        vars.insert("HOME".into(), self.path().display().to_string());
-        for (k, v) in extra {
-            vars.insert(k.to_string(), v.to_string());
-        }
-        Env { vars }
-    }
     fn socket(&self) -> PathBuf {
         self.path().join("run/clawmux.sock")
     }

@@ -8,6 +8,8 @@
 mod claw3d;
 #[path = "support/differential.rs"]
 mod differential;
+#[path = "support/home.rs"]
+mod home;
 #[path = "support/http_api.rs"]
 mod http_api;
 #[path = "support/real_gateway.rs"]

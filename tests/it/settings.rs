@@ -1,41 +1,12 @@
 //! Settings resolution (design §7): every source, its precedence, and what
 //! a broken file becomes.
 
-use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use clawmux::settings::{resolve, Env, Overrides, Source};
+use clawmux::settings::{resolve, Overrides, Source};
 
-struct Home {
-    dir: tempfile::TempDir,
-}
-
-impl Home {
-    fn new() -> Home {
-        Home {
-            dir: tempfile::tempdir().unwrap(),
-        }
-    }
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-    fn write(&self, rel: &str, text: &str) -> PathBuf {
-        let p = self.path().join(rel);
-        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        std::fs::write(&p, text).unwrap();
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-        p
-    }
-    fn env(&self, extra: &[(&str, &str)]) -> Env {
-        let mut vars: HashMap<String, String> = HashMap::new();
-        vars.insert("HOME".into(), self.path().display().to_string());
-        for (k, v) in extra {
-            vars.insert(k.to_string(), v.to_string());
-        }
-        Env { vars }
-    }
-}
+use crate::home::Home;
 
 fn token_of(r: &clawmux::settings::Resolved) -> Option<String> {
     r.settings.token.as_ref().map(|t| t.expose().to_owned())
