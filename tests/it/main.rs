@@ -50,6 +50,7 @@ mod readme;
 mod record_replay;
 mod replay;
 mod request_frames;
+mod run_ownership;
 mod serve_messages;
 mod settings;
 mod sharing;
