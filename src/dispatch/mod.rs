@@ -20,6 +20,8 @@
 
 mod member;
 mod request;
+#[cfg(test)]
+mod sent_props;
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
@@ -105,8 +107,20 @@ impl Dispatcher {
 
     /// Dispatches one request from `member`. An `Err` is the answer to send
     /// the member under its id; otherwise the answer reaches its queue later
-    /// (or already did, for what the broker answers itself).
+    /// (or already did, for what the broker answers itself). Every `Err`
+    /// says `details.sent: false`: nothing of it was queued for a gateway.
     pub fn dispatch(
+        &self,
+        member: &Arc<Member>,
+        id: &str,
+        method: &str,
+        params: Option<&RawValue>,
+    ) -> Result<(), ErrorShape> {
+        self.dispatch_unsent(member, id, method, params)
+            .map_err(|e| e.or_sent(false))
+    }
+
+    fn dispatch_unsent(
         &self,
         member: &Arc<Member>,
         id: &str,

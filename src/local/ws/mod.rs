@@ -605,7 +605,8 @@ fn refuse_over_rate(client: &Client, text: &str, wait: std::time::Duration, rate
         StudioCode::TooManyRequests,
         format!("more than {rate} frames per second from this client; slow down"),
     )
-    .with_retry_after_ms(Some(wait.as_millis() as u64 + 1));
+    .with_retry_after_ms(Some(wait.as_millis() as u64 + 1))
+    .with_sent(false);
     client.push_frame(encode_res_error(&id, &error));
 }
 
