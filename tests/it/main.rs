@@ -55,6 +55,7 @@ mod serve_messages;
 mod settings;
 mod sharing;
 mod socket;
+mod socket_shares;
 mod studio_errors;
 mod subscriptions;
 mod systemd;

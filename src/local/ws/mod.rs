@@ -217,12 +217,13 @@ pub async fn run(
     let client_id = client.id;
     tracing::debug!(client_id, "local client opened");
 
-    let admitted = match Arc::clone(&ctx.handshakes).try_acquire_owned() {
-        Err(_) => {
+    let admitted = match ctx.handshakes.take(&socket.name).ok_or(()) {
+        Err(()) => {
             tracing::warn!(
                 client_id,
-                limit = crate::context::MAX_HANDSHAKES,
-                "too many clients in their handshake; refusing one"
+                socket = %socket.name,
+                limit = ctx.handshakes.share(&socket.name),
+                "too many clients in their handshake on this socket; refusing one"
             );
             client.close(1013, "too many connecting clients; try again later");
             false
