@@ -107,8 +107,10 @@ impl Dispatcher {
 
     /// Dispatches one request from `member`. An `Err` is the answer to send
     /// the member under its id; otherwise the answer reaches its queue later
-    /// (or already did, for what the broker answers itself). Every `Err`
-    /// says `details.sent: false`: nothing of it was queued for a gateway.
+    /// (or already did, for what the broker answers itself). Every broker
+    /// (`studio.*`) `Err` says `details.sent: false`: nothing of it was
+    /// queued for a gateway. A refusal in the gateway's own words (a missing
+    /// scope, a node-only method) is left exactly as the gateway words it.
     pub fn dispatch(
         &self,
         member: &Arc<Member>,
@@ -117,7 +119,13 @@ impl Dispatcher {
         params: Option<&RawValue>,
     ) -> Result<(), ErrorShape> {
         self.dispatch_unsent(member, id, method, params)
-            .map_err(|e| e.or_sent(false))
+            .map_err(|e| {
+                if e.code.starts_with("studio.") {
+                    e.or_sent(false)
+                } else {
+                    e
+                }
+            })
     }
 
     fn dispatch_unsent(
