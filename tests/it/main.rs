@@ -36,6 +36,7 @@ mod interop_dedicated;
 mod interop_diff;
 mod interop_handover;
 mod interop_hud;
+mod interop_ownership;
 mod interop_scopes;
 mod least_privilege;
 mod limits;
