@@ -396,13 +396,25 @@ impl RunningBroker {
                 "a socket was passed in that no [[sockets]] entry names; closing it"
             );
         }
-        let slots = crate::context::ConnectionSlots::new(
-            listeners.iter().map(|(_, p)| p.name.as_str()),
+        let main = listeners
+            .iter()
+            .find(|(_, p)| p.is_main())
+            .map(|(_, p)| p.name.as_str());
+        let others = || {
+            listeners
+                .iter()
+                .filter(|(_, p)| !p.is_main())
+                .map(|(_, p)| p.name.as_str())
+        };
+        let slots = crate::context::SocketSlots::new(
+            main,
+            others(),
             crate::local::fdlimit::connection_budget(
                 settings.limits.max_connections(),
                 crate::local::fdlimit::soft_limit(),
             ),
         );
+        let handshakes = crate::context::SocketSlots::new(main, others(), MAX_HANDSHAKES);
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
         let Core {
@@ -422,7 +434,7 @@ impl RunningBroker {
             sharing,
             sessions,
             dispatcher,
-            handshakes: Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES)),
+            handshakes,
             dedicated,
             allowed_uids: Vec::new(),
             cancel,

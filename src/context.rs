@@ -12,6 +12,7 @@ use crate::config::Settings;
 use crate::dedicated_registry::Dedicated;
 use crate::dispatch::Dispatcher;
 use crate::hub::Hub;
+pub use crate::local::slots::SocketSlots;
 use crate::router::Router;
 use crate::sessions::Sessions;
 use crate::sharing::Sharing;
@@ -225,9 +226,11 @@ pub struct Ctx {
     pub sessions: Arc<Sessions>,
     /// The one path every request takes upstream.
     pub dispatcher: Arc<Dispatcher>,
-    /// Local WebSocket clients still before their `connect` is answered; a
-    /// client over [`MAX_HANDSHAKES`] is closed `1013` at once.
-    pub handshakes: Arc<tokio::sync::Semaphore>,
+    /// Local WebSocket clients still before their `connect` is answered,
+    /// [`MAX_HANDSHAKES`] shared out between the sockets
+    /// ([`crate::local::slots`]); a client over its socket's share is
+    /// closed `1013` at once.
+    pub handshakes: SocketSlots,
     /// The open `/ws/dedicated` connections and their cap.
     pub dedicated: Arc<Dedicated>,
     /// Other uids (besides the broker's own) allowed to connect.
@@ -238,41 +241,15 @@ pub struct Ctx {
     pub handoff: Handoff,
     /// Every connection and session task, so shutdown can wait for them.
     pub tracker: TaskTracker,
-    /// Each socket's cap on open connections (`max_connections`, within
-    /// the open-file limit), by socket name: held by every connection the
-    /// accept loop takes, and by every moved one.
-    pub slots: ConnectionSlots,
+    /// The cap on open connections (`max_connections`, within the
+    /// open-file limit), shared out between the sockets
+    /// ([`crate::local::slots`]): held by every connection the accept loop
+    /// takes, and by every moved one.
+    pub slots: SocketSlots,
     /// Closed while a `SIGUSR2` upgrade's old instance may still serve the
     /// moved sockets again; every task on a moved socket (and the accept
     /// loops) waits at it. Open from the start otherwise.
     pub gate: crate::gate::Gate,
-}
-
-/// The connection slots of each socket the broker serves.
-#[derive(Debug, Default)]
-pub struct ConnectionSlots(std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>);
-
-impl ConnectionSlots {
-    /// `cap` slots for each socket named.
-    pub fn new<'a>(names: impl IntoIterator<Item = &'a str>, cap: usize) -> ConnectionSlots {
-        ConnectionSlots(
-            names
-                .into_iter()
-                .map(|n| (n.to_owned(), Arc::new(tokio::sync::Semaphore::new(cap))))
-                .collect(),
-        )
-    }
-
-    /// The slots of the socket named `socket`.
-    pub fn of(&self, socket: &str) -> Option<&Arc<tokio::sync::Semaphore>> {
-        self.0.get(socket)
-    }
-
-    /// A slot of `socket`, held until dropped; `None` when it has none free
-    /// (or is not served).
-    pub fn take(&self, socket: &str) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        Arc::clone(self.of(socket)?).try_acquire_owned().ok()
-    }
 }
 
 /// Runs `task` holding `slot` (a connection slot, or none) until it ends.

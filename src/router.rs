@@ -478,7 +478,17 @@ impl Router {
         n
     }
 
+    /// Every error the table answers says whether its request was sent;
+    /// one whose caller did not say is answered `sent: true` (it was
+    /// registered, so it may have been written).
     fn answer_error(&self, upstream_id: &str, p: Pending, error: &ErrorShape) {
+        let unsaid;
+        let error = if error.says_sent() {
+            error
+        } else {
+            unsaid = error.clone().with_sent(true);
+            &unsaid
+        };
         let p = p.settle(upstream_id, false);
         let outcome = Outcome::of_studio_code(&error.code);
         self.metrics

@@ -126,16 +126,22 @@ pub unsafe fn take_passed() -> Result<Passed, ActivationError> {
     let others = owned
         .into_iter()
         .filter_map(|(fd, name)| match check_unix_listener(&fd) {
-            Ok(()) => Some((name, UnixListener::from(fd))),
+            Ok(()) => {
+                let listener = UnixListener::from(fd);
+                crate::local::socket::size_backlog(&listener);
+                Some((name, listener))
+            }
             Err(why) => {
                 tracing::warn!(name, "ignoring a passed socket: {why}");
                 None
             }
         })
         .collect();
+    let listener = UnixListener::from(fd);
+    crate::local::socket::size_backlog(&listener);
     Ok(Passed {
         socket: Some(ActivatedSocket {
-            listener: UnixListener::from(fd),
+            listener,
             name,
             others,
         }),

@@ -30,6 +30,49 @@ use super::CliError;
 /// How long opening the socket and the HTTP handshake may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Attempts at connecting when the socket refuses (`ECONNREFUSED`: nobody
+/// listens, or a broker is just restarting) or its backlog is full
+/// (`EAGAIN`: a burst of clients is connecting): the first, then retries
+/// after [`CONNECT_RETRY_FIRST`], doubled each time. All of them together
+/// wait about 0.3 s, so a broker that is really gone is reported promptly.
+const CONNECT_ATTEMPTS: u32 = 7;
+/// The pause before the first retry.
+const CONNECT_RETRY_FIRST: Duration = Duration::from_millis(5);
+
+/// Connects with `connect`, retrying a refused or would-block connect
+/// ([`CONNECT_ATTEMPTS`]); the last error, and how many attempts were made.
+async fn connect_retrying<T, F, Fut>(mut connect: F) -> (std::io::Result<T>, u32)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = std::io::Result<T>>,
+{
+    let mut pause = CONNECT_RETRY_FIRST;
+    let mut attempt = 1;
+    loop {
+        match connect().await {
+            Err(e)
+                if attempt < CONNECT_ATTEMPTS
+                    && matches!(
+                        e.kind(),
+                        ErrorKind::ConnectionRefused | ErrorKind::WouldBlock
+                    ) =>
+            {
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+                attempt += 1;
+            }
+            result => return (result, attempt),
+        }
+    }
+}
+
+/// How long `attempts` connects waited between them, in milliseconds.
+fn retried_ms(attempts: u32) -> u128 {
+    (1..attempts)
+        .map(|n| CONNECT_RETRY_FIRST.as_millis() << (n - 1))
+        .sum()
+}
+
 /// Whether `uid` (the owner of `what`) is this user.
 fn ensure_ours(what: &str, uid: u32, me: u32) -> Result<(), String> {
     if uid == me {
@@ -141,21 +184,25 @@ impl BrokerClient {
         headers: &[(&str, String)],
         body: Option<Bytes>,
     ) -> Result<Response<Incoming>, CliError> {
-        let stream =
-            match tokio::time::timeout(CONNECT_TIMEOUT, UnixStream::connect(&self.socket)).await {
-                Err(_) => return Err(self.unreachable("timed out connecting")),
-                Ok(Err(e)) => {
-                    return Err(match e.kind() {
-                        ErrorKind::NotFound => self.not_there("no socket there"),
-                        ErrorKind::ConnectionRefused => {
-                            self.not_there("nothing is listening (a stale socket?)")
-                        }
-                        ErrorKind::PermissionDenied => self.unreachable("permission denied"),
-                        _ => self.unreachable(e.to_string()),
-                    })
-                }
-                Ok(Ok(stream)) => stream,
-            };
+        let connect = connect_retrying(|| UnixStream::connect(&self.socket));
+        let stream = match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+            Err(_) => return Err(self.unreachable("timed out connecting")),
+            Ok((Err(e), attempts)) => {
+                let tried = format!("{attempts} attempts over {} ms", retried_ms(attempts));
+                return Err(match e.kind() {
+                    ErrorKind::NotFound => self.not_there("no socket there"),
+                    ErrorKind::ConnectionRefused => {
+                        self.not_there(&format!("nothing is listening (a stale socket?); {tried}"))
+                    }
+                    ErrorKind::WouldBlock => self.unreachable(format!(
+                        "the broker is not accepting connections fast enough (its backlog is full); {tried}"
+                    )),
+                    ErrorKind::PermissionDenied => self.unreachable("permission denied"),
+                    _ => self.unreachable(e.to_string()),
+                });
+            }
+            Ok((Ok(stream), _)) => stream,
+        };
         self.check_it_is_ours(&stream)?;
         let (mut sender, conn) = tokio::time::timeout(
             CONNECT_TIMEOUT,
@@ -372,6 +419,51 @@ mod tests {
         assert!(
             ensure_ours("the socket file", 0, 1000).is_err(),
             "not even root's"
+        );
+    }
+
+    /// A connect refused or would-block is tried again, a few times over a
+    /// bounded wait (paused time: the pauses are advanced, not waited).
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_or_full_connect_is_retried_briefly() {
+        let started = tokio::time::Instant::now();
+        let mut calls = 0;
+        let (result, attempts) = connect_retrying(|| {
+            calls += 1;
+            let kind = if calls % 2 == 0 {
+                ErrorKind::WouldBlock
+            } else {
+                ErrorKind::ConnectionRefused
+            };
+            async move { Err::<(), _>(std::io::Error::from(kind)) }
+        })
+        .await;
+        assert!(result.is_err());
+        assert_eq!((attempts, calls), (CONNECT_ATTEMPTS, CONNECT_ATTEMPTS));
+        let waited = started.elapsed().as_millis();
+        assert_eq!(waited, retried_ms(CONNECT_ATTEMPTS));
+        assert!(waited < 500, "{waited} ms");
+        // A connect that succeeds on a retry is used; other errors are not retried.
+        let mut calls = 0;
+        let (result, attempts) = connect_retrying(|| {
+            calls += 1;
+            let ok = calls == 3;
+            async move {
+                if ok {
+                    Ok(7)
+                } else {
+                    Err(std::io::Error::from(ErrorKind::WouldBlock))
+                }
+            }
+        })
+        .await;
+        assert_eq!((result.unwrap(), attempts), (7, 3));
+        let (result, attempts) =
+            connect_retrying(|| async { Err::<(), _>(std::io::Error::from(ErrorKind::NotFound)) })
+                .await;
+        assert_eq!(
+            (result.unwrap_err().kind(), attempts),
+            (ErrorKind::NotFound, 1)
         );
     }
 }

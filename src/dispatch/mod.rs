@@ -20,6 +20,8 @@
 
 mod member;
 mod request;
+#[cfg(test)]
+mod sent_props;
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
@@ -30,7 +32,8 @@ use serde_json::value::RawValue;
 pub use member::{Book, Member, Registration};
 pub use request::{Kind, Request, Subscription};
 
-use crate::hub::{Client, Hub};
+use crate::hub::{Client, ClientKind, Hub};
+use crate::policy::stop::Touch;
 use crate::protocol::frames::encode_res_ok;
 use crate::protocol::{ErrorShape, StudioCode};
 use crate::router::{Requester, Router, Settle};
@@ -104,7 +107,10 @@ impl Dispatcher {
 
     /// Dispatches one request from `member`. An `Err` is the answer to send
     /// the member under its id; otherwise the answer reaches its queue later
-    /// (or already did, for what the broker answers itself).
+    /// (or already did, for what the broker answers itself). Every broker
+    /// (`studio.*`) `Err` says `details.sent: false`: nothing of it was
+    /// queued for a gateway. A refusal in the gateway's own words (a missing
+    /// scope, a node-only method) is left exactly as the gateway words it.
     pub fn dispatch(
         &self,
         member: &Arc<Member>,
@@ -112,7 +118,24 @@ impl Dispatcher {
         method: &str,
         params: Option<&RawValue>,
     ) -> Result<(), ErrorShape> {
-        let request = Request::parse(id, method, params, |k| self.sharing.canonical(k));
+        self.dispatch_unsent(member, id, method, params)
+            .map_err(|e| {
+                if e.code.starts_with("studio.") {
+                    e.or_sent(false)
+                } else {
+                    e
+                }
+            })
+    }
+
+    fn dispatch_unsent(
+        &self,
+        member: &Arc<Member>,
+        id: &str,
+        method: &str,
+        params: Option<&RawValue>,
+    ) -> Result<(), ErrorShape> {
+        let request = Request::parse(id, method, params, &self.sharing.defaults());
         // What the gateway would refuse on a connection holding only this
         // client's scopes is refused here, before anything is forwarded.
         match member.client().access() {
@@ -136,12 +159,27 @@ impl Dispatcher {
             Kind::StartRun {
                 run_id,
                 session_key,
-                interrupts,
+                touch,
             } => {
-                if *interrupts {
-                    self.check_abort(member, None, session_key.as_deref())?;
+                let queued;
+                let mut params = request.params;
+                match touch {
+                    Touch::Takes => self.check_abort(member, None, session_key.as_deref())?,
+                    Touch::Default
+                        if !member.client().grant().is_admin()
+                            && self
+                                .sharing
+                                .runs
+                                .foreign_run_in(session_key.as_deref(), member.id()) =>
+                    {
+                        // The session's own mode would inject it into the
+                        // other client's run: it waits behind it instead.
+                        queued = queued_behind(&request.parsed);
+                        params = queued.as_deref().or(params);
+                    }
+                    _ => {}
                 }
-                self.start_run(member, &request, run_id, session_key.clone())
+                self.start_run(member, &request, params, run_id, session_key.clone())
             }
             Kind::Abort {
                 run_id,
@@ -177,6 +215,25 @@ impl Dispatcher {
     ) -> Result<(), ErrorShape> {
         session
             .send(&self.router, outbound(member, request), settle)?
+            .answer(&self.router);
+        Ok(())
+    }
+
+    /// [`Dispatcher::send`] with the params the broker chose to forward.
+    fn send_params(
+        &self,
+        session: &Session,
+        member: &Member,
+        request: &Request<'_>,
+        params: Option<&RawValue>,
+        settle: Option<Settle>,
+    ) -> Result<(), ErrorShape> {
+        let outbound = Outbound {
+            params,
+            ..outbound(member, request)
+        };
+        session
+            .send(&self.router, outbound, settle)?
             .answer(&self.router);
         Ok(())
     }
@@ -266,6 +323,7 @@ impl Dispatcher {
         &self,
         member: &Arc<Member>,
         request: &Request<'_>,
+        params: Option<&RawValue>,
         run_id: &str,
         session_key: Option<String>,
     ) -> Result<(), ErrorShape> {
@@ -281,7 +339,7 @@ impl Dispatcher {
         };
         if !self.sharing.runs.start(run_id, owner) {
             // A duplicate key: the gateway answers it (in_flight / cached).
-            return self.send(main, member, request, None);
+            return self.send_params(main, member, request, params, None);
         }
         {
             let mut book = member.book();
@@ -298,7 +356,7 @@ impl Dispatcher {
                 sharing.runs.end_if_owned(&settle_run, cid);
             }
         });
-        self.send(main, member, request, Some(settle))
+        self.send_params(main, member, request, params, Some(settle))
             .inspect_err(|_| self.sharing.runs.end_if_owned(run_id, cid))
     }
 
@@ -343,8 +401,13 @@ impl Dispatcher {
                 book.runs.drain().collect::<Vec<_>>(),
             )
         };
-        for run in runs {
-            self.sharing.runs.end_if_owned(&run, cid);
+        // A `/v1/rpc` request ends with its answer, not with its run: the
+        // run stays owned until it ends (only `operator.admin` may stop it
+        // then), as the gateway keeps running it.
+        if member.client().kind != ClientKind::Rpc {
+            for run in runs {
+                self.sharing.runs.end_if_owned(&run, cid);
+            }
         }
         if keys.is_empty() {
             return;
@@ -385,6 +448,14 @@ fn local_answer(sub: &Subscription, subscribed: bool) -> serde_json::Value {
         Some(k) => json!({"subscribed": subscribed, "key": k}),
         None => json!({"subscribed": subscribed}),
     }
+}
+
+/// A `chat.send`'s params with `queueMode: "followup"`: queued behind the
+/// session's running run rather than injected into it.
+fn queued_behind(parsed: &serde_json::Value) -> Option<Box<RawValue>> {
+    let mut params = parsed.as_object()?.clone();
+    params.insert("queueMode".into(), json!("followup"));
+    serde_json::value::to_raw_value(&params).ok()
 }
 
 fn outbound<'a>(member: &'a Member, request: &'a Request<'a>) -> Outbound<'a> {

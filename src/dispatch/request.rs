@@ -7,7 +7,8 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::policy::methods::{reads_params, ABORT_LIKE};
-use crate::policy::stop::{interrupts_run, is_stop_message};
+use crate::policy::stop::{is_stop_message, touch, Touch};
+use crate::sharing::SessionDefaults;
 use crate::sharing::SubKey;
 
 /// What the broker does with a request.
@@ -21,17 +22,22 @@ pub enum Kind {
     /// requester owns the run.
     StartRun {
         run_id: String,
-        /// The canonical session key it runs in, if named.
+        /// The canonical session key it runs in: the one named, or for an
+        /// `agent` request without one, its agent's main session (where
+        /// the gateway runs it).
         session_key: Option<String>,
-        /// It aborts the session's running run first ([`interrupts_run`]:
-        /// `queueMode: "interrupt"`, or a `/queue interrupt` directive): the
-        /// owner rule, session-wide, before it starts.
-        interrupts: bool,
+        /// What it does to the session's running run ([`touch`]): one that
+        /// steers or interrupts it on purpose carries the owner rule,
+        /// session-wide, before it starts; one that names no mode is
+        /// queued behind another client's run ([`Kind::StartRun`] in the
+        /// dispatcher). Always [`Touch::Leaves`] for `agent`.
+        touch: Touch,
     },
     /// A method that stops or redirects a run ([`ABORT_LIKE`]), or a
     /// `chat.send`/`sessions.send` whose message the gateway reads as
-    /// "stop" ([`is_stop_message`]), or a `sessions.send` (or a `chat.send`
-    /// without a run id) that interrupts ([`interrupts_run`]): the owner rule.
+    /// "stop" ([`is_stop_message`]), or a `sessions.send` (which has no
+    /// queue mode: it steers by default) or a `chat.send` without a run id
+    /// that steers or interrupts ([`touch`]): the owner rule.
     Abort {
         run_id: Option<String>,
         /// The canonical session key, if named.
@@ -71,6 +77,7 @@ struct Fields {
     idempotency_key: Option<String>,
     message: Option<String>,
     queue_mode: Option<String>,
+    agent_id: Option<String>,
 }
 
 impl Fields {
@@ -86,6 +93,7 @@ impl Fields {
             idempotency_key: text("idempotencyKey"),
             message: text("message"),
             queue_mode: text("queueMode"),
+            agent_id: text("agentId"),
         }
     }
 }
@@ -108,13 +116,13 @@ fn broker_reads(method: &str) -> bool {
 
 impl<'a> Request<'a> {
     /// Parses `params` once (only for the methods whose params the broker
-    /// or the policy reads). `canonical` writes a session key the way the
-    /// gateway does.
+    /// or the policy reads). Session keys are resolved the way the gateway
+    /// with these defaults does ([`crate::sharing::session_key`]).
     pub fn parse(
         id: &'a str,
         method: &'a str,
         params: Option<&'a RawValue>,
-        canonical: impl Fn(&str) -> String,
+        defaults: &SessionDefaults,
     ) -> Self {
         let reads = broker_reads(method);
         let parsed: Value = params
@@ -126,7 +134,7 @@ impl<'a> Request<'a> {
         } else {
             Fields::default()
         };
-        let kind = Self::kind(method, &fields, &canonical);
+        let kind = Self::kind(method, &fields, defaults);
         Request {
             id,
             method,
@@ -136,7 +144,11 @@ impl<'a> Request<'a> {
         }
     }
 
-    fn kind(method: &str, f: &Fields, canonical: &impl Fn(&str) -> String) -> Kind {
+    fn kind(method: &str, f: &Fields, defaults: &SessionDefaults) -> Kind {
+        // The session a request names, as the gateway resolves it (with
+        // its `agentId`, where it names one).
+        let agent_id = non_empty(&f.agent_id);
+        let canonical = |key: &str| defaults.canonical_for(key, agent_id);
         let messages = |subscribe: bool| match non_empty(&f.key) {
             // Without a key, the gateway words the schema error.
             None => Kind::Plain,
@@ -157,20 +169,31 @@ impl<'a> Request<'a> {
             asked: None,
         };
         let stops = f.message.as_deref().is_some_and(is_stop_message);
-        let interrupts = matches!(method, "chat.send" | "sessions.send")
-            && interrupts_run(f.queue_mode.as_deref(), f.message.as_deref());
+        let touch = match method {
+            "chat.send" => touch(f.queue_mode.as_deref(), f.message.as_deref()),
+            // No queue mode in its schema: the session's own (`steer` by
+            // default), or what its message says.
+            "sessions.send" => match touch(None, f.message.as_deref()) {
+                Touch::Default => Touch::Takes,
+                t => t,
+            },
+            _ => Touch::Leaves,
+        };
         let starts = method != "sessions.send" && non_empty(&f.idempotency_key).is_some();
         match method {
             // The gateway aborts the session's runs instead of starting one;
-            // or aborts the running one and starts its own, which the broker
-            // does not track for `sessions.send` (as for any of its runs).
-            "chat.send" | "sessions.send" if stops || (interrupts && !starts) => Kind::Abort {
-                run_id: None,
-                // `chat.send` names it `sessionKey`, `sessions.send` `key`.
-                session_key: non_empty(&f.session_key)
-                    .or(non_empty(&f.key))
-                    .map(canonical),
-            },
+            // or steers or aborts the running one and starts its own, which
+            // the broker does not track for `sessions.send` (as for any of
+            // its runs).
+            "chat.send" | "sessions.send" if stops || (touch == Touch::Takes && !starts) => {
+                Kind::Abort {
+                    run_id: None,
+                    // `chat.send` names it `sessionKey`, `sessions.send` `key`.
+                    session_key: non_empty(&f.session_key)
+                        .or(non_empty(&f.key))
+                        .map(canonical),
+                }
+            }
             "sessions.subscribe" => Kind::Subscribe(sessions),
             "sessions.unsubscribe" => Kind::Unsubscribe(sessions),
             "sessions.messages.subscribe" => messages(true),
@@ -178,8 +201,14 @@ impl<'a> Request<'a> {
             "chat.send" | "agent" => match non_empty(&f.idempotency_key) {
                 Some(run_id) => Kind::StartRun {
                     run_id: run_id.to_owned(),
-                    session_key: non_empty(&f.session_key).map(canonical),
-                    interrupts,
+                    session_key: match non_empty(&f.session_key) {
+                        Some(key) => Some(canonical(key)),
+                        // `agent` without a key runs in its agent's main
+                        // session (`chat.send` requires one).
+                        None if method == "agent" => Some(defaults.agent_main(agent_id)),
+                        None => None,
+                    },
+                    touch,
                 },
                 None => Kind::Plain,
             },
@@ -201,7 +230,7 @@ mod tests {
 
     fn parse(method: &str, params: &str) -> Kind {
         let raw = RawValue::from_string(params.to_owned()).unwrap();
-        Request::parse("1", method, Some(&raw), |k| format!("agent:main:{k}")).kind
+        Request::parse("1", method, Some(&raw), &SessionDefaults::default()).kind
     }
 
     #[test]
@@ -222,7 +251,7 @@ mod tests {
             Kind::StartRun {
                 run_id: "r1".into(),
                 session_key: Some("agent:main:main".into()),
-                interrupts: false,
+                touch: Touch::Default,
             }
         );
         assert_eq!(parse("chat.send", r#"{"message":"hi"}"#), Kind::Plain);
@@ -273,12 +302,15 @@ mod tests {
             Kind::StartRun {
                 run_id: "r1".into(),
                 session_key: Some("agent:main:s".into()),
-                interrupts: false,
+                touch: Touch::Leaves,
             }
         );
         // Not a stop, or not a string: as before.
         assert_eq!(
-            parse("sessions.send", r#"{"key":"s","message":"stop the music"}"#),
+            parse(
+                "sessions.send",
+                r#"{"key":"s","message":"/queue followup stop the music"}"#
+            ),
             Kind::Plain
         );
         assert_eq!(
@@ -289,24 +321,37 @@ mod tests {
 
     #[test]
     fn an_interrupting_send_carries_the_owner_rule() {
-        let starts = |interrupts| Kind::StartRun {
+        let starts = |touch| Kind::StartRun {
             run_id: "r1".into(),
             session_key: Some("agent:main:s".into()),
-            interrupts,
+            touch,
         };
         for params in [
             r#"{"sessionKey":"s","message":"hi","queueMode":"interrupt","idempotencyKey":"r1"}"#,
             r#"{"sessionKey":"s","message":"/queue interrupt hi","idempotencyKey":"r1"}"#,
+            r#"{"sessionKey":"s","message":"hi","queueMode":"steer","idempotencyKey":"r1"}"#,
+            r#"{"sessionKey":"s","message":"/queue steer hi","idempotencyKey":"r1"}"#,
+            r#"{"sessionKey":"s","message":"/steer hi","idempotencyKey":"r1"}"#,
         ] {
-            assert_eq!(parse("chat.send", params), starts(true), "{params}");
+            assert_eq!(parse("chat.send", params), starts(Touch::Takes), "{params}");
         }
         for params in [
-            r#"{"sessionKey":"s","message":"hi","queueMode":"steer","idempotencyKey":"r1"}"#,
             r#"{"sessionKey":"s","message":"hi","queueMode":"followup","idempotencyKey":"r1"}"#,
-            r#"{"sessionKey":"s","message":"hi","idempotencyKey":"r1"}"#,
+            r#"{"sessionKey":"s","message":"hi","queueMode":"steer-backlog","idempotencyKey":"r1"}"#,
         ] {
-            assert_eq!(parse("chat.send", params), starts(false), "{params}");
+            assert_eq!(
+                parse("chat.send", params),
+                starts(Touch::Leaves),
+                "{params}"
+            );
         }
+        assert_eq!(
+            parse(
+                "chat.send",
+                r#"{"sessionKey":"s","message":"hi","idempotencyKey":"r1"}"#
+            ),
+            starts(Touch::Default)
+        );
         // `sessions.send` (its run untracked) and a `chat.send` without a
         // run id: a session-wide abort.
         let abort = Kind::Abort {
@@ -333,7 +378,54 @@ mod tests {
                 "agent",
                 r#"{"sessionKey":"s","message":"/queue interrupt","queueMode":"interrupt","idempotencyKey":"r1"}"#
             ),
-            starts(false)
+            starts(Touch::Leaves)
+        );
+    }
+
+    #[test]
+    fn sessions_are_named_as_the_gateway_resolves_them() {
+        let run = |params: &str| match parse("chat.send", params) {
+            Kind::StartRun { session_key, .. } => session_key,
+            other => panic!("{other:?}"),
+        };
+        for key in ["MAIN", "AGENT:MAIN:MAIN", "agent:Main:main"] {
+            assert_eq!(
+                run(&format!(
+                    r#"{{"sessionKey":"{key}","message":"x","idempotencyKey":"r"}}"#
+                )),
+                Some("agent:main:main".into()),
+                "{key}"
+            );
+        }
+        assert_eq!(
+            run(r#"{"sessionKey":"main","agentId":"ops","message":"x","idempotencyKey":"r"}"#),
+            Some("agent:ops:main".into())
+        );
+        // An `agent` request without a key runs in the main session of its
+        // agent, or of the default one.
+        for (params, key) in [
+            (r#"{"message":"x","idempotencyKey":"r"}"#, "agent:main:main"),
+            (
+                r#"{"message":"x","agentId":"Ops","idempotencyKey":"r"}"#,
+                "agent:ops:main",
+            ),
+        ] {
+            assert_eq!(
+                parse("agent", params),
+                Kind::StartRun {
+                    run_id: "r".into(),
+                    session_key: Some(key.into()),
+                    touch: Touch::Leaves,
+                },
+                "{params}"
+            );
+        }
+        assert_eq!(
+            parse("chat.abort", r#"{"sessionKey":"Agent:Main:Main"}"#),
+            Kind::Abort {
+                run_id: None,
+                session_key: Some("agent:main:main".into())
+            }
         );
     }
 }

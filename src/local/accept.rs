@@ -13,7 +13,7 @@ use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{oneshot, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::fdlimit::{self, SpareFd};
@@ -73,10 +73,10 @@ pub async fn accept_loop(
         );
     }
     // Shared with the moved connections this socket's clients hold.
-    let Some(slots) = ctx.slots.of(&socket.name).cloned() else {
+    if !ctx.slots.serves(&socket.name) {
         tracing::error!(socket = %socket.name, "no connection slots for this socket; not accepting");
         return;
-    };
+    }
     let lingering = Arc::new(Semaphore::new(REFUSE_LINGER_MAX));
     let busy = busy_response(cap);
     let mut spare = SpareFd::open();
@@ -147,12 +147,14 @@ pub async fn accept_loop(
                 continue;
             }
         };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+        let Some(slot) = ctx.slots.take(&socket.name) else {
             if let Some(unlogged) = cap_warn.ready(Instant::now()) {
                 tracing::warn!(
                     max_connections = cap,
+                    socket = %socket.name,
+                    share = ctx.slots.share(&socket.name),
                     unlogged,
-                    "refused a connection: too many open connections"
+                    "refused a connection: too many open connections on this socket"
                 );
             }
             refuse(stream, busy.clone(), &lingering, None);
@@ -396,7 +398,7 @@ impl Throttle {
 #[derive(Debug)]
 struct CountedStream {
     stream: UnixStream,
-    _slot: OwnedSemaphorePermit,
+    _slot: super::slots::Slot,
 }
 
 impl AsyncRead for CountedStream {

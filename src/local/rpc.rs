@@ -147,7 +147,8 @@ async fn call(
         let batch = tokio::select! {
             batch = client.next_batch() => batch,
             _ = ctx.cancel.cancelled() => {
-                return Err(ErrorShape::studio(StudioCode::UpstreamClosed, "the broker is shutting down"));
+                // Dispatched: it may have been written.
+                return Err(ErrorShape::studio(StudioCode::UpstreamClosed, "the broker is shutting down").with_sent(true));
             }
         };
         for item in batch {

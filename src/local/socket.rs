@@ -283,6 +283,26 @@ fn check_dir_owner(owner: u32, mode: u32, me: u32) -> Result<(), String> {
     Ok(())
 }
 
+/// Connections the kernel holds for a listening socket before the broker
+/// accepts them. A burst of clients connecting at once (many processes
+/// starting, a script in a loop: tens of thousands a second) can outrun the
+/// accept loop for a moment; past the backlog, a client's non-blocking
+/// `connect` fails with `EAGAIN` at once (a blocking one waits, and the
+/// CLI retries briefly). The kernel caps it at `net.core.somaxconn` (4096
+/// by default since Linux 5.4, which is what the broker gets: about 50 ms
+/// of connections at 80,000 a second); asking for the largest value the
+/// sysctl can take means raising the sysctl is all it takes to hold a
+/// longer burst. It costs nothing until connections wait.
+pub const LISTEN_BACKLOG: i32 = 65535;
+
+/// Listens again on `listener` with [`LISTEN_BACKLOG`] (Linux takes a
+/// second `listen` as a new backlog). A failure leaves the backlog it had.
+pub fn size_backlog(listener: &std::os::unix::net::UnixListener) {
+    if let Err(e) = rustix::net::listen(listener, LISTEN_BACKLOG) {
+        tracing::warn!("cannot set the socket's backlog to {LISTEN_BACKLOG}: {e}");
+    }
+}
+
 /// Binds the unix socket at `path` (mode 0600), refusing if another broker
 /// answers there and replacing a stale socket file (connect refused).
 pub fn bind(path: &Path) -> Result<(std::os::unix::net::UnixListener, SocketGuard), SocketError> {
@@ -359,6 +379,7 @@ pub fn bind_with_mode(
     let _ = fs::remove_file(&tmp);
     let _ = fs::remove_dir(&private);
     let listener = result?;
+    size_backlog(&listener);
     listener.set_nonblocking(true).map_err(io_err(path))?;
     let ino = fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()));
     Ok((
@@ -486,6 +507,53 @@ mod tests {
             .unwrap()
             .file_type()
             .is_symlink());
+    }
+
+    /// A burst of connections the broker has not accepted yet waits in the
+    /// backlog, as many as the kernel allows (`net.core.somaxconn`); the
+    /// next non-blocking connect fails `EAGAIN` at once. (Rust's standard
+    /// library already asks Linux for its maximum; the broker says so
+    /// itself, for sockets systemd passes too.)
+    #[test]
+    fn the_backlog_holds_a_burst() {
+        use rustix::net::{
+            connect, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("clawmux.sock");
+        let (_listener, _guard) = bind(&path).unwrap();
+        let addr = SocketAddrUnix::new(&path).unwrap();
+        let somaxconn: usize = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(4096);
+        let held = somaxconn.min(LISTEN_BACKLOG as usize) + 1;
+        let mut pending = Vec::new();
+        for n in 0..held {
+            let fd = socket_with(
+                AddressFamily::UNIX,
+                SocketType::STREAM,
+                SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+                None,
+            )
+            .unwrap();
+            if let Err(e) = connect(&fd, &addr) {
+                panic!("connection {n} not held: {e}");
+            }
+            pending.push(fd);
+        }
+        let fd = socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            connect(&fd, &addr),
+            Err(rustix::io::Errno::AGAIN),
+            "{held} held"
+        );
     }
 
     #[test]

@@ -154,26 +154,68 @@ fn trigger_text(lower: &str) -> String {
     trim(kept).to_owned()
 }
 
-/// Whether a `chat.send` (or `sessions.send`, which is `chat.send` on the
-/// session's key) interrupts the session's running run before its own
-/// starts: its `queueMode` is `"interrupt"`, or its message carries a
-/// per-message `/queue` directive whose mode is an interrupt
-/// ([`queue_directive_interrupts`]). The gateway then aborts the active
-/// run (`abortByUser`) as `chat.abort {sessionKey}` would.
+/// What a `chat.send` (or `sessions.send`, which is `chat.send` on the
+/// session's key) does to the session's running run, if one is live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Touch {
+    /// It queues behind the run (`queueMode` `followup` or `collect`, or a
+    /// `/queue followup` directive): the run is left alone.
+    Leaves,
+    /// It names no mode: the session's own mode applies, `steer` unless an
+    /// admin set another, so it is injected into the running run.
+    Default,
+    /// It steers or interrupts the run on purpose: `queueMode` `steer` or
+    /// `interrupt`, a `/queue steer` or `/queue interrupt` directive, the
+    /// `/steer` (`/tell`) command, or a session reset (`/new`, `/reset`).
+    Takes,
+}
+
+/// How a `chat.send`'s `queueMode` and message touch the running run.
 ///
-/// Read from gateway 2026.9.6: `chat-send-handler.ts`
-/// (`p.queueMode === "interrupt"` → `resolveCurrentInterruptTarget` →
-/// `interruptReplyRunTarget`), `get-reply.ts` (`extractQueueDirective`,
-/// `perMessageQueueMode`, `activeRunQueueMode === "interrupt"`),
-/// `queue/normalize.ts` (`normalizeQueueMode`). The other modes do not
-/// abort: `steer` (also the default) injects the message into the running
-/// run, `followup` and `collect` queue it behind it. A session whose
-/// *persisted* queue mode is `interrupt` (set by an admin's directive or
-/// `sessions.patch`) interrupts on every message; the broker cannot see
-/// that setting, so it is not covered here.
+/// Read from gateway 2026.9.6: `chat-send-handler.ts` (`p.queueMode ===
+/// "steer"` → `resolveCurrentMessageInjectionTarget`, `"interrupt"` →
+/// `resolveCurrentInterruptTarget` → `interruptReplyRunTarget`);
+/// `get-reply.ts` (`extractQueueDirective`, `resolveQueueSettings`, whose
+/// default mode is `steer`, and `shouldSteer`); `queue/normalize.ts`
+/// (`normalizeQueueMode`; `steer-backlog` is a retired name the
+/// `chat.send` schema refuses); `commands-steer.ts` (`/steer`, `/tell`:
+/// `queueModeOverride: "steer"`). A `queueMode` the schema refuses
+/// (`steer-backlog`, `Interrupt`) is answered by the gateway with an
+/// error and touches nothing.
+pub fn touch(queue_mode: Option<&str>, message: Option<&str>) -> Touch {
+    let directive = message.and_then(queue_directive);
+    if matches!(queue_mode, Some("steer" | "interrupt"))
+        || matches!(directive, Some(Touch::Takes))
+        || message.is_some_and(|m| is_reset_message(m) || is_steer_command(m))
+    {
+        return Touch::Takes;
+    }
+    match queue_mode {
+        Some(_) => Touch::Leaves,
+        None => directive.unwrap_or(Touch::Default),
+    }
+}
+
+/// Whether a `chat.send` interrupts the session's running run before its
+/// own starts: `queueMode: "interrupt"`, an interrupting `/queue`
+/// directive, or a session reset. (A session whose *persisted* queue mode
+/// is `interrupt` interrupts on every message; the broker cannot see that
+/// setting.)
 pub fn interrupts_run(queue_mode: Option<&str>, message: Option<&str>) -> bool {
     queue_mode == Some("interrupt")
         || message.is_some_and(|m| queue_directive_interrupts(m) || is_reset_message(m))
+}
+
+/// Whether `message` is the `/steer <message>` command (or its alias
+/// `/tell`), which injects its text into the running run.
+pub fn is_steer_command(message: &str) -> bool {
+    let cleaned: String = message.nfc().filter(|&c| !dropped_control(c)).collect();
+    let lower = trim(&cleaned).to_lowercase();
+    ["/steer", "/tell"].iter().any(|command| {
+        lower.strip_prefix(command).is_some_and(|rest| {
+            rest.is_empty() || rest.starts_with(|c: char| is_space(c) || c == ':')
+        })
+    })
 }
 
 /// Whether `message` is a session reset (`/new` or `/reset`, alone or
@@ -194,13 +236,34 @@ pub fn is_reset_message(message: &str) -> bool {
 
 /// Whether `message` carries a `/queue` directive (`/queue interrupt`,
 /// `/queue: abort`, `hi /queue interrupts debounce:0`) that makes this
-/// message interrupt. The gateway reads the first `/queue` (preceded by
-/// whitespace or the start, followed by whitespace, `:` or the end), then
-/// its tokens until one is neither a mode nor an option; `reset`,
-/// `default` or `clear` end them. Every `/queue` is read here, and any
-/// interrupt mode among its tokens counts, to err towards "interrupts".
+/// message interrupt.
 pub fn queue_directive_interrupts(message: &str) -> bool {
+    queue_modes(message).any(|mode| mode == "interrupt")
+}
+
+/// What the `/queue` directives in `message` say: [`Touch::Takes`] when
+/// any of them names `steer` or `interrupt`, [`Touch::Leaves`] when they
+/// name only `followup` or `collect`, none without a mode.
+fn queue_directive(message: &str) -> Option<Touch> {
+    let mut touch = None;
+    for mode in queue_modes(message) {
+        if mode == "steer" || mode == "interrupt" {
+            return Some(Touch::Takes);
+        }
+        touch = Some(Touch::Leaves);
+    }
+    touch
+}
+
+/// The queue modes named by the `/queue` directives in `message`. The
+/// gateway reads the first `/queue` (preceded by whitespace or the start,
+/// followed by whitespace, `:` or the end), then its tokens until one is
+/// neither a mode nor an option; `reset`, `default` or `clear` end them.
+/// Every `/queue` is read here, and every mode among its tokens counts,
+/// to err towards touching the run.
+fn queue_modes(message: &str) -> impl Iterator<Item = &'static str> {
     let lower = message.to_lowercase();
+    let mut modes = Vec::new();
     let mut from = 0;
     while let Some(at) = lower[from..].find("/queue").map(|i| from + i) {
         from = at + "/queue".len();
@@ -215,10 +278,11 @@ pub fn queue_directive_interrupts(message: &str) -> bool {
         let args = args.strip_prefix(':').unwrap_or(after);
         for token in args.split(is_space).filter(|t| !t.is_empty()) {
             match token {
-                "interrupt" | "interrupts" | "abort" => return true,
+                "interrupt" | "interrupts" | "abort" => modes.push("interrupt"),
+                "steer" | "steering" => modes.push("steer"),
+                "followup" | "follow-ups" | "followups" => modes.push("followup"),
+                "collect" | "coalesce" => modes.push("collect"),
                 "reset" | "default" | "clear" => break,
-                "steer" | "steering" | "followup" | "follow-ups" | "followups" | "collect"
-                | "coalesce" => {}
                 option
                     if ["debounce", "cap", "drop"].iter().any(|name| {
                         option
@@ -229,7 +293,7 @@ pub fn queue_directive_interrupts(message: &str) -> bool {
             }
         }
     }
-    false
+    modes.into_iter()
 }
 
 #[cfg(test)]
@@ -276,6 +340,45 @@ mod tests {
         for message in ["/newer", "/resetting", "please /reset", "new"] {
             assert!(!interrupts_run(None, Some(message)), "{message:?}");
         }
+    }
+
+    #[test]
+    fn what_a_send_does_to_the_running_run() {
+        for (mode, message) in [
+            (Some("steer"), "hi"),
+            (Some("interrupt"), "hi"),
+            (None, "/queue steer hi"),
+            (None, "/queue: steering"),
+            (Some("followup"), "/queue interrupt"),
+            (None, "/steer do this"),
+            (None, "/TELL: that"),
+            (None, "/reset"),
+        ] {
+            assert_eq!(
+                touch(mode, Some(message)),
+                Touch::Takes,
+                "{mode:?} {message:?}"
+            );
+        }
+        for (mode, message) in [
+            (Some("followup"), "hi"),
+            (Some("collect"), "hi"),
+            (None, "/queue followup hi"),
+            (None, "/queue collect"),
+            // Refused by the gateway's schema: nothing runs.
+            (Some("steer-backlog"), "hi"),
+            (Some("Steer"), "hi"),
+        ] {
+            assert_eq!(
+                touch(mode, Some(message)),
+                Touch::Leaves,
+                "{mode:?} {message:?}"
+            );
+        }
+        for message in ["hi", "/steering", "/queue", "/queued steer", "/telling"] {
+            assert_eq!(touch(None, Some(message)), Touch::Default, "{message:?}");
+        }
+        assert_eq!(touch(None, None), Touch::Default);
     }
 
     #[test]

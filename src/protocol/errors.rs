@@ -73,6 +73,23 @@ impl ErrorShape {
         self
     }
 
+    /// [`ErrorShape::with_sent`] unless the error already says it.
+    pub fn or_sent(self, sent: bool) -> Self {
+        if self.says_sent() {
+            self
+        } else {
+            self.with_sent(sent)
+        }
+    }
+
+    /// Whether `details.sent` is set.
+    pub fn says_sent(&self) -> bool {
+        self.details
+            .as_ref()
+            .and_then(|d| d.get("sent"))
+            .is_some_and(Value::is_boolean)
+    }
+
     pub fn with_retry_after_ms(mut self, ms: Option<u64>) -> Self {
         self.retry_after_ms = ms;
         self

@@ -14,6 +14,7 @@
 //!   audience names them, whether it observes) may see an event.
 
 pub mod runs;
+pub mod session_key;
 pub mod subscriptions;
 
 use std::collections::HashSet;
@@ -139,17 +140,22 @@ impl SessionDefaults {
         }
     }
 
-    /// `main` → the main session key; `x` → `agent:<default agent>:x`;
-    /// `agent:…` keys are already canonical.
+    /// A session key as the gateway resolves it ([`session_key::resolve`]):
+    /// lowercased, `main` and its aliases → the main session key, `x` →
+    /// `agent:<default agent>:x`.
     pub fn canonical(&self, key: &str) -> String {
-        let key = key.trim();
-        if key == self.main_key {
-            self.main_session_key.clone()
-        } else if key.starts_with("agent:") {
-            key.to_owned()
-        } else {
-            format!("agent:{}:{key}", self.default_agent_id)
-        }
+        session_key::resolve(key, self)
+    }
+
+    /// [`SessionDefaults::canonical`] for a request naming its `agentId`.
+    pub fn canonical_for(&self, key: &str, agent_id: Option<&str>) -> String {
+        session_key::resolve_for_agent(key, agent_id, self)
+    }
+
+    /// The session an `agent` request without a `sessionKey` runs in: its
+    /// `agentId`'s main session, or the default agent's.
+    pub fn agent_main(&self, agent_id: Option<&str>) -> String {
+        session_key::agent_main(agent_id, self)
     }
 }
 
@@ -191,7 +197,7 @@ impl SessionEventHead {
 pub struct Sharing {
     pub subscriptions: Subscriptions,
     pub runs: Runs,
-    defaults: Mutex<SessionDefaults>,
+    defaults: Mutex<std::sync::Arc<SessionDefaults>>,
 }
 
 impl Sharing {
@@ -201,15 +207,17 @@ impl Sharing {
 
     /// Takes the gateway's session defaults from a new `hello-ok` snapshot.
     pub fn set_session_defaults(&self, defaults: SessionDefaults) {
-        *self.defaults.lock().unwrap_or_else(|p| p.into_inner()) = defaults;
+        *self.defaults.lock().unwrap_or_else(|p| p.into_inner()) = std::sync::Arc::new(defaults);
     }
 
     /// A session key as the gateway writes it.
     pub fn canonical(&self, key: &str) -> String {
-        self.defaults
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .canonical(key)
+        self.defaults().canonical(key)
+    }
+
+    /// The gateway's session defaults, as its last `hello-ok` said.
+    pub fn defaults(&self) -> std::sync::Arc<SessionDefaults> {
+        std::sync::Arc::clone(&self.defaults.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// `sessions.subscribe` holders, and the holders of `key`'s messages.

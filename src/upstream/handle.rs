@@ -447,6 +447,11 @@ impl FakeQueue {
     pub fn try_recv(&mut self) -> Result<Outbound, ()> {
         self.0.pop_queued().ok_or(())
     }
+
+    /// Closes `generation` as a session's end does: the ids withdrawn unwritten.
+    pub fn close(&mut self, generation: u64) -> Vec<String> {
+        self.0.close(generation)
+    }
 }
 
 /// The `retryAfterMs` hint when the upstream queue is full.

@@ -659,7 +659,9 @@ async fn a_wrong_token_reads_whole_in_call_and_status() {
     assert_eq!(lines.len(), 2, "{err}");
     assert!(
         lines[0].starts_with("clawmux call: check clawmux's gateway token")
-            && lines[0].ends_with("the broker needs the right shared token)"),
+            && lines[0].ends_with(
+                "the broker needs the right shared token) (the request was not sent to the gateway)"
+            ),
         "{err}"
     );
     assert!(

@@ -170,3 +170,55 @@ async fn a_request_lost_with_its_session_says_it_was_sent() {
     assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
     assert_eq!(res["error"]["details"]["sent"], true, "{res}");
 }
+
+/// A gateway restart (close 1012) with mutations in flight, and more sent
+/// while the broker waits to reconnect: every answer says `details.sent`,
+/// `true` for the written ones, `false` for those refused since (the
+/// session's own close reason is their message).
+#[tokio::test]
+async fn every_answer_around_a_restart_says_whether_it_was_sent() {
+    let h = start_faulty(
+        mock_config(),
+        Faults {
+            hold_methods: vec!["chat.send".into()],
+            ..Faults::default()
+        },
+        |_| {},
+    )
+    .await;
+    let (mut client, _) = h.connected().await;
+    for i in 0..3 {
+        client
+            .send_json(&json!({"type": "req", "id": format!("held-{i}"), "method": "chat.send",
+                "params": {"sessionKey": "main", "message": "x", "idempotencyKey": format!("k-{i}")}}))
+            .await;
+    }
+    eventually("three are in flight", || {
+        h.gw.requests()
+            .iter()
+            .filter(|(_, r)| r["method"] == "chat.send")
+            .count()
+            == 3
+    })
+    .await;
+    // The gateway comes back slowly: the broker waits, not ready.
+    h.gw.set_faults(Faults {
+        unavailable_connects: u32::MAX,
+        ..Faults::default()
+    });
+    assert!(h.gw.close_connection(0, 1012, "restart"));
+    for i in 0..3 {
+        let res = client.response(&format!("held-{i}")).await;
+        assert_eq!(res["error"]["details"]["sent"], true, "{res}");
+    }
+    for i in 0..5 {
+        let id = format!("after-{i}");
+        client
+            .send_json(&json!({"type": "req", "id": id, "method": "chat.send",
+                "params": {"sessionKey": "main", "message": "x", "idempotencyKey": format!("a-{i}")}}))
+            .await;
+        let res = client.response(&id).await;
+        assert_eq!(res["error"]["code"], "studio.upstream_closed", "{res}");
+        assert_eq!(res["error"]["details"]["sent"], false, "{res}");
+    }
+}

@@ -441,9 +441,8 @@ async fn a_stop_message_to_another_clients_run_is_forbidden_unless_its_own() {
 /// A `chat.send` with `queueMode: "interrupt"`, or whose message carries a
 /// `/queue interrupt` directive (or is a `/new` or `/reset`), aborts the session's running run before
 /// its own starts (gateway 2026.9.6 `chat-send-handler.ts`): the abort
-/// ownership rule applies to it, session-wide (issue 30). `steer` (the
-/// default) injects into the run and `followup`/`collect` queue behind it:
-/// forwarded. The owner's own interrupt is forwarded, and its new run is
+/// ownership rule applies to it, session-wide. `followup`/`collect` queue
+/// behind it: forwarded (`steer`: `run_ownership`). The owner's own interrupt is forwarded, and its new run is
 /// its own.
 #[tokio::test]
 async fn an_interrupting_send_to_another_clients_run_is_forbidden_unless_its_own() {
@@ -479,7 +478,7 @@ async fn an_interrupting_send_to_another_clients_run_is_forbidden_unless_its_own
     }
     assert_eq!(upstream_methods(&h, "chat.send"), 1, "only the owner's run");
     assert_eq!(upstream_methods(&h, "sessions.send"), 0, "refused locally");
-    for mode in ["steer", "followup", "collect"] {
+    for mode in ["followup", "collect"] {
         let sent = other
             .request(
                 "chat.send",
@@ -489,7 +488,7 @@ async fn an_interrupting_send_to_another_clients_run_is_forbidden_unless_its_own
             .await;
         assert_ne!(sent["error"]["code"], "studio.forbidden", "{mode}: {sent}");
     }
-    assert_eq!(upstream_methods(&h, "chat.send"), 4);
+    assert_eq!(upstream_methods(&h, "chat.send"), 3);
     // The owner may interrupt its own run, in a session where no other
     // client's run is live; its new run is then its own.
     let (h2, mut owner2, _) = a_live_run().await;

@@ -190,7 +190,7 @@ pub(crate) fn resume(
     policies: &[Arc<SocketPolicy>],
     mut entry: StreamEntry,
     fd: OwnedFd,
-    slot: tokio::sync::OwnedSemaphorePermit,
+    slot: crate::local::slots::Slot,
 ) -> bool {
     let Some(access) = crate::local::sse::moved_access(policies, &entry) else {
         return false;

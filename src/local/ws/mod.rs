@@ -217,12 +217,13 @@ pub async fn run(
     let client_id = client.id;
     tracing::debug!(client_id, "local client opened");
 
-    let admitted = match Arc::clone(&ctx.handshakes).try_acquire_owned() {
-        Err(_) => {
+    let admitted = match ctx.handshakes.take(&socket.name).ok_or(()) {
+        Err(()) => {
             tracing::warn!(
                 client_id,
-                limit = crate::context::MAX_HANDSHAKES,
-                "too many clients in their handshake; refusing one"
+                socket = %socket.name,
+                limit = ctx.handshakes.share(&socket.name),
+                "too many clients in their handshake on this socket; refusing one"
             );
             client.close(1013, "too many connecting clients; try again later");
             false
@@ -605,7 +606,8 @@ fn refuse_over_rate(client: &Client, text: &str, wait: std::time::Duration, rate
         StudioCode::TooManyRequests,
         format!("more than {rate} frames per second from this client; slow down"),
     )
-    .with_retry_after_ms(Some(wait.as_millis() as u64 + 1));
+    .with_retry_after_ms(Some(wait.as_millis() as u64 + 1))
+    .with_sent(false);
     client.push_frame(encode_res_error(&id, &error));
 }
 
