@@ -105,8 +105,20 @@ async fn upstream_rejected_keeps_the_gateway_error() {
         !e.to_string().contains("wrong-token"),
         "the token never appears: {e}"
     );
-    let (_, health) = http_get(&h.socket(), "/healthz").await;
-    assert_eq!(health["upstream"], "rejected");
+    // The phase is set as the attempt ends, just after its waiters are
+    // answered.
+    eventually_async("the upstream phase says rejected", || {
+        let socket = h.socket();
+        async move {
+            let (_, health) = http_get(&socket, "/healthz").await;
+            if health["upstream"] == "rejected" {
+                Ok(())
+            } else {
+                Err(health.to_string())
+            }
+        }
+    })
+    .await;
 }
 
 #[tokio::test]
