@@ -25,6 +25,7 @@ mod dedicated_origin;
 mod device_identity;
 mod docs_links;
 mod exactly_once;
+mod frames;
 mod handover;
 mod handshake;
 mod history;
