@@ -72,6 +72,29 @@ pub struct Limited<T> {
     /// What tungstenite wrote while a frame of the broker's own was half
     /// written (see [`Limited::poll_write_frames`]).
     held: Held,
+    /// The message being read, counted in the broker-wide queue budget.
+    charge: Option<MessageCharge>,
+}
+
+/// A client's incoming message counted in the broker-wide budget
+/// (`queue_total_bytes`) from its first frame's header, fragments
+/// included, until it has been handled: many clients sending large
+/// messages slowly, or in fragments, are held to the same memory bound as
+/// queues. Under [`CHARGE_ABOVE_BYTES`] a message is not judged.
+#[derive(Debug)]
+struct MessageCharge {
+    budget: std::sync::Arc<crate::hub::QueueBudget>,
+    counted: u64,
+}
+
+/// A message at most this large is always read (requests are small).
+pub const CHARGE_ABOVE_BYTES: u64 = 64 * 1024;
+
+impl Drop for MessageCharge {
+    fn drop(&mut self) {
+        use crate::hub::client::BudgetCount;
+        self.budget.count_sub(self.counted as usize);
+    }
 }
 
 /// Bytes tungstenite wrote (pongs, close frames: whole frames, in order)
@@ -106,6 +129,27 @@ impl<T> Limited<T> {
             budget,
             follow: Follower::new(unread, true),
             held: Held::default(),
+            charge: None,
+        }
+    }
+
+    /// Counts each message read from here on in `budget`, from its first
+    /// frame's header until [`Limited::message_handled`]; a message over
+    /// [`CHARGE_ABOVE_BYTES`] that takes the budget past its limit ends
+    /// the reads with [`OverBudget`] (the session closes `1009`).
+    pub fn charge_messages_to(&mut self, budget: std::sync::Arc<crate::hub::QueueBudget>) {
+        self.charge = Some(MessageCharge { budget, counted: 0 });
+    }
+
+    /// The message handed to the parser last has been handled: its count
+    /// is given back (unless the next one has begun).
+    pub fn message_handled(&mut self) {
+        if let Some(c) = &mut self.charge {
+            if self.follow.between_messages() {
+                use crate::hub::client::BudgetCount;
+                c.budget.count_sub(c.counted as usize);
+                c.counted = 0;
+            }
         }
     }
 
@@ -235,9 +279,25 @@ impl<T: AsyncRead + Unpin> AsyncRead for Limited<T> {
             inner,
             budget,
             follow,
+            charge,
             ..
         } = &mut *self;
-        follow.poll_read(cx, buf, |cx, buf| poll_read_socket(inner, budget, cx, buf))
+        let polled = follow.poll_read(cx, buf, |cx, buf| poll_read_socket(inner, budget, cx, buf));
+        if let (Poll::Ready(Ok(())), Some(c)) = (&polled, charge) {
+            use crate::hub::client::BudgetCount;
+            let now = follow.message_bytes();
+            if now != c.counted {
+                // A new message begun: the last one's count was given back
+                // when it was handled, or goes now.
+                c.budget.count_sub(c.counted as usize);
+                c.budget.count_add(now as usize);
+                c.counted = now;
+                if now > CHARGE_ABOVE_BYTES && c.budget.is_over() {
+                    return Poll::Ready(Err(OverBudget.into()));
+                }
+            }
+        }
+        polled
     }
 }
 

@@ -184,6 +184,11 @@ impl<T: Framed> Frames<T> {
         }
     }
 
+    /// The items framed in this batch.
+    pub fn items(&self) -> &[T] {
+        &self.items
+    }
+
     /// Whether every byte of the batch has been taken by the socket.
     pub fn is_empty(&self) -> bool {
         self.at >= self.chunks.len()
@@ -294,6 +299,11 @@ impl<T: Framed> Frames<T> {
             start += len;
         }
         self.chunks.truncate(keep);
+        if self.at >= keep {
+            // Everything kept is written (empty chunks past it went).
+            self.at = keep;
+            self.offset = 0;
+        }
         self.total = cut;
         self.frame_ends.retain(|&e| e <= cut);
     }

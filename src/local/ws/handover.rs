@@ -38,6 +38,9 @@ pub async fn resume(
     let pause = io.pause();
     let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
     let mut conn = Conn::new(ws, Arc::clone(&client), pause);
+    conn.ws
+        .get_mut()
+        .charge_messages_to(Arc::clone(client.budget()));
     tracing::debug!(client_id = client.id, "local client taken over");
     let serving = ctx.handoff.serving();
     // The gateway session is taken over (or opened again) right after the

@@ -2,7 +2,8 @@
 //! `hello-ok`, request forwarding, and the writing of its queue, all on the
 //! client's one task.
 
-mod frames;
+#[doc(hidden)]
+pub mod frames;
 mod handover;
 mod writer;
 
@@ -105,6 +106,8 @@ where
 
     /// The next frame from the client, writing what its queue holds meanwhile.
     async fn next(&mut self) -> Step {
+        // The message read last (if any) has been handled.
+        self.ws.get_mut().message_handled();
         std::future::poll_fn(|cx| {
             if self
                 .writer
@@ -261,6 +264,9 @@ pub async fn run(
     };
     if admitted {
         budget.lift();
+        conn.ws
+            .get_mut()
+            .charge_messages_to(Arc::clone(client.budget()));
         tracing::info!(client_id, conn_id = %client.conn_id, "local client connected");
         // Counted until the client has left for the next instance (or is
         // being closed): a handover waits for every one.

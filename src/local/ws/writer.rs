@@ -72,6 +72,10 @@ pub(super) struct Writer {
 /// (copied from the batch).
 const COPY_WRITE_BYTES: usize = 64 * 1024;
 
+/// A batch at least this large is followed by giving freed memory back
+/// to the system ([`crate::bounds::return_free_memory`]).
+const RETURN_FREED_ABOVE_BYTES: usize = 1 << 20;
+
 /// A batch's scratch buffer (headers and digits) larger than this after a
 /// batch is not kept.
 const KEEP_SCRATCH_BYTES: usize = 16 * 1024;
@@ -88,6 +92,18 @@ impl Framed for Outgoing {
             // Closes are written by tungstenite, never framed here.
             Outgoing::Close(..) => Payload::Text(&[]),
         }
+    }
+}
+
+/// Whether dropping `item` frees a large allocation (this batch holds
+/// the last reference to it).
+fn last_large_holder(item: &Outgoing) -> bool {
+    match item {
+        Outgoing::Event(head, _) => {
+            head.len() >= RETURN_FREED_ABOVE_BYTES && std::sync::Arc::strong_count(head) == 1
+        }
+        Outgoing::Frame(bytes) => bytes.len() >= RETURN_FREED_ABOVE_BYTES && bytes.is_unique(),
+        Outgoing::Close(..) => false,
     }
 }
 
@@ -219,7 +235,12 @@ impl Writer {
                 if ready!(self.poll_frames(cx, ws.get_mut())).is_err() {
                     return Poll::Ready(WriterEnd::Failed);
                 }
+                let frees_large = self.frames.items().iter().any(last_large_holder);
                 self.frames.clear(KEEP_SCRATCH_BYTES);
+                if frees_large {
+                    // glibc keeps freed memory resident otherwise.
+                    crate::bounds::return_free_memory();
+                }
                 continue;
             }
             if let Some(step) = self.close.take() {
