@@ -174,7 +174,10 @@ mod tests {
         assert!(runs.foreign_run_in(Some("agent:main:main"), 2));
         assert!(!runs.foreign_run_in(Some("agent:main:main"), 1));
         runs.end_on_terminal_chat(
-            parsed(Some(&raw(serde_json::json!({"runId":"r1","state":"final"})))).as_ref(),
+            parsed(Some(&raw(
+                serde_json::json!({"runId":"r1","state":"final"}),
+            )))
+            .as_ref(),
         );
         assert_eq!(runs.agent_audience(Some(&tool)), Audience::Only(vec![]));
         assert!(runs.start("r2", owner(1, false)));
