@@ -375,7 +375,11 @@ async fn fragments_count_against_the_budget_from_the_first() {
         dir.path(),
         &socket,
         &gw.url(),
-        &format!("queue_total_bytes = {BUDGET}\n"),
+        &format!(
+            "queue_total_bytes = {BUDGET}\nqueue_hard_bytes = {BUDGET}\nqueue_soft_bytes = {}\nmax_frame_bytes = {}\n",
+            BUDGET / 2,
+            BUDGET / 2
+        ),
     );
     let pid = broker.0.id();
     eventually("socket exists", || socket.exists()).await;
@@ -417,13 +421,12 @@ async fn fragments_count_against_the_budget_from_the_first() {
             })
         })
         .collect();
-    drop(sent_tx);
     // Every first fragment written (taken, or refused with the socket).
-    while tokio::time::timeout(Duration::from_secs(30), sent_rx.recv())
-        .await
-        .expect("each client's first fragment is taken or refused")
-        .is_some()
-    {}
+    for _ in 0..CLIENTS {
+        tokio::time::timeout(Duration::from_secs(30), sent_rx.recv())
+            .await
+            .expect("each client's first fragment is taken or refused");
+    }
     let held_kib = status_kib(pid, "VmRSS");
     go.send(()).unwrap();
     let mut answered = 0;
