@@ -648,11 +648,12 @@ fn truncate_reason(reason: &str) -> &str {
 /// Measured by `cargo bench --bench clawmux` (BENCHMARKS.md).
 pub(super) const LOCAL_READ_BUFFER_BYTES: usize = 2 * 1024;
 
-/// Bytes a client's WebSocket buffers before writing to the socket (the
-/// library's default is 128 KiB). A client that does not read holds this
-/// much of serialized copies outside the queue budget until it is closed
-/// (issue 24: 980 such clients held ~160 MiB beyond `queue_total_bytes`);
-/// a writer still flushes once per batch.
+/// Bytes tungstenite buffers before writing to the socket (the library's
+/// default is 128 KiB). It writes only pongs and close frames here (the
+/// writer frames events and responses itself, from the shared bytes), so
+/// its buffer never holds a copy of what the queues count; kept small in
+/// case that changes (a client that did not read once held this much of
+/// serialized copies outside the queue budget).
 pub(super) const LOCAL_WRITE_BUFFER_BYTES: usize = 16 * 1024;
 
 /// The WebSocket settings of a local client's connection.

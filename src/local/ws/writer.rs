@@ -299,7 +299,15 @@ impl Writer {
             }
             // Written and flushed: the next batch (taking it is the
             // client's progress).
-            self.batch = ready!(client.poll_next_batch(cx)).into_iter();
+            match client.poll_next_batch(cx) {
+                Poll::Ready(batch) => self.batch = batch.into_iter(),
+                Poll::Pending => {
+                    // Idle: an idle client keeps no batch buffers.
+                    self.frames.clear(0);
+                    self.copy = Vec::new();
+                    return Poll::Pending;
+                }
+            }
             self.taken_this_turn += 1;
         }
     }
