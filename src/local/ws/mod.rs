@@ -80,8 +80,10 @@ enum Step {
 /// a second, writing task would make every request wake two tasks, and
 /// the runtime its other worker for the second.)
 struct Conn<T = TokioIo<Upgraded>> {
-    /// Read through tungstenite; written by [`Writer`] beside it.
-    ws: WebSocketStream<Limited<T>>,
+    /// Read through tungstenite; written by [`Writer`] beside it. Boxed:
+    /// the client's task moves its connection between futures (serving,
+    /// a handover, the last steps), and each would hold it whole.
+    ws: Box<WebSocketStream<Limited<T>>>,
     writer: Writer,
     client: Arc<Client>,
     /// Gives a large request's read buffer back once it is handled.
@@ -96,7 +98,7 @@ where
 {
     fn new(ws: WebSocketStream<Limited<T>>, client: Arc<Client>, pause: Pause) -> Self {
         Conn {
-            ws,
+            ws: Box::new(ws),
             writer: Writer::new(),
             client,
             release: ReleaseReadBuffer::default(),
