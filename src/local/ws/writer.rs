@@ -190,10 +190,11 @@ impl Writer {
         T: AsyncWrite + Unpin,
     {
         while !self.frames.is_empty() {
-            if self.frames.at_frame_boundary() && io.has_held() {
-                if ready!(io.poll_write_held(cx)).is_err() {
-                    return Poll::Ready(Err(()));
-                }
+            if self.frames.at_frame_boundary()
+                && io.has_held()
+                && ready!(io.poll_write_held(cx)).is_err()
+            {
+                return Poll::Ready(Err(()));
             }
             let written = if io.frames_vectored() {
                 let mut slices = [IoSlice::new(&[]); MAX_SLICES];
