@@ -96,7 +96,7 @@ fuzz_target!(|data: &[u8]| {
     }
     let mut wire = Vec::new();
     let mut k = 0;
-    let mut take = |frames: &mut WsFrames<Item>, wire: &mut Vec<u8>, limit: usize| {
+    let take = |frames: &mut WsFrames<Item>, wire: &mut Vec<u8>, limit: usize| {
         let mut got = Vec::new();
         if vectored {
             let mut slices = [IoSlice::new(&[]); 16];
