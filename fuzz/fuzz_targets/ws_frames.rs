@@ -40,8 +40,10 @@ impl Item {
     }
 }
 
-/// Reads the input as items, then the socket's piece sizes.
-struct Input<'a>(&'a [u8]);
+/// Reads the input as items, then the socket's piece sizes; `.1` is how
+/// many strings may still be made long enough for a 64-bit length (one
+/// per input keeps an execution small).
+struct Input<'a>(&'a [u8], usize);
 
 impl Input<'_> {
     fn byte(&mut self) -> Option<u8> {
@@ -57,7 +59,8 @@ impl Input<'_> {
         let mut s = String::from_utf8_lossy(s).into_owned();
         // Long enough, now and then, for the 16- and 64-bit length forms.
         let repeat = usize::from(self.byte()? >> 4);
-        if repeat > 12 && !s.is_empty() {
+        if repeat > 12 && !s.is_empty() && self.1 > 0 {
+            self.1 -= 1;
             s = s.repeat(70_000 / s.len() + 1);
         } else if repeat > 8 && !s.is_empty() {
             s = s.repeat(200 / s.len() + 1);
@@ -67,7 +70,7 @@ impl Input<'_> {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let mut input = Input(data);
+    let mut input = Input(data, 1);
     let Some(flags) = input.byte() else { return };
     let mut items = Vec::new();
     while items.len() < 32 {
