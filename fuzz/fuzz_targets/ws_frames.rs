@@ -81,7 +81,9 @@ fuzz_target!(|data: &[u8]| {
                 None => break,
             },
             Some(tag) => {
-                let (Some(p), Some(s)) = (input.string(), input.string()) else { break };
+                let (Some(p), Some(s)) = (input.string(), input.string()) else {
+                    break;
+                };
                 let seq = u64::from(tag).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (tag % 64);
                 items.push(Item::Event(p, seq, s));
             }
@@ -147,7 +149,9 @@ fuzz_target!(|data: &[u8]| {
                 closed = true;
             }
             Ok(other) => panic!("unexpected {other:?}"),
-            Err(tungstenite::Error::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
+            Err(tungstenite::Error::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                break
+            }
             Err(tungstenite::Error::ConnectionClosed) => break,
             Err(tungstenite::Error::Protocol(
                 tungstenite::error::ProtocolError::ResetWithoutClosingHandshake,
@@ -158,7 +162,11 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(closed, cut_at.is_some(), "the close frame");
     if cut_at.is_some() {
         assert!(read.len() <= expected.len());
-        assert_eq!(read, expected[..read.len()], "the frames begun before the cut");
+        assert_eq!(
+            read,
+            expected[..read.len()],
+            "the frames begun before the cut"
+        );
     } else {
         assert_eq!(read, expected, "every frame, in order");
     }
