@@ -115,6 +115,21 @@ put("activity", "run", "\n".join(fixture[1:]) + "\n")
 put("activity", "first-half", "\n".join(fixture[1 : len(fixture) // 2]) + "\n")
 put("activity", "gap", "\n".join(fixture[1:15] + ["gap"] + fixture[15:]) + "\n")
 
+# The /ws frame writer: flags (bit 0 vectored, bit 1 cut after (flags >> 2)
+# * 4099 bytes), then items (an odd tag: an event, its prefix and suffix; an
+# even one: a text; each string a length, its bytes, and a byte whose high
+# nibble repeats it past the 16- and 64-bit length forms), then piece sizes.
+def s(text, repeat=0):
+    b = text.encode()
+    return bytes([len(b)]) + b + bytes([repeat << 4])
+event = s(json.dumps(texts[-1])[:180] + ',"seq":') + s("}")
+put("ws_frames", "events-and-a-response",
+    b"\x01" + b"\x01" + event + b"\x02" + s('{"type":"res","id":"1","ok":true}') + b"\x03" + event
+    + b"\x00" + bytes([1, 7, 200, 3]))
+put("ws_frames", "large-event-cut", b"\x0b" + b"\x05" + s('{"a":"', 13) + s('"}') + b"\x07" + event
+    + b"\x00" + bytes([255, 17]))
+put("ws_frames", "copied-16-bit", b"\x00" + b"\x02" + s("\u00e9t\u00e9 ", 9) + b"\x00" + bytes([2]))
+
 out = root / "seeds"
 shutil.rmtree(out, ignore_errors=True)
 for target, files in seeds.items():

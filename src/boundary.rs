@@ -87,6 +87,9 @@ pub(crate) struct Advanced {
     pub taken: usize,
     /// A large frame's header ended here: hand it over alone.
     pub stop: bool,
+    /// A data frame's header ended in this step: its payload length, and
+    /// whether it begins a message (it is not a continuation).
+    pub data: Option<(u64, bool)>,
 }
 
 impl FrameCursor {
@@ -97,6 +100,7 @@ impl FrameCursor {
     /// fragments, leave it).
     pub(crate) fn advance_one(&mut self, bytes: &[u8], in_message: &mut bool) -> Advanced {
         let mut i = 0;
+        let mut data = None;
         while i < bytes.len() {
             match self {
                 FrameCursor::Payload(left) => {
@@ -108,6 +112,7 @@ impl FrameCursor {
                         return Advanced {
                             taken: i,
                             stop: false,
+                            data,
                         };
                     }
                 }
@@ -126,6 +131,7 @@ impl FrameCursor {
                     };
                     let (fin, control) = (head[0] & 0x80 != 0, head[0] & 0x08 != 0);
                     if !control {
+                        data = Some((payload, !*in_message));
                         *in_message = !fin;
                     }
                     *self = if payload == 0 {
@@ -135,7 +141,11 @@ impl FrameCursor {
                     };
                     let stop = payload > LARGE_FRAME_BYTES && i < bytes.len();
                     if payload == 0 || stop {
-                        return Advanced { taken: i, stop };
+                        return Advanced {
+                            taken: i,
+                            stop,
+                            data,
+                        };
                     }
                 }
             }
@@ -143,6 +153,7 @@ impl FrameCursor {
         Advanced {
             taken: bytes.len(),
             stop: false,
+            data,
         }
     }
 }
@@ -183,6 +194,10 @@ pub struct Follower {
     held_back: Vec<u8>,
     /// Hand a large frame's header to the parser alone.
     split_large: bool,
+    /// Payload bytes of the data message handed over last (or in
+    /// progress), counted from its first frame's header: what the parser
+    /// will hold for it.
+    message_bytes: u64,
     /// Before the frames, an HTTP response's head is handed over (the
     /// client side's upgrade, `101 Switching Protocols`): its last bytes
     /// so far, until its blank line ends it (`None`).
@@ -203,6 +218,7 @@ impl Follower {
             pause,
             held_back: unread,
             split_large,
+            message_bytes: 0,
             http_head: None,
         }
     }
@@ -230,6 +246,17 @@ impl Follower {
     /// parser (the start of the peer's next message, if any).
     pub fn take_unread(&mut self) -> Vec<u8> {
         std::mem::take(&mut self.held_back)
+    }
+
+    /// Payload bytes of the data message in progress or handed over last,
+    /// from its first frame's header on.
+    pub fn message_bytes(&self) -> u64 {
+        self.message_bytes
+    }
+
+    /// Whether the bytes handed over end at a message boundary.
+    pub fn between_messages(&self) -> bool {
+        self.at_message_boundary()
     }
 
     /// (Inside an HTTP response's head there is none: a pause then waits
@@ -264,6 +291,11 @@ impl Follower {
             }
             let n = self.frames.advance_one(&bytes[i..], &mut self.in_message);
             i += n.taken;
+            match n.data {
+                Some((payload, true)) => self.message_bytes = payload,
+                Some((payload, false)) => self.message_bytes += payload,
+                None => {}
+            }
             if n.stop && self.split_large {
                 break;
             }

@@ -72,3 +72,8 @@ pub fn hud_projection(activity: serde_json::Value) -> Option<serde_json::Value> 
     projection.forget_unfinished();
     Some(written)
 }
+
+/// The WebSocket frame writer of `/ws` clients (`local::ws::frames`): a
+/// batch of frames laid out for vectored writes, taken by the socket in
+/// any pieces, cut after the frame in progress and closed.
+pub use crate::local::ws::frames::{Framed as WsFramed, Frames as WsFrames, Payload as WsPayload};

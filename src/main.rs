@@ -9,6 +9,15 @@ mod man_pages;
 
 use args::*;
 
+// The allocator: glibc's unless built with one of these features (measured
+// side by side in BENCHMARKS.md).
+#[cfg(feature = "jemalloc")]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+#[cfg(all(feature = "mimalloc", not(feature = "jemalloc")))]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::Parser;
 use clawmux::config::{self, Secret};
 use clawmux::RunningBroker;

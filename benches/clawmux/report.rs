@@ -341,8 +341,13 @@ impl Report {
             for r in set {
                 let path = r.path.name();
                 self.check_moved(path, &r.phase)?;
-                if self.cfg.smoke && r.errors > 0 {
-                    return Err(format!("{path}: {} requests failed", r.errors));
+                // A refused or failed request is not a round trip: a row
+                // with errors is not a figure, and fails the run.
+                if r.errors > 0 {
+                    return Err(format!(
+                        "{path}: {} requests failed ({} clients); the figures would count them",
+                        r.errors, r.clients
+                    ));
                 }
                 let p = &r.phase;
                 let forwards = r.path != RequestPath::Direct;

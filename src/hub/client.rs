@@ -109,6 +109,23 @@ impl protocol::Budget for QueueBudget {
     }
 }
 
+/// Counting in a [`QueueBudget`] by hand, for memory held outside the
+/// queues whose holder gives it back itself (an incoming message).
+pub trait BudgetCount {
+    fn count_add(&self, n: usize);
+    fn count_sub(&self, n: usize);
+}
+
+impl BudgetCount for QueueBudget {
+    fn count_add(&self, n: usize) {
+        protocol::Budget::add(self, n);
+    }
+
+    fn count_sub(&self, n: usize) {
+        protocol::Budget::sub(self, n);
+    }
+}
+
 impl QueueBudget {
     /// Counts `bytes` held outside every queue on a client's behalf (a
     /// chunk of an event stream that hyper has not written yet) for as long

@@ -244,9 +244,22 @@ impl Hub {
         state_version: Option<&RawValue>,
         audience: &Audience,
     ) {
+        let projected = Projected::parse(name, payload);
+        self.publish_parsed(name, payload, state_version, audience, projected);
+    }
+
+    /// [`Hub::publish`], the payload parsed for the projection already
+    /// (the upstream reader parses it once, for the audience too).
+    pub(crate) fn publish_parsed(
+        &self,
+        name: &str,
+        payload: Option<&RawValue>,
+        state_version: Option<&RawValue>,
+        audience: &Audience,
+        projected: Projected,
+    ) {
         let head = EventHead::encode(name, payload, state_version);
         let droppable = is_droppable(name, payload);
-        let projected = Projected::parse(name, payload);
         let mut inner = self.lock();
         if matches!(name, "presence" | "health") {
             apply_to_snapshot(&mut inner.snapshot, name, payload, state_version);
@@ -418,6 +431,14 @@ impl Projected {
             Projected::Gap
         } else {
             Projected::Apply(payload.clone())
+        }
+    }
+
+    /// The parsed payload of a run's event (`agent`, `chat`, …).
+    pub(crate) fn value(&self) -> Option<&Value> {
+        match self {
+            Projected::Apply(v) => Some(v),
+            _ => None,
         }
     }
 

@@ -69,7 +69,51 @@ pub struct Limited<T> {
     /// and for a handover the pause at the end of the current message
     /// ([`Pause`], design §11).
     follow: Follower,
+    /// What tungstenite wrote while a frame of the broker's own was half
+    /// written (see [`Limited::poll_write_frames`]).
+    held: Held,
+    /// The message being read, counted in the broker-wide queue budget.
+    charge: Option<MessageCharge>,
 }
+
+/// A client's incoming message counted in the broker-wide budget
+/// (`queue_total_bytes`) from its first frame's header, fragments
+/// included, until it has been handled: many clients sending large
+/// messages slowly, or in fragments, are held to the same memory bound as
+/// queues. Under [`CHARGE_ABOVE_BYTES`] a message is not judged.
+#[derive(Debug)]
+struct MessageCharge {
+    budget: std::sync::Arc<crate::hub::QueueBudget>,
+    counted: u64,
+}
+
+/// A message at most this large is always read (requests are small).
+pub const CHARGE_ABOVE_BYTES: u64 = 64 * 1024;
+
+impl Drop for MessageCharge {
+    fn drop(&mut self) {
+        use crate::hub::client::BudgetCount;
+        self.budget.count_sub(self.counted as usize);
+    }
+}
+
+/// Bytes tungstenite wrote (pongs, close frames: whole frames, in order)
+/// that could not go on the socket at once, because the broker's own
+/// writer was in the middle of a frame or the socket was full. They go
+/// before the writer's next frame.
+#[derive(Debug, Default)]
+struct Held {
+    bytes: Vec<u8>,
+    /// The broker's writer has given the socket part of a frame.
+    mid_frame: bool,
+    /// The broker writes frames of its own on this socket.
+    shared: bool,
+}
+
+/// The most bytes of tungstenite's own frames held back (see [`Held`]):
+/// a client that sends pings and never reads the pongs is disconnected
+/// past this.
+pub const MAX_HELD_BYTES: usize = 64 * 1024;
 
 impl<T> Limited<T> {
     pub fn new(inner: T, budget: PreconnectBudget) -> Self {
@@ -84,7 +128,41 @@ impl<T> Limited<T> {
             inner,
             budget,
             follow: Follower::new(unread, true),
+            held: Held::default(),
+            charge: None,
         }
+    }
+
+    /// Counts each message read from here on in `budget`, from its first
+    /// frame's header until [`Limited::message_handled`]; a message over
+    /// [`CHARGE_ABOVE_BYTES`] that takes the budget past its limit ends
+    /// the reads with [`OverBudget`] (the session closes `1009`).
+    pub fn charge_messages_to(&mut self, budget: std::sync::Arc<crate::hub::QueueBudget>) {
+        self.charge = Some(MessageCharge { budget, counted: 0 });
+    }
+
+    /// The message handed to the parser last has been handled: its count
+    /// is given back (unless the next one has begun).
+    pub fn message_handled(&mut self) {
+        if let Some(c) = &mut self.charge {
+            if self.follow.between_messages() {
+                use crate::hub::client::BudgetCount;
+                c.budget.count_sub(c.counted as usize);
+                c.counted = 0;
+            }
+        }
+    }
+
+    /// The broker's writer is (or is no longer) in the middle of a frame:
+    /// nothing tungstenite writes meanwhile goes on the socket.
+    pub fn set_mid_frame(&mut self, mid: bool) {
+        self.held.shared = true;
+        self.held.mid_frame = mid;
+    }
+
+    /// Whether tungstenite's bytes wait to be written (before the next frame).
+    pub fn has_held(&self) -> bool {
+        !self.held.bytes.is_empty()
     }
 
     /// The handle that pauses this reader at a message boundary.
@@ -201,8 +279,25 @@ impl<T: AsyncRead + Unpin> AsyncRead for Limited<T> {
             inner,
             budget,
             follow,
+            charge,
+            ..
         } = &mut *self;
-        follow.poll_read(cx, buf, |cx, buf| poll_read_socket(inner, budget, cx, buf))
+        let polled = follow.poll_read(cx, buf, |cx, buf| poll_read_socket(inner, budget, cx, buf));
+        if let (Poll::Ready(Ok(())), Some(c)) = (&polled, charge) {
+            use crate::hub::client::BudgetCount;
+            let now = follow.message_bytes();
+            if now != c.counted {
+                // A new message begun: the last one's count was given back
+                // when it was handled, or goes now.
+                c.budget.count_sub(c.counted as usize);
+                c.budget.count_add(now as usize);
+                c.counted = now;
+                if now > CHARGE_ABOVE_BYTES && c.budget.is_over() {
+                    return Poll::Ready(Err(OverBudget.into()));
+                }
+            }
+        }
+        polled
     }
 }
 
@@ -242,29 +337,20 @@ fn poll_read_socket<T: AsyncRead + Unpin>(
     res
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let res = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if let Poll::Ready(Ok(n)) = &res {
-            self.budget.1.fetch_add(*n as u64, Ordering::Relaxed);
-        }
-        res
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
+// Two writers share the socket: the broker's own (its frames, written
+// whole by `poll_write_frames`, many per vectored write) and tungstenite
+// (pongs and close frames, through `AsyncWrite`). Bytes from one never go
+// inside a frame of the other: tungstenite's go on the socket only when
+// the broker's writer is between frames and nothing is held, and are held
+// otherwise (they are whole frames: tungstenite hands its buffer over
+// from its start, and once the broker writes frames of its own, a write
+// of part of tungstenite's buffer takes the rest too, so nothing of its
+// frames is left half in its own buffer).
+impl<T: AsyncWrite + Unpin> Limited<T> {
+    /// The broker's own frames: a vectored write of `bufs`, straight to
+    /// the socket (the caller writes held bytes first, between frames).
+    pub fn poll_write_frames(
+        &mut self,
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
@@ -275,8 +361,77 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
         res
     }
 
-    fn is_write_vectored(&self) -> bool {
+    /// Whether the socket takes several slices in one write.
+    pub fn frames_vectored(&self) -> bool {
         self.inner.is_write_vectored()
+    }
+
+    /// Writes what tungstenite wrote meanwhile (call between frames).
+    pub fn poll_write_held(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while !self.held.bytes.is_empty() {
+            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.held.bytes))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.budget.1.fetch_add(n as u64, Ordering::Relaxed);
+            self.held.bytes.drain(..n);
+        }
+        if self.held.bytes.capacity() > 4096 {
+            self.held.bytes = Vec::new();
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn hold(&mut self, cx: &mut Context<'_>, bytes: &[u8]) -> io::Result<()> {
+        if self.held.bytes.len() + bytes.len() > MAX_HELD_BYTES {
+            return Err(io::Error::other(
+                "the client does not read the broker's pongs",
+            ));
+        }
+        self.held.bytes.extend_from_slice(bytes);
+        // The task that writes held bytes is the one polling tungstenite.
+        cx.waker().wake_by_ref();
+        Ok(())
+    }
+}
+
+use std::task::ready;
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
+    /// tungstenite's writes: every byte is taken (written, or held for
+    /// [`Limited::poll_write_held`]).
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        if this.held.mid_frame || !this.held.bytes.is_empty() {
+            this.hold(cx, buf)?;
+            return Poll::Ready(Ok(buf.len()));
+        }
+        let n = ready!(Pin::new(&mut this.inner).poll_write(cx, buf))?;
+        this.budget.1.fetch_add(n as u64, Ordering::Relaxed);
+        // Part of a frame written: the rest is taken too when the broker
+        // writes frames of its own beside tungstenite's, so that no half
+        // frame is left in tungstenite's buffer (a full socket, instead,
+        // leaves tungstenite its whole frames, to write later).
+        if this.held.shared && n > 0 && n < buf.len() {
+            this.hold(cx, &buf[n..])?;
+            return Poll::Ready(Ok(buf.len()));
+        }
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if !self.held.mid_frame {
+            ready!(self.poll_write_held(cx))?;
+        }
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 

@@ -367,10 +367,14 @@ impl<'a> UpstreamFrame<'a> {
     }
 }
 
-/// An event frame encoded once, without its `seq`, shared by every client
-/// queue. [`EventHead::with_seq`] adds the per-client `seq` and the closing brace.
+/// An event frame encoded once, up to its `seq` value, shared by every
+/// client queue: [`EventHead::prefix`] is every byte before the value
+/// (`…,"seq":`) and [`EVENT_SUFFIX`] every byte after it, so a client's
+/// frame is the prefix, its own `seq` digits and the suffix
+/// ([`EventHead::with_seq`] joins them; the WebSocket writer does not).
 #[derive(Debug, Clone)]
 pub struct EventHead {
+    /// The frame up to and including `,"seq":`.
     bytes: Bytes,
     /// The broker-wide event cursor (`event_seq`) the replay log gave this
     /// event; 0 until it is logged. HTTP streams use it as the SSE `id:`.
@@ -379,6 +383,12 @@ pub struct EventHead {
 
 /// How every encoded event starts; the event name follows as a JSON string.
 const EVENT_PREFIX: &[u8] = br#"{"type":"event","event":"#;
+
+/// Where the per-client `seq` goes: after everything else in the frame.
+const SEQ_KEY: &[u8] = br#","seq":"#;
+
+/// Every byte of an event frame after its `seq` value.
+pub const EVENT_SUFFIX: &[u8] = b"}";
 
 impl EventHead {
     pub fn encode(
@@ -401,6 +411,7 @@ impl EventHead {
             buf.extend_from_slice(br#","stateVersion":"#);
             buf.extend_from_slice(sv.get().as_bytes());
         }
+        buf.extend_from_slice(SEQ_KEY);
         EventHead {
             bytes: buf.into(),
             cursor: 0,
@@ -415,18 +426,26 @@ impl EventHead {
 
     /// The whole frame with this client's `seq`.
     pub fn with_seq(&self, seq: u64) -> Bytes {
-        let mut buf = BytesMut::with_capacity(self.bytes.len() + 28);
+        let mut digits = itoa::Buffer::new();
+        let digits = digits.format(seq).as_bytes();
+        let mut buf = BytesMut::with_capacity(self.bytes.len() + digits.len() + EVENT_SUFFIX.len());
         buf.put_slice(&self.bytes);
-        buf.put_slice(br#","seq":"#);
-        buf.put_slice(itoa_u64(seq).as_bytes());
-        buf.put_u8(b'}');
+        buf.put_slice(digits);
+        buf.put_slice(EVENT_SUFFIX);
         buf.freeze()
+    }
+
+    /// Every byte of the frame before its `seq` value (valid UTF-8: it is
+    /// built from strings and raw JSON only).
+    pub fn prefix(&self) -> &[u8] {
+        &self.bytes
     }
 
     /// The whole frame without a `seq` (only `connect.challenge` is sent so).
     pub fn without_seq(&self) -> Bytes {
-        let mut buf = BytesMut::with_capacity(self.bytes.len() + 1);
-        buf.put_slice(&self.bytes);
+        let body = &self.bytes[..self.bytes.len() - SEQ_KEY.len()];
+        let mut buf = BytesMut::with_capacity(body.len() + 1);
+        buf.put_slice(body);
         buf.put_u8(b'}');
         buf.freeze()
     }
@@ -459,16 +478,12 @@ impl EventHead {
 
     /// Encoded size in bytes (used for queue accounting).
     pub fn len(&self) -> usize {
-        self.bytes.len() + 16
+        self.bytes.len() - SEQ_KEY.len() + 16
     }
 
     pub fn is_empty(&self) -> bool {
         false
     }
-}
-
-fn itoa_u64(n: u64) -> String {
-    n.to_string()
 }
 
 fn write_json_str(buf: &mut Vec<u8>, s: &str) {

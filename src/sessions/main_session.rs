@@ -236,11 +236,16 @@ impl MainSession {
         } else {
             None
         };
-        let (audience, session_tool) = self.sharing.audience_with_echo(name, payload);
+        // Parsed once, for who gets it and for the hub's projection.
+        let projected = crate::hub::Projected::parse(name, payload);
+        let (audience, session_tool) =
+            self.sharing
+                .audience_with_echo(name, payload, projected.value());
         if matches!(audience, Audience::Only(_)) {
             self.router.tap.inbound(text);
         }
-        self.hub.publish(name, payload, state_version, &audience);
+        self.hub
+            .publish_parsed(name, payload, state_version, &audience, projected);
         if let Some(Audience::Only(ids)) = session_tool {
             self.hub.deliver_copy("session.tool", payload, &ids);
         }

@@ -239,15 +239,18 @@ impl Sharing {
     /// the run's own tool-events client (the gateway's rule,
     /// server-chat.ts `excludeConnIds`; it sent the broker none, because the
     /// broker's connection started the run).
+    /// `parsed` is the payload as the caller parsed it for the hub's
+    /// projection (`agent` and `chat` payloads are parsed once).
     pub fn audience_with_echo(
         &self,
         name: &str,
         payload: Option<&RawValue>,
+        parsed: Option<&Value>,
     ) -> (Audience, Option<Audience>) {
         if name != "agent" {
-            return (self.audience(name, payload), None);
+            return (self.audience_parsed(name, payload, parsed), None);
         }
-        let (audience, local_run) = self.runs.agent_delivery(payload);
+        let (audience, local_run) = self.runs.agent_delivery(parsed);
         let echo = local_run.and_then(|owner| {
             let mut ids = self.subscriptions.holders(&SubKey::Sessions);
             if owner.tool_events {
@@ -260,6 +263,19 @@ impl Sharing {
 
     /// Who should receive this upstream event.
     pub fn audience(&self, name: &str, payload: Option<&RawValue>) -> Audience {
+        let parsed = matches!(name, "agent" | "chat")
+            .then(|| runs::parsed(payload))
+            .flatten();
+        self.audience_parsed(name, payload, parsed.as_ref())
+    }
+
+    /// [`Sharing::audience`], with `agent` and `chat` payloads parsed already.
+    fn audience_parsed(
+        &self,
+        name: &str,
+        payload: Option<&RawValue>,
+        parsed: Option<&Value>,
+    ) -> Audience {
         // The gateway's own rules (openclaw 2026.9.6,
         // src/gateway/server-session-events.ts, server-chat.ts, server-cron.ts;
         // gateway-protocol.md §3.2).
@@ -295,9 +311,9 @@ impl Sharing {
                 self.sessions_and_key_holders(SessionEventHead::parse(payload).session_key)
             }
             // Only tool streams are targeted (`Only`).
-            "agent" => self.runs.agent_audience(payload),
+            "agent" => self.runs.agent_delivery(parsed).0,
             "chat" => {
-                self.runs.end_on_terminal_chat(payload);
+                self.runs.end_on_terminal_chat(parsed);
                 Audience::All
             }
             _ => Audience::All,

@@ -92,30 +92,22 @@ impl Runs {
     /// for them); the others are broadcast. A run's ownership ends with its
     /// lifecycle `end`/`error` event.
     pub fn agent_audience(&self, payload: Option<&RawValue>) -> Audience {
-        self.agent_delivery(payload).0
+        self.agent_delivery(parsed(payload).as_ref()).0
     }
 
-    /// [`Runs::agent_audience`], and for a tool-stream event of a run a
-    /// local client started, that run's owner (the gateway counted the
-    /// broker's connection as the starter, so it sent no `session.tool`
-    /// for it: the broker delivers one to the other local subscribers).
-    pub fn agent_delivery(&self, payload: Option<&RawValue>) -> (Audience, Option<RunOwner>) {
-        #[derive(serde::Deserialize)]
-        struct AgentHead {
-            #[serde(rename = "runId", default)]
-            run_id: Option<String>,
-            #[serde(default)]
-            stream: Option<String>,
-            #[serde(default)]
-            data: Option<Value>,
-        }
-        let Some(head) = payload.and_then(|p| serde_json::from_str::<AgentHead>(p.get()).ok())
-        else {
+    /// [`Runs::agent_audience`] of the payload as parsed once by the
+    /// caller, and for a tool-stream event of a run a local client
+    /// started, that run's owner (the gateway counted the broker's
+    /// connection as the starter, so it sent no `session.tool` for it: the
+    /// broker delivers one to the other local subscribers).
+    pub fn agent_delivery(&self, payload: Option<&Value>) -> (Audience, Option<RunOwner>) {
+        let Some(head) = payload.filter(|p| p.is_object()) else {
             return (Audience::All, None);
         };
-        let audience = match (head.stream.as_deref(), head.run_id) {
+        let run_id = head.get("runId").and_then(Value::as_str);
+        let audience = match (head.get("stream").and_then(Value::as_str), run_id) {
             (Some("tool"), Some(run_id)) => {
-                return match self.owners.get(&run_id) {
+                return match self.owners.get(run_id) {
                     Some(o) if o.tool_events => {
                         (Audience::Only(vec![o.client_id]), Some(o.clone()))
                     }
@@ -126,12 +118,11 @@ impl Runs {
             (Some("tool"), None) => Audience::Only(Vec::new()),
             (Some("lifecycle"), Some(run_id)) => {
                 let phase = head
-                    .data
-                    .as_ref()
+                    .get("data")
                     .and_then(|d| d.get("phase"))
                     .and_then(Value::as_str);
                 if matches!(phase, Some("end" | "error")) {
-                    self.owners.remove(&run_id);
+                    self.owners.remove(run_id);
                 }
                 Audience::All
             }
@@ -142,24 +133,19 @@ impl Runs {
 
     /// A run's ownership also ends with its terminal `chat` state, so a run
     /// whose lifecycle end the broker never sees does not linger.
-    pub fn end_on_terminal_chat(&self, payload: Option<&RawValue>) {
-        #[derive(serde::Deserialize)]
-        struct ChatHead {
-            #[serde(rename = "runId", default)]
-            run_id: Option<String>,
-            #[serde(default)]
-            state: Option<String>,
-        }
-        let Some(head) = payload.and_then(|p| serde_json::from_str::<ChatHead>(p.get()).ok())
-        else {
-            return;
-        };
-        if let (Some(run_id), Some("final" | "aborted" | "error")) =
-            (head.run_id, head.state.as_deref())
-        {
-            self.owners.remove(&run_id);
+    pub fn end_on_terminal_chat(&self, payload: Option<&Value>) {
+        let Some(head) = payload else { return };
+        let run_id = head.get("runId").and_then(Value::as_str);
+        let state = head.get("state").and_then(Value::as_str);
+        if let (Some(run_id), Some("final" | "aborted" | "error")) = (run_id, state) {
+            self.owners.remove(run_id);
         }
     }
+}
+
+/// A payload parsed, for callers that have not parsed it already.
+pub fn parsed(payload: Option<&RawValue>) -> Option<Value> {
+    payload.and_then(|p| serde_json::from_str(p.get()).ok())
 }
 
 #[cfg(test)]
@@ -187,9 +173,12 @@ mod tests {
         assert_eq!(runs.agent_audience(Some(&tool)), Audience::Only(vec![1]));
         assert!(runs.foreign_run_in(Some("agent:main:main"), 2));
         assert!(!runs.foreign_run_in(Some("agent:main:main"), 1));
-        runs.end_on_terminal_chat(Some(&raw(
-            serde_json::json!({"runId":"r1","state":"final"}),
-        )));
+        runs.end_on_terminal_chat(
+            parsed(Some(&raw(
+                serde_json::json!({"runId":"r1","state":"final"}),
+            )))
+            .as_ref(),
+        );
         assert_eq!(runs.agent_audience(Some(&tool)), Audience::Only(vec![]));
         assert!(runs.start("r2", owner(1, false)));
         runs.end_if_owned("r2", 2);

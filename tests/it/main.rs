@@ -27,6 +27,7 @@ mod dedicated_origin;
 mod device_identity;
 mod docs_links;
 mod exactly_once;
+mod frames;
 mod front_ends;
 mod handover;
 mod handshake;

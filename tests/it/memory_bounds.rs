@@ -7,6 +7,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use bytes::Bytes;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
@@ -293,4 +294,171 @@ async fn a_large_request_does_not_pin_its_read_buffer() {
         let res = c.request("health", json!({})).await;
         assert_eq!(res["ok"], true, "{res}");
     }
+}
+
+/// Ten clients each get one 16 MiB answer from the gateway (a transcript
+/// holding one 16 MiB message) and go idle: the broker's resident size
+/// comes back near where it was, instead of each client's WebSocket
+/// keeping a write buffer the size of the largest frame it carried
+/// (measured before: +192–208 MiB for ten). The answer's bytes are
+/// written from the one copy the broker read, then given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_answer_does_not_pin_a_write_buffer() {
+    const CLIENTS: usize = 10;
+    const MESSAGE_BYTES: usize = 16 << 20;
+    let _heavy = HEAVY.lock().await;
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let broker = spawn_broker(dir.path(), &socket, &gw.url(), "");
+    let pid = broker.0.id();
+    eventually("socket exists", || socket.exists()).await;
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        let mut c = WsClient::open(&socket, "/ws").await;
+        c.handshake().await;
+        clients.push(c);
+    }
+    let key = "agent:main:big";
+    let res = clients[0]
+        .request(
+            "chat.inject",
+            json!({"sessionKey": key, "message": "x".repeat(MESSAGE_BYTES)}),
+        )
+        .await;
+    assert_eq!(res["ok"], true, "{res}");
+    let idle_kib = status_kib(pid, "VmRSS");
+    for c in &mut clients {
+        let res = c.request("chat.history", json!({"sessionKey": key})).await;
+        assert_eq!(res["ok"], true);
+        let text = res["payload"]["messages"][0].to_string();
+        assert!(text.len() > MESSAGE_BYTES, "the whole message came back");
+    }
+    // What may stay: the gateway connection's read buffer (one answer's
+    // size) and what glibc keeps of freed memory at the top of a heap.
+    let bound_kib = idle_kib + 40 * 1024;
+    let deadline = std::time::Instant::now() + PATIENCE;
+    let mut after_kib = status_kib(pid, "VmRSS");
+    while after_kib >= bound_kib && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        after_kib = status_kib(pid, "VmRSS");
+    }
+    let peak_kib = status_kib(pid, "VmHWM");
+    eprintln!(
+        "{CLIENTS} clients × one 16 MiB answer: broker RSS {idle_kib} KiB before, {after_kib} KiB after (peak {peak_kib} KiB)"
+    );
+    assert!(
+        after_kib < bound_kib,
+        "{after_kib} KiB after, {idle_kib} KiB before: the answers' buffers were kept"
+    );
+    for c in &mut clients {
+        let res = c.request("health", json!({})).await;
+        assert_eq!(res["ok"], true, "{res}");
+    }
+}
+
+/// Twenty-four clients each send the first 8 MiB fragment of a message
+/// and wait: each message counts against `queue_total_bytes` (32 MiB
+/// here) from that first fragment, so the broker holds at most the budget
+/// of them and closes the others `1009` before reading their payload,
+/// instead of holding every fragment (24 × 8 MiB). The messages it read
+/// are then finished and answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fragments_count_against_the_budget_from_the_first() {
+    use futures_util::SinkExt;
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    use tokio_tungstenite::tungstenite::Message;
+    const CLIENTS: usize = 24;
+    const FRAGMENT_BYTES: usize = 8 << 20;
+    const BUDGET: usize = 32 << 20;
+    let _heavy = HEAVY.lock().await;
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let broker = spawn_broker(
+        dir.path(),
+        &socket,
+        &gw.url(),
+        &format!(
+            "queue_total_bytes = {BUDGET}\nqueue_hard_bytes = {BUDGET}\nqueue_soft_bytes = {}\nmax_frame_bytes = {}\n",
+            BUDGET / 2,
+            BUDGET / 2
+        ),
+    );
+    let pid = broker.0.id();
+    eventually("socket exists", || socket.exists()).await;
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        let mut c = WsClient::open(&socket, "/ws").await;
+        c.handshake().await;
+        clients.push(c);
+    }
+    let idle_kib = status_kib(pid, "VmRSS");
+    let first = Bytes::from(format!(
+        r#"{{"type":"req","id":"big","method":"health","params":{{"pad":"{}"#,
+        "x".repeat(FRAGMENT_BYTES)
+    ));
+    let (go, _) = tokio::sync::broadcast::channel::<()>(1);
+    let (sent_tx, mut sent_rx) = tokio::sync::mpsc::channel(CLIENTS);
+    let tasks: Vec<_> = clients
+        .into_iter()
+        .map(|mut c| {
+            let first = first.clone();
+            let mut go = go.subscribe();
+            let sent = sent_tx.clone();
+            tokio::spawn(async move {
+                let fragment = Frame::message(first, OpCode::Data(Data::Text), false);
+                let _ = c.ws_mut().send(Message::Frame(fragment)).await;
+                let _ = sent.send(()).await;
+                let _ = go.recv().await;
+                let last = Frame::message(&br#""}}"#[..], OpCode::Data(Data::Continue), true);
+                let _ = c.ws_mut().send(Message::Frame(last)).await;
+                loop {
+                    match tokio::time::timeout(PATIENCE, c.recv()).await {
+                        Err(_) => panic!("neither answered nor closed"),
+                        Ok(Got::Close(code, _)) => return Err(code),
+                        Ok(Got::Eof) => return Err(0),
+                        Ok(Got::Json(v)) if v["id"] == "big" => return Ok(v["ok"] == true),
+                        Ok(Got::Json(_)) => {}
+                    }
+                }
+            })
+        })
+        .collect();
+    // Every first fragment written (taken, or refused with the socket).
+    for _ in 0..CLIENTS {
+        tokio::time::timeout(Duration::from_secs(30), sent_rx.recv())
+            .await
+            .expect("each client's first fragment is taken or refused");
+    }
+    let held_kib = status_kib(pid, "VmRSS");
+    go.send(()).unwrap();
+    let mut answered = 0;
+    let mut refused = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(ok) => {
+                assert!(ok, "an answered message is answered ok");
+                answered += 1;
+            }
+            Err(code) => {
+                assert!(code == 1009 || code == 0, "closed {code}");
+                refused += 1;
+            }
+        }
+    }
+    eprintln!(
+        "{CLIENTS} clients × an unfinished 8 MiB fragment, budget 32 MiB: broker RSS {idle_kib} KiB before, {held_kib} KiB holding them; {answered} answered, {refused} refused"
+    );
+    assert!(answered >= 1, "a message within the budget is read");
+    assert!(
+        answered * FRAGMENT_BYTES <= BUDGET,
+        "{answered} messages of 8 MiB held against a 32 MiB budget"
+    );
+    let bound_kib = idle_kib + (BUDGET as u64 + (40 << 20)) / 1024;
+    assert!(
+        held_kib < bound_kib,
+        "{held_kib} KiB holding the fragments, {idle_kib} KiB before"
+    );
 }

@@ -38,6 +38,9 @@ pub async fn resume(
     let pause = io.pause();
     let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
     let mut conn = Conn::new(ws, Arc::clone(&client), pause);
+    conn.ws
+        .get_mut()
+        .charge_messages_to(Arc::clone(client.budget()));
     tracing::debug!(client_id = client.id, "local client taken over");
     let serving = ctx.handoff.serving();
     // The gateway session is taken over (or opened again) right after the
@@ -88,14 +91,14 @@ pub const HANDOVER_PAUSE_TIMEOUT: std::time::Duration = std::time::Duration::fro
 /// left for the handover. On failure the connection is given back to be
 /// closed as at any stop.
 pub(super) async fn hand_over<T>(
-    mut conn: Conn<Limited<T>>,
+    mut conn: Conn<T>,
     registration: Registration,
     fd: std::os::fd::RawFd,
     restarts: Restarts,
     ctx: &Arc<Ctx>,
-) -> Result<(), (Conn<Limited<T>>, Registration)>
+) -> Result<(), (Conn<T>, Registration)>
 where
-    Limited<T>: AsyncRead + AsyncWrite + Unpin,
+    T: AsyncRead + AsyncWrite + Unpin,
 {
     let pause = conn.pause.clone();
     pause.request();
@@ -103,10 +106,10 @@ where
     let stopped = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
         loop {
             let read = std::future::poll_fn(|cx| {
-                if let Poll::Ready(end) = conn.writer.poll_drive(cx, &conn.client) {
+                if let Poll::Ready(end) = conn.writer.poll_drive(cx, &mut conn.ws, &conn.client) {
                     return Poll::Ready(Err(end));
                 }
-                match poll_incoming(&mut conn.stream, cx) {
+                match poll_incoming(&mut conn.ws, cx) {
                     Poll::Ready(i) => Poll::Ready(Ok(Some(i))),
                     Poll::Pending if pause.at_boundary() => Poll::Ready(Ok(None)),
                     Poll::Pending => Poll::Pending,
@@ -120,7 +123,11 @@ where
                 Ok(Some(_)) | Err(_) => return false,
             }
         }
-        std::future::poll_fn(|cx| conn.writer.poll_batch_written(cx, &conn.client)).await
+        std::future::poll_fn(|cx| {
+            conn.writer
+                .poll_batch_written(cx, &mut conn.ws, &conn.client)
+        })
+        .await
     })
     .await;
     if stopped != Ok(true) {
@@ -141,10 +148,7 @@ where
     let Ok(copy) = rustix::io::fcntl_dupfd_cloexec(borrowed, 3) else {
         return Err((conn, registration));
     };
-    let Conn { stream, writer, .. } = conn;
-    let Ok(mut ws) = stream.reunite(writer.sink) else {
-        unreachable!("the two halves of one socket");
-    };
+    let Conn { mut ws, .. } = conn;
     let unread = ws.get_mut().take_unread();
     ctx.handoff.leave(crate::context::Parcel {
         registration,

@@ -2,6 +2,8 @@
 //! `hello-ok`, request forwarding, and the writing of its queue, all on the
 //! client's one task.
 
+#[doc(hidden)]
+pub mod frames;
 mod handover;
 mod writer;
 
@@ -15,7 +17,6 @@ use std::time::Instant;
 use bytes::Bytes;
 use std::task::{ready, Context, Poll};
 
-use futures_util::stream::SplitStream;
 use futures_util::StreamExt;
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
@@ -78,9 +79,12 @@ enum Step {
 /// wakes the task that last wrote a socket whenever it turns readable, so
 /// a second, writing task would make every request wake two tasks, and
 /// the runtime its other worker for the second.)
-struct Conn<S = Limited<TokioIo<Upgraded>>> {
-    stream: SplitStream<WebSocketStream<S>>,
-    writer: Writer<S>,
+struct Conn<T = TokioIo<Upgraded>> {
+    /// Read through tungstenite; written by [`Writer`] beside it. Boxed:
+    /// the client's task moves its connection between futures (serving,
+    /// a handover, the last steps), and each would hold it whole.
+    ws: Box<WebSocketStream<Limited<T>>>,
+    writer: Writer,
     client: Arc<Client>,
     /// Gives a large request's read buffer back once it is handled.
     release: ReleaseReadBuffer,
@@ -88,12 +92,14 @@ struct Conn<S = Limited<TokioIo<Upgraded>>> {
     pause: Pause,
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
-    fn new(ws: WebSocketStream<S>, client: Arc<Client>, pause: Pause) -> Self {
-        let (sink, stream) = ws.split();
+impl<T> Conn<T>
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    fn new(ws: WebSocketStream<Limited<T>>, client: Arc<Client>, pause: Pause) -> Self {
         Conn {
-            stream,
-            writer: Writer::new(sink),
+            ws: Box::new(ws),
+            writer: Writer::new(),
             client,
             release: ReleaseReadBuffer::default(),
             pause,
@@ -102,11 +108,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
 
     /// The next frame from the client, writing what its queue holds meanwhile.
     async fn next(&mut self) -> Step {
+        // The message read last (if any) has been handled.
+        self.ws.get_mut().message_handled();
         std::future::poll_fn(|cx| {
-            if self.writer.poll_drive(cx, &self.client).is_ready() {
+            if self
+                .writer
+                .poll_drive(cx, &mut self.ws, &self.client)
+                .is_ready()
+            {
                 return Poll::Ready(Step::WriterEnded);
             }
-            let polled = poll_incoming(&mut self.stream, cx);
+            let polled = poll_incoming(&mut self.ws, cx);
             let payload = match &polled {
                 Poll::Ready(Incoming::Text(t)) => Some(Bytes::from(t.clone())),
                 _ => None,
@@ -119,12 +131,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
 
     /// Writes what is queued (a close frame last) until the writer ends.
     async fn finish_writing(&mut self) {
-        std::future::poll_fn(|cx| self.writer.poll_drive(cx, &self.client)).await;
+        std::future::poll_fn(|cx| self.writer.poll_drive(cx, &mut self.ws, &self.client)).await;
     }
 }
 
 fn poll_incoming<S: AsyncRead + AsyncWrite + Unpin>(
-    stream: &mut SplitStream<WebSocketStream<S>>,
+    stream: &mut WebSocketStream<S>,
     cx: &mut Context<'_>,
 ) -> Poll<Incoming> {
     loop {
@@ -255,6 +267,9 @@ pub async fn run(
     };
     if admitted {
         budget.lift();
+        conn.ws
+            .get_mut()
+            .charge_messages_to(Arc::clone(client.budget()));
         tracing::info!(client_id, conn_id = %client.conn_id, "local client connected");
         // Counted until the client has left for the next instance (or is
         // being closed): a handover waits for every one.
@@ -280,7 +295,10 @@ pub async fn run(
 
 /// A client's last steps: answer a peer's close, release what it held,
 /// deliver what is queued (bounded), then the socket is closed.
-async fn finish<S: AsyncRead + AsyncWrite + Unpin>(mut conn: Conn<S>, registration: Registration) {
+async fn finish<T>(mut conn: Conn<T>, registration: Registration)
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
     let client = Arc::clone(&conn.client);
     let client_id = client.id;
     // Answer a peer's close (tungstenite only writes the reply on the next
@@ -295,7 +313,7 @@ async fn finish<S: AsyncRead + AsyncWrite + Unpin>(mut conn: Conn<S>, registrati
         let _ = tokio::time::timeout(CLOSE_LINGER, conn.finish_writing()).await;
     }
     if conn.writer.ended == Some(WriterEnd::Killed) {
-        conn.writer.send_slow_consumer_close().await;
+        conn.writer.send_slow_consumer_close(&mut conn.ws).await;
     }
     tracing::info!(client_id, "local client disconnected");
 }
@@ -505,12 +523,15 @@ enum Served {
 
 /// Serves requests after the handshake until the client leaves, the broker
 /// stops or hands over, or the writer ends (slow consumer, write error).
-async fn serve_requests<S: AsyncRead + AsyncWrite + Unpin>(
-    conn: &mut Conn<S>,
+async fn serve_requests<T>(
+    conn: &mut Conn<T>,
     registration: &Registration,
     ctx: &Arc<Ctx>,
     restarts: Restarts,
-) -> Served {
+) -> Served
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
     let limits = &ctx.settings.limits;
     let member: &Arc<Member> = registration.member();
     let mut upstream = ctx.upstream().subscribe();
@@ -631,11 +652,12 @@ fn truncate_reason(reason: &str) -> &str {
 /// Measured by `cargo bench --bench clawmux` (BENCHMARKS.md).
 pub(super) const LOCAL_READ_BUFFER_BYTES: usize = 2 * 1024;
 
-/// Bytes a client's WebSocket buffers before writing to the socket (the
-/// library's default is 128 KiB). A client that does not read holds this
-/// much of serialized copies outside the queue budget until it is closed
-/// (issue 24: 980 such clients held ~160 MiB beyond `queue_total_bytes`);
-/// a writer still flushes once per batch.
+/// Bytes tungstenite buffers before writing to the socket (the library's
+/// default is 128 KiB). It writes only pongs and close frames here (the
+/// writer frames events and responses itself, from the shared bytes), so
+/// its buffer never holds a copy of what the queues count; kept small in
+/// case that changes (a client that did not read once held this much of
+/// serialized copies outside the queue budget).
 pub(super) const LOCAL_WRITE_BUFFER_BYTES: usize = 16 * 1024;
 
 /// The WebSocket settings of a local client's connection.
@@ -663,7 +685,10 @@ mod tests {
     async fn a_request_waits_for_one_batch_not_the_whole_backlog() {
         // Room for everything: the writer is never held up by the socket.
         let (ours, theirs) = tokio::io::duplex(64 << 20);
-        let ws = WebSocketStream::from_raw_socket(ours, Role::Server, None).await;
+        let budget = PreconnectBudget::new(0);
+        budget.lift();
+        let ws =
+            WebSocketStream::from_raw_socket(Limited::new(ours, budget), Role::Server, None).await;
         let mut peer = WebSocketStream::from_raw_socket(theirs, Role::Client, None).await;
         let client = Arc::new(Client::new(
             1,
