@@ -253,7 +253,7 @@ mod tests {
         assert_eq!(out.finish(), "x{method=\"a\\\"b\\\\c\\nd\"} 1\n");
     }
 
-    /// Issue 24: a request whose method was a session key put the key in a
+    /// Before: a request whose method was a session key put the key in a
     /// label of `/metrics`, which every socket may read.
     #[test]
     fn only_gateway_method_names_become_labels() {

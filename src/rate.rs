@@ -1,6 +1,6 @@
 //! Token buckets: per client for incoming frames (design §5: per-client caps
 //! on frame rate), and [`OpenLimiter`], per peer plus in total, for the
-//! gateway connections local clients cause the broker to open (issue 24:
+//! gateway connections local clients cause the broker to open (before:
 //! one client opening and closing `/ws/dedicated` made 41.6 upstream
 //! connections per second). Hand-written: a dozen lines each, and the crates
 //! for this (governor) bring clocks and generics these counters do not need.

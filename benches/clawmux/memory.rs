@@ -298,7 +298,7 @@ fn rate_between(samples: &[(Duration, u64)], from: Duration) -> Option<f64> {
     (span >= Duration::from_millis(500)).then(|| (n1 - n0) as f64 / span.as_secs_f64())
 }
 
-/// Issue 24's memory scenario: many clients, almost all of them never
+/// The memory scenario: many clients, almost all of them never
 /// reading, and many small events. Before the queues' slots counted against
 /// `queue_total_bytes`, 980 stalled clients × 50,000 events of 1 KiB held
 /// 1,176 MiB against a 256 MiB budget.

@@ -408,7 +408,7 @@ impl Report {
                     broker.phase.per_second() >= 50_000.0,
                 );
                 self.target(
-                    &format!("broker / direct round trips/s, {clients} (issue 27)"),
+                    &format!("broker / direct round trips/s, {clients}"),
                     "≥ 0.8",
                     format!("{rt_ratio:.2}"),
                     rt_ratio >= 0.8,
@@ -421,7 +421,7 @@ impl Report {
                 );
             }
             self.target(
-                &format!("broker CPU per request / bare relay's, {clients} (issue 27)"),
+                &format!("broker CPU per request / bare relay's, {clients}"),
                 "≤ 1.2×",
                 format!("{cpu_ratio:.2}×"),
                 cpu_ratio <= 1.2,
@@ -524,7 +524,7 @@ impl Report {
         Ok(())
     }
 
-    /// Issue 24's scenario: peak RSS against the queue budget.
+    /// The many-clients scenario: peak RSS against the queue budget.
     pub fn many_stalled(&mut self, m: &crate::memory::ManyStalled) {
         println!(
             "\n### {} clients, {} never reading, {} events of {} B\n",
@@ -571,7 +571,7 @@ impl Report {
 
     pub fn print_targets(&self) {
         if !self.targets.is_empty() {
-            println!("\n## Targets (design §10, issue 27)\n");
+            println!("\n## Targets (design §10)\n");
             println!("| target | budget | measured | |");
             println!("|---|---|---:|---|");
             for (what, budget, measured, met) in &self.targets {

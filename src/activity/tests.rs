@@ -1070,7 +1070,7 @@ fn tree_lines_of_interleaved_runs_say_which_run_they_belong_to() {
 /// same HUD events as the full one for every kind of run (parallel tool
 /// calls, thinking, an aborted run with an interrupted call, events after
 /// the end, the real gateway's recorded run), while keeping of an ended
-/// run neither its output nor its items (issue 30: 150 `/v1/hud` streams
+/// run neither its output nor its items (before: 150 `/v1/hud` streams
 /// each kept every ended run's output, ~47 MiB over the queue budget).
 #[test]
 fn the_feed_projection_produces_the_same_changes_and_keeps_no_ended_detail() {

@@ -1,4 +1,4 @@
-//! Handing the broker over to its next instance (design §11, issue 34), so
+//! Handing the broker over to its next instance (design §11), so
 //! a restart or an upgrade keeps its sockets: nothing that connects in
 //! between is refused, and a new binary that cannot start leaves the old
 //! one serving.

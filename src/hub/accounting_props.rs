@@ -239,7 +239,7 @@ impl World {
         if acted {
             let held = self.held_bytes();
             // The shedder closes only backlogs over the client's soft limit
-            // or its fair share of the budget (issue 30: a client keeping
+            // or its fair share of the budget (before: a client keeping
             // up is never closed for bytes held elsewhere): what may remain
             // over the budget is within every client's fair share.
             let fair_share = budget.limit() / self.peers.len().max(1);

@@ -24,7 +24,7 @@ pub use self::protocol::{Pushed, Stall, MAX_BATCH_BYTES, SLOW_CONSUMER_CLOSE};
 /// What one queued entry costs a client's queue, besides the bytes it
 /// points at: the [`Outgoing`] slot in the queue's ring buffer. A client
 /// that does not read holds one per event, so with many such clients and
-/// small events the slots outweigh the events (issue 24: 980 stalled
+/// small events the slots outweigh the events (before: 980 stalled
 /// clients × 50,000 events of 1 KiB was 1.2 GiB of slots and ring-buffer
 /// slack against a 256 MiB budget that counted only the shared events).
 pub const ENTRY_BYTES: usize = std::mem::size_of::<Outgoing>();

@@ -203,7 +203,7 @@ impl Hub {
     /// Watches a queue that gets no events but counts in the budget (a HUD
     /// stream's request tap): the budget's shedder and the stall sweep judge
     /// it like a client's, so a stream that does not read cannot hold
-    /// counted bytes they cannot reach (issue 30). Until [`Hub::remove`].
+    /// counted bytes they cannot reach. Until [`Hub::remove`].
     pub fn watch(&self, client: &Arc<Client>) {
         self.lock().watched.insert(client.id, Arc::clone(client));
     }
@@ -331,7 +331,7 @@ impl Hub {
     /// bytes are back under the budget. Only a backlog over the client's
     /// soft limit or over its fair share of the budget (the budget divided
     /// among the clients) is closed: a client within both is keeping up and
-    /// is not what put the broker over (issue 30: when the excess was held
+    /// is not what put the broker over (before: when the excess was held
     /// outside the queues, the shedder went on to close reading clients
     /// with a 106-byte backlog). What remains over is held by writers
     /// mid-write or by streams being cut, which the stall sweep and the
@@ -662,7 +662,7 @@ mod tests {
 
     /// Bytes held outside the queues (here a writer's batch mid-write) keep
     /// the budget over after the one large backlog is closed: the clients
-    /// that keep up, each with one small event queued, stay open (issue 30:
+    /// that keep up, each with one small event queued, stay open (before:
     /// reading clients with a 106-byte backlog were closed).
     #[tokio::test]
     async fn the_budget_never_closes_a_client_that_keeps_up() {
@@ -751,7 +751,7 @@ mod tests {
 
     /// With many clients that do not read and small events, the queues'
     /// slots outweigh the shared events: they count, so the budget closes
-    /// backlogs instead of letting slots grow with every event (issue 24:
+    /// backlogs instead of letting slots grow with every event (before:
     /// 980 stalled clients × 50,000 events of 1 KiB reached 1.2 GiB of RSS
     /// against a 256 MiB budget that counted only the shared events).
     #[tokio::test]

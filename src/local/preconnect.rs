@@ -182,7 +182,7 @@ impl<T> Limited<T> {
 // payload in its read buffer as soon as it has the header, reads the
 // payload into it, and splits the payload off the front; the rest of that
 // allocation stays its read buffer, so one 25 MiB request kept 25 MiB for
-// the life of the connection (issue 30: 80 clients pinned 2,003 MiB). It
+// the life of the connection (before: 80 clients pinned 2,003 MiB). It
 // offers no way to shrink the buffer (0.28, and 0.29 alike). But
 // `BytesMut`, when it must grow while the allocation is shared, moves to a
 // fresh one of its original (idle) size and lets go of the old one. So: a
@@ -441,7 +441,7 @@ mod tests {
 
     /// After a large frame, the parser's read buffer no longer shares the
     /// frame's allocation once it has been polled again: when the frame is
-    /// dropped, its memory is freed (issue 30: the buffer kept it for the
+    /// dropped, its memory is freed (before: the buffer kept it for the
     /// connection's life). A small request before and after still reads.
     #[tokio::test]
     async fn a_large_frame_leaves_no_share_of_its_buffer_behind() {

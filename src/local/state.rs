@@ -35,9 +35,9 @@ pub fn document(ctx: &Ctx) -> Value {
 /// (`[[sockets]]`, maybe another user's) it lists only the clients of that
 /// socket and the subscriptions they hold, its own policy without the uid
 /// and gid lists, the main socket's path not at all, and the dedicated
-/// connections as a count (issue 24: every socket saw every client's peer
+/// connections as a count (before: every socket saw every client's peer
 /// pid, identity, scopes and connection id, every policy's users, and the
-/// dedicated clients' blocks; issue 30: the session keys other sockets'
+/// dedicated clients' blocks; before, the session keys other sockets'
 /// clients subscribed to, and the scope sets of other sockets' clients'
 /// narrower sessions).
 pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {

@@ -4,7 +4,7 @@
 //! hyper asks a body for its next chunk whenever its own write buffer holds
 //! less than ~400 KiB (and fewer than 16 pieces), so it took up to ~650 KB
 //! of a stream whose reader does not read: outside every queue, and so
-//! outside `queue_total_bytes` (issue 30: 900 such `/v1/events` readers
+//! outside `queue_total_bytes` (before: 900 such `/v1/events` readers
 //! peaked at 890 MiB). Here a chunk handed to hyper is counted in the queue
 //! budget until hyper has written it (it drops the chunk then), and the
 //! stream is asked for its next chunk only while hyper holds less than

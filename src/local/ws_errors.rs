@@ -1,6 +1,6 @@
 //! What a WebSocket read error means for a route: one classification for
 //! `/ws` and `/ws/dedicated` (and the dedicated relay's gateway side), so
-//! the two routes cannot drift apart again (issue 32). It matches on error
+//! the two routes cannot drift apart again . It matches on error
 //! variants, never on an error's text.
 
 use std::io;

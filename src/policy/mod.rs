@@ -45,7 +45,7 @@ pub struct SocketPolicy {
     /// requests and answers) and every client's tool-stream events
     /// (`tool_events=all`), and the HUD. On for the main socket; off unless
     /// set (`observe = true`) on every `[[sockets]]` entry — never derived
-    /// from `operator.admin` (issue 24: a socket with only `allow_methods`
+    /// from `operator.admin` (before: a socket with only `allow_methods`
     /// granted admin, and so the tap, to another user).
     pub observe: bool,
 }

@@ -113,7 +113,7 @@ pub(crate) type PeerCertificate = Arc<std::sync::Mutex<Option<tls::CertificateIn
 /// reading as fast as clients send, and waiting would stall every client.
 pub const UPSTREAM_QUEUE_FRAMES: usize = 1024;
 
-/// Bytes of requests queued for one gateway session at most (issue 30: a
+/// Bytes of requests queued for one gateway session at most (before: a
 /// count alone let 250 requests of 8 MiB hold 1,658 MiB while the gateway
 /// did not read). A request that does not fit is answered
 /// `studio.too_many_requests` (retryable); one request of any size (up to

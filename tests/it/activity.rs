@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 
 /// The tool-stream events on an SSE stream until the run's lifecycle end;
 /// each is logged (an `id:`, the frame's `seq` the same cursor), so a
-/// reader resumes after it (issue 31).
+/// reader resumes after it .
 async fn tool_events_until_end(sse: &mut crate::http_api::Sse) -> Vec<Value> {
     let mut tools = Vec::new();
     loop {

@@ -227,7 +227,7 @@ async fn connections_once_ready(gw: &MockGateway) -> usize {
     gw.total_connections()
 }
 
-/// Issue 24: opening and closing `/ws/dedicated` without a `connect` made
+/// Before: opening and closing `/ws/dedicated` without a `connect` made
 /// an upstream connection each time (41.6 per second) and counted nothing.
 /// Now the gateway connection waits for the client's `connect` (or for
 /// the client to wait for the challenge): a client that leaves at once

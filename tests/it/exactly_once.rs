@@ -1,4 +1,4 @@
-//! Exactly once (issue 30): a request is either written to a gateway
+//! Exactly once : a request is either written to a gateway
 //! socket or answered as failed, never both. Before the fix, a request
 //! queued for a narrower session that was still connecting was answered
 //! `studio.upstream_closed` when that attempt failed, yet stayed queued and

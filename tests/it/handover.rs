@@ -1,4 +1,4 @@
-//! Handing the broker over to its next instance (issue 34, docs/src/restarts.md):
+//! Handing the broker over to its next instance (docs/src/restarts.md):
 //! by `SIGUSR2` (the real binary starts the binary at its own path) and
 //! through a stand-in for systemd's file descriptor store that follows its
 //! documented protocol (`FDSTORE=1`/`FDNAME=` on the notify socket, the next

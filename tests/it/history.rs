@@ -1,4 +1,4 @@
-//! Continuity (issue 31): one durable history of everything a client could
+//! Continuity : one durable history of everything a client could
 //! have seen live, each event with its audience, read back through the
 //! same filter live delivery uses; `/v1/events` carries targeted events
 //! with `id:` cursors and filters by session and agent.
@@ -289,7 +289,7 @@ async fn start_run(h: &Harness) -> (WsClient, String) {
     (c, key)
 }
 
-/// Issue 31: `/v1/hud?history=1` equals the live feed field by field
+/// Before: `/v1/hud?history=1` equals the live feed field by field
 /// (except `id` and `replay: true`), tool arguments and results included;
 /// and a reader that drops right after `turn_start` and resumes with the
 /// bare `id:` it got (as `after_seq=` and as `Last-Event-ID`) gets the rest
@@ -425,7 +425,7 @@ async fn a_run_across_a_broker_restart_has_one_turn_start_and_one_turn_end() {
     assert_eq!(turns, ["turn_start", "turn_end"], "{got:#?}");
 }
 
-/// Issue 31 item 3: `/v1/state` includes the runs in flight (open tool
+/// `/v1/state` includes the runs in flight (open tool
 /// calls and thinking) at its `newest_seq`, so state then `after_seq` is
 /// complete: the stream after it ends exactly those calls and the run. A
 /// socket without observer powers gets none.

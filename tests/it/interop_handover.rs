@@ -1,4 +1,4 @@
-//! A handover against a REAL OpenClaw Gateway (issue 34): the real binary,
+//! A handover against a REAL OpenClaw Gateway : the real binary,
 //! upgraded twice by `SIGUSR2` with a client connected. The client stays
 //! connected, keeps its `connId`, and its requests are answered by the real
 //! gateway through each new instance, on the one gateway connection the

@@ -1,4 +1,4 @@
-//! Continuity of the HUD feed against a REAL OpenClaw Gateway (issue 31):
+//! Continuity of the HUD feed against a REAL OpenClaw Gateway :
 //! one real model run that calls `exec` (exiting 3) and then `read`, through
 //! the mock provider `clawmux_mock::provider` on loopback, watched on
 //! `/v1/hud` live. `/v1/hud?history=1` must equal the live feed field by

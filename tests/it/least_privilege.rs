@@ -400,7 +400,7 @@ async fn a_socket_for_another_uid_admits_only_that_uid() {
 }
 
 /// A further socket limited only by methods (no `scopes`): its clients
-/// hold `operator.admin` within the session, as issue 24 found.
+/// hold `operator.admin` within the session.
 fn methods_only_socket(path: &std::path::Path, observe: bool) -> SocketPolicy {
     SocketPolicy {
         name: "methods-only".into(),
@@ -417,7 +417,7 @@ fn methods_only_socket(path: &std::path::Path, observe: bool) -> SocketPolicy {
     }
 }
 
-/// Issue 24: a `[[sockets]]` entry with only `allow_methods` granted admin,
+/// Before: a `[[sockets]]` entry with only `allow_methods` granted admin,
 /// and so the request tap (every client's requests and answers) and every
 /// client's tool events. Observer powers now need `observe = true` on the
 /// socket; the main socket keeps them.
@@ -461,7 +461,7 @@ async fn a_socket_with_observe_on_may_tap() {
     }
 }
 
-/// Issue 24: `/v1/state` answered every socket with every client's peer
+/// Before: `/v1/state` answered every socket with every client's peer
 /// pid, declared identity, scopes and connection id, and every policy
 /// socket's uid and gid lists. On a further socket it now shows that
 /// socket's own clients only, and its own policy without the user lists.
@@ -508,7 +508,7 @@ async fn state_on_a_further_socket_shows_only_its_own_clients() {
     assert!(full.contains("65534"), "{full}");
 }
 
-/// Issue 30: `/v1/state` on a further socket listed the session keys
+/// Before: `/v1/state` on a further socket listed the session keys
 /// clients of other sockets had subscribed to (`subscriptions.messages`).
 /// Each socket now sees the subscriptions of its own clients only; the
 /// main socket sees all.
@@ -557,7 +557,7 @@ async fn state_on_a_further_socket_counts_only_its_own_clients_subscriptions() {
     );
 }
 
-/// Issue 30: `/v1/state` on a further socket listed every narrower session,
+/// Before: `/v1/state` on a further socket listed every narrower session,
 /// and with it the scope set each other socket's clients hold. Each socket
 /// now sees the narrower sessions of its own clients' grants only; the
 /// main socket sees all.

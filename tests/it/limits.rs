@@ -219,7 +219,7 @@ async fn a_low_open_file_limit_refuses_cleanly_and_keeps_serving() {
 /// Something else ate the descriptors (here: 40 inherited from the shell),
 /// so `accept` itself fails with EMFILE: waiting clients still get an
 /// answer (503 through the spare descriptor, read even by a client that
-/// writes its request late: issue 30 saw only broken pipes under load) instead of
+/// writes its request late: before, clients saw only broken pipes under load) instead of
 /// hanging in the backlog, the log is not flooded, and the broker serves
 /// again once descriptors are free.
 #[tokio::test]

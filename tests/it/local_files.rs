@@ -194,7 +194,7 @@ async fn record_out_onto_an_existing_readable_file_leaves_it_private() {
 
 /// `record -o` never writes through a symbolic link: one to an existing
 /// file leaves the file (its contents and mode) as it was, a dangling one
-/// creates nothing; both are refused as a usage error (issue 30).
+/// creates nothing; both are refused as a usage error .
 #[tokio::test]
 async fn record_out_onto_a_symbolic_link_is_refused() {
     use std::os::unix::fs::PermissionsExt;

@@ -282,7 +282,7 @@ async fn an_outage_logs_state_changes_not_every_attempt() {
 /// A gateway's `server_version` (logged when the session is ready) carrying
 /// SGR sequences that would hide (`ESC[8m`) or black out the rest of the
 /// line reaches the log escaped: only the formatter's own styles are raw,
-/// and with the log not on a terminal there are none (issue 30).
+/// and with the log not on a terminal there are none .
 #[tokio::test]
 async fn a_gateways_colours_do_not_reach_the_log() {
     let gw = MockGateway::start(MockConfig {

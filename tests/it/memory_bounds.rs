@@ -143,7 +143,7 @@ async fn flow_of(
 /// only the largest backlogs, so the peak stays near idle plus the budget
 /// and the WebSocket client that reads is never cut off; what each stream
 /// keeps besides its queue (its projection, the chunk it parses) is small
-/// or counted. Before (issue 30): peaks of 671 MiB in 2 of 11 runs, and a
+/// or counted. Before : peaks of 671 MiB in 2 of 11 runs, and a
 /// reading client closed with a 106-byte backlog in 4 of 9; then +47 MiB
 /// (each stream's projection kept every ended run's output). Measured
 /// after: +7.6 MiB. Slow in a debug build (~7 min: 150 streams each parse
@@ -195,7 +195,7 @@ async fn hud_streams_that_never_read_stay_within_the_queue_budget() {
 /// (to them and to one WebSocket client that reads): what each stream
 /// holds outside its queue counts in `queue_total_bytes` (16 MiB here) and
 /// is bounded, so the broker's peak stays near idle plus the budget, and
-/// the reader is never cut off. Before (issue 30), hyper held ~650 KB of
+/// the reader is never cut off. Before , hyper held ~650 KB of
 /// each stream outside the budget.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_streams_that_never_read_stay_within_the_queue_budget() {
@@ -234,7 +234,7 @@ async fn event_streams_that_never_read_stay_within_the_queue_budget() {
 /// Ten clients each send one 16 MiB request, get its answer and go idle:
 /// the broker's resident size comes back near where it was before, instead
 /// of keeping each client's read buffer at 16 MiB for the life of its
-/// connection (issue 30: 10 × 16 MiB pinned 368 MiB, 80 × 25 MiB 2,003 MiB).
+/// connection (before: 10 × 16 MiB pinned 368 MiB, 80 × 25 MiB 2,003 MiB).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_request_does_not_pin_its_read_buffer() {
     const CLIENTS: usize = 10;

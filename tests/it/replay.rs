@@ -455,7 +455,7 @@ async fn without_persistence_cursors_still_never_repeat() {
     assert!(!files.iter().any(|f| f.starts_with("replay-")), "{files:?}");
 }
 
-/// Issue 31: cursors only grow across every kind of broker life. A life
+/// Before: cursors only grow across every kind of broker life. A life
 /// with persistence, one without, then one with again: the third does not
 /// continue below the second (its cursors went backwards before).
 #[tokio::test]
@@ -475,7 +475,7 @@ async fn cursors_only_grow_across_lives_with_and_without_persistence() {
     assert!(third < 1 << 53);
 }
 
-/// Issue 30: a FIFO in the replay log's place hung the broker in `open`
+/// Before: a FIFO in the replay log's place hung the broker in `open`
 /// at start (socket bound, nothing logged). It is refused at once, as a
 /// file that is not a regular file; the broker serves with history in memory.
 #[tokio::test]
@@ -508,7 +508,7 @@ async fn a_fifo_in_place_of_the_log_is_refused_at_once() {
     assert!(publish(&h, 1).await > 0);
 }
 
-/// Issue 30: a log whose cursors are near 2^64 or 2^53 wrapped to 1 and
+/// Before: a log whose cursors are near 2^64 or 2^53 wrapped to 1 and
 /// reused old ids, or handed out cursors above 2^53. Such records are not
 /// the log's: the broker starts a new epoch, with a gap, below 2^53, and
 /// the old cursors are answered 410.

@@ -359,7 +359,7 @@ async fn every_abort_like_method_checks_run_ownership() {
 /// A `chat.send` or `sessions.send` whose message the gateway reads as
 /// "stop" (`/stop`, "stop", "please stop", …) aborts every run in that
 /// session: the same ownership rule and error as a session-wide
-/// `chat.abort` (issue 30). `agent` reads no stop word at the gateway
+/// `chat.abort` . `agent` reads no stop word at the gateway
 /// (its message starts a run), so it is forwarded.
 #[tokio::test]
 async fn a_stop_message_to_another_clients_run_is_forbidden_unless_its_own() {

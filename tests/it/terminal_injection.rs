@@ -1,7 +1,7 @@
 //! What reaches a terminal: gateway data and local clients' strings carrying
 //! OSC 0 (window title), OSC 52 (clipboard write), C1 controls and bidi
 //! overrides are printed by `clawmux tail`, `tail --tree`, `status` and
-//! `call` only as visible, escaped text (issue 24, point 1).
+//! `call` only as visible, escaped text (point 1).
 
 use crate::http_api::until_ready;
 use crate::support::*;
@@ -238,7 +238,7 @@ fn exact_json(what: &str, line: &str) -> Value {
 
 /// Every JSON the CLI prints (`tail --json`, `tail --hud`, `status --json`,
 /// `call`, `call --json`) writes those characters as `\uXXXX`: still exact
-/// JSON with the gateway's value, nothing a terminal acts on (issue 30).
+/// JSON with the gateway's value, nothing a terminal acts on .
 #[tokio::test]
 async fn json_outputs_escape_c1_del_and_bidi_characters() {
     let cfg = clawmux_mock::MockConfig {

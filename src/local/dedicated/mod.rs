@@ -9,7 +9,7 @@
 //! - the gateway's frames (its `connect.challenge` first) reach the client
 //!   verbatim, so a device signature covers the gateway's own nonce. Unlike
 //!   Claw3D, the upstream connection is not opened with the client's
-//!   WebSocket (issue 24: opening and closing the route without a `connect`
+//!   WebSocket (before: opening and closing the route without a `connect`
 //!   made 41.6 gateway connections per second): it is opened when the
 //!   client's `connect` arrives, or — for a client that waits for the
 //!   gateway's challenge before it connects, as device-signed OpenClaw

@@ -51,7 +51,7 @@ const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 /// one larger frame) the writer takes in one turn before the client's
 /// socket is read again. A writer that drained the whole backlog before
 /// reading kept a fast reader's own requests (a `chat.abort`) waiting
-/// behind every event queued meanwhile (issue 30); after its turn the
+/// behind every event queued meanwhile ; after its turn the
 /// writer yields (its task is woken at once) so a request waits for at
 /// most one batch.
 const WRITER_TURN_BATCHES: u32 = 1;
@@ -679,7 +679,7 @@ mod tests {
 
     /// A client that reads as fast as the broker writes (a socket that
     /// never fills) and has a large backlog gets its own request read
-    /// after at most one batch, not after the whole backlog (issue 30: a
+    /// after at most one batch, not after the whole backlog (before: a
     /// `chat.abort` waited behind every event queued meanwhile).
     #[tokio::test]
     async fn a_request_waits_for_one_batch_not_the_whole_backlog() {

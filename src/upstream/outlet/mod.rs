@@ -426,7 +426,7 @@ mod tests {
         );
     }
 
-    /// The queue is bounded in bytes, counting what waits (issue 30: 250
+    /// The queue is bounded in bytes, counting what waits (before: 250
     /// requests of 8 MiB held 1,658 MiB while the gateway did not read);
     /// one request of any size fits an empty queue.
     #[tokio::test]
@@ -451,7 +451,7 @@ mod tests {
         assert_eq!(outlet.st().queued(), (0, 0), "closed bytes are given back");
     }
 
-    /// Issue 30: a request queued for a session that is still opening, whose
+    /// Before: a request queued for a session that is still opening, whose
     /// attempt then fails, is withdrawn (its client is answered "not sent")
     /// and the next attempt, with a new generation, never writes it.
     #[tokio::test]
@@ -484,7 +484,7 @@ mod tests {
         writer.abort();
     }
 
-    /// Issue 30: a socket given back after its session's end was given up
+    /// Before: a socket given back after its session's end was given up
     /// on (the 1 s wait) is not put over the next session's socket.
     #[tokio::test]
     async fn an_old_socket_is_never_put_back_over_a_newer_session() {

@@ -12,7 +12,7 @@
 //!   an open session once the writer has run.
 //! - `a_failed_attempt_never_writes_its_requests`: requests queued for an
 //!   attempt that fails are refused or withdrawn, and the next session,
-//!   which has a new generation, never writes them (issue 30's "runs twice").
+//!   which has a new generation, never writes them (the "runs twice").
 //! - `an_old_socket_is_never_put_back`: a writer giving back the socket of
 //!   an ended session never puts it over the next session's.
 
