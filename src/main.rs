@@ -332,6 +332,9 @@ async fn serve(
                         if upgrade_fault().as_deref() == Some("after-valid") {
                             // A start that fails as an error returned (its
                             // destructors run), once the state was valid.
+                            // Said before the control socket closes: the old instance ends
+                            // this process as soon as it sees it close.
+                            eprintln!("clawmux: {UPGRADE_FAULT}=after-valid: failing the start");
                             anyhow::bail!("upgrade: {UPGRADE_FAULT}=after-valid");
                         }
                         let clients = old

@@ -141,7 +141,7 @@ async fn read_with(program: &str, code: &str) {
 #[tokio::test]
 #[cfg_attr(
     not(has_tool = "python_websockets"),
-    ignore = "needs python3 with websockets (pip install websockets; .ci/doc-tools.sh installs it and CI runs this)"
+    ignore = "needs python3 with websockets: run `source .ci/doc-tools.sh` first (CI does)"
 )]
 async fn python_websockets_reads_every_frame_and_its_pong() {
     read_with("python3", PYTHON).await;
@@ -150,7 +150,7 @@ async fn python_websockets_reads_every_frame_and_its_pong() {
 #[tokio::test]
 #[cfg_attr(
     not(has_tool = "node_ws"),
-    ignore = "needs node with ws (npm install ws, NODE_PATH; .ci/doc-tools.sh installs it and CI runs this)"
+    ignore = "needs node with ws: run `source .ci/doc-tools.sh` first (CI does)"
 )]
 async fn node_ws_reads_every_frame_and_its_pong() {
     read_with("node", NODE).await;

@@ -557,7 +557,7 @@ fn node_answer() -> Value {
 #[tokio::test]
 #[cfg_attr(
     not(has_tool = "node_ws"),
-    ignore = "needs node with ws (npm install ws, NODE_PATH; .ci/doc-tools.sh installs it and CI runs this)"
+    ignore = "needs node with ws: run `source .ci/doc-tools.sh` first (CI does)"
 )]
 async fn node_ws_with_the_localhost_url_form_gets_hello_ok_on_both_routes() {
     let h = start().await;
