@@ -293,7 +293,12 @@ impl Follower {
             i += n.taken;
             match n.data {
                 Some((payload, true)) => self.message_bytes = payload,
-                Some((payload, false)) => self.message_bytes += payload,
+                // A frame header may declare up to 2^63 bytes: the sum of a
+                // hostile message's fragments saturates (and is refused by
+                // any budget) rather than wrapping.
+                Some((payload, false)) => {
+                    self.message_bytes = self.message_bytes.saturating_add(payload)
+                }
                 None => {}
             }
             if n.stop && self.split_large {
@@ -421,6 +426,28 @@ mod tests {
     /// Unmasked (server) frames are followed too: a follower that does not
     /// split large frames, paused inside a message, hands over the rest of
     /// that message and keeps the next one, large or not.
+    /// Fragments whose headers declare 2^63 − 1 bytes each: the message's
+    /// count saturates instead of overflowing (found by the `boundary`
+    /// fuzz target).
+    #[test]
+    fn fragments_declaring_huge_lengths_saturate_the_message_count() {
+        let huge = |first: u8| {
+            let mut f = vec![first, 127];
+            f.extend_from_slice(&(u64::MAX >> 1).to_be_bytes());
+            f
+        };
+        let mut follower = Follower::new(Vec::new(), false);
+        // A text frame without FIN, then (as if its payload had passed) a
+        // continuation: each header alone, as the follower sees them.
+        follower.advance(&huge(0x01));
+        let mut other = Follower::new(Vec::new(), false);
+        other.message_bytes = u64::MAX - 1;
+        other.in_message = true;
+        other.advance(&huge(0x00));
+        assert_eq!(other.message_bytes(), u64::MAX);
+        assert!(follower.message_bytes() >= u64::MAX >> 1);
+    }
+
     #[test]
     fn an_unmasked_stream_pauses_at_the_end_of_a_message() {
         let frame = |payload: &[u8]| {
