@@ -12,10 +12,10 @@ use crate::config::Settings;
 use crate::dedicated_registry::Dedicated;
 use crate::dispatch::Dispatcher;
 use crate::hub::Hub;
-pub use crate::local::slots::SocketSlots;
 use crate::router::Router;
 use crate::sessions::Sessions;
 use crate::sharing::Sharing;
+pub use crate::slots::SocketSlots;
 use crate::upstream::Upstream;
 
 /// Local WebSocket clients that may be in their handshake (before `hello-ok`)
@@ -228,7 +228,7 @@ pub struct Ctx {
     pub dispatcher: Arc<Dispatcher>,
     /// Local WebSocket clients still before their `connect` is answered,
     /// [`MAX_HANDSHAKES`] shared out between the sockets
-    /// ([`crate::local::slots`]); a client over its socket's share is
+    /// ([`crate::slots`]); a client over its socket's share is
     /// closed `1013` at once.
     pub handshakes: SocketSlots,
     /// The open `/ws/dedicated` connections and their cap.
@@ -243,7 +243,7 @@ pub struct Ctx {
     pub tracker: TaskTracker,
     /// The cap on open connections (`max_connections`, within the
     /// open-file limit), shared out between the sockets
-    /// ([`crate::local::slots`]): held by every connection the accept loop
+    /// ([`crate::slots`]): held by every connection the accept loop
     /// takes, and by every moved one.
     pub slots: SocketSlots,
     /// Closed while a `SIGUSR2` upgrade's old instance may still serve the

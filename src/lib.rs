@@ -105,8 +105,10 @@ pub mod sessions;
 pub mod settings;
 pub mod sharing;
 pub mod signals;
+pub mod slots;
 pub mod systemd;
 pub mod tap;
+pub mod upgrade_record;
 pub mod upstream;
 
 pub use broker::RunningBroker;

@@ -54,7 +54,7 @@ pub async fn serve_until_stopped(
         mut usr2,
     } = signals;
     let mut notifier = Notifier::start(broker.ctx());
-    crate::handover::record::set_can_upgrade(upgrades.is_some());
+    crate::upgrade_record::set_can_upgrade(upgrades.is_some());
     let signal_name = loop {
         tokio::select! {
             _ = term.recv() => break "SIGTERM",
@@ -66,7 +66,7 @@ pub async fn serve_until_stopped(
                     continue;
                 };
                 tracing::info!(program = %program.path.display(), "SIGUSR2: handing over to a new instance");
-                crate::handover::record::attempt();
+                crate::upgrade_record::attempt();
                 match upgrade(broker, program, shutdown_timeout).await {
                     Outcome::Upgraded(next) => {
                         // The new instance is the service now: no STOPPING=1.
@@ -78,7 +78,7 @@ pub async fn serve_until_stopped(
                     }
                     Outcome::StillServing(b, why) => {
                         tracing::error!("upgrade failed, still serving: {why}");
-                        crate::handover::record::failed(&why);
+                        crate::upgrade_record::failed(&why);
                         if !Arc::ptr_eq(b.ctx(), notifier.ctx()) {
                             notifier.abandon();
                             notifier = Notifier::start(b.ctx());

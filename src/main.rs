@@ -362,7 +362,7 @@ async fn serve(
     }
     let broker = match (taken, activated) {
         (Some(t), activated) => {
-            clawmux::handover::record::took_over(
+            clawmux::upgrade_record::took_over(
                 t.state.from_pid,
                 &t.state.from_version,
                 t.clients.as_ref().map_or(0, |m| m.doc.clients.len()),

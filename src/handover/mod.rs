@@ -30,7 +30,6 @@
 //! starts fresh (binds its own sockets: a normal restart).
 
 pub mod clients;
-pub mod record;
 pub mod state;
 pub mod upgrade;
 pub mod wire;

@@ -398,7 +398,7 @@ impl Throttle {
 #[derive(Debug)]
 struct CountedStream {
     stream: UnixStream,
-    _slot: super::slots::Slot,
+    _slot: crate::slots::Slot,
 }
 
 impl AsyncRead for CountedStream {

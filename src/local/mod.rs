@@ -10,7 +10,6 @@ pub mod metrics;
 pub mod preconnect;
 pub mod respond;
 pub mod rpc;
-pub mod slots;
 pub mod socket;
 pub mod sse;
 pub mod state;

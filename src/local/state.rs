@@ -122,7 +122,7 @@ pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
             "policy_sockets": policy_sockets,
             // What `clawmux upgrade` reads: can this broker hand over, how
             // its upgrades went, what it took over itself.
-            "upgrade": crate::handover::record::to_json(),
+            "upgrade": crate::upgrade_record::to_json(),
         },
         "upstream": {
             "phase": status.phase.as_str(),

@@ -47,9 +47,8 @@ async fn silent_upgrades_on_one_socket_leave_the_main_socket_its_handshakes() {
             Got::Eof => panic!("closed without a close frame"),
         }
     }
-    let share = clawmux::context::MAX_HANDSHAKES
-        * (100 - clawmux::local::slots::MAIN_RESERVE_PERCENT)
-        / 100;
+    let share =
+        clawmux::context::MAX_HANDSHAKES * (100 - clawmux::slots::MAIN_RESERVE_PERCENT) / 100;
     assert_eq!(silent.len(), share, "the socket's share");
     assert_eq!(refused, clawmux::context::MAX_HANDSHAKES + 2 - share);
     for _ in 0..3 {

@@ -190,7 +190,7 @@ pub(crate) fn resume(
     policies: &[Arc<SocketPolicy>],
     mut entry: StreamEntry,
     fd: OwnedFd,
-    slot: crate::local::slots::Slot,
+    slot: crate::slots::Slot,
 ) -> bool {
     let Some(access) = crate::local::sse::moved_access(policies, &entry) else {
         return false;

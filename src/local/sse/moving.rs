@@ -292,7 +292,7 @@ pub(crate) fn resume(
     policies: &[Arc<SocketPolicy>],
     entry: StreamEntry,
     fd: OwnedFd,
-    slot: crate::local::slots::Slot,
+    slot: crate::slots::Slot,
 ) -> bool {
     let Some(access) = moved_access(policies, &entry) else {
         return false;
