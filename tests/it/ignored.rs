@@ -11,17 +11,24 @@ use std::process::Command;
 /// test that otherwise ran.
 const RUNTIME_SKIP: &str = "the sandbox refused";
 
+/// Each integration test file but this one: (file name, text).
+fn test_sources() -> Vec<(String, String)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it");
+    std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == "rs") && !path.ends_with("ignored.rs"))
+        .map(|path| {
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read_to_string(&path).unwrap())
+        })
+        .collect()
+}
+
 #[test]
 fn every_ignored_test_gives_a_reason_and_none_prints_skipped() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it");
     let mut bad = Vec::new();
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_none_or(|e| e != "rs") || path.ends_with("ignored.rs") {
-            continue;
-        }
-        let text = std::fs::read_to_string(&path).unwrap();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+    for (name, text) in test_sources() {
         let mut in_ignored_test = false;
         for (n, line) in text.lines().enumerate() {
             let line = line.trim();
@@ -73,15 +80,8 @@ fn a_test_without_its_tool_shows_as_ignored_with_its_reason() {
 /// tests point at `source .ci/doc-tools.sh`.
 #[test]
 fn every_ignore_reason_is_a_usable_hint() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it");
     let mut bad = Vec::new();
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_none_or(|e| e != "rs") || path.ends_with("ignored.rs") {
-            continue;
-        }
-        let text = std::fs::read_to_string(&path).unwrap();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+    for (name, text) in test_sources() {
         for (n, line) in text.lines().enumerate() {
             let Some(at) = line.find("ignore = \"") else {
                 continue;
