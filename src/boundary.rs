@@ -31,6 +31,8 @@ pub struct Pause(Arc<PauseState>);
 #[derive(Debug, Default)]
 struct PauseState {
     requested: AtomicBool,
+    /// Hand the parser nothing more, boundary or not.
+    stopped: AtomicBool,
     /// The parser has been handed whole messages only.
     at_boundary: AtomicBool,
 }
@@ -42,6 +44,22 @@ impl Pause {
 
     fn requested(&self) -> bool {
         self.0.requested.load(Ordering::SeqCst)
+    }
+
+    /// Hands the parser nothing more, even inside a message: the message
+    /// in progress then moves as the bytes read of it so far
+    /// ([`Follower::take_carried`]). Undone by [`Pause::resume_reads`].
+    pub fn stop(&self) {
+        self.0.stopped.store(true, Ordering::SeqCst);
+    }
+
+    /// Undoes [`Pause::stop`] (a requested pause still holds).
+    pub fn resume_reads(&self) {
+        self.0.stopped.store(false, Ordering::SeqCst);
+    }
+
+    fn stopped(&self) -> bool {
+        self.0.stopped.load(Ordering::SeqCst)
     }
 
     /// Whether everything handed to the parser ends with a whole message.
@@ -202,6 +220,53 @@ pub struct Follower {
     /// client side's upgrade, `101 Switching Protocols`): its last bytes
     /// so far, until its blank line ends it (`None`).
     http_head: Option<[u8; 3]>,
+    /// The bytes handed to the parser since the last message boundary, so
+    /// that a message half read can move ([`Follower::carrying`]).
+    partial: Partial,
+}
+
+/// A copy of the message in progress, as handed to the parser, kept up
+/// to `limit` bytes (no copy at all with a limit of 0). Reads that end on
+/// a message boundary, as a peer's whole messages usually do, copy nothing.
+#[derive(Debug, Default)]
+struct Partial {
+    limit: usize,
+    bytes: Vec<u8>,
+    /// The message in progress outgrew `limit`: it cannot be carried.
+    overflowed: bool,
+}
+
+/// A partial copy's buffer larger than this is not kept after its message ends.
+const KEEP_PARTIAL_BYTES: usize = 4096;
+
+impl Partial {
+    /// `handed` went to the parser; the last message boundary in it, if
+    /// any, was `boundary` bytes in.
+    fn keep(&mut self, handed: &[u8], boundary: Option<usize>) {
+        if self.limit == 0 {
+            return;
+        }
+        let rest = match boundary {
+            Some(b) => {
+                self.bytes.clear();
+                if self.bytes.capacity() > KEEP_PARTIAL_BYTES {
+                    self.bytes = Vec::new();
+                }
+                self.overflowed = false;
+                &handed[b..]
+            }
+            None => handed,
+        };
+        if self.overflowed || rest.is_empty() {
+            return;
+        }
+        if self.bytes.len() + rest.len() > self.limit {
+            self.overflowed = true;
+            self.bytes = Vec::new();
+        } else {
+            self.bytes.extend_from_slice(rest);
+        }
+    }
 }
 
 impl Follower {
@@ -220,7 +285,41 @@ impl Follower {
             split_large,
             message_bytes: 0,
             http_head: None,
+            partial: Partial::default(),
         }
+    }
+
+    /// Keeps a copy of the message in progress, up to `limit` bytes, so
+    /// that a reader stopped inside it ([`Pause::stop`]) can move with what
+    /// it read of it ([`Follower::take_carried`]).
+    pub fn carrying(mut self, limit: usize) -> Self {
+        self.partial.limit = limit;
+        self
+    }
+
+    /// After [`Pause::stop`], once the parser has returned every whole
+    /// message it was handed: the bytes the next instance's parser is
+    /// given first (the message in progress from its first byte, then
+    /// the bytes read and not handed over). `None` when the message in
+    /// progress cannot be carried (larger than the copy kept of it, or
+    /// inside the upgrade response): the reader must then stop at its end.
+    pub fn take_carried(&mut self) -> Option<Vec<u8>> {
+        if !self.carries() {
+            return None;
+        }
+        if self.at_message_boundary() {
+            return Some(self.take_unread());
+        }
+        let mut carried = std::mem::take(&mut self.partial.bytes);
+        carried.append(&mut self.held_back);
+        Some(carried)
+    }
+
+    /// Whether [`Follower::take_carried`] would give the bytes to move
+    /// with now (at a boundary, or inside a message it holds a copy of).
+    pub fn carries(&self) -> bool {
+        self.http_head.is_none()
+            && (self.at_message_boundary() || (self.partial.limit > 0 && !self.partial.overflowed))
     }
 
     /// A follower for a socket that first reads the HTTP response to its
@@ -284,6 +383,7 @@ impl Follower {
             return bytes.len();
         }
         let stop_at_message_end = self.pause.requested();
+        let mut boundary = self.at_message_boundary().then_some(0);
         let mut i = 0;
         while i < bytes.len() {
             if stop_at_message_end && self.at_message_boundary() {
@@ -291,6 +391,9 @@ impl Follower {
             }
             let n = self.frames.advance_one(&bytes[i..], &mut self.in_message);
             i += n.taken;
+            if self.at_message_boundary() {
+                boundary = Some(i);
+            }
             match n.data {
                 Some((payload, true)) => self.message_bytes = payload,
                 // A frame header may declare up to 2^63 bytes: the sum of a
@@ -309,20 +412,21 @@ impl Follower {
             .0
             .at_boundary
             .store(self.at_message_boundary(), Ordering::SeqCst);
+        self.partial.keep(&bytes[..i], boundary);
         i
     }
 
     /// A read for the parser: the held-back bytes first, else
     /// `read_socket`; whatever may not be handed over yet is held back.
-    /// Paused at a boundary, it stays `Pending` and registers no wake-up:
-    /// the handover polls the session itself.
+    /// Paused at a boundary, or stopped, it stays `Pending` and registers
+    /// no wake-up: the handover polls the session itself.
     pub fn poll_read(
         &mut self,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
         read_socket: impl FnOnce(&mut Context<'_>, &mut ReadBuf<'_>) -> Poll<io::Result<()>>,
     ) -> Poll<io::Result<()>> {
-        if self.pause.requested() && self.at_message_boundary() {
+        if self.pause.stopped() || (self.pause.requested() && self.at_message_boundary()) {
             return Poll::Pending;
         }
         if !self.held_back.is_empty() {
@@ -502,5 +606,116 @@ mod tests {
         wire.extend([0x81, 1, b'a']);
         assert_eq!(follower.advance(&wire), head.len());
         assert_eq!(follower.advance(&wire[head.len()..]), 3);
+    }
+
+    /// Unmasked frames: a text message of `len` bytes in `fragments` frames.
+    fn message(len: usize, fragments: usize, fill: u8) -> Vec<u8> {
+        let mut out = Vec::new();
+        let per = len.div_ceil(fragments.max(1)).max(1);
+        let mut left = len;
+        let mut first = true;
+        loop {
+            let n = left.min(per);
+            left -= n;
+            let fin = if left == 0 { 0x80 } else { 0 };
+            out.push(fin | if first { 0x1 } else { 0x0 });
+            match n {
+                0..=125 => out.push(n as u8),
+                126..=0xffff => {
+                    out.push(126);
+                    out.extend_from_slice(&(n as u16).to_be_bytes());
+                }
+                _ => {
+                    out.push(127);
+                    out.extend_from_slice(&(n as u64).to_be_bytes());
+                }
+            }
+            out.extend(std::iter::repeat_n(fill, n));
+            first = false;
+            if left == 0 {
+                return out;
+            }
+        }
+    }
+
+    /// Reads `stream` through a follower in `pieces`, stops after `reads`
+    /// reads, and gives (the bytes handed to the parser, what it carries).
+    fn stop_after(
+        stream: &[u8],
+        pieces: &[usize],
+        reads: usize,
+        limit: usize,
+    ) -> (Vec<u8>, Option<Vec<u8>>) {
+        let mut follower = Follower::new(Vec::new(), true).carrying(limit);
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let mut handed = Vec::new();
+        let mut at = 0;
+        for k in 0..reads {
+            let mut space = vec![0u8; 64 * 1024];
+            let mut buf = ReadBuf::new(&mut space);
+            let piece = pieces[k % pieces.len()];
+            let polled = follower.poll_read(&mut cx, &mut buf, |_, buf| {
+                let n = piece.min(stream.len() - at).min(buf.remaining());
+                buf.put_slice(&stream[at..at + n]);
+                at += n;
+                Poll::Ready(Ok(()))
+            });
+            assert!(matches!(polled, Poll::Ready(Ok(()))));
+            handed.extend_from_slice(buf.filled());
+        }
+        follower.pause().stop();
+        let mut space = [0u8; 16];
+        let mut buf = ReadBuf::new(&mut space);
+        assert!(
+            follower
+                .poll_read(&mut cx, &mut buf, |_, _| panic!("no read once stopped"))
+                .is_pending(),
+            "stopped: nothing more is handed over"
+        );
+        let mut carried = follower.take_carried();
+        if let Some(c) = &mut carried {
+            // What the socket still holds comes after.
+            c.extend_from_slice(&stream[at..]);
+        }
+        (handed, carried)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+        /// Stopped after any read, a follower carries exactly the bytes the
+        /// next instance needs: the whole messages it handed over, then
+        /// what it carries, are the stream, byte for byte; and inside a
+        /// message larger than its copy it says it cannot carry.
+        #[test]
+        fn a_reader_stopped_anywhere_carries_the_rest_of_the_stream(
+            messages in proptest::collection::vec((0usize..9000, 1usize..4), 1..8),
+            pieces in proptest::collection::vec(1usize..5000, 1..10),
+            reads in 0usize..40,
+            limit in proptest::prop_oneof![proptest::strategy::Just(usize::MAX >> 1), 1usize..20_000],
+        ) {
+            let mut stream = Vec::new();
+            let mut ends = vec![0];
+            for (i, (len, fragments)) in messages.iter().enumerate() {
+                stream.extend(message(*len, *fragments, b'a' + i as u8));
+                ends.push(stream.len());
+            }
+            let (handed, carried) = stop_after(&stream, &pieces, reads, limit);
+            // The whole messages handed over end at the last boundary.
+            let whole = *ends.iter().filter(|e| **e <= handed.len()).max().unwrap();
+            match carried {
+                Some(carried) => {
+                    let mut again = stream[..whole].to_vec();
+                    again.extend(carried);
+                    proptest::prop_assert_eq!(again, stream);
+                }
+                None => proptest::prop_assert!(
+                    handed.len() - whole > limit,
+                    "refused with {} bytes of the message in progress handed over (limit {})",
+                    handed.len() - whole,
+                    limit
+                ),
+            }
+        }
     }
 }

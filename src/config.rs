@@ -132,6 +132,11 @@ pub struct Limits {
     /// One more is closed at once `1013` with a reason naming this limit,
     /// before anything is sent to the gateway. Default 64.
     pub max_dedicated: usize,
+    /// The kernel's send buffer for each accepted local connection
+    /// (`SO_SNDBUF`; Linux doubles it): how much a client that does not
+    /// read holds in the kernel beside its queue. `0` (the default): the
+    /// kernel's own (`net.core.wmem_default`).
+    pub send_buffer_bytes: usize,
 
     // --- Upstream connections opened for local clients ---
     /// Gateway connections one local peer (one uid, as the kernel reports
@@ -187,6 +192,7 @@ impl Default for Limits {
             max_connections: None,
             header_read_timeout: Duration::from_secs(10),
             max_dedicated: 64,
+            send_buffer_bytes: 0,
             upstream_open_rate: 2,
             upstream_open_burst: 10,
             upstream_open_rate_total: 10,

@@ -63,7 +63,12 @@ impl Drop for Serving<'_> {
 pub struct Parcel {
     pub registration: crate::dispatch::Registration,
     pub fd: std::os::fd::OwnedFd,
+    /// Read from the socket and not parsed: the message in progress from
+    /// its first byte, then what followed.
     pub unread: Vec<u8>,
+    /// Framed for the socket and not written: from inside a frame, written
+    /// first by the next instance.
+    pub unwritten: Vec<u8>,
     /// It asked to be closed as a direct gateway connection would be
     /// (`restarts=mirror`): it keeps asking in the next instance.
     pub mirror: bool,

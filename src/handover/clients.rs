@@ -217,8 +217,13 @@ pub struct ClientEntry {
     pub subscriptions: Vec<Subscription>,
     /// Frames queued for it and not written yet, in order.
     pub queued: Vec<String>,
-    /// Bytes read from its socket and not parsed (base64).
+    /// Bytes read from its socket and not parsed (base64): a message half
+    /// read from its first byte, then what followed.
     pub unread: String,
+    /// Bytes framed for its socket and not written (base64), from inside
+    /// a frame: the next instance writes them before anything else.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub unwritten: String,
     /// `restarts=mirror`: closed as a direct gateway connection would be.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub mirror: bool,
@@ -314,6 +319,7 @@ pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
             subscriptions,
             queued,
             unread: base64::engine::general_purpose::STANDARD.encode(&parcel.unread),
+            unwritten: base64::engine::general_purpose::STANDARD.encode(&parcel.unwritten),
             mirror: parcel.mirror,
         });
         fds.push((client.id, parcel.fd));
@@ -440,7 +446,12 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             tracing::warn!(client_id = entry.id, socket = %entry.socket, "handover: the client's socket is no longer configured; closing it");
             continue;
         };
-        let Ok(unread) = base64::engine::general_purpose::STANDARD.decode(&entry.unread) else {
+        let decode = |b: &str| base64::engine::general_purpose::STANDARD.decode(b);
+        let (Ok(unread), Ok(unwritten)) = (decode(&entry.unread), decode(&entry.unwritten)) else {
+            tracing::warn!(
+                client_id = entry.id,
+                "handover: a client's carried bytes are not base64; closing it"
+            );
             continue;
         };
         // It holds one of its socket's connection slots, as when accepted.
@@ -510,8 +521,13 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             crate::local::ws::Restarts::Continuity
         };
         // It waits at the gate itself, once set up.
-        let resumed =
-            crate::local::ws::resume(stream, unread, registration, restarts, Arc::clone(ctx));
+        let resumed = crate::local::ws::resume(
+            stream,
+            crate::local::ws::Carried { unread, unwritten },
+            registration,
+            restarts,
+            Arc::clone(ctx),
+        );
         ctx.tracker.spawn(crate::context::holding(slot, resumed));
         taken += 1;
     }

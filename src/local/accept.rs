@@ -122,6 +122,15 @@ pub async fn accept_loop(
                 continue;
             }
         };
+        if limits.send_buffer_bytes > 0 {
+            if let Err(e) =
+                rustix::net::sockopt::set_socket_send_buffer_size(&stream, limits.send_buffer_bytes)
+            {
+                tracing::warn!(
+                    "cannot set a connection's send buffer (limits.send_buffer_bytes): {e}"
+                );
+            }
+        }
         // Peer credentials come from the kernel, not from anything the peer says.
         let peer_pid = match stream.peer_cred() {
             Ok(cred)

@@ -103,7 +103,11 @@ impl Drop for MessageCharge {
 /// before the writer's next frame.
 #[derive(Debug, Default)]
 struct Held {
-    bytes: Vec<u8>,
+    /// (Written from its front: `advance` is O(1), however large.)
+    bytes: bytes::BytesMut,
+    /// The first bytes of `bytes` that a previous instance left unwritten
+    /// (not tungstenite's: not counted against [`MAX_HELD_BYTES`]).
+    carried: usize,
     /// The broker's writer has given the socket part of a frame.
     mid_frame: bool,
     /// The broker writes frames of its own on this socket.
@@ -127,10 +131,29 @@ impl<T> Limited<T> {
         Limited {
             inner,
             budget,
-            follow: Follower::new(unread, true),
+            follow: Follower::new(unread, true).carrying(CARRY_MESSAGE_BYTES),
             held: Held::default(),
             charge: None,
         }
+    }
+
+    /// As [`Limited::with_unread`], on a socket to which the previous
+    /// instance left `unwritten` bytes (the rest of a batch, from inside a
+    /// frame): they are written first, before any frame of this instance.
+    pub fn with_carried(
+        inner: T,
+        budget: PreconnectBudget,
+        unread: Vec<u8>,
+        unwritten: Vec<u8>,
+    ) -> Self {
+        let mut limited = Self::with_unread(inner, budget, unread);
+        limited.held = Held {
+            carried: unwritten.len(),
+            bytes: bytes::BytesMut::from(&unwritten[..]),
+            mid_frame: false,
+            shared: true,
+        };
+        limited
     }
 
     /// Counts each message read from here on in `budget`, from its first
@@ -175,7 +198,25 @@ impl<T> Limited<T> {
     pub fn take_unread(&mut self) -> Vec<u8> {
         self.follow.take_unread()
     }
+
+    /// After [`Pause::stop`]: the message in progress as read so far and
+    /// the bytes not handed to the parser (see `Follower::take_carried`).
+    pub fn take_carried(&mut self) -> Option<Vec<u8>> {
+        self.follow.take_carried()
+    }
+
+    /// tungstenite's frames not written yet (they go after the broker's
+    /// frame in progress), taken for the next instance.
+    pub fn take_held(&mut self) -> Vec<u8> {
+        self.held.carried = 0;
+        std::mem::take(&mut self.held.bytes).to_vec()
+    }
 }
+
+/// A message a client is sending can move half read (its bytes so far go
+/// to the next instance) up to this size; a larger one is read to its end
+/// first. Requests are small; this bounds the copy kept per client.
+pub const CARRY_MESSAGE_BYTES: usize = CHARGE_ABOVE_BYTES as usize;
 
 // Why a large frame's header goes to the parser alone (see
 // `crate::boundary::FrameCursor`): tungstenite reserves a whole frame's
@@ -374,16 +415,17 @@ impl<T: AsyncWrite + Unpin> Limited<T> {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
             self.budget.1.fetch_add(n as u64, Ordering::Relaxed);
-            self.held.bytes.drain(..n);
+            bytes::Buf::advance(&mut self.held.bytes, n);
+            self.held.carried = self.held.carried.saturating_sub(n);
         }
         if self.held.bytes.capacity() > 4096 {
-            self.held.bytes = Vec::new();
+            self.held.bytes = bytes::BytesMut::new();
         }
         Poll::Ready(Ok(()))
     }
 
     fn hold(&mut self, cx: &mut Context<'_>, bytes: &[u8]) -> io::Result<()> {
-        if self.held.bytes.len() + bytes.len() > MAX_HELD_BYTES {
+        if self.held.bytes.len() - self.held.carried + bytes.len() > MAX_HELD_BYTES {
             return Err(io::Error::other(
                 "the client does not read the broker's pongs",
             ));

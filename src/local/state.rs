@@ -206,6 +206,7 @@ fn limits_json(l: &Limits) -> Value {
         "max_connections": l.max_connections(),
         "header_read_timeout_ms": ms(l.header_read_timeout),
         "max_dedicated": l.max_dedicated,
+        "send_buffer_bytes": l.send_buffer_bytes,
         "upstream_open_rate": l.upstream_open_rate,
         "upstream_open_burst": l.upstream_open_burst,
         "upstream_open_rate_total": l.upstream_open_rate_total,

@@ -84,6 +84,7 @@ pub(super) struct LimitsSection {
     pub(super) max_connections: Option<usize>,
     pub(super) header_read_timeout_ms: Option<u64>,
     pub(super) max_dedicated: Option<usize>,
+    pub(super) send_buffer_bytes: Option<usize>,
     pub(super) upstream_open_rate: Option<u32>,
     pub(super) upstream_open_burst: Option<u32>,
     pub(super) upstream_open_rate_total: Option<u32>,

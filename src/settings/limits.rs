@@ -120,6 +120,7 @@ pub(super) fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result
         max_connections,
         header_read_timeout_ms,
         max_dedicated,
+        send_buffer_bytes,
         upstream_open_rate,
         upstream_open_burst,
         upstream_open_rate_total,
@@ -184,6 +185,7 @@ pub(super) fn apply_limits(settings: &mut Settings, file: &ConfigFile) -> Result
         ms(Zero::Refused)
     );
     set!(lim.max_dedicated, "limits", max_dedicated, positive);
+    set!(lim.send_buffer_bytes, "limits", send_buffer_bytes, any);
     set!(
         lim.upstream_open_rate,
         "limits",

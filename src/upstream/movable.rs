@@ -38,6 +38,12 @@ pub struct MovedSocket {
     pub unread: Vec<u8>,
 }
 
+/// A gateway message can move half read (its bytes so far go to the next
+/// instance) up to this size; at a handover inside a larger one, the
+/// reader waits for its end (bounded). Events are far smaller; this bounds
+/// the copy kept of a message that spans reads.
+pub const CARRY_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
 /// A plaintext gateway socket whose reads follow the gateway's frames.
 #[derive(Debug)]
 pub struct Movable<T> {
@@ -54,7 +60,7 @@ impl<T> Movable<T> {
         Movable {
             inner,
             kind,
-            follow: Follower::after_http_response(false),
+            follow: Follower::after_http_response(false).carrying(CARRY_MESSAGE_BYTES),
         }
     }
 
@@ -64,19 +70,26 @@ impl<T> Movable<T> {
         Movable {
             inner,
             kind,
-            follow: Follower::new(unread, false),
+            follow: Follower::new(unread, false).carrying(CARRY_MESSAGE_BYTES),
         }
     }
 }
 
 impl<T: AsFd> Movable<T> {
-    /// Once paused at a boundary (and every message before it parsed):
-    /// a copy of the descriptor and the bytes read past the boundary.
+    /// Once stopped (and every whole message before it parsed), at a
+    /// boundary or inside a message: a copy of the descriptor and the bytes
+    /// the next instance's parser is given first.
     fn take(&mut self) -> io::Result<MovedSocket> {
+        let fd = rustix::io::fcntl_dupfd_cloexec(self.inner.as_fd(), 3)?;
+        let Some(unread) = self.follow.take_carried() else {
+            return Err(io::Error::other(
+                "stopped inside a message larger than the copy kept of it",
+            ));
+        };
         Ok(MovedSocket {
-            fd: rustix::io::fcntl_dupfd_cloexec(self.inner.as_fd(), 3)?,
+            fd,
             kind: self.kind,
-            unread: self.follow.take_unread(),
+            unread,
         })
     }
 }
@@ -131,9 +144,15 @@ pub trait UpstreamIo: AsyncRead + AsyncWrite + Send + Unpin + 'static {
         None
     }
 
-    /// Once paused at a boundary: what moves (`None`: it cannot move).
+    /// Once stopped: what moves (`None`: it cannot move).
     fn take_for_handover(&mut self) -> Option<io::Result<MovedSocket>> {
         None
+    }
+
+    /// Whether, stopped now, it could move with what it read
+    /// ([`crate::boundary::Follower::carries`]).
+    fn carries(&self) -> bool {
+        false
     }
 }
 
@@ -144,6 +163,10 @@ impl<T: AsyncRead + AsyncWrite + AsFd + Send + Unpin + 'static> UpstreamIo for M
 
     fn take_for_handover(&mut self) -> Option<io::Result<MovedSocket>> {
         Some(self.take())
+    }
+
+    fn carries(&self) -> bool {
+        self.follow.carries()
     }
 }
 

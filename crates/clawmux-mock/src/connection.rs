@@ -587,6 +587,15 @@ async fn write_loop(
                         false,
                     ))
                 }
+                Outbound::FragmentEnd(text) => {
+                    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+                    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+                    Message::Frame(Frame::message(
+                        text.into_bytes(),
+                        OpCode::Data(Data::Continue),
+                        true,
+                    ))
+                }
                 Outbound::SkipSeq => {
                     seq += 1;
                     continue;

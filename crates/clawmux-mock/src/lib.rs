@@ -482,6 +482,14 @@ impl MockGateway {
         }
     }
 
+    /// Ends the message [`MockGateway::send_fragment_start`] began, on
+    /// every ready connection: its last fragment.
+    pub fn send_fragment_end(&self, text: &str) {
+        for entry in lock(&self.inner.conns).values().filter(|c| c.is_ready()) {
+            entry.send(state::Outbound::FragmentEnd(text.to_owned()), 0);
+        }
+    }
+
     /// The connection-scoped subscriptions of each ready connection:
     /// (`sessions.subscribe` flag, `sessions.messages.subscribe` keys, sorted).
     pub fn subscriptions(&self) -> Vec<(bool, Vec<String>)> {

@@ -99,6 +99,8 @@ pub(crate) enum Outbound {
     /// The first fragment of a text message whose rest never follows (a
     /// gateway stalled inside a message).
     FragmentStart(String),
+    /// The last fragment of the message a [`Outbound::FragmentStart`] began.
+    FragmentEnd(String),
     /// A sequenced event; the writer stamps the connection's next `seq`.
     Event(Arc<EncodedEvent>),
     /// Consume one `seq` without sending anything: a seq gap, or an event

@@ -1,6 +1,8 @@
-//! A local client at a handover (design §11): stopped at a message
-//! boundary and left for the next instance ([`hand_over`]), and served
-//! again there from where it stopped ([`resume`]).
+//! A local client at a handover (design §11): stopped where it is, in
+//! the middle of a message or of a frame, and left for the next instance
+//! with what it had half read and half written ([`hand_over`]), and served
+//! again there from exactly those bytes ([`resume`]). Nothing waits for
+//! the client to read or to finish sending.
 
 use std::sync::Arc;
 use std::task::Poll;
@@ -16,12 +18,23 @@ use crate::context::Ctx;
 use crate::dispatch::Registration;
 use crate::local::preconnect::{Limited, PreconnectBudget};
 
+/// What a client's socket carries from one instance to the next.
+#[derive(Debug, Default)]
+pub struct Carried {
+    /// Read and not parsed: the message in progress from its first byte,
+    /// then what followed.
+    pub unread: Vec<u8>,
+    /// Framed and not written, from inside a frame.
+    pub unwritten: Vec<u8>,
+}
+
 /// A client taken over from the previous instance ([`crate::handover`]):
-/// serves it from where that one stopped, on its socket, with the bytes it
+/// serves it from where that one stopped, on its socket: the bytes it
+/// had left unwritten go first, and its parser starts with the bytes it
 /// had read and not parsed.
 pub async fn resume(
     stream: tokio::net::UnixStream,
-    unread: Vec<u8>,
+    carried: Carried,
     registration: Registration,
     restarts: Restarts,
     ctx: Arc<Ctx>,
@@ -32,12 +45,17 @@ pub async fn resume(
     budget.lift();
     let client = Arc::clone(registration.client());
     client.count_written(budget.written());
-    // The unread bytes go through the reader, which follows their frames.
-    let io = Limited::with_unread(stream, budget, unread);
+    // The unread bytes go through the reader, which follows their frames;
+    // the unwritten ones go before any frame of this instance.
+    let continues = !carried.unwritten.is_empty();
+    let io = Limited::with_carried(stream, budget, carried.unread, carried.unwritten);
     let config = config(&ctx);
     let pause = io.pause();
     let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
     let mut conn = Conn::new(ws, Arc::clone(&client), pause);
+    if continues {
+        conn.writer.continue_carried();
+    }
     conn.ws
         .get_mut()
         .charge_messages_to(Arc::clone(client.budget()));
@@ -79,17 +97,19 @@ pub async fn resume(
     finish(conn, registration).await
 }
 
-/// How long a client may take, at a handover, to finish the message it is
-/// sending and to take the batch being written, before it is closed
-/// instead of moved (`1012`; it reconnects and resumes by cursor).
+/// How long a client may take, at a handover, to finish sending a message
+/// larger than the copy kept of it ([`crate::local::preconnect::CARRY_MESSAGE_BYTES`]),
+/// before it is closed instead of moved (`1012`; it reconnects and
+/// resumes by cursor). Any other client moves at once.
 pub const HANDOVER_PAUSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Stops a client for the next instance (design §11): no more reads past
-/// the message in progress (the messages already read are handled as
-/// usual), the batch being written written whole, then the socket, the
-/// unread bytes and the registration (with the queue not yet written) are
-/// left for the handover. On failure the connection is given back to be
-/// closed as at any stop.
+/// Stops a client for the next instance (design §11), where it is: the
+/// messages its parser was handed whole are handled as usual, nothing more
+/// is read, and its socket goes with the message it was sending as read so
+/// far and the batch being written as far as the socket took it, with the
+/// registration (the queue not yet taken). Nothing waits for the client,
+/// except to finish a message too large to copy. On failure the
+/// connection is given back to be closed as at any stop.
 pub(super) async fn hand_over<T>(
     mut conn: Conn<T>,
     registration: Registration,
@@ -101,9 +121,88 @@ where
     T: AsyncRead + AsyncWrite + Unpin,
 {
     let pause = conn.pause.clone();
-    pause.request();
     let member = Arc::clone(registration.member());
-    let stopped = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
+    pause.stop();
+    let mut stopped = handle_parsed(&mut conn, &member, ctx);
+    let mut unread = stopped.then(|| conn.ws.get_mut().take_carried()).flatten();
+    if stopped && unread.is_none() {
+        // A large message in progress: read to its end, then stop there.
+        pause.resume_reads();
+        pause.request();
+        stopped = read_to_boundary(&mut conn, &member, ctx).await;
+        unread = stopped.then(|| conn.ws.get_mut().take_unread());
+    }
+    let carried = unread.and_then(|unread| {
+        let unwritten = conn.writer.take_unwritten(&mut conn.ws)?;
+        Some(Carried { unread, unwritten })
+    });
+    let Some(carried) = carried else {
+        tracing::info!(
+            client_id = conn.client.id,
+            "handover: a client could not move (it was closing, or did not finish a large message in time); closing it"
+        );
+        conn.writer.hold = false;
+        if conn.writer.ended == Some(WriterEnd::Held) {
+            conn.writer.ended = None;
+        }
+        return Err((conn, registration));
+    };
+    // SAFETY: `fd` is the descriptor of the socket under `conn`, which
+    // owns it and is alive here (it is dropped only below), so borrowing
+    // it for the duplication cannot outlive or alias a closed descriptor.
+    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let Ok(copy) = rustix::io::fcntl_dupfd_cloexec(borrowed, 3) else {
+        return Err((conn, registration));
+    };
+    let Conn { ws, .. } = conn;
+    ctx.handoff.leave(crate::context::Parcel {
+        registration,
+        fd: copy,
+        unread: carried.unread,
+        unwritten: carried.unwritten,
+        mirror: restarts == Restarts::Mirror,
+    });
+    // Dropping `ws` closes this instance's descriptor only: the socket
+    // stays open, through the copy, for the next instance.
+    drop(ws);
+    Ok(())
+}
+
+/// With reads stopped: handles the messages the parser already holds
+/// whole, without waiting for anything. `false` if the client left or
+/// broke the protocol meanwhile.
+fn handle_parsed<T>(
+    conn: &mut Conn<T>,
+    member: &Arc<crate::dispatch::Member>,
+    ctx: &Arc<Ctx>,
+) -> bool
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    let waker = futures_util::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    loop {
+        match poll_incoming(&mut conn.ws, &mut cx) {
+            Poll::Pending => return true,
+            Poll::Ready(Incoming::Text(text)) => handle_frame(&text, member, ctx),
+            Poll::Ready(_) => return false,
+        }
+    }
+}
+
+/// Reads and handles messages up to the end of the one in progress
+/// (the pause is requested), writing meanwhile, for at most
+/// [`HANDOVER_PAUSE_TIMEOUT`]. `false` if that did not happen.
+async fn read_to_boundary<T>(
+    conn: &mut Conn<T>,
+    member: &Arc<crate::dispatch::Member>,
+    ctx: &Arc<Ctx>,
+) -> bool
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    let pause = conn.pause.clone();
+    let reached = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
         loop {
             let read = std::future::poll_fn(|cx| {
                 if let Poll::Ready(end) = conn.writer.poll_drive(cx, &mut conn.ws, &conn.client) {
@@ -117,47 +216,13 @@ where
             })
             .await;
             match read {
-                Ok(Some(Incoming::Text(text))) => handle_frame(&text, &member, ctx),
-                Ok(None) => break,
+                Ok(Some(Incoming::Text(text))) => handle_frame(&text, member, ctx),
+                Ok(None) => return true,
                 // The client left or broke the protocol meanwhile.
                 Ok(Some(_)) | Err(_) => return false,
             }
         }
-        std::future::poll_fn(|cx| {
-            conn.writer
-                .poll_batch_written(cx, &mut conn.ws, &conn.client)
-        })
-        .await
     })
     .await;
-    if stopped != Ok(true) {
-        tracing::info!(
-            client_id = conn.client.id,
-            "handover: client not at a boundary in time; closing it"
-        );
-        conn.writer.hold = false;
-        if conn.writer.ended == Some(WriterEnd::Held) {
-            conn.writer.ended = None;
-        }
-        return Err((conn, registration));
-    }
-    // SAFETY: `fd` is the descriptor of the socket under `conn`, which
-    // owns it and is alive here (it is dropped only below), so borrowing
-    // it for the duplication cannot outlive or alias a closed descriptor.
-    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    let Ok(copy) = rustix::io::fcntl_dupfd_cloexec(borrowed, 3) else {
-        return Err((conn, registration));
-    };
-    let Conn { mut ws, .. } = conn;
-    let unread = ws.get_mut().take_unread();
-    ctx.handoff.leave(crate::context::Parcel {
-        registration,
-        fd: copy,
-        unread,
-        mirror: restarts == Restarts::Mirror,
-    });
-    // Dropping `ws` closes this instance's descriptor only: the socket
-    // stays open, through the copy, for the next instance.
-    drop(ws);
-    Ok(())
+    reached == Ok(true)
 }

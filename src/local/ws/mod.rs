@@ -8,7 +8,7 @@ mod handover;
 mod writer;
 
 use handover::hand_over;
-pub use handover::{resume, HANDOVER_PAUSE_TIMEOUT};
+pub use handover::{resume, Carried, HANDOVER_PAUSE_TIMEOUT};
 use writer::{Writer, WriterEnd};
 
 use std::sync::Arc;

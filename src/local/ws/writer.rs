@@ -124,29 +124,34 @@ impl Writer {
         }
     }
 
-    /// For a handover: writes and flushes the batch already taken, and
-    /// takes no other. `Ready(true)` once done; `Ready(false)` if the
-    /// writer ended instead (a close, a failed socket).
-    pub(super) fn poll_batch_written<T>(
-        &mut self,
-        cx: &mut Context<'_>,
-        ws: &mut Socket<T>,
-        client: &Client,
-    ) -> Poll<bool>
+    /// For a handover: takes no more batches, and gives the bytes of the
+    /// batch not written yet (from inside a frame, with tungstenite's
+    /// frames waiting for a boundary in their place), without waiting for
+    /// the socket. `None` if the writer ended or a close is on its way
+    /// (the client is leaving: it does not move).
+    pub(super) fn take_unwritten<T>(&mut self, ws: &mut Socket<T>) -> Option<Vec<u8>>
     where
         T: AsyncRead + AsyncWrite + Unpin,
     {
-        if self.ended.is_some() {
-            return Poll::Ready(false);
+        if self.ended.is_some()
+            || self.close.is_some()
+            || self.close_started
+            || self.batch.len() > 0
+        {
+            return None;
         }
         self.hold = true;
-        match ready!(self.poll_write(cx, ws, client)) {
-            WriterEnd::Held => Poll::Ready(true),
-            end => {
-                self.ended = Some(end);
-                Poll::Ready(false)
-            }
-        }
+        let held = ws.get_mut().take_held();
+        let unwritten = self.frames.take_unwritten(&held);
+        self.unflushed = false;
+        self.copy = Vec::new();
+        Some(unwritten)
+    }
+
+    /// On a socket the previous instance left bytes unwritten on (held by
+    /// [`Limited`]): they are written first, as a flush.
+    pub(super) fn continue_carried(&mut self) {
+        self.unflushed = true;
     }
 
     /// Writes until the queue is empty and flushed (`Pending`, woken by the

@@ -339,7 +339,9 @@ impl Connector {
         hello: &Arc<UpstreamHello>,
         request: crate::upstream::HandoverRequest,
     ) -> Result<(), (String, Vec<String>)> {
-        pause.request();
+        // Nothing more is handed to the parser: the message in progress, if
+        // any, moves as the bytes read of it so far.
+        pause.stop();
         // Written now if it can be (the socket is free: the writer was
         // dropped), else withdrawn: sent or answered "not sent", never both.
         // Then nobody else can touch the socket: the reader is read whole
@@ -357,7 +359,15 @@ impl Connector {
         };
         let owner = Arc::clone(&self.owner);
         let stopped = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
-            loop {
+            // The whole messages the parser holds are handled; nothing is
+            // waited for.
+            handle_parsed(&mut ws, &owner, generation)?;
+            if !ws.get_ref().carries() {
+                // Inside a message too large to carry: read to its end.
+                pause.resume_reads();
+                pause.request();
+            }
+            while !ws.get_ref().carries() {
                 match pause.next_before_boundary(&mut ws).await {
                     None => break,
                     Some(Some(Ok(Message::Text(text)))) => {
@@ -429,6 +439,34 @@ impl Connector {
                 let _ = request.send(None);
                 Err((why, unsent))
             }
+        }
+    }
+}
+
+/// With reads stopped: hands the owner the messages the parser already
+/// holds whole, without waiting for anything.
+fn handle_parsed<S>(
+    ws: &mut S,
+    owner: &Arc<dyn crate::upstream::SessionOwner>,
+    generation: u64,
+) -> Result<(), String>
+where
+    S: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
+{
+    use std::task::Poll;
+    let waker = futures_util::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    loop {
+        match futures_util::StreamExt::poll_next_unpin(ws, &mut cx) {
+            Poll::Pending => return Ok(()),
+            Poll::Ready(Some(Ok(Message::Text(text)))) => {
+                owner.frame(generation, text.as_str());
+            }
+            Poll::Ready(Some(Ok(Message::Close(_)))) | Poll::Ready(None) => {
+                return Err("the gateway closed the connection meanwhile".to_owned())
+            }
+            Poll::Ready(Some(Ok(_))) => {}
+            Poll::Ready(Some(Err(e))) => return Err(format!("the connection failed ({e})")),
         }
     }
 }
