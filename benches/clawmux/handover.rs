@@ -1,12 +1,15 @@
 //! The pause a reader sees when the broker hands itself over (`SIGUSR2`,
 //! docs/src/restarts.md): `clawmux serve` as a child process with N
 //! connected WebSocket clients while the double sends a numbered event
-//! every few milliseconds (a tenth of them `/v1/events` streams);
+//! every few milliseconds (a tenth of them `/v1/events` streams, and a
+//! tenth WebSocket clients that stop reading around each handover, their
+//! sockets full: the broker's send buffers are set small);
 //! several handovers in a row. Per handover, the largest gap between two
-//! events any client or stream received (its own connection stays open
-//! throughout), and the time from the signal to the old instance's exit
-//! (it exits once the new one says it serves). Every numbered event must
-//! arrive once, in order.
+//! events any reading client or stream received (its own connection stays
+//! open throughout), and the time from the signal to the old instance's
+//! exit (it exits once the new one says it serves). Every numbered event
+//! must arrive once, in order, the non-reading clients' too once they read
+//! again.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -28,11 +31,19 @@ use crate::Config;
 /// Milliseconds between two events from the double.
 pub const TICK_MS: u64 = 5;
 
+/// The broker's `send_buffer_bytes` in this scenario.
+const SEND_BUFFER_BYTES: usize = 4096;
+
+/// How long the non-reading clients stop reading before each signal.
+const STALL_BEFORE: Duration = Duration::from_millis(150);
+
 /// What one run measured.
 pub struct Pauses {
     pub clients: usize,
     /// Event streams (`/v1/events`) read beside the clients.
     pub streams: usize,
+    /// WebSocket clients (among `clients`) not reading during each handover.
+    pub stalled: usize,
     /// Per handover: the largest gap between two events any client saw.
     pub gaps: Vec<Duration>,
     /// Per handover: from `SIGUSR2` to the old instance's exit (the new
@@ -55,6 +66,8 @@ struct Reader {
     next_n: AtomicU64,
     skipped: AtomicU64,
     repeated: AtomicU64,
+    /// It stops reading around each handover (not counted in the gaps).
+    stalls: bool,
 }
 
 impl Reader {
@@ -143,7 +156,9 @@ fn signal(pid: u32, sig: rustix::process::Signal) {
     }
 }
 
-pub async fn run(cfg: &Config, binary: &Path) -> Result<Pauses, String> {
+/// One run of handovers; with `stall`, a tenth of the WebSocket clients
+/// stop reading around each.
+pub async fn run(cfg: &Config, binary: &Path, stall: bool) -> Result<Pauses, String> {
     let (n, rounds) = if cfg.smoke {
         (4, 2)
     } else {
@@ -156,12 +171,19 @@ pub async fn run(cfg: &Config, binary: &Path) -> Result<Pauses, String> {
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| dir.path().join("broker.log"));
     let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
+    // Small kernel send buffers: a client that stops reading has a full
+    // socket within a few events, whatever the machine's default.
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, format!("[limits]\nsend_buffer_bytes = {SEND_BUFFER_BYTES}\n"))
+        .map_err(|e| e.to_string())?;
     let mut child = std::process::Command::new(binary)
         .arg("serve")
         .arg("--socket")
         .arg(&socket)
         .args(["--gateway-url", &mock.gw.url(), "--token", BENCH_TOKEN])
         .args(["--no-device-identity", "--shutdown-timeout", "5"])
+        .arg("--config")
+        .arg(&config)
         .env("HOME", dir.path())
         .env_remove("CLAWMUX_CONFIG")
         .stdin(std::process::Stdio::null())
@@ -169,7 +191,7 @@ pub async fn run(cfg: &Config, binary: &Path) -> Result<Pauses, String> {
         .stderr(log)
         .spawn()
         .map_err(|e| e.to_string())?;
-    let result = measure(n, rounds, &socket, &mock).await;
+    let result = measure(n, rounds, stall, &socket, &mock).await;
     // The last instance is not our child (after the first handover).
     if let Some(s) = state(&socket).await {
         if let Some(pid) = s["broker"]["pid"].as_u64() {
@@ -184,6 +206,7 @@ pub async fn run(cfg: &Config, binary: &Path) -> Result<Pauses, String> {
 async fn measure(
     n: usize,
     rounds: usize,
+    stall: bool,
     socket: &Path,
     mock: &MockThread,
 ) -> Result<Pauses, String> {
@@ -196,8 +219,20 @@ async fn measure(
     // A tenth of the clients (at least one) are event streams.
     let streams = (n / 10).max(1);
     let n = n.saturating_sub(streams).max(1);
-    let readers: Arc<Vec<Reader>> = Arc::new((0..n + streams).map(|_| Reader::default()).collect());
+    // Another tenth (at least one) of the WebSocket clients stop reading
+    // around each handover: the last ones.
+    let stalled = if stall { (n / 10).max(1).min(n) } else { 0 };
+    let readers: Arc<Vec<Reader>> = Arc::new(
+        (0..n + streams)
+            .map(|i| Reader {
+                stalls: i >= n - stalled && i < n,
+                ..Reader::default()
+            })
+            .collect(),
+    );
     let lost = Arc::new(AtomicUsize::new(0));
+    // Whether the non-reading clients read (they do between handovers).
+    let (read_tx, read_rx) = tokio::sync::watch::channel(true);
     for i in 0..n {
         let stream = UnixStream::connect(socket)
             .await
@@ -205,8 +240,21 @@ async fn measure(
         let mut ws = clients::handshake(stream, Some(BENCH_TOKEN)).await?;
         let readers = Arc::clone(&readers);
         let lost = Arc::clone(&lost);
+        let mut may_read = read_rx.clone();
         tokio::spawn(async move {
-            while let Some(Ok(msg)) = ws.next().await {
+            loop {
+                if readers[i].stalls {
+                    // Not reading: its socket fills, and the broker's
+                    // writer stops in the middle of a batch.
+                    if may_read.wait_for(|r| *r).await.is_err() {
+                        break;
+                    }
+                }
+                let msg = tokio::select! {
+                    msg = ws.next() => msg,
+                    _ = may_read.changed(), if readers[i].stalls => continue,
+                };
+                let Some(Ok(msg)) = msg else { break };
                 let Message::Text(text) = msg else { continue };
                 if !text.as_str().contains("\"bench.tick\"") {
                     continue;
@@ -271,6 +319,8 @@ async fn measure(
             state(socket).await?["broker"]["pid"].as_u64()
         })
         .await?;
+        let _ = read_tx.send(false);
+        tokio::time::sleep(STALL_BEFORE).await;
         for r in readers.iter() {
             r.max_gap_ns.store(0, Ordering::Relaxed);
         }
@@ -302,7 +352,7 @@ async fn measure(
                 tokio::time::sleep(Duration::from_millis(4 * TICK_MS)).await;
                 let silent = readers
                     .iter()
-                    .filter(|r| r.last_ns.load(Ordering::Relaxed) <= since)
+                    .filter(|r| !r.stalls && r.last_ns.load(Ordering::Relaxed) <= since)
                     .count();
                 (silent <= lost.load(Ordering::Relaxed)).then_some(())
             },
@@ -323,10 +373,23 @@ async fn measure(
         }
         let gap = readers
             .iter()
+            .filter(|r| !r.stalls)
             .map(|r| r.max_gap_ns.load(Ordering::Relaxed))
             .max()
             .unwrap_or(0);
         gaps.push(Duration::from_nanos(gap));
+        // The non-reading clients read again, and catch up.
+        let _ = read_tx.send(true);
+        until("the non-reading clients receiving again", Duration::from_secs(30), async || {
+            let since = now_ns();
+            tokio::time::sleep(Duration::from_millis(4 * TICK_MS)).await;
+            let silent = readers
+                .iter()
+                .filter(|r| r.stalls && r.last_ns.load(Ordering::Relaxed) <= since)
+                .count();
+            (silent <= lost.load(Ordering::Relaxed)).then_some(())
+        })
+        .await?;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     stop.store(true, Ordering::Relaxed);
@@ -340,6 +403,7 @@ async fn measure(
     Ok(Pauses {
         clients: n,
         streams,
+        stalled,
         gaps,
         took,
         lost: lost.load(Ordering::Relaxed),
@@ -353,38 +417,61 @@ fn quantile(sorted: &[Duration], q: f64) -> Duration {
     sorted.get(i).copied().unwrap_or_default()
 }
 
-/// Prints the run as a Markdown table.
-pub fn print(p: &Pauses) {
+/// Prints the two runs as a Markdown table: every client reading, and a
+/// tenth not reading around each handover.
+pub fn print(all_read: &Pauses, some_stall: &Pauses) {
     let ms = |d: Duration| format!("{:.0} ms", d.as_secs_f64() * 1e3);
-    let mut gaps = p.gaps.clone();
-    gaps.sort();
-    let mut took = p.took.clone();
-    took.sort();
+    let sorted = |v: &[Duration]| {
+        let mut v = v.to_vec();
+        v.sort();
+        v
+    };
     println!(
         "\n### Handover (SIGUSR2) with {} connected clients and {} event streams\n",
-        p.clients, p.streams
+        all_read.clients, all_read.streams
     );
     println!(
-        "An event every {TICK_MS} ms from the double; {} handovers in a row.\n",
-        p.gaps.len()
+        "An event every {TICK_MS} ms from the double; {} handovers in a row, twice: every client \
+         reading, then {} of the WebSocket clients not reading from {} ms before each signal \
+         until the new instance serves (the broker's `send_buffer_bytes` = {SEND_BUFFER_BYTES} \
+         in both: their sockets are full). The gaps are those of the clients and streams that \
+         read.\n",
+        all_read.gaps.len(),
+        some_stall.stalled,
+        STALL_BEFORE.as_millis()
     );
-    println!("| figure | p50 | p99 | max |");
-    println!("|---|---|---|---|");
+    println!("| figure | clients not reading | p50 | p99 | max |");
+    println!("|---|---|---|---|---|");
+    for p in [all_read, some_stall] {
+        let gaps = sorted(&p.gaps);
+        let took = sorted(&p.took);
+        println!(
+            "| largest delivery gap any reading client saw, per handover | {} | {} | {} | {} |",
+            p.stalled,
+            ms(quantile(&gaps, 0.5)),
+            ms(quantile(&gaps, 0.99)),
+            ms(*gaps.last().unwrap_or(&Duration::ZERO))
+        );
+        println!(
+            "| SIGUSR2 → the new instance serves (the old one exited) | {} | {} | {} | {} |",
+            p.stalled,
+            ms(quantile(&took, 0.5)),
+            ms(quantile(&took, 0.99)),
+            ms(*took.last().unwrap_or(&Duration::ZERO))
+        );
+    }
+    let ratio = |a: Duration, b: Duration| b.as_secs_f64() / a.as_secs_f64().max(1e-9);
     println!(
-        "| largest delivery gap any client saw, per handover | {} | {} | {} |",
-        ms(quantile(&gaps, 0.5)),
-        ms(quantile(&gaps, 0.99)),
-        ms(*gaps.last().unwrap_or(&Duration::ZERO))
+        "\nmedian gap with a tenth not reading / with all reading: {:.2}",
+        ratio(
+            quantile(&sorted(&all_read.gaps), 0.5),
+            quantile(&sorted(&some_stall.gaps), 0.5)
+        )
     );
-    println!(
-        "| SIGUSR2 → the new instance serves (the old one exited) | {} | {} | {} |",
-        ms(quantile(&took, 0.5)),
-        ms(quantile(&took, 0.99)),
-        ms(*took.last().unwrap_or(&Duration::ZERO))
-    );
-    println!("\nclients whose connection ended: {}", p.lost);
-    println!(
-        "numbered events a client missed: {}; received twice or out of order: {}",
-        p.skipped, p.repeated
-    );
+    for p in [all_read, some_stall] {
+        println!(
+            "\n{} not reading: clients whose connection ended: {}; numbered events a client missed: {}; received twice or out of order: {}",
+            p.stalled, p.lost, p.skipped, p.repeated
+        );
+    }
 }
