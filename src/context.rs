@@ -121,6 +121,10 @@ pub struct StreamEntry {
     pub gap_pending: bool,
     /// Body bytes not written yet (SSE records, base64), in order.
     pub unsent: String,
+    /// Response bytes written and not taken by the socket (base64), from
+    /// inside a chunk: the next instance writes them first, as they are.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub unwritten: String,
     /// The stream ended: `unsent` holds its last record.
     pub finished: bool,
     /// It was still writing its history: the next instance reads the rest

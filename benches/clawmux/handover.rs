@@ -174,8 +174,11 @@ pub async fn run(cfg: &Config, binary: &Path, stall: bool) -> Result<Pauses, Str
     // Small kernel send buffers: a client that stops reading has a full
     // socket within a few events, whatever the machine's default.
     let config = dir.path().join("config.toml");
-    std::fs::write(&config, format!("[limits]\nsend_buffer_bytes = {SEND_BUFFER_BYTES}\n"))
-        .map_err(|e| e.to_string())?;
+    std::fs::write(
+        &config,
+        format!("[limits]\nsend_buffer_bytes = {SEND_BUFFER_BYTES}\n"),
+    )
+    .map_err(|e| e.to_string())?;
     let mut child = std::process::Command::new(binary)
         .arg("serve")
         .arg("--socket")
@@ -380,15 +383,19 @@ async fn measure(
         gaps.push(Duration::from_nanos(gap));
         // The non-reading clients read again, and catch up.
         let _ = read_tx.send(true);
-        until("the non-reading clients receiving again", Duration::from_secs(30), async || {
-            let since = now_ns();
-            tokio::time::sleep(Duration::from_millis(4 * TICK_MS)).await;
-            let silent = readers
-                .iter()
-                .filter(|r| r.stalls && r.last_ns.load(Ordering::Relaxed) <= since)
-                .count();
-            (silent <= lost.load(Ordering::Relaxed)).then_some(())
-        })
+        until(
+            "the non-reading clients receiving again",
+            Duration::from_secs(30),
+            async || {
+                let since = now_ns();
+                tokio::time::sleep(Duration::from_millis(4 * TICK_MS)).await;
+                let silent = readers
+                    .iter()
+                    .filter(|r| r.stalls && r.last_ns.load(Ordering::Relaxed) <= since)
+                    .count();
+                (silent <= lost.load(Ordering::Relaxed)).then_some(())
+            },
+        )
         .await?;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

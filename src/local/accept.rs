@@ -172,6 +172,7 @@ pub async fn accept_loop(
         let stream = CountedStream {
             stream,
             _slot: slot,
+            spool: Arc::default(),
         };
         let tracker = ctx.tracker.clone();
         tracker.spawn(serve_connection(
@@ -190,7 +191,7 @@ pub const FIRST_REQUEST_GRACE: Duration = Duration::from_millis(250);
 
 /// One HTTP/1.1 connection, until it ends, is killed, or the broker stops.
 async fn serve_connection(
-    stream: CountedStream,
+    mut stream: CountedStream,
     peer_pid: super::PeerPid,
     socket: Arc<SocketPolicy>,
     ctx: Arc<Ctx>,
@@ -201,6 +202,7 @@ async fn serve_connection(
     let header_read_timeout = ctx.settings.limits.header_read_timeout;
     let conn_fd = super::ConnFd(std::os::fd::AsRawFd::as_raw_fd(&stream.stream));
     let conn_socket = super::ConnSocket::new(conn_fd.0);
+    stream.spool = Arc::clone(conn_socket.spool());
     let forget = conn_socket.clone();
     let asked = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let first_request = Arc::clone(&asked);
@@ -408,6 +410,9 @@ impl Throttle {
 struct CountedStream {
     stream: UnixStream,
     _slot: crate::slots::Slot,
+    /// Takes hyper's writes whole once an event stream's response begins
+    /// ([`super::stream_body::Spool`]).
+    spool: Arc<super::stream_body::Spool>,
 }
 
 impl AsyncRead for CountedStream {
@@ -422,11 +427,11 @@ impl AsyncRead for CountedStream {
 
 impl AsyncWrite for CountedStream {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
+        self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
     }
 
     fn poll_write_vectored(
@@ -434,7 +439,11 @@ impl AsyncWrite for CountedStream {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+        let this = &mut *self;
+        match this.spool.poll_write_vectored(&mut this.stream, cx, bufs) {
+            Some(polled) => polled,
+            None => Pin::new(&mut this.stream).poll_write_vectored(cx, bufs),
+        }
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -442,11 +451,23 @@ impl AsyncWrite for CountedStream {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
+        let this = &mut *self;
+        match this.spool.poll_flush(&mut this.stream, cx) {
+            Some(polled) => polled,
+            None => Pin::new(&mut this.stream).poll_flush(cx),
+        }
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
+        let this = &mut *self;
+        if this.spool.is_taken() {
+            // The socket has moved: shutting it down would end it there too.
+            return Poll::Ready(Ok(()));
+        }
+        if let Some(flushed) = this.spool.poll_flush(&mut this.stream, cx) {
+            std::task::ready!(flushed)?;
+        }
+        Pin::new(&mut this.stream).poll_shutdown(cx)
     }
 }
 

@@ -44,11 +44,23 @@ pub struct ConnFd(pub std::os::fd::RawFd);
 /// lock, before it closes it, so a copy is never taken of a descriptor
 /// that was closed (and perhaps reused).
 #[derive(Debug, Clone)]
-pub struct ConnSocket(std::sync::Arc<std::sync::Mutex<Option<std::os::fd::RawFd>>>);
+pub struct ConnSocket(
+    std::sync::Arc<std::sync::Mutex<Option<std::os::fd::RawFd>>>,
+    std::sync::Arc<stream_body::Spool>,
+);
 
 impl ConnSocket {
     pub fn new(fd: std::os::fd::RawFd) -> ConnSocket {
-        ConnSocket(std::sync::Arc::new(std::sync::Mutex::new(Some(fd))))
+        ConnSocket(
+            std::sync::Arc::new(std::sync::Mutex::new(Some(fd))),
+            std::sync::Arc::default(),
+        )
+    }
+
+    /// What hyper wrote on the connection and the socket has not taken
+    /// (spooled once an event stream's response begins).
+    pub fn spool(&self) -> &std::sync::Arc<stream_body::Spool> {
+        &self.1
     }
 
     /// A copy of the socket (close-on-exec), if the connection still owns it.

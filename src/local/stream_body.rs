@@ -11,6 +11,12 @@
 //! [`UNWRITTEN_BYTES`] of it. A stream whose reader stops reading stops
 //! taking batches from its queue, so its backlog, its stall and the
 //! budget's shedder judge it as they judge a WebSocket client.
+//!
+//! What hyper writes of such a response is taken whole by the connection's
+//! [`Spool`] when the socket cannot take it at once: hyper never holds a
+//! half-written chunk, so a handover moves the stream at once with the
+//! spool's bytes, whether its reader reads or not. The spool's bytes count
+//! with the chunks against [`UNWRITTEN_BYTES`] and in the budget.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -37,6 +43,19 @@ struct Unwritten {
     bytes: AtomicUsize,
     waker: AtomicWaker,
     drained: AtomicWaker,
+    /// Bytes the connection's [`Spool`] holds (they count against the
+    /// bound, not in [`Drained`]: they are off hyper's hands).
+    spooled: AtomicUsize,
+    /// A handover asks the body to stop: it is polled whatever is unwritten.
+    stopping: std::sync::atomic::AtomicBool,
+}
+
+impl Unwritten {
+    fn gated(&self) -> bool {
+        !self.stopping.load(Ordering::Acquire)
+            && self.bytes.load(Ordering::Acquire) + self.spooled.load(Ordering::Acquire)
+                >= UNWRITTEN_BYTES
+    }
 }
 
 /// What a handover's wait for an event stream's chunks runs on: a count
@@ -130,6 +149,164 @@ impl Drained {
     pub async fn all_written(&self) {
         std::future::poll_fn(|cx| poll_all_written(&*self.0, cx)).await
     }
+
+    /// For a handover: the body is polled from now on however much is
+    /// unwritten, so that it can stop (it is woken to).
+    pub fn open_gate(&self) {
+        self.0.stopping.store(true, Ordering::Release);
+        self.0.waker.wake();
+    }
+}
+
+/// What hyper wrote of an event stream's response that the socket has not
+/// taken yet (see the module docs). Off until the stream's response begins
+/// ([`Spool::start`]): then every write hyper makes is taken whole, and
+/// written on by hyper's flushes.
+#[derive(Debug, Default)]
+pub struct Spool(std::sync::Mutex<SpoolState>);
+
+#[derive(Debug, Default)]
+struct SpoolState {
+    /// On: the stream's count and the budget the bytes are counted in.
+    counted: Option<(Arc<Unwritten>, Arc<QueueBudget>)>,
+    bytes: bytes::BytesMut,
+    /// Taken for the next instance: nothing more is written here.
+    taken: bool,
+}
+
+/// A spool's buffer larger than this is not kept once written out.
+const KEEP_SPOOL_BYTES: usize = 64 * 1024;
+
+impl SpoolState {
+    fn keep(&mut self, bytes: &[u8]) {
+        if bytes.is_empty() {
+            return;
+        }
+        self.bytes.extend_from_slice(bytes);
+        if let Some((count, budget)) = &self.counted {
+            use crate::hub::client::BudgetCount;
+            count.spooled.fetch_add(bytes.len(), Ordering::AcqRel);
+            budget.count_add(bytes.len());
+        }
+    }
+
+    fn written(&mut self, n: usize) {
+        bytes::Buf::advance(&mut self.bytes, n);
+        if let Some((count, budget)) = &self.counted {
+            use crate::hub::client::BudgetCount;
+            count.spooled.fetch_sub(n, Ordering::AcqRel);
+            budget.count_sub(n);
+            count.waker.wake();
+        }
+    }
+
+    fn poll_drain<W: tokio::io::AsyncWrite + Unpin>(
+        &mut self,
+        io: &mut W,
+        cx: &mut Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        while !self.bytes.is_empty() {
+            let n = ready!(Pin::new(&mut *io).poll_write(cx, &self.bytes))?;
+            if n == 0 {
+                return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
+            }
+            self.written(n);
+        }
+        if self.bytes.capacity() > KEEP_SPOOL_BYTES {
+            self.bytes = bytes::BytesMut::new();
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for SpoolState {
+    fn drop(&mut self) {
+        let n = self.bytes.len();
+        self.written(n);
+    }
+}
+
+impl Spool {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SpoolState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// From now on, hyper's writes on this connection are taken whole,
+    /// counted with `drained`'s stream and in `budget`.
+    pub fn start(&self, drained: &Drained, budget: &Arc<QueueBudget>) {
+        self.lock().counted = Some((Arc::clone(&drained.0), Arc::clone(budget)));
+    }
+
+    /// For a handover, once hyper holds no chunk ([`Drained::all_written`]):
+    /// the bytes the socket has not taken, for the next instance to write
+    /// first. Nothing more is written on this connection here.
+    pub fn take(&self) -> Vec<u8> {
+        let mut st = self.lock();
+        st.taken = true;
+        let out = st.bytes.to_vec();
+        let n = out.len();
+        st.written(n);
+        st.bytes = bytes::BytesMut::new();
+        out
+    }
+
+    /// Whether the spool was taken for the next instance.
+    pub fn is_taken(&self) -> bool {
+        self.lock().taken
+    }
+
+    /// hyper's write, when spooling (`None`: not spooling, write it
+    /// directly): what the socket takes now goes, the rest is kept; all of
+    /// it is taken.
+    pub fn poll_write_vectored<W: tokio::io::AsyncWrite + Unpin>(
+        &self,
+        io: &mut W,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Option<Poll<std::io::Result<usize>>> {
+        let mut st = self.lock();
+        st.counted.as_ref()?;
+        let total = bufs.iter().map(|b| b.len()).sum();
+        if st.taken {
+            return Some(Poll::Ready(Ok(total)));
+        }
+        if let Poll::Ready(Err(e)) = st.poll_drain(io, cx) {
+            return Some(Poll::Ready(Err(e)));
+        }
+        let mut skip = 0;
+        if st.bytes.is_empty() {
+            match Pin::new(&mut *io).poll_write_vectored(cx, bufs) {
+                Poll::Ready(Ok(n)) => skip = n,
+                Poll::Ready(Err(e)) => return Some(Poll::Ready(Err(e))),
+                Poll::Pending => {}
+            }
+        }
+        for buf in bufs {
+            let b: &[u8] = buf;
+            let from = skip.min(b.len());
+            skip -= from;
+            st.keep(&b[from..]);
+        }
+        Some(Poll::Ready(Ok(total)))
+    }
+
+    /// hyper's flush, when spooling: the kept bytes first.
+    pub fn poll_flush<W: tokio::io::AsyncWrite + Unpin>(
+        &self,
+        io: &mut W,
+        cx: &mut Context<'_>,
+    ) -> Option<Poll<std::io::Result<()>>> {
+        let mut st = self.lock();
+        st.counted.as_ref()?;
+        if st.taken {
+            return Some(Poll::Ready(Ok(())));
+        }
+        match st.poll_drain(io, cx) {
+            Poll::Pending => Some(Poll::Pending),
+            Poll::Ready(Err(e)) => Some(Poll::Ready(Err(e))),
+            Poll::Ready(Ok(())) => Some(Pin::new(&mut *io).poll_flush(cx)),
+        }
+    }
 }
 
 /// An event stream's chunks, counted and bounded (see the module docs).
@@ -165,10 +342,10 @@ impl<S: Stream<Item = Bytes>> Stream for Counted<S> {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
         let this = &mut *self;
-        if this.unwritten.bytes.load(Ordering::Acquire) >= UNWRITTEN_BYTES {
+        if this.unwritten.gated() {
             // Registered before looking again, so a drop in between wakes us.
             this.unwritten.waker.register(cx.waker());
-            if this.unwritten.bytes.load(Ordering::Acquire) >= UNWRITTEN_BYTES {
+            if this.unwritten.gated() {
                 return Poll::Pending;
             }
         }
@@ -223,5 +400,100 @@ mod tests {
         }
         assert_eq!(rest, 7);
         assert_eq!(budget.used(), 0);
+    }
+
+    /// A socket that takes at most `room` bytes in all.
+    struct Tight {
+        room: usize,
+        wrote: Vec<u8>,
+    }
+
+    impl tokio::io::AsyncWrite for Tight {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            let n = buf.len().min(self.room);
+            if n == 0 {
+                return Poll::Pending;
+            }
+            self.room -= n;
+            self.wrote.extend_from_slice(&buf[..n]);
+            Poll::Ready(Ok(n))
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// Spooling, every write is taken whole however little the socket
+    /// takes: what it did not take is kept in order, counted against the
+    /// stream's bound and in the budget, written first by the next flush,
+    /// and at a handover taken whole (nothing more is written after).
+    #[test]
+    fn a_spool_takes_every_write_whole_and_gives_the_rest_at_a_handover() {
+        let budget = Arc::new(QueueBudget::new());
+        let body = Counted::new(futures_util::stream::empty::<Bytes>(), Arc::clone(&budget));
+        let drained = body.drained();
+        let spool = Spool::default();
+        let mut socket = Tight {
+            room: 10,
+            wrote: Vec::new(),
+        };
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let one = std::io::IoSlice::new(b"HTTP/1.1 200 OK\r\n\r\n");
+        assert!(
+            spool
+                .poll_write_vectored(&mut socket, &mut cx, &[one])
+                .is_none(),
+            "off until the stream's response begins"
+        );
+        spool.start(&drained, &budget);
+        let head = b"0123456789abcdef";
+        let chunk = vec![b'x'; 70 * 1024];
+        let wrote = spool.poll_write_vectored(
+            &mut socket,
+            &mut cx,
+            &[std::io::IoSlice::new(head), std::io::IoSlice::new(&chunk)],
+        );
+        assert!(matches!(wrote, Some(Poll::Ready(Ok(n))) if n == head.len() + chunk.len()));
+        assert_eq!(socket.wrote, b"0123456789");
+        let kept = head.len() + chunk.len() - 10;
+        assert_eq!(budget.used(), kept, "kept bytes are counted");
+        assert!(
+            drained.0.gated(),
+            "the stream takes no more chunks meanwhile"
+        );
+        // The socket takes 100 more bytes at the next flush.
+        socket.room = 100;
+        assert!(matches!(
+            spool.poll_flush(&mut socket, &mut cx),
+            Some(Poll::Pending)
+        ));
+        assert_eq!(socket.wrote.len(), 110);
+        let rest = spool.take();
+        assert_eq!(rest.len(), kept - 100);
+        let mut all = socket.wrote.clone();
+        all.extend_from_slice(&rest);
+        let mut expected = head.to_vec();
+        expected.extend_from_slice(&chunk);
+        assert_eq!(
+            all, expected,
+            "written then carried: the response, in order"
+        );
+        assert_eq!(budget.used(), 0, "taken: uncounted");
+        assert!(!drained.0.gated());
+        socket.room = 1000;
+        let after =
+            spool.poll_write_vectored(&mut socket, &mut cx, &[std::io::IoSlice::new(b"late")]);
+        assert!(matches!(after, Some(Poll::Ready(Ok(4)))));
+        assert_eq!(socket.wrote.len(), 110, "nothing is written once taken");
     }
 }

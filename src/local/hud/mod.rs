@@ -126,11 +126,12 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
             None,
             done,
             kill,
-            Some(super::sse::Movable {
+            Some(super::sse::Movable::new(
                 socket,
-                stopped: on_stop,
+                on_stop,
                 drained,
-            }),
+                ctx.hub.queue_budget(),
+            )),
         ));
     }
     resp

@@ -198,9 +198,10 @@ pub(crate) fn resume(
     let Some(hud) = entry.hud.take() else {
         return false;
     };
-    let (Ok(unsent), Ok(activity)) = (
+    let (Ok(unsent), Ok(activity), Some(unwritten)) = (
         base64::engine::general_purpose::STANDARD.decode(&entry.unsent),
         serde_json::from_value::<Activity>(hud.activity),
+        crate::local::sse::unwritten_of(&entry),
     ) else {
         tracing::warn!("handover: a HUD stream's state does not read here; closing it");
         return false;
@@ -233,7 +234,7 @@ pub(crate) fn resume(
         if !hud.websocket {
             ctx.spawn_moved(holding(
                 slot,
-                crate::local::sse::end_with(socket, Vec::new(), true),
+                crate::local::sse::end_with(socket, unwritten, Vec::new(), true),
             ));
         }
         return false;
@@ -275,7 +276,13 @@ pub(crate) fn resume(
     tracing::debug!("HUD stream taken over");
     ctx.spawn_moved(holding(
         slot,
-        crate::local::sse::write_on(Arc::clone(ctx), socket, body, Bytes::from(unsent)),
+        crate::local::sse::write_on(
+            Arc::clone(ctx),
+            socket,
+            body,
+            unwritten,
+            Bytes::from(unsent),
+        ),
     ));
     true
 }

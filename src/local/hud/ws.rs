@@ -258,6 +258,7 @@ pub(super) fn hud_entry(
         last_seq: 0,
         gap_pending: false,
         unsent: b64(&unsent),
+        unwritten: String::new(),
         finished: false,
         from_log: false,
         hud: Some(HudEntry {

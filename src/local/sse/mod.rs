@@ -40,7 +40,8 @@ use crate::hub::replay::{EventId, ResumePoint, GAP_EVENT};
 use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
 use crate::protocol::{ErrorShape, EventHead, StudioCode};
 pub(crate) use moving::{
-    adopt_socket, body_of, end_with, moved_access, resume, watch, write_on, BodySource, Movable,
+    adopt_socket, body_of, end_with, moved_access, resume, unwritten_of, watch, write_on,
+    BodySource, Movable,
 };
 
 /// Response header naming the broker life serving the stream (information:
@@ -373,10 +374,8 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
             Some(Arc::clone(&client)),
             done,
             kill,
-            socket.map(|socket| moving::Movable {
-                socket,
-                stopped: on_stop,
-                drained,
+            socket.map(|socket| {
+                moving::Movable::new(socket, on_stop, drained, ctx.hub.queue_budget())
             }),
         ));
     }

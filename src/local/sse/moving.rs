@@ -2,10 +2,13 @@
 //! its response so far written, left for the next instance ([`watch`]),
 //! and written on there from where it stopped ([`resume`]).
 //!
-//! In the instance that answered the request, hyper writes the response:
-//! the stream stops between two chunks, once hyper has written every
-//! chunk it took ([`crate::local::stream_body::Drained`]), so the socket
-//! is at a chunk boundary of the chunked body. What the stream had not
+//! In the instance that answered the request, hyper writes the response,
+//! and the connection's spool takes whatever the socket does not
+//! ([`crate::local::stream_body::Spool`]): the stream stops between two
+//! chunks once hyper has handed over every chunk it took
+//! ([`crate::local::stream_body::Drained`]), which waits for nobody, and
+//! the spool's bytes (the socket may be anywhere inside a chunk) travel
+//! as they are, written first by the next instance. What the stream had not
 //! written (the rest of its history, its queue) is formatted by the same
 //! writer once the sessions have ended, and travels as bytes; its cursor,
 //! its per-client `seq` and its filters travel with it. The next instance
@@ -92,9 +95,63 @@ pub(crate) fn body_of<S: BodySource>(
 /// What a stream that can move hands its watch: its connection's socket,
 /// the stream itself once it stopped, and what hyper has written of it.
 pub(crate) struct Movable<S> {
-    pub(crate) socket: super::super::ConnSocket,
-    pub(crate) stopped: oneshot::Receiver<S>,
-    pub(crate) drained: Drained,
+    socket: super::super::ConnSocket,
+    stopped: oneshot::Receiver<S>,
+    drained: Drained,
+}
+
+impl<S> Movable<S> {
+    /// A stream hyper writes on `socket` that can move; its connection's
+    /// spool takes hyper's writes from now on (before the response head).
+    pub(crate) fn new(
+        socket: super::super::ConnSocket,
+        stopped: oneshot::Receiver<S>,
+        drained: Drained,
+        budget: &Arc<crate::hub::QueueBudget>,
+    ) -> Self {
+        socket.spool().start(&drained, budget);
+        Movable {
+            socket,
+            stopped,
+            drained,
+        }
+    }
+}
+
+/// A stream's parcel with the response bytes its socket had not taken.
+struct Carrying {
+    parcel: Box<dyn StreamParcel>,
+    unwritten: Vec<u8>,
+}
+
+impl std::fmt::Debug for Carrying {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Carrying")
+            .field("parcel", &self.parcel)
+            .field("unwritten", &self.unwritten.len())
+            .finish()
+    }
+}
+
+impl StreamParcel for Carrying {
+    fn pack(self: Box<Self>) -> (StreamEntry, OwnedFd) {
+        let (mut entry, fd) = self.parcel.pack();
+        entry.unwritten = base64::engine::general_purpose::STANDARD.encode(&self.unwritten);
+        (entry, fd)
+    }
+}
+
+/// Leaves `parcel` for the next instance, with `unwritten` to write first.
+fn leave(ctx: &Ctx, parcel: Box<dyn StreamParcel>, unwritten: Vec<u8>) {
+    ctx.handoff
+        .leave_stream(Box::new(Carrying { parcel, unwritten }));
+}
+
+/// A moved stream's bytes to write first (`None`: not base64; it is closed).
+pub(crate) fn unwritten_of(entry: &StreamEntry) -> Option<Vec<u8>> {
+    base64::engine::general_purpose::STANDARD
+        .decode(&entry.unwritten)
+        .ok()
 }
 
 /// Watches one stream that hyper writes: at a handover, moves it
@@ -127,6 +184,7 @@ pub(crate) async fn watch<S: BodySource>(
         _ = ctx.cancel.cancelled(), if client.is_some() => {}
         _ = requested.cancelled(), if movable.is_some() => {
             let Some(movable) = movable else { return };
+            movable.drained.open_gate();
             match stop(movable, &ctx).await {
                 // Left for the next instance, or stopped but not written in
                 // time (cut: the reader resumes by cursor): either way this
@@ -168,8 +226,10 @@ enum Stopped {
 }
 
 /// Waits, at most [`HANDOVER_PAUSE_TIMEOUT`], for the body to stop between
-/// two chunks and for hyper to write every chunk it took; then leaves the
-/// stream with a copy of its socket for the next instance.
+/// two chunks and for hyper to hand over every chunk it took (to the
+/// socket or the spool: nothing here waits for the reader); then leaves
+/// the stream with a copy of its socket and the spool's bytes for the
+/// next instance.
 async fn stop<S: BodySource>(movable: Movable<S>, ctx: &Arc<Ctx>) -> Stopped {
     let Movable {
         socket,
@@ -199,7 +259,8 @@ async fn stop<S: BodySource>(movable: Movable<S>, ctx: &Arc<Ctx>) -> Stopped {
     let Some(fd) = socket.dup() else {
         return Stopped::Ended;
     };
-    ctx.handoff.leave_stream(stream.into_parcel(fd));
+    let unwritten = socket.spool().take();
+    leave(ctx, stream.into_parcel(fd), unwritten);
     Stopped::Moved
 }
 
@@ -274,6 +335,7 @@ impl StreamParcel for Moved {
             last_seq: stream.last_seq,
             gap_pending: stream.gap_pending,
             unsent: base64::engine::general_purpose::STANDARD.encode(&out),
+            unwritten: String::new(),
             finished: stream.finished,
             from_log,
             hud: None,
@@ -300,6 +362,9 @@ pub(crate) fn resume(
     let Ok(unsent) = base64::engine::general_purpose::STANDARD.decode(&entry.unsent) else {
         return false;
     };
+    let Some(unwritten) = unwritten_of(&entry) else {
+        return false;
+    };
     let wanted = match super::parse_query(Some(&entry.query), None, |k| ctx.sharing.canonical(k)) {
         Ok(wanted) => wanted,
         Err(why) => {
@@ -320,7 +385,7 @@ pub(crate) fn resume(
             });
     if let Some(why) = refused {
         tracing::warn!(client_id = entry.id, %why, "handover: an event stream may no longer read what it asked for; closing it");
-        ctx.spawn_moved(holding(slot, end_with(stream, Vec::new(), true)));
+        ctx.spawn_moved(holding(slot, end_with(stream, unwritten, Vec::new(), true)));
         return false;
     }
     let client = ctx.hub.restored_client(
@@ -362,7 +427,7 @@ pub(crate) fn resume(
                     client_id = entry.id,
                     "handover: an event stream's history cannot go on here ({e}); closing it"
                 );
-                ctx.spawn_moved(holding(slot, end_with(stream, unsent, true)));
+                ctx.spawn_moved(holding(slot, end_with(stream, unwritten, unsent, true)));
                 return false;
             }
         }
@@ -404,7 +469,13 @@ pub(crate) fn resume(
     tracing::debug!(client_id = client.id, "event stream taken over");
     ctx.spawn_moved(holding(
         slot,
-        write_on(Arc::clone(ctx), stream, stream_state, Bytes::from(unsent)),
+        write_on(
+            Arc::clone(ctx),
+            stream,
+            stream_state,
+            unwritten,
+            Bytes::from(unsent),
+        ),
     ));
     true
 }
@@ -413,15 +484,21 @@ pub(crate) fn resume(
 /// document; past this, the next instance reads the rest from the log.
 pub const MOVED_HISTORY_BYTES: usize = 1024 * 1024;
 
-/// Ends a moved stream that cannot go on here: what it had not written,
-/// then (when `close`) a `clawmux.close` record saying so, then the end of
-/// its body (bounded: the reader may not read). It resumes by cursor.
-pub(crate) async fn end_with(mut socket: UnixStream, unsent: Vec<u8>, close: bool) {
+/// Ends a moved stream that cannot go on here: the bytes the previous
+/// instance left unwritten, what it had not written, then (when `close`) a
+/// `clawmux.close` record saying so, then the end of its body (bounded:
+/// the reader may not read). It resumes by cursor.
+pub(crate) async fn end_with(
+    mut socket: UnixStream,
+    unwritten: Vec<u8>,
+    unsent: Vec<u8>,
+    close: bool,
+) {
     let mut body = unsent;
     if close {
         super::write_close_to(&mut body, 1012, "service restart");
     }
-    let mut out = Vec::new();
+    let mut out = unwritten;
     if !body.is_empty() {
         out.extend_from_slice(format!("{:X}\r\n", body.len()).as_bytes());
         out.extend_from_slice(&body);
@@ -462,48 +539,59 @@ pub(crate) fn adopt_socket(fd: OwnedFd) -> Option<UnixStream> {
 }
 
 /// Writes a moved stream's body, chunk by chunk, until it ends, its reader
-/// leaves, or it moves again.
+/// leaves, or it moves again: `unwritten` (response bytes the previous
+/// instance left, from inside a chunk) first, then `unsent` as a chunk.
+/// At a handover it moves at once, with what its socket has not taken.
 pub(crate) async fn write_on<S: BodySource>(
     ctx: Arc<Ctx>,
     mut socket: UnixStream,
     mut stream: S,
+    unwritten: Vec<u8>,
     unsent: Bytes,
 ) {
     let serving = stream.moves().then(|| ctx.handoff.serving());
-    let mut next = (!unsent.is_empty()).then_some(Step::Chunk(unsent));
+    let mut pending = BytesMut::from(&unwritten[..]);
+    frame_chunk(&mut pending, &unsent);
     loop {
-        let step = match next.take() {
-            Some(step) => step,
-            None => {
-                let (mut read, _) = socket.split();
-                tokio::select! {
-                    step = stream.next_step() => step,
-                    () = reader_left(&mut read) => return,
-                }
-            }
-        };
-        match step {
-            Step::Chunk(bytes) => {
-                if !write_chunk(&mut socket, &bytes, stream.give_up(), &ctx).await {
+        if !pending.is_empty() {
+            let (moves, give_up) = (stream.moves(), stream.give_up());
+            match write_pending(&mut socket, &mut pending, moves, give_up, &ctx).await {
+                Written::All => continue,
+                Written::GaveUp => {
                     tracing::info!(
                         client_id = stream.id(),
                         "cutting an event stream that does not drain"
                     );
                     return;
                 }
+                // The stream stops next (it sees the handover first).
+                Written::HandingOver => {}
             }
+        }
+        let step = if pending.is_empty() {
+            let (mut read, _) = socket.split();
+            tokio::select! {
+                step = stream.next_step() => step,
+                () = reader_left(&mut read) => return,
+            }
+        } else {
+            stream.next_step().await
+        };
+        match step {
+            Step::Chunk(bytes) => frame_chunk(&mut pending, &bytes),
             Step::End => {
                 // The last chunk: the body ends (the connection with it).
-                let _ = tokio::time::timeout(CLOSE_LINGER, socket.write_all(b"0\r\n\r\n")).await;
+                pending.extend_from_slice(b"0\r\n\r\n");
+                let _ = tokio::time::timeout(CLOSE_LINGER, socket.write_all(&pending)).await;
                 return;
             }
             Step::Stop => {
-                // Every chunk is written whole: the socket moves as it is.
+                // The socket moves as it is, with what it has not taken.
                 match socket.into_std() {
                     Ok(std) => {
                         stream.stopped();
-                        ctx.handoff
-                            .leave_stream(stream.into_parcel(OwnedFd::from(std)));
+                        let fd = OwnedFd::from(std);
+                        leave(&ctx, stream.into_parcel(fd), pending.to_vec());
                     }
                     Err(e) => {
                         tracing::warn!("handover: cannot take an event stream's socket ({e})")
@@ -516,6 +604,54 @@ pub(crate) async fn write_on<S: BodySource>(
     }
 }
 
+/// Appends `bytes` as one chunk of the chunked body (none if empty: a
+/// chunk of size 0 would end the body).
+fn frame_chunk(out: &mut BytesMut, bytes: &[u8]) {
+    if bytes.is_empty() {
+        return;
+    }
+    out.extend_from_slice(format!("{:X}\r\n", bytes.len()).as_bytes());
+    out.extend_from_slice(bytes);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// How [`write_pending`] ended.
+enum Written {
+    All,
+    /// The reader did not take it before the stream was closed (a slow
+    /// consumer) or the broker stopped (each with its grace).
+    GaveUp,
+    /// A handover asks: what is left moves with the stream.
+    HandingOver,
+}
+
+/// Writes `pending` (counted in the queue budget while it is written),
+/// keeping what the socket has not taken.
+async fn write_pending(
+    socket: &mut UnixStream,
+    pending: &mut BytesMut,
+    moves: bool,
+    give_up: impl Future<Output = ()>,
+    ctx: &Arc<Ctx>,
+) -> Written {
+    let _hold = ctx.hub.queue_budget().hold(pending.len());
+    let write = async {
+        while !pending.is_empty() {
+            match socket.write(pending).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => bytes::Buf::advance(pending, n),
+            }
+        }
+        true
+    };
+    tokio::select! {
+        biased;
+        written = write => if written { Written::All } else { Written::GaveUp },
+        _ = ctx.handoff.requested.cancelled(), if moves => Written::HandingOver,
+        () = give_up => Written::GaveUp,
+    }
+}
+
 /// Resolves when the reader has closed its side (or its socket failed).
 /// A reader sends nothing after its request (the response said
 /// `connection: close`); whatever it sends is read and dropped.
@@ -525,33 +661,6 @@ async fn reader_left(read: &mut tokio::net::unix::ReadHalf<'_>) {
         if n == 0 {
             return;
         }
-    }
-}
-
-/// Writes one chunk of the body (counted in the queue budget while it is
-/// written); false when the reader does not take it before the stream is
-/// closed (slow consumer), the broker stops, or a handover asks (each with
-/// its grace).
-async fn write_chunk(
-    socket: &mut UnixStream,
-    bytes: &[u8],
-    give_up: impl Future<Output = ()>,
-    ctx: &Arc<Ctx>,
-) -> bool {
-    if bytes.is_empty() {
-        // (A chunk of size 0 would end the body.)
-        return true;
-    }
-    let _hold = ctx.hub.queue_budget().hold(bytes.len());
-    let size = format!("{:X}\r\n", bytes.len());
-    let write = async {
-        socket.write_all(size.as_bytes()).await?;
-        socket.write_all(bytes).await?;
-        socket.write_all(b"\r\n").await
-    };
-    tokio::select! {
-        written = write => written.is_ok(),
-        () = give_up => false,
     }
 }
 
