@@ -24,6 +24,7 @@
 //! with a file or without. The broker life's [`epoch`](ReplayWindow::epoch)
 //! is information only.
 
+pub(crate) mod cursors;
 pub(crate) mod store;
 
 use std::collections::VecDeque;
@@ -296,6 +297,9 @@ pub struct ReplayLog {
     persist: Option<store::Persist>,
     /// The broker lives whose cursors this log holds, this one last.
     lives: Vec<String>,
+    /// The cursors reserved in the state dir ([`cursors`]); `None`: the
+    /// cursors are numbered by the clock.
+    reservation: Option<Arc<cursors::Reservation>>,
 }
 
 impl Default for ReplayLog {
@@ -323,6 +327,47 @@ impl ReplayLog {
             newest_seq: base,
             floor: base,
             persist: None,
+            reservation: None,
+        }
+    }
+
+    /// The first cursor at or above `at_least` this life may hand out, and
+    /// its reservation in `cursor_file` (none: by the clock, above any
+    /// earlier life's). Disk I/O: at start.
+    fn first_cursor(
+        cursor_file: Option<&Path>,
+        at_least: u64,
+        continued: bool,
+    ) -> (u64, Option<Arc<cursors::Reservation>>) {
+        let by_clock = || (at_least.max(now_micros()), None);
+        let Some(path) = cursor_file else {
+            return if continued {
+                (at_least, None)
+            } else {
+                by_clock()
+            };
+        };
+        let first = if continued {
+            at_least
+        } else {
+            match cursors::first_allowed(path) {
+                Ok(allowed) => at_least.max(allowed.unwrap_or(1)),
+                Err(why) => {
+                    tracing::warn!(%why, "replay log: numbering cursors by the clock");
+                    return by_clock();
+                }
+            }
+        };
+        match cursors::Reservation::start(path, first) {
+            Ok(reservation) => (first, Some(reservation)),
+            Err(why) => {
+                tracing::warn!(%why, "replay log: cannot reserve cursors; numbering them by the clock");
+                if continued {
+                    (at_least, None)
+                } else {
+                    by_clock()
+                }
+            }
         }
     }
 
@@ -347,14 +392,32 @@ impl ReplayLog {
     /// Otherwise (the file is another's, or older) it is a restart, above
     /// the handed cursor too.
     pub fn open(limits: ReplayLimits, file: Option<&Path>, handed_newest: Option<u64>) -> Self {
+        ReplayLog::open_with(limits, file, None, handed_newest)
+    }
+
+    /// [`ReplayLog::open`], with the cursor reservation in `cursor_file`
+    /// (see [`cursors`]; `None`: cursors by the clock).
+    pub fn open_with(
+        limits: ReplayLimits,
+        file: Option<&Path>,
+        cursor_file: Option<&Path>,
+        handed_newest: Option<u64>,
+    ) -> Self {
+        let in_memory = || {
+            let (first, reservation) =
+                ReplayLog::first_cursor(cursor_file, handed_newest.map_or(1, |n| n + 1), false);
+            let mut log = ReplayLog::starting_at(limits, first - 1);
+            log.reservation = reservation;
+            log
+        };
         let Some(path) = file else {
-            return ReplayLog::in_memory(limits);
+            return in_memory();
         };
         let mut opened = match store::open(path, limits) {
             Ok(opened) => opened,
             Err(why) => {
                 tracing::warn!(%why, "replay log: cannot use the file; history will not survive a restart");
-                return ReplayLog::in_memory(limits);
+                return in_memory();
             }
         };
         let mut loaded = std::mem::take(&mut opened.loaded);
@@ -395,13 +458,16 @@ impl ReplayLog {
         // (it would have needed more than one event per microsecond). A
         // life handed a file that ends at the cursor it was handed goes on
         // right after it.
-        let start = if continued {
-            known + 1
+        let (start, reservation) = if continued {
+            ReplayLog::first_cursor(cursor_file, known + 1, true)
         } else {
-            (known + 1)
-                .max(now_micros())
-                .max(handed_newest.map_or(0, |n| n + 1))
+            ReplayLog::first_cursor(
+                cursor_file,
+                (known + 1).max(handed_newest.map_or(0, |n| n + 1)),
+                false,
+            )
         };
+        log.reservation = reservation;
         let gap = (loaded.any && !continued).then_some(start);
         match gap {
             Some(gap) => log.newest_seq = gap - 1,
@@ -491,6 +557,7 @@ impl ReplayLog {
         if self.newest_seq >= MAX_CURSOR {
             self.new_epoch_at_the_limit();
         }
+        self.check_reserved();
         let head = head.with_cursor(self.newest_seq + 1);
         let cap = MAX_LOGGED_EVENT_BYTES.min(self.limits.max_bytes);
         let kept = if head.len() > cap {
@@ -521,8 +588,27 @@ impl ReplayLog {
         if self.newest_seq >= MAX_CURSOR {
             self.new_epoch_at_the_limit();
         }
+        self.check_reserved();
         self.newest_seq += 1;
         self.pending_gap = true;
+    }
+
+    /// The next cursor must be reserved on disk: when the renewal has not
+    /// kept up (the disk is that slow), the cursors go on by the clock
+    /// instead, which is above anything reserved, for the rest of this life.
+    fn check_reserved(&mut self) {
+        let Some(reservation) = &self.reservation else {
+            return;
+        };
+        if reservation.covers(self.newest_seq + 1) {
+            return;
+        }
+        tracing::warn!(
+            newest = self.newest_seq,
+            "replay log: the cursor reservation did not keep up; numbering cursors by the clock from here"
+        );
+        self.reservation = None;
+        self.newest_seq = self.newest_seq.max(now_micros());
     }
 
     /// The cursors would pass [`MAX_CURSOR`] (only a log continued from a
@@ -647,6 +733,13 @@ fn fit_event(head: &EventHead, cap: usize) -> EventHead {
 /// Where a broker with these settings keeps its replay log: in the state
 /// dir (the device identity's), one file per socket; `None` when
 /// `[limits] replay_persist = false` or there is no state dir.
+/// The cursor reservation's file for `settings`: under the state dir,
+/// whether or not the log is kept there.
+pub fn cursor_file(settings: &crate::config::Settings) -> Option<PathBuf> {
+    let dir = settings.upstream.device_identity.as_ref()?;
+    Some(dir.join(cursors::file_name(&settings.socket_path)))
+}
+
 pub fn log_file(settings: &crate::config::Settings) -> Option<PathBuf> {
     if !settings.limits.replay_persist {
         return None;
@@ -664,9 +757,10 @@ impl Hub {
     /// disk work happens before the hub's lock is taken.
     /// `handed_newest`: see [`ReplayLog::open`].
     pub fn open_replay_log(&self, settings: &crate::config::Settings, handed_newest: Option<u64>) {
-        let log = ReplayLog::open(
+        let log = ReplayLog::open_with(
             ReplayLimits::from(&settings.limits),
             log_file(settings).as_deref(),
+            cursor_file(settings).as_deref(),
             handed_newest,
         );
         // The runs in flight as the log left them (a run that spans the
@@ -700,13 +794,19 @@ impl Hub {
     /// handed out (so the next life continues right after it), fsyncs, and
     /// waits for the writer. Events logged after this stay in memory only.
     pub async fn close_replay_log(&self) {
-        let taken = {
+        let (taken, reservation) = {
             let mut inner = self.lock();
             let newest = inner.replay.newest_seq;
-            inner.replay.persist.take().map(|p| (p, newest))
+            (
+                inner.replay.persist.take().map(|p| (p, newest)),
+                inner.replay.reservation.take().map(|r| (r, newest)),
+            )
         };
         if let Some((persist, newest)) = taken {
             persist.close(newest).await;
+        }
+        if let Some((reservation, newest)) = reservation {
+            let _ = tokio::task::spawn_blocking(move || reservation.stopped(newest)).await;
         }
     }
 

@@ -790,3 +790,115 @@ async fn upstream_gaps_and_reconnects_show_as_skipped_ids_and_replay_across_them
         assert_eq!(ids, [one, two], "after {after}");
     }
 }
+
+/// `clawmux serve` from the binary under test on `socket`, its state dir
+/// under `home`, with `config` as its config file, once ready.
+async fn serve_binary(
+    home: &std::path::Path,
+    gw: &MockGateway,
+    config: &str,
+) -> (ChildGuard, std::path::PathBuf) {
+    let socket = home.join("c.sock");
+    let config_path = home.join("config.toml");
+    std::fs::write(&config_path, config).unwrap();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_clawmux"))
+        .arg("serve")
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--gateway-url", &gw.url(), "--token", "test-token"])
+        .arg("--config")
+        .arg(&config_path)
+        .env("HOME", home)
+        .env("XDG_STATE_HOME", home.join("state"))
+        .env_remove("CLAWMUX_CONFIG")
+        .env_remove("NOTIFY_SOCKET")
+        .env_remove("LISTEN_FDS")
+        .env_remove("LISTEN_PID")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let child = ChildGuard(child);
+    // (After a crash the old socket file is still there until the new
+    // broker replaces it.)
+    eventually_async("the broker accepts", || async {
+        tokio::net::UnixStream::connect(&socket)
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    until_ready(&socket).await;
+    (child, socket)
+}
+
+/// The newest cursor after `n` more events.
+async fn publish_on(socket: &std::path::Path, gw: &MockGateway, n: u64) -> u64 {
+    let before = state(socket).await["newest_seq"].as_u64().unwrap();
+    for i in 0..n {
+        gw.broadcast("test.event", json!({ "i": i }));
+    }
+    wait_newest_seq(socket, before + n).await["newest_seq"]
+        .as_u64()
+        .unwrap()
+}
+
+/// Stops a broker as systemd does (SIGTERM) and waits for its exit.
+async fn stop_cleanly(mut child: ChildGuard) {
+    let pid = rustix::process::Pid::from_raw(child.0.id() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let status = tokio::task::spawn_blocking(move || child.0.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
+
+/// Cursors a person types back into `--after` are short in normal use: a
+/// new state dir starts at 1, a clean stop goes on right after the last
+/// cursor, a crash (SIGKILL) skips at most one reserved block, and a life
+/// that keeps no log file (`replay_persist = false`) goes on the same way;
+/// across all of them cursors only grow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cursors_stay_short_and_only_grow_across_stops_crashes_and_lives_without_a_log() {
+    const BLOCK: u64 = 65_536; // the reservation's block (replay/cursors.rs)
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path();
+    let (broker, socket) = serve_binary(home, &gw, "").await;
+    let first = publish_on(&socket, &gw, 3).await;
+    assert!(first < 100, "a new state dir's cursors are short: {first}");
+    stop_cleanly(broker).await;
+
+    let (broker, socket) = serve_binary(home, &gw, "").await;
+    let second = publish_on(&socket, &gw, 3).await;
+    assert!(
+        second > first && second < first + 100,
+        "after a clean stop, right after: {second} after {first}"
+    );
+    drop(broker); // SIGKILL: no stop is recorded
+
+    let (broker, socket) = serve_binary(home, &gw, "").await;
+    let third = publish_on(&socket, &gw, 3).await;
+    assert!(
+        third > second && third < second + BLOCK + 100,
+        "after a crash, past the reservation only: {third} after {second}"
+    );
+    stop_cleanly(broker).await;
+
+    let no_log = "[limits]\nreplay_persist = false\n";
+    let (broker, socket) = serve_binary(home, &gw, no_log).await;
+    let fourth = publish_on(&socket, &gw, 3).await;
+    assert!(
+        fourth > third && fourth < third + 100,
+        "a life without the log file: {fourth} after {third}"
+    );
+    drop(broker);
+    let (_broker, socket) = serve_binary(home, &gw, no_log).await;
+    let fifth = publish_on(&socket, &gw, 3).await;
+    assert!(
+        fifth > fourth && fifth < fourth + BLOCK + 100,
+        "{fifth} after {fourth}"
+    );
+}
