@@ -183,6 +183,11 @@ impl<T> Limited<T> {
         self.held.mid_frame = mid;
     }
 
+    /// Bytes written to the socket so far (its progress).
+    pub fn written(&self) -> u64 {
+        self.budget.1.load(Ordering::Relaxed)
+    }
+
     /// Whether tungstenite's bytes wait to be written (before the next frame).
     pub fn has_held(&self) -> bool {
         !self.held.bytes.is_empty()

@@ -47,6 +47,10 @@ const CONNECT_FAILED_LINGER: std::time::Duration = std::time::Duration::from_sec
 /// How long a closing client may take to acknowledge our close frame.
 const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// At a close, a client whose socket takes nothing for this long is not
+/// waited for: it is not reading.
+const CLOSE_STALL: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// The most batches ([`crate::hub::client::MAX_BATCH_BYTES`], 256 KiB or
 /// one larger frame) the writer takes in one turn before the client's
 /// socket is read again. A writer that drained the whole backlog before
@@ -132,6 +136,32 @@ where
     /// Writes what is queued (a close frame last) until the writer ends.
     async fn finish_writing(&mut self) {
         std::future::poll_fn(|cx| self.writer.poll_drive(cx, &mut self.ws, &self.client)).await;
+    }
+
+    /// [`Conn::finish_writing`] for as long as the socket keeps taking
+    /// bytes: a client that takes none for [`CLOSE_STALL`] is left there
+    /// (a stop never waits for a client that is not reading), and one that
+    /// reads gets at most [`CLOSE_LINGER`].
+    async fn finish_while_read(&mut self) {
+        let deadline = tokio::time::Instant::now() + CLOSE_LINGER;
+        loop {
+            let before = self.ws.get_ref().written();
+            let until = deadline.min(tokio::time::Instant::now() + CLOSE_STALL);
+            if tokio::time::timeout_at(until, self.finish_writing())
+                .await
+                .is_ok()
+                || tokio::time::Instant::now() >= deadline
+            {
+                return;
+            }
+            if self.ws.get_ref().written() == before {
+                tracing::info!(
+                    client_id = self.client.id,
+                    "not waiting for a client that is not reading to take its close"
+                );
+                return;
+            }
+        }
     }
 }
 
@@ -310,7 +340,7 @@ where
     // Let the writer deliver what is queued (the close frame included), but
     // never wait on a client that does not read.
     if conn.writer.ended.is_none() {
-        let _ = tokio::time::timeout(CLOSE_LINGER, conn.finish_writing()).await;
+        conn.finish_while_read().await;
     }
     if conn.writer.ended == Some(WriterEnd::Killed) {
         conn.writer.send_slow_consumer_close(&mut conn.ws).await;
