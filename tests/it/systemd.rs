@@ -377,22 +377,29 @@ async fn ready_does_not_wait_for_the_gateway() {
     assert!(wait_exit(&mut broker.0).await.success());
 }
 
+/// The broker's send buffer per client in the flood tests (set, so that
+/// what fills first is this figure, not the machine's default).
+const FLOOD_SEND_BUFFER: usize = 16 * 1024;
+
+/// A config file in `dir` setting [`FLOOD_SEND_BUFFER`].
+fn flood_config(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("flood.toml");
+    std::fs::write(
+        &path,
+        format!("[limits]\nsend_buffer_bytes = {FLOOD_SEND_BUFFER}\n"),
+    )
+    .unwrap();
+    path
+}
+
 /// Events of 64 KiB, 2 MiB more than the broker's socket to a client holds
-/// (its send buffer is the kernel's `wmem_default`, read here rather than
-/// assumed) and far less than the 8 MiB a client may have queued: a client
-/// that does not read has its writer blocked, and is not yet closed as a
-/// slow consumer. Returns the reader's highest seq so far.
+/// (its send buffer is set: [`flood_config`]; the kernel doubles it) and
+/// far less than the 8 MiB a client may have queued: a client that does
+/// not read has its writer blocked, and is not yet closed as a slow
+/// consumer. Returns the reader's highest seq so far.
 async fn flood(gw: &MockGateway, reader: &mut WsClient) -> u64 {
     let blob = "x".repeat(64 * 1024);
-    let kernel = std::fs::read_to_string("/proc/sys/net/core/wmem_default")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(256 * 1024);
-    let count = (kernel + (2 << 20)).div_ceil(64 * 1024);
-    assert!(
-        count * 64 * 1024 < 6 << 20,
-        "a socket send buffer of {kernel} bytes leaves no room below the 8 MiB hard limit"
-    );
+    let count = (2 * FLOOD_SEND_BUFFER + (2 << 20)).div_ceil(64 * 1024);
     for n in 0..count {
         gw.broadcast("test.big", json!({"n": n, "blob": blob}));
     }
@@ -418,6 +425,8 @@ async fn sigterm_with_a_client_that_never_reads_does_not_wait_for_it() {
     let mut notify = NotifySocket::bind(dir.path());
     let mut cmd = serve_command(&socket, &notify);
     cmd.args(["--gateway-url", &gw.url(), "--shutdown-timeout", "60"])
+        .arg("--config")
+        .arg(flood_config(dir.path()))
         .env("CLAWMUX_GATEWAY_TOKEN", "test-token")
         .stderr(Stdio::piped());
     let mut broker = spawn_ready(&mut cmd, &mut notify).await;
@@ -463,6 +472,8 @@ async fn a_second_signal_during_shutdown_forces_exit_3() {
     let mut notify = NotifySocket::bind(dir.path());
     let mut cmd = serve_command(&socket, &notify);
     cmd.args(["--gateway-url", &gw.url(), "--shutdown-timeout", "60"])
+        .arg("--config")
+        .arg(flood_config(dir.path()))
         .env("CLAWMUX_GATEWAY_TOKEN", "test-token");
     let mut broker = spawn_ready(&mut cmd, &mut notify).await;
     let mut reader = WsClient::open(&socket, "/ws").await;
