@@ -1,5 +1,8 @@
-//! The `serve` process from `READY=1` to exit: waits for SIGTERM/SIGINT,
-//! tells systemd, and shuts the broker down within a hard deadline.
+//! The `serve` process: its start, taking over from a previous instance
+//! when there is one ([`start_serving`]: the new instance's half of a
+//! handover), and from `READY=1` to exit ([`serve_until_stopped`]): waits
+//! for SIGTERM/SIGINT, tells systemd, hands over on SIGUSR2 (the old
+//! instance's half), and shuts the broker down within a hard deadline.
 //!
 //! Exit codes (README, "Exit codes"): 0 clean stop, 1 start-up failure (the
 //! binary's edge reports it), 2 bad command line (clap), 3 forced stop.
@@ -9,7 +12,7 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use crate::context::Ctx;
-use crate::handover::upgrade::Program;
+use crate::handover::upgrade::{Predecessor, Program};
 use crate::systemd::Notifier;
 use crate::RunningBroker;
 
@@ -358,5 +361,180 @@ async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Dur
                 Err(e) => Outcome::Lost(format!("{why}; serving again failed too: {e}")),
             }
         }
+    }
+}
+
+/// The new instance's half of a handover, and a start without one: takes
+/// over what a previous instance handed over (a `SIGUSR2` upgrade's, which
+/// waits for this one's answers, or systemd's store), else serves on the
+/// socket systemd passed, else binds its own; then, after an upgrade,
+/// waits for the old instance's commit ([`commit_with`]). After an
+/// upgrade nothing moved is touched before the commit, not even the
+/// socket files, however this start fails.
+pub async fn start_serving(
+    settings: crate::config::Settings,
+    inherited: Option<crate::handover::Inherited>,
+    activated: Option<crate::systemd::ActivatedSocket>,
+    shutdown_timeout: Duration,
+) -> anyhow::Result<RunningBroker> {
+    use crate::handover::Source;
+    let gate = if inherited
+        .as_ref()
+        .is_some_and(|i| i.source == Source::Upgrade)
+    {
+        crate::gate::Gate::closed()
+    } else {
+        crate::gate::Gate::opened()
+    };
+    let mut predecessor = None;
+    let mut taken = None;
+    if let Some(mut inherited) = inherited {
+        let names = inherited.names().join(", ");
+        let control = inherited.control();
+        match (inherited.source, inherited.take(&gate)) {
+            (Source::Upgrade, result) => {
+                let control = control
+                    .ok_or_else(|| anyhow::anyhow!("upgrade: no control socket was passed"))?;
+                let mut old = Predecessor::new(control)?;
+                match result {
+                    Ok(mut t) => {
+                        old.say("valid").await?;
+                        if upgrade_fault().as_deref() == Some("after-valid") {
+                            // A start that fails as an error returned (its
+                            // destructors run), once the state was valid.
+                            // Said before the control socket closes: the old instance ends
+                            // this process as soon as it sees it close.
+                            eprintln!("clawmux: {UPGRADE_FAULT}=after-valid: failing the start");
+                            anyhow::bail!("upgrade: {UPGRADE_FAULT}=after-valid");
+                        }
+                        let clients = old
+                            .released(shutdown_timeout + crate::handover::upgrade::RELEASE_MARGIN)
+                            .await
+                            .map_err(|e| anyhow::anyhow!("upgrade: {e}"))?;
+                        t.clients = Some(clients);
+                        taken = Some(t);
+                        predecessor = Some(old);
+                    }
+                    Err(e) => {
+                        let _ = old.say(&format!("invalid {e}")).await;
+                        anyhow::bail!(
+                            "upgrade: cannot take over ({e}); the old instance goes on serving"
+                        );
+                    }
+                }
+            }
+            (Source::Store, Ok(t)) => taken = Some(t),
+            (Source::Store, Err(e)) => tracing::warn!(
+                descriptors = %names,
+                "the stored state cannot be taken ({e}); starting fresh"
+            ),
+        }
+    }
+    let broker = match (taken, activated) {
+        (Some(t), activated) => {
+            crate::upgrade_record::took_over(
+                t.state.from_pid,
+                &t.state.from_version,
+                t.clients.as_ref().map_or(0, |m| m.doc.clients.len()),
+                t.clients.as_ref().map_or(0, |m| m.doc.streams.len()),
+            );
+            tracing::info!(
+                from_pid = t.state.from_pid,
+                from_version = %t.state.from_version,
+                listeners = t.state.listeners.len(),
+                clients = t.clients.as_ref().map_or(0, |m| m.doc.clients.len()),
+                "took over from the previous instance"
+            );
+            let moved = t.clients;
+            let main = match (t.main, activated) {
+                (Some(main), activated) => {
+                    if let Some(socket) = activated {
+                        tracing::warn!(name = %socket.name, "systemd also passed a socket; serving on the handed-over one");
+                    }
+                    main
+                }
+                (None, Some(socket)) => {
+                    let path = socket
+                        .listener
+                        .local_addr()
+                        .ok()
+                        .and_then(|a| a.as_pathname().map(std::path::PathBuf::from))
+                        .unwrap_or_else(|| settings.socket_path.clone());
+                    (
+                        socket.listener,
+                        crate::local::socket::SocketGuard::activated(path),
+                    )
+                }
+                (None, None) => anyhow::bail!(
+                    "the handed-over state has no main socket and systemd passed none"
+                ),
+            };
+            RunningBroker::start_handed_over(settings, main, t.policies, moved, gate)?
+        }
+        (None, Some(socket)) => {
+            RunningBroker::start_with_activated(settings, socket.listener, socket.others)?
+        }
+        (None, None) => RunningBroker::start(settings).await?,
+    };
+    if let Some(mut old) = predecessor {
+        commit_with(&mut old, &broker).await;
+    }
+    Ok(broker)
+}
+
+/// The end of a `SIGUSR2` upgrade, in the new instance: everything is
+/// taken over and its gate is closed (nothing moved was read or written).
+/// Says `ready`; on the old instance's `commit` opens the gate and says
+/// `serving`. Without the commit the old instance serves everything again,
+/// so this one exits at once, touching nothing (not even the socket files:
+/// no destructor runs).
+async fn commit_with(old: &mut Predecessor, broker: &RunningBroker) {
+    // Crash stand-ins for the tests: the new instance holds what it took
+    // over 300 ms, then exits, before `ready` or after the commit.
+    let fault = upgrade_fault();
+    let crash_at = |point: &'static str| async move {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        eprintln!("clawmux: {UPGRADE_FAULT}={point}: exiting");
+        std::process::exit(1);
+    };
+    if fault.as_deref() == Some("before-ready") {
+        crash_at("before-ready").await;
+    }
+    let commit = match old.say("ready").await {
+        Ok(()) => old.committed(crate::handover::upgrade::SERVE_TIMEOUT).await,
+        Err(e) => Err(format!("the control socket failed ({e})")),
+    };
+    if let Err(why) = commit {
+        tracing::error!("upgrade: no commit ({why}); the old instance goes on serving");
+        eprintln!("clawmux: upgrade: no commit ({why}); the old instance goes on serving");
+        std::process::exit(1);
+    }
+    broker.ctx().gate.open();
+    if fault.as_deref() == Some("after-commit") {
+        crash_at("after-commit").await;
+    }
+    // The main process first, then the word that lets the old one exit:
+    // systemd must know who the service is before its main process goes
+    // (it reads notifications before exits).
+    crate::systemd::now_main_process();
+    if let Err(e) = old.say("serving").await {
+        // Committed: the clients are this instance's; it serves on.
+        tracing::warn!("upgrade: cannot tell the old instance it serves ({e})");
+    }
+}
+
+/// Test hook (tests/it/handover.rs): where the new instance of an upgrade
+/// fails: `after-valid` (an error returned), `before-ready` or
+/// `after-commit` (it exits).
+const UPGRADE_FAULT: &str = "CLAWMUX_TEST_UPGRADE_FAULT";
+
+/// [`UPGRADE_FAULT`], read only by a build with debug assertions (the test
+/// suite's): a release build, the one users install and run as a service,
+/// never looks at it, so no environment can make a broker fail on purpose.
+fn upgrade_fault() -> Option<String> {
+    if cfg!(debug_assertions) {
+        std::env::var(UPGRADE_FAULT).ok()
+    } else {
+        None
     }
 }

@@ -20,7 +20,6 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::Parser;
 use clawmux::config::{self, Secret};
-use clawmux::RunningBroker;
 use clawmux_mock::{MockConfig, MockGateway};
 
 /// An error that ends the command with exit 2 (a usage error) rather than 1.
@@ -173,73 +172,13 @@ fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {
     Ok(dir)
 }
 
-/// The end of a `SIGUSR2` upgrade, in the new instance: everything is
-/// taken over and its gate is closed (nothing moved was read or written).
-/// Says `ready`; on the old instance's `commit` opens the gate and says
-/// `serving`. Without the commit the old instance serves everything again,
-/// so this one exits at once, touching nothing (not even the socket files:
-/// no destructor runs).
-async fn commit_with(old: &mut clawmux::handover::upgrade::Predecessor, broker: &RunningBroker) {
-    // Crash stand-ins for the tests: the new instance holds what it took
-    // over 300 ms, then exits, before `ready` or after the commit.
-    let fault = upgrade_fault();
-    let crash_at = |point: &'static str| async move {
-        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        eprintln!("clawmux: {UPGRADE_FAULT}={point}: exiting");
-        std::process::exit(1);
-    };
-    if fault.as_deref() == Some("before-ready") {
-        crash_at("before-ready").await;
-    }
-    let commit = match old.say("ready").await {
-        Ok(()) => {
-            old.committed(clawmux::handover::upgrade::SERVE_TIMEOUT)
-                .await
-        }
-        Err(e) => Err(format!("the control socket failed ({e})")),
-    };
-    if let Err(why) = commit {
-        tracing::error!("upgrade: no commit ({why}); the old instance goes on serving");
-        eprintln!("clawmux: upgrade: no commit ({why}); the old instance goes on serving");
-        std::process::exit(1);
-    }
-    broker.ctx().gate.open();
-    if fault.as_deref() == Some("after-commit") {
-        crash_at("after-commit").await;
-    }
-    // The main process first, then the word that lets the old one exit:
-    // systemd must know who the service is before its main process goes
-    // (it reads notifications before exits).
-    clawmux::systemd::now_main_process();
-    if let Err(e) = old.say("serving").await {
-        // Committed: the clients are this instance's; it serves on.
-        tracing::warn!("upgrade: cannot tell the old instance it serves ({e})");
-    }
-}
-
-/// Test hook (tests/it/handover.rs): where the new instance of an upgrade
-/// fails: `after-valid` (an error returned), `before-ready` or
-/// `after-commit` (it exits).
-const UPGRADE_FAULT: &str = "CLAWMUX_TEST_UPGRADE_FAULT";
-
-/// [`UPGRADE_FAULT`], read only by a build with debug assertions (the test
-/// suite's): a release build, the one users install and run as a service,
-/// never looks at it, so no environment can make a broker fail on purpose.
-fn upgrade_fault() -> Option<String> {
-    if cfg!(debug_assertions) {
-        std::env::var(UPGRADE_FAULT).ok()
-    } else {
-        None
-    }
-}
-
 async fn serve(
     args: ServeArgs,
     passed: Result<clawmux::systemd::Passed, clawmux::systemd::ActivationError>,
     handed: Option<Result<clawmux::handover::Inherited, String>>,
     held: Option<clawmux::signals::Held>,
 ) -> anyhow::Result<()> {
-    use clawmux::handover::{upgrade::Predecessor, Inherited, Source};
+    use clawmux::handover::Inherited;
     // The handlers first, before anything can fail or wait: every signal
     // from now on is acted on once the broker serves.
     let signals = clawmux::signals::ServeSignals::install(held.expect("serve holds the signals"))?;
@@ -305,110 +244,11 @@ async fn serve(
         None
     };
     // After a `SIGUSR2` upgrade nothing moved is touched before the old
-    // instance commits (`commit_with`), not even the socket files, however
-    // this start fails; systemd's store has no old instance left to serve.
+    // instance commits, not even the socket files, however this start
+    // fails; systemd's store has no old instance left to serve.
     let inherited = inherited.filter(|_| !args.demo);
-    let gate = if inherited
-        .as_ref()
-        .is_some_and(|i| i.source == Source::Upgrade)
-    {
-        clawmux::gate::Gate::closed()
-    } else {
-        clawmux::gate::Gate::opened()
-    };
-    let mut predecessor = None;
-    let mut taken = None;
-    if let Some(mut inherited) = inherited {
-        let names = inherited.names().join(", ");
-        let control = inherited.control();
-        match (inherited.source, inherited.take(&gate)) {
-            (Source::Upgrade, result) => {
-                let control = control
-                    .ok_or_else(|| anyhow::anyhow!("upgrade: no control socket was passed"))?;
-                let mut old = Predecessor::new(control)?;
-                match result {
-                    Ok(mut t) => {
-                        old.say("valid").await?;
-                        if upgrade_fault().as_deref() == Some("after-valid") {
-                            // A start that fails as an error returned (its
-                            // destructors run), once the state was valid.
-                            // Said before the control socket closes: the old instance ends
-                            // this process as soon as it sees it close.
-                            eprintln!("clawmux: {UPGRADE_FAULT}=after-valid: failing the start");
-                            anyhow::bail!("upgrade: {UPGRADE_FAULT}=after-valid");
-                        }
-                        let clients = old
-                            .released(shutdown_timeout + clawmux::handover::upgrade::RELEASE_MARGIN)
-                            .await
-                            .map_err(|e| anyhow::anyhow!("upgrade: {e}"))?;
-                        t.clients = Some(clients);
-                        taken = Some(t);
-                        predecessor = Some(old);
-                    }
-                    Err(e) => {
-                        let _ = old.say(&format!("invalid {e}")).await;
-                        anyhow::bail!(
-                            "upgrade: cannot take over ({e}); the old instance goes on serving"
-                        );
-                    }
-                }
-            }
-            (Source::Store, Ok(t)) => taken = Some(t),
-            (Source::Store, Err(e)) => tracing::warn!(
-                descriptors = %names,
-                "the stored state cannot be taken ({e}); starting fresh"
-            ),
-        }
-    }
-    let broker = match (taken, activated) {
-        (Some(t), activated) => {
-            clawmux::upgrade_record::took_over(
-                t.state.from_pid,
-                &t.state.from_version,
-                t.clients.as_ref().map_or(0, |m| m.doc.clients.len()),
-                t.clients.as_ref().map_or(0, |m| m.doc.streams.len()),
-            );
-            tracing::info!(
-                from_pid = t.state.from_pid,
-                from_version = %t.state.from_version,
-                listeners = t.state.listeners.len(),
-                clients = t.clients.as_ref().map_or(0, |m| m.doc.clients.len()),
-                "took over from the previous instance"
-            );
-            let moved = t.clients;
-            let main = match (t.main, activated) {
-                (Some(main), activated) => {
-                    if let Some(socket) = activated {
-                        tracing::warn!(name = %socket.name, "systemd also passed a socket; serving on the handed-over one");
-                    }
-                    main
-                }
-                (None, Some(socket)) => {
-                    let path = socket
-                        .listener
-                        .local_addr()
-                        .ok()
-                        .and_then(|a| a.as_pathname().map(std::path::PathBuf::from))
-                        .unwrap_or_else(|| settings.socket_path.clone());
-                    (
-                        socket.listener,
-                        clawmux::local::socket::SocketGuard::activated(path),
-                    )
-                }
-                (None, None) => anyhow::bail!(
-                    "the handed-over state has no main socket and systemd passed none"
-                ),
-            };
-            RunningBroker::start_handed_over(settings, main, t.policies, moved, gate)?
-        }
-        (None, Some(socket)) => {
-            RunningBroker::start_with_activated(settings, socket.listener, socket.others)?
-        }
-        (None, None) => RunningBroker::start(settings).await?,
-    };
-    if let Some(mut old) = predecessor {
-        commit_with(&mut old, &broker).await;
-    }
+    let broker =
+        clawmux::lifecycle::start_serving(settings, inherited, activated, shutdown_timeout).await?;
     if !args.demo {
         eprintln!(
             "clawmux: serving on {}{} (try: curl --unix-socket {} http://localhost/healthz)",
