@@ -103,6 +103,7 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         Ok(source) => source,
         Err(resp) => return *resp,
     };
+    let feed = source.feed.clone();
     // It moves at a handover when it has a socket of its own and the log
     // goes on in the next instance (its feed continues from it there).
     let moves = socket.is_some() && ctx.hub.replay_file().is_some();
@@ -120,6 +121,11 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     let (chunks, on_stop) = super::sse::body_of(first, body);
     let (resp, drained) =
         super::respond::event_stream_response_watched(chunks, ctx.hub.queue_budget());
+    if let Some(feed) = feed {
+        // What hyper holds of this stream is its feed's client's, for the
+        // budget (the feed is what the budget closes).
+        feed.hold_outside(Arc::new(drained.clone()));
+    }
     if let (Some(socket), Some(kill), true) = (socket, kill, moves) {
         ctx.tracker.spawn(super::sse::watch(
             Arc::clone(ctx),
@@ -289,6 +295,8 @@ struct HudSource {
     /// Cancelled when it moved: its feed's watch ends (the feed is
     /// reopened in the next instance).
     feed_left: CancellationToken,
+    /// The feed's hub client: the queue the budget judges this stream by.
+    feed: Option<Arc<Client>>,
 }
 
 impl HudSource {
@@ -359,6 +367,10 @@ impl HudSource {
         feed_left: CancellationToken,
     ) -> HudSource {
         let applied = header(&resp, super::sse::AFTER_SEQ_HEADER).unwrap_or(0);
+        let feed = resp
+            .extensions()
+            .get::<super::sse::StreamClient>()
+            .map(|c| Arc::clone(&c.0));
         let events: Events = Box::pin(records(resp.into_body().into_data_stream()).eventsource());
         // Requests: copied from the tap into a queue of this stream's own
         // (not a hub client: it receives no events).
@@ -378,6 +390,7 @@ impl HudSource {
             done: false,
             applied,
             feed_left,
+            feed,
         }
     }
 
