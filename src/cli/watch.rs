@@ -406,7 +406,8 @@ impl LineView {
             | Change::ThinkEnd { run_id, .. }
             | Change::ToolStart { run_id, .. }
             | Change::ToolEnd { run_id, .. }
-            | Change::TurnEnd { run_id, .. } => run_id,
+            | Change::TurnEnd { run_id, .. }
+            | Change::Truncated { run_id, .. } => run_id,
             Change::Received { .. } => return keep("", ""),
         };
         let session = self

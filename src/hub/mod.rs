@@ -52,7 +52,8 @@ struct HubInner {
     watched: HashMap<u64, Arc<Client>>,
     /// The activity projection of every logged event (as an observer's,
     /// from history: gateway times only), for the runs in flight
-    /// `/v1/state` gives with its cursor.
+    /// `/v1/state` gives with its cursor: a feed's, which keeps what the
+    /// runs in flight need and stays within a feed's bounds.
     activity: crate::activity::Activity,
 }
 
@@ -100,7 +101,10 @@ fn is_droppable(name: &str, payload: Option<&RawValue>) -> bool {
 impl Hub {
     pub fn new(queue_limits: QueueLimits, max_clients: usize) -> Self {
         Hub {
-            inner: Mutex::new(HubInner::default()),
+            inner: Mutex::new(HubInner {
+                activity: crate::activity::Activity::for_feed(),
+                ..HubInner::default()
+            }),
             next_client_id: AtomicU64::new(1),
             queue_limits,
             queue_budget: Arc::new(QueueBudget::new()),

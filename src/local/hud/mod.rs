@@ -297,6 +297,43 @@ struct HudSource {
     feed_left: CancellationToken,
     /// The feed's hub client: the queue the budget judges this stream by.
     feed: Option<Arc<Client>>,
+    /// What the projection keeps, counted in the queue budget.
+    kept: Arc<Kept>,
+}
+
+/// A HUD stream's projection in the queue budget: counted while the
+/// stream lives, as its feed client's (held outside its queue, so the
+/// budget's shedder knows it goes when the feed is closed). The
+/// projection bounds itself ([`Activity::max_bytes`]); this makes the
+/// budget see it.
+#[derive(Debug)]
+struct Kept {
+    bytes: std::sync::atomic::AtomicUsize,
+    budget: Arc<crate::hub::QueueBudget>,
+}
+
+impl Kept {
+    fn set(&self, bytes: usize) {
+        use crate::hub::client::BudgetCount;
+        let was = self.bytes.swap(bytes, std::sync::atomic::Ordering::Relaxed);
+        if bytes > was {
+            self.budget.count_add(bytes - was);
+        } else {
+            self.budget.count_sub(was - bytes);
+        }
+    }
+}
+
+impl crate::hub::HeldOutside for Kept {
+    fn held(&self) -> usize {
+        self.bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        self.set(0);
+    }
 }
 
 impl HudSource {
@@ -371,6 +408,14 @@ impl HudSource {
             .extensions()
             .get::<super::sse::StreamClient>()
             .map(|c| Arc::clone(&c.0));
+        let kept = Arc::new(Kept {
+            bytes: Default::default(),
+            budget: Arc::clone(ctx.hub.queue_budget()),
+        });
+        kept.set(activity.bytes());
+        if let Some(feed) = &feed {
+            feed.hold_outside(Arc::clone(&kept) as Arc<dyn crate::hub::HeldOutside>);
+        }
         let events: Events = Box::pin(records(resp.into_body().into_data_stream()).eventsource());
         // Requests: copied from the tap into a queue of this stream's own
         // (not a hub client: it receives no events).
@@ -391,6 +436,7 @@ impl HudSource {
             applied,
             feed_left,
             feed,
+            kept,
         }
     }
 
@@ -460,6 +506,7 @@ impl HudSource {
             payload: &frame["payload"],
             received_ms: (!replay).then(crate::protocol::now_ms),
         });
+        self.kept.set(self.activity.bytes());
         let quiet = matches!((seq, self.quiet_until), (Some(s), Some(q)) if s <= q);
         if quiet {
             return Vec::new();
