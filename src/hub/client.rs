@@ -48,8 +48,9 @@ pub const EVENT_OVERHEAD_BYTES: usize = std::mem::size_of::<SharedEvent>() + 2 *
 pub struct QueueBudget {
     /// Bytes counted now.
     used: AtomicUsize,
-    /// Over this, the hub closes the clients with the largest backlogs first
-    /// (`1008 slow consumer`) until the count is back under it.
+    /// Over this, the hub closes clients (`1008 slow consumer`), the one
+    /// that has gone longest without reading first, until the count is back
+    /// under it (`Hub::shed`).
     limit: AtomicUsize,
     /// The gateway's own per-connection buffer (`hello-ok.policy.maxBufferedBytes`),
     /// once known: a client's hard limit is never below it.

@@ -140,7 +140,7 @@ async fn flow_of(
 /// 150 `/v1/hud` readers that never read while agent runs stream 16 MiB
 /// of assistant text and tool calls (every event a HUD event): each HUD
 /// stream's queue counts in `queue_total_bytes` and the shedder closes
-/// only the largest backlogs, so the peak stays near idle plus the budget
+/// the streams that stopped reading, so the peak stays near idle plus the budget
 /// and the WebSocket client that reads is never cut off; what each stream
 /// keeps besides its queue (its projection, the chunk it parses) is small
 /// or counted. Before : peaks of 671 MiB in 2 of 11 runs, and a
