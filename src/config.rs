@@ -82,9 +82,12 @@ pub struct Limits {
     /// measure of a client that does not read. Default 10 s.
     pub slow_grace: Duration,
     /// Queued bytes broker-wide: each event counted once however many queues
-    /// share it, plus each client's own frames. Over this, the clients with
-    /// the largest backlogs are closed `1008 slow consumer` first until the
-    /// total is back under it. At least `queue_hard_bytes`. Default 256 MiB.
+    /// share it, plus each client's own frames (and what HUD streams'
+    /// projections keep). Over this, clients are closed `1008 slow consumer`
+    /// until the total is back under it, the one that has gone longest
+    /// without reading first (a reader behind for a moment goes after every
+    /// client that stopped reading). At least `queue_hard_bytes`. Default
+    /// 256 MiB.
     pub queue_total_bytes: usize,
     /// Connected local clients at most; one more gets `studio.too_many_clients`
     /// and close 1013. Default 1024.

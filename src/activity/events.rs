@@ -65,12 +65,15 @@ impl Activity {
         if let Some(handler) = handler(ev.name, p) {
             handler(self, &Event { run_id, p, at }, &mut changes);
         }
-        if self.feed_only {
-            if let Some(run) = self.runs.get_mut(run_id) {
+        let seen = self.events_seen;
+        if let Some(run) = self.runs.get_mut(run_id) {
+            if self.feed_only {
                 run.shed_detail();
             }
+            run.touched = seen;
+            run.size.clear();
         }
-        self.evict();
+        self.keep_within_bounds(Some(run_id), &mut changes);
         changes
     }
 

@@ -21,11 +21,20 @@
 //! `status` (`ok`/`aborted`/`error`) and `error` on `turn_end`;
 //! `parentToolCallId` on a tool call run inside another; `interrupted` on
 //! the `tool_end` of a call the run's end cut short (it has no `result`).
+//!
+//! What the projection drops to stay within its bounds is said with the
+//! protocol's own word, `truncated: true`, on an end event, and
+//! `truncatedBy` naming the bound: a `turn_end` (and before it a
+//! `think_end` and a `tool_end` for what was open in it) with no `status`
+//! when it stopped following a run still going (`"runs"`: it keeps 200
+//! runs, `"bytes"`: it keeps 1 MiB; the run idle longest went); a
+//! `turn_end` with `droppedItems` when the run had more thinking and tool
+//! calls than it keeps (`"items"`: 256 a run).
 
 use serde_json::{json, Map, Value};
 
 use super::render::{cut, one_line};
-use super::{content_text, Change, RunStatus, ToolCall};
+use super::{content_text, Bound, Change, Node, RunStatus, ToolCall};
 
 /// Characters of a `summary`.
 const SUMMARY_CHARS: usize = 200;
@@ -53,6 +62,7 @@ pub fn hud_event(change: &Change, replay: bool) -> Value {
             ts,
             duration_ms,
             status,
+            dropped_items,
             ..
         } => {
             put("correlationId", json!(run_id));
@@ -64,7 +74,36 @@ pub fn hud_event(change: &Change, replay: bool) -> Value {
             if let RunStatus::Error(message) = status {
                 put("error", json!(message));
             }
+            dropped(&mut put, *dropped_items);
             ("turn_end", *ts)
+        }
+        Change::Truncated {
+            run_id,
+            session_key,
+            node,
+            bound,
+        } => {
+            put("truncated", json!(true));
+            put("truncatedBy", json!(bound.as_str()));
+            match node {
+                Node::Turn { dropped_items } => {
+                    put("correlationId", json!(run_id));
+                    put("sessionKey", json!(session_key));
+                    if *dropped_items > 0 {
+                        put("droppedItems", json!(dropped_items));
+                    }
+                    ("turn_end", None)
+                }
+                Node::Thinking { correlation_id, .. } => {
+                    put("correlationId", json!(correlation_id));
+                    put("parentId", json!(run_id));
+                    ("think_end", None)
+                }
+                Node::Tool(call) => {
+                    tool_fields(&mut put, run_id, call);
+                    ("tool_end", None)
+                }
+            }
         }
         Change::ThinkStart {
             run_id,
@@ -132,6 +171,15 @@ pub fn hud_event(change: &Change, replay: bool) -> Value {
         v.insert("replay".into(), json!(true));
     }
     Value::Object(v)
+}
+
+/// A run's thinking and tool calls past what the projection keeps.
+fn dropped(put: &mut impl FnMut(&str, Value), dropped_items: usize) {
+    if dropped_items > 0 {
+        put("truncated", json!(true));
+        put("truncatedBy", json!(Bound::Items.as_str()));
+        put("droppedItems", json!(dropped_items));
+    }
 }
 
 fn tool_fields(put: &mut impl FnMut(&str, Value), run_id: &str, call: &ToolCall) {

@@ -26,9 +26,11 @@
 //! The parts: `events.rs` chooses the handler of each event by a table;
 //! `run.rs` is a run and its bookkeeping (begin, end, which runs are
 //! kept); `tool.rs` a tool call (its ok rule, its bounded arguments and
-//! result); `received.rs` the HUD's `received` changes; [`hud`] and
-//! [`render`] the views.
+//! result); `bounds.rs` what a projection keeps in all (runs, bytes) and
+//! what it says when it drops something; `received.rs` the HUD's
+//! `received` changes; [`hud`] and [`render`] the views.
 
+mod bounds;
 mod events;
 pub mod hud;
 mod received;
@@ -40,15 +42,30 @@ use std::collections::HashMap;
 
 use serde_json::Value;
 
+pub use bounds::{Bound, Node};
 pub use run::{runs_in_flight, thinking_correlation_id, Item, Run, RunStatus, Thinking};
 pub use tool::{bound, bound_to, content_text, ToolCall};
 
-/// Runs kept. Past this the oldest *ended* run is forgotten (a running one
-/// is kept until a gap or an upstream reconnect: [`Activity::forget_unfinished`]).
+/// Runs kept, running or ended. Past this the run idle longest goes: an
+/// ended one if there is one (forgotten), else a running one, which the
+/// projection ends as truncated ([`Change::Truncated`], [`Bound::Runs`]).
 pub const MAX_RUNS: usize = 200;
 /// Thinking segments and tool calls kept per run; later ones are counted in
-/// [`Run::dropped_items`] and shown as a number, not kept.
+/// [`Run::dropped_items`] and shown as a number (on the HUD's `turn_end`:
+/// `truncatedBy: "items"`), not kept.
 pub const MAX_ITEMS_PER_RUN: usize = 256;
+/// Bytes a projection keeps in all (estimated as allocated: ids, texts,
+/// tool calls' arguments and results). Past it runs go as past
+/// [`MAX_RUNS`] ([`Bound::Bytes`]); the run the current event is about
+/// loses its texts and its oldest calls' arguments and results instead.
+/// A run keeps at most [`MAX_ITEMS_PER_RUN`] × 2 × [`MAX_VALUE_BYTES`]
+/// plus its text (~8 MiB), so one run always fits.
+pub const MAX_BYTES: usize = 16 << 20;
+/// [`MAX_BYTES`] of a feed ([`Activity::for_feed`]): what one HUD stream
+/// keeps (it keeps only what a later change needs, mostly open tool calls'
+/// arguments: 64 of them at their largest), and the broker's own
+/// projection for `/v1/state`.
+pub const MAX_FEED_BYTES: usize = 1 << 20;
 /// Characters of assistant output or thinking kept per node (the end of the
 /// text: the newest part is what a watcher wants to see).
 pub const MAX_TEXT_CHARS: usize = 16 * 1024;
@@ -108,6 +125,17 @@ pub enum Change {
         duration_ms: Option<u64>,
         status: RunStatus,
         output: String,
+        /// Thinking and tool calls past [`MAX_ITEMS_PER_RUN`], not kept.
+        dropped_items: usize,
+    },
+    /// The projection stopped following something of a run still going,
+    /// to stay within its bounds (the HUD's `*_end` event for it, marked
+    /// `truncated`): the run idle longest went.
+    Truncated {
+        run_id: String,
+        session_key: String,
+        node: Node,
+        bound: Bound,
     },
     /// Something the broker saw happen at once (HUD `received`): a message
     /// sent, an abort, a session reset, the upstream back after an outage.
@@ -135,6 +163,9 @@ pub struct Activity {
     /// Only the changes are wanted, never the tree ([`Activity::for_feed`]):
     /// what no later change needs is not kept.
     feed_only: bool,
+    /// Bytes kept after the last event ([`Activity::bytes`]).
+    #[serde(skip)]
+    bytes: usize,
 }
 
 /// An event's own time: `ts`, else its message's `timestamp`, else its

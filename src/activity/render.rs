@@ -5,7 +5,7 @@
 
 use serde_json::Value;
 
-use super::{Change, RunStatus, ToolCall};
+use super::{Bound, Change, Node, RunStatus, ToolCall};
 use crate::sanitize::{self, Shown};
 
 /// Characters of a text preview on one line.
@@ -60,6 +60,25 @@ impl TreePrinter {
                 (run_id, *ts, 1, format!("run {} started", shown_id(run_id)))
             }
             Change::ThinkStart { .. } | Change::Received { .. } => return Vec::new(),
+            Change::Truncated {
+                run_id,
+                node: Node::Turn { .. },
+                bound,
+                ..
+            } => (
+                run_id,
+                None,
+                1,
+                format!(
+                    "run {} no longer followed (the {} kept: it was idle longest)",
+                    shown_id(run_id),
+                    match bound {
+                        Bound::Bytes => "bytes",
+                        _ => "runs",
+                    }
+                ),
+            ),
+            Change::Truncated { .. } => return Vec::new(),
             Change::ThinkEnd {
                 run_id,
                 ts,

@@ -72,6 +72,13 @@ pub struct Run {
     pub last_ms: u64,
     /// Thinking segments begun, for their ids.
     pub(super) thinks: usize,
+    /// The projection's event count when an event last was about it: the
+    /// run idle longest has the smallest.
+    #[serde(default)]
+    pub(super) touched: u64,
+    /// What it keeps, in bytes, as last measured.
+    #[serde(skip)]
+    pub(super) size: super::bounds::SizeCache,
 }
 
 impl Run {
@@ -127,6 +134,7 @@ impl Run {
                     call.args = Value::Null;
                     call.result = Value::Null;
                     call.meta = None;
+                    call.size.clear();
                 }
                 Item::Tool(_) => {}
             }
@@ -205,28 +213,12 @@ impl Activity {
                 output: String::new(),
                 last_ms: 0,
                 thinks: 0,
+                touched: 0,
+                size: Default::default(),
             }
         });
         run.saw(at);
         run
-    }
-
-    /// Forgets the oldest ended runs past [`MAX_RUNS`].
-    pub(super) fn evict(&mut self) {
-        if self.runs.len() <= MAX_RUNS {
-            return;
-        }
-        let mut ended: Vec<(u64, String)> = self
-            .runs
-            .values()
-            .filter(|r| !r.running())
-            .map(|r| (r.last_ms, r.id.clone()))
-            .collect();
-        ended.sort();
-        let excess = self.runs.len() - MAX_RUNS;
-        for (_, id) in ended.into_iter().take(excess) {
-            self.runs.remove(&id);
-        }
     }
 }
 
@@ -349,6 +341,7 @@ pub(super) fn end_run(
         duration_ms: run.duration_ms(None),
         status,
         output: run.output.clone(),
+        dropped_items: run.dropped_items,
     });
 }
 

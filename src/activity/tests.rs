@@ -414,7 +414,7 @@ fn events_without_a_run_change_nothing_and_sessions_sort_newest_first() {
 }
 
 #[test]
-fn old_ended_runs_are_forgotten_past_the_bound_running_ones_are_kept() {
+fn old_ended_runs_are_forgotten_past_the_bound_before_a_running_one() {
     let mut a = Activity::new();
     feed(
         &mut a,
@@ -431,7 +431,7 @@ fn old_ended_runs_are_forgotten_past_the_bound_running_ones_are_kept() {
         );
     }
     assert_eq!(a.runs.len(), MAX_RUNS);
-    assert!(a.run("live").is_some(), "a running run is never forgotten");
+    assert!(a.run("live").is_some(), "ended runs go first");
     assert!(a.run("r0").is_none() && a.run(&format!("r{}", MAX_RUNS + 9)).is_some());
 }
 
@@ -850,6 +850,7 @@ fn tool_results_take_the_protocols_per_tool_shapes() {
         text_bytes: None,
         cut: false,
         interrupted: false,
+        size: Default::default(),
     };
     let text = |t: &str| json!([{"type": "text", "text": t}]);
     use super::hud::tool_result;

@@ -34,6 +34,9 @@ pub struct ToolCall {
     pub cut: bool,
     /// The run ended before this call's result arrived.
     pub interrupted: bool,
+    /// What its arguments and result keep, in bytes, as last measured.
+    #[serde(skip)]
+    pub size: super::bounds::SizeCache,
 }
 
 impl ToolCall {
@@ -91,6 +94,7 @@ impl Activity {
                 text_bytes: None,
                 cut,
                 interrupted: false,
+                size: Default::default(),
             };
             if !run.push_item(Item::Tool(call.clone())) {
                 return;
@@ -108,6 +112,7 @@ impl Activity {
             let (args, cut) = bound(&data["args"]);
             call.args = args;
             call.cut |= cut;
+            call.size.clear();
         }
         if phase == "result" && !call.ended() {
             call.ended_ms = at.map(|at| call.started_ms.map_or(at, |s| at.max(s)));
@@ -118,6 +123,7 @@ impl Activity {
             let (result, cut) = bound(result);
             call.result = result;
             call.cut |= cut;
+            call.size.clear();
             call.meta = data["meta"].as_str().map(str::to_owned);
             changes.push(Change::ToolEnd {
                 run_id,

@@ -407,6 +407,12 @@ impl LineView {
             | Change::ToolStart { run_id, .. }
             | Change::ToolEnd { run_id, .. }
             | Change::TurnEnd { run_id, .. } => run_id,
+            // The run is no longer in the projection: its session is here.
+            Change::Truncated {
+                run_id,
+                session_key,
+                ..
+            } => return keep(run_id, session_key),
             Change::Received { .. } => return keep("", ""),
         };
         let session = self

@@ -17,6 +17,11 @@
 //!   exactly the queues' ring buffers (every event and response given back).
 //! - **Back to zero** when every client has left.
 //! - And each client's events keep their order (`seq` only grows).
+//! - **Those that stopped reading go first**: a client the budget closes
+//!   had gone at least as long without reading as every client left open
+//!   whose backlog the budget could have closed (one the sweep saw
+//!   stalled, or over its soft limit or fair share): a reader behind for a
+//!   moment is never closed while a client that stopped before it stays.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -265,6 +270,55 @@ impl World {
     }
 }
 
+impl World {
+    /// Each open client's backlog as the shedder would weigh it.
+    fn backlogs(&self) -> Vec<(u64, Option<Backlog>)> {
+        self.peers
+            .iter()
+            .filter(|p| !p.client.is_closing())
+            .map(|p| (p.client.id, p.client.backlog()))
+            .collect()
+    }
+
+    /// [`World::apply`], checking who the budget closed (with limits under
+    /// which only the budget closes anyone: no hard limit, no grace).
+    fn apply_checking_order(&mut self, op: Op) -> Result<(), TestCaseError> {
+        let before = self.backlogs();
+        self.apply(op)?;
+        let limit = self.hub.queue_budget().limit();
+        let fair_share = limit / self.peers.len().max(1);
+        let open = |id: u64| {
+            self.peers
+                .iter()
+                .any(|p| p.client.id == id && !p.client.is_closing())
+        };
+        let soft = self.peers.first().map_or(0, |p| p.client.soft_bytes());
+        let closable = |b: &Backlog| b.stalled || b.bytes > soft.min(fair_share);
+        for (closed, waited) in &before {
+            let still_listed = self.peers.iter().any(|p| p.client.id == *closed);
+            if open(*closed) || !still_listed {
+                continue;
+            }
+            // Its wait began at the latest with this op (a backlog begun in
+            // it is the newest of all).
+            let since = waited.map_or(u64::MAX, |b| b.waiting_since);
+            for (id, backlog) in &before {
+                let Some(b) = backlog else { continue };
+                prop_assert!(
+                    !(open(*id) && b.waiting_since < since && closable(b)),
+                    "client {} closed for the budget while client {} (waiting since {}, before {}; {} bytes) stayed open",
+                    closed,
+                    id,
+                    b.waiting_since,
+                    since,
+                    b.bytes
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A fixed seed, so the suite runs the same cases every time (as every
 /// test here must); `PROPTEST_RNG_SEED=<n>` explores others.
 fn config(cases: u32) -> ProptestConfig {
@@ -304,5 +358,26 @@ proptest! {
         }
         drop(world);
         prop_assert_eq!(budget.used(), 0, "every client left: all given back");
+    }
+
+    #[test]
+    fn the_budget_closes_those_that_stopped_reading_first(
+        soft in 1_000..30_000usize,
+        limit in 1_000..200_000usize,
+        ops in proptest::collection::vec(op(), 1..120),
+    ) {
+        let hub = Hub::new(
+            QueueLimits {
+                soft_bytes: soft,
+                hard_bytes: 1 << 40,
+                grace: Duration::from_secs(24 * 3600),
+            },
+            6,
+        );
+        hub.set_queue_budget(limit);
+        let mut world = World { hub, peers: Vec::new(), start: Instant::now() };
+        for op in ops {
+            world.apply_checking_order(op)?;
+        }
     }
 }

@@ -19,7 +19,7 @@ mod model;
 mod protocol;
 
 use self::protocol::{Budget, Env, Queue};
-pub use self::protocol::{Pushed, Stall, MAX_BATCH_BYTES, SLOW_CONSUMER_CLOSE};
+pub use self::protocol::{Growth, Pushed, Stall, MAX_BATCH_BYTES, SLOW_CONSUMER_CLOSE};
 
 /// What one queued entry costs a client's queue, besides the bytes it
 /// points at: the [`Outgoing`] slot in the queue's ring buffer. A client
@@ -48,12 +48,16 @@ pub const EVENT_OVERHEAD_BYTES: usize = std::mem::size_of::<SharedEvent>() + 2 *
 pub struct QueueBudget {
     /// Bytes counted now.
     used: AtomicUsize,
-    /// Over this, the hub closes the clients with the largest backlogs first
-    /// (`1008 slow consumer`) until the count is back under it.
+    /// Over this, the hub closes clients (`1008 slow consumer`), the one
+    /// that has gone longest without reading first, until the count is back
+    /// under it (`Hub::shed`).
     limit: AtomicUsize,
     /// The gateway's own per-connection buffer (`hello-ok.policy.maxBufferedBytes`),
     /// once known: a client's hard limit is never below it.
     upstream_hard: AtomicUsize,
+    /// The progress clock every queue of the hub dates its waits by
+    /// ([`Backlog::waiting_since`]): one step per reading.
+    clock: AtomicU64,
 }
 
 impl QueueBudget {
@@ -63,6 +67,7 @@ impl QueueBudget {
             used: AtomicUsize::new(0),
             limit: AtomicUsize::new(usize::MAX),
             upstream_hard: AtomicUsize::new(0),
+            clock: AtomicU64::new(0),
         }
     }
 
@@ -106,6 +111,10 @@ impl protocol::Budget for QueueBudget {
 
     fn limit(&self) -> usize {
         QueueBudget::limit(self)
+    }
+
+    fn tick(&self) -> u64 {
+        self.clock.fetch_add(1, Ordering::Relaxed) + 1
     }
 }
 
@@ -212,6 +221,31 @@ impl Outgoing {
     }
 }
 
+/// Bytes held on a client's behalf outside its queue and counted in the
+/// budget by their holder (the chunks of an event stream that hyper, or a
+/// HUD stream's parser, has not let go of yet). Once the client is closed
+/// they are on their way out (its connection ends, at the latest when it
+/// is cut), so the budget's shedder does not close anyone else for them.
+pub trait HeldOutside: Send + Sync + std::fmt::Debug {
+    /// Bytes held now.
+    fn held(&self) -> usize;
+}
+
+/// A client's backlog, as the broker-wide budget's shedder weighs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backlog {
+    /// Bytes queued (each item with its slot).
+    pub bytes: usize,
+    /// The progress clock's reading when the client last had nothing
+    /// waiting or last took something: the smaller, the longer it has
+    /// gone without reading. Readings only grow, so of two clients the one
+    /// with the smaller reading has waited longer, however busy the broker.
+    pub waiting_since: u64,
+    /// The stall sweep has seen it with a backlog and no progress for a
+    /// whole sweep interval at least.
+    pub stalled: bool,
+}
+
 /// How a client reaches the broker; its writer formats queued items for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ClientKind {
@@ -302,6 +336,8 @@ pub struct Client {
     /// them ([`Client::count_written`]): progress within one large frame, so
     /// a reader slowly taking a 25 MiB frame is not judged stalled.
     written: std::sync::OnceLock<Arc<AtomicU64>>,
+    /// What is held for it outside its queue ([`Client::hold_outside`]).
+    outside: Mutex<Vec<Arc<dyn HeldOutside>>>,
 }
 
 impl Client {
@@ -332,6 +368,7 @@ impl Client {
             queue: Mutex::new(Queue::new()),
             wake: AtomicWaker::new(),
             written: std::sync::OnceLock::new(),
+            outside: Mutex::new(Vec::new()),
         }
     }
 
@@ -397,9 +434,22 @@ impl Client {
     /// droppable event is dropped (the seq is consumed so the client sees a
     /// gap); a push past the hard limit closes the client. Being slow is
     /// otherwise judged by progress, in [`Client::sweep_stall`].
+    /// A backlog whose ring buffer would have to grow past what the
+    /// broker-wide budget has left is not grown ([`Pushed::NoRoom`]).
     pub fn push_event(&self, event: &Arc<SharedEvent>, droppable: bool) -> Pushed {
+        self.push_event_with(event, droppable, Growth::WithinBudget)
+    }
+
+    /// [`Client::push_event`], with [`Growth::Always`] after the hub made
+    /// room for a [`Pushed::NoRoom`].
+    pub fn push_event_with(
+        &self,
+        event: &Arc<SharedEvent>,
+        droppable: bool,
+        growth: Growth,
+    ) -> Pushed {
         let cost = event.len() + ENTRY_BYTES;
-        let pushed = protocol::push_event(self, cost, droppable, |seq| {
+        let pushed = protocol::push_event(self, cost, droppable, growth, |seq| {
             Outgoing::Event(Arc::clone(event), seq)
         });
         if pushed == Pushed::Dropped {
@@ -448,6 +498,42 @@ impl Client {
     /// Bytes queued and not yet taken by the writer.
     pub fn queued_bytes(&self) -> usize {
         self.lock_queue().bytes
+    }
+
+    /// The client's backlog as the budget's shedder judges it; `None`
+    /// when nothing waits or the client is closing already.
+    pub fn backlog(&self) -> Option<Backlog> {
+        let q = self.lock_queue();
+        if q.closing || q.items.is_empty() {
+            return None;
+        }
+        Some(Backlog {
+            bytes: q.bytes,
+            waiting_since: q.waiting_since.unwrap_or(0),
+            stalled: q.stalled_since.is_some(),
+        })
+    }
+
+    /// Counts `held` as the client's own, held outside its queue (an event
+    /// stream's unwritten chunks).
+    pub fn hold_outside(&self, held: Arc<dyn HeldOutside>) {
+        self.outside
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(held);
+    }
+
+    /// Bytes held for the client outside its queue now.
+    pub fn held_outside(&self) -> usize {
+        let outside = self.outside.lock().unwrap_or_else(|p| p.into_inner());
+        outside.iter().map(|h| h.held()).sum()
+    }
+
+    /// What the client's next push would add to its ring buffer when it
+    /// must grow (0 when it has room): the room a [`Pushed::NoRoom`] asks for.
+    pub fn ring_growth(&self) -> usize {
+        let q = self.lock_queue();
+        protocol::growth_bytes(self, &q).unwrap_or(0)
     }
 
     /// Called periodically (the broker's sweep) with the current time:

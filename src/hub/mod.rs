@@ -9,6 +9,7 @@
 
 pub mod client;
 pub mod replay;
+mod shed;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,8 +20,8 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 pub use client::{
-    Client, ClientIdentity, ClientKind, Outgoing, Pushed, QueueBudget, QueueLimits, SharedEvent,
-    Stall,
+    Backlog, Client, ClientIdentity, ClientKind, Growth, HeldOutside, Outgoing, Pushed,
+    QueueBudget, QueueLimits, SharedEvent, Stall,
 };
 pub use replay::{ReplayLimits, ReplayWindow, SubscribeError};
 
@@ -51,7 +52,8 @@ struct HubInner {
     watched: HashMap<u64, Arc<Client>>,
     /// The activity projection of every logged event (as an observer's,
     /// from history: gateway times only), for the runs in flight
-    /// `/v1/state` gives with its cursor.
+    /// `/v1/state` gives with its cursor: a feed's, which keeps what the
+    /// runs in flight need and stays within a feed's bounds.
     activity: crate::activity::Activity,
 }
 
@@ -62,7 +64,8 @@ pub struct Hub {
     next_client_id: AtomicU64,
     queue_limits: QueueLimits,
     /// Queued bytes broker-wide (see [`QueueBudget`] for what counts); over
-    /// its limit the largest backlogs are closed first.
+    /// its limit the clients that have gone longest without reading are
+    /// closed first ([`Hub::shed`]).
     queue_budget: Arc<QueueBudget>,
     max_clients: usize,
     /// The number of admitted clients, for watchers (the systemd `STATUS=` line).
@@ -98,7 +101,10 @@ fn is_droppable(name: &str, payload: Option<&RawValue>) -> bool {
 impl Hub {
     pub fn new(queue_limits: QueueLimits, max_clients: usize) -> Self {
         Hub {
-            inner: Mutex::new(HubInner::default()),
+            inner: Mutex::new(HubInner {
+                activity: crate::activity::Activity::for_feed(),
+                ..HubInner::default()
+            }),
             next_client_id: AtomicU64::new(1),
             queue_limits,
             queue_budget: Arc::new(QueueBudget::new()),
@@ -269,11 +275,14 @@ impl Hub {
         let event = SharedEvent::new(head, &self.queue_budget);
         let visibility = Visibility::of(name, audience);
         let visible = |c: &&Arc<Client>| visibility.admits(&c.reader());
-        self.deliver(inner.clients.values().filter(visible), &event, droppable);
+        self.deliver(
+            &inner,
+            inner.clients.values().filter(visible),
+            &event,
+            droppable,
+        );
         drop(event);
-        if self.queue_budget.is_over() {
-            self.shed_largest_backlogs(&inner);
-        }
+        self.shed(&inner, 0);
     }
 
     /// Delivers a copy the broker makes of an event it has already logged
@@ -287,11 +296,14 @@ impl Hub {
         let inner = self.lock();
         let event = SharedEvent::new(head, &self.queue_budget);
         let clients = ids.iter().filter_map(|id| inner.clients.get(id));
-        self.deliver(clients.filter(|c| guard.allows(c.grant())), &event, false);
+        self.deliver(
+            &inner,
+            clients.filter(|c| guard.allows(c.grant())),
+            &event,
+            false,
+        );
         drop(event);
-        if self.queue_budget.is_over() {
-            self.shed_largest_backlogs(&inner);
-        }
+        self.shed(&inner, 0);
     }
 
     /// Publishes an event the broker itself originates (e.g. `clawmux.upstream`).
@@ -304,61 +316,40 @@ impl Hub {
         let event = SharedEvent::new(head, &self.queue_budget);
         let visibility = Visibility::of(name, &Audience::All);
         let visible = |c: &&Arc<Client>| visibility.admits(&c.reader());
-        self.deliver(inner.clients.values().filter(visible), &event, false);
+        self.deliver(
+            &inner,
+            inner.clients.values().filter(visible),
+            &event,
+            false,
+        );
     }
 
+    /// Pushes `event` to `clients`. A backlog whose ring buffer must grow
+    /// past what the budget has left gets the room made first, by the
+    /// budget's one rule ([`Hub::shed`]): the client closed for it is the
+    /// one that has gone longest without reading, not the one that grows.
     fn deliver<'a>(
         &self,
+        inner: &HubInner,
         clients: impl Iterator<Item = &'a Arc<Client>>,
         event: &Arc<SharedEvent>,
         droppable: bool,
     ) {
         self.stats.events.fetch_add(1, Ordering::Relaxed);
         for client in clients {
-            match client.push_event(event, droppable) {
-                Pushed::Queued | Pushed::Closed => {}
+            let mut pushed = client.push_event(event, droppable);
+            if pushed == Pushed::NoRoom {
+                self.shed(inner, client.ring_growth());
+                pushed = client.push_event_with(event, droppable, Growth::Always);
+            }
+            match pushed {
+                Pushed::Queued | Pushed::Closed | Pushed::NoRoom => {}
                 Pushed::Dropped => {
                     self.stats.drops.fetch_add(1, Ordering::Relaxed);
                 }
                 Pushed::SlowConsumer => {
                     self.stats.slow_closes.fetch_add(1, Ordering::Relaxed);
                 }
-            }
-        }
-    }
-
-    /// Closes clients, largest backlog first, until the broker-wide queued
-    /// bytes are back under the budget. Only a backlog over the client's
-    /// soft limit or over its fair share of the budget (the budget divided
-    /// among the clients) is closed: a client within both is keeping up and
-    /// is not what put the broker over (before: when the excess was held
-    /// outside the queues, the shedder went on to close reading clients
-    /// with a 106-byte backlog). What remains over is held by writers
-    /// mid-write or by streams being cut, which the stall sweep and the
-    /// streams' own bounds handle. Runs only when over the budget.
-    fn shed_largest_backlogs(&self, inner: &HubInner) {
-        let queues = inner.clients.len() + inner.watched.len();
-        let fair_share = self.queue_budget.limit() / queues.max(1);
-        let mut by_backlog: Vec<(usize, &Arc<Client>)> = inner
-            .clients
-            .values()
-            .chain(inner.watched.values())
-            .map(|c| (c.queued_bytes(), c))
-            .filter(|(bytes, c)| *bytes > c.soft_bytes().min(fair_share))
-            .collect();
-        by_backlog.sort_unstable_by_key(|(bytes, _)| std::cmp::Reverse(*bytes));
-        for (bytes, client) in by_backlog {
-            if !self.queue_budget.is_over() {
-                break;
-            }
-            if client.close_slow_consumer() {
-                tracing::warn!(
-                    client_id = client.id,
-                    backlog = bytes,
-                    budget = self.queue_budget.limit(),
-                    "broker-wide queue budget exceeded: closed the largest backlog"
-                );
-                self.stats.slow_closes.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
@@ -375,9 +366,7 @@ impl Hub {
                 self.stats.slow_closes.fetch_add(1, Ordering::Relaxed);
             }
         }
-        if self.queue_budget.is_over() {
-            self.shed_largest_backlogs(&inner);
-        }
+        self.shed(&inner, 0);
     }
 
     /// Makes every client see a gap (a skipped `seq`): after an upstream gap
@@ -612,193 +601,5 @@ mod tests {
         assert!(hub.admit(&c, |_| Bytes::new()).is_err());
         hub.remove(a.id);
         assert_eq!(hub.client_count(), 1);
-    }
-
-    /// Over the broker-wide budget the client with the largest backlog is
-    /// closed first, and only as many as needed; readers are untouched.
-    #[tokio::test]
-    async fn the_budget_closes_the_largest_backlog_first() {
-        let hub = Hub::new(
-            QueueLimits {
-                soft_bytes: 1 << 30,
-                hard_bytes: 1 << 30,
-                grace: Duration::from_secs(10),
-            },
-            10,
-        );
-        let clients: Vec<_> = (0..3)
-            .map(|_| {
-                let c = hub.new_client();
-                c.set_access(crate::policy::Access::unrestricted());
-                hub.admit(&c, |_| Bytes::new()).unwrap();
-                c
-            })
-            .collect();
-        let _ = clients[2].next_batch().await; // the empty hello
-        let pad = "p".repeat(10_000);
-        let event = |n: u64| raw(json!({"n": n, "pad": pad}));
-        // Client 0 is behind by 10 events, client 1 by 5, client 2 reads.
-        for n in 0..10 {
-            hub.publish("test.event", Some(&event(n)), None, &Audience::All);
-            if n == 4 {
-                let _ = clients[1].next_batch().await;
-            }
-            let _ = clients[2].next_batch().await;
-        }
-        let used = hub.queue_budget().used();
-        assert!(
-            used > 100_000 && used < 110_000,
-            "shared events count once: {used}"
-        );
-        hub.set_queue_budget(used + 5_000);
-        hub.publish("test.event", Some(&event(10)), None, &Audience::All);
-        assert!(clients[0].is_closing(), "the largest backlog");
-        assert!(!clients[1].is_closing() && !clients[2].is_closing());
-        assert_eq!(hub.stats.slow_closes.load(Ordering::Relaxed), 1);
-        assert!(!hub.queue_budget().is_over());
-        let batch = clients[0].next_batch().await;
-        assert!(matches!(&batch[..], [Outgoing::Close(1008, r)] if r == "slow consumer"));
-    }
-
-    /// Bytes held outside the queues (here a writer's batch mid-write) keep
-    /// the budget over after the one large backlog is closed: the clients
-    /// that keep up, each with one small event queued, stay open (before:
-    /// reading clients with a 106-byte backlog were closed).
-    #[tokio::test]
-    async fn the_budget_never_closes_a_client_that_keeps_up() {
-        let hub = Hub::new(
-            QueueLimits {
-                soft_bytes: 1 << 20,
-                hard_bytes: 1 << 30,
-                grace: Duration::from_secs(10),
-            },
-            10,
-        );
-        let clients: Vec<_> = (0..3)
-            .map(|_| {
-                let c = hub.new_client();
-                c.set_access(crate::policy::Access::unrestricted());
-                hub.admit(&c, |_| Bytes::new()).unwrap();
-                c
-            })
-            .collect();
-        let (busy, stalled, reader) = (&clients[0], &clients[1], &clients[2]);
-        for c in &clients {
-            let _ = c.next_batch().await; // the empty hello
-        }
-        let pad = "p".repeat(100_000);
-        for n in 0..10 {
-            hub.publish(
-                "test.event",
-                Some(&raw(json!({"n": n, "pad": pad}))),
-                None,
-                &Audience::All,
-            );
-            let _ = reader.next_batch().await;
-        }
-        // The busy client's writer holds all ten, mid-write.
-        let mut held = Vec::new();
-        while busy.queued_bytes() > 0 {
-            held.extend(busy.next_batch().await);
-        }
-        assert_eq!(held.len(), 10);
-        hub.set_queue_budget(hub.queue_budget().used() - 5_000);
-        hub.publish(
-            "test.event",
-            Some(&raw(json!({"n": 10}))),
-            None,
-            &Audience::All,
-        );
-        assert!(stalled.is_closing(), "the large backlog is closed");
-        assert!(hub.queue_budget().is_over(), "the batch is still held");
-        assert!(!reader.is_closing(), "one small event queued: keeping up");
-        assert!(!busy.is_closing(), "one small event queued: keeping up");
-        assert_eq!(hub.stats.slow_closes.load(Ordering::Relaxed), 1);
-        drop(held);
-    }
-
-    /// A watched queue (a HUD stream's request tap) gets no events, and its
-    /// backlog is shed and swept like a client's.
-    #[tokio::test]
-    async fn watched_queues_are_shed_and_swept() {
-        let hub = hub();
-        let reader = hub.new_client();
-        reader.set_access(crate::policy::Access::unrestricted());
-        hub.admit(&reader, |_| Bytes::new()).unwrap();
-        let _ = reader.next_batch().await;
-        let tap = hub.new_client_of_kind(ClientKind::Sse);
-        hub.watch(&tap);
-        for _ in 0..20 {
-            assert!(tap.push_frame(Bytes::from(vec![b' '; 100_000])));
-        }
-        hub.set_queue_budget(1 << 20);
-        hub.publish("test.event", Some(&raw(json!({}))), None, &Audience::All);
-        assert!(tap.is_closing(), "the tap's backlog was shed");
-        assert!(!reader.is_closing());
-        assert!(!hub.queue_budget().is_over());
-        let batch = reader.next_batch().await;
-        assert_eq!(batch.len(), 1, "the reader got the event, the tap none");
-        let stalled = hub.new_client_of_kind(ClientKind::Sse);
-        hub.watch(&stalled);
-        assert!(stalled.push_frame(Bytes::from_static(b"request")));
-        let t0 = std::time::Instant::now();
-        hub.sweep_stalled(t0);
-        hub.sweep_stalled(t0 + Duration::from_secs(11));
-        assert!(stalled.is_closing(), "no progress within the grace");
-        hub.remove(stalled.id);
-        hub.remove(tap.id);
-    }
-
-    /// With many clients that do not read and small events, the queues'
-    /// slots outweigh the shared events: they count, so the budget closes
-    /// backlogs instead of letting slots grow with every event (before:
-    /// 980 stalled clients × 50,000 events of 1 KiB reached 1.2 GiB of RSS
-    /// against a 256 MiB budget that counted only the shared events).
-    #[tokio::test]
-    async fn many_small_events_to_stalled_clients_stay_within_the_budget() {
-        let hub = Hub::new(
-            QueueLimits {
-                soft_bytes: 1 << 20,
-                hard_bytes: 50 << 20,
-                grace: Duration::from_secs(3600),
-            },
-            200,
-        );
-        let limit = 2 << 20;
-        hub.set_queue_budget(limit);
-        let clients: Vec<_> = (0..100)
-            .map(|_| {
-                let c = hub.new_client();
-                c.set_access(crate::policy::Access::unrestricted());
-                hub.admit(&c, |_| Bytes::new()).unwrap();
-                c
-            })
-            .collect();
-        let pad = "p".repeat(100);
-        for n in 0..20_000u32 {
-            hub.publish(
-                "test.event",
-                Some(&raw(json!({"n": n, "pad": pad}))),
-                None,
-                &Audience::All,
-            );
-            let used = hub.queue_budget().used();
-            assert!(used <= limit, "event {n}: {used} counted, budget {limit}");
-            // What the queues really hold: their slots (and the events,
-            // shared, at most `n` of them).
-            let slots: usize = clients.iter().map(|c| c.slot_bytes()).sum();
-            assert!(
-                slots <= used,
-                "event {n}: the queues hold {slots} bytes of slots, the budget counts {used}"
-            );
-        }
-        let closed = clients.iter().filter(|c| c.is_closing()).count();
-        assert!(closed >= 90, "backlogs were closed, not grown: {closed}");
-        assert!(hub.stats.slow_closes.load(Ordering::Relaxed) >= 90);
-        drop(clients);
-        for id in 1..=100 {
-            hub.remove(id);
-        }
-        assert_eq!(hub.queue_budget().used(), 0, "all given back");
     }
 }

@@ -765,7 +765,7 @@ impl Hub {
         );
         // The runs in flight as the log left them (a run that spans the
         // restart is still one run).
-        let mut activity = crate::activity::Activity::new();
+        let mut activity = crate::activity::Activity::for_feed();
         for logged in &log.events {
             let frame = logged.head.without_seq();
             if let Ok(f) = serde_json::from_slice::<FrameOf>(&frame) {

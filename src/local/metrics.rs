@@ -92,7 +92,7 @@ pub fn render(ctx: &Ctx) -> String {
     out.family(
         "clawmux_queue_budget_bytes",
         "gauge",
-        "Bytes held by all client queues together (each shared event counted once); closes the largest backlog past queue_total_bytes.",
+        "Bytes held by all client queues together (each shared event counted once); past queue_total_bytes the client that has gone longest without reading is closed.",
     );
     out.sample(
         "clawmux_queue_budget_bytes",

@@ -144,6 +144,14 @@ impl Drop for Chunk {
 #[derive(Debug, Clone)]
 pub struct Drained(Arc<Unwritten>);
 
+/// The stream's unwritten chunks are its client's, held outside its queue:
+/// once the client is closed the budget's shedder knows they are leaving.
+impl crate::hub::HeldOutside for Drained {
+    fn held(&self) -> usize {
+        self.0.load()
+    }
+}
+
 impl Drained {
     /// Resolves once hyper holds none of the stream's chunks.
     pub async fn all_written(&self) {

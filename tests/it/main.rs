@@ -59,6 +59,7 @@ mod run_ownership;
 mod serve_messages;
 mod settings;
 mod sharing;
+mod shedding;
 mod socket;
 mod socket_shares;
 mod studio_errors;

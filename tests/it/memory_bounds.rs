@@ -140,7 +140,7 @@ async fn flow_of(
 /// 150 `/v1/hud` readers that never read while agent runs stream 16 MiB
 /// of assistant text and tool calls (every event a HUD event): each HUD
 /// stream's queue counts in `queue_total_bytes` and the shedder closes
-/// only the largest backlogs, so the peak stays near idle plus the budget
+/// the streams that stopped reading, so the peak stays near idle plus the budget
 /// and the WebSocket client that reads is never cut off; what each stream
 /// keeps besides its queue (its projection, the chunk it parses) is small
 /// or counted. Before : peaks of 671 MiB in 2 of 11 runs, and a
@@ -460,5 +460,157 @@ async fn fragments_count_against_the_budget_from_the_first() {
     assert!(
         held_kib < bound_kib,
         "{held_kib} KiB holding the fragments, {idle_kib} KiB before"
+    );
+}
+
+/// A tool call's start for run `run`, as the gateway sends it to observers.
+fn tool_start(run: &str, call: &str, pad: &str) -> Value {
+    json!({"runId": run, "sessionKey": "agent:main:main", "stream": "tool",
+           "data": {"phase": "start", "name": "exec", "toolCallId": call, "args": {"command": pad}}})
+}
+
+/// The HUD events of a `/v1/hud` stream's next records (others skipped).
+async fn next_hud_event(sse: &mut crate::http_api::Sse) -> Value {
+    loop {
+        let crate::http_api::Item::Other(record) = sse.next_item().await else {
+            continue;
+        };
+        if let Some(data) = record.lines().find_map(|l| l.strip_prefix("data: ")) {
+            if !record.lines().any(|l| l.starts_with("event: ")) {
+                return serde_json::from_str(data).expect("one HUD event per data line");
+            }
+        }
+    }
+}
+
+/// The gateway opens 300 runs that never end: a HUD stream's projection
+/// and the broker's own (the runs `/v1/state` lists) keep 200, and the
+/// HUD stream is told of each run dropped, the one idle longest first: its
+/// open tool call's `tool_end` and its `turn_end`, both `truncated: true`
+/// (`truncatedBy: "runs"`), with no status (before: every running run was
+/// kept, for as long as it ran, and nothing was said).
+#[tokio::test]
+async fn runs_that_never_end_are_dropped_past_the_bound_and_the_hud_says_so() {
+    let h = start().await;
+    let socket = h.socket();
+    crate::http_api::until_ready(&socket).await;
+    let mut hud = crate::http_api::open_events(&socket, "/v1/hud", &[])
+        .await
+        .expect("a HUD stream");
+    for run in 0..300 {
+        let run = format!("run-{run}");
+        h.gw.broadcast("agent", tool_start(&run, &format!("{run}-call"), "ls"));
+    }
+    // A tool_end and a turn_end for each of the 100 runs dropped.
+    let mut dropped = Vec::new();
+    while dropped.len() < 2 * 100 {
+        let event = next_hud_event(&mut hud).await;
+        if event["truncated"] == true {
+            assert_eq!(event["truncatedBy"], "runs", "{event}");
+            assert!(event.get("status").is_none(), "{event}");
+            dropped.push(event.clone());
+        }
+    }
+    for (n, pair) in dropped.chunks(2).enumerate() {
+        let run = format!("run-{n}");
+        assert_eq!(
+            (
+                &pair[0]["event"],
+                &pair[0]["correlationId"],
+                &pair[0]["parentId"]
+            ),
+            (
+                &json!("tool_end"),
+                &json!(format!("{run}-call")),
+                &json!(run)
+            ),
+        );
+        assert_eq!(
+            (&pair[1]["event"], &pair[1]["correlationId"]),
+            (&json!("turn_end"), &json!(run))
+        );
+    }
+    // Every event was published (the stream saw the last): the broker's
+    // projection has them all.
+    let state = crate::http_api::state(&socket).await;
+    let runs = state["runs"].as_array().expect("runs in flight");
+    assert_eq!(
+        runs.len(),
+        200,
+        "the broker's own projection is bounded too"
+    );
+    assert!(
+        runs.iter().all(|r| r["runId"] != "run-0"),
+        "the idlest went"
+    );
+}
+
+/// Four HUD streams that read everything while the gateway opens 50 runs
+/// of 128 tool calls that never end (2 KB of arguments each, 13 MB in
+/// all): what each stream keeps of them is bounded (1 MiB), so the broker
+/// stays near where it was (before: each stream kept every open call's
+/// arguments; 8 streams × 50 runs × 256 calls held +1.9 GiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hud_streams_of_runs_that_never_end_stay_bounded() {
+    const STREAMS: usize = 4;
+    const RUNS: u64 = 50;
+    const CALLS: u64 = 128;
+    let _heavy = HEAVY.lock().await;
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let broker = spawn_broker(
+        dir.path(),
+        &socket,
+        &gw.url(),
+        "replay_max_bytes = 1048576\n",
+    );
+    let pid = broker.0.id();
+    eventually("socket exists", || socket.exists()).await;
+    let mut reader = WsClient::open(&socket, "/ws").await;
+    reader.handshake().await;
+    let mut streams = Vec::new();
+    for _ in 0..STREAMS {
+        let hud = crate::http_api::open_events(&socket, "/v1/hud", &[])
+            .await
+            .expect("a HUD stream");
+        streams.push(tokio::spawn(async move {
+            let mut hud = hud;
+            let last = format!("run-{}-{}", RUNS - 1, CALLS - 1);
+            loop {
+                let event = next_hud_event(&mut hud).await;
+                if event["event"] == "tool_start" && event["correlationId"] == last.as_str() {
+                    return;
+                }
+            }
+        }));
+    }
+    let idle_kib = status_kib(pid, "VmRSS");
+    // Calls go round the runs (each run stays busy), each followed by a
+    // broadcast event the pacing reader sees.
+    flow_of(&gw, &mut reader, 2 * RUNS * CALLS, 2048, |n, pad| {
+        if n % 2 == 1 {
+            return ("test.event", json!({"n": n}));
+        }
+        let (run, call) = ((n / 2) % RUNS, (n / 2) / RUNS);
+        let run_id = format!("run-{run}");
+        let mut start = tool_start(&run_id, &format!("{run_id}-{call}"), pad);
+        start["n"] = json!(n);
+        ("agent", start)
+    })
+    .await;
+    for stream in streams {
+        tokio::time::timeout(Duration::from_secs(120), stream)
+            .await
+            .expect("each HUD stream read every call")
+            .unwrap();
+    }
+    let peak_kib = status_kib(pid, "VmHWM");
+    eprintln!(
+        "{STREAMS} /v1/hud streams, {RUNS} runs × {CALLS} open calls of 2 KB: broker RSS {idle_kib} KiB before, peak {peak_kib} KiB"
+    );
+    assert!(
+        peak_kib < idle_kib + 40 * 1024,
+        "peak {peak_kib} KiB, {idle_kib} KiB before"
     );
 }

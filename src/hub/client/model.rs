@@ -63,7 +63,15 @@ impl Budget for Counted {
     fn limit(&self) -> usize {
         usize::MAX
     }
+
+    fn tick(&self) -> u64 {
+        CLOCK.fetch_add(1, Ordering::SeqCst) + 1
+    }
 }
+
+/// The progress clock (its readings are only compared by the hub, never
+/// by the queue protocol itself).
+static CLOCK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// An event shared by the queues it was pushed to, counted until its last
 /// holder drops it (as `SharedEvent`).
@@ -180,7 +188,9 @@ fn client(budget: &Arc<Counted>) -> Arc<Client> {
 fn publish(c: &Client, name: &'static str) -> Pushed {
     let event = Event::new(name, &c.budget);
     let cost = BYTES + std::mem::size_of::<Item>();
-    protocol::push_event(c, cost, false, |seq| Item::Event(event, seq))
+    protocol::push_event(c, cost, false, protocol::Growth::WithinBudget, |seq| {
+        Item::Event(event, seq)
+    })
 }
 
 /// The writer: sleeps until the queue has something, then takes a batch.

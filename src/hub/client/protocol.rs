@@ -22,6 +22,10 @@
 //!   the queue (taken, discarded, or left behind when the client goes);
 //!   an event counts itself until its last holder drops it; the ring
 //!   buffer counts its slots as allocated.
+//! - **Waiting is dated**: a queue with items records when, on the
+//!   budget's progress clock, it last had nothing waiting or its writer
+//!   last took something ([`Queue::waiting_since`]); the hub sheds the
+//!   queues that have waited longest first.
 
 use std::collections::VecDeque;
 use std::ops::DerefMut;
@@ -62,6 +66,10 @@ pub(crate) trait Budget {
     /// Bytes counted now.
     fn used(&self) -> usize;
     fn limit(&self) -> usize;
+    /// The next reading of the broker-wide progress clock: it only grows,
+    /// one step per reading, so two queues' waits compare by when they
+    /// began (see [`Queue::waiting_since`]).
+    fn tick(&self) -> u64;
 }
 
 /// What the protocol works on: a client's locked queue, its writer's
@@ -104,6 +112,11 @@ pub(crate) struct Queue<T> {
     pub written_seen: u64,
     /// The first sweep that saw a backlog and no progress since the one before.
     pub stalled_since: Option<Instant>,
+    /// While items wait: the progress clock's reading ([`Budget::tick`])
+    /// when the queue last stopped being empty, or its writer last took a
+    /// batch (or its socket last took bytes of one), whichever is later.
+    /// The smaller it is, the longer the client has gone without reading.
+    pub waiting_since: Option<u64>,
     pub closing: bool,
 }
 
@@ -119,6 +132,7 @@ impl<T> Queue<T> {
             batches_seen: 0,
             written_seen: 0,
             stalled_since: None,
+            waiting_since: None,
             closing: false,
         }
     }
@@ -139,6 +153,21 @@ pub enum Pushed {
     Closed,
     /// This push closed the client as a slow consumer.
     SlowConsumer,
+    /// Not queued (no seq consumed): the queue's ring buffer would have to
+    /// grow past what the broker-wide budget has left. The hub makes room
+    /// (closing the queues that have waited longest, which may be this
+    /// one) and pushes again with [`Growth::Always`].
+    NoRoom,
+}
+
+/// Whether a push may grow a backlog's ring buffer past what the
+/// broker-wide budget has left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Growth {
+    /// Only within the budget: past it the push is refused ([`Pushed::NoRoom`]).
+    WithinBudget,
+    /// Whatever the budget has left (the hub already made what room it could).
+    Always,
 }
 
 /// What a stall sweep found for one client.
@@ -158,6 +187,7 @@ pub(crate) fn push_event<E: Env>(
     c: &E,
     cost: usize,
     droppable: bool,
+    growth: Growth,
     make: impl FnOnce(u64) -> E::Item,
 ) -> Pushed {
     let mut q = c.lock_queue();
@@ -165,29 +195,36 @@ pub(crate) fn push_event<E: Env>(
         return Pushed::Closed;
     }
     let seq = q.next_seq;
-    q.next_seq += 1;
     // A healthy client is under its soft limit: one comparison.
     if q.bytes + cost > c.soft_limit() {
         if droppable && q.bytes >= c.soft_limit() {
+            q.next_seq += 1;
             return Pushed::Dropped;
         }
         // A single event larger than the hard limit still goes to an
         // idle client: the limit is about falling behind, not event size.
         if !q.items.is_empty() && q.bytes + cost > c.hard_limit() {
+            q.next_seq += 1;
             close_slow(c, &mut q);
             return Pushed::SlowConsumer;
         }
     }
     // A backlog whose ring buffer must grow past what the broker-wide
-    // budget has left is closed instead of growing: growing first and
-    // shedding after would take every such queue's doubling past the
-    // budget at once (stalled clients grow in step).
-    if growth_over_budget(c, &q) {
-        close_slow(c, &mut q);
-        return Pushed::SlowConsumer;
+    // budget has left does not grow before the hub has chosen whom to
+    // close for it: growing first and shedding after would take every
+    // such queue's doubling past the budget at once (stalled clients grow
+    // in step), and closing the queue that grows would close a reader
+    // that is behind for a moment while clients that stopped reading
+    // stay open.
+    if growth == Growth::WithinBudget && growth_over_budget(c, &q) {
+        return Pushed::NoRoom;
     }
+    q.next_seq += 1;
     q.bytes += cost;
     let was_empty = q.items.is_empty();
+    if was_empty {
+        q.waiting_since = Some(c.counter().tick());
+    }
     q.items.push_back(make(seq));
     recount_slots(c, &mut q);
     drop(q);
@@ -215,6 +252,9 @@ pub(crate) fn push_frame<E: Env>(c: &E, frame: E::Item) -> bool {
     }
     q.bytes += cost;
     c.counter().add(frame.counted());
+    if q.items.is_empty() {
+        q.waiting_since = Some(c.counter().tick());
+    }
     q.items.push_back(frame);
     recount_slots(c, &mut q);
     drop(q);
@@ -254,6 +294,7 @@ fn close_slow<E: Env>(c: &E, q: &mut Queue<E::Item>) {
     // The backlog's ring buffer goes too, not only its items.
     q.items = VecDeque::new();
     q.bytes = 0;
+    q.waiting_since = None;
     q.closing = true;
     let (code, reason) = SLOW_CONSUMER_CLOSE;
     q.items.push_back(E::Item::close(code, reason));
@@ -278,21 +319,32 @@ fn recount_slots<E: Env>(c: &E, q: &mut Queue<E::Item>) {
 /// Whether the next push would grow the ring buffer by more than the
 /// broker-wide budget has left (`VecDeque` doubles when full).
 /// Only a backlog past the soft limit is judged: a reader's queue grows
-/// freely (it counts, and the hub sheds the largest backlogs after the
-/// publish, which are not a reader's).
+/// freely (it counts, and the hub sheds after the publish).
 fn growth_over_budget<E: Env>(c: &E, q: &Queue<E::Item>) -> bool {
+    match growth_bytes(c, q) {
+        Some(growth) => c.counter().used().saturating_add(growth) > c.counter().limit(),
+        None => false,
+    }
+}
+
+/// What the next push would add to the ring buffer of a backlog past the
+/// soft limit, if it must grow (`VecDeque` doubles when full).
+pub(crate) fn growth_bytes<E: Env>(c: &E, q: &Queue<E::Item>) -> Option<usize> {
     let slots = q.items.capacity();
     if q.items.len() < slots || slots < SHRINK_ABOVE_ENTRIES || q.bytes <= c.soft_limit() {
-        return false;
+        return None;
     }
-    let growth = slots * slot_bytes::<E::Item>();
-    c.counter().used().saturating_add(growth) > c.counter().limit()
+    Some(slots * slot_bytes::<E::Item>())
 }
 
 /// The stall sweep for one client, `written` being the bytes its socket
 /// has accepted so far (see `Client::sweep_stall`).
 pub(crate) fn sweep_stall<E: Env>(c: &E, written: u64, now: Instant, grace: Duration) -> Stall {
     let mut q = c.lock_queue();
+    if !q.closing && !q.items.is_empty() && written != q.written_seen {
+        // Bytes of a batch reached the socket: the wait starts again.
+        q.waiting_since = Some(c.counter().tick());
+    }
     if q.closing
         || q.items.is_empty()
         || q.batches_taken != q.batches_seen
@@ -334,6 +386,7 @@ pub(crate) fn poll_next_batch<E: Env>(c: &E, waker: &Waker) -> Poll<Vec<E::Item>
     q.bytes -= taken;
     q.batches_taken += 1;
     let batch = q.items.drain(..n).collect();
+    q.waiting_since = (!q.items.is_empty()).then(|| c.counter().tick());
     if q.items.is_empty() && q.items.capacity() > SHRINK_ABOVE_ENTRIES {
         q.items = VecDeque::new();
         recount_slots(c, &mut q);

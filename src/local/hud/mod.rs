@@ -103,6 +103,7 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
         Ok(source) => source,
         Err(resp) => return *resp,
     };
+    let feed = source.feed.clone();
     // It moves at a handover when it has a socket of its own and the log
     // goes on in the next instance (its feed continues from it there).
     let moves = socket.is_some() && ctx.hub.replay_file().is_some();
@@ -120,6 +121,11 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     let (chunks, on_stop) = super::sse::body_of(first, body);
     let (resp, drained) =
         super::respond::event_stream_response_watched(chunks, ctx.hub.queue_budget());
+    if let Some(feed) = feed {
+        // What hyper holds of this stream is its feed's client's, for the
+        // budget (the feed is what the budget closes).
+        feed.hold_outside(Arc::new(drained.clone()));
+    }
     if let (Some(socket), Some(kill), true) = (socket, kill, moves) {
         ctx.tracker.spawn(super::sse::watch(
             Arc::clone(ctx),
@@ -290,6 +296,45 @@ struct HudSource {
     /// Cancelled when it moved: its feed's watch ends (the feed is
     /// reopened in the next instance).
     feed_left: CancellationToken,
+    /// The feed's hub client: the queue the budget judges this stream by.
+    feed: Option<Arc<Client>>,
+    /// What the projection keeps, counted in the queue budget.
+    kept: Arc<Kept>,
+}
+
+/// A HUD stream's projection in the queue budget: counted while the
+/// stream lives, as its feed client's (held outside its queue, so the
+/// budget's shedder knows it goes when the feed is closed). The
+/// projection bounds itself ([`Activity::max_bytes`]); this makes the
+/// budget see it.
+#[derive(Debug)]
+struct Kept {
+    bytes: std::sync::atomic::AtomicUsize,
+    budget: Arc<crate::hub::QueueBudget>,
+}
+
+impl Kept {
+    fn set(&self, bytes: usize) {
+        use crate::hub::client::BudgetCount;
+        let was = self.bytes.swap(bytes, std::sync::atomic::Ordering::Relaxed);
+        if bytes > was {
+            self.budget.count_add(bytes - was);
+        } else {
+            self.budget.count_sub(was - bytes);
+        }
+    }
+}
+
+impl crate::hub::HeldOutside for Kept {
+    fn held(&self) -> usize {
+        self.bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        self.set(0);
+    }
 }
 
 impl HudSource {
@@ -360,6 +405,18 @@ impl HudSource {
         feed_left: CancellationToken,
     ) -> HudSource {
         let applied = header(&resp, super::sse::AFTER_SEQ_HEADER).unwrap_or(0);
+        let feed = resp
+            .extensions()
+            .get::<super::sse::StreamClient>()
+            .map(|c| Arc::clone(&c.0));
+        let kept = Arc::new(Kept {
+            bytes: Default::default(),
+            budget: Arc::clone(ctx.hub.queue_budget()),
+        });
+        kept.set(activity.bytes());
+        if let Some(feed) = &feed {
+            feed.hold_outside(Arc::clone(&kept) as Arc<dyn crate::hub::HeldOutside>);
+        }
         let events: Events = Box::pin(records(resp.into_body().into_data_stream()).eventsource());
         // Requests: copied from the tap into a queue of this stream's own
         // (not a hub client: it receives no events).
@@ -379,6 +436,8 @@ impl HudSource {
             done: false,
             applied,
             feed_left,
+            feed,
+            kept,
         }
     }
 
@@ -448,6 +507,7 @@ impl HudSource {
             payload: &frame["payload"],
             received_ms: (!replay).then(crate::protocol::now_ms),
         });
+        self.kept.set(self.activity.bytes());
         let quiet = matches!((seq, self.quiet_until), (Some(s), Some(q)) if s <= q);
         if quiet {
             return Vec::new();

@@ -368,6 +368,10 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
     let (chunks, on_stop) = moving::body_of(first, stream);
     let (mut resp, drained) =
         super::respond::event_stream_response_watched(chunks, ctx.hub.queue_budget());
+    client.hold_outside(Arc::new(drained.clone()));
+    // A HUD stream reading this one counts what it holds as this client's.
+    resp.extensions_mut()
+        .insert(StreamClient(Arc::clone(&client)));
     if let Some(kill) = opening.kill {
         ctx.tracker.spawn(moving::watch(
             Arc::clone(ctx),
@@ -387,6 +391,11 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
     headers.insert(NEWEST_SEQ_HEADER, HeaderValue::from(window.newest_seq));
     resp
 }
+
+/// The hub client of an event stream, on its response (for a HUD stream
+/// built on it).
+#[derive(Debug, Clone)]
+pub(crate) struct StreamClient(pub(crate) Arc<Client>);
 
 /// Leaves the hub when the stream is dropped (the reader went away or the
 /// stream ended), whichever way that happens.
