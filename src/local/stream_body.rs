@@ -144,11 +144,12 @@ impl Drop for Chunk {
 #[derive(Debug, Clone)]
 pub struct Drained(Arc<Unwritten>);
 
-/// The stream's unwritten chunks are its client's, held outside its queue:
-/// once the client is closed the budget's shedder knows they are leaving.
+/// The stream's unwritten chunks, and what its connection's spool keeps,
+/// are its client's, held outside its queue: once the client is closed the
+/// budget's shedder knows they are leaving.
 impl crate::hub::HeldOutside for Drained {
     fn held(&self) -> usize {
-        self.0.load()
+        self.0.load() + self.0.spooled.load(Ordering::Acquire)
     }
 }
 
