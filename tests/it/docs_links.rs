@@ -143,3 +143,65 @@ fn every_cargo_install_in_the_docs_is_locked() {
     }
     assert!(unlocked.is_empty(), "{unlocked:#?}");
 }
+
+/// The names of the constants in the broker's source (`const NAME:`).
+fn source_constants(dir: &Path, out: &mut std::collections::BTreeSet<String>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            source_constants(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            for line in text.lines() {
+                let line = line.trim_start();
+                let line = line
+                    .strip_prefix("pub ")
+                    .or_else(|| line.strip_prefix("pub(crate) "))
+                    .or_else(|| line.strip_prefix("pub(super) "))
+                    .unwrap_or(line);
+                if let Some(rest) = line.strip_prefix("const ") {
+                    let name: String = rest
+                        .chars()
+                        .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                        .collect();
+                    if name.len() > 1 {
+                        out.insert(name);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The pages a user reads name limits by what they do and by their value,
+/// never by the broker's internal constant (`HANDOVER_PAUSE_TIMEOUT`); the
+/// maintainers' pages (how it is built, status, the gateway's own source
+/// notes) may.
+#[test]
+fn user_docs_name_no_internal_constants() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut constants = std::collections::BTreeSet::new();
+    source_constants(&root.join("src"), &mut constants);
+    assert!(constants.contains("MAX_CURSOR"), "the source was read");
+    let maintainers = ["how-it-is-built.md", "status.md", "gateway-source-notes.md"];
+    let mut files = vec![root.join("README.md")];
+    for entry in std::fs::read_dir(root.join("docs/src")).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if path.extension().is_some_and(|e| e == "md") && !maintainers.contains(&name.as_str()) {
+            files.push(path);
+        }
+    }
+    let mut named = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            for word in line.split('`').skip(1).step_by(2) {
+                if constants.contains(word) {
+                    named.push(format!("{}:{}: {word}", file.display(), n + 1));
+                }
+            }
+        }
+    }
+    assert!(named.is_empty(), "{named:#?}");
+}
