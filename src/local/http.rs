@@ -47,7 +47,7 @@ pub async fn route(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<Bod
     let resp = match (req.method(), path.as_str()) {
         (&Method::GET, p) if is_ws_path(p) => upgrade(req, ctx, Route::Shared),
         (&Method::GET, "/ws/dedicated") => upgrade(req, ctx, Route::Dedicated),
-        (&Method::GET, "/v1/state") => super::state::respond(&ctx, &socket_policy(&req, &ctx)),
+        (&Method::GET, "/v1/state") => super::state::respond(&ctx, socket_policy(&req, &ctx)).await,
         (&Method::GET, "/v1/events") => super::sse::open(&req, &ctx),
         (&Method::GET, "/v1/hud" | "/ws/hud") => super::hud::open(req, &ctx).await,
         (&Method::POST, "/v1/rpc") => super::rpc::respond(req, &ctx).await,
