@@ -590,7 +590,13 @@ impl RunningBroker {
         use crate::handover::clients::{Carried, RunEntry, Subscription, UpstreamEntry};
         let ctx = &self.ctx;
         let moving = ctx.handoff.client_ids();
-        let moves = |id: u64| moving.contains(&id);
+        // A run moves with its owner; one whose owner is no client at all
+        // (started through `/v1/rpc`, whose requester is gone once answered)
+        // moves too, still owned: nobody else may stop it there either.
+        // Only the runs of clients closed rather than moved are let go.
+        let connected: std::collections::HashSet<u64> =
+            ctx.hub.clients().iter().map(|c| c.id).collect();
+        let moves = |id: u64| moving.contains(&id) || !connected.contains(&id);
         let runs = ctx
             .sharing
             .runs

@@ -377,9 +377,16 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         narrower,
     } = moving;
     // Every moved client keeps its id: no client made here (a moved HUD
-    // stream's feed, below) may take one of theirs first.
+    // stream's feed, below) may take one of theirs first, nor the id that
+    // owns a moved run (a `/v1/rpc` run's requester, gone already).
+    let listed: std::collections::HashSet<u64> = clients.clients.iter().map(|c| c.id).collect();
     let carried = clients.clients.iter().map(|c| c.id);
-    if let Some(top) = carried.chain(clients.streams.iter().map(|s| s.id)).max() {
+    let owners = clients.runs.iter().map(|r| r.client_id);
+    if let Some(top) = carried
+        .chain(clients.streams.iter().map(|s| s.id))
+        .chain(owners)
+        .max()
+    {
         ctx.hub.reserve_ids_through(top);
     }
     // Admitted before the gateway connection is taken over (below), as
@@ -535,16 +542,23 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         ctx.sessions.main_owner.clients_taken_over();
     }
     for run in clients.runs {
-        let Some(member) = registered.get(&run.client_id) else {
+        // A run whose owner is no client of the document was started
+        // through `/v1/rpc`: it stays owned (by an id no client here has)
+        // until it ends. A moved client's run is its client's again; one of
+        // a client that could not be taken over is let go, as at its leaving.
+        let member = registered.get(&run.client_id);
+        if member.is_none() && listed.contains(&run.client_id) {
             continue;
-        };
+        }
         let owner = crate::sharing::runs::RunOwner {
             client_id: run.client_id,
             session_key: run.session_key,
             tool_events: run.tool_events,
         };
         if ctx.sharing.runs.start(&run.run_id, owner) {
-            member.book().runs.insert(run.run_id);
+            if let Some(member) = member {
+                member.book().runs.insert(run.run_id);
+            }
         }
     }
     for (entry, fd) in std::mem::take(&mut clients.narrower)

@@ -1355,6 +1355,43 @@ async fn a_gateway_stalled_inside_a_message_moves_with_the_part_read_so_far() {
     assert_listed(&socket, &conn_id, "the client moved").await;
 }
 
+/// A run started through `/v1/rpc` (`clawmux call chat.send`) runs on
+/// after its answer, owned by a requester that is gone: it stays owned
+/// across a handover, so another client still cannot stop it there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_started_through_rpc_stays_owned_across_a_handover() {
+    let gw = MockGateway::start(clawmux_mock::MockConfig {
+        run_step_delay: Duration::from_secs(30),
+        ..mock_config()
+    })
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
+    let pid = broker_pid(&socket).await;
+    let body = serde_json::json!({"method": "chat.send", "params": {"sessionKey": "main",
+        "message": "long", "idempotencyKey": "rpc-run-1"}});
+    let (status, answer) = crate::http_api::rpc(&socket, &body.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let mut other = WsClient::open(&socket, "/ws").await;
+    let challenge = other.recv_json().await;
+    assert_eq!(challenge["event"], "connect.challenge");
+    let mut connect = connect_frame("c1");
+    connect["params"]["scopes"] = serde_json::json!(["operator.read", "operator.write"]);
+    other.send_json(&connect).await;
+    assert_eq!(other.response("c1").await["ok"], true);
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    let answer = other
+        .request("chat.abort", serde_json::json!({"sessionKey": "main"}))
+        .await;
+    assert_eq!(
+        answer["error"]["code"],
+        "studio.forbidden",
+        "the run is still owned: {answer}\n{}",
+        log_text(&log)
+    );
+}
+
 /// A client with a narrower grant moves too: its grant goes with it, and
 /// the next instance opens its narrower gateway session again for its next
 /// request (which gets the answer tailored to that grant).
