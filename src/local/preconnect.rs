@@ -112,6 +112,9 @@ struct Held {
     mid_frame: bool,
     /// The broker writes frames of its own on this socket.
     shared: bool,
+    /// Every write is taken whole, held when the socket does not take it
+    /// at once, and flushes do not wait ([`Limited::spool_writes`]).
+    spool: bool,
 }
 
 /// The most bytes of tungstenite's own frames held back (see [`Held`]):
@@ -152,6 +155,7 @@ impl<T> Limited<T> {
             bytes: bytes::BytesMut::from(&unwritten[..]),
             mid_frame: false,
             shared: true,
+            spool: false,
         };
         limited
     }
@@ -181,6 +185,21 @@ impl<T> Limited<T> {
     pub fn set_mid_frame(&mut self, mid: bool) {
         self.held.shared = true;
         self.held.mid_frame = mid;
+    }
+
+    /// For a socket only tungstenite writes on, that must be able to move
+    /// at any moment: every write tungstenite makes is taken whole (what
+    /// the socket does not take at once is held, in order), and a flush
+    /// writes what it can without waiting, so tungstenite never holds a
+    /// half-written frame. The caller drains the held bytes
+    /// ([`Limited::poll_write_held`]) and bounds them ([`Limited::held_len`]).
+    pub fn spool_writes(&mut self) {
+        self.held.spool = true;
+    }
+
+    /// Bytes held back from the socket (see [`Limited::spool_writes`]).
+    pub fn held_len(&self) -> usize {
+        self.held.bytes.len()
     }
 
     /// Bytes written to the socket so far (its progress).
@@ -430,7 +449,9 @@ impl<T: AsyncWrite + Unpin> Limited<T> {
     }
 
     fn hold(&mut self, cx: &mut Context<'_>, bytes: &[u8]) -> io::Result<()> {
-        if self.held.bytes.len() - self.held.carried + bytes.len() > MAX_HELD_BYTES {
+        if !self.held.spool
+            && self.held.bytes.len() - self.held.carried + bytes.len() > MAX_HELD_BYTES
+        {
             return Err(io::Error::other(
                 "the client does not read the broker's pongs",
             ));
@@ -457,13 +478,19 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
             this.hold(cx, buf)?;
             return Poll::Ready(Ok(buf.len()));
         }
-        let n = ready!(Pin::new(&mut this.inner).poll_write(cx, buf))?;
+        let n = match Pin::new(&mut this.inner).poll_write(cx, buf) {
+            Poll::Pending if this.held.spool => {
+                this.hold(cx, buf)?;
+                return Poll::Ready(Ok(buf.len()));
+            }
+            polled => ready!(polled)?,
+        };
         this.budget.1.fetch_add(n as u64, Ordering::Relaxed);
         // Part of a frame written: the rest is taken too when the broker
         // writes frames of its own beside tungstenite's, so that no half
         // frame is left in tungstenite's buffer (a full socket, instead,
         // leaves tungstenite its whole frames, to write later).
-        if this.held.shared && n > 0 && n < buf.len() {
+        if (this.held.shared || this.held.spool) && n > 0 && n < buf.len() {
             this.hold(cx, &buf[n..])?;
             return Poll::Ready(Ok(buf.len()));
         }
@@ -471,7 +498,13 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if !self.held.mid_frame {
+        if self.held.spool {
+            // What the socket takes now; the rest waits for the caller's
+            // drain, not for this flush.
+            if let Poll::Ready(Err(e)) = self.poll_write_held(cx) {
+                return Poll::Ready(Err(e));
+            }
+        } else if !self.held.mid_frame {
             ready!(self.poll_write_held(cx))?;
         }
         Pin::new(&mut self.inner).poll_flush(cx)

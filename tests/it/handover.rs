@@ -1649,6 +1649,70 @@ async fn a_hud_stream_moves_with_its_projection_and_a_run_across_the_handover_is
     drop(next);
 }
 
+/// A `/ws/hud` client that has stopped reading, its socket full in the
+/// middle of a frame (the broker's send buffer set small), moves at once
+/// with what its socket had not taken: it stays connected, and once it
+/// reads again it has every HUD event once, in order, then the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ws_hud_client_that_stopped_reading_moves_with_its_unwritten_bytes() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log, _) =
+        serve_configured(dir.path(), &gw, "[limits]\nsend_buffer_bytes = 4096\n", &[]).await;
+    let pid = broker_pid(&socket).await;
+    let mut ws_hud = WsClient::open(&socket, "/ws/hud").await;
+    let start = |i: usize| {
+        serde_json::json!({"runId": format!("r-{i:03}"), "sessionKey": "agent:main:main",
+            "stream": "lifecycle", "data": {"phase": "start"}})
+    };
+    // The first one read: the feed is open. Then far more than the socket
+    // holds, not read.
+    gw.broadcast("agent", start(0));
+    assert_eq!(
+        next_ws_hud(&mut ws_hud, &log).await["correlationId"],
+        "r-000"
+    );
+    const RUNS: usize = 150;
+    for i in 1..RUNS {
+        gw.broadcast("agent", start(i));
+    }
+    crate::support::eventually_async("the feed took every event", || async {
+        let newest = state(&socket).await["newest_seq"].as_u64().unwrap_or(0);
+        let runs = state(&socket).await["runs"].as_array().map_or(0, Vec::len);
+        if runs >= RUNS {
+            Ok(())
+        } else {
+            Err(format!("{runs} runs at cursor {newest}"))
+        }
+    })
+    .await;
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    assert!(
+        !log_text(&log).contains("/ws/hud client not at a boundary"),
+        "{}",
+        log_text(&log)
+    );
+    gw.broadcast(
+        "agent",
+        serde_json::json!({"runId": "r-000", "sessionKey": "agent:main:main",
+            "stream": "lifecycle", "data": {"phase": "end"}}),
+    );
+    let mut starts = Vec::new();
+    loop {
+        let event = next_ws_hud(&mut ws_hud, &log).await;
+        match event["event"].as_str() {
+            Some("turn_start") => starts.push(event["correlationId"].as_str().unwrap().to_owned()),
+            Some("turn_end") => {
+                assert_eq!(event["correlationId"], "r-000", "{event}");
+                break;
+            }
+            _ => {}
+        }
+    }
+    let expected: Vec<String> = (1..RUNS).map(|i| format!("r-{i:03}")).collect();
+    assert_eq!(starts, expected, "every turn once, in order");
+}
+
 /// A `systemctl` first on the returned `PATH` whose `list-jobs` says that
 /// systemd's job on `clawmux.service` is `job` (as the real one prints it).
 fn fake_systemctl(dir: &Path, job: &str) -> std::ffi::OsString {

@@ -658,7 +658,13 @@ fn upgrade(
         let Ok(upgraded) = on_upgrade.await else {
             return;
         };
-        let (ws, pause) = ws::websocket(Box::new(TokioIo::new(upgraded)), Vec::new(), &ctx).await;
+        let (ws, pause) = ws::websocket(
+            Box::new(TokioIo::new(upgraded)),
+            Vec::new(),
+            Vec::new(),
+            &ctx,
+        )
+        .await;
         ws::serve(ws, pause, source, who, Vec::new(), ctx).await;
     });
     let mut resp = Response::new(full(Bytes::new()));

@@ -256,7 +256,7 @@ pub(crate) fn resume(
         let ctx = Arc::clone(ctx);
         ctx.clone().spawn_moved(async move {
             let _slot = slot;
-            let (ws, pause) = super::ws::websocket(Box::new(socket), unread, &ctx).await;
+            let (ws, pause) = super::ws::websocket(Box::new(socket), unread, unwritten, &ctx).await;
             super::ws::serve(ws, pause, source, who, first, ctx).await;
         });
         tracing::debug!("/ws/hud client taken over");

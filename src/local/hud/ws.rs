@@ -1,8 +1,10 @@
 //! `GET /ws/hud`: the HUD feed as WebSocket text frames, and its move at a
-//! handover (design §11). It moves as a `/ws` client does: its reader
-//! stops at a message boundary (the client only sends control frames),
-//! what it wrote is flushed, and its socket travels with the bytes read
-//! and not parsed; its feed moves as a `/v1/hud` stream's does
+//! handover (design §11). It moves as a `/ws` client does, where it is,
+//! waiting for nobody: its reader stops (the client only sends control
+//! frames; one half read moves as its bytes so far), and its socket
+//! travels with those bytes and the ones written and not taken yet (every
+//! frame is taken whole beside the socket: [`Limited::spool_writes`]);
+//! its feed moves as a `/v1/hud` stream's does
 //! ([`super::moving`]): the projection travels, the feed reopens right
 //! after the newest cursor it applied.
 
@@ -40,16 +42,26 @@ pub(super) struct Who {
     pub(super) fd: Option<RawFd>,
 }
 
-/// The WebSocket over `io` (whose first bytes are `unread`), and the
-/// handle that pauses its reader at a message boundary.
-pub(super) async fn websocket(io: Box<dyn ClientIo>, unread: Vec<u8>, ctx: &Ctx) -> (HudWs, Pause) {
+/// HUD events are taken from the feed only while less than this is
+/// written and not yet taken by the client's socket.
+const HELD_BYTES: usize = 256 * 1024;
+
+/// The WebSocket over `io` (whose first bytes are `unread`; `unwritten`
+/// goes to the socket first), and the handle that stops its reader.
+pub(super) async fn websocket(
+    io: Box<dyn ClientIo>,
+    unread: Vec<u8>,
+    unwritten: Vec<u8>,
+    ctx: &Ctx,
+) -> (HudWs, Pause) {
     let max_frame = ctx.settings.limits.max_frame_bytes;
     let config = WebSocketConfig::default()
         .max_message_size(Some(max_frame))
         .max_frame_size(Some(max_frame));
     let budget = PreconnectBudget::new(0);
     budget.lift();
-    let io = Limited::with_unread(io, budget, unread);
+    let mut io = Limited::with_carried(io, budget, unread, unwritten);
+    io.spool_writes();
     let pause = io.pause();
     (
         WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await,
@@ -80,8 +92,11 @@ pub(super) async fn serve(
     let mut last_write = Instant::now();
     loop {
         let idle = last_write + keepalive;
+        // Bounded beside the socket: a client that does not read leaves
+        // the events in the feed (judged there as any slow reader).
+        let room = ws.get_ref().held_len() < HELD_BYTES;
         tokio::select! {
-            records = source.next_records() => {
+            records = source.next_records(), if room => {
                 let Some(records) = records else { break };
                 for record in records {
                     // One HUD event per text frame; the broker's own
@@ -94,7 +109,7 @@ pub(super) async fn serve(
                     }
                 }
             }
-            msg = ws.next() => match msg {
+            msg = next_and_drain(&mut ws) => match msg {
                 Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
                 Some(Ok(_)) => {}
             },
@@ -106,10 +121,10 @@ pub(super) async fn serve(
             }
             _ = handoff.cancelled(), if moves => {
                 match stop(&mut ws, &pause).await {
-                    Some(unread) => {
+                    Some((unread, unwritten)) => {
                         if let Some(fd) = who.fd.and_then(dup) {
                             source.feed_left.cancel();
-                            ctx.handoff.leave_stream(Box::new(WsHudMoved { source, who, unread, fd }));
+                            ctx.handoff.leave_stream(Box::new(WsHudMoved { source, who, unread, unwritten, fd }));
                             drop(serving);
                             // Dropping `ws` closes this instance's
                             // descriptor only: the copy moves.
@@ -138,6 +153,7 @@ pub(super) async fn serve(
     }
     drop(serving);
     let _ = ws.close(None).await;
+    flush_held(&mut ws).await;
 }
 
 async fn close(ws: &mut HudWs, code: u16, reason: &str) {
@@ -145,36 +161,103 @@ async fn close(ws: &mut HudWs, code: u16, reason: &str) {
         code: code.into(),
         reason: reason.into(),
     };
-    let _ =
-        tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, ws.send(Message::Close(Some(frame)))).await;
+    let _ = ws.send(Message::Close(Some(frame))).await;
+    flush_held(ws).await;
 }
 
-/// Stops the client's reader at a message boundary (what it sent before
-/// is handled: a ping is answered) and flushes what was written, within
-/// [`HANDOVER_PAUSE_TIMEOUT`]; the bytes read and not parsed. `None`: not
-/// in time, or it left.
-async fn stop(ws: &mut HudWs, pause: &Pause) -> Option<Vec<u8>> {
-    pause.request();
-    let stopped = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
-        loop {
-            let next = std::future::poll_fn(|cx| match ws.poll_next_unpin(cx) {
-                Poll::Ready(msg) => Poll::Ready(Some(msg)),
-                Poll::Pending if pause.at_boundary() => Poll::Ready(None),
-                Poll::Pending => Poll::Pending,
-            })
-            .await;
-            match next {
-                None => break,
-                Some(Some(Ok(Message::Close(_)))) | Some(None) | Some(Some(Err(_))) => {
-                    return false
-                }
-                Some(Some(Ok(_))) => {}
+/// At a close: writes what is held for the socket for as long as it takes
+/// bytes (a client that takes none for 200 ms is not waited for), at most
+/// 2 s.
+async fn flush_held(ws: &mut HudWs) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+    while ws.get_ref().has_held() {
+        let before = ws.get_ref().held_len();
+        let until =
+            deadline.min(tokio::time::Instant::now() + std::time::Duration::from_millis(200));
+        let drained = tokio::time::timeout_at(
+            until,
+            std::future::poll_fn(|cx| ws.get_mut().poll_write_held(cx)),
+        )
+        .await;
+        match drained {
+            Ok(_) => return,
+            Err(_) if tokio::time::Instant::now() >= deadline => return,
+            Err(_) if ws.get_ref().held_len() == before => return,
+            Err(_) => {}
+        }
+    }
+}
+
+/// The client's next message, writing what is held for its socket
+/// meanwhile; `Some(Err)` when that write fails.
+async fn next_and_drain(
+    ws: &mut HudWs,
+) -> Option<Result<Message, tokio_tungstenite::tungstenite::Error>> {
+    std::future::poll_fn(|cx| {
+        if ws.get_ref().has_held() {
+            if let Poll::Ready(Err(e)) = ws.get_mut().poll_write_held(cx) {
+                return Poll::Ready(Some(Err(e.into())));
             }
         }
-        ws.flush().await.is_ok()
+        ws.poll_next_unpin(cx)
     })
-    .await;
-    (stopped == Ok(true)).then(|| ws.get_mut().take_unread())
+    .await
+}
+
+/// Stops the client where it is, for the next instance: what its parser
+/// holds whole is handled (a ping is answered: held), nothing more is
+/// read, and it gives the bytes read and not parsed (a message half read
+/// from its first byte) and the bytes written and not taken. `None`: it
+/// left, or was inside a message too large to carry and did not finish it
+/// within [`HANDOVER_PAUSE_TIMEOUT`].
+async fn stop(ws: &mut HudWs, pause: &Pause) -> Option<(Vec<u8>, Vec<u8>)> {
+    pause.stop();
+    let parsed = {
+        let waker = futures_util::task::noop_waker();
+        let mut cx = std::task::Context::from_waker(&waker);
+        loop {
+            match ws.poll_next_unpin(&mut cx) {
+                Poll::Pending => break true,
+                Poll::Ready(Some(Ok(Message::Close(_)))) | Poll::Ready(None) => break false,
+                Poll::Ready(Some(Err(_))) => break false,
+                Poll::Ready(Some(Ok(_))) => {}
+            }
+        }
+    };
+    if !parsed {
+        return None;
+    }
+    let unread = match ws.get_mut().take_carried() {
+        Some(unread) => unread,
+        None => {
+            // Inside a large message: read to its end, bounded.
+            pause.resume_reads();
+            pause.request();
+            let stopped = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
+                loop {
+                    let next = std::future::poll_fn(|cx| match ws.poll_next_unpin(cx) {
+                        Poll::Ready(msg) => Poll::Ready(Some(msg)),
+                        Poll::Pending if pause.at_boundary() => Poll::Ready(None),
+                        Poll::Pending => Poll::Pending,
+                    })
+                    .await;
+                    match next {
+                        None => return true,
+                        Some(Some(Ok(Message::Close(_)))) | Some(None) | Some(Some(Err(_))) => {
+                            return false
+                        }
+                        Some(Some(Ok(_))) => {}
+                    }
+                }
+            })
+            .await;
+            if stopped != Ok(true) {
+                return None;
+            }
+            ws.get_mut().take_unread()
+        }
+    };
+    Some((unread, ws.get_mut().take_held()))
 }
 
 /// A close-on-exec copy of the client's socket.
@@ -191,6 +274,7 @@ struct WsHudMoved {
     source: HudSource,
     who: Who,
     unread: Vec<u8>,
+    unwritten: Vec<u8>,
     fd: OwnedFd,
 }
 
@@ -208,9 +292,10 @@ impl StreamParcel for WsHudMoved {
             mut source,
             who,
             unread,
+            unwritten,
             fd,
         } = *self;
-        let entry = hud_entry(&mut source, who, Some(&unread), |records| {
+        let mut entry = hud_entry(&mut source, who, Some(&unread), |records| {
             let mut lines = String::new();
             for record in records {
                 if let Record::Hud { event, .. } = record {
@@ -220,6 +305,7 @@ impl StreamParcel for WsHudMoved {
             }
             lines.into_bytes()
         });
+        entry.unwritten = base64::engine::general_purpose::STANDARD.encode(&unwritten);
         (entry, fd)
     }
 }
