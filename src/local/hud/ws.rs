@@ -235,13 +235,7 @@ async fn stop(ws: &mut HudWs, pause: &Pause) -> Option<(Vec<u8>, Vec<u8>)> {
             pause.request();
             let stopped = tokio::time::timeout(HANDOVER_PAUSE_TIMEOUT, async {
                 loop {
-                    let next = std::future::poll_fn(|cx| match ws.poll_next_unpin(cx) {
-                        Poll::Ready(msg) => Poll::Ready(Some(msg)),
-                        Poll::Pending if pause.at_boundary() => Poll::Ready(None),
-                        Poll::Pending => Poll::Pending,
-                    })
-                    .await;
-                    match next {
+                    match pause.next_before_boundary(&mut *ws).await {
                         None => return true,
                         Some(Some(Ok(Message::Close(_)))) | Some(None) | Some(Some(Err(_))) => {
                             return false
