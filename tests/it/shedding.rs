@@ -32,6 +32,8 @@ const CHUNK: i64 = 8;
 /// than closing one stalled stream frees.
 const SHORT_BY: usize = 512 * 1024;
 const ROUNDS: usize = 3;
+/// The send buffer of every local socket (`send_buffer_bytes`).
+const SEND_BUFFER: usize = 32 * 1024;
 
 /// The events of flood unit `u`: runs of 64 tool calls (lifecycle start
 /// and end, broadcast), each call's start and result (tool streams: seen by
@@ -289,6 +291,9 @@ async fn readers_that_keep_reading_outlast_every_stalled_reader() {
         // A HUD stream applies the whole replay log when it opens: keep it
         // short, so opening thirty streams is quick.
         s.limits.replay_max_bytes = 1 << 20;
+        // Every local socket takes this many bytes, whatever the kernel's
+        // default: a reader that stops reading fills it soon.
+        s.limits.send_buffer_bytes = SEND_BUFFER;
     })
     .await;
     let socket = h.socket();
@@ -336,32 +341,34 @@ async fn readers_that_keep_reading_outlast_every_stalled_reader() {
             .filter(|c| !base.contains(&c.id))
             .collect();
         assert_eq!(stalled.len(), 3 * STALLED_PER_KIND, "round {round}");
-        // They fill their sockets and stop: each has a backlog, and the
-        // stall sweep sees it wait with no progress.
-        for _ in 0..2000 / CHUNK {
-            if stalled.iter().all(|c| c.backlog().is_some()) {
+        // They fill their sockets (of `SEND_BUFFER` bytes) and stop: each
+        // has a backlog, and the stall sweep sees it wait with no progress.
+        // A reader whose writer was behind can drain its queue into its
+        // socket after the flood pauses and wait with no backlog, which is
+        // never stalled: the flood goes on, a chunk at a time, until every
+        // stalled reader is seen stalled.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let without_backlog = stalled.iter().filter(|c| c.backlog().is_none()).count();
+            let waiting = stalled
+                .iter()
+                .filter(|c| !c.backlog().is_some_and(|b| b.stalled))
+                .count();
+            if waiting == 0 {
                 break;
             }
-            flood.units(CHUNK).await;
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "round {round}: every stalled reader seen stalled within 30 s \
+                 ({waiting} not yet, {without_backlog} of them with no backlog)"
+            );
+            if without_backlog > 0 {
+                flood.units(CHUNK).await;
+            } else {
+                // The sweep runs every 100 ms.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
-        eventually_within(
-            "every stalled reader seen stalled",
-            Duration::from_secs(10),
-            || {
-                let waiting = stalled
-                    .iter()
-                    .filter(|c| !c.backlog().is_some_and(|b| b.stalled))
-                    .count();
-                async move {
-                    if waiting == 0 {
-                        Ok(())
-                    } else {
-                        Err(format!("{waiting} not yet"))
-                    }
-                }
-            },
-        )
-        .await;
         // The healthy readers read on (each takes batches again), then the
         // budget runs out.
         flood.units(100).await;
