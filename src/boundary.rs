@@ -35,6 +35,11 @@ struct PauseState {
     stopped: AtomicBool,
     /// The parser has been handed whole messages only.
     at_boundary: AtomicBool,
+    /// Stopped now, the reader could move with what it read
+    /// ([`Follower::carries`]).
+    carries: AtomicBool,
+    /// Writes on this socket are taken whole ([`Pause::spool_writes`]).
+    spool: AtomicBool,
 }
 
 impl Pause {
@@ -65,6 +70,29 @@ impl Pause {
     /// Whether everything handed to the parser ends with a whole message.
     pub fn at_boundary(&self) -> bool {
         self.0.at_boundary.load(Ordering::SeqCst)
+    }
+
+    /// Whether the reader, stopped now, could move with the bytes it read
+    /// ([`Follower::carries`]: at a boundary, or inside a message it keeps
+    /// a copy of).
+    pub fn carries(&self) -> bool {
+        self.0.carries.load(Ordering::SeqCst)
+    }
+
+    /// From now on every write on the socket this reader reads is taken
+    /// whole: what the socket does not take at once is held, in order, and
+    /// a flush writes what it can without waiting ([`WriteSpool`]). A
+    /// connection that is moving uses it, so that its writer never holds
+    /// half a frame and never waits for its peer to read: the held bytes
+    /// move with it. Whoever turns it on must wake the writer (a write
+    /// waiting on a full socket is polled again, and then taken).
+    pub fn spool_writes(&self) {
+        self.0.spool.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether [`Pause::spool_writes`] was called.
+    pub fn spooling(&self) -> bool {
+        self.0.spool.load(Ordering::SeqCst)
     }
 
     /// Once requested: what `stream` (the parser reading through this
@@ -277,6 +305,7 @@ impl Follower {
         let pause = Pause::default();
         // Nothing handed to the parser yet: a boundary.
         pause.0.at_boundary.store(true, Ordering::SeqCst);
+        pause.0.carries.store(true, Ordering::SeqCst);
         Follower {
             frames: FrameCursor::default(),
             in_message: false,
@@ -333,12 +362,19 @@ impl Follower {
         };
         // Not a boundary to move at until the frames begin.
         follower.pause.0.at_boundary.store(false, Ordering::SeqCst);
+        follower.pause.0.carries.store(false, Ordering::SeqCst);
         follower
     }
 
     /// The handle that pauses this reader at a message boundary.
     pub fn pause(&self) -> Pause {
         self.pause.clone()
+    }
+
+    /// Whether writes on this reader's socket are taken whole
+    /// ([`Pause::spool_writes`]).
+    pub fn spooling(&self) -> bool {
+        self.pause.spooling()
     }
 
     /// After a pause: the bytes read from the socket and not handed to the
@@ -377,6 +413,7 @@ impl Follower {
                 if ends {
                     self.http_head = None;
                     self.pause.0.at_boundary.store(true, Ordering::SeqCst);
+                    self.pause.0.carries.store(true, Ordering::SeqCst);
                     return i + 1;
                 }
             }
@@ -413,6 +450,7 @@ impl Follower {
             .at_boundary
             .store(self.at_message_boundary(), Ordering::SeqCst);
         self.partial.keep(&bytes[..i], boundary);
+        self.pause.0.carries.store(self.carries(), Ordering::SeqCst);
         i
     }
 
@@ -450,6 +488,112 @@ impl Follower {
             }
         }
         polled
+    }
+}
+
+/// Polls once with a waker that does nothing. For a reader stopped with
+/// [`Pause::stop`]: what its parser already holds whole, without waiting
+/// (`Pending`: nothing more, and no wake-up will come). A split stream
+/// also says "pending" while its other half is in use: poll it so only
+/// while nothing else can hold that half.
+pub fn poll_now<T>(poll: impl FnOnce(&mut Context<'_>) -> Poll<T>) -> Poll<T> {
+    let waker = futures_util::task::noop_waker();
+    poll(&mut Context::from_waker(&waker))
+}
+
+/// Bytes written on a socket and not taken by it yet, held in order and
+/// written before anything else: those a previous instance left unwritten
+/// (the rest of a frame), and, once the connection is moving
+/// ([`Pause::spool_writes`]), whatever the socket does not take at once.
+/// (By hand: the held bytes must be taken out for a handover, which no
+/// buffered writer offers.)
+#[derive(Debug, Default)]
+pub struct WriteSpool {
+    /// (Written from its front: `advance` is O(1), however large.)
+    bytes: bytes::BytesMut,
+}
+
+impl WriteSpool {
+    /// A spool holding `unwritten`, to be written first.
+    pub fn with(unwritten: Vec<u8>) -> Self {
+        WriteSpool {
+            bytes: bytes::BytesMut::from(&unwritten[..]),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// The held bytes, for the next instance.
+    pub fn take(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.bytes).to_vec()
+    }
+
+    /// Writes the held bytes for as long as the socket takes them.
+    pub fn poll_drain<W: tokio::io::AsyncWrite + Unpin>(
+        &mut self,
+        socket: &mut W,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<()>> {
+        while !self.bytes.is_empty() {
+            let n =
+                std::task::ready!(std::pin::Pin::new(&mut *socket).poll_write(cx, &self.bytes))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            bytes::Buf::advance(&mut self.bytes, n);
+        }
+        if self.bytes.capacity() > KEEP_PARTIAL_BYTES {
+            self.bytes = bytes::BytesMut::new();
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// A write of `buf` on `socket`, after the held bytes. `spooling`: it
+    /// is taken whole, however little the socket takes; otherwise it waits
+    /// for the held bytes to be written, then writes as the socket does.
+    pub fn poll_write<W: tokio::io::AsyncWrite + Unpin>(
+        &mut self,
+        socket: &mut W,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+        spooling: bool,
+    ) -> Poll<io::Result<usize>> {
+        if !spooling {
+            std::task::ready!(self.poll_drain(socket, cx))?;
+            return std::pin::Pin::new(socket).poll_write(cx, buf);
+        }
+        if let Poll::Ready(Err(e)) = self.poll_drain(socket, cx) {
+            return Poll::Ready(Err(e));
+        }
+        if !self.bytes.is_empty() {
+            self.bytes.extend_from_slice(buf);
+            return Poll::Ready(Ok(buf.len()));
+        }
+        match std::pin::Pin::new(socket).poll_write(cx, buf) {
+            Poll::Pending => self.bytes.extend_from_slice(buf),
+            Poll::Ready(Ok(n)) => self.bytes.extend_from_slice(&buf[n.min(buf.len())..]),
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+        }
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    /// A flush of `socket` after the held bytes; `spooling`: without
+    /// waiting for them (what the socket takes now is written, the rest
+    /// stays held).
+    pub fn poll_flush<W: tokio::io::AsyncWrite + Unpin>(
+        &mut self,
+        socket: &mut W,
+        cx: &mut Context<'_>,
+        spooling: bool,
+    ) -> Poll<io::Result<()>> {
+        match self.poll_drain(socket, cx) {
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending if !spooling => return Poll::Pending,
+            _ => {}
+        }
+        std::pin::Pin::new(socket).poll_flush(cx)
     }
 }
 
@@ -679,6 +823,66 @@ mod tests {
             c.extend_from_slice(&stream[at..]);
         }
         (handed, carried)
+    }
+
+    /// Writes `chunks` through a spool onto a socket that takes at most
+    /// `room` bytes (nobody reads it), spooling from chunk `spool_from` on;
+    /// gives what the socket took and what the spool holds.
+    fn spooled(chunks: &[Vec<u8>], room: usize, spool_from: usize) -> (Vec<u8>, Vec<u8>) {
+        let (mut ours, mut theirs) = tokio::io::duplex(room.max(1));
+        let mut spool = WriteSpool::with(Vec::new());
+        for (i, chunk) in chunks.iter().enumerate() {
+            let spooling = i >= spool_from;
+            let mut at = 0;
+            while at < chunk.len() {
+                match poll_now(|cx| spool.poll_write(&mut ours, cx, &chunk[at..], spooling)) {
+                    Poll::Ready(Ok(n)) => at += n,
+                    Poll::Ready(Err(e)) => panic!("{e}"),
+                    // Not spooling, the socket full: what is left of the
+                    // chunk goes once spooling begins.
+                    Poll::Pending => break,
+                }
+            }
+            if at < chunk.len() {
+                assert!(!spooling, "a spooled write is taken whole");
+                let rest = &chunk[at..];
+                assert!(matches!(
+                    poll_now(|cx| spool.poll_write(&mut ours, cx, rest, true)),
+                    Poll::Ready(Ok(n)) if n == rest.len()
+                ));
+            }
+        }
+        let flushed = poll_now(|cx| spool.poll_flush(&mut ours, cx, true));
+        assert!(
+            matches!(flushed, Poll::Ready(Ok(()))),
+            "a spooled flush waits for nothing"
+        );
+        let mut took = vec![0u8; room.max(1)];
+        let mut buf = ReadBuf::new(&mut took);
+        let _ = poll_now(|cx| {
+            tokio::io::AsyncRead::poll_read(std::pin::Pin::new(&mut theirs), cx, &mut buf)
+        });
+        let n = buf.filled().len();
+        took.truncate(n);
+        (took, spool.take())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+        /// Whatever the socket takes and whenever spooling begins, what it
+        /// took and then what the spool holds are the writes, byte for
+        /// byte, in order.
+        #[test]
+        fn a_spool_holds_exactly_what_the_socket_did_not_take(
+            chunks in proptest::collection::vec(proptest::collection::vec(0u8..255, 0..3000), 1..12),
+            room in 1usize..8000,
+            spool_from in 0usize..12,
+        ) {
+            let (took, held) = spooled(&chunks, room, spool_from);
+            let mut sent = took;
+            sent.extend(held);
+            proptest::prop_assert_eq!(sent, chunks.concat());
+        }
     }
 
     proptest::proptest! {

@@ -627,6 +627,8 @@ impl RunningBroker {
                 kind: handed.socket.kind,
                 hello: handed.hello,
                 unread: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unread),
+                unwritten: base64::engine::general_purpose::STANDARD
+                    .encode(&handed.socket.unwritten),
                 next_request_id: ctx.router.next_id(),
                 pending,
             };
@@ -664,6 +666,7 @@ impl RunningBroker {
             kind: handed.socket.kind,
             hello,
             unread: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unread),
+            unwritten: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unwritten),
             last_seq: continued.last_seq,
             confirmed: continued.confirmed.iter().map(Subscription::of).collect(),
             next_request_id: ctx.router.next_id(),

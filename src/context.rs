@@ -74,13 +74,15 @@ pub struct Parcel {
     pub mirror: bool,
 }
 
-/// One `/ws/dedicated` connection, both its readers stopped at a message
-/// boundary for the next instance: the client's socket and the gateway's,
-/// each with the bytes read from it that its parser was not given.
+/// One `/ws/dedicated` connection, stopped where it was for the next
+/// instance: the client's socket and the gateway's, each with the bytes
+/// read from it that its parser was not given (a message half read, from
+/// its first byte) and the bytes written to it that it did not take.
 #[derive(Debug)]
 pub struct DedicatedParcel {
     pub client: std::os::fd::OwnedFd,
     pub client_unread: Vec<u8>,
+    pub client_unwritten: Vec<u8>,
     pub gateway: crate::upstream::MovedSocket,
     pub peer_uid: Option<u32>,
     pub browser: bool,

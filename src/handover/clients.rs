@@ -81,6 +81,10 @@ pub struct NarrowerEntry {
     pub hello: crate::upstream::UpstreamHello,
     /// Bytes read from the socket and not parsed (base64).
     pub unread: String,
+    /// Bytes written to the socket and not taken (base64), from inside a
+    /// frame: the next instance writes them first.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub unwritten: String,
     /// The next upstream request id's number (as [`UpstreamEntry`]'s: the
     /// ids its requests in flight hold are never given out again).
     pub next_request_id: u64,
@@ -103,11 +107,19 @@ pub fn stream_fd_name(i: usize) -> String {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DedicatedEntry {
-    /// Bytes read from the client and not parsed (base64).
+    /// Bytes read from the client and not parsed (base64): a message half
+    /// read from its first byte, then what followed.
     pub client_unread: String,
+    /// Bytes written to the client and not taken (base64), from inside a
+    /// frame: the next instance writes them first.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub client_unwritten: String,
     pub gateway_kind: crate::upstream::SocketKind,
     /// Bytes read from the gateway and not parsed (base64).
     pub gateway_unread: String,
+    /// Bytes written to the gateway and not taken (base64).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub gateway_unwritten: String,
     pub peer_uid: Option<u32>,
     pub browser: bool,
 }
@@ -133,6 +145,10 @@ pub struct UpstreamEntry {
     pub hello: crate::upstream::UpstreamHello,
     /// Bytes read from the socket and not parsed (base64).
     pub unread: String,
+    /// Bytes written to the socket and not taken (base64), from inside a
+    /// frame: the next instance writes them first.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub unwritten: String,
     /// The gateway's last event `seq` on the connection.
     pub last_seq: Option<u64>,
     /// The subscriptions the gateway confirmed on the connection.
@@ -333,8 +349,10 @@ pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
             (
                 DedicatedEntry {
                     client_unread: b64(&d.client_unread),
+                    client_unwritten: b64(&d.client_unwritten),
                     gateway_kind: d.gateway.kind,
                     gateway_unread: b64(&d.gateway.unread),
+                    gateway_unwritten: b64(&d.gateway.unwritten),
                     peer_uid: d.peer_uid,
                     browser: d.browser,
                 },
@@ -410,19 +428,28 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
     }
     for (entry, (client, gateway)) in clients.dedicated.iter().zip(dedicated) {
         let decode = |s: &str| base64::engine::general_purpose::STANDARD.decode(s);
-        let (Ok(client_unread), Ok(gateway_unread)) =
-            (decode(&entry.client_unread), decode(&entry.gateway_unread))
+        let decoded = [
+            &entry.client_unread,
+            &entry.client_unwritten,
+            &entry.gateway_unread,
+            &entry.gateway_unwritten,
+        ]
+        .map(|s| decode(s));
+        let [Ok(client_unread), Ok(client_unwritten), Ok(gateway_unread), Ok(gateway_unwritten)] =
+            decoded
         else {
-            tracing::warn!("handover: a dedicated connection's unread bytes are not base64");
+            tracing::warn!("handover: a dedicated connection's carried bytes are not base64");
             continue;
         };
         let parcel = crate::context::DedicatedParcel {
             client,
             client_unread,
+            client_unwritten,
             gateway: crate::upstream::MovedSocket {
                 fd: gateway,
                 kind: entry.gateway_kind,
                 unread: gateway_unread,
+                unwritten: gateway_unwritten,
             },
             peer_uid: entry.peer_uid,
             browser: entry.browser,
@@ -602,6 +629,7 @@ fn adopt_narrower(
         fd,
         kind: entry.kind,
         unread: &entry.unread,
+        unwritten: &entry.unwritten,
         hello: entry.hello,
         url: entry.url,
     };
@@ -634,6 +662,7 @@ fn adopt_upstream(
         fd,
         kind: entry.kind,
         unread: &entry.unread,
+        unwritten: &entry.unwritten,
         hello: entry.hello,
         url: entry.url,
     };
@@ -654,6 +683,7 @@ struct MovedConnection<'a> {
     fd: OwnedFd,
     kind: crate::upstream::SocketKind,
     unread: &'a str,
+    unwritten: &'a str,
     hello: crate::upstream::UpstreamHello,
     url: String,
 }
@@ -662,8 +692,9 @@ impl MovedConnection<'_> {
     /// What its connector adopts; its upstream ids go on after
     /// `next_request_id`. `None` when its unread bytes are not base64.
     fn adoption(self, ctx: &Ctx, next_request_id: u64) -> Option<crate::upstream::Adoption> {
-        let Ok(unread) = base64::engine::general_purpose::STANDARD.decode(self.unread) else {
-            tracing::warn!("handover: a gateway connection's unread bytes are not base64");
+        let decode = |s: &str| base64::engine::general_purpose::STANDARD.decode(s);
+        let (Ok(unread), Ok(unwritten)) = (decode(self.unread), decode(self.unwritten)) else {
+            tracing::warn!("handover: a gateway connection's carried bytes are not base64");
             return None;
         };
         ctx.router.continue_ids(next_request_id);
@@ -672,6 +703,7 @@ impl MovedConnection<'_> {
                 fd: self.fd,
                 kind: self.kind,
                 unread,
+                unwritten,
             },
             hello: self.hello,
             url: self.url,

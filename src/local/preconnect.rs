@@ -160,6 +160,23 @@ impl<T> Limited<T> {
         limited
     }
 
+    /// As [`Limited::with_unread`], on a socket only tungstenite writes on
+    /// (a dedicated connection's), to which the previous instance left
+    /// `unwritten` bytes (the rest of a frame): they are written before
+    /// anything tungstenite writes, as soon as the socket takes them, by
+    /// whichever of its reads and writes comes first.
+    pub fn with_unwritten(
+        inner: T,
+        budget: PreconnectBudget,
+        unread: Vec<u8>,
+        unwritten: Vec<u8>,
+    ) -> Self {
+        let mut limited = Self::with_unread(inner, budget, unread);
+        limited.held.carried = unwritten.len();
+        limited.held.bytes = bytes::BytesMut::from(&unwritten[..]);
+        limited
+    }
+
     /// Counts each message read from here on in `budget`, from its first
     /// frame's header until [`Limited::message_handled`]; a message over
     /// [`CHARGE_ABOVE_BYTES`] that takes the budget past its limit ends
@@ -334,12 +351,16 @@ where
 /// at once ([`crate::bounds::return_free_memory`]).
 const RETURN_FREED_ABOVE_BYTES: usize = 1 << 20;
 
-impl<T: AsyncRead + Unpin> AsyncRead for Limited<T> {
+impl<T: AsyncRead + AsyncWrite + Unpin> AsyncRead for Limited<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if self.drains_first() {
+            // A failure shows at the next write.
+            let _ = self.poll_write_held(cx);
+        }
         let Limited {
             inner,
             budget,
@@ -448,8 +469,20 @@ impl<T: AsyncWrite + Unpin> Limited<T> {
         Poll::Ready(Ok(()))
     }
 
+    /// Every write is taken whole: [`Limited::spool_writes`], or the
+    /// connection is moving ([`Pause::spool_writes`]).
+    fn spooling(&self) -> bool {
+        self.held.spool || self.follow.spooling()
+    }
+
+    /// Held bytes a previous instance left on a socket only tungstenite
+    /// writes on: written before tungstenite's, waiting for the socket.
+    fn drains_first(&self) -> bool {
+        !self.held.shared && !self.spooling() && !self.held.bytes.is_empty()
+    }
+
     fn hold(&mut self, cx: &mut Context<'_>, bytes: &[u8]) -> io::Result<()> {
-        if !self.held.spool
+        if !self.spooling()
             && self.held.bytes.len() - self.held.carried + bytes.len() > MAX_HELD_BYTES
         {
             return Err(io::Error::other(
@@ -474,12 +507,21 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = &mut *self;
+        if this.drains_first() {
+            ready!(this.poll_write_held(cx))?;
+        }
+        if this.spooling() && !this.held.mid_frame && !this.held.bytes.is_empty() {
+            // What the socket takes now goes first.
+            if let Poll::Ready(Err(e)) = this.poll_write_held(cx) {
+                return Poll::Ready(Err(e));
+            }
+        }
         if this.held.mid_frame || !this.held.bytes.is_empty() {
             this.hold(cx, buf)?;
             return Poll::Ready(Ok(buf.len()));
         }
         let n = match Pin::new(&mut this.inner).poll_write(cx, buf) {
-            Poll::Pending if this.held.spool => {
+            Poll::Pending if this.spooling() => {
                 this.hold(cx, buf)?;
                 return Poll::Ready(Ok(buf.len()));
             }
@@ -490,7 +532,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
         // writes frames of its own beside tungstenite's, so that no half
         // frame is left in tungstenite's buffer (a full socket, instead,
         // leaves tungstenite its whole frames, to write later).
-        if (this.held.shared || this.held.spool) && n > 0 && n < buf.len() {
+        if (this.held.shared || this.spooling()) && n > 0 && n < buf.len() {
             this.hold(cx, &buf[n..])?;
             return Poll::Ready(Ok(buf.len()));
         }
@@ -498,7 +540,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self.held.spool {
+        if self.spooling() {
             // What the socket takes now; the rest waits for the caller's
             // drain, not for this flush.
             if let Poll::Ready(Err(e)) = self.poll_write_held(cx) {

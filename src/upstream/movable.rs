@@ -17,7 +17,7 @@ use std::task::{Context, Poll};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use crate::boundary::{Follower, Pause};
+use crate::boundary::{Follower, Pause, WriteSpool};
 
 /// What kind of socket a moved gateway connection is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -36,6 +36,9 @@ pub struct MovedSocket {
     /// Bytes read from it and not handed to the parser: the start of the
     /// gateway's next message, if any.
     pub unread: Vec<u8>,
+    /// Bytes written to it and not taken (from inside a frame): the next
+    /// instance writes them before anything of its own.
+    pub unwritten: Vec<u8>,
 }
 
 /// A gateway message can move half read (its bytes so far go to the next
@@ -50,6 +53,9 @@ pub struct Movable<T> {
     inner: T,
     kind: SocketKind,
     follow: Follower,
+    /// What was written and not taken yet: left by the previous instance,
+    /// or held since the connection began to move.
+    spool: WriteSpool,
 }
 
 impl<T> Movable<T> {
@@ -61,16 +67,21 @@ impl<T> Movable<T> {
             inner,
             kind,
             follow: Follower::after_http_response(false).carrying(CARRY_MESSAGE_BYTES),
+            spool: WriteSpool::default(),
         }
     }
 
-    /// A socket moved from the previous instance, reading `unread` first:
-    /// bytes it read and did not parse (they start at a message boundary).
-    pub fn moved(inner: T, kind: SocketKind, unread: Vec<u8>) -> Self {
+    /// A socket moved from the previous instance, reading `unread` first
+    /// (bytes it read and did not parse: they start at a message boundary)
+    /// and writing `unwritten` first (bytes it wrote and the socket did not
+    /// take: they end a frame). They are written as soon as the socket
+    /// takes them, by whichever of its reads and writes comes first.
+    pub fn moved(inner: T, kind: SocketKind, unread: Vec<u8>, unwritten: Vec<u8>) -> Self {
         Movable {
             inner,
             kind,
             follow: Follower::new(unread, false).carrying(CARRY_MESSAGE_BYTES),
+            spool: WriteSpool::with(unwritten),
         }
     }
 }
@@ -90,17 +101,30 @@ impl<T: AsFd> Movable<T> {
             fd,
             kind: self.kind,
             unread,
+            unwritten: self.spool.take(),
         })
     }
 }
 
-impl<T: AsyncRead + Unpin> AsyncRead for Movable<T> {
+impl<T: AsyncRead + AsyncWrite + Unpin> AsyncRead for Movable<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let Movable { inner, follow, .. } = &mut *self;
+        let Movable {
+            inner,
+            follow,
+            spool,
+            ..
+        } = &mut *self;
+        if !spool.is_empty() && !follow.spooling() {
+            // Bytes the previous instance left unwritten are written as
+            // soon as the socket takes them, even when nothing else is
+            // written for a while (the peer waits for the rest of a
+            // frame); a failure shows at the next write.
+            let _ = spool.poll_drain(inner, cx);
+        }
         follow.poll_read(cx, buf, |cx, buf| Pin::new(inner).poll_read(cx, buf))
     }
 }
@@ -111,11 +135,23 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        let Movable {
+            inner,
+            follow,
+            spool,
+            ..
+        } = &mut *self;
+        spool.poll_write(inner, cx, buf, follow.spooling())
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
+        let Movable {
+            inner,
+            follow,
+            spool,
+            ..
+        } = &mut *self;
+        spool.poll_flush(inner, cx, follow.spooling())
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -127,7 +163,15 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        if self.spool.is_empty() && !self.follow.spooling() {
+            return Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        }
+        // Through the spool, a slice at a time.
+        let first = bufs
+            .iter()
+            .find(|b| !b.is_empty())
+            .map_or(&[][..], |b| &**b);
+        self.poll_write(cx, first)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -186,6 +230,7 @@ impl MovedSocket {
                     tokio::net::TcpStream::from_std(s)?,
                     SocketKind::Tcp,
                     self.unread,
+                    self.unwritten,
                 ))
             }
             SocketKind::Unix => {
@@ -195,6 +240,7 @@ impl MovedSocket {
                     tokio::net::UnixStream::from_std(s)?,
                     SocketKind::Unix,
                     self.unread,
+                    self.unwritten,
                 ))
             }
         })
@@ -215,7 +261,12 @@ mod tests {
     #[tokio::test]
     async fn a_paused_gateway_socket_stops_between_messages() {
         let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
-        let io: Box<dyn UpstreamIo> = Box::new(Movable::moved(ours, SocketKind::Unix, Vec::new()));
+        let io: Box<dyn UpstreamIo> = Box::new(Movable::moved(
+            ours,
+            SocketKind::Unix,
+            Vec::new(),
+            Vec::new(),
+        ));
         let pause = io.pause().unwrap();
         let mut ws = WebSocketStream::from_raw_socket(io, Role::Client, None).await;
         let mut gateway = WebSocketStream::from_raw_socket(theirs, Role::Server, None).await;

@@ -1493,6 +1493,86 @@ async fn a_dedicated_connection_moves_with_its_own_gateway_connection() {
     assert!(log_text(&log).contains("dedicated client taken over"));
 }
 
+/// A `/ws/dedicated` connection caught in the middle both ways does not
+/// hold up a handover, nor is it closed: its client is half way through
+/// sending a request and has stopped reading (its socket full inside a
+/// frame of the gateway's, the broker's send buffer set small), and its
+/// gateway has begun a message and not ended it. It moves at once with the
+/// bytes read of each message so far and the bytes its client's socket had
+/// not taken; once both peers go on, every frame arrives whole, in order,
+/// and the gateway never sees a new connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dedicated_connection_in_the_middle_of_a_frame_both_ways_moves_at_once() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log, _) =
+        serve_configured(dir.path(), &gw, "[limits]\nsend_buffer_bytes = 8192\n", &[]).await;
+    let pid = broker_pid(&socket).await;
+    let mut c = WsClient::open(&socket, "/ws/dedicated").await;
+    let challenge = c.recv_json().await;
+    assert_eq!(challenge["event"], "connect.challenge", "{challenge}");
+    c.send_json(&connect_frame("c1")).await;
+    assert_eq!(c.response("c1").await["ok"], true);
+    let mut mover = WsClient::open(&socket, "/ws").await;
+    mover.handshake().await;
+    assert_eq!(
+        gw.total_connections(),
+        2,
+        "the shared session and the dedicated one"
+    );
+    // A masked text frame holding a whole request, of which 10 bytes of
+    // the payload are sent now.
+    let request = br#"{"type":"req","id":"half","method":"health","params":{}}"#;
+    let mask = [1u8, 2, 3, 4];
+    let mut frame = vec![0x81, 0x80 | request.len() as u8];
+    frame.extend(mask);
+    frame.extend(request.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    let (sent, rest) = frame.split_at(6 + 10);
+    c.raw().write_all(sent).await.unwrap();
+    // Events of 16 KiB, each more than the dedicated client's socket
+    // holds: the relay is left inside the first frame it writes.
+    const EVENTS: u64 = 20;
+    let pad = "x".repeat(16 * 1024);
+    for n in 0..EVENTS {
+        gw.broadcast("test.n", serde_json::json!({"n": n, "pad": pad}));
+        assert_eq!(mover.event("test.n").await["payload"]["n"], n);
+    }
+    crate::support::eventually_async("the relay wrote part of a frame to the client", || {
+        let queued = rustix::io::ioctl_fionread(&*c.raw());
+        async move {
+            match queued {
+                Ok(n) if n > 0 => Ok(()),
+                other => Err(format!("{other:?} bytes on the client's socket")),
+            }
+        }
+    })
+    .await;
+    gw.send_fragment_start("{\"type\":\"event\",\"event\":\"test.half\"");
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    let text = log_text(&log);
+    assert!(text.contains("dedicated client taken over"), "{text}");
+    assert!(!text.contains("closing it"), "{text}");
+    // Both peers go on: the gateway ends its message, the client sends the
+    // rest of its request and reads again.
+    gw.send_fragment_end(",\"payload\":{\"whole\":true}}");
+    c.raw().write_all(rest).await.unwrap();
+    for n in 0..EVENTS {
+        let event = c.event("test.n").await;
+        assert_eq!(event["payload"]["n"], n, "{}", log_text(&log));
+        assert_eq!(
+            event["payload"]["pad"].as_str().map(str::len),
+            Some(pad.len())
+        );
+    }
+    let half = c.event("test.half").await;
+    assert_eq!(half["payload"]["whole"], true, "{half}");
+    let res = c.response("half").await;
+    assert_eq!(res["ok"], true, "the half-sent request, answered: {res}");
+    let res = c.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "{res}");
+    assert_eq!(gw.total_connections(), 2, "{}", log_text(&log));
+}
+
 /// The next start names another gateway (its settings changed): the
 /// stored gateway connection is not taken over. The requests in flight on
 /// it are answered once, failed with `sent: true` (they may have run), and

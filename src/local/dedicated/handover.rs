@@ -1,7 +1,10 @@
 //! A dedicated connection at a handover (design §11): both directions
-//! stop at a message boundary once what they read is relayed, and the
-//! connection moves whole to the next instance ([`Conn::hand_over`]),
-//! which serves it from there ([`resume`]).
+//! stop where they are, once the messages their parsers hold whole are
+//! relayed, and the connection moves to the next instance
+//! ([`Conn::hand_over`]) with, for each socket, the message it was
+//! sending as read so far and the bytes written to it that it had not
+//! taken; the next instance serves it from there ([`resume`]). Nothing
+//! waits for either peer, except to finish a message too large to carry.
 
 use std::sync::Arc;
 
@@ -19,6 +22,37 @@ use crate::upstream::GatewaySocket;
 pub(super) struct Pauses {
     pub client: crate::boundary::Pause,
     pub gateway: Option<crate::boundary::Pause>,
+}
+
+impl Pauses {
+    /// The connection moves: from now on both sockets take every write
+    /// whole, so that neither writer waits for its peer or keeps half a
+    /// frame (what a socket has not taken moves with it).
+    pub(super) fn spool_writes(&self) {
+        self.client.spool_writes();
+        if let Some(gateway) = &self.gateway {
+            gateway.spool_writes();
+        }
+    }
+}
+
+/// A write (a relayed message, a flush) that waits for its peer until a
+/// handover is requested; then, if the connection moves (`decide`: its
+/// writes are taken whole from then on), it is polled again and done at
+/// once.
+pub(super) async fn write_until_moving<F: std::future::Future>(
+    write: F,
+    requested: &tokio_util::sync::CancellationToken,
+    decide: &impl Fn() -> bool,
+) -> F::Output {
+    tokio::pin!(write);
+    tokio::select! {
+        biased;
+        out = &mut write => return out,
+        _ = requested.cancelled() => {}
+    }
+    decide();
+    write.await
 }
 
 impl Conn {
@@ -44,7 +78,7 @@ impl Conn {
         let mut end = end;
         if matches!(end, End::HandedOver) {
             // What tungstenite still holds to write either way (an automatic
-            // pong), so neither socket moves in the middle of a frame.
+            // pong, the rest of a frame): the spools take it at once.
             let flushed = tokio::time::timeout(crate::local::ws::HANDOVER_PAUSE_TIMEOUT, async {
                 self.local_tx.flush().await.is_ok() && up_tx.flush().await.is_ok()
             })
@@ -64,9 +98,10 @@ impl Conn {
         tracing::info!(dedicated_id, "dedicated client disconnected");
     }
 
-    /// Leaves the connection, both readers stopped at a message boundary,
-    /// for the next instance: both sockets (copies) and the bytes read from
-    /// each and not parsed. On a failure (a descriptor that cannot be
+    /// Leaves the connection, both readers stopped, for the next instance:
+    /// both sockets (copies), the bytes read from each and not parsed (a
+    /// message half read, from its first byte), and the bytes written to
+    /// each and not taken. On a failure (a descriptor that cannot be
     /// copied) both sockets close without a close frame; the client
     /// reconnects.
     fn hand_over(
@@ -115,10 +150,18 @@ impl Conn {
                 return;
             }
         };
+        let Some(client_unread) = local.get_mut().take_carried() else {
+            tracing::warn!(
+                dedicated_id = slot.id,
+                "handover: a dedicated client stopped inside a message too large to carry; closing it"
+            );
+            return;
+        };
         ctx.handoff
             .leave_dedicated(crate::context::DedicatedParcel {
                 client,
-                client_unread: local.get_mut().take_unread(),
+                client_unread,
+                client_unwritten: local.get_mut().take_held(),
                 gateway,
                 peer_uid,
                 browser,
@@ -144,6 +187,7 @@ pub async fn resume(parcel: crate::context::DedicatedParcel, ctx: Arc<Ctx>) {
     let crate::context::DedicatedParcel {
         client,
         client_unread,
+        client_unwritten,
         gateway,
         peer_uid,
         browser,
@@ -170,7 +214,7 @@ pub async fn resume(parcel: crate::context::DedicatedParcel, ctx: Arc<Ctx>) {
     let budget = PreconnectBudget::new(0);
     budget.lift();
     let io: Box<dyn ClientIo> = Box::new(stream);
-    let io = Limited::with_unread(io, budget.clone(), client_unread);
+    let io = Limited::with_unwritten(io, budget.clone(), client_unread, client_unwritten);
     let client_pause = io.pause();
     let ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
         io,
@@ -194,18 +238,21 @@ pub async fn resume(parcel: crate::context::DedicatedParcel, ctx: Arc<Ctx>) {
 }
 
 /// One direction's reads at a handover: until it is requested, a plain
-/// read; once it is, and the connection moves, reads until the reader
-/// stops at a message boundary.
+/// read; once it is, and the connection moves, the reader is stopped where
+/// it is and gives the messages its parser holds whole, then stops; inside
+/// a message too large to carry, it reads on to that message's end.
 #[derive(Default)]
 pub(super) struct Watch {
-    /// The handover was requested and the connection moves: pausing.
-    pausing: bool,
+    /// The handover was requested and the connection moves: stopped.
+    stopped: bool,
+    /// Reading on to the end of a message too large to carry.
+    to_boundary: bool,
 }
 
 /// What one direction's read gave.
 pub(super) enum Next<T> {
     Item(Option<T>),
-    /// Stopped at a message boundary for the handover.
+    /// Stopped for the handover, with nothing parsed left to relay.
     Paused,
     /// A handover was requested and this connection does not move (its
     /// `connect` is unanswered, or its gateway socket cannot move): it is
@@ -221,15 +268,15 @@ impl Watch {
         requested: &tokio_util::sync::CancellationToken,
         decide: &impl Fn() -> bool,
     ) -> Next<S::Item> {
-        if !self.pausing {
+        if !self.stopped {
             tokio::select! {
                 m = rx.next() => return Next::Item(m),
                 _ = requested.cancelled() => {}
             }
             match pause {
                 Some(pause) if decide() => {
-                    pause.request();
-                    self.pausing = true;
+                    pause.stop();
+                    self.stopped = true;
                 }
                 _ => return Next::Stop,
             }
@@ -237,6 +284,21 @@ impl Watch {
         let Some(pause) = pause else {
             return Next::Stop;
         };
+        if !self.to_boundary {
+            // (Both directions run in one task: the other half of `rx` is
+            // free whenever this runs.)
+            if let std::task::Poll::Ready(m) =
+                crate::boundary::poll_now(|cx| rx.poll_next_unpin(cx))
+            {
+                return Next::Item(m);
+            }
+            if pause.carries() {
+                return Next::Paused;
+            }
+            pause.resume_reads();
+            pause.request();
+            self.to_boundary = true;
+        }
         match pause.next_before_boundary(rx).await {
             Some(m) => Next::Item(m),
             None => Next::Paused,

@@ -7,7 +7,7 @@ use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::Message;
 
-use super::handover::{Next, Pauses, Watch};
+use super::handover::{write_until_moving, Next, Pauses, Watch};
 use super::{classify, connect_answer, unanswered, Conn, End, Read};
 use crate::upstream::{closed_before_answer, handshake_timed_out, GatewaySocket};
 
@@ -17,10 +17,12 @@ impl Conn {
     /// close or silence becomes a `studio.*` error for the client.
     ///
     /// At a handover (a connection whose `connect` was answered, and whose
-    /// gateway socket can move), each direction stops reading at the end of
-    /// the message in progress, once what it read is relayed; the relay
-    /// ends [`End::HandedOver`] when both have. `answered`: the gateway
-    /// answered the `connect` already (a connection taken over).
+    /// gateway socket can move), both sockets take every write whole from
+    /// then on, and each direction stops reading where it is once the
+    /// messages its parser holds whole are relayed (inside a message too
+    /// large to carry, at its end); the relay ends [`End::HandedOver`]
+    /// when both have. `answered`: the gateway answered the `connect`
+    /// already (a connection taken over).
     pub(super) async fn relay(
         &mut self,
         up_tx: &mut SplitSink<GatewaySocket, Message>,
@@ -47,8 +49,13 @@ impl Conn {
         // the direction that sees the request first.
         let decided: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let decide = || {
-            *decided
-                .get_or_init(|| answered_now.load(Ordering::Relaxed) && pauses.gateway.is_some())
+            *decided.get_or_init(|| {
+                let moves = answered_now.load(Ordering::Relaxed) && pauses.gateway.is_some();
+                if moves {
+                    pauses.spool_writes();
+                }
+                moves
+            })
         };
         let requested = &ctx.handoff.requested;
         let down = async {
@@ -120,7 +127,8 @@ impl Conn {
                         }
                     }
                 }
-                match tokio::time::timeout(slow_grace, local_tx.send(msg)).await {
+                let send = write_until_moving(local_tx.send(msg), requested, &decide);
+                match tokio::time::timeout(slow_grace, send).await {
                     Ok(Ok(())) => {}
                     Ok(Err(_)) => return End::ClientGone,
                     Err(_) => return End::ClientSlow,
@@ -140,7 +148,8 @@ impl Conn {
                 };
                 match classify(read, "dedicated client") {
                     Read::Frame(m) => {
-                        match tokio::time::timeout(write_timeout, up_tx.send(m)).await {
+                        let send = write_until_moving(up_tx.send(m), requested, &decide);
+                        match tokio::time::timeout(write_timeout, send).await {
                             Ok(Ok(())) => {}
                             Ok(Err(_)) | Err(_) => return End::GatewayGone,
                         }
@@ -158,8 +167,9 @@ impl Conn {
         if !matches!(end, End::HandedOver) {
             return end;
         }
-        // One direction stopped for the handover: the other stops at its
-        // own boundary, bounded like a `/ws` client's pause.
+        // One direction stopped for the handover: the other stops too, at
+        // once unless inside a message too large to carry (bounded like a
+        // `/ws` client's pause).
         let other = if down_left {
             tokio::time::timeout(crate::local::ws::HANDOVER_PAUSE_TIMEOUT, &mut down).await
         } else {

@@ -212,16 +212,12 @@ async fn next_and_drain(
 /// within [`HANDOVER_PAUSE_TIMEOUT`].
 async fn stop(ws: &mut HudWs, pause: &Pause) -> Option<(Vec<u8>, Vec<u8>)> {
     pause.stop();
-    let parsed = {
-        let waker = futures_util::task::noop_waker();
-        let mut cx = std::task::Context::from_waker(&waker);
-        loop {
-            match ws.poll_next_unpin(&mut cx) {
-                Poll::Pending => break true,
-                Poll::Ready(Some(Ok(Message::Close(_)))) | Poll::Ready(None) => break false,
-                Poll::Ready(Some(Err(_))) => break false,
-                Poll::Ready(Some(Ok(_))) => {}
-            }
+    let parsed = loop {
+        match crate::boundary::poll_now(|cx| ws.poll_next_unpin(cx)) {
+            Poll::Pending => break true,
+            Poll::Ready(Some(Ok(Message::Close(_)))) | Poll::Ready(None) => break false,
+            Poll::Ready(Some(Err(_))) => break false,
+            Poll::Ready(Some(Ok(_))) => {}
         }
     };
     if !parsed {

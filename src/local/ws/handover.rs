@@ -179,10 +179,8 @@ fn handle_parsed<T>(
 where
     T: AsyncRead + AsyncWrite + Unpin,
 {
-    let waker = futures_util::task::noop_waker();
-    let mut cx = std::task::Context::from_waker(&waker);
     loop {
-        match poll_incoming(&mut conn.ws, &mut cx) {
+        match crate::boundary::poll_now(|cx| poll_incoming(&mut conn.ws, cx)) {
             Poll::Pending => return true,
             Poll::Ready(Incoming::Text(text)) => handle_frame(&text, member, ctx),
             Poll::Ready(_) => return false,

@@ -340,8 +340,11 @@ impl Connector {
         request: crate::upstream::HandoverRequest,
     ) -> Result<(), (String, Vec<String>)> {
         // Nothing more is handed to the parser: the message in progress, if
-        // any, moves as the bytes read of it so far.
+        // any, moves as the bytes read of it so far; and every write from
+        // here on is taken whole, so what the gateway has not taken moves
+        // too, and nothing waits for it to read.
         pause.stop();
+        pause.spool_writes();
         // Written now if it can be (the socket is free: the writer was
         // dropped), else withdrawn: sent or answered "not sent", never both.
         // Then nobody else can touch the socket: the reader is read whole
@@ -380,7 +383,8 @@ impl Connector {
                     Some(Some(Err(e))) => return Err(format!("the connection failed ({e})")),
                 }
             }
-            // What tungstenite still holds to write (an automatic pong).
+            // What tungstenite still holds to write (an automatic pong, the
+            // rest of a frame): taken by the spool at once.
             ws.flush()
                 .await
                 .map_err(|e| format!("the last write failed ({e})"))
@@ -388,7 +392,7 @@ impl Connector {
         .await
         .unwrap_or_else(|_| {
             Err(format!(
-                "the gateway did not finish its message, or take the last write, within {} ms",
+                "the gateway did not finish a message too large to carry within {} ms",
                 HANDOVER_PAUSE_TIMEOUT.as_millis()
             ))
         });
@@ -454,10 +458,8 @@ where
     S: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
 {
     use std::task::Poll;
-    let waker = futures_util::task::noop_waker();
-    let mut cx = std::task::Context::from_waker(&waker);
     loop {
-        match futures_util::StreamExt::poll_next_unpin(ws, &mut cx) {
+        match crate::boundary::poll_now(|cx| futures_util::StreamExt::poll_next_unpin(ws, cx)) {
             Poll::Pending => return Ok(()),
             Poll::Ready(Some(Ok(Message::Text(text)))) => {
                 owner.frame(generation, text.as_str());
