@@ -33,7 +33,7 @@ pub struct Core {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Start {
     Fresh,
-    /// Handed over: the main connector waits for [`Sessions::adopt`]; the
+    /// Handed over: the main connector waits for [`Sessions::take_over`]; the
     /// newest cursor the previous instance's event log handed out, when it
     /// said (its log goes on right after it).
     HandedOver {
@@ -110,10 +110,6 @@ pub const SHUTDOWN_REASON: &str = "clawmux stopping";
 /// upgrade): the socket keeps accepting, so clients reconnect at once.
 pub const UPGRADE_REASON: &str = "clawmux upgrading";
 
-/// How long a handover waits for the gateway session to stop at a message
-/// boundary (its own bound is 1 s; the rest is margin).
-const UPSTREAM_HANDOVER_WAIT: Duration = Duration::from_secs(2);
-
 /// One listening socket kept for a handover: a copy of its descriptor and
 /// what the next instance needs to know of it.
 #[derive(Debug)]
@@ -157,20 +153,27 @@ pub struct Released {
     guard: SocketGuard,
     policy_guards: Vec<SocketGuard>,
     held: Vec<HeldListener>,
-    /// The clients stopped for the next instance.
-    parcels: Vec<crate::context::Parcel>,
-    /// The gateway session and the runs, moving with them.
-    carried: crate::handover::clients::Carried,
+    /// The clients, streams and connections stopped for the next instance.
+    parcels: Vec<Box<dyn crate::parcels::Parcel>>,
+    /// The gateway sessions and the runs, moving with them.
+    core: crate::handover::clients::CoreParcels,
 }
 
 impl Released {
     /// What moves: the clients document and the sockets (taken once; the
     /// clients' queues are emptied into it).
-    pub fn take_clients(&mut self) -> crate::handover::clients::Moving {
-        crate::handover::clients::pack(
+    pub fn take_clients(&mut self) -> crate::handover::clients::Packed {
+        let packed = crate::handover::clients::pack(
             std::mem::take(&mut self.parcels),
-            std::mem::take(&mut self.carried),
-        )
+            std::mem::take(&mut self.core),
+        );
+        tracing::info!(
+            clients = packed.doc.clients.len(),
+            dedicated = packed.doc.dedicated.len(),
+            streams = packed.doc.streams.len(),
+            "handover: clients ready to move"
+        );
+        packed
     }
 
     /// The next instance serves: leave the socket files (now its) in place.
@@ -183,13 +186,13 @@ impl Released {
 
     /// The next instance failed: serve again on the same sockets (a fresh
     /// core, which takes the clients and the gateway session back as the
-    /// next instance would have). `moving`: what [`Released::take_clients`]
+    /// next instance would have). `packed`: what [`Released::take_clients`]
     /// gave, if it was called.
     pub fn serve_again(
         mut self,
-        moving: Option<crate::handover::clients::Moving>,
+        packed: Option<crate::handover::clients::Packed>,
     ) -> Result<RunningBroker, SocketError> {
-        let moving = moving.unwrap_or_else(|| self.take_clients());
+        let packed = packed.unwrap_or_else(|| self.take_clients());
         let Released {
             settings,
             guard,
@@ -211,7 +214,7 @@ impl Released {
             settings,
             (main, guard),
             policies,
-            Some(moving),
+            Some(packed),
             crate::gate::Gate::opened(),
         )
     }
@@ -285,14 +288,14 @@ impl RunningBroker {
     /// ([`crate::handover`]), each with its guard: the main one, then the
     /// policy sockets by `[[sockets]]` name (one the settings no longer name
     /// is closed; one they newly name is bound). The clients and the
-    /// gateway session in `moving` are taken over before the gateway
+    /// gateway session in `packed` are taken over before the gateway
     /// session is read from (or, without one, before it connects), so no
     /// event reaches the broker before the clients it is for.
     pub fn start_handed_over(
         mut settings: Settings,
         main: (std::os::unix::net::UnixListener, SocketGuard),
         policies: Vec<(String, std::os::unix::net::UnixListener, SocketGuard)>,
-        moving: Option<crate::handover::clients::Moving>,
+        packed: Option<crate::handover::clients::Packed>,
         gate: crate::gate::Gate,
     ) -> Result<RunningBroker, SocketError> {
         let (listener, guard) = main;
@@ -308,13 +311,13 @@ impl RunningBroker {
             .map(|(n, l, g)| (n, l, Some(g)))
             .collect();
         let start = Start::HandedOver {
-            replay_newest: moving.as_ref().and_then(|m| m.doc.replay_newest),
+            replay_newest: packed.as_ref().and_then(|m| m.doc.replay_newest),
         };
         let broker = Self::start_with_listener_and(settings, listener, guard, others, start, gate)?;
-        let n = crate::handover::clients::restore(
+        let n = crate::handover::clients::take_over(
             &broker.ctx,
             &broker.policies,
-            moving.unwrap_or_default(),
+            packed.unwrap_or_default(),
         );
         if n > 0 {
             tracing::info!(clients = n, "took the clients over");
@@ -438,10 +441,9 @@ impl RunningBroker {
             dedicated,
             allowed_uids: Vec::new(),
             cancel,
-            handoff: Default::default(),
+            handover: crate::parcels::Handover::new(gate),
             tracker,
             slots,
-            gate,
         });
         ctx.tracker.spawn(sweep_deadlines(Arc::clone(&ctx)));
         let accept_stop = ctx.cancel.child_token();
@@ -455,7 +457,7 @@ impl RunningBroker {
         // Nothing is accepted before the gate opens: a connection accepted
         // by an upgrade's new instance that then fails would be lost, while
         // in the backlog the old one serving again takes it.
-        let (gate, stop) = (ctx.gate.clone(), accept_stop.clone());
+        let (gate, stop) = (ctx.handover.gate.clone(), accept_stop.clone());
         let accept_task = ctx.tracker.spawn(async move {
             tokio::select! {
                 biased;
@@ -543,18 +545,18 @@ impl RunningBroker {
         }
         // 1. Every client stops at a message boundary and is left for the
         //    next instance (or closed `1012`, if it cannot move).
-        self.ctx.handoff.requested.cancel();
+        self.ctx.handover.requested.cancel();
         let paused = tokio::time::Instant::now()
             + crate::local::ws::HANDOVER_PAUSE_TIMEOUT
             + Duration::from_millis(500);
-        if !self.ctx.handoff.all_left(paused.min(until)).await {
+        if !self.ctx.handover.all_left(paused.min(until)).await {
             tracing::warn!("handover: some clients did not stop in time");
         }
         // 2. The gateway session stops at a message boundary and moves
         //    with them, unless it cannot (`wss://`): its requests in flight
         //    for the moving clients move too; every other one is answered
         //    here (failed, with whether it was sent).
-        let carried = self.carry().await;
+        let core = crate::handover::clients::pack_core(&self.ctx).await;
         // 3. The sessions end: each request still in flight on them is
         //    answered (failed, with whether it was sent) into its client's
         //    queue.
@@ -564,125 +566,17 @@ impl RunningBroker {
         {
             tracing::warn!("handover: the stop did not finish within its deadline");
         }
-        let parcels = self.ctx.handoff.take();
-        let mut carried = carried;
-        carried.dedicated = self.ctx.handoff.take_dedicated();
-        carried.streams = self.ctx.handoff.take_streams();
-        carried.replay_newest = Some(self.ctx.hub.replay_window().newest_seq);
-        tracing::info!(
-            clients = parcels.len(),
-            dedicated = carried.dedicated.len(),
-            streams = carried.streams.len(),
-            "handover: clients ready to move"
-        );
+        let parcels = self.ctx.handover.take();
+        let mut core = core;
+        core.replay_newest = Some(self.ctx.hub.replay_window().newest_seq);
+
         Released {
             settings: self.ctx.settings.clone(),
             guard: self.guard,
             policy_guards: self._policy_guards,
             held: self.held,
             parcels,
-            carried,
-        }
-    }
-
-    /// The gateway session (when it can move) and the moving clients' runs.
-    async fn carry(&self) -> crate::handover::clients::Carried {
-        use crate::handover::clients::{Carried, RunEntry, Subscription, UpstreamEntry};
-        let ctx = &self.ctx;
-        let moving = ctx.handoff.client_ids();
-        // A run moves with its owner; one whose owner is no client at all
-        // (started through `/v1/rpc`, whose requester is gone once answered)
-        // moves too, still owned: nobody else may stop it there either.
-        // Only the runs of clients closed rather than moved are let go.
-        let connected: std::collections::HashSet<u64> =
-            ctx.hub.clients().iter().map(|c| c.id).collect();
-        let moves = |id: u64| moving.contains(&id) || !connected.contains(&id);
-        let runs = ctx
-            .sharing
-            .runs
-            .entries(moves)
-            .into_iter()
-            .map(|(run_id, owner)| RunEntry {
-                run_id,
-                client_id: owner.client_id,
-                session_key: owner.session_key,
-                tool_events: owner.tool_events,
-            })
-            .collect();
-        // The narrower sessions move the same way, each on its own.
-        let mut narrower = Vec::new();
-        for (grant, handed) in ctx
-            .sessions
-            .narrower
-            .hand_over(UPSTREAM_HANDOVER_WAIT)
-            .await
-        {
-            use base64::Engine as _;
-            let pending = ctx
-                .router
-                .take_for_handover(handed.generation, moves, &handed.unsent);
-            let entry = crate::handover::clients::NarrowerEntry {
-                scopes: grant.scopes().to_vec(),
-                url: crate::config::redact_url(ctx.upstream().target_url().trim()),
-                kind: handed.socket.kind,
-                hello: handed.hello,
-                unread: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unread),
-                unwritten: base64::engine::general_purpose::STANDARD
-                    .encode(&handed.socket.unwritten),
-                next_request_id: ctx.router.next_id(),
-                pending,
-            };
-            tracing::info!(
-                scopes = %entry.scopes.join(","),
-                requests = entry.pending.len(),
-                "handover: a narrower gateway session moves with the clients"
-            );
-            narrower.push((entry, handed.socket.fd));
-        }
-        let Some(handed) = ctx.upstream().hand_over(UPSTREAM_HANDOVER_WAIT).await else {
-            return Carried {
-                upstream: None,
-                runs,
-                dedicated: Vec::new(),
-                streams: Vec::new(),
-                replay_newest: None,
-                narrower,
-            };
-        };
-        let pending = ctx
-            .router
-            .take_for_handover(handed.generation, moves, &handed.unsent);
-        let continued = ctx.sessions.main_owner.continued();
-        let mut hello = handed.hello;
-        // The snapshot as events have updated it since the `hello-ok`.
-        if let Some(payload) = hello.payload.as_object_mut() {
-            payload.insert("snapshot".into(), ctx.hub.snapshot());
-        }
-        use base64::Engine as _;
-        let entry = UpstreamEntry {
-            // The gateway it is connected to now (a reload may have moved it
-            // since the start).
-            url: crate::config::redact_url(ctx.upstream().target_url().trim()),
-            kind: handed.socket.kind,
-            hello,
-            unread: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unread),
-            unwritten: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unwritten),
-            last_seq: continued.last_seq,
-            confirmed: continued.confirmed.iter().map(Subscription::of).collect(),
-            next_request_id: ctx.router.next_id(),
-            pending,
-        };
-        tracing::info!(
-            requests = entry.pending.len(),
-            "handover: the gateway session moves with the clients"
-        );
-        Carried {
-            upstream: Some((entry, handed.socket.fd)),
-            runs,
-            dedicated: Vec::new(),
-            streams: Vec::new(),
-            replay_newest: None,
-            narrower,
+            core,
         }
     }
 

@@ -36,7 +36,7 @@ pub fn hud_events_query(
 }
 
 /// A moved HUD stream's projection, as the next instance reads it from the
-/// clients document (`local::hud::moving`), then driven on: each run it
+/// clients document (`local::hud::handover`), then driven on: each run it
 /// holds gets a tool call, thinking, its end, and a gap. `None` when it
 /// does not read; the projection written back when it does.
 pub fn hud_projection(activity: serde_json::Value) -> Option<serde_json::Value> {

@@ -95,6 +95,7 @@ pub mod lifecycle;
 pub mod local;
 pub mod logging;
 pub mod metrics;
+pub mod parcels;
 pub mod policy;
 pub mod private_files;
 pub mod protocol;

@@ -158,34 +158,34 @@ async fn store_for_next_start(
             .any(|l| *name == l.fd_name || *name == crate::handover::state::lock_name(&l.fd_name))
     });
     let mut released = broker.release(shutdown_timeout).await;
-    let moving = released.take_clients();
-    let clients = moving.doc.clients.len();
+    let packed = released.take_clients();
+    let clients = packed.doc.clients.len();
     fds.push((
         crate::handover::state::STATE_FD_NAME.to_owned(),
         state.to_memfd()?,
     ));
     fds.push((
         crate::handover::clients::CLIENTS_FD_NAME.to_owned(),
-        moving.doc.to_memfd()?,
+        packed.doc.to_memfd()?,
     ));
-    if let Some(fd) = moving.upstream {
+    if let Some(fd) = packed.upstream {
         fds.push((crate::handover::clients::UPSTREAM_FD_NAME.to_owned(), fd));
     }
     fds.extend(
-        moving
+        packed
             .clients
             .into_iter()
             .map(|(id, fd)| (crate::handover::clients::client_fd_name(id), fd)),
     );
-    for (i, (client, gateway)) in moving.dedicated.into_iter().enumerate() {
+    for (i, (client, gateway)) in packed.dedicated.into_iter().enumerate() {
         let (client_name, gateway_name) = crate::handover::clients::dedicated_fd_names(i);
         fds.push((client_name, client));
         fds.push((gateway_name, gateway));
     }
-    for (i, stream) in moving.streams.into_iter().enumerate() {
+    for (i, stream) in packed.streams.into_iter().enumerate() {
         fds.push((crate::handover::clients::stream_fd_name(i), stream));
     }
-    for (i, session) in moving.narrower.into_iter().enumerate() {
+    for (i, session) in packed.narrower.into_iter().enumerate() {
         fds.push((crate::handover::clients::narrower_fd_name(i), session));
     }
     match crate::systemd::store(&fds) {
@@ -312,10 +312,10 @@ async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Dur
         return Outcome::StillServing(broker, why);
     }
     let mut released = broker.release(shutdown_timeout).await;
-    let moving = released.take_clients();
-    let clients = moving.doc.clients.len();
+    let packed = released.take_clients();
+    let clients = packed.doc.clients.len();
     use crate::handover::upgrade::SERVE_TIMEOUT;
-    let ready = match next.send_released(&moving).await {
+    let ready = match next.send_released(&packed).await {
         Ok(()) => next.expect("ready", SERVE_TIMEOUT).await,
         Err(e) => Err(format!("cannot pass the clients to the new instance ({e})")),
     };
@@ -331,7 +331,7 @@ async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Dur
     };
     if let Err(why) = committed {
         next.end().await;
-        return match released.serve_again(Some(moving)) {
+        return match released.serve_again(Some(packed)) {
             Ok(broker) => Outcome::StillServing(broker, why),
             Err(e) => Outcome::Lost(format!("{why}; serving again failed too: {e}")),
         };
@@ -353,7 +353,7 @@ async fn upgrade(broker: RunningBroker, program: &Program, shutdown_timeout: Dur
             // connection (nothing is sent twice) and reconnect here, where
             // the event log goes on with a restart gap they are told of.
             next.end().await;
-            drop(moving);
+            drop(packed);
             crate::systemd::now_main_process();
             let why = format!("{why} (after the commit: its clients reconnect)");
             match released.serve_again(Some(Default::default())) {
@@ -509,7 +509,7 @@ async fn commit_with(old: &mut Predecessor, broker: &RunningBroker) {
         eprintln!("clawmux: upgrade: no commit ({why}); the old instance goes on serving");
         std::process::exit(1);
     }
-    broker.ctx().gate.open();
+    broker.ctx().handover.gate.open();
     if fault.as_deref() == Some("after-commit") {
         crash_at("after-commit").await;
     }

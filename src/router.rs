@@ -330,7 +330,7 @@ impl Router {
     /// Waits, on session `generation`, for the answer to a request the
     /// previous instance sent for `member` ([`MovedRequest`]). It counts in
     /// the member's in-flight budget (even over the cap: it is in flight).
-    pub fn adopt(&self, member: &Arc<Requester>, moved: MovedRequest, generation: u64) {
+    pub fn take_over(&self, member: &Arc<Requester>, moved: MovedRequest, generation: u64) {
         member.counter().fetch_add(1, Ordering::AcqRel);
         member.pending().insert(moved.upstream_id.clone());
         let timeout = if moved.accepted {

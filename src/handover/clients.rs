@@ -13,10 +13,10 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use super::state::{Unreadable, FORMAT};
-use crate::context::{Ctx, Parcel};
-use crate::hub::{ClientIdentity, Outgoing};
+use crate::context::Ctx;
+use crate::hub::ClientIdentity;
+use crate::parcels::{ClientEntry, DedicatedEntry, Entry, Parcel, StreamEntry, Subscription};
 use crate::policy::{Access, Grant, SocketPolicy};
-use crate::sharing::SubKey;
 
 /// The descriptor name of the clients document (systemd's store).
 pub const CLIENTS_FD_NAME: &str = "clawmux-clients";
@@ -55,7 +55,7 @@ pub struct Clients {
     /// The event streams (`/v1/events`) moved (each socket as
     /// [`stream_fd_name`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub streams: Vec<crate::context::StreamEntry>,
+    pub streams: Vec<StreamEntry>,
     /// The narrower gateway sessions, when their connections move (each
     /// socket as [`narrower_fd_name`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -100,28 +100,6 @@ pub fn narrower_fd_name(i: usize) -> String {
 /// The descriptor name of the `i`th event stream's socket (systemd's store).
 pub fn stream_fd_name(i: usize) -> String {
     format!("clawmux-stream-{i}")
-}
-
-/// A `/ws/dedicated` connection moved: the client's socket and its own
-/// gateway connection's, each with the bytes read from it and not parsed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DedicatedEntry {
-    /// Bytes read from the client and not parsed (base64): a message half
-    /// read from its first byte, then what followed.
-    pub client_unread: String,
-    /// Bytes written to the client and not taken (base64), from inside a
-    /// frame: the next instance writes them first.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub client_unwritten: String,
-    pub gateway_kind: crate::upstream::SocketKind,
-    /// Bytes read from the gateway and not parsed (base64).
-    pub gateway_unread: String,
-    /// Bytes written to the gateway and not taken (base64).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub gateway_unwritten: String,
-    pub peer_uid: Option<u32>,
-    pub browser: bool,
 }
 
 /// The descriptor names of the `i`th dedicated connection's two sockets
@@ -169,10 +147,10 @@ pub struct RunEntry {
     pub tool_events: bool,
 }
 
-/// What moves once the old instance stopped serving: the document, each
-/// client's socket by id, and the gateway connection's socket.
+/// The parcels packed, for the next instance: the document, each client's
+/// socket by id, and the gateway connections' sockets.
 #[derive(Debug, Default)]
-pub struct Moving {
+pub struct Packed {
     pub doc: Clients,
     pub clients: Vec<(u64, OwnedFd)>,
     pub upstream: Option<OwnedFd>,
@@ -185,83 +163,16 @@ pub struct Moving {
     pub narrower: Vec<OwnedFd>,
 }
 
-/// What the old instance carries beside its clients: the gateway session
-/// (its entry and socket) and the runs.
+/// The core's parcels, beside the clients': the gateway sessions (each
+/// entry with its socket), the runs, and the event log's newest cursor.
 #[derive(Debug, Default)]
-pub struct Carried {
+pub struct CoreParcels {
     pub upstream: Option<(UpstreamEntry, OwnedFd)>,
     pub runs: Vec<RunEntry>,
-    pub dedicated: Vec<crate::context::DedicatedParcel>,
-    pub streams: Vec<Box<dyn crate::context::StreamParcel>>,
     /// The newest cursor its event log handed out.
     pub replay_newest: Option<u64>,
     /// The narrower sessions that move, and their sockets.
     pub narrower: Vec<(NarrowerEntry, OwnedFd)>,
-}
-
-impl Subscription {
-    pub fn of(key: &SubKey) -> Subscription {
-        match key {
-            SubKey::Sessions => Subscription::Sessions,
-            SubKey::Messages(key) => Subscription::Messages { key: key.clone() },
-        }
-    }
-
-    pub fn key(self) -> SubKey {
-        match self {
-            Subscription::Sessions => SubKey::Sessions,
-            Subscription::Messages { key } => SubKey::Messages(key),
-        }
-    }
-}
-
-/// One moved client.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClientEntry {
-    pub id: u64,
-    pub conn_id: String,
-    pub connected_at_ms: u64,
-    pub identity: Identity,
-    pub tool_events: bool,
-    /// Its grant's scopes.
-    pub scopes: Vec<String>,
-    /// The socket it connected to (`[[sockets]]` name; `default`: the main one).
-    pub socket: String,
-    /// The `seq` its next event gets.
-    pub next_seq: u64,
-    pub subscriptions: Vec<Subscription>,
-    /// Frames queued for it and not written yet, in order.
-    pub queued: Vec<String>,
-    /// Bytes read from its socket and not parsed (base64): a message half
-    /// read from its first byte, then what followed.
-    pub unread: String,
-    /// Bytes framed for its socket and not written (base64), from inside
-    /// a frame: the next instance writes them before anything else.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub unwritten: String,
-    /// `restarts=mirror`: closed as a direct gateway connection would be.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub mirror: bool,
-}
-
-/// What a client declared at connect (for `/v1/state`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Identity {
-    pub client_id: Option<String>,
-    pub mode: Option<String>,
-    pub version: Option<String>,
-    pub display_name: Option<String>,
-    pub peer_pid: Option<u32>,
-}
-
-/// A subscription a client holds.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum Subscription {
-    Sessions,
-    Messages { key: String },
 }
 
 impl Clients {
@@ -287,97 +198,140 @@ impl Clients {
 
 /// Packs what the client tasks left, once the sessions have ended (every
 /// answer to their requests is queued by then, but those of the requests
-/// that move with the gateway session), with what is `carried`: the
-/// document and the descriptors. The registrations are dropped here.
-pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
-    let mut clients = Vec::with_capacity(parcels.len());
-    let mut fds = Vec::with_capacity(parcels.len());
+/// that move with the gateway session), with the `core`'s parcels: the
+/// document and the descriptors.
+pub fn pack(parcels: Vec<Box<dyn Parcel>>, core: CoreParcels) -> Packed {
+    let mut doc = Clients {
+        format: FORMAT,
+        clients: Vec::new(),
+        upstream: None,
+        runs: core.runs,
+        dedicated: Vec::new(),
+        streams: Vec::new(),
+        narrower: Vec::new(),
+        replay_newest: core.replay_newest,
+    };
+    let mut packed = Packed::default();
     for parcel in parcels {
-        let client = Arc::clone(parcel.registration.client());
-        let (items, next_seq) = client.take_all();
-        let mut queued = Vec::with_capacity(items.len());
-        for item in items {
-            let frame = match item {
-                Outgoing::Event(head, seq) => head.with_seq(seq),
-                Outgoing::Frame(bytes) => bytes,
-                // A client being closed is not moved.
-                Outgoing::Close(..) => break,
-            };
-            queued.push(String::from_utf8_lossy(&frame).into_owned());
+        match parcel.pack() {
+            Entry::Client(entry, fd) => {
+                packed.clients.push((entry.id, fd));
+                doc.clients.push(entry);
+            }
+            Entry::Dedicated(entry, client, gateway) => {
+                packed.dedicated.push((client, gateway));
+                doc.dedicated.push(entry);
+            }
+            Entry::Stream(entry, fd) => {
+                packed.streams.push(fd);
+                doc.streams.push(entry);
+            }
         }
-        let subscriptions = {
-            let book = parcel.registration.member().book();
-            let mut subs: Vec<Subscription> = book.subs.iter().map(Subscription::of).collect();
-            subs.sort_by_key(|s| format!("{s:?}"));
-            subs
-        };
-        let identity = client.identity.get().cloned().unwrap_or_default();
-        let access = client.access();
-        clients.push(ClientEntry {
-            id: client.id,
-            conn_id: client.conn_id.clone(),
-            connected_at_ms: client.connected_at_ms,
-            identity: Identity {
-                client_id: identity.client_id,
-                mode: identity.mode,
-                version: identity.version,
-                display_name: identity.display_name,
-                peer_pid: identity.peer_pid,
-            },
-            tool_events: client
-                .tool_events
-                .load(std::sync::atomic::Ordering::Relaxed),
-            scopes: access
-                .map(|a| a.grant.scopes().to_vec())
-                .unwrap_or_default(),
-            socket: access.map_or_else(|| "default".into(), |a| a.socket.name.clone()),
-            next_seq,
-            subscriptions,
-            queued,
-            unread: base64::engine::general_purpose::STANDARD.encode(&parcel.unread),
-            unwritten: base64::engine::general_purpose::STANDARD.encode(&parcel.unwritten),
-            mirror: parcel.mirror,
-        });
-        fds.push((client.id, parcel.fd));
     }
-    let (upstream, upstream_fd) = carried.upstream.unzip();
-    let b64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
-    let (dedicated, dedicated_fds) = carried
-        .dedicated
+    (doc.upstream, packed.upstream) = core.upstream.unzip();
+    (doc.narrower, packed.narrower) = core.narrower.into_iter().unzip();
+    packed.doc = doc;
+    packed
+}
+
+/// How long a handover waits for a gateway session to stop (inside a
+/// message too large to carry, its own bound is 1 s; the rest is margin).
+const UPSTREAM_HANDOVER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The core's parcels, once the clients have left theirs: the gateway
+/// sessions (each when it can move: its requests in flight for the moving
+/// clients move with it, every other one is answered here) and the runs
+/// that move.
+pub async fn pack_core(ctx: &Ctx) -> CoreParcels {
+    let moving = ctx.handover.client_ids();
+    // A run moves with its owner; one whose owner is no client at all
+    // (started through `/v1/rpc`, whose requester is gone once answered)
+    // moves too, still owned: nobody else may stop it there either.
+    // Only the runs of clients closed rather than moved are let go.
+    let connected: std::collections::HashSet<u64> =
+        ctx.hub.clients().iter().map(|c| c.id).collect();
+    let moves = |id: u64| moving.contains(&id) || !connected.contains(&id);
+    let runs = ctx
+        .sharing
+        .runs
+        .entries(moves)
         .into_iter()
-        .map(|d| {
-            (
-                DedicatedEntry {
-                    client_unread: b64(&d.client_unread),
-                    client_unwritten: b64(&d.client_unwritten),
-                    gateway_kind: d.gateway.kind,
-                    gateway_unread: b64(&d.gateway.unread),
-                    gateway_unwritten: b64(&d.gateway.unwritten),
-                    peer_uid: d.peer_uid,
-                    browser: d.browser,
-                },
-                (d.client, d.gateway.fd),
-            )
+        .map(|(run_id, owner)| RunEntry {
+            run_id,
+            client_id: owner.client_id,
+            session_key: owner.session_key,
+            tool_events: owner.tool_events,
         })
-        .unzip();
-    let (streams, stream_fds) = carried.streams.into_iter().map(|s| s.pack()).unzip();
-    let (narrower, narrower_fds) = carried.narrower.into_iter().unzip();
-    Moving {
-        doc: Clients {
-            format: FORMAT,
-            clients,
-            upstream,
-            runs: carried.runs,
-            dedicated,
-            streams,
+        .collect();
+    // The narrower sessions move the same way, each on its own.
+    let mut narrower = Vec::new();
+    for (grant, handed) in ctx
+        .sessions
+        .narrower
+        .hand_over(UPSTREAM_HANDOVER_WAIT)
+        .await
+    {
+        use base64::Engine as _;
+        let pending = ctx
+            .router
+            .take_for_handover(handed.generation, moves, &handed.unsent);
+        let entry = crate::handover::clients::NarrowerEntry {
+            scopes: grant.scopes().to_vec(),
+            url: crate::config::redact_url(ctx.upstream().target_url().trim()),
+            kind: handed.socket.kind,
+            hello: handed.hello,
+            unread: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unread),
+            unwritten: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unwritten),
+            next_request_id: ctx.router.next_id(),
+            pending,
+        };
+        tracing::info!(
+            scopes = %entry.scopes.join(","),
+            requests = entry.pending.len(),
+            "handover: a narrower gateway session moves with the clients"
+        );
+        narrower.push((entry, handed.socket.fd));
+    }
+    let Some(handed) = ctx.upstream().hand_over(UPSTREAM_HANDOVER_WAIT).await else {
+        return CoreParcels {
+            upstream: None,
+            runs,
+            replay_newest: None,
             narrower,
-            replay_newest: carried.replay_newest,
-        },
-        clients: fds,
-        upstream: upstream_fd,
-        dedicated: dedicated_fds,
-        streams: stream_fds,
-        narrower: narrower_fds,
+        };
+    };
+    let pending = ctx
+        .router
+        .take_for_handover(handed.generation, moves, &handed.unsent);
+    let continued = ctx.sessions.main_owner.continued();
+    let mut hello = handed.hello;
+    // The snapshot as events have updated it since the `hello-ok`.
+    if let Some(payload) = hello.payload.as_object_mut() {
+        payload.insert("snapshot".into(), ctx.hub.snapshot());
+    }
+    use base64::Engine as _;
+    let entry = UpstreamEntry {
+        // The gateway it is connected to now (a reload may have moved it
+        // since the start).
+        url: crate::config::redact_url(ctx.upstream().target_url().trim()),
+        kind: handed.socket.kind,
+        hello,
+        unread: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unread),
+        unwritten: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unwritten),
+        last_seq: continued.last_seq,
+        confirmed: continued.confirmed.iter().map(Subscription::of).collect(),
+        next_request_id: ctx.router.next_id(),
+        pending,
+    };
+    tracing::info!(
+        requests = entry.pending.len(),
+        "handover: the gateway session moves with the clients"
+    );
+    CoreParcels {
+        upstream: Some((entry, handed.socket.fd)),
+        runs,
+        replay_newest: None,
+        narrower,
     }
 }
 
@@ -385,15 +339,15 @@ pub fn pack(parcels: Vec<Parcel>, carried: Carried) -> Moving {
 /// one stopped. A client whose socket or `[[sockets]]` entry is missing is
 /// not taken (its descriptor is closed: it reconnects and resumes by
 /// cursor). Returns how many were taken.
-pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -> usize {
-    let Moving {
+pub fn take_over(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], packed: Packed) -> usize {
+    let Packed {
         doc: mut clients,
         clients: fds,
         upstream: upstream_fd,
         dedicated,
         streams,
         narrower,
-    } = moving;
+    } = packed;
     // Every moved client keeps its id: no client made here (a moved HUD
     // stream's feed, below) may take one of theirs first, nor the id that
     // owns a moved run (a `/v1/rpc` run's requester, gone already).
@@ -419,12 +373,12 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             tracing::warn!(client_id = entry.id, socket = %entry.socket, "handover: the socket's max_connections is reached; closing a moved event stream");
             continue;
         };
-        let resumed = if entry.hud.is_some() {
-            crate::local::hud::resume(ctx, policies, entry, fd, slot)
+        let took = if entry.hud.is_some() {
+            crate::local::hud::take_over(ctx, policies, entry, fd, slot)
         } else {
-            crate::local::sse::resume(ctx, policies, entry, fd, slot)
+            crate::local::sse::take_over(ctx, policies, entry, fd, slot)
         };
-        taken += usize::from(resumed);
+        taken += usize::from(took);
     }
     for (entry, (client, gateway)) in clients.dedicated.iter().zip(dedicated) {
         let decode = |s: &str| base64::engine::general_purpose::STANDARD.decode(s);
@@ -441,7 +395,7 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             tracing::warn!("handover: a dedicated connection's carried bytes are not base64");
             continue;
         };
-        let parcel = crate::context::DedicatedParcel {
+        let parcel = crate::local::dedicated::DedicatedParcel {
             client,
             client_unread,
             client_unwritten,
@@ -459,8 +413,8 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         // one is never closed for a count it may not belong to (it held a
         // slot of its own socket in the previous instance).
         let slot = policies.first().and_then(|p| ctx.slots.take(&p.name));
-        let resumed = crate::local::dedicated::resume(parcel, Arc::clone(ctx));
-        ctx.spawn_moved(crate::context::holding(slot, resumed));
+        let serve = crate::local::dedicated::take_over(parcel, Arc::clone(ctx));
+        ctx.spawn_moved(crate::context::holding(slot, serve));
     }
     let mut fds: HashMap<u64, OwnedFd> = fds.into_iter().collect();
     // A mirror client (`restarts=mirror`) stays only on the gateway
@@ -555,14 +509,14 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
             crate::local::ws::Restarts::Continuity
         };
         // It waits at the gate itself, once set up.
-        let resumed = crate::local::ws::resume(
+        let serve = crate::local::ws::take_over(
             stream,
             crate::local::ws::Carried { unread, unwritten },
             registration,
             restarts,
             Arc::clone(ctx),
         );
-        ctx.tracker.spawn(crate::context::holding(slot, resumed));
+        ctx.tracker.spawn(crate::context::holding(slot, serve));
         taken += 1;
     }
     if taken > 0 {
@@ -592,24 +546,24 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
         .into_iter()
         .zip(narrower)
     {
-        adopt_narrower(ctx, entry, fd, &registered);
+        take_over_narrower(ctx, entry, fd, &registered);
     }
-    let adoption = match (clients.upstream, upstream_fd) {
-        (Some(entry), Some(fd)) => adopt_upstream(ctx, entry, fd, &registered),
+    let takeover = match (clients.upstream, upstream_fd) {
+        (Some(entry), Some(fd)) => take_over_upstream(ctx, entry, fd, &registered),
         (Some(_), None) => {
             tracing::warn!("handover: the gateway connection's socket was not passed");
             None
         }
         _ => None,
     };
-    match adoption {
-        // Its connector waits at the gate (`Adoption::gate`).
-        Some(adoption) => ctx.sessions.adopt(Some(adoption)),
+    match takeover {
+        // Its connector waits at the gate (`Takeover::gate`).
+        Some(takeover) => ctx.sessions.take_over(Some(takeover)),
         // The connector connects itself once told: only after the gate, so
         // nothing reaches the event log (or a client) before the commit.
         None => {
             let sessions = Arc::clone(&ctx.sessions);
-            ctx.spawn_moved(async move { sessions.adopt(None) });
+            ctx.spawn_moved(async move { sessions.take_over(None) });
         }
     }
     taken
@@ -619,7 +573,7 @@ pub fn restore(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], moving: Moving) -
 /// connector takes the connection over, and its requests in flight wait
 /// for their answers here again (those of a client that was not taken are
 /// dropped, as for the main session).
-fn adopt_narrower(
+fn take_over_narrower(
     ctx: &Arc<Ctx>,
     entry: NarrowerEntry,
     fd: OwnedFd,
@@ -633,18 +587,18 @@ fn adopt_narrower(
         hello: entry.hello,
         url: entry.url,
     };
-    let Some(adoption) = moved.adoption(ctx, entry.next_request_id) else {
+    let Some(takeover) = moved.takeover(ctx, entry.next_request_id) else {
         return;
     };
     let grant = Grant::new(&entry.scopes);
-    let generation = ctx.sessions.narrower.adopt(&grant, adoption);
+    let generation = ctx.sessions.narrower.take_over(&grant, takeover);
     // The moved clients with this grant hold it, as they did there.
     for member in registered.values() {
         if member.client().grant() == &grant {
             ctx.sessions.narrower.hold(&grant, &member.narrower);
         }
     }
-    adopt_pending(ctx, entry.pending, generation, registered);
+    take_over_pending(ctx, entry.pending, generation, registered);
 }
 
 /// Readies the gateway session handed over for this instance's connector:
@@ -652,12 +606,12 @@ fn adopt_narrower(
 /// client that was not taken are dropped: the previous instance answered
 /// nothing for them, and their client is gone), its ids go on, and the
 /// main session's owner learns its `seq` and subscriptions.
-fn adopt_upstream(
+fn take_over_upstream(
     ctx: &Arc<Ctx>,
     entry: UpstreamEntry,
     fd: OwnedFd,
     registered: &HashMap<u64, Arc<crate::dispatch::Member>>,
-) -> Option<crate::upstream::Adoption> {
+) -> Option<crate::upstream::Takeover> {
     let moved = MovedConnection {
         fd,
         kind: entry.kind,
@@ -666,16 +620,16 @@ fn adopt_upstream(
         hello: entry.hello,
         url: entry.url,
     };
-    let adoption = moved.adoption(ctx, entry.next_request_id)?;
+    let takeover = moved.takeover(ctx, entry.next_request_id)?;
     let generation = ctx.upstream().status().generation;
-    adopt_pending(ctx, entry.pending, generation, registered);
+    take_over_pending(ctx, entry.pending, generation, registered);
     ctx.sessions
         .main_owner
         .will_continue(crate::sessions::main_session::Continued {
             last_seq: entry.last_seq,
             confirmed: entry.confirmed.into_iter().map(Subscription::key).collect(),
         });
-    Some(adoption)
+    Some(takeover)
 }
 
 /// A gateway connection as the document describes it (main or narrower).
@@ -689,16 +643,16 @@ struct MovedConnection<'a> {
 }
 
 impl MovedConnection<'_> {
-    /// What its connector adopts; its upstream ids go on after
+    /// What its connector takes over; its upstream ids go on after
     /// `next_request_id`. `None` when its unread bytes are not base64.
-    fn adoption(self, ctx: &Ctx, next_request_id: u64) -> Option<crate::upstream::Adoption> {
+    fn takeover(self, ctx: &Ctx, next_request_id: u64) -> Option<crate::upstream::Takeover> {
         let decode = |s: &str| base64::engine::general_purpose::STANDARD.decode(s);
         let (Ok(unread), Ok(unwritten)) = (decode(self.unread), decode(self.unwritten)) else {
             tracing::warn!("handover: a gateway connection's carried bytes are not base64");
             return None;
         };
         ctx.router.continue_ids(next_request_id);
-        Some(crate::upstream::Adoption {
+        Some(crate::upstream::Takeover {
             socket: crate::upstream::MovedSocket {
                 fd: self.fd,
                 kind: self.kind,
@@ -707,14 +661,14 @@ impl MovedConnection<'_> {
             },
             hello: self.hello,
             url: self.url,
-            gate: ctx.gate.clone(),
+            gate: ctx.handover.gate.clone(),
         })
     }
 }
 
 /// Requests in flight on a moved connection wait for their answers here,
 /// on `generation`, for the clients that were taken.
-fn adopt_pending(
+fn take_over_pending(
     ctx: &Ctx,
     pending: Vec<crate::router::MovedRequest>,
     generation: u64,
@@ -722,7 +676,7 @@ fn adopt_pending(
 ) {
     for request in pending {
         if let Some(member) = registered.get(&request.client_id) {
-            ctx.router.adopt(&member.requester, request, generation);
+            ctx.router.take_over(&member.requester, request, generation);
         }
     }
 }

@@ -74,7 +74,7 @@ pub struct Taken {
     /// The clients (and the gateway session) stored with the state
     /// (systemd's store; a `SIGUSR2` upgrade passes them once the old
     /// instance stopped serving).
-    pub clients: Option<clients::Moving>,
+    pub clients: Option<clients::Packed>,
 }
 
 impl Inherited {
@@ -245,7 +245,7 @@ impl Inherited {
                 };
                 let streams = numbered(doc.streams.len(), clients::stream_fd_name)?;
                 let narrower = numbered(doc.narrower.len(), clients::narrower_fd_name)?;
-                Some(clients::Moving {
+                Some(clients::Packed {
                     doc,
                     clients: fds,
                     upstream,

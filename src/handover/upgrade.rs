@@ -27,7 +27,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
-use super::clients::{Clients, Moving};
+use super::clients::{Clients, Packed};
 use super::{state, wire, State, CONTROL_FD_NAME, FDS_ENV};
 
 /// How long the new instance may take to start and check the state before
@@ -155,24 +155,24 @@ impl Successor {
     /// Says `released`, with the clients document (and the gateway
     /// connection's socket, when the document says it moves) and then
     /// every client's socket, in its order, as descriptors ([`wire`]).
-    pub async fn send_released(&mut self, moving: &Moving) -> std::io::Result<()> {
-        let doc = moving.doc.to_memfd()?;
+    pub async fn send_released(&mut self, packed: &Packed) -> std::io::Result<()> {
+        let doc = packed.doc.to_memfd()?;
         let sock = self.write.as_ref();
         let mut first = vec![doc.as_fd()];
-        if moving.doc.upstream.is_some() {
-            let upstream = moving.upstream.as_ref().ok_or_else(|| {
+        if packed.doc.upstream.is_some() {
+            let upstream = packed.upstream.as_ref().ok_or_else(|| {
                 std::io::Error::other("the gateway connection's socket is missing")
             })?;
             first.push(upstream.as_fd());
         }
         wire::send(sock, b"released\n", &first).await?;
-        let mut fds: Vec<_> = moving.clients.iter().map(|(_, fd)| fd.as_fd()).collect();
-        for (client, gateway) in &moving.dedicated {
+        let mut fds: Vec<_> = packed.clients.iter().map(|(_, fd)| fd.as_fd()).collect();
+        for (client, gateway) in &packed.dedicated {
             fds.push(client.as_fd());
             fds.push(gateway.as_fd());
         }
-        fds.extend(moving.streams.iter().map(AsFd::as_fd));
-        fds.extend(moving.narrower.iter().map(AsFd::as_fd));
+        fds.extend(packed.streams.iter().map(AsFd::as_fd));
+        fds.extend(packed.narrower.iter().map(AsFd::as_fd));
         for chunk in fds.chunks(wire::FDS_PER_MESSAGE) {
             wire::send(sock, b"f", chunk).await?;
         }
@@ -274,7 +274,7 @@ impl Predecessor {
     /// and takes what it passes: the document, the gateway connection's
     /// socket if it moves, and each client's socket by id. Whole or not at
     /// all.
-    pub async fn released(&mut self, within: Duration) -> Result<Moving, String> {
+    pub async fn released(&mut self, within: Duration) -> Result<Packed, String> {
         tokio::time::timeout(within, self.receive())
             .await
             .map_err(|_| {
@@ -285,7 +285,7 @@ impl Predecessor {
             })?
     }
 
-    async fn receive(&mut self) -> Result<Moving, String> {
+    async fn receive(&mut self) -> Result<Packed, String> {
         let mut buf = [0u8; 64];
         let (n, mut fds) = wire::recv(&self.control, &mut buf)
             .await
@@ -334,7 +334,7 @@ impl Predecessor {
             dedicated.push((client, gateway));
         }
         let fds = clients.clients.iter().map(|c| c.id).zip(sockets).collect();
-        Ok(Moving {
+        Ok(Packed {
             doc: clients,
             clients: fds,
             upstream,

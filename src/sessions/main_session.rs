@@ -48,10 +48,10 @@ pub struct MainSession {
     server_version: Mutex<String>,
     /// Clients were taken over from the previous instance: its session
     /// ended for them, so this one's first is a reconnect to them (unless
-    /// it is that very session, handed over: [`SessionOwner::adopted`]).
+    /// it is that very session, handed over: [`SessionOwner::taken_over`]).
     took_over: AtomicBool,
     /// What the previous instance knew of the gateway session it handed
-    /// over, for [`SessionOwner::adopted`].
+    /// over, for [`SessionOwner::taken_over`].
     continued: Mutex<Option<Continued>>,
 }
 
@@ -100,7 +100,7 @@ impl MainSession {
     }
 
     /// The session the previous instance handed over will go on here
-    /// (before the connector takes it: see [`SessionOwner::adopted`]).
+    /// (before the connector takes it: see [`SessionOwner::taken_over`]).
     pub fn will_continue(&self, continued: Continued) {
         *self.continued.lock().unwrap_or_else(|p| p.into_inner()) = Some(continued);
     }
@@ -111,7 +111,7 @@ impl MainSession {
     }
 
     /// Takes what a new session tells about the gateway.
-    fn adopt(&self, hello: &UpstreamHello) {
+    fn take_over(&self, hello: &UpstreamHello) {
         let snapshot = hello.payload.get("snapshot").unwrap_or(&Value::Null);
         self.sharing
             .set_session_defaults(crate::sharing::SessionDefaults::from_snapshot(snapshot));
@@ -135,16 +135,16 @@ impl MainSession {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner()),
         );
-        self.adopt(hello);
+        self.take_over(hello);
     }
 
     /// Clients were taken over from the previous instance (a handover):
     /// the first session is a reconnect to them (a gap, `clawmux.upstream
     /// {phase: ready, reason: reconnected}`, their subscriptions sent
     /// again), unless it is the very session they were on
-    /// ([`SessionOwner::adopted`]). Called before the connector may open a
+    /// ([`SessionOwner::taken_over`]). Called before the connector may open a
     /// session: a handed-over start holds it until the clients are taken
-    /// over ([`crate::sessions::Sessions::adopt`]).
+    /// over ([`crate::sessions::Sessions::take_over`]).
     pub fn clients_taken_over(&self) {
         self.took_over.store(true, Ordering::SeqCst);
     }
@@ -292,7 +292,7 @@ impl SessionOwner for MainSession {
         self.resubscribe();
     }
 
-    fn adopted(&self, _generation: u64, hello: &Arc<UpstreamHello>) {
+    fn taken_over(&self, _generation: u64, hello: &Arc<UpstreamHello>) {
         // The very session the clients were on: no gap, no event; its `seq`
         // and what the gateway holds for the connection go on.
         self.took_over.store(false, Ordering::SeqCst);

@@ -261,9 +261,9 @@ pub struct Sessions {
     /// The broker's own requests.
     pub own: Arc<OwnRequests>,
     /// Started for a handover: the main connector waits for the word
-    /// ([`Sessions::adopt`]) before its first attempt.
-    adoption:
-        std::sync::Mutex<Option<tokio::sync::oneshot::Sender<Option<crate::upstream::Adoption>>>>,
+    /// ([`Sessions::take_over`]) before its first attempt.
+    takeover:
+        std::sync::Mutex<Option<tokio::sync::oneshot::Sender<Option<crate::upstream::Takeover>>>>,
 }
 
 impl Sessions {
@@ -284,7 +284,7 @@ impl Sessions {
             DeviceIdentity::load_configured(settings.upstream.device_identity.as_deref())
                 .map(Arc::new);
         let (upstream, mut seed) = Upstream::new(settings);
-        let adoption = handed_over.then(|| seed.await_adoption());
+        let takeover = handed_over.then(|| seed.await_takeover());
         let parts = Parts {
             settings,
             hub,
@@ -294,7 +294,7 @@ impl Sessions {
             cancel,
         };
         let sessions = Self::assemble(&parts, upstream, identity.clone());
-        *sessions.adoption.lock().unwrap_or_else(|p| p.into_inner()) = adoption;
+        *sessions.takeover.lock().unwrap_or_else(|p| p.into_inner()) = takeover;
         tracker.spawn(seed.run(
             settings,
             SessionSpec::main(),
@@ -335,21 +335,21 @@ impl Sessions {
             main_owner,
             narrower,
             own,
-            adoption: std::sync::Mutex::default(),
+            takeover: std::sync::Mutex::default(),
         }
     }
 
     /// Started for a handover: the main connector goes on with the gateway
     /// session the previous instance handed over, or connects itself when
     /// there is none (`None`). Once; later calls do nothing.
-    pub fn adopt(&self, adoption: Option<crate::upstream::Adoption>) {
+    pub fn take_over(&self, takeover: Option<crate::upstream::Takeover>) {
         if let Some(word) = self
-            .adoption
+            .takeover
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take()
         {
-            let _ = word.send(adoption);
+            let _ = word.send(takeover);
         }
     }
 

@@ -256,16 +256,16 @@ impl Narrower {
         self.open_with(grant, None)
     }
 
-    /// [`Narrower::open`], going on with `adopted` when given.
-    fn open_with(&self, grant: &Grant, adopted: Option<crate::upstream::Adoption>) -> Entry {
+    /// [`Narrower::open`], going on with `taken_over` when given.
+    fn open_with(&self, grant: &Grant, taken_over: Option<crate::upstream::Takeover>) -> Entry {
         let n = self.opened.fetch_add(1, Ordering::Relaxed);
         let base = GENERATION_BASE + n * GENERATIONS_PER_SESSION;
         let (upstream, mut seed) = self.factory.main.follow(base);
         let scopes = grant.scopes().to_vec();
-        match adopted {
-            Some(adoption) => {
+        match taken_over {
+            Some(takeover) => {
                 tracing::info!(scopes = %scopes.join(","), "taking a narrower upstream session over from the previous instance");
-                let _ = seed.await_adoption().send(Some(adoption));
+                let _ = seed.await_takeover().send(Some(takeover));
             }
             None => {
                 tracing::info!(scopes = %scopes.join(","), "opening a narrower upstream session")
@@ -315,8 +315,8 @@ impl Narrower {
     /// (its connector takes the connection as it is, or connects itself
     /// if it cannot); no client holds it yet, so it lingers as an idle
     /// one does. The generation its requests in flight wait on.
-    pub fn adopt(&self, grant: &Grant, adoption: crate::upstream::Adoption) -> u64 {
-        let mut entry = self.open_with(grant, Some(adoption));
+    pub fn take_over(&self, grant: &Grant, takeover: crate::upstream::Takeover) -> u64 {
+        let mut entry = self.open_with(grant, Some(takeover));
         let generation = entry.session.upstream.status().generation;
         entry.holders = 1;
         self.lock().entries.insert(grant.clone(), entry);

@@ -21,7 +21,7 @@ use crate::protocol::{ErrorShape, StudioCode};
 /// usually built around the [`Upstream`] handle, so it is given at start.
 pub struct ConnectorSeed {
     handover: mpsc::Receiver<super::HandoverRequest>,
-    adoption: Option<tokio::sync::oneshot::Receiver<Option<super::Adoption>>>,
+    takeover: Option<tokio::sync::oneshot::Receiver<Option<super::Takeover>>>,
     nudge: Arc<tokio::sync::Notify>,
     status: watch::Sender<Status>,
     outlet: Arc<outlet::Outlet>,
@@ -45,9 +45,9 @@ impl ConnectorSeed {
     /// The connector will go on with a session the previous instance handed
     /// over (design §11), or connect itself when told `None`: it waits for
     /// the word before its first attempt.
-    pub fn await_adoption(&mut self) -> tokio::sync::oneshot::Sender<Option<super::Adoption>> {
+    pub fn await_takeover(&mut self) -> tokio::sync::oneshot::Sender<Option<super::Takeover>> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.adoption = Some(rx);
+        self.takeover = Some(rx);
         tx
     }
 
@@ -69,7 +69,7 @@ impl ConnectorSeed {
             owner,
             connector::Channels {
                 handover: self.handover,
-                adoption: self.adoption,
+                takeover: self.takeover,
                 nudge: self.nudge,
                 status: self.status,
                 outlet: self.outlet,
@@ -133,7 +133,7 @@ impl Upstream {
             },
             ConnectorSeed {
                 handover: handover_rx,
-                adoption: None,
+                takeover: None,
                 nudge,
                 status: status_tx,
                 outlet,

@@ -85,11 +85,11 @@ pub async fn open_socket(
 
 /// A gateway socket moved from the previous instance, as a WebSocket again
 /// (a `/ws/dedicated` connection's: its frames go on where they stopped).
-pub async fn adopt_socket(
+pub async fn take_over_socket(
     socket: MovedSocket,
     opts: &crate::config::UpstreamOptions,
 ) -> std::io::Result<GatewaySocket> {
-    connector::adopt_socket(socket, opts).await
+    connector::take_over_socket(socket, opts).await
 }
 
 pub mod identity;
@@ -199,7 +199,7 @@ pub trait SessionOwner: Send + Sync + 'static {
     /// handed over (design §11): the same connection, its `seq` and what
     /// the gateway holds for it go on. An owner that keeps nothing of the
     /// previous instance takes it as a first session.
-    fn adopted(&self, generation: u64, hello: &Arc<UpstreamHello>) {
+    fn taken_over(&self, generation: u64, hello: &Arc<UpstreamHello>) {
         self.ready(generation, hello, false);
     }
     /// One text frame of session `generation` (an event or an answer).
@@ -237,10 +237,10 @@ pub(crate) type HandoverRequest = tokio::sync::oneshot::Sender<Option<HandedOver
 /// A gateway session the previous instance handed over, for this
 /// instance's connector to go on with.
 #[derive(Debug)]
-pub struct Adoption {
+pub struct Takeover {
     pub socket: MovedSocket,
     pub hello: UpstreamHello,
-    /// The gateway URL it is connected to, redacted: the connector adopts
+    /// The gateway URL it is connected to, redacted: the connector takes over
     /// it only if its own settings name the same gateway.
     pub url: String,
     /// The connector reads and writes the socket only once this is open

@@ -433,16 +433,14 @@ fn signal_pid(pid: u32, sig: rustix::process::Signal) {
 fn copied_binary(dir: &Path) -> PathBuf {
     let path = dir.join("bin").join("clawmux");
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    std::fs::copy(BIN, &path).unwrap();
+    install_executable(Path::new(BIN), &path);
     path
 }
 
 /// Puts `script` at `path` (a new file renamed over it, as a package upgrade does).
 fn replace_with_script(path: &Path, script: &str) {
-    use std::os::unix::fs::PermissionsExt;
     let tmp = path.with_extension("new");
-    std::fs::write(&tmp, script).unwrap();
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+    install_script(&tmp, script);
     std::fs::rename(&tmp, path).unwrap();
 }
 
@@ -517,7 +515,7 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
 
     // 3. The real binary again: the upgrade happens.
     std::fs::remove_file(&program).unwrap();
-    std::fs::copy(BIN, &program).unwrap();
+    install_executable(Path::new(BIN), &program);
     signal(&old.0, rustix::process::Signal::USR2);
     assert!(exits_with(&mut old.0).await.success(), "{}", log_text(&log));
     let new = broker_pid(&socket).await;
@@ -1796,19 +1794,15 @@ async fn a_ws_hud_client_that_stopped_reading_moves_with_its_unwritten_bytes() {
 /// A `systemctl` first on the returned `PATH` whose `list-jobs` says that
 /// systemd's job on `clawmux.service` is `job` (as the real one prints it).
 fn fake_systemctl(dir: &Path, job: &str) -> std::ffi::OsString {
-    use std::os::unix::fs::PermissionsExt;
     let bin = dir.join("bin");
     std::fs::create_dir_all(&bin).unwrap();
-    let path = bin.join("systemctl");
-    std::fs::write(
-        &path,
-        format!(
+    install_script(
+        &bin.join("systemctl"),
+        &format!(
             "#!/bin/sh\necho \"$*\" >> {}/systemctl.args\necho '7 clawmux.service {job} running'\n",
             dir.display()
         ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    );
     let mut joined = bin.into_os_string();
     joined.push(":");
     joined.push(std::env::var_os("PATH").unwrap_or_default());
@@ -2471,7 +2465,7 @@ async fn the_upgrade_command_reports_the_outcome_and_exits_by_it() {
 
     // The real binary: exit 0, old pid → new pid, the client moved.
     std::fs::remove_file(&program).unwrap();
-    std::fs::copy(BIN, &program).unwrap();
+    install_executable(Path::new(BIN), &program);
     let (code, text) = upgrade_command(&socket, dir.path()).await;
     assert_eq!(code, Some(0), "{text}\n{}", log_text(&log));
     let new = broker_pid(&socket).await;

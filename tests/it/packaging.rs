@@ -34,7 +34,7 @@ fn dist_assets_writes_what_the_package_takes() {
     let target = tempfile::tempdir().unwrap();
     let release = target.path().join("release");
     std::fs::create_dir_all(&release).unwrap();
-    std::fs::copy(BIN, release.join("clawmux")).unwrap();
+    crate::support::install_executable(Path::new(BIN), &release.join("clawmux"));
     let out = dist_assets(target.path());
     assert!(
         out.status.success(),

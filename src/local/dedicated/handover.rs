@@ -3,7 +3,7 @@
 //! relayed, and the connection moves to the next instance
 //! ([`Conn::hand_over`]) with, for each socket, the message it was
 //! sending as read so far and the bytes written to it that it had not
-//! taken; the next instance serves it from there ([`resume`]). Nothing
+//! taken; the next instance serves it from there ([`take_over`]). Nothing
 //! waits for either peer, except to finish a message too large to carry.
 
 use std::sync::Arc;
@@ -55,9 +55,41 @@ pub(super) async fn write_until_moving<F: std::future::Future>(
     write.await
 }
 
+/// One `/ws/dedicated` connection, stopped where it was for the next
+/// instance: the client's socket and the gateway's, each with the bytes
+/// read from it that its parser was not given (a message half read, from
+/// its first byte) and the bytes written to it that it did not take.
+#[derive(Debug)]
+pub struct DedicatedParcel {
+    pub client: std::os::fd::OwnedFd,
+    pub client_unread: Vec<u8>,
+    pub client_unwritten: Vec<u8>,
+    pub gateway: crate::upstream::MovedSocket,
+    pub peer_uid: Option<u32>,
+    pub browser: bool,
+}
+
+impl crate::parcels::Parcel for DedicatedParcel {
+    fn pack(self: Box<Self>) -> crate::parcels::Entry {
+        use base64::Engine as _;
+        let b64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+        let d = *self;
+        let entry = crate::parcels::DedicatedEntry {
+            client_unread: b64(&d.client_unread),
+            client_unwritten: b64(&d.client_unwritten),
+            gateway_kind: d.gateway.kind,
+            gateway_unread: b64(&d.gateway.unread),
+            gateway_unwritten: b64(&d.gateway.unwritten),
+            peer_uid: d.peer_uid,
+            browser: d.browser,
+        };
+        crate::parcels::Entry::Dedicated(entry, d.client, d.gateway.fd)
+    }
+}
+
 impl Conn {
     /// Relays until the connection ends (both sides closed) or moves to the
-    /// next instance (left in the handoff).
+    /// next instance (left in the handover).
     pub(super) async fn serve(
         mut self,
         up: GatewaySocket,
@@ -69,7 +101,7 @@ impl Conn {
         let ctx = Arc::clone(&self.ctx);
         let dedicated_id = self.slot.id;
         let cancel = ctx.cancel.clone();
-        let serving = ctx.handoff.serving();
+        let serving = ctx.handover.serving();
         let (mut up_tx, mut up_rx) = up.split();
         let end = tokio::select! {
             end = self.relay(&mut up_tx, &mut up_rx, connect_id, answered, &pauses) => end,
@@ -157,15 +189,14 @@ impl Conn {
             );
             return;
         };
-        ctx.handoff
-            .leave_dedicated(crate::context::DedicatedParcel {
-                client,
-                client_unread,
-                client_unwritten: local.get_mut().take_held(),
-                gateway,
-                peer_uid,
-                browser,
-            });
+        ctx.handover.leave(Box::new(DedicatedParcel {
+            client,
+            client_unread,
+            client_unwritten: local.get_mut().take_held(),
+            gateway,
+            peer_uid,
+            browser,
+        }));
         tracing::debug!(
             dedicated_id = slot.id,
             "dedicated client left for the next instance"
@@ -178,13 +209,13 @@ impl Conn {
 /// Serves a dedicated connection taken over from the previous instance
 /// ([`crate::handover`]): both sockets, from where that one stopped (its
 /// `connect` was answered there).
-pub async fn resume(parcel: crate::context::DedicatedParcel, ctx: Arc<Ctx>) {
+pub async fn take_over(parcel: DedicatedParcel, ctx: Arc<Ctx>) {
     use tokio_tungstenite::tungstenite::protocol::Role;
     let Some(slot) = ctx.dedicated.try_open() else {
         tracing::warn!("handover: too many dedicated connections; closing a moved one");
         return;
     };
-    let crate::context::DedicatedParcel {
+    let DedicatedParcel {
         client,
         client_unread,
         client_unwritten,
@@ -204,7 +235,7 @@ pub async fn resume(parcel: crate::context::DedicatedParcel, ctx: Arc<Ctx>) {
             return;
         }
     };
-    let up = match crate::upstream::adopt_socket(gateway, &ctx.settings.upstream).await {
+    let up = match crate::upstream::take_over_socket(gateway, &ctx.settings.upstream).await {
         Ok(up) => up,
         Err(e) => {
             tracing::warn!("handover: a dedicated gateway socket is unusable ({e})");

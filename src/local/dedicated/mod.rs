@@ -43,7 +43,7 @@
 //!   one and why not everyone).
 //!
 //! At a handover (design §11) a connection whose `connect` the gateway
-//! answered moves whole to the next instance ([`resume`]): both directions
+//! answered moves whole to the next instance ([`take_over`]): both directions
 //! stop reading at a message boundary once what they read is relayed, and
 //! the client's socket and its own gateway socket travel with the bytes
 //! read from each and not parsed. One that cannot (its `connect` is
@@ -90,8 +90,8 @@ use crate::upstream::{
 use close::{send_close, text_message};
 pub use connect_auth::client_auth;
 use connect_auth::inject_token;
-pub use handover::resume;
 use handover::Pauses;
+pub use handover::{take_over, DedicatedParcel};
 
 /// How long a client may stay open without sending its `connect` before the
 /// gateway connection is opened anyway, so a client that waits for the
@@ -137,7 +137,7 @@ pub fn served_on(socket: &SocketPolicy) -> bool {
 }
 
 /// Runs one dedicated client to completion (or until it moves to the next
-/// instance at a handover: [`resume`] serves it there).
+/// instance at a handover: [`take_over`] serves it there).
 pub async fn run(ws: Ws, budget: PreconnectBudget, client: Client, ctx: Arc<Ctx>) {
     let fd = client.fd;
     let local_pause = ws.get_ref().pause();

@@ -57,7 +57,7 @@ impl Conn {
                 moves
             })
         };
-        let requested = &ctx.handoff.requested;
+        let requested = &ctx.handover.requested;
         let down = async {
             let answer_deadline = tokio::time::Instant::now() + handshake_timeout;
             let mut answered = answered;

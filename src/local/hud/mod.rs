@@ -42,7 +42,7 @@ use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use super::respond::{error_response, full, Body};
 use tokio_util::sync::CancellationToken;
 
-mod moving;
+mod handover;
 mod ws;
 
 use crate::activity::hud::hud_event;
@@ -52,7 +52,7 @@ use crate::hub::replay::{EventId, ReplayWindow};
 use crate::hub::{Client, ClientKind, Outgoing};
 use crate::policy::Grant;
 use crate::protocol::StudioCode;
-pub(crate) use moving::resume;
+pub(crate) use handover::take_over;
 
 /// The query of `/v1/hud` and `/ws/hud`.
 #[derive(Debug, Default, Deserialize)]
@@ -108,7 +108,7 @@ pub async fn open(req: Request<Incoming>, ctx: &Arc<Ctx>) -> Response<Body> {
     // goes on in the next instance (its feed continues from it there).
     let moves = socket.is_some() && ctx.hub.replay_file().is_some();
     let done = CancellationToken::new();
-    let body = moving::HudBody::new(
+    let body = handover::HudBody::new(
         ctx,
         source,
         &access,

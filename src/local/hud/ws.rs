@@ -22,10 +22,11 @@ use tokio_tungstenite::WebSocketStream;
 
 use super::{HudSource, Record};
 use crate::boundary::Pause;
-use crate::context::{Ctx, HudEntry, StreamEntry, StreamParcel};
+use crate::context::Ctx;
 use crate::local::dedicated::ClientIo;
 use crate::local::preconnect::{Limited, PreconnectBudget};
 use crate::local::ws::HANDOVER_PAUSE_TIMEOUT;
+use crate::parcels::{Entry, HudEntry, Parcel, StreamEntry};
 
 /// A `/ws/hud` client's WebSocket (hyper's upgraded connection, or a moved
 /// socket).
@@ -81,9 +82,9 @@ pub(super) async fn serve(
     ctx: Arc<Ctx>,
 ) {
     let moves = who.fd.is_some() && ctx.hub.replay_file().is_some();
-    let serving = moves.then(|| ctx.handoff.serving());
+    let serving = moves.then(|| ctx.handover.serving());
     let keepalive = ctx.settings.limits.sse_keepalive;
-    let handoff = ctx.handoff.requested.clone();
+    let handover = ctx.handover.requested.clone();
     for event in first {
         if ws.send(Message::text(event)).await.is_err() {
             return;
@@ -119,12 +120,12 @@ pub(super) async fn serve(
                 }
                 last_write = Instant::now();
             }
-            _ = handoff.cancelled(), if moves => {
+            _ = handover.cancelled(), if moves => {
                 match stop(&mut ws, &pause).await {
                     Some((unread, unwritten)) => {
                         if let Some(fd) = who.fd.and_then(dup) {
                             source.feed_left.cancel();
-                            ctx.handoff.leave_stream(Box::new(WsHudMoved { source, who, unread, unwritten, fd }));
+                            ctx.handover.leave(Box::new(WsHudParcel { source, who, unread, unwritten, fd }));
                             drop(serving);
                             // Dropping `ws` closes this instance's
                             // descriptor only: the copy moves.
@@ -141,7 +142,7 @@ pub(super) async fn serve(
             }
             _ = ctx.cancel.cancelled() => {
                 // Told to come back (it was not moved).
-                let (code, reason) = if handoff.is_cancelled() {
+                let (code, reason) = if handover.is_cancelled() {
                     (1012, "service restart")
                 } else {
                     (1001, "going away")
@@ -260,7 +261,7 @@ fn dup(fd: RawFd) -> Option<OwnedFd> {
 }
 
 /// A `/ws/hud` client left for the next instance.
-struct WsHudMoved {
+struct WsHudParcel {
     source: HudSource,
     who: Who,
     unread: Vec<u8>,
@@ -268,17 +269,17 @@ struct WsHudMoved {
     fd: OwnedFd,
 }
 
-impl std::fmt::Debug for WsHudMoved {
+impl std::fmt::Debug for WsHudParcel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WsHudMoved").finish_non_exhaustive()
+        f.debug_struct("WsHudParcel").finish_non_exhaustive()
     }
 }
 
-impl StreamParcel for WsHudMoved {
+impl Parcel for WsHudParcel {
     /// As a `/v1/hud` stream's ([`hud_entry`]); its unsent
     /// HUD events are one JSON text per line.
-    fn pack(self: Box<Self>) -> (StreamEntry, OwnedFd) {
-        let WsHudMoved {
+    fn pack(self: Box<Self>) -> Entry {
+        let WsHudParcel {
             mut source,
             who,
             unread,
@@ -296,7 +297,7 @@ impl StreamParcel for WsHudMoved {
             lines.into_bytes()
         });
         entry.unwritten = base64::engine::general_purpose::STANDARD.encode(&unwritten);
-        (entry, fd)
+        Entry::Stream(entry, fd)
     }
 }
 

@@ -33,14 +33,14 @@ use tokio_util::sync::CancellationToken;
 use super::respond::{error_response, shape_response, Body};
 use super::ConnectionKill;
 
-mod moving;
+mod handover;
 
 use crate::context::Ctx;
 use crate::hub::replay::{EventId, ResumePoint, GAP_EVENT};
 use crate::hub::{Client, ClientKind, Outgoing, SubscribeError};
 use crate::protocol::{ErrorShape, EventHead, StudioCode};
-pub(crate) use moving::{
-    adopt_socket, body_of, end_with, moved_access, resume, unwritten_of, watch, write_on,
+pub(crate) use handover::{
+    body_of, end_with, moved_access, take_over, take_over_socket, unwritten_of, watch, write_on,
     BodySource, Movable,
 };
 
@@ -348,7 +348,7 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
         keepalive: ctx.settings.limits.sse_keepalive,
         last_write: Instant::now(),
         cancel: ctx.cancel.clone(),
-        handoff: ctx.handoff.requested.clone(),
+        handover: ctx.handover.requested.clone(),
         moves: socket.is_some(),
         query: opening.query.unwrap_or_default(),
         peer_pid,
@@ -365,7 +365,7 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
         ": clawmux events, epoch {epoch}\n\nretry: 1000\n\n{}",
         hello.unwrap_or_default()
     ));
-    let (chunks, on_stop) = moving::body_of(first, stream);
+    let (chunks, on_stop) = handover::body_of(first, stream);
     let (mut resp, drained) =
         super::respond::event_stream_response_watched(chunks, ctx.hub.queue_budget());
     client.hold_outside(Arc::new(drained.clone()));
@@ -373,13 +373,13 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
     resp.extensions_mut()
         .insert(StreamClient(Arc::clone(&client)));
     if let Some(kill) = opening.kill {
-        ctx.tracker.spawn(moving::watch(
+        ctx.tracker.spawn(handover::watch(
             Arc::clone(ctx),
             Some(Arc::clone(&client)),
             done,
             kill,
             socket.map(|socket| {
-                moving::Movable::new(socket, on_stop, drained, ctx.hub.queue_budget())
+                handover::Movable::new(socket, on_stop, drained, ctx.hub.queue_budget())
             }),
         ));
     }
@@ -463,7 +463,7 @@ struct EventStream {
     last_write: Instant,
     cancel: CancellationToken,
     /// Cancelled when the clients are to be handed over.
-    handoff: CancellationToken,
+    handover: CancellationToken,
     /// It stops for a handover (it has a socket of its own).
     moves: bool,
     /// Its query string, as it was opened (or moved) with.
@@ -480,7 +480,7 @@ impl EventStream {
             return Step::End;
         }
         // Before the history too: what it has not written moves.
-        if self.moves && self.handoff.is_cancelled() {
+        if self.moves && self.handover.is_cancelled() {
             return Step::Stop;
         }
         let mut out = BytesMut::new();
@@ -497,7 +497,7 @@ impl EventStream {
                 }
                 _ = self.cancel.cancelled() => {
                     // Not moved at a handover: told to come back.
-                    let (code, reason) = if self.handoff.is_cancelled() {
+                    let (code, reason) = if self.handover.is_cancelled() {
                         (1012, "service restart")
                     } else {
                         (1001, "going away")
@@ -506,7 +506,7 @@ impl EventStream {
                     self.finished = true;
                     return Step::Chunk(self.sent(out));
                 }
-                _ = self.handoff.cancelled(), if self.moves => return Step::Stop,
+                _ = self.handover.cancelled(), if self.moves => return Step::Stop,
             };
             self.write_batch(&mut out, batch);
             if !out.is_empty() {

@@ -1,7 +1,7 @@
 //! A local client at a handover (design §11): stopped where it is, in
 //! the middle of a message or of a frame, and left for the next instance
 //! with what it had half read and half written ([`hand_over`]), and served
-//! again there from exactly those bytes ([`resume`]). Nothing waits for
+//! again there from exactly those bytes ([`take_over`]). Nothing waits for
 //! the client to read or to finish sending.
 
 use std::sync::Arc;
@@ -28,11 +28,90 @@ pub struct Carried {
     pub unwritten: Vec<u8>,
 }
 
+/// One `/ws` client stopped for the next instance: its registration (the
+/// client, its queue and what it holds), its socket, and what it had half
+/// read and half written.
+#[derive(Debug)]
+pub struct ClientParcel {
+    pub registration: crate::dispatch::Registration,
+    pub fd: std::os::fd::OwnedFd,
+    /// Read from the socket and not parsed: the message in progress from
+    /// its first byte, then what followed.
+    pub unread: Vec<u8>,
+    /// Framed for the socket and not written: from inside a frame, written
+    /// first by the next instance.
+    pub unwritten: Vec<u8>,
+    /// It asked to be closed as a direct gateway connection would be
+    /// (`restarts=mirror`): it keeps asking in the next instance.
+    pub mirror: bool,
+}
+
+impl crate::parcels::Parcel for ClientParcel {
+    fn client_id(&self) -> Option<u64> {
+        Some(self.registration.client().id)
+    }
+
+    /// Its queue (whole now: the sessions have ended) and who it is; the
+    /// registration is dropped here.
+    fn pack(self: Box<Self>) -> crate::parcels::Entry {
+        use crate::hub::Outgoing;
+        use crate::parcels::{ClientEntry, Identity, Subscription};
+        use base64::Engine as _;
+        let parcel = *self;
+        let client = Arc::clone(parcel.registration.client());
+        let (items, next_seq) = client.take_all();
+        let mut queued = Vec::with_capacity(items.len());
+        for item in items {
+            let frame = match item {
+                Outgoing::Event(head, seq) => head.with_seq(seq),
+                Outgoing::Frame(bytes) => bytes,
+                // A client being closed is not moved.
+                Outgoing::Close(..) => break,
+            };
+            queued.push(String::from_utf8_lossy(&frame).into_owned());
+        }
+        let subscriptions = {
+            let book = parcel.registration.member().book();
+            let mut subs: Vec<Subscription> = book.subs.iter().map(Subscription::of).collect();
+            subs.sort_by_key(|s| format!("{s:?}"));
+            subs
+        };
+        let identity = client.identity.get().cloned().unwrap_or_default();
+        let access = client.access();
+        let entry = ClientEntry {
+            id: client.id,
+            conn_id: client.conn_id.clone(),
+            connected_at_ms: client.connected_at_ms,
+            identity: Identity {
+                client_id: identity.client_id,
+                mode: identity.mode,
+                version: identity.version,
+                display_name: identity.display_name,
+                peer_pid: identity.peer_pid,
+            },
+            tool_events: client
+                .tool_events
+                .load(std::sync::atomic::Ordering::Relaxed),
+            scopes: access
+                .map(|a| a.grant.scopes().to_vec())
+                .unwrap_or_default(),
+            socket: access.map_or_else(|| "default".into(), |a| a.socket.name.clone()),
+            next_seq,
+            subscriptions,
+            queued,
+            unread: base64::engine::general_purpose::STANDARD.encode(&parcel.unread),
+            unwritten: base64::engine::general_purpose::STANDARD.encode(&parcel.unwritten),
+            mirror: parcel.mirror,
+        };
+        crate::parcels::Entry::Client(entry, parcel.fd)
+    }
+}
+
 /// A client taken over from the previous instance ([`crate::handover`]):
 /// serves it from where that one stopped, on its socket: the bytes it
 /// had left unwritten go first, and its parser starts with the bytes it
 /// had read and not parsed.
-pub async fn resume(
+pub async fn take_over(
     stream: tokio::net::UnixStream,
     carried: Carried,
     registration: Registration,
@@ -60,7 +139,7 @@ pub async fn resume(
         .get_mut()
         .charge_messages_to(Arc::clone(client.budget()));
     tracing::debug!(client_id = client.id, "local client taken over");
-    let serving = ctx.handoff.serving();
+    let serving = ctx.handover.serving();
     // The gateway session is taken over (or opened again) right after the
     // clients: a request read before it is ready would be refused, so the
     // client waits for it as a connecting client does (`connect_wait`).
@@ -71,12 +150,12 @@ pub async fn resume(
     tokio::select! {
         biased;
         _ = ctx.cancel.cancelled() => return,
-        _ = ctx.gate.passed() => {}
+        _ = ctx.handover.gate.passed() => {}
     }
     let deadline = std::time::Instant::now() + ctx.settings.limits.connect_wait;
     tokio::select! {
         _ = ctx.upstream().wait_ready(deadline) => {}
-        _ = ctx.handoff.requested.cancelled() => {}
+        _ = ctx.handover.requested.cancelled() => {}
         _ = ctx.cancel.cancelled() => {}
     }
     let served = serve_requests(&mut conn, &registration, &ctx, restarts).await;
@@ -155,13 +234,13 @@ where
         return Err((conn, registration));
     };
     let Conn { ws, .. } = conn;
-    ctx.handoff.leave(crate::context::Parcel {
+    ctx.handover.leave(Box::new(ClientParcel {
         registration,
         fd: copy,
         unread: carried.unread,
         unwritten: carried.unwritten,
         mirror: restarts == Restarts::Mirror,
-    });
+    }));
     // Dropping `ws` closes this instance's descriptor only: the socket
     // stays open, through the copy, for the next instance.
     drop(ws);

@@ -8,7 +8,7 @@ mod handover;
 mod writer;
 
 use handover::hand_over;
-pub use handover::{resume, Carried, HANDOVER_PAUSE_TIMEOUT};
+pub use handover::{take_over, Carried, HANDOVER_PAUSE_TIMEOUT};
 use writer::{Writer, WriterEnd};
 
 use std::sync::Arc;
@@ -303,7 +303,7 @@ pub async fn run(
         tracing::info!(client_id, conn_id = %client.conn_id, "local client connected");
         // Counted until the client has left for the next instance (or is
         // being closed): a handover waits for every one.
-        let serving = ctx.handoff.serving();
+        let serving = ctx.handover.serving();
         let served = serve_requests(&mut conn, &registration, &ctx, restarts).await;
         if served == Served::HandOver {
             match peer.fd {
@@ -579,7 +579,7 @@ where
                 client.close(1001, "going away");
                 return Served::Ended;
             }
-            _ = ctx.handoff.requested.cancelled() => return Served::HandOver,
+            _ = ctx.handover.requested.cancelled() => return Served::HandOver,
             changed = upstream.changed(), if mirror => {
                 let (ended, close) = {
                     let s = upstream.borrow_and_update();

@@ -7,7 +7,7 @@
 mod session;
 mod socket;
 
-pub(crate) use socket::{adopt_socket, open_socket};
+pub(crate) use socket::{open_socket, take_over_socket};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -79,7 +79,7 @@ struct SessionEnd {
 /// The channels between the connector and the [`super::Upstream`] handle.
 pub(super) struct Channels {
     pub handover: mpsc::Receiver<super::HandoverRequest>,
-    pub adoption: Option<tokio::sync::oneshot::Receiver<Option<super::Adoption>>>,
+    pub takeover: Option<tokio::sync::oneshot::Receiver<Option<super::Takeover>>>,
     pub nudge: Arc<tokio::sync::Notify>,
     pub status: watch::Sender<Status>,
     pub outlet: Arc<super::outlet::Outlet>,
@@ -100,7 +100,7 @@ pub(super) struct Connector {
     handover: mpsc::Receiver<super::HandoverRequest>,
     /// A session the previous instance may hand over: waited for before
     /// the first attempt.
-    adoption: Option<tokio::sync::oneshot::Receiver<Option<super::Adoption>>>,
+    takeover: Option<tokio::sync::oneshot::Receiver<Option<super::Takeover>>>,
     url: String,
     token: Option<Secret>,
     password: Option<Secret>,
@@ -146,7 +146,7 @@ impl Connector {
     ) -> Self {
         let Channels {
             handover,
-            adoption,
+            takeover,
             nudge,
             status,
             outlet,
@@ -158,7 +158,7 @@ impl Connector {
         status.send_modify(|s| s.device_id = device_id);
         Connector {
             handover,
-            adoption,
+            takeover,
             identity,
             url: settings.gateway_url.trim().to_owned(),
             token: settings.token.clone(),
@@ -256,24 +256,24 @@ impl Connector {
     pub(super) async fn run(mut self) {
         let mut failures: u32 = 0;
         let mut had_session = false;
-        let mut adoption = None;
-        if let Some(word) = self.adoption.take() {
+        let mut takeover = None;
+        if let Some(word) = self.takeover.take() {
             tokio::select! {
                 _ = self.cancel.cancelled() => {
                     self.set_phase(Phase::Stopped);
                     return;
                 }
-                word = word => adoption = word.ok().flatten(),
+                word = word => takeover = word.ok().flatten(),
             }
             // Clients were handed over: whatever session comes next is a
             // reconnect to them unless it is the one they were on.
             had_session = true;
         }
-        if let Some(adoption) = adoption {
+        if let Some(takeover) = takeover {
             // Authenticated already: no credential is checked (one a client
             // offered to the previous instance is not here to offer again).
             self.load_target();
-            match self.adopt(adoption).await {
+            match self.take_over(takeover).await {
                 Some((ws, hello)) => {
                     let end = self
                         .run_session(ws, hello, EarlyEvents::default(), Start::Adopted)
@@ -288,7 +288,7 @@ impl Connector {
                     self.set_phase(Phase::Stopped);
                     return;
                 }
-                None => self.adoption_refused(),
+                None => self.takeover_refused(),
             }
         }
         'attempts: loop {
@@ -450,7 +450,7 @@ impl Connector {
     /// of its own generation, so the requests in flight on it (waiting for
     /// answers that will not come) are answered once, failed with
     /// `sent: true`, and the next attempt opens the next generation.
-    fn adoption_refused(&mut self) {
+    fn takeover_refused(&mut self) {
         let mut generation = 0;
         self.status.send_modify(|s| {
             generation = s.generation;
@@ -478,20 +478,20 @@ impl Connector {
     /// The session the previous instance handed over, if this connector's
     /// settings name the same gateway (else its socket is closed and the
     /// connector connects itself: a reconnect for the moved clients).
-    async fn adopt(&self, adoption: super::Adoption) -> Option<(Ws, UpstreamHello)> {
+    async fn take_over(&self, takeover: super::Takeover) -> Option<(Ws, UpstreamHello)> {
         tokio::select! {
             biased;
             _ = self.cancel.cancelled() => return None,
-            _ = adoption.gate.passed() => {}
+            _ = takeover.gate.passed() => {}
         }
-        if adoption.url != redact_url(&self.url) {
+        if takeover.url != redact_url(&self.url) {
             tracing::info!(
                 "handover: the settings name another gateway; not taking the gateway connection over"
             );
             return None;
         }
-        match adopt_socket(adoption.socket, &self.opts).await {
-            Ok(ws) => Some((ws, adoption.hello)),
+        match take_over_socket(takeover.socket, &self.opts).await {
+            Ok(ws) => Some((ws, takeover.hello)),
             Err(e) => {
                 tracing::warn!("handover: the gateway connection cannot be taken over ({e})");
                 None

@@ -78,7 +78,7 @@ impl Connector {
         });
         if start == Start::Adopted {
             tracing::info!(session = %self.spec.label, upstream_phase = "ready", generation, server_version = %hello.server_version, "upstream session taken over from the previous instance");
-            self.owner.adopted(generation, &hello);
+            self.owner.taken_over(generation, &hello);
         } else {
             tracing::info!(session = %self.spec.label, upstream_phase = "ready", generation, server_version = %hello.server_version, protocol = hello.protocol, "upstream session ready");
             self.owner.ready(generation, &hello, reconnected);

@@ -29,7 +29,7 @@ fn socket_config(opts: &UpstreamOptions) -> WebSocketConfig {
 
 /// A gateway socket moved from the previous instance, as a client-side
 /// WebSocket with this broker's settings.
-pub(crate) async fn adopt_socket(
+pub(crate) async fn take_over_socket(
     socket: super::super::MovedSocket,
     opts: &UpstreamOptions,
 ) -> std::io::Result<Ws> {

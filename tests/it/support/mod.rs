@@ -366,6 +366,33 @@ impl WsClient {
 /// How often [`eventually`] and [`eventually_async`] look again.
 pub const POLL_EVERY: Duration = Duration::from_millis(5);
 
+/// Puts an executable copy of `src` at `dest` (replacing it), made by
+/// `install(1)` in a child process, never by this one: a file this
+/// multithreaded test process wrote itself cannot be executed while a
+/// child that another test forked meanwhile still holds the descriptor it
+/// was written through (`ETXTBSY`, "Text file busy").
+pub fn install_executable(src: &Path, dest: &Path) {
+    let status = std::process::Command::new("install")
+        .args(["-m", "755"])
+        .arg(src)
+        .arg(dest)
+        .status()
+        .expect("install(1) runs");
+    assert!(
+        status.success(),
+        "install {} {}",
+        src.display(),
+        dest.display()
+    );
+}
+
+/// Puts an executable script at `dest` (see [`install_executable`]).
+pub fn install_script(dest: &Path, script: &str) {
+    let text = dest.with_extension("text");
+    std::fs::write(&text, script).unwrap();
+    install_executable(&text, dest);
+}
+
 /// Polls a condition until true or the patience runs out (for state that has
 /// no event to await, like a connection count the double updates).
 pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {

@@ -22,9 +22,10 @@ use http::StatusCode;
 use tokio_util::sync::CancellationToken;
 
 use super::{sse_chunk, Activity, HudSource};
-use crate::context::{Ctx, StreamEntry, StreamParcel};
+use crate::context::Ctx;
 use crate::local::sse::{BodySource, Opening, Step};
 use crate::local::ws::HANDOVER_PAUSE_TIMEOUT;
+use crate::parcels::{Entry, Parcel, StreamEntry};
 use crate::policy::{Access, SocketPolicy};
 
 /// A HUD stream's body: its feed, as SSE chunks, with keep-alives.
@@ -32,7 +33,7 @@ pub(super) struct HudBody {
     source: HudSource,
     keepalive: Duration,
     cancel: CancellationToken,
-    handoff: CancellationToken,
+    handover: CancellationToken,
     /// It stops for a handover.
     moves: bool,
     /// Who it is for, for the next instance.
@@ -71,7 +72,7 @@ impl HudBody {
             source,
             keepalive: ctx.settings.limits.sse_keepalive,
             cancel: ctx.cancel.clone(),
-            handoff: ctx.handoff.requested.clone(),
+            handover: ctx.handover.requested.clone(),
             moves,
             scopes: access.grant.scopes().to_vec(),
             socket: access.socket.name.clone(),
@@ -83,7 +84,7 @@ impl HudBody {
     }
 
     async fn next(&mut self) -> Step {
-        if self.moves && self.handoff.is_cancelled() {
+        if self.moves && self.handover.is_cancelled() {
             return Step::Stop;
         }
         let idle_until = tokio::time::Instant::now() + self.keepalive;
@@ -97,7 +98,7 @@ impl HudBody {
                         Err(_) => Step::Chunk(Bytes::from_static(b": keep-alive\n\n")),
                     };
                 }
-                _ = self.handoff.cancelled(), if self.moves => return Step::Stop,
+                _ = self.handover.cancelled(), if self.moves => return Step::Stop,
             }
         }
     }
@@ -109,10 +110,10 @@ impl BodySource for HudBody {
     }
 
     fn give_up(&self) -> impl Future<Output = ()> + Send {
-        let (kill, cancel, handoff, moves) = (
+        let (kill, cancel, handover, moves) = (
             self.kill.clone(),
             self.cancel.clone(),
-            self.handoff.clone(),
+            self.handover.clone(),
             self.moves,
         );
         async move {
@@ -125,7 +126,7 @@ impl BodySource for HudBody {
             tokio::select! {
                 _ = kill => {}
                 _ = cancel.cancelled() => tokio::time::sleep(Duration::from_secs(2)).await,
-                _ = handoff.cancelled(), if moves => {
+                _ = handover.cancelled(), if moves => {
                     tokio::time::sleep(HANDOVER_PAUSE_TIMEOUT).await
                 }
             }
@@ -137,8 +138,8 @@ impl BodySource for HudBody {
         self.source.feed_left.cancel();
     }
 
-    fn into_parcel(self, fd: OwnedFd) -> Box<dyn StreamParcel> {
-        Box::new(HudMoved { body: self, fd })
+    fn into_parcel(self, fd: OwnedFd) -> Box<dyn Parcel> {
+        Box::new(HudParcel { body: self, fd })
     }
 
     fn id(&self) -> u64 {
@@ -151,20 +152,20 @@ impl BodySource for HudBody {
 }
 
 /// A HUD stream left for the next instance.
-struct HudMoved {
+struct HudParcel {
     body: HudBody,
     fd: OwnedFd,
 }
 
-impl std::fmt::Debug for HudMoved {
+impl std::fmt::Debug for HudParcel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HudMoved").finish_non_exhaustive()
+        f.debug_struct("HudParcel").finish_non_exhaustive()
     }
 }
 
-impl StreamParcel for HudMoved {
-    fn pack(self: Box<Self>) -> (StreamEntry, OwnedFd) {
-        let HudMoved { mut body, fd } = *self;
+impl Parcel for HudParcel {
+    fn pack(self: Box<Self>) -> Entry {
+        let HudParcel { mut body, fd } = *self;
         let who = super::ws::Who {
             scopes: std::mem::take(&mut body.scopes),
             socket: std::mem::take(&mut body.socket),
@@ -175,7 +176,7 @@ impl StreamParcel for HudMoved {
         let entry = super::ws::hud_entry(&mut body.source, who, None, |records| {
             sse_chunk(records).to_vec()
         });
-        (entry, fd)
+        Entry::Stream(entry, fd)
     }
 }
 
@@ -185,7 +186,7 @@ impl StreamParcel for HudMoved {
 /// on by its own task. False when it cannot be: its socket is closed (or,
 /// when the log cannot serve its feed, ended with a `clawmux.close`), and
 /// the reader resumes by `Last-Event-ID`.
-pub(crate) fn resume(
+pub(crate) fn take_over(
     ctx: &Arc<Ctx>,
     policies: &[Arc<SocketPolicy>],
     mut entry: StreamEntry,
@@ -209,7 +210,7 @@ pub(crate) fn resume(
     if !super::may_observe(&access.grant) {
         return false;
     }
-    let Some(socket) = crate::local::sse::adopt_socket(fd) else {
+    let Some(socket) = crate::local::sse::take_over_socket(fd) else {
         return false;
     };
     let unread = base64::engine::general_purpose::STANDARD

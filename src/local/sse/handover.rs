@@ -1,6 +1,6 @@
 //! An event stream at a handover (design §11): stopped with every byte of
 //! its response so far written, left for the next instance ([`watch`]),
-//! and written on there from where it stopped ([`resume`]).
+//! and written on there from where it stopped ([`take_over`]).
 //!
 //! In the instance that answered the request, hyper writes the response,
 //! and the connection's spool takes whatever the socket does not
@@ -12,7 +12,7 @@
 //! written (the rest of its history, its queue) is formatted by the same
 //! writer once the sessions have ended, and travels as bytes; its cursor,
 //! its per-client `seq` and its filters travel with it. The next instance
-//! has no HTTP connection to write through (hyper cannot adopt a response
+//! has no HTTP connection to write through (hyper cannot take over a response
 //! in the middle of its body), so it writes the chunked encoding itself:
 //! a size line, the chunk, a CRLF, and `0` CRLF CRLF at the end, which is
 //! all of it (RFC 9112 §7.1; hand-written, as no crate writes one chunk of
@@ -31,10 +31,11 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use super::{EventStream, Registration, Step, CLOSE_LINGER};
-use crate::context::{Ctx, StreamEntry, StreamParcel};
+use crate::context::Ctx;
 use crate::hub::{Client, ClientIdentity, ClientKind, Outgoing};
 use crate::local::stream_body::Drained;
 use crate::local::ws::HANDOVER_PAUSE_TIMEOUT;
+use crate::parcels::{Entry, Parcel, StreamEntry};
 use crate::policy::{Access, Grant, SocketPolicy};
 
 /// A body the broker writes chunk by chunk and that can move at a
@@ -49,7 +50,7 @@ pub(crate) trait BodySource: Send + Sized + 'static {
     /// It stopped for a handover: it stops once at most.
     fn stopped(&mut self);
     /// Left for the next instance, with its socket.
-    fn into_parcel(self, fd: OwnedFd) -> Box<dyn StreamParcel>;
+    fn into_parcel(self, fd: OwnedFd) -> Box<dyn Parcel>;
     /// For the log.
     fn id(&self) -> u64;
     /// It stops for a handover (while it does, the handover waits for it).
@@ -119,32 +120,36 @@ impl<S> Movable<S> {
 }
 
 /// A stream's parcel with the response bytes its socket had not taken.
-struct Carrying {
-    parcel: Box<dyn StreamParcel>,
+struct ParcelWithUnwritten {
+    parcel: Box<dyn Parcel>,
     unwritten: Vec<u8>,
 }
 
-impl std::fmt::Debug for Carrying {
+impl std::fmt::Debug for ParcelWithUnwritten {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Carrying")
+        f.debug_struct("ParcelWithUnwritten")
             .field("parcel", &self.parcel)
             .field("unwritten", &self.unwritten.len())
             .finish()
     }
 }
 
-impl StreamParcel for Carrying {
-    fn pack(self: Box<Self>) -> (StreamEntry, OwnedFd) {
-        let (mut entry, fd) = self.parcel.pack();
-        entry.unwritten = base64::engine::general_purpose::STANDARD.encode(&self.unwritten);
-        (entry, fd)
+impl Parcel for ParcelWithUnwritten {
+    fn pack(self: Box<Self>) -> Entry {
+        match self.parcel.pack() {
+            Entry::Stream(mut entry, fd) => {
+                entry.unwritten = base64::engine::general_purpose::STANDARD.encode(&self.unwritten);
+                Entry::Stream(entry, fd)
+            }
+            other => other,
+        }
     }
 }
 
 /// Leaves `parcel` for the next instance, with `unwritten` to write first.
-fn leave(ctx: &Ctx, parcel: Box<dyn StreamParcel>, unwritten: Vec<u8>) {
-    ctx.handoff
-        .leave_stream(Box::new(Carrying { parcel, unwritten }));
+fn leave(ctx: &Ctx, parcel: Box<dyn Parcel>, unwritten: Vec<u8>) {
+    ctx.handover
+        .leave(Box::new(ParcelWithUnwritten { parcel, unwritten }));
 }
 
 /// A moved stream's bytes to write first (`None`: not base64; it is closed).
@@ -170,8 +175,8 @@ pub(crate) async fn watch<S: BodySource>(
     movable: Option<Movable<S>>,
 ) {
     // A stream that can move counts as serving until it has left.
-    let serving = movable.as_ref().map(|_| ctx.handoff.serving());
-    let requested = ctx.handoff.requested.clone();
+    let serving = movable.as_ref().map(|_| ctx.handover.serving());
+    let requested = ctx.handover.requested.clone();
     let killed = async {
         match &client {
             Some(client) => client.killed.cancelled().await,
@@ -265,25 +270,25 @@ async fn stop<S: BodySource>(movable: Movable<S>, ctx: &Arc<Ctx>) -> Stopped {
 }
 
 /// A stream left for the next instance.
-struct Moved {
+struct StreamParcel {
     stream: EventStream,
     fd: OwnedFd,
 }
 
-impl std::fmt::Debug for Moved {
+impl std::fmt::Debug for StreamParcel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Moved")
+        f.debug_struct("StreamParcel")
             .field("client_id", &self.stream.client.id)
             .finish_non_exhaustive()
     }
 }
 
-impl StreamParcel for Moved {
+impl Parcel for StreamParcel {
     /// What it has not written, formatted as it would have written it: the
     /// rest of its history, then its queue (whole now: the sessions have
     /// ended). It then leaves the hub.
-    fn pack(self: Box<Self>) -> (StreamEntry, OwnedFd) {
-        let Moved { mut stream, fd } = *self;
+    fn pack(self: Box<Self>) -> Entry {
+        let StreamParcel { mut stream, fd } = *self;
         let mut out = BytesMut::new();
         stream.write_backlog(&mut out, MOVED_HISTORY_BYTES);
         let (items, mut next_seq) = stream.client.take_all();
@@ -340,7 +345,7 @@ impl StreamParcel for Moved {
             from_log,
             hud: None,
         };
-        (entry, fd)
+        Entry::Stream(entry, fd)
     }
 }
 
@@ -349,7 +354,7 @@ impl StreamParcel for Moved {
 /// on by its own task. False when it cannot be (its socket policy is gone,
 /// the client limit): its socket is closed, and the reader resumes by
 /// cursor.
-pub(crate) fn resume(
+pub(crate) fn take_over(
     ctx: &Arc<Ctx>,
     policies: &[Arc<SocketPolicy>],
     entry: StreamEntry,
@@ -372,7 +377,7 @@ pub(crate) fn resume(
             return false;
         }
     };
-    let Some(stream) = adopt_socket(fd) else {
+    let Some(stream) = take_over_socket(fd) else {
         return false;
     };
     // Checked again: the settings may have changed with the handover (a
@@ -453,7 +458,7 @@ pub(crate) fn resume(
         keepalive: ctx.settings.limits.sse_keepalive,
         last_write: std::time::Instant::now(),
         cancel: ctx.cancel.clone(),
-        handoff: ctx.handoff.requested.clone(),
+        handover: ctx.handover.requested.clone(),
         moves: true,
         query: entry.query,
         peer_pid: entry.peer_pid,
@@ -524,7 +529,7 @@ pub(crate) fn moved_access(policies: &[Arc<SocketPolicy>], entry: &StreamEntry) 
 }
 
 /// A moved stream's socket, for tokio.
-pub(crate) fn adopt_socket(fd: OwnedFd) -> Option<UnixStream> {
+pub(crate) fn take_over_socket(fd: OwnedFd) -> Option<UnixStream> {
     let stream = std::os::unix::net::UnixStream::from(fd);
     match stream
         .set_nonblocking(true)
@@ -549,7 +554,7 @@ pub(crate) async fn write_on<S: BodySource>(
     unwritten: Vec<u8>,
     unsent: Bytes,
 ) {
-    let serving = stream.moves().then(|| ctx.handoff.serving());
+    let serving = stream.moves().then(|| ctx.handover.serving());
     let mut pending = BytesMut::from(&unwritten[..]);
     frame_chunk(&mut pending, &unsent);
     loop {
@@ -647,7 +652,7 @@ async fn write_pending(
     tokio::select! {
         biased;
         written = write => if written { Written::All } else { Written::GaveUp },
-        _ = ctx.handoff.requested.cancelled(), if moves => Written::HandingOver,
+        _ = ctx.handover.requested.cancelled(), if moves => Written::HandingOver,
         () = give_up => Written::GaveUp,
     }
 }
@@ -670,17 +675,17 @@ impl BodySource for EventStream {
     }
 
     fn give_up(&self) -> impl Future<Output = ()> + Send {
-        let (client, cancel, handoff, moves) = (
+        let (client, cancel, handover, moves) = (
             Arc::clone(&self.client),
             self.cancel.clone(),
-            self.handoff.clone(),
+            self.handover.clone(),
             self.moves,
         );
         async move {
             tokio::select! {
                 _ = client.killed.cancelled() => tokio::time::sleep(CLOSE_LINGER).await,
                 _ = cancel.cancelled() => tokio::time::sleep(CLOSE_LINGER).await,
-                _ = handoff.cancelled(), if moves => {
+                _ = handover.cancelled(), if moves => {
                     tokio::time::sleep(HANDOVER_PAUSE_TIMEOUT).await
                 }
             }
@@ -691,8 +696,8 @@ impl BodySource for EventStream {
         self.moves = false;
     }
 
-    fn into_parcel(self, fd: OwnedFd) -> Box<dyn StreamParcel> {
-        Box::new(Moved { stream: self, fd })
+    fn into_parcel(self, fd: OwnedFd) -> Box<dyn Parcel> {
+        Box::new(StreamParcel { stream: self, fd })
     }
 
     fn id(&self) -> u64 {

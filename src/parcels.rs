@@ -1,0 +1,283 @@
+//! The handover's vocabulary at the ground floor (design §11): what each
+//! moving thing leaves for the next instance, and the entries of the
+//! clients document it is packed into. The local routes and `Ctx` use
+//! these; the protocol that packs them and takes them over is
+//! [`crate::handover`], above the local routes. The words, in code, logs
+//! and docs alike:
+//!
+//! - a **handover** moves the broker's sockets and clients to its next
+//!   instance (`SIGUSR2`, `clawmux upgrade`, or systemd's store);
+//! - once it is requested ([`Handover::requested`]), each moving thing
+//!   **stops** where it is, next to its own serving code, without waiting
+//!   for its peer, and **leaves** a [`Parcel`] ([`Handover::leave`]);
+//! - the parcels are **packed** into the clients document and the
+//!   descriptors it names ([`Parcel::pack`]; `handover::clients::pack`);
+//! - the next instance **takes over** each entry and serves it from where
+//!   it stopped (`handover::clients::take_over`, then each thing's own
+//!   `take_over`), behind its [`Gate`].
+
+use std::os::fd::OwnedFd;
+
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+
+pub use crate::gate::Gate;
+use crate::sharing::subscriptions::SubKey;
+
+/// A handover of the connected clients to the next instance: requested
+/// before the broker stops; each client, stream and connection that can
+/// move leaves a [`Parcel`] instead of closing.
+#[derive(Debug)]
+pub struct Handover {
+    /// Cancelled when the clients are to be handed over.
+    pub requested: CancellationToken,
+    /// Closed while a `SIGUSR2` upgrade's old instance may still serve the
+    /// moved sockets again; every task on a moved socket (and the accept
+    /// loops) waits at it. Open from the start otherwise.
+    pub gate: Gate,
+    /// What the client tasks left for the next instance.
+    parcels: std::sync::Mutex<Vec<Box<dyn Parcel>>>,
+    /// Client tasks serving requests now (each leaves at a handover).
+    serving: std::sync::atomic::AtomicUsize,
+    left: tokio::sync::Notify,
+}
+
+/// Counts a client task as serving until dropped.
+#[derive(Debug)]
+pub struct Serving<'a>(&'a Handover);
+
+impl Drop for Serving<'_> {
+    fn drop(&mut self) {
+        self.0
+            .serving
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.left.notify_waiters();
+    }
+}
+
+/// What one moving thing leaves for the next instance, implemented next
+/// to its own serving code: a `/ws` client, a `/ws/dedicated` pair, an
+/// event stream, a HUD stream. Packed once the sessions have ended (every
+/// answer to a client's requests is in its queue by then, but those of
+/// the requests that move with the gateway session).
+pub trait Parcel: Send + std::fmt::Debug {
+    /// The hub client that moves with it, if any (a `/ws` client's): the
+    /// runs and requests in flight it owns move with it.
+    fn client_id(&self) -> Option<u64> {
+        None
+    }
+
+    /// Its entry in the clients document, and its sockets.
+    fn pack(self: Box<Self>) -> Entry;
+}
+
+/// A parcel packed: its entry in the clients document and its sockets.
+#[derive(Debug)]
+pub enum Entry {
+    Client(ClientEntry, OwnedFd),
+    /// The client's socket, then the gateway's.
+    Dedicated(DedicatedEntry, OwnedFd, OwnedFd),
+    Stream(StreamEntry, OwnedFd),
+}
+
+impl Handover {
+    /// No handover requested yet; what moved in waits at `gate`.
+    pub fn new(gate: Gate) -> Self {
+        Handover {
+            requested: CancellationToken::new(),
+            gate,
+            parcels: Default::default(),
+            serving: Default::default(),
+            left: Default::default(),
+        }
+    }
+
+    /// A client task starts serving requests.
+    pub fn serving(&self) -> Serving<'_> {
+        self.serving
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Serving(self)
+    }
+
+    /// Waits until every client task has stopped serving (after
+    /// [`Handover::requested`]); false if some had not by `until`.
+    pub async fn all_left(&self, until: tokio::time::Instant) -> bool {
+        loop {
+            let left = self.left.notified();
+            tokio::pin!(left);
+            left.as_mut().enable();
+            if self.serving.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(until, left).await.is_err() {
+                return false;
+            }
+        }
+    }
+
+    /// Leaves `parcel` for the next instance.
+    pub fn leave(&self, parcel: Box<dyn Parcel>) {
+        self.lock().push(parcel);
+    }
+
+    /// The ids of the hub clients left for the next instance so far.
+    pub fn client_ids(&self) -> std::collections::HashSet<u64> {
+        self.lock().iter().filter_map(|p| p.client_id()).collect()
+    }
+
+    /// Everything left so far.
+    pub fn take(&self) -> Vec<Box<dyn Parcel>> {
+        std::mem::take(&mut *self.lock())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Box<dyn Parcel>>> {
+        self.parcels.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// An event stream moved to the next instance: who it is for, what it
+/// asked for, where it is, and the bytes of its body not written yet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamEntry {
+    pub id: u64,
+    pub conn_id: String,
+    pub connected_at_ms: u64,
+    pub peer_pid: Option<u32>,
+    /// Its grant's scopes.
+    pub scopes: Vec<String>,
+    /// The socket it connected to (`[[sockets]]` name; `default`: the main one).
+    pub socket: String,
+    /// Its `/v1/events` query, as it was opened with (filters, tap).
+    pub query: String,
+    /// The per-client `seq` its next event gets.
+    pub next_seq: u64,
+    /// The newest cursor it received (written or filtered out).
+    pub last_cursor: u64,
+    /// The per-client `seq` of the last live event it received.
+    pub last_seq: u64,
+    /// A gap comes before its next event.
+    pub gap_pending: bool,
+    /// Body bytes not written yet (SSE records, base64), in order.
+    pub unsent: String,
+    /// Response bytes written and not taken by the socket (base64), from
+    /// inside a chunk: the next instance writes them first, as they are.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub unwritten: String,
+    /// The stream ended: `unsent` holds its last record.
+    pub finished: bool,
+    /// It was still writing its history: the next instance reads the rest
+    /// (and what it had queued) from the log, after `last_cursor`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub from_log: bool,
+    /// A `/v1/hud` stream's feed (then `last_cursor` is the newest cursor
+    /// its feed applied, and the per-client fields are unused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hud: Option<HudEntry>,
+}
+
+/// A `/v1/hud` stream's feed, moving with it: its projection, and which
+/// of what it applies it sends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HudEntry {
+    /// Records up to this cursor are applied but not sent.
+    pub quiet_until: Option<u64>,
+    /// Records up to this cursor are flagged `replay`.
+    pub newest: Option<u64>,
+    /// The activity projection ([`crate::activity::Activity`], as JSON).
+    pub activity: serde_json::Value,
+    /// A `/ws/hud` client (its `unsent` is one HUD event per line).
+    #[serde(default)]
+    pub websocket: bool,
+    /// Bytes read from a `/ws/hud` client and not parsed (base64).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub unread: String,
+}
+
+/// A `/ws/dedicated` connection moved: the client's socket and its own
+/// gateway connection's, each with the bytes read from it and not parsed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DedicatedEntry {
+    /// Bytes read from the client and not parsed (base64): a message half
+    /// read from its first byte, then what followed.
+    pub client_unread: String,
+    /// Bytes written to the client and not taken (base64), from inside a
+    /// frame: the next instance writes them first.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub client_unwritten: String,
+    pub gateway_kind: crate::upstream::SocketKind,
+    /// Bytes read from the gateway and not parsed (base64).
+    pub gateway_unread: String,
+    /// Bytes written to the gateway and not taken (base64).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub gateway_unwritten: String,
+    pub peer_uid: Option<u32>,
+    pub browser: bool,
+}
+
+impl Subscription {
+    pub fn of(key: &SubKey) -> Subscription {
+        match key {
+            SubKey::Sessions => Subscription::Sessions,
+            SubKey::Messages(key) => Subscription::Messages { key: key.clone() },
+        }
+    }
+
+    pub fn key(self) -> SubKey {
+        match self {
+            Subscription::Sessions => SubKey::Sessions,
+            Subscription::Messages { key } => SubKey::Messages(key),
+        }
+    }
+}
+
+/// One moved client.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientEntry {
+    pub id: u64,
+    pub conn_id: String,
+    pub connected_at_ms: u64,
+    pub identity: Identity,
+    pub tool_events: bool,
+    /// Its grant's scopes.
+    pub scopes: Vec<String>,
+    /// The socket it connected to (`[[sockets]]` name; `default`: the main one).
+    pub socket: String,
+    /// The `seq` its next event gets.
+    pub next_seq: u64,
+    pub subscriptions: Vec<Subscription>,
+    /// Frames queued for it and not written yet, in order.
+    pub queued: Vec<String>,
+    /// Bytes read from its socket and not parsed (base64): a message half
+    /// read from its first byte, then what followed.
+    pub unread: String,
+    /// Bytes framed for its socket and not written (base64), from inside
+    /// a frame: the next instance writes them before anything else.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub unwritten: String,
+    /// `restarts=mirror`: closed as a direct gateway connection would be.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mirror: bool,
+}
+
+/// What a client declared at connect (for `/v1/state`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Identity {
+    pub client_id: Option<String>,
+    pub mode: Option<String>,
+    pub version: Option<String>,
+    pub display_name: Option<String>,
+    pub peer_pid: Option<u32>,
+}
+
+/// A subscription a client holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Subscription {
+    Sessions,
+    Messages { key: String },
+}
