@@ -150,8 +150,13 @@ async fn a_device_signed_client_keeps_its_own_identity_through_the_dedicated_rou
 /// `openclaw-control-ui`, mode `webchat`, its scopes, the token in `auth`)
 /// through `/ws/dedicated`, its upgrade request carrying `origin` as a
 /// browser's (or Claw3D's proxy's) does; `signed: false` leaves the device
-/// out (an insecure context). Returns the gateway's answer.
-async fn control_ui_connect(sock: &std::path::Path, origin: Option<&str>, signed: bool) -> Value {
+/// out (an insecure context). Returns the gateway's answer, and the client
+/// (its connection stays listed in `/v1/state` while it is open).
+async fn control_ui_connect(
+    sock: &std::path::Path,
+    origin: Option<&str>,
+    signed: bool,
+) -> (Value, WsClient) {
     let key_dir = tempfile::tempdir().unwrap();
     let identity = DeviceIdentity::load_or_create(key_dir.path()).unwrap();
     let headers: Vec<(&str, &str)> = origin.map(|o| ("Origin", o)).into_iter().collect();
@@ -185,7 +190,7 @@ async fn control_ui_connect(sock: &std::path::Path, origin: Option<&str>, signed
         frame["params"]["device"] = device;
     }
     c.send_json(&frame).await;
-    c.response("claw3d-1").await
+    (c.response("claw3d-1").await, c)
 }
 
 #[tokio::test]
@@ -215,7 +220,7 @@ async fn claw3ds_control_ui_connects_through_the_dedicated_route() {
     wait_phase(&sock, "ready", FIRST_START, &gw).await;
 
     // The default origin, `http://localhost:P` for `ws://127.0.0.1:P`: hello-ok.
-    let res = control_ui_connect(&sock, Some("http://localhost:3000"), true).await;
+    let (res, _client) = control_ui_connect(&sock, Some("http://localhost:3000"), true).await;
     assert_eq!(res["ok"], true, "{res}\n{}", gw.log_tail());
     assert_eq!(res["payload"]["type"], "hello-ok", "{res}");
     let (_, state) = http_get(&sock, "/v1/state").await;
@@ -225,7 +230,7 @@ async fn claw3ds_control_ui_connects_through_the_dedicated_route() {
         "{state}"
     );
     // Without a device signature: the gateway's own refusal.
-    let res = control_ui_connect(&sock, Some("http://localhost:3000"), false).await;
+    let (res, _client) = control_ui_connect(&sock, Some("http://localhost:3000"), false).await;
     assert_eq!(res["ok"], false, "{res}");
     let message = res["error"]["message"].as_str().unwrap_or_default();
     assert!(
@@ -243,7 +248,8 @@ async fn claw3ds_control_ui_connects_through_the_dedicated_route() {
     .await
     .unwrap();
     wait_phase(own.socket_path(), "ready", FIRST_START, &gw).await;
-    let res = control_ui_connect(own.socket_path(), Some("http://localhost:3000"), true).await;
+    let (res, _client) =
+        control_ui_connect(own.socket_path(), Some("http://localhost:3000"), true).await;
     let message = res["error"]["message"].as_str().unwrap_or_default();
     assert!(
         message.starts_with("protocol mismatch: Control UI updated"),
@@ -255,7 +261,8 @@ async fn claw3ds_control_ui_connects_through_the_dedicated_route() {
         .await
         .unwrap();
     wait_phase(off.socket_path(), "ready", FIRST_START, &gw).await;
-    let res = control_ui_connect(off.socket_path(), Some("http://localhost:3000"), true).await;
+    let (res, _client) =
+        control_ui_connect(off.socket_path(), Some("http://localhost:3000"), true).await;
     assert_eq!(
         res["error"]["details"]["code"], "CONTROL_UI_ORIGIN_NOT_ALLOWED",
         "{res}"
@@ -270,7 +277,8 @@ async fn claw3ds_control_ui_connects_through_the_dedicated_route() {
     .await
     .unwrap();
     wait_phase(named.socket_path(), "ready", FIRST_START, &gw).await;
-    let res = control_ui_connect(named.socket_path(), Some("http://localhost:3000"), true).await;
+    let (res, _client) =
+        control_ui_connect(named.socket_path(), Some("http://localhost:3000"), true).await;
     assert_eq!(res["ok"], true, "{res}\n{}", gw.log_tail());
     eprintln!("interop: Claw3D's control UI through the dedicated route: hello-ok with the derived Origin; the measured refusals hold");
     for b in [default, own, off, named] {
