@@ -149,14 +149,8 @@ impl<T> Limited<T> {
         unread: Vec<u8>,
         unwritten: Vec<u8>,
     ) -> Self {
-        let mut limited = Self::with_unread(inner, budget, unread);
-        limited.held = Held {
-            carried: unwritten.len(),
-            bytes: bytes::BytesMut::from(&unwritten[..]),
-            mid_frame: false,
-            shared: true,
-            spool: false,
-        };
+        let mut limited = Self::with_unwritten(inner, budget, unread, unwritten);
+        limited.held.shared = true;
         limited
     }
 

@@ -1154,13 +1154,8 @@ async fn a_client_half_way_through_a_message_and_not_reading_moves_with_its_half
     let stuck_id = stuck.handshake().await["server"]["connId"].clone();
     let mut mover = WsClient::open(&socket, "/ws").await;
     let conn_id = mover.handshake().await["server"]["connId"].clone();
-    // A masked text frame holding a whole request, of which 10 bytes of
-    // the payload are sent now.
-    let request = br#"{"type":"req","id":"half","method":"health","params":{}}"#;
-    let mask = [1u8, 2, 3, 4];
-    let mut frame = vec![0x81, 0x80 | request.len() as u8];
-    frame.extend(mask);
-    frame.extend(request.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    // A request (`id` "half"), of which 10 bytes of the payload are sent now.
+    let frame = half_request_frame();
     let (sent, rest) = frame.split_at(6 + 10);
     stuck.raw().write_all(sent).await.unwrap();
     // More events than the stuck client's socket holds: its writer takes a
@@ -1213,6 +1208,17 @@ async fn a_client_half_way_through_a_message_and_not_reading_moves_with_its_half
     assert_eq!(next["seq"].as_u64(), seq.map(|s| s + 1));
     let res = mover.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "{res}");
+}
+
+/// A masked text frame holding the whole request `health` (`id` "half"):
+/// a client sends part of it before a handover and the rest after.
+fn half_request_frame() -> Vec<u8> {
+    let request = br#"{"type":"req","id":"half","method":"health","params":{}}"#;
+    let mask = [1u8, 2, 3, 4];
+    let mut frame = vec![0x81, 0x80 | request.len() as u8];
+    frame.extend(mask);
+    frame.extend(request.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    frame
 }
 
 /// The `test.n` numbers of the whole records in a raw `/v1/events`
@@ -1518,13 +1524,8 @@ async fn a_dedicated_connection_in_the_middle_of_a_frame_both_ways_moves_at_once
         2,
         "the shared session and the dedicated one"
     );
-    // A masked text frame holding a whole request, of which 10 bytes of
-    // the payload are sent now.
-    let request = br#"{"type":"req","id":"half","method":"health","params":{}}"#;
-    let mask = [1u8, 2, 3, 4];
-    let mut frame = vec![0x81, 0x80 | request.len() as u8];
-    frame.extend(mask);
-    frame.extend(request.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    // A request (`id` "half"), of which 10 bytes of the payload are sent now.
+    let frame = half_request_frame();
     let (sent, rest) = frame.split_at(6 + 10);
     c.raw().write_all(sent).await.unwrap();
     // Events of 16 KiB, each more than the dedicated client's socket
