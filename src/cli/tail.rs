@@ -274,19 +274,30 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
     // broker is away says the same: once is enough).
     let mut lost_said: Option<String> = None;
     let mut stdout = std::io::stdout();
+    let closed = output_closed();
+    tokio::pin!(closed);
     loop {
-        let next = match &backlog {
-            Some(_) => match tokio::time::timeout(BACKLOG_IDLE_FLUSH, feed.recv()).await {
-                Ok(next) => next,
-                Err(_) => {
-                    // Nothing for a while: what is held is all there is.
-                    if flush(&mut stdout, backlog.take()).is_err() {
-                        return Ok(0);
-                    }
-                    continue;
+        let next = tokio::select! {
+            biased;
+            // Nobody reads any more (piped into `head`, which has its
+            // lines): a quiet stream would not learn it by writing.
+            () = &mut closed => return Ok(0),
+            next = async {
+                match &backlog {
+                    Some(_) => tokio::time::timeout(BACKLOG_IDLE_FLUSH, feed.recv()).await.ok(),
+                    None => Some(feed.recv().await),
                 }
-            },
-            None => feed.recv().await,
+            } => next,
+        };
+        let next = match next {
+            Some(next) => next,
+            None => {
+                // Nothing for a while: what is held is all there is.
+                if flush(&mut stdout, backlog.take()).is_err() {
+                    return Ok(0);
+                }
+                continue;
+            }
         };
         let Some(next) = next else { return Ok(0) };
         let (name, frame, replay, seq, data) = match next {
@@ -377,6 +388,49 @@ pub async fn run(args: TailArgs) -> Result<u8, CliError> {
         }
         if stdout.flush().is_err() {
             return Ok(0);
+        }
+    }
+}
+
+/// Resolves once nobody reads this process's standard output any more:
+/// the reader of its pipe closed it (as `head` does once it has its
+/// lines) or its terminal hung up, whether or not anything is being
+/// written. Never resolves where that cannot be told (a file).
+///
+/// A thread waits in `poll(2)` with no events asked: the kernel reports
+/// `POLLERR`/`POLLHUP` regardless, and nothing else wakes it. Tokio's
+/// reactor cannot wait for these alone on a descriptor it does not own
+/// (stdout may be a file, which epoll refuses), hence the thread.
+fn output_closed() -> impl std::future::Future<Output = ()> {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let watch = move || {
+        let out = std::io::stdout();
+        let mut fds = [rustix::event::PollFd::new(
+            &out,
+            rustix::event::PollFlags::empty(),
+        )];
+        loop {
+            match rustix::event::poll(&mut fds, None) {
+                Ok(_)
+                    if fds[0].revents().intersects(
+                        rustix::event::PollFlags::ERR | rustix::event::PollFlags::HUP,
+                    ) =>
+                {
+                    let _ = tx.send(());
+                    return;
+                }
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(_) => return,
+            }
+        }
+    };
+    let spawned = std::thread::Builder::new()
+        .name("tail-output".into())
+        .spawn(watch);
+    async move {
+        // No thread, or it could not wait: never resolves.
+        if spawned.is_err() || rx.await.is_err() {
+            std::future::pending::<()>().await;
         }
     }
 }

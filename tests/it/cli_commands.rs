@@ -493,6 +493,62 @@ async fn tail_n_session_and_run_pick_what_is_printed() {
     let _ = tail.child.start_kill();
 }
 
+/// `clawmux tail … | head -n 5` ends when `head` has its lines, even when
+/// tail wrote them all at once from what the broker held and nothing more
+/// comes: it learns that its reader is gone without writing.
+#[tokio::test]
+async fn tail_into_a_pipe_its_reader_closed_ends_without_writing_again() {
+    let h = start().await;
+    let base = until_ready(&h.socket()).await["newest_seq"]
+        .as_u64()
+        .unwrap();
+    for n in 0..5 {
+        h.gw.broadcast("cron", json!({ "n": n }));
+    }
+    wait_newest_seq(&h.socket(), base + 5).await;
+    let (reader, writer) = std::io::pipe().unwrap();
+    let mut child = Command::new(BIN)
+        .args([
+            "tail",
+            "--socket",
+            s(&h.socket()),
+            "-n",
+            "5",
+            "--events",
+            "cron",
+        ])
+        .env_remove("CLAWMUX_SOCKET")
+        .env("NO_COLOR", "1")
+        .stdin(std::process::Stdio::null())
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the binary runs");
+    // Every held line is read, then the reader goes, as `head -n 5` does:
+    // tail has nothing left to write.
+    let read = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        let mut lines = std::io::BufReader::new(reader).lines();
+        (0..5).map(|_| lines.next()).collect::<Vec<_>>()
+    });
+    let lines = tokio::time::timeout(PATIENCE, read)
+        .await
+        .expect("tail prints the held events")
+        .unwrap();
+    assert!(
+        lines
+            .iter()
+            .all(|l| matches!(l, Some(Ok(l)) if l.contains("cron"))),
+        "{lines:?}"
+    );
+    let status = tokio::time::timeout(PATIENCE, child.wait())
+        .await
+        .expect("tail ends once nobody reads its output")
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+}
+
 /// `--since` keeps the held events of the last DURATION (by the event's own time).
 #[tokio::test]
 async fn tail_since_prints_only_recent_held_events() {
