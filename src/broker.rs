@@ -145,8 +145,7 @@ impl HeldListener {
 }
 
 /// A broker that stopped serving for its next instance but still holds its
-/// sockets: [`Released::finish`] once the next instance serves, or
-/// [`Released::serve_again`] if it failed.
+/// sockets ([`crate::handover::old_instance::Released`]).
 #[derive(Debug)]
 pub struct Released {
     settings: Settings,
@@ -159,10 +158,10 @@ pub struct Released {
     core: crate::handover::clients::CoreParcels,
 }
 
-impl Released {
-    /// What moves: the clients document and the sockets (taken once; the
-    /// clients' queues are emptied into it).
-    pub fn take_clients(&mut self) -> crate::handover::clients::Packed {
+impl crate::handover::old_instance::Released for Released {
+    type Broker = RunningBroker;
+
+    fn take_clients(&mut self) -> crate::handover::clients::Packed {
         let packed = crate::handover::clients::pack(
             std::mem::take(&mut self.parcels),
             std::mem::take(&mut self.core),
@@ -176,19 +175,15 @@ impl Released {
         packed
     }
 
-    /// The next instance serves: leave the socket files (now its) in place.
-    pub fn finish(mut self) {
+    fn finish(mut self) {
         self.guard.disarm();
         for g in &mut self.policy_guards {
             g.disarm();
         }
     }
 
-    /// The next instance failed: serve again on the same sockets (a fresh
-    /// core, which takes the clients and the gateway session back as the
-    /// next instance would have). `packed`: what [`Released::take_clients`]
-    /// gave, if it was called.
-    pub fn serve_again(
+    /// A fresh core takes the clients and the gateway session back.
+    fn serve_again(
         mut self,
         packed: Option<crate::handover::clients::Packed>,
     ) -> Result<RunningBroker, SocketError> {
@@ -210,7 +205,7 @@ impl Released {
             let l = h.listener().map_err(io(&h.path))?;
             policies.push((h.policy.clone().unwrap_or_default(), l, g));
         }
-        RunningBroker::start_handed_over(
+        RunningBroker::serve_handed_over(
             settings,
             (main, guard),
             policies,
@@ -241,47 +236,89 @@ impl RunningBroker {
     /// Binds the socket and starts serving. Returns once the socket accepts
     /// connections (the upstream session opens in the background).
     pub async fn start(settings: Settings) -> Result<RunningBroker, SocketError> {
-        let (listener, guard) = socket::bind(&settings.socket_path)?;
-        let listener =
-            tokio::net::UnixListener::from_std(listener).map_err(|source| SocketError::Io {
-                path: settings.socket_path.clone(),
-                cause: source,
-            })?;
-        Self::start_with_listener(settings, listener, guard)
+        Self::start_from(settings, None, None, crate::gate::Gate::opened())
     }
 
-    /// Starts serving on a listener systemd passed in (socket activation,
-    /// see [`crate::systemd::take_passed`]). The socket file
-    /// belongs to systemd and is never unlinked; `settings.socket_path` is
-    /// replaced by the listener's own path so logs and tools show the truth.
-    pub fn start_with_activated(
+    /// Starts serving: on the sockets a previous instance handed over
+    /// (`taken`, whose moved clients wait at `gate`), else on the one
+    /// systemd passed (socket activation, see [`crate::systemd::take_passed`]:
+    /// its file belongs to systemd and is never unlinked), else on its own,
+    /// bound at `settings.socket_path`. `settings.socket_path` becomes the
+    /// path actually served, so logs and tools show the truth.
+    pub fn start_from(
         mut settings: Settings,
-        listener: std::os::unix::net::UnixListener,
-        others: Vec<(String, std::os::unix::net::UnixListener)>,
+        taken: Option<crate::handover::Taken>,
+        activated: Option<crate::systemd::ActivatedSocket>,
+        gate: crate::gate::Gate,
     ) -> Result<RunningBroker, SocketError> {
-        if let Some(path) = listener
-            .local_addr()
-            .ok()
-            .and_then(|a| a.as_pathname().map(PathBuf::from))
-        {
-            settings.socket_path = path;
+        let served_path = |listener: &std::os::unix::net::UnixListener| {
+            listener
+                .local_addr()
+                .ok()
+                .and_then(|a| a.as_pathname().map(PathBuf::from))
+        };
+        if let Some(t) = taken {
+            crate::upgrade_record::took_over(
+                t.state.from_pid,
+                &t.state.from_version,
+                t.clients.as_ref().map_or(0, |m| m.doc.clients.len()),
+                t.clients.as_ref().map_or(0, |m| m.doc.streams.len()),
+            );
+            tracing::info!(
+                from_pid = t.state.from_pid,
+                from_version = %t.state.from_version,
+                listeners = t.state.listeners.len(),
+                clients = t.clients.as_ref().map_or(0, |m| m.doc.clients.len()),
+                "took over from the previous instance"
+            );
+            let main = match (t.main, activated) {
+                (Some(main), activated) => {
+                    if let Some(socket) = activated {
+                        tracing::warn!(name = %socket.name, "systemd also passed a socket; serving on the handed-over one");
+                    }
+                    main
+                }
+                (None, Some(socket)) => {
+                    let path = served_path(&socket.listener)
+                        .unwrap_or_else(|| settings.socket_path.clone());
+                    (socket.listener, SocketGuard::activated(path))
+                }
+                (None, None) => {
+                    return Err(SocketError::Io {
+                        path: settings.socket_path.clone(),
+                        cause: std::io::Error::other(
+                            "the handed-over state has no main socket and systemd passed none",
+                        ),
+                    })
+                }
+            };
+            return Self::serve_handed_over(settings, main, t.policies, t.clients, gate);
         }
-        let io = |source| SocketError::Io {
+        let (listener, guard, others) = match activated {
+            Some(socket) => {
+                if let Some(path) = served_path(&socket.listener) {
+                    settings.socket_path = path;
+                }
+                let guard = SocketGuard::activated(settings.socket_path.clone());
+                let others = socket
+                    .others
+                    .into_iter()
+                    .map(|(n, l)| (n, l, None))
+                    .collect();
+                (socket.listener, guard, others)
+            }
+            None => {
+                let (listener, guard) = socket::bind(&settings.socket_path)?;
+                (listener, guard, Vec::new())
+            }
+        };
+        let io = |cause| SocketError::Io {
             path: settings.socket_path.clone(),
-            cause: source,
+            cause,
         };
         listener.set_nonblocking(true).map_err(io)?;
         let listener = tokio::net::UnixListener::from_std(listener).map_err(io)?;
-        let guard = SocketGuard::activated(settings.socket_path.clone());
-        let others = others.into_iter().map(|(n, l)| (n, l, None)).collect();
-        Self::start_with_listener_and(
-            settings,
-            listener,
-            guard,
-            others,
-            Start::Fresh,
-            crate::gate::Gate::opened(),
-        )
+        Self::assemble(settings, listener, guard, others, Start::Fresh, gate)
     }
 
     /// Starts serving on the listeners the previous instance handed over
@@ -291,7 +328,7 @@ impl RunningBroker {
     /// gateway session in `packed` are taken over before the gateway
     /// session is read from (or, without one, before it connects), so no
     /// event reaches the broker before the clients it is for.
-    pub fn start_handed_over(
+    fn serve_handed_over(
         mut settings: Settings,
         main: (std::os::unix::net::UnixListener, SocketGuard),
         policies: Vec<(String, std::os::unix::net::UnixListener, SocketGuard)>,
@@ -313,7 +350,7 @@ impl RunningBroker {
         let start = Start::HandedOver {
             replay_newest: packed.as_ref().and_then(|m| m.doc.replay_newest),
         };
-        let broker = Self::start_with_listener_and(settings, listener, guard, others, start, gate)?;
+        let broker = Self::assemble(settings, listener, guard, others, start, gate)?;
         let n = crate::handover::clients::take_over(
             &broker.ctx,
             &broker.policies,
@@ -325,24 +362,10 @@ impl RunningBroker {
         Ok(broker)
     }
 
-    fn start_with_listener(
-        settings: Settings,
-        listener: tokio::net::UnixListener,
-        guard: SocketGuard,
-    ) -> Result<RunningBroker, SocketError> {
-        Self::start_with_listener_and(
-            settings,
-            listener,
-            guard,
-            Vec::new(),
-            Start::Fresh,
-            crate::gate::Gate::opened(),
-        )
-    }
-
-    /// `activated`: policy sockets passed in, by name, with their guard
-    /// (`None`: systemd's); the others are bound here.
-    fn start_with_listener_and(
+    /// The assembly, on the main listener: `activated` are the policy
+    /// sockets passed in, by name, with their guard (`None`: systemd's);
+    /// the others are bound here.
+    fn assemble(
         mut settings: Settings,
         listener: tokio::net::UnixListener,
         guard: SocketGuard,
@@ -493,14 +516,6 @@ impl RunningBroker {
         }
     }
 
-    /// What a handover passes on: the state and the descriptors it names
-    /// (copies; this instance's own stay open until it exits).
-    pub fn handover(
-        &self,
-    ) -> std::io::Result<(crate::handover::State, Vec<(String, std::os::fd::OwnedFd)>)> {
-        collect(&self.held)
-    }
-
     pub fn socket_path(&self) -> &Path {
         self.guard.path()
     }
@@ -527,57 +542,6 @@ impl RunningBroker {
     /// Returns false when the deadline cut something off.
     pub async fn shutdown(mut self, deadline: Duration) -> bool {
         self.stop_serving(deadline, Some(SHUTDOWN_REASON)).await
-    }
-
-    /// Stops serving for the next instance ([`crate::handover`]): as
-    /// [`RunningBroker::shutdown`], with `shutdown {reason: "clawmux
-    /// upgrading"}`, but the sockets stay bound and open, for the next
-    /// instance or for [`Released::serve_again`] if it fails.
-    pub async fn release(mut self, deadline: Duration) -> Released {
-        let until = tokio::time::Instant::now() + deadline;
-        self.accept_stop.cancel();
-        if tokio::time::timeout_at(until, &mut self.accept_task)
-            .await
-            .is_ok()
-        {
-            // Finished: `stop_serving` must not poll it again.
-            self.accept_task = tokio::spawn(async {});
-        }
-        // 1. Every client stops at a message boundary and is left for the
-        //    next instance (or closed `1012`, if it cannot move).
-        self.ctx.handover.requested.cancel();
-        let paused = tokio::time::Instant::now()
-            + crate::local::ws::HANDOVER_PAUSE_TIMEOUT
-            + Duration::from_millis(500);
-        if !self.ctx.handover.all_left(paused.min(until)).await {
-            tracing::warn!("handover: some clients did not stop in time");
-        }
-        // 2. The gateway session stops at a message boundary and moves
-        //    with them, unless it cannot (`wss://`): its requests in flight
-        //    for the moving clients move too; every other one is answered
-        //    here (failed, with whether it was sent).
-        let core = crate::handover::clients::pack_core(&self.ctx).await;
-        // 3. The sessions end: each request still in flight on them is
-        //    answered (failed, with whether it was sent) into its client's
-        //    queue.
-        if !self
-            .stop_serving(until - tokio::time::Instant::now(), None)
-            .await
-        {
-            tracing::warn!("handover: the stop did not finish within its deadline");
-        }
-        let parcels = self.ctx.handover.take();
-        let mut core = core;
-        core.replay_newest = Some(self.ctx.hub.replay_window().newest_seq);
-
-        Released {
-            settings: self.ctx.settings.clone(),
-            guard: self.guard,
-            policy_guards: self._policy_guards,
-            held: self.held,
-            parcels,
-            core,
-        }
     }
 
     /// The socket policies this broker serves, by `[[sockets]]` name
@@ -629,6 +593,71 @@ impl RunningBroker {
     }
 }
 
+/// A handover drives the serving broker through this (its protocol is
+/// [`crate::handover`]'s, below this assembly).
+impl crate::handover::old_instance::Broker for RunningBroker {
+    type Released = Released;
+
+    /// What a handover passes on: the state and the descriptors it names
+    /// (copies; this instance's own stay open until it exits).
+    fn handover(
+        &self,
+    ) -> std::io::Result<(crate::handover::State, Vec<(String, std::os::fd::OwnedFd)>)> {
+        collect(&self.held)
+    }
+
+    /// Stops serving for the next instance ([`crate::handover`]): as
+    /// [`RunningBroker::shutdown`], with `shutdown {reason: "clawmux
+    /// upgrading"}`, but the sockets stay bound and open, for the next
+    /// instance or for serving again if it fails.
+    async fn release(mut self, deadline: Duration) -> Released {
+        let until = tokio::time::Instant::now() + deadline;
+        self.accept_stop.cancel();
+        if tokio::time::timeout_at(until, &mut self.accept_task)
+            .await
+            .is_ok()
+        {
+            // Finished: `stop_serving` must not poll it again.
+            self.accept_task = tokio::spawn(async {});
+        }
+        // 1. Every client stops at a message boundary and is left for the
+        //    next instance (or closed `1012`, if it cannot move).
+        self.ctx.handover.requested.cancel();
+        let paused = tokio::time::Instant::now()
+            + crate::local::ws::HANDOVER_PAUSE_TIMEOUT
+            + Duration::from_millis(500);
+        if !self.ctx.handover.all_left(paused.min(until)).await {
+            tracing::warn!("handover: some clients did not stop in time");
+        }
+        // 2. The gateway session stops at a message boundary and moves
+        //    with them, unless it cannot (`wss://`): its requests in flight
+        //    for the moving clients move too; every other one is answered
+        //    here (failed, with whether it was sent).
+        let core = crate::handover::clients::pack_core(&self.ctx).await;
+        // 3. The sessions end: each request still in flight on them is
+        //    answered (failed, with whether it was sent) into its client's
+        //    queue.
+        if !self
+            .stop_serving(until - tokio::time::Instant::now(), None)
+            .await
+        {
+            tracing::warn!("handover: the stop did not finish within its deadline");
+        }
+        let parcels = self.ctx.handover.take();
+        let mut core = core;
+        core.replay_newest = Some(self.ctx.hub.replay_window().newest_seq);
+
+        Released {
+            settings: self.ctx.settings.clone(),
+            guard: self.guard,
+            policy_guards: self._policy_guards,
+            held: self.held,
+            parcels,
+            core,
+        }
+    }
+}
+
 /// Queued bytes whose release, since the last time memory was handed
 /// back, makes the sweep hand free memory back to the system.
 const RETURN_MEMORY_AFTER: usize = 32 * 1024 * 1024;
@@ -663,7 +692,7 @@ async fn sweep_deadlines(ctx: Arc<Ctx>) {
 }
 
 /// The state and the descriptors that go with it (copies of the broker's
-/// own, closed on exec), for [`upgrade`] or the systemd store.
+/// own, closed on exec), for an upgrade or the systemd store.
 pub(crate) fn collect(
     held: &[HeldListener],
 ) -> std::io::Result<(

@@ -57,7 +57,8 @@ impl Drop for Serving<'_> {
 
 /// What one moving thing leaves for the next instance, implemented next
 /// to its own serving code: a `/ws` client, a `/ws/dedicated` pair, an
-/// event stream, a HUD stream. Packed once the sessions have ended (every
+/// event stream, a HUD stream, a gateway connection (the main session's
+/// or a narrower one's). Packed once the sessions have ended (every
 /// answer to a client's requests is in its queue by then, but those of
 /// the requests that move with the gateway session).
 pub trait Parcel: Send + std::fmt::Debug {
@@ -78,6 +79,10 @@ pub enum Entry {
     /// The client's socket, then the gateway's.
     Dedicated(DedicatedEntry, OwnedFd, OwnedFd),
     Stream(StreamEntry, OwnedFd),
+    /// The main gateway session's connection.
+    Upstream(Box<UpstreamEntry>, OwnedFd),
+    /// A narrower gateway session's connection.
+    Narrower(Box<NarrowerEntry>, OwnedFd),
 }
 
 impl Handover {
@@ -280,4 +285,55 @@ pub struct Identity {
 pub enum Subscription {
     Sessions,
     Messages { key: String },
+}
+
+/// A narrower gateway session (one client grant's), moving with its
+/// connection as the main session does ([`UpstreamEntry`]); it carries
+/// only requests and answers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NarrowerEntry {
+    /// The grant it holds.
+    pub scopes: Vec<String>,
+    /// The gateway URL, redacted (taken over only if the settings name it).
+    pub url: String,
+    pub kind: crate::upstream::SocketKind,
+    pub hello: crate::upstream::UpstreamHello,
+    /// Bytes read from the socket and not parsed (base64).
+    pub unread: String,
+    /// Bytes written to the socket and not taken (base64), from inside a
+    /// frame: the next instance writes them first.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub unwritten: String,
+    /// The next upstream request id's number (as [`UpstreamEntry`]'s: the
+    /// ids its requests in flight hold are never given out again).
+    pub next_request_id: u64,
+    /// Requests written on the connection and not answered yet.
+    pub pending: Vec<crate::router::MovedRequest>,
+}
+
+/// The main gateway session, moving with its connection (design §11).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamEntry {
+    /// The gateway URL, redacted: the next instance takes the connection
+    /// over only if its settings name the same gateway.
+    pub url: String,
+    pub kind: crate::upstream::SocketKind,
+    /// Its `hello-ok`, with the gateway snapshot as the broker last knew it.
+    pub hello: crate::upstream::UpstreamHello,
+    /// Bytes read from the socket and not parsed (base64).
+    pub unread: String,
+    /// Bytes written to the socket and not taken (base64), from inside a
+    /// frame: the next instance writes them first.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub unwritten: String,
+    /// The gateway's last event `seq` on the connection.
+    pub last_seq: Option<u64>,
+    /// The subscriptions the gateway confirmed on the connection.
+    pub confirmed: Vec<Subscription>,
+    /// The next upstream request id's number.
+    pub next_request_id: u64,
+    /// Requests written on the connection and not answered yet.
+    pub pending: Vec<crate::router::MovedRequest>,
 }

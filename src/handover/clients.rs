@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 use super::state::{Unreadable, FORMAT};
 use crate::context::Ctx;
 use crate::hub::ClientIdentity;
-use crate::parcels::{ClientEntry, DedicatedEntry, Entry, Parcel, StreamEntry, Subscription};
+use crate::parcels::{ClientEntry, DedicatedEntry, Entry, Parcel, StreamEntry};
+pub use crate::parcels::{NarrowerEntry, UpstreamEntry};
 use crate::policy::{Access, Grant, SocketPolicy};
 
 /// The descriptor name of the clients document (systemd's store).
@@ -67,31 +68,6 @@ pub struct Clients {
     pub replay_newest: Option<u64>,
 }
 
-/// A narrower gateway session (one client grant's), moving with its
-/// connection as the main session does ([`UpstreamEntry`]); it carries
-/// only requests and answers.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NarrowerEntry {
-    /// The grant it holds.
-    pub scopes: Vec<String>,
-    /// The gateway URL, redacted (taken over only if the settings name it).
-    pub url: String,
-    pub kind: crate::upstream::SocketKind,
-    pub hello: crate::upstream::UpstreamHello,
-    /// Bytes read from the socket and not parsed (base64).
-    pub unread: String,
-    /// Bytes written to the socket and not taken (base64), from inside a
-    /// frame: the next instance writes them first.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub unwritten: String,
-    /// The next upstream request id's number (as [`UpstreamEntry`]'s: the
-    /// ids its requests in flight hold are never given out again).
-    pub next_request_id: u64,
-    /// Requests written on the connection and not answered yet.
-    pub pending: Vec<crate::router::MovedRequest>,
-}
-
 /// The descriptor name of the `i`th narrower session's socket (systemd's store).
 pub fn narrower_fd_name(i: usize) -> String {
     format!("clawmux-narrower-{i}")
@@ -109,32 +85,6 @@ pub fn dedicated_fd_names(i: usize) -> (String, String) {
         format!("clawmux-dedicated-{i}"),
         format!("clawmux-dedicated-{i}-gateway"),
     )
-}
-
-/// The main gateway session, moving with its connection (design §11).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct UpstreamEntry {
-    /// The gateway URL, redacted: the next instance takes the connection
-    /// over only if its settings name the same gateway.
-    pub url: String,
-    pub kind: crate::upstream::SocketKind,
-    /// Its `hello-ok`, with the gateway snapshot as the broker last knew it.
-    pub hello: crate::upstream::UpstreamHello,
-    /// Bytes read from the socket and not parsed (base64).
-    pub unread: String,
-    /// Bytes written to the socket and not taken (base64), from inside a
-    /// frame: the next instance writes them first.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub unwritten: String,
-    /// The gateway's last event `seq` on the connection.
-    pub last_seq: Option<u64>,
-    /// The subscriptions the gateway confirmed on the connection.
-    pub confirmed: Vec<Subscription>,
-    /// The next upstream request id's number.
-    pub next_request_id: u64,
-    /// Requests written on the connection and not answered yet.
-    pub pending: Vec<crate::router::MovedRequest>,
 }
 
 /// A run a moved client started ([`crate::sharing::runs`]).
@@ -163,16 +113,13 @@ pub struct Packed {
     pub narrower: Vec<OwnedFd>,
 }
 
-/// The core's parcels, beside the clients': the gateway sessions (each
-/// entry with its socket), the runs, and the event log's newest cursor.
+/// What moves of the core beside the parcels: the runs, and the event
+/// log's newest cursor.
 #[derive(Debug, Default)]
 pub struct CoreParcels {
-    pub upstream: Option<(UpstreamEntry, OwnedFd)>,
     pub runs: Vec<RunEntry>,
     /// The newest cursor its event log handed out.
     pub replay_newest: Option<u64>,
-    /// The narrower sessions that move, and their sockets.
-    pub narrower: Vec<(NarrowerEntry, OwnedFd)>,
 }
 
 impl Clients {
@@ -226,22 +173,24 @@ pub fn pack(parcels: Vec<Box<dyn Parcel>>, core: CoreParcels) -> Packed {
                 packed.streams.push(fd);
                 doc.streams.push(entry);
             }
+            Entry::Upstream(entry, fd) => {
+                doc.upstream = Some(*entry);
+                packed.upstream = Some(fd);
+            }
+            Entry::Narrower(entry, fd) => {
+                doc.narrower.push(*entry);
+                packed.narrower.push(fd);
+            }
         }
     }
-    (doc.upstream, packed.upstream) = core.upstream.unzip();
-    (doc.narrower, packed.narrower) = core.narrower.into_iter().unzip();
     packed.doc = doc;
     packed
 }
 
-/// How long a handover waits for a gateway session to stop (inside a
-/// message too large to carry, its own bound is 1 s; the rest is margin).
-const UPSTREAM_HANDOVER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// The core's parcels, once the clients have left theirs: the gateway
-/// sessions (each when it can move: its requests in flight for the moving
-/// clients move with it, every other one is answered here) and the runs
-/// that move.
+/// What moves of the core once the clients have left their parcels: the
+/// gateway connections leave theirs ([`super::gateway::leave`]: each
+/// when it can move, with its requests in flight for the moving clients),
+/// and the runs that move are listed.
 pub async fn pack_core(ctx: &Ctx) -> CoreParcels {
     let moving = ctx.handover.client_ids();
     // A run moves with its owner; one whose owner is no client at all
@@ -263,75 +212,10 @@ pub async fn pack_core(ctx: &Ctx) -> CoreParcels {
             tool_events: owner.tool_events,
         })
         .collect();
-    // The narrower sessions move the same way, each on its own.
-    let mut narrower = Vec::new();
-    for (grant, handed) in ctx
-        .sessions
-        .narrower
-        .hand_over(UPSTREAM_HANDOVER_WAIT)
-        .await
-    {
-        use base64::Engine as _;
-        let pending = ctx
-            .router
-            .take_for_handover(handed.generation, moves, &handed.unsent);
-        let entry = crate::handover::clients::NarrowerEntry {
-            scopes: grant.scopes().to_vec(),
-            url: crate::config::redact_url(ctx.upstream().target_url().trim()),
-            kind: handed.socket.kind,
-            hello: handed.hello,
-            unread: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unread),
-            unwritten: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unwritten),
-            next_request_id: ctx.router.next_id(),
-            pending,
-        };
-        tracing::info!(
-            scopes = %entry.scopes.join(","),
-            requests = entry.pending.len(),
-            "handover: a narrower gateway session moves with the clients"
-        );
-        narrower.push((entry, handed.socket.fd));
-    }
-    let Some(handed) = ctx.upstream().hand_over(UPSTREAM_HANDOVER_WAIT).await else {
-        return CoreParcels {
-            upstream: None,
-            runs,
-            replay_newest: None,
-            narrower,
-        };
-    };
-    let pending = ctx
-        .router
-        .take_for_handover(handed.generation, moves, &handed.unsent);
-    let continued = ctx.sessions.main_owner.continued();
-    let mut hello = handed.hello;
-    // The snapshot as events have updated it since the `hello-ok`.
-    if let Some(payload) = hello.payload.as_object_mut() {
-        payload.insert("snapshot".into(), ctx.hub.snapshot());
-    }
-    use base64::Engine as _;
-    let entry = UpstreamEntry {
-        // The gateway it is connected to now (a reload may have moved it
-        // since the start).
-        url: crate::config::redact_url(ctx.upstream().target_url().trim()),
-        kind: handed.socket.kind,
-        hello,
-        unread: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unread),
-        unwritten: base64::engine::general_purpose::STANDARD.encode(&handed.socket.unwritten),
-        last_seq: continued.last_seq,
-        confirmed: continued.confirmed.iter().map(Subscription::of).collect(),
-        next_request_id: ctx.router.next_id(),
-        pending,
-    };
-    tracing::info!(
-        requests = entry.pending.len(),
-        "handover: the gateway session moves with the clients"
-    );
+    super::gateway::leave(ctx, &moves).await;
     CoreParcels {
-        upstream: Some((entry, handed.socket.fd)),
         runs,
         replay_newest: None,
-        narrower,
     }
 }
 
@@ -542,143 +426,11 @@ pub fn take_over(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], packed: Packed)
             }
         }
     }
-    for (entry, fd) in std::mem::take(&mut clients.narrower)
+    let narrower = std::mem::take(&mut clients.narrower)
         .into_iter()
-        .zip(narrower)
-    {
-        take_over_narrower(ctx, entry, fd, &registered);
-    }
-    let takeover = match (clients.upstream, upstream_fd) {
-        (Some(entry), Some(fd)) => take_over_upstream(ctx, entry, fd, &registered),
-        (Some(_), None) => {
-            tracing::warn!("handover: the gateway connection's socket was not passed");
-            None
-        }
-        _ => None,
-    };
-    match takeover {
-        // Its connector waits at the gate (`Takeover::gate`).
-        Some(takeover) => ctx.sessions.take_over(Some(takeover)),
-        // The connector connects itself once told: only after the gate, so
-        // nothing reaches the event log (or a client) before the commit.
-        None => {
-            let sessions = Arc::clone(&ctx.sessions);
-            ctx.spawn_moved(async move { sessions.take_over(None) });
-        }
-    }
+        .zip(narrower);
+    super::gateway::take_over(ctx, clients.upstream, upstream_fd, narrower, &registered);
     taken
-}
-
-/// Goes on with a narrower session the previous instance handed over: its
-/// connector takes the connection over, and its requests in flight wait
-/// for their answers here again (those of a client that was not taken are
-/// dropped, as for the main session).
-fn take_over_narrower(
-    ctx: &Arc<Ctx>,
-    entry: NarrowerEntry,
-    fd: OwnedFd,
-    registered: &HashMap<u64, Arc<crate::dispatch::Member>>,
-) {
-    let moved = MovedConnection {
-        fd,
-        kind: entry.kind,
-        unread: &entry.unread,
-        unwritten: &entry.unwritten,
-        hello: entry.hello,
-        url: entry.url,
-    };
-    let Some(takeover) = moved.takeover(ctx, entry.next_request_id) else {
-        return;
-    };
-    let grant = Grant::new(&entry.scopes);
-    let generation = ctx.sessions.narrower.take_over(&grant, takeover);
-    // The moved clients with this grant hold it, as they did there.
-    for member in registered.values() {
-        if member.client().grant() == &grant {
-            ctx.sessions.narrower.hold(&grant, &member.narrower);
-        }
-    }
-    take_over_pending(ctx, entry.pending, generation, registered);
-}
-
-/// Readies the gateway session handed over for this instance's connector:
-/// its requests in flight wait for their answers here again (those of a
-/// client that was not taken are dropped: the previous instance answered
-/// nothing for them, and their client is gone), its ids go on, and the
-/// main session's owner learns its `seq` and subscriptions.
-fn take_over_upstream(
-    ctx: &Arc<Ctx>,
-    entry: UpstreamEntry,
-    fd: OwnedFd,
-    registered: &HashMap<u64, Arc<crate::dispatch::Member>>,
-) -> Option<crate::upstream::Takeover> {
-    let moved = MovedConnection {
-        fd,
-        kind: entry.kind,
-        unread: &entry.unread,
-        unwritten: &entry.unwritten,
-        hello: entry.hello,
-        url: entry.url,
-    };
-    let takeover = moved.takeover(ctx, entry.next_request_id)?;
-    let generation = ctx.upstream().status().generation;
-    take_over_pending(ctx, entry.pending, generation, registered);
-    ctx.sessions
-        .main_owner
-        .will_continue(crate::sessions::main_session::Continued {
-            last_seq: entry.last_seq,
-            confirmed: entry.confirmed.into_iter().map(Subscription::key).collect(),
-        });
-    Some(takeover)
-}
-
-/// A gateway connection as the document describes it (main or narrower).
-struct MovedConnection<'a> {
-    fd: OwnedFd,
-    kind: crate::upstream::SocketKind,
-    unread: &'a str,
-    unwritten: &'a str,
-    hello: crate::upstream::UpstreamHello,
-    url: String,
-}
-
-impl MovedConnection<'_> {
-    /// What its connector takes over; its upstream ids go on after
-    /// `next_request_id`. `None` when its unread bytes are not base64.
-    fn takeover(self, ctx: &Ctx, next_request_id: u64) -> Option<crate::upstream::Takeover> {
-        let decode = |s: &str| base64::engine::general_purpose::STANDARD.decode(s);
-        let (Ok(unread), Ok(unwritten)) = (decode(self.unread), decode(self.unwritten)) else {
-            tracing::warn!("handover: a gateway connection's carried bytes are not base64");
-            return None;
-        };
-        ctx.router.continue_ids(next_request_id);
-        Some(crate::upstream::Takeover {
-            socket: crate::upstream::MovedSocket {
-                fd: self.fd,
-                kind: self.kind,
-                unread,
-                unwritten,
-            },
-            hello: self.hello,
-            url: self.url,
-            gate: ctx.handover.gate.clone(),
-        })
-    }
-}
-
-/// Requests in flight on a moved connection wait for their answers here,
-/// on `generation`, for the clients that were taken.
-fn take_over_pending(
-    ctx: &Ctx,
-    pending: Vec<crate::router::MovedRequest>,
-    generation: u64,
-    registered: &HashMap<u64, Arc<crate::dispatch::Member>>,
-) {
-    for request in pending {
-        if let Some(member) = registered.get(&request.client_id) {
-            ctx.router.take_over(&member.requester, request, generation);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //! was in the middle of. docs/src/restarts.md says what does not move.
 //!
 //! Two ways in, one format:
-//! - `SIGUSR2` ([`upgrade`]): the broker starts the `clawmux` at the path it
+//! - `SIGUSR2` ([`old_instance::upgrade`]): the broker starts the `clawmux` at the path it
 //!   was started from with the same arguments, passes the state (a sealed
 //!   memfd) and the descriptors by inheritance, named in [`FDS_ENV`], and
 //!   talks to it over a control socket: `valid` (the new one read and
@@ -18,11 +18,18 @@
 //!   event log and the gateway session are free) → `serving` (the new one
 //!   accepts). The old one exits only then; if the new one fails at any
 //!   step, the old one serves again on the same sockets and logs why.
-//! - systemd's file descriptor store ([`store`]): on SIGTERM, under a
+//! - systemd's file descriptor store ([`old_instance::store_for_next_start`]): on SIGTERM, under a
 //!   service manager that keeps a store, the state and the sockets
 //!   clawmux bound itself are stored (`FDSTORE=1`, `FDNAME=`); the next
 //!   start gets them in `LISTEN_FDS`/`LISTEN_FDNAMES` and takes them over,
 //!   then removes them from the store (`FDSTOREREMOVE=1`).
+//!
+//! One home: the old instance's half ([`old_instance`], which drives the
+//! serving broker through its [`old_instance::Broker`] trait), the new
+//! instance's ([`new_instance`]), the control protocol ([`upgrade`]), the
+//! documents ([`state`], [`clients`]) and the packing and taking over of
+//! every parcel ([`clients`]). Each moving thing's own stop, parcel and
+//! take-over live next to its serving code ([`crate::parcels`]).
 //!
 //! A state is taken whole or not at all ([`Inherited::take`]): every
 //! descriptor it names must be there and be what it says before any is
@@ -30,6 +37,9 @@
 //! starts fresh (binds its own sockets: a normal restart).
 
 pub mod clients;
+pub mod gateway;
+pub mod new_instance;
+pub mod old_instance;
 pub mod state;
 pub mod upgrade;
 pub mod wire;

@@ -1,5 +1,6 @@
 //! The `SIGUSR2` upgrade: the old instance's side ([`Successor`], driven by
-//! `lifecycle::upgrade`) and the new one's ([`Predecessor`]). The control
+//! [`super::old_instance::upgrade`]) and the new one's ([`Predecessor`],
+//! driven by [`super::new_instance`]). The control
 //! socket carries one word per line:
 //!
 //! 1. `valid` or `invalid <why>` (new → old): the state reads here;
