@@ -507,7 +507,8 @@ async fn tail_into_a_pipe_its_reader_closed_ends_without_writing_again() {
     }
     wait_newest_seq(&h.socket(), base + 5).await;
     let (reader, writer) = std::io::pipe().unwrap();
-    let mut child = Command::new(BIN)
+    let home = tempfile::tempdir().unwrap();
+    let mut child = Command::from(isolated_command(BIN, home.path()))
         .args([
             "tail",
             "--socket",
