@@ -681,7 +681,7 @@ async fn a_new_instance_that_dies_after_the_commit_costs_a_reconnect_never_a_rep
     signal_pid(pid, rustix::process::Signal::USR2);
     wait_log(&log, "after the commit: its clients reconnect").await;
     burst.await.unwrap();
-    assert!(log_text(&log).contains("=after-commit: exiting"));
+    wait_log(&log, "=after-commit: exiting").await;
     // The WebSocket client: every event once, in order, then the end.
     let (mut last_seq, mut last_n) = (0, -1);
     let end = loop {
@@ -1074,7 +1074,7 @@ async fn a_stored_state_this_version_cannot_read_starts_fresh() {
     eventually("socket exists", || socket.exists()).await;
     assert_eq!(healthz(&socket).await, Some(200));
     wait_log(&log, "starting fresh").await;
-    assert!(log_text(&log).contains("format 99"), "{}", log_text(&log));
+    wait_log(&log, "format 99").await;
 }
 
 use std::os::unix::fs::FileExt;
@@ -1345,11 +1345,7 @@ async fn a_gateway_stalled_inside_a_message_moves_with_the_part_read_so_far() {
     // one after it.
     gw.send_fragment_start("{\"type\":\"event\",\"event\":\"test.half\"");
     let _next = upgrade_once(&mut first, pid, &socket, &log).await;
-    assert!(
-        log_text(&log).contains("upstream session handed over"),
-        "{}",
-        log_text(&log)
-    );
+    wait_log(&log, "upstream session handed over").await;
     gw.send_fragment_end(",\"payload\":{\"whole\":true}}");
     let event = client.event("test.half").await;
     assert_eq!(event["payload"]["whole"], true, "{event}");
@@ -1436,11 +1432,7 @@ async fn a_client_on_a_narrower_session_moves_with_it_and_keeps_its_grant() {
     assert_eq!(after["ok"], true, "{after}\n{}", log_text(&log));
     // No new connection for it.
     assert_eq!(gw.total_connections(), 2, "{}", log_text(&log));
-    assert!(
-        log_text(&log).contains("taking a narrower upstream session over"),
-        "{}",
-        log_text(&log)
-    );
+    wait_log(&log, "taking a narrower upstream session over").await;
     assert!(
         after["payload"]["sessions"].get("paths").is_none(),
         "still redacted for a reader: {after}"
@@ -1494,7 +1486,7 @@ async fn a_dedicated_connection_moves_with_its_own_gateway_connection() {
     let message = c.event("session.message").await;
     assert_eq!(message["payload"]["text"], "after");
     assert_eq!(gw.total_connections(), 2, "{}", log_text(&log));
-    assert!(log_text(&log).contains("dedicated client taken over"));
+    wait_log(&log, "dedicated client taken over").await;
 }
 
 /// A `/ws/dedicated` connection caught in the middle both ways does not
@@ -1721,7 +1713,7 @@ async fn a_hud_stream_moves_with_its_projection_and_a_run_across_the_handover_is
         (&serde_json::json!("turn_end"), &serde_json::json!("r-hud")),
         "{ws_end}"
     );
-    assert!(log_text(&log).contains("streams=2"), "{}", log_text(&log));
+    wait_log(&log, "streams=2").await;
     let res = client.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "{res}");
     assert_listed(&socket, &conn_id, "the earlier client keeps its place").await;
@@ -1852,11 +1844,7 @@ async fn systemctl_stop_closes_the_clients_politely_and_stores_none_of_them() {
         asked.trim(),
         "--user list-jobs --no-legend --plain clawmux.service"
     );
-    assert!(
-        log_text(&log).contains("systemd stops the service (not a restart)"),
-        "{}",
-        log_text(&log)
-    );
+    wait_log(&log, "systemd stops the service (not a restart)").await;
 }
 
 /// The first event (`type: event`) a client receives, whatever its name.
@@ -1925,7 +1913,7 @@ async fn more_sockets_than_one_message_holds_each_move_to_their_own_client() {
         );
     }
     let _next = upgrade_once(&mut first, pid, &socket, &log).await;
-    assert!(log_text(&log).contains("streams=10"), "{}", log_text(&log));
+    wait_log(&log, "streams=10").await;
     // Subscribers first get the message, the others the broadcast after it.
     gw.emit_session_message(key, serde_json::json!({"sessionKey": key, "text": "after"}));
     gw.broadcast("test.m", serde_json::json!({}));
@@ -2007,11 +1995,7 @@ async fn a_stream_moved_in_the_middle_of_its_history_goes_on_from_the_log() {
         .expect("the whole history and the live event")
         .unwrap();
     assert_eq!(got, (0..=200).collect::<Vec<i64>>(), "{}", log_text(&log));
-    assert!(
-        log_text(&log).contains("history goes on from the log"),
-        "{}",
-        log_text(&log)
-    );
+    wait_log(&log, "history goes on from the log").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2102,11 +2086,7 @@ async fn a_stream_whose_socket_may_no_longer_observe_is_closed_not_moved() {
             _ => {}
         }
     }
-    assert!(
-        log_text(&log).contains("may no longer read what it asked for"),
-        "{}",
-        log_text(&log)
-    );
+    wait_log(&log, "may no longer read what it asked for").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -627,3 +627,67 @@ async fn hud_streams_of_runs_that_never_end_stay_bounded() {
         "peak {peak_kib} KiB, {idle_kib} KiB before"
     );
 }
+
+/// One 20 MiB gateway event to 60 WebSocket clients that read it: the
+/// broker holds its bytes once, shared by every client's frame, so its
+/// peak stays within a few times the event over idle, and it gives the
+/// memory back (to within +48 MiB) once every client has it. (A writer
+/// that built each client's frame as its own copy held (clients + 3) ×
+/// the event: +1,262 MiB.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_large_event_to_many_readers_is_held_once() {
+    const CLIENTS: usize = 60;
+    const EVENT_BYTES: usize = 20 << 20;
+    let _heavy = HEAVY.lock().await;
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let broker = spawn_broker(dir.path(), &socket, &gw.url(), "");
+    let pid = broker.0.id();
+    eventually("socket exists", || socket.exists()).await;
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        let mut c = WsClient::open(&socket, "/ws").await;
+        c.handshake().await;
+        clients.push(c);
+    }
+    let idle_kib = status_kib(pid, "VmRSS");
+    gw.broadcast("test.big", json!({"pad": "x".repeat(EVENT_BYTES)}));
+    for c in &mut clients {
+        let frame = c
+            .recv_text_within(PATIENCE)
+            .await
+            .expect("every client gets the event");
+        assert!(
+            frame.starts_with(r#"{"type":"event","event":"test.big""#) && frame.len() > EVENT_BYTES,
+            "the whole event: {} bytes, {:?}…",
+            frame.len(),
+            &frame[..frame.len().min(80)]
+        );
+    }
+    let peak_kib = status_kib(pid, "VmHWM");
+    // What may stay: the gateway connection's read buffer (one event's
+    // size), the replay log's copy, and what glibc keeps at a heap's top.
+    let bound_kib = idle_kib + 48 * 1024;
+    let mut after_kib = status_kib(pid, "VmRSS");
+    eventually("the broker gives the event's memory back", || {
+        after_kib = status_kib(pid, "VmRSS");
+        after_kib < bound_kib
+    })
+    .await;
+    eprintln!(
+        "{CLIENTS} clients × one 20 MiB event: broker RSS {idle_kib} KiB before, peak {peak_kib} KiB, {after_kib} KiB after"
+    );
+    // The peak is the read path's copies (the upstream socket's buffer,
+    // the frame, the encoded event): measured +5 events' worth. A copy per
+    // client would be 60.
+    let event_kib = (EVENT_BYTES / 1024) as u64;
+    assert!(
+        peak_kib < idle_kib + 8 * event_kib,
+        "peak {peak_kib} KiB over {idle_kib} KiB idle: more than a few copies of a {event_kib} KiB event"
+    );
+    for c in &mut clients {
+        let res = c.request("health", json!({})).await;
+        assert_eq!(res["ok"], true, "{res}");
+    }
+}

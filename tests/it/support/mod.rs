@@ -245,6 +245,20 @@ impl WsClient {
     /// Like [`recv`](Self::recv) with a chosen patience; `None` when
     /// nothing arrived in time (for waits longer than [`PATIENCE`], such as
     /// a real gateway's 30 s ticks).
+    /// The next text message as it came, unparsed (for frames too large
+    /// to parse quickly in a debug build); `None` if none came in `wait`
+    /// or the connection ended.
+    pub async fn recv_text_within(&mut self, wait: Duration) -> Option<String> {
+        loop {
+            let msg = tokio::time::timeout(wait, self.ws.next()).await.ok()?;
+            match msg {
+                Some(Ok(Message::Text(t))) => return Some(t.as_str().to_owned()),
+                Some(Ok(Message::Close(_))) | Some(Err(_)) | None => return None,
+                Some(Ok(_)) => continue,
+            }
+        }
+    }
+
     pub async fn recv_within(&mut self, wait: Duration) -> Option<Got> {
         loop {
             let msg = tokio::time::timeout(wait, self.ws.next()).await.ok()?;
