@@ -316,10 +316,6 @@ pub struct Client {
     /// (`/v1/events?tool_events=all`, `/v1/hud`; see
     /// [`crate::sharing::Reader::observer`]). Set before it is admitted.
     pub observer: AtomicBool,
-    /// The only event names it is given (`/v1/events?events=`), checked as
-    /// events are queued, so what it never wanted takes none of its queue;
-    /// unset, every name. Set before it is admitted.
-    wanted: std::sync::OnceLock<Box<[Box<str>]>>,
     /// What the client may do (its scopes, its socket's policy), set once
     /// when it is admitted; unset, it may do nothing.
     access: std::sync::OnceLock<crate::policy::Access>,
@@ -363,7 +359,6 @@ impl Client {
             identity: std::sync::OnceLock::new(),
             tool_events: AtomicBool::new(false),
             observer: AtomicBool::new(false),
-            wanted: std::sync::OnceLock::new(),
             access: std::sync::OnceLock::new(),
             inflight: AtomicUsize::new(0),
             dropped: AtomicU64::new(0),
@@ -375,20 +370,6 @@ impl Client {
             written: std::sync::OnceLock::new(),
             outside: Mutex::new(Vec::new()),
         }
-    }
-
-    /// Gives the client only events with these names (once, before it is
-    /// admitted; later calls are ignored). A gap in the log is given
-    /// whatever the names: it says what the reader did not get.
-    pub fn want_only<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
-        let _ = self.wanted.set(names.into_iter().map(Box::from).collect());
-    }
-
-    /// Whether the client is given an event named `name`.
-    pub fn wants(&self, name: &str) -> bool {
-        self.wanted.get().is_none_or(|names| {
-            name == super::replay::GAP_EVENT || names.iter().any(|n| **n == *name)
-        })
     }
 
     /// Sets what the client may do (once; later calls are ignored).

@@ -301,10 +301,6 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
     client
         .observer
         .store(wanted.observe_tools, std::sync::atomic::Ordering::Relaxed);
-    // Names are filtered as events are queued (history, as it is written).
-    if let Some(names) = &wanted.filter {
-        client.want_only(names.iter().map(String::as_str));
-    }
     let (backlog, window) = match ctx.hub.admit_at_cursor(&client, &wanted.from) {
         Ok(admitted) => admitted,
         Err(SubscribeError::ReplayUnavailable(gone)) => {
@@ -590,8 +586,7 @@ impl EventStream {
         }
     }
 
-    /// Whether this stream's filters (`events=`, `session=`, `agent=`) keep
-    /// it (live, the hub has applied `events=` already, as it queued).
+    /// Whether this stream's filters (`events=`, `session=`, `agent=`) keep it.
     fn keeps(&self, name: &str, head: &EventHead) -> bool {
         self.filter.as_ref().is_none_or(|f| f.contains(name))
             && (self.sessions.is_empty() || self.sessions.keeps(name, &head.without_seq()))
