@@ -25,6 +25,8 @@ pub struct Memory {
     pub idle_clients: usize,
     pub rss_with_idle_clients: u64,
     pub rss_after_clients_left: u64,
+    /// `/v1/state` with the idle clients connected.
+    pub state: StateReads,
     /// Full fan-out to the healthy readers only.
     pub reference: FanoutUnderWatch,
     /// The same plus one client that never reads.
@@ -36,6 +38,20 @@ impl Memory {
         self.rss_with_idle_clients.saturating_sub(self.idle_rss) as f64 / self.idle_clients as f64
     }
 }
+
+/// [`STATE_READS`] reads of `/v1/state`, one after another, with the idle
+/// clients connected: each one's time to the whole answer, and the broker's
+/// CPU (the whole child process) per read.
+pub struct StateReads {
+    pub clients: usize,
+    pub p50: Duration,
+    pub max: Duration,
+    pub broker_cpu_per_read: Duration,
+    /// The answer's size (the last one).
+    pub bytes: usize,
+}
+
+const STATE_READS: usize = 20;
 
 /// A fan-out phase with the child's memory sampled throughout.
 pub struct FanoutUnderWatch {
@@ -135,6 +151,43 @@ impl BrokerChild {
             .and_then(|v| v.trim().parse().ok())
     }
 
+    /// [`StateReads`]: `/v1/state` read [`STATE_READS`] times in a row.
+    async fn read_state(&self, clients: usize) -> Result<StateReads, String> {
+        use http_body_util::BodyExt;
+        let cpu_before = procfs::process_cpu(self.pid).unwrap_or_default();
+        let mut times = Vec::with_capacity(STATE_READS);
+        let mut bytes = 0;
+        for _ in 0..STATE_READS {
+            let started = Instant::now();
+            let resp = tokio::time::timeout(
+                Duration::from_secs(10),
+                self.api.send(Method::GET, "/v1/state", &[], None),
+            )
+            .await
+            .map_err(|_| "/v1/state took over 10 s".to_owned())?
+            .map_err(|e| format!("/v1/state: {e}"))?;
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| format!("/v1/state body: {e}"))?
+                .to_bytes();
+            times.push(started.elapsed());
+            bytes = body.len();
+        }
+        let cpu = procfs::process_cpu(self.pid)
+            .unwrap_or_default()
+            .saturating_sub(cpu_before);
+        times.sort();
+        Ok(StateReads {
+            clients,
+            p50: times[times.len() / 2],
+            max: times[times.len() - 1],
+            broker_cpu_per_read: cpu / STATE_READS as u32,
+            bytes,
+        })
+    }
+
     fn rss(&self) -> u64 {
         procfs::rss_bytes(self.pid).unwrap_or(0)
     }
@@ -196,6 +249,7 @@ async fn measure_all(
         .await?;
     tokio::time::sleep(SETTLE).await;
     let rss_with_idle_clients = broker.rss();
+    let state = broker.read_state(cfg.idle_clients).await?;
     idle.cancel();
     for task in idle_tasks {
         let _ = task.await;
@@ -232,6 +286,7 @@ async fn measure_all(
         idle_clients: cfg.idle_clients,
         rss_with_idle_clients,
         rss_after_clients_left,
+        state,
         reference,
         stalled,
     })

@@ -447,6 +447,15 @@ impl Report {
             "| per idle client | {:.1} KiB |",
             m.per_idle_client() / 1024.0
         );
+        let st = &m.state;
+        println!(
+            "| `/v1/state` with {} clients ({} KiB): time p50 / max, broker CPU per read | {:.1} / {:.1} ms, {:.1} ms |",
+            st.clients,
+            st.bytes / 1024,
+            st.p50.as_secs_f64() * 1e3,
+            st.max.as_secs_f64() * 1e3,
+            st.broker_cpu_per_read.as_secs_f64() * 1e3
+        );
         println!(
             "| RSS after they left | {:.1} MiB |",
             m.rss_after_clients_left as f64 / MIB
