@@ -299,6 +299,27 @@ pub struct ClientIdentity {
     pub peer_pid: Option<u32>,
 }
 
+/// What a client given only some event names wants, and what it passed over.
+#[derive(Debug)]
+struct Wanted {
+    names: Box<[Box<str>]>,
+    passed: Mutex<Passed>,
+}
+
+/// The cursors of the events a client was not given, as far as its gaps need them.
+#[derive(Debug, Default)]
+struct Passed {
+    /// The newest one.
+    newest: u64,
+    /// A gap not yet told: the newest passed over before it, the first after.
+    hole: Option<(u64, Option<u64>)>,
+}
+
+/// A lock that a panic elsewhere does not poison for good.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// A connected local client, shared by the hub, the router and its own tasks.
 #[derive(Debug)]
 pub struct Client {
@@ -316,6 +337,10 @@ pub struct Client {
     /// (`/v1/events?tool_events=all`, `/v1/hud`; see
     /// [`crate::sharing::Reader::observer`]). Set before it is admitted.
     pub observer: AtomicBool,
+    /// The only event names it is given (`/v1/events?events=`), checked as
+    /// events are queued, so what it never wanted takes none of its queue;
+    /// unset, every name. Set before it is admitted.
+    wanted: std::sync::OnceLock<Wanted>,
     /// What the client may do (its scopes, its socket's policy), set once
     /// when it is admitted; unset, it may do nothing.
     access: std::sync::OnceLock<crate::policy::Access>,
@@ -359,6 +384,7 @@ impl Client {
             identity: std::sync::OnceLock::new(),
             tool_events: AtomicBool::new(false),
             observer: AtomicBool::new(false),
+            wanted: std::sync::OnceLock::new(),
             access: std::sync::OnceLock::new(),
             inflight: AtomicUsize::new(0),
             dropped: AtomicU64::new(0),
@@ -370,6 +396,57 @@ impl Client {
             written: std::sync::OnceLock::new(),
             outside: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Gives the client only events with these names (once, before it is
+    /// admitted; later calls are ignored). A gap in the log is given
+    /// whatever the names: it says what the reader did not get.
+    pub fn want_only<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        let _ = self.wanted.set(Wanted {
+            names: names.into_iter().map(Box::from).collect(),
+            passed: Mutex::new(Passed::default()),
+        });
+    }
+
+    /// Whether the client is given an event named `name`, logged at
+    /// `cursor` (0: not logged). One it is not given, it has passed over:
+    /// where a gap lies is told by the events it could have seen around
+    /// it ([`Client::take_hole`]).
+    pub fn wants(&self, name: &str, cursor: u64) -> bool {
+        let Some(wanted) = self.wanted.get() else {
+            return true;
+        };
+        if name == super::replay::GAP_EVENT || wanted.names.iter().any(|n| **n == *name) {
+            return true;
+        }
+        if cursor != 0 {
+            let mut passed = lock(&wanted.passed);
+            passed.newest = passed.newest.max(cursor);
+            if let Some((_, next @ None)) = &mut passed.hole {
+                *next = Some(cursor);
+            }
+        }
+        false
+    }
+
+    /// A gap in what the client is sent ([`Client::skip_seq`]): a client
+    /// given only some names remembers the newest cursor it passed over
+    /// before it, and the first after it, for the gap's record.
+    fn mark_hole(&self) {
+        if let Some(wanted) = self.wanted.get() {
+            let mut passed = lock(&wanted.passed);
+            if passed.hole.is_none() {
+                passed.hole = Some((passed.newest, None));
+            }
+        }
+    }
+
+    /// The bounds of the first gap since the last call, as far as the
+    /// events this client passed over tell: the newest cursor before it and
+    /// the first after it (`None` if none came yet). `None` for a client
+    /// given every name (its own events tell) or when no gap was marked.
+    pub fn take_hole(&self) -> Option<(u64, Option<u64>)> {
+        lock(&self.wanted.get()?.passed).hole.take()
     }
 
     /// Sets what the client may do (once; later calls are ignored).
@@ -477,6 +554,7 @@ impl Client {
     /// Consumes one seq number so the client's gap detection fires.
     pub fn skip_seq(&self) {
         self.lock_queue().next_seq += 1;
+        self.mark_hole();
     }
 
     /// Whether a close has been queued.

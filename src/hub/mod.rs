@@ -271,10 +271,11 @@ impl Hub {
             apply_to_snapshot(&mut inner.snapshot, name, payload, state_version);
         }
         let head = inner.replay.append(head, audience);
+        let cursor = head.cursor();
         projected.apply(&mut inner.activity, name);
         let event = SharedEvent::new(head, &self.queue_budget);
         let visibility = Visibility::of(name, audience);
-        let visible = |c: &&Arc<Client>| visibility.admits(&c.reader());
+        let visible = |c: &&Arc<Client>| visibility.admits(&c.reader()) && c.wants(name, cursor);
         self.deliver(
             &inner,
             inner.clients.values().filter(visible),
@@ -298,7 +299,7 @@ impl Hub {
         let clients = ids.iter().filter_map(|id| inner.clients.get(id));
         self.deliver(
             &inner,
-            clients.filter(|c| guard.allows(c.grant())),
+            clients.filter(|c| guard.allows(c.grant()) && c.wants(name, 0)),
             &event,
             false,
         );
@@ -312,10 +313,11 @@ impl Hub {
         let projected = Projected::of_value(name, payload);
         let mut inner = self.lock();
         let head = inner.replay.append(head, &Audience::All);
+        let cursor = head.cursor();
         projected.apply(&mut inner.activity, name);
         let event = SharedEvent::new(head, &self.queue_budget);
         let visibility = Visibility::of(name, &Audience::All);
-        let visible = |c: &&Arc<Client>| visibility.admits(&c.reader());
+        let visible = |c: &&Arc<Client>| visibility.admits(&c.reader()) && c.wants(name, cursor);
         self.deliver(
             &inner,
             inner.clients.values().filter(visible),
@@ -601,5 +603,101 @@ mod tests {
         assert!(hub.admit(&c, |_| Bytes::new()).is_err());
         hub.remove(a.id);
         assert_eq!(hub.client_count(), 1);
+    }
+
+    /// A reader that wants some names is queued only those (and gaps):
+    /// twice its hard limit of other events, with nothing read, takes none
+    /// of its queue, closes nothing and uses no `seq`.
+    #[tokio::test]
+    async fn a_reader_that_wants_some_names_is_queued_only_those() {
+        let hub = Hub::new(
+            QueueLimits {
+                soft_bytes: 64 * 1024,
+                hard_bytes: 64 * 1024,
+                grace: Duration::from_secs(600),
+            },
+            2,
+        );
+        let picky = hub.new_client();
+        picky.set_access(crate::policy::Access::unrestricted());
+        picky.want_only(["test.wanted"]);
+        hub.admit(&picky, |_| Bytes::new()).unwrap();
+        let hello = picky.queued_bytes();
+        let pad = "x".repeat(1024);
+        for i in 0..128 {
+            hub.publish(
+                "test.other",
+                Some(&raw(json!({"i": i, "pad": pad}))),
+                None,
+                &Audience::All,
+            );
+        }
+        hub.publish_local("clawmux.upstream", &json!({"state": "ready"}));
+        assert_eq!(
+            picky.queued_bytes(),
+            hello,
+            "nothing it did not want is queued"
+        );
+        assert!(!picky.is_closing() && !picky.killed.is_cancelled());
+        hub.publish(
+            "test.wanted",
+            Some(&raw(json!({"i": 0}))),
+            None,
+            &Audience::All,
+        );
+        hub.publish_local(replay::GAP_EVENT, &json!({"after": 1, "next": 2}));
+        let batch = picky.next_batch().await;
+        let names: Vec<_> = batch
+            .iter()
+            .filter_map(|item| match item {
+                Outgoing::Event(head, seq) => Some((head.name().to_string(), *seq)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("test.wanted".to_owned(), 1),
+                (replay::GAP_EVENT.to_owned(), 2)
+            ],
+            "only what it wants, in seq order with no hole"
+        );
+    }
+
+    /// A gap among events a reader was not given: it is told where the
+    /// gap lies by the cursors of the events it passed over around it.
+    #[tokio::test]
+    async fn a_reader_given_some_names_learns_where_a_gap_lies() {
+        let hub = hub();
+        let picky = hub.new_client();
+        picky.set_access(crate::policy::Access::unrestricted());
+        picky.want_only(["test.wanted"]);
+        hub.admit(&picky, |_| Bytes::new()).unwrap();
+        let other = |i: i64| {
+            hub.publish(
+                "test.other",
+                Some(&raw(json!({"i": i}))),
+                None,
+                &Audience::All,
+            )
+        };
+        other(1);
+        other(2);
+        assert_eq!(picky.take_hole(), None, "no gap yet");
+        hub.gap();
+        other(3);
+        other(4);
+        hub.publish("test.wanted", Some(&raw(json!({}))), None, &Audience::All);
+        let batch = picky.next_batch().await;
+        let Some(Outgoing::Event(wanted, 2)) = batch.last() else {
+            panic!("the wanted event, its seq after the skipped one: {batch:?}");
+        };
+        let (before, after) = picky.take_hole().expect("the gap is marked");
+        assert!(
+            before > 0 && after.is_some_and(|a| a > before + 1 && a < wanted.cursor()),
+            "{before} {after:?} {}",
+            wanted.cursor()
+        );
+        assert_eq!(picky.take_hole(), None, "told once");
     }
 }

@@ -3,6 +3,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::http_api::{open_events, Item};
 use crate::support::*;
 use serde_json::json;
 
@@ -437,4 +438,90 @@ async fn one_large_event_is_not_a_slow_consumer() {
         true,
         "still connected"
     );
+}
+
+/// A stream filtered by name is queued only what it asked for. It does not
+/// read while 3 MiB of the events it wants are published (its socket's
+/// send buffer set to 4 KiB, so its writer is soon waiting on it), then
+/// 8 MiB of other events pass by. Its hard limit is 4 MiB: had the others
+/// been queued and counted until its writer filtered them out, it would
+/// have been closed as a slow consumer. It stays open, nothing is dropped,
+/// and it then reads every event it wanted, in order, with no gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filtered_stream_that_does_not_read_is_queued_only_what_it_asked_for() {
+    // The gateway's buffer is the floor of the broker's hard limit: 4 MiB.
+    let gateway = MockConfig {
+        max_buffered_bytes: 4 << 20,
+        ..mock_config()
+    };
+    let h = start_with(gateway, |s| {
+        s.limits.queue_soft_bytes = 4 << 20;
+        s.limits.queue_hard_bytes = 4 << 20;
+        s.limits.slow_grace = Duration::from_secs(600);
+        s.limits.send_buffer_bytes = 4096;
+    })
+    .await;
+    let mut sse = open_events(&h.socket(), "/v1/events?events=test.wanted", &[])
+        .await
+        .unwrap();
+    // Reads everything, a round at a time, so the flood is published in
+    // step with a reader that keeps up (its queue has the same limit).
+    let (mut sentinel, _) = h.connected().await;
+    let pad = "w".repeat(8 * 1024);
+    let wanted = 384; // × 8 KiB: 3 MiB
+    let others = 1024; // × 8 KiB: 8 MiB
+    let mut round = 0;
+    let mut publish = |name: &'static str, from: i64, to: i64| {
+        for i in from..to {
+            h.gw.broadcast(name, json!({"i": i, "pad": pad}));
+        }
+        round += 1;
+        h.gw.broadcast("test.round", json!({"round": round}));
+        round
+    };
+    for from in (0..wanted).step_by(32) {
+        let r = publish("test.wanted", from, from + 32);
+        until_round(&mut sentinel, r).await;
+    }
+    for from in (0..others).step_by(32) {
+        let r = publish("test.other", from, from + 32);
+        until_round(&mut sentinel, r).await;
+    }
+    h.gw.broadcast("test.wanted", json!({"i": wanted, "pad": ""}));
+    let stream = h
+        .broker
+        .ctx()
+        .hub
+        .clients()
+        .into_iter()
+        .find(|c| c.kind == clawmux::hub::ClientKind::Sse)
+        .expect("the event stream is still a client");
+    assert!(
+        !stream.killed.is_cancelled(),
+        "not closed as a slow consumer"
+    );
+    assert_eq!(stream.dropped.load(Ordering::Relaxed), 0);
+    let mut next = 0;
+    while next <= wanted {
+        match sse.next_item().await {
+            Item::Event { name, data, .. } => {
+                assert_eq!(name, "test.wanted", "{data}");
+                assert_eq!(data["payload"]["i"], next, "every wanted event, in order");
+                next += 1;
+            }
+            Item::Comment(_) => {}
+            Item::Other(record) if record.starts_with("retry:") => {}
+            Item::Other(record) => panic!("only wanted events: {record}"),
+        }
+    }
+}
+
+/// Reads events until the `test.round` marker `round`.
+async fn until_round(c: &mut WsClient, round: i64) {
+    loop {
+        let e = c.event_any().await;
+        if e["event"] == "test.round" && e["payload"]["round"] == round {
+            return;
+        }
+    }
 }

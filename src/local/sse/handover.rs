@@ -407,6 +407,10 @@ pub(crate) fn take_over(
     client
         .observer
         .store(wanted.observe_tools, std::sync::atomic::Ordering::Relaxed);
+    // Names are filtered as events are queued (history, as it is written).
+    if let Some(names) = &wanted.filter {
+        client.want_only(names.iter().map(String::as_str));
+    }
     let mut backlog = Vec::new().into_iter();
     let mut gap_after_backlog = false;
     if entry.from_log {
@@ -450,6 +454,7 @@ pub(crate) fn take_over(
         last_cursor: entry.last_cursor,
         last_seq: entry.last_seq,
         gap_pending: entry.gap_pending,
+        hole: None,
         gap_after_backlog,
         backlog,
         filter: wanted.filter,

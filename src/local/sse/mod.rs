@@ -301,6 +301,10 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
     client
         .observer
         .store(wanted.observe_tools, std::sync::atomic::Ordering::Relaxed);
+    // Names are filtered as events are queued (history, as it is written).
+    if let Some(names) = &wanted.filter {
+        client.want_only(names.iter().map(String::as_str));
+    }
     let (backlog, window) = match ctx.hub.admit_at_cursor(&client, &wanted.from) {
         Ok(admitted) => admitted,
         Err(SubscribeError::ReplayUnavailable(gone)) => {
@@ -340,6 +344,7 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
         last_cursor: after,
         last_seq: 0,
         gap_pending: false,
+        hole: None,
         gap_after_backlog: backlog.gap_after,
         backlog: backlog.events.into_iter(),
         filter: wanted.filter,
@@ -451,6 +456,9 @@ struct EventStream {
     last_seq: u64,
     /// A gap comes before the next event written.
     gap_pending: bool,
+    /// Where that gap lies, from the events the hub passed over for this
+    /// stream (`events=`): the newest cursor before it, the first after.
+    hole: Option<(u64, Option<u64>)>,
     /// The history ends with a gap (before the first live event).
     gap_after_backlog: bool,
     /// History: events and whether a gap comes before each.
@@ -532,7 +540,12 @@ impl EventStream {
         for item in batch {
             match item {
                 Outgoing::Event(head, seq) => {
-                    self.gap_pending |= seq > self.last_seq + 1;
+                    if seq > self.last_seq + 1 {
+                        self.gap_pending = true;
+                        // Given only some names, it did not get the events
+                        // around the gap: the hub kept their cursors.
+                        self.hole = self.hole.or(self.client.take_hole());
+                    }
                     self.last_seq = seq;
                     self.write_event(out, &head)
                 }
@@ -578,7 +591,14 @@ impl EventStream {
             return;
         }
         if std::mem::take(&mut self.gap_pending) {
-            write_gap(out, self.last_cursor, cursor);
+            let (after, next) = match self.hole.take() {
+                Some((before, after)) => (
+                    self.last_cursor.max(before),
+                    after.map_or(cursor, |a| a.min(cursor)),
+                ),
+                None => (self.last_cursor, cursor),
+            };
+            write_gap(out, after, next);
         }
         self.last_cursor = self.last_cursor.max(cursor);
         if self.keeps(&name, head) {
@@ -586,7 +606,8 @@ impl EventStream {
         }
     }
 
-    /// Whether this stream's filters (`events=`, `session=`, `agent=`) keep it.
+    /// Whether this stream's filters (`events=`, `session=`, `agent=`) keep
+    /// it (live, the hub has applied `events=` already, as it queued).
     fn keeps(&self, name: &str, head: &EventHead) -> bool {
         self.filter.as_ref().is_none_or(|f| f.contains(name))
             && (self.sessions.is_empty() || self.sessions.keeps(name, &head.without_seq()))
