@@ -306,6 +306,14 @@ struct Wanted {
     passed: Mutex<Passed>,
 }
 
+impl Wanted {
+    /// A gap in the log is given whatever the names: it says what the
+    /// reader did not get.
+    fn includes(&self, name: &str) -> bool {
+        name == super::replay::GAP_EVENT || self.names.iter().any(|n| **n == *name)
+    }
+}
+
 /// The cursors of the events a client was not given, as far as its gaps need them.
 #[derive(Debug, Default)]
 struct Passed {
@@ -416,7 +424,7 @@ impl Client {
         let Some(wanted) = self.wanted.get() else {
             return true;
         };
-        if name == super::replay::GAP_EVENT || wanted.names.iter().any(|n| **n == *name) {
+        if wanted.includes(name) {
             return true;
         }
         if cursor != 0 {
@@ -427,6 +435,12 @@ impl Client {
             }
         }
         false
+    }
+
+    /// Whether events named `name` are for this client, whatever their
+    /// cursor (history is filtered by this as it is written).
+    pub fn is_given(&self, name: &str) -> bool {
+        self.wanted.get().is_none_or(|w| w.includes(name))
     }
 
     /// A gap in what the client is sent ([`Client::skip_seq`]): a client

@@ -84,6 +84,25 @@ async fn open_unread(socket: &Path, path: &str) -> UnixStream {
     s
 }
 
+/// `n` WebSocket clients of the broker on `socket`, each past its handshake.
+async fn greeted(socket: &Path, n: usize) -> Vec<WsClient> {
+    let mut clients = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut c = WsClient::open(socket, "/ws").await;
+        c.handshake().await;
+        clients.push(c);
+    }
+    clients
+}
+
+/// Every client still gets answers: none was closed.
+async fn all_still_answered(clients: &mut [WsClient]) {
+    for c in clients {
+        let res = c.request("health", json!({})).await;
+        assert_eq!(res["ok"], true, "{res}");
+    }
+}
+
 /// `events` gateway events of `size` bytes to everyone, paced by `reader`
 /// (a WebSocket client that reads them all): the producer stays a few
 /// events ahead of it, so the reader's own backlog stays small.
@@ -245,12 +264,7 @@ async fn a_large_request_does_not_pin_its_read_buffer() {
     let broker = spawn_broker(dir.path(), &socket, &gw.url(), "");
     let pid = broker.0.id();
     eventually("socket exists", || socket.exists()).await;
-    let mut clients = Vec::new();
-    for _ in 0..CLIENTS {
-        let mut c = WsClient::open(&socket, "/ws").await;
-        c.handshake().await;
-        clients.push(c);
-    }
+    let mut clients = greeted(&socket, CLIENTS).await;
     let idle_kib = status_kib(pid, "VmRSS");
     // A second `connect` is answered by the broker itself: the request's
     // bytes go nowhere else, so what stays is the read side's alone.
@@ -290,10 +304,7 @@ async fn a_large_request_does_not_pin_its_read_buffer() {
         "{after_kib} KiB after, {idle_kib} KiB before: read buffers kept their grown size"
     );
     // The clients still work.
-    for c in &mut clients {
-        let res = c.request("health", json!({})).await;
-        assert_eq!(res["ok"], true, "{res}");
-    }
+    all_still_answered(&mut clients).await;
 }
 
 /// Ten clients each get one 16 MiB answer from the gateway (a transcript
@@ -313,12 +324,7 @@ async fn a_large_answer_does_not_pin_a_write_buffer() {
     let broker = spawn_broker(dir.path(), &socket, &gw.url(), "");
     let pid = broker.0.id();
     eventually("socket exists", || socket.exists()).await;
-    let mut clients = Vec::new();
-    for _ in 0..CLIENTS {
-        let mut c = WsClient::open(&socket, "/ws").await;
-        c.handshake().await;
-        clients.push(c);
-    }
+    let mut clients = greeted(&socket, CLIENTS).await;
     let key = "agent:main:big";
     let res = clients[0]
         .request(
@@ -351,10 +357,7 @@ async fn a_large_answer_does_not_pin_a_write_buffer() {
         after_kib < bound_kib,
         "{after_kib} KiB after, {idle_kib} KiB before: the answers' buffers were kept"
     );
-    for c in &mut clients {
-        let res = c.request("health", json!({})).await;
-        assert_eq!(res["ok"], true, "{res}");
-    }
+    all_still_answered(&mut clients).await;
 }
 
 /// Twenty-four clients each send the first 8 MiB fragment of a message
@@ -388,12 +391,7 @@ async fn fragments_count_against_the_budget_from_the_first() {
     );
     let pid = broker.0.id();
     eventually("socket exists", || socket.exists()).await;
-    let mut clients = Vec::new();
-    for _ in 0..CLIENTS {
-        let mut c = WsClient::open(&socket, "/ws").await;
-        c.handshake().await;
-        clients.push(c);
-    }
+    let clients = greeted(&socket, CLIENTS).await;
     let idle_kib = status_kib(pid, "VmRSS");
     let first = Bytes::from(format!(
         r#"{{"type":"req","id":"big","method":"health","params":{{"pad":"{}"#,
@@ -645,12 +643,7 @@ async fn one_large_event_to_many_readers_is_held_once() {
     let broker = spawn_broker(dir.path(), &socket, &gw.url(), "");
     let pid = broker.0.id();
     eventually("socket exists", || socket.exists()).await;
-    let mut clients = Vec::new();
-    for _ in 0..CLIENTS {
-        let mut c = WsClient::open(&socket, "/ws").await;
-        c.handshake().await;
-        clients.push(c);
-    }
+    let mut clients = greeted(&socket, CLIENTS).await;
     let idle_kib = status_kib(pid, "VmRSS");
     gw.broadcast("test.big", json!({"pad": "x".repeat(EVENT_BYTES)}));
     for c in &mut clients {
@@ -686,8 +679,5 @@ async fn one_large_event_to_many_readers_is_held_once() {
         peak_kib < idle_kib + 8 * event_kib,
         "peak {peak_kib} KiB over {idle_kib} KiB idle: more than a few copies of a {event_kib} KiB event"
     );
-    for c in &mut clients {
-        let res = c.request("health", json!({})).await;
-        assert_eq!(res["ok"], true, "{res}");
-    }
+    all_still_answered(&mut clients).await;
 }

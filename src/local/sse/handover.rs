@@ -457,7 +457,6 @@ pub(crate) fn take_over(
         hole: None,
         gap_after_backlog,
         backlog,
-        filter: wanted.filter,
         sessions: wanted.sessions,
         tapped: wanted.tap,
         keepalive: ctx.settings.limits.sse_keepalive,

@@ -347,7 +347,6 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
         hole: None,
         gap_after_backlog: backlog.gap_after,
         backlog: backlog.events.into_iter(),
-        filter: wanted.filter,
         sessions: wanted.sessions,
         tapped: wanted.tap,
         keepalive: ctx.settings.limits.sse_keepalive,
@@ -463,7 +462,6 @@ struct EventStream {
     gap_after_backlog: bool,
     /// History: events and whether a gap comes before each.
     backlog: std::vec::IntoIter<(EventHead, bool)>,
-    filter: Option<HashSet<String>>,
     sessions: SessionFilter,
     /// Receives the request tap: its `Outgoing::Frame`s are tapped frames.
     tapped: bool,
@@ -544,7 +542,7 @@ impl EventStream {
                         self.gap_pending = true;
                         // Given only some names, it did not get the events
                         // around the gap: the hub kept their cursors.
-                        self.hole = self.hole.or(self.client.take_hole());
+                        self.hole = self.hole.or_else(|| self.client.take_hole());
                     }
                     self.last_seq = seq;
                     self.write_event(out, &head)
@@ -607,9 +605,10 @@ impl EventStream {
     }
 
     /// Whether this stream's filters (`events=`, `session=`, `agent=`) keep
-    /// it (live, the hub has applied `events=` already, as it queued).
+    /// it. `events=` is its client's ([`crate::hub::Client::want_only`]),
+    /// which the hub has applied already to live events, as it queued them.
     fn keeps(&self, name: &str, head: &EventHead) -> bool {
-        self.filter.as_ref().is_none_or(|f| f.contains(name))
+        self.client.is_given(name)
             && (self.sessions.is_empty() || self.sessions.keeps(name, &head.without_seq()))
     }
 }
