@@ -124,14 +124,8 @@ pub struct CoreParcels {
 
 impl Clients {
     pub fn parse(bytes: &[u8]) -> Result<Clients, Unreadable> {
-        let head: serde_json::Value =
-            serde_json::from_slice(bytes).map_err(|e| Unreadable::Invalid(e.to_string()))?;
-        match head.get("format").and_then(serde_json::Value::as_u64) {
-            Some(f) if f == u64::from(FORMAT) => {}
-            Some(found) => return Err(Unreadable::Format { found }),
-            None => return Err(Unreadable::Invalid("no format number".into())),
-        }
-        serde_json::from_value(head).map_err(|e| Unreadable::Invalid(e.to_string()))
+        super::state::check_format(bytes)?;
+        serde_json::from_slice(bytes).map_err(|e| Unreadable::Invalid(e.to_string()))
     }
 
     pub fn to_memfd(&self) -> std::io::Result<OwnedFd> {

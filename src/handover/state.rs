@@ -85,20 +85,36 @@ pub enum Unreadable {
     Invalid(String),
 }
 
+/// Checks a document's `format` before it is read whole, so a newer format
+/// is reported as such rather than as a schema error. Reads nothing else
+/// into memory: the document is parsed once more, into its own type, after.
+pub(super) fn check_format(bytes: &[u8]) -> Result<(), Unreadable> {
+    /// The format number of any document; every other field is skipped.
+    #[derive(Deserialize)]
+    struct Head {
+        format: Option<serde_json::Value>,
+    }
+    let invalid = |e: serde_json::Error| Unreadable::Invalid(e.to_string());
+    // Only an object has one (a struct would also be read from an array).
+    if bytes.trim_ascii_start().first() != Some(&b'{') {
+        serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map_err(invalid)?;
+        return Err(Unreadable::Invalid("no format number".into()));
+    }
+    let head: Head = serde_json::from_slice(bytes).map_err(invalid)?;
+    match head.format.as_ref().and_then(serde_json::Value::as_u64) {
+        Some(f) if f == u64::from(FORMAT) => Ok(()),
+        Some(found) => Err(Unreadable::Format { found }),
+        None => Err(Unreadable::Invalid("no format number".into())),
+    }
+}
+
 impl State {
     /// Parses a state, checking the format first so a newer format is
     /// reported as such rather than as a schema error.
     pub fn parse(bytes: &[u8]) -> Result<State, Unreadable> {
-        let head: serde_json::Value =
-            serde_json::from_slice(bytes).map_err(|e| Unreadable::Invalid(e.to_string()))?;
-        let found = head.get("format").and_then(serde_json::Value::as_u64);
-        match found {
-            Some(f) if f == u64::from(FORMAT) => {}
-            Some(found) => return Err(Unreadable::Format { found }),
-            None => return Err(Unreadable::Invalid("no format number".into())),
-        }
+        check_format(bytes)?;
         let state: State =
-            serde_json::from_value(head).map_err(|e| Unreadable::Invalid(e.to_string()))?;
+            serde_json::from_slice(bytes).map_err(|e| Unreadable::Invalid(e.to_string()))?;
         let mut names: Vec<&str> = state.listeners.iter().map(|l| l.fd_name.as_str()).collect();
         names.sort_unstable();
         if names.windows(2).any(|w| w[0] == w[1]) {
@@ -238,6 +254,13 @@ mod tests {
             Err(Unreadable::Invalid(_))
         ));
         assert!(matches!(State::parse(b"{}"), Err(Unreadable::Invalid(_))));
+        let no_number = Err(Unreadable::Invalid("no format number".into()));
+        assert_eq!(State::parse(b"[1]"), no_number);
+        assert_eq!(State::parse(b"{\"format\":\"1\"}"), no_number);
+        assert_eq!(
+            super::super::clients::Clients::parse(b"{\"format\":7,\"x\":[]}").map(|_| ()),
+            Err(Unreadable::Format { found: 7 })
+        );
         let mut unknown = serde_json::to_value(state()).unwrap();
         unknown["clients"] = serde_json::json!([]);
         assert!(matches!(
