@@ -60,13 +60,14 @@ pub struct Movable<T> {
 
 impl<T> Movable<T> {
     /// A socket just opened: the HTTP response to the upgrade comes first.
-    /// (The gateway's frames are not split: nothing here keeps a large
-    /// frame's read buffer, as the local side does.)
+    /// A large frame's header reaches the parser alone, as on the local
+    /// side, so its read buffer holds exactly the payload and is given back
+    /// once the event is handled.
     pub fn new(inner: T, kind: SocketKind) -> Self {
         Movable {
             inner,
             kind,
-            follow: Follower::after_http_response(false).carrying(CARRY_MESSAGE_BYTES),
+            follow: Follower::after_http_response(true).carrying(CARRY_MESSAGE_BYTES),
             spool: WriteSpool::default(),
         }
     }
@@ -80,7 +81,7 @@ impl<T> Movable<T> {
         Movable {
             inner,
             kind,
-            follow: Follower::new(unread, false).carrying(CARRY_MESSAGE_BYTES),
+            follow: Follower::new(unread, true).carrying(CARRY_MESSAGE_BYTES),
             spool: WriteSpool::with(unwritten),
         }
     }

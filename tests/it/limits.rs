@@ -1,6 +1,6 @@
 //! Bounds on the accept path and on settings: the connection cap, the
 //! header read timeout, a low open-file limit, running out of descriptors,
-//! and absurd durations (issues 11 and 19).
+//! and absurd durations.
 
 use std::io::Read;
 use std::path::Path;

@@ -1,5 +1,5 @@
-//! Local files are read only if they are regular files, up to a cap (issue
-//! 24, point 5): a config symlinked to `/dev/zero` or replaced by a FIFO
+//! Local files are read only if they are regular files, up to a cap: a
+//! config symlinked to `/dev/zero` or replaced by a FIFO
 //! fails the SIGHUP reload at once with a clear log line and the old
 //! settings keep serving; `--token-file /dev/zero` and an oversized token
 //! file are refused at start.

@@ -94,7 +94,9 @@ impl Connector {
             self.owner.early_events_lost(generation);
         }
         let pause = ws.get_ref().pause();
-        let (sink, mut stream) = ws.split();
+        let (sink, stream) = ws.split();
+        // A large event's read buffer is given back once it is handled.
+        let mut stream = crate::local::preconnect::Releasing::new(stream);
         let outlet = Arc::clone(&self.outlet);
         outlet.install(sink, generation);
         let mut last_rx = Instant::now();
@@ -198,7 +200,7 @@ impl Connector {
         let mut unsent_before = Vec::new();
         if let (Some(request), Some(pause)) = (handover, pause) {
             match self
-                .hand_over(generation, &pause, stream, &hello, request)
+                .hand_over(generation, &pause, stream.into_inner(), &hello, request)
                 .await
             {
                 Ok(()) => {
