@@ -45,6 +45,9 @@ struct HubInner {
     /// The current gateway snapshot (`hello-ok.snapshot`, kept fresh from
     /// `presence` and `health` events); `Null` until the first upstream hello.
     snapshot: Value,
+    /// The snapshot encoded for the clients' hellos, once per change
+    /// (`None`: not since it last changed).
+    encoded_snapshot: Option<Arc<EncodedSnapshot>>,
     /// Recent events with their broker-wide cursors, for `/v1/events`.
     replay: replay::ReplayLog,
     /// Queues that receive no events but count in the budget (a HUD
@@ -55,6 +58,45 @@ struct HubInner {
     /// `/v1/state` gives with its cursor: a feed's, which keeps what the
     /// runs in flight need and stays within a feed's bounds.
     activity: crate::activity::Activity,
+}
+
+/// The gateway snapshot as every client's `hello-ok` carries it, encoded
+/// once for all of them (a snapshot can be megabytes: a copy and an
+/// encoding per client would be paid under the hub's lock).
+#[derive(Debug)]
+pub struct EncodedSnapshot {
+    /// The whole snapshot.
+    pub whole: Box<RawValue>,
+    /// The same with `presence` emptied (`[]`) and `health` emptied (`{}`)
+    /// and both their `stateVersion`s 0, so the next `presence` and
+    /// `health` events apply: for a hello the whole snapshot would make
+    /// larger than the frames the client is told it may be sent.
+    pub without_presence_and_health: Box<RawValue>,
+}
+
+impl EncodedSnapshot {
+    fn encode(snapshot: &Value) -> Option<Self> {
+        let Value::Object(members) = snapshot else {
+            return None;
+        };
+        let whole = serde_json::value::to_raw_value(snapshot).ok()?;
+        let mut cut = serde_json::Map::new();
+        for (key, value) in members {
+            let value = match key.as_str() {
+                "presence" => Value::Array(Vec::new()),
+                "health" => Value::Object(Default::default()),
+                "stateVersion" => serde_json::json!({"presence": 0, "health": 0}),
+                _ => value.clone(),
+            };
+            cut.insert(key.clone(), value);
+        }
+        let without_presence_and_health =
+            serde_json::value::to_raw_value(&Value::Object(cut)).ok()?;
+        Some(EncodedSnapshot {
+            whole,
+            without_presence_and_health,
+        })
+    }
 }
 
 /// The client registry and event fan-out.
@@ -180,17 +222,21 @@ impl Hub {
     }
 
     /// Starts delivering events to `client`. `hello` builds the client's
-    /// `hello-ok` from the current snapshot; it is queued before any event.
+    /// `hello-ok` from the current snapshot, encoded (`None` before the
+    /// first upstream hello); it is queued before any event.
     pub fn admit(
         &self,
         client: &Arc<Client>,
-        hello: impl FnOnce(&Value) -> Bytes,
+        hello: impl FnOnce(Option<&EncodedSnapshot>) -> Bytes,
     ) -> Result<(), TooManyClients> {
         let mut inner = self.lock();
         if inner.clients.len() >= self.max_clients {
             return Err(TooManyClients(self.max_clients));
         }
-        client.push_frame(hello(&inner.snapshot));
+        if inner.encoded_snapshot.is_none() {
+            inner.encoded_snapshot = EncodedSnapshot::encode(&inner.snapshot).map(Arc::new);
+        }
+        client.push_frame(hello(inner.encoded_snapshot.as_deref()));
         inner.clients.insert(client.id, Arc::clone(client));
         self.client_count.send_replace(inner.clients.len());
         Ok(())
@@ -229,7 +275,9 @@ impl Hub {
 
     /// Replaces the snapshot after a new upstream `hello-ok`.
     pub fn reset_snapshot(&self, snapshot: Value) {
-        self.lock().snapshot = snapshot;
+        let mut inner = self.lock();
+        inner.snapshot = snapshot;
+        inner.encoded_snapshot = None;
     }
 
     /// The current gateway snapshot.
@@ -269,6 +317,7 @@ impl Hub {
         let mut inner = self.lock();
         if matches!(name, "presence" | "health") {
             apply_to_snapshot(&mut inner.snapshot, name, payload, state_version);
+            inner.encoded_snapshot = None;
         }
         let head = inner.replay.append(head, audience);
         let cursor = head.cursor();
@@ -564,13 +613,59 @@ mod tests {
         assert_eq!(snap["stateVersion"], json!({"presence":6,"health":4}));
     }
 
+    #[test]
+    fn the_encoded_snapshot_follows_the_snapshot_and_has_a_cut_without_presence_and_health() {
+        let hub = hub();
+        let encoded = |hub: &Hub| {
+            let c = hub.new_client();
+            let mut got = None;
+            hub.admit(&c, |snap| {
+                let snap = snap.unwrap();
+                got = Some((
+                    serde_json::from_str::<Value>(snap.whole.get()).unwrap(),
+                    serde_json::from_str::<Value>(snap.without_presence_and_health.get()).unwrap(),
+                ));
+                Bytes::new()
+            })
+            .unwrap();
+            got.unwrap()
+        };
+        hub.reset_snapshot(json!({
+            "presence": [{"host": "a"}],
+            "health": {"ok": true},
+            "stateVersion": {"presence": 3, "health": 2},
+            "uptimeMs": 5,
+        }));
+        let (whole, cut) = encoded(&hub);
+        assert_eq!(whole["presence"], json!([{"host": "a"}]));
+        assert_eq!(
+            cut,
+            json!({
+                "presence": [],
+                "health": {},
+                "stateVersion": {"presence": 0, "health": 0},
+                "uptimeMs": 5,
+            })
+        );
+        hub.publish(
+            "presence",
+            Some(&raw(json!({"presence": [{"host": "b"}]}))),
+            Some(&raw(json!({"presence": 4, "health": 2}))),
+            &Audience::All,
+        );
+        let (whole, _) = encoded(&hub);
+        assert_eq!(whole["presence"], json!([{"host": "b"}]), "{whole}");
+        assert_eq!(whole["stateVersion"]["presence"], 4);
+    }
+
     #[tokio::test]
     async fn admitted_clients_get_hello_first_then_events() {
         let hub = hub();
         hub.reset_snapshot(json!({"presence":[]}));
         let a = hub.new_client();
         a.set_access(crate::policy::Access::unrestricted());
-        hub.admit(&a, |snap| Bytes::from(snap.to_string())).unwrap();
+        hub.admit(&a, |snap| Bytes::from(snap.unwrap().whole.get().to_owned()))
+            .unwrap();
         hub.publish("tick", Some(&raw(json!({"ts":1}))), None, &Audience::All);
         hub.gap();
         hub.publish(

@@ -543,6 +543,31 @@ pub fn encode_res_ok(id: &str, payload: &Value) -> Bytes {
     encode_res(id, true, raw.as_deref(), None)
 }
 
+/// A successful `res` frame whose payload is the object `head` with one
+/// more member, `key`, whose value is already encoded (`member`): it is
+/// copied in as it is, not parsed or encoded again. `head` must be an
+/// object without `key`.
+pub fn encode_res_ok_with(id: &str, head: &Value, key: &str, member: &RawValue) -> Bytes {
+    let mut payload = serde_json::to_vec(head).unwrap_or_else(|_| b"{}".to_vec());
+    if payload.last() != Some(&b'}') {
+        payload = b"{}".to_vec();
+    }
+    payload.pop();
+    if payload.len() > 1 {
+        payload.push(b',');
+    }
+    write_json_str(&mut payload, key);
+    payload.push(b':');
+    let mut buf = Vec::with_capacity(40 + id.len() + payload.len() + member.get().len() + 1);
+    buf.extend_from_slice(br#"{"type":"res","id":"#);
+    write_json_str(&mut buf, id);
+    buf.extend_from_slice(br#","ok":true,"payload":"#);
+    buf.extend_from_slice(&payload);
+    buf.extend_from_slice(member.get().as_bytes());
+    buf.extend_from_slice(b"}}");
+    buf.into()
+}
+
 /// A failed `res` frame.
 pub fn encode_res_error(id: &str, error: &ErrorShape) -> Bytes {
     let raw = serde_json::value::to_raw_value(error).ok();
@@ -564,6 +589,26 @@ pub fn payload_status(payload: Option<&RawValue>) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_res_with_an_encoded_member_is_the_object_with_that_member() {
+        let member = serde_json::value::to_raw_value(&json!({"big": [1, 2]})).unwrap();
+        for (head, want) in [
+            (json!({}), json!({"snapshot": {"big": [1, 2]}})),
+            (
+                json!({"type": "hello-ok", "n": 1}),
+                json!({"type": "hello-ok", "n": 1, "snapshot": {"big": [1, 2]}}),
+            ),
+        ] {
+            let frame = encode_res_ok_with("a\"1", &head, "snapshot", &member);
+            let got: Value = serde_json::from_slice(&frame).unwrap();
+            assert_eq!(
+                got,
+                json!({"type": "res", "id": "a\"1", "ok": true, "payload": want})
+            );
+        }
+    }
 
     #[test]
     fn first_frame_classification() {

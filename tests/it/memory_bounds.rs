@@ -633,7 +633,11 @@ async fn hud_streams_of_runs_that_never_end_stay_bounded() {
 /// (+32 MiB: what the allocator may keep at a heap's top). The gateway
 /// connection's read buffer goes back to its normal size after the event,
 /// as every local connection's does. Returns (idle, peak, after) in KiB.
-async fn large_event_to_readers(clients: usize, event_bytes: usize, limits: &str) -> (u64, u64, u64) {
+async fn large_event_to_readers(
+    clients: usize,
+    event_bytes: usize,
+    limits: &str,
+) -> (u64, u64, u64) {
     let _heavy = HEAVY.lock().await;
     let mut config = mock_config();
     // The double closes a connection whose backlog passes this; the event
@@ -703,4 +707,113 @@ async fn a_40_mib_event_to_readers_comes_back_to_idle() {
         "max_frame_bytes = 67108864\nqueue_hard_bytes = 134217728\n",
     )
     .await;
+}
+
+/// A gateway snapshot of 30 MiB (its `health` that large) and 20 clients
+/// that connect one after the other: no client's `hello-ok` is larger than
+/// the `maxPayload` it announces (it gets the snapshot without `presence`
+/// and `health`, their versions 0, so the next events of each apply), and
+/// the broker holds the snapshot once, not once per client. (Before: each
+/// client got a 31.4 MB hello above the 25 MiB it was told, +739 MiB.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_larger_than_max_payload_is_sent_without_presence_and_health() {
+    const CLIENTS: usize = 20;
+    const HEALTH_BYTES: usize = 30 << 20;
+    let _heavy = HEAVY.lock().await;
+    let mut config = mock_config();
+    config.max_buffered_bytes = config.max_buffered_bytes.max(2 * HEALTH_BYTES as u64);
+    let gw = MockGateway::start(config).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let broker = spawn_broker(
+        dir.path(),
+        &socket,
+        &gw.url(),
+        "max_frame_bytes = 67108864\nqueue_hard_bytes = 134217728\n",
+    );
+    let pid = broker.0.id();
+    eventually("socket exists", || socket.exists()).await;
+    let mut first = greeted(&socket, 1).await;
+    let idle_kib = status_kib(pid, "VmRSS");
+    gw.broadcast_with_state_version(
+        "health",
+        json!({"ok": true, "pad": "x".repeat(HEALTH_BYTES)}),
+    );
+    let event = first[0]
+        .recv_text_within(PATIENCE)
+        .await
+        .expect("the reader gets the health event");
+    assert!(event.len() > HEALTH_BYTES, "{} bytes", event.len());
+    drop(event);
+    let mut clients = Vec::with_capacity(CLIENTS);
+    for _ in 0..CLIENTS {
+        let mut c = WsClient::open(&socket, "/ws").await;
+        let challenge = c.recv_json().await;
+        assert_eq!(challenge["event"], "connect.challenge", "{challenge}");
+        c.send_json(&connect_frame("connect-1")).await;
+        let frame = c
+            .recv_text_within(PATIENCE)
+            .await
+            .expect("the client gets its hello");
+        let res: Value = serde_json::from_str(&frame).unwrap();
+        assert_eq!(res["ok"], true, "{}", &frame[..frame.len().min(300)]);
+        let hello = &res["payload"];
+        let max_payload = hello["policy"]["maxPayload"].as_u64().unwrap();
+        assert!(
+            (frame.len() as u64) <= max_payload,
+            "a {} byte hello announces maxPayload {max_payload}",
+            frame.len()
+        );
+        let snapshot = &hello["snapshot"];
+        assert_eq!(snapshot["presence"], json!([]), "{snapshot}");
+        assert_eq!(snapshot["health"], json!({}), "{snapshot}");
+        assert_eq!(
+            snapshot["stateVersion"],
+            json!({"presence": 0, "health": 0})
+        );
+        assert!(snapshot["uptimeMs"].is_u64(), "{snapshot}");
+        assert_eq!(snapshot["sessionDefaults"]["mainKey"], "main", "{snapshot}");
+        clients.push(c);
+    }
+    let peak_kib = status_kib(pid, "VmHWM");
+    let after_kib = status_kib(pid, "VmRSS");
+    eprintln!(
+        "a 30 MiB snapshot, {CLIENTS} clients connect: broker RSS {idle_kib} KiB before, peak {peak_kib} KiB, {after_kib} KiB after"
+    );
+    // The event's read path (a few copies of it), then the snapshot held
+    // (parsed, and encoded once): nothing grows with the clients.
+    let event_kib = (HEALTH_BYTES / 1024) as u64;
+    assert!(
+        peak_kib < idle_kib + 8 * event_kib,
+        "peak {peak_kib} KiB over {idle_kib} KiB idle"
+    );
+    assert!(
+        after_kib < idle_kib + 4 * event_kib,
+        "{after_kib} KiB held over {idle_kib} KiB idle"
+    );
+    // A health event after the cut one applies (its version is above 0),
+    // and a client connecting now gets it whole.
+    gw.broadcast_with_state_version("health", json!({"ok": true}));
+    first[0]
+        .recv_text_within(PATIENCE)
+        .await
+        .expect("the small health event");
+    let (_c, hello) = {
+        let mut c = WsClient::open(&socket, "/ws").await;
+        let hello = c.handshake().await;
+        (c, hello)
+    };
+    assert_eq!(
+        hello["snapshot"]["health"],
+        json!({"ok": true}),
+        "{}",
+        hello["snapshot"]
+    );
+    assert!(
+        hello["snapshot"]["stateVersion"]["health"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    all_still_answered(&mut clients).await;
 }

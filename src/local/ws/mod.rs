@@ -31,7 +31,9 @@ use crate::context::Ctx;
 use crate::dispatch::{Member, Registration};
 use crate::hub::Client;
 use crate::policy::{Access, Grant, SocketPolicy};
-use crate::protocol::frames::{encode_res_error, encode_res_ok, ClientFrameError};
+use crate::protocol::frames::{
+    encode_res_error, encode_res_ok, encode_res_ok_with, ClientFrameError,
+};
 use crate::protocol::{now_ms, ClientFrame, ConnectRequest, ErrorShape, EventHead, StudioCode};
 use crate::rate::TokenBucket;
 use crate::upstream::UpstreamHello;
@@ -446,15 +448,13 @@ async fn handshake(
     });
     let max_frame = ctx.settings.limits.max_frame_bytes as u64;
     let admitted = ctx.hub.admit(client, |snapshot| {
-        encode_res_ok(
+        encode_hello(
             &req.id,
-            &synthesize_hello(
-                &hello,
-                snapshot,
-                &client.conn_id,
-                max_frame,
-                &client.grant().in_order_of(&params.scopes),
-            ),
+            &hello,
+            snapshot,
+            &client.conn_id,
+            max_frame,
+            &client.grant().in_order_of(&params.scopes),
         )
     });
     if let Err(e) = admitted {
@@ -488,20 +488,57 @@ fn declared_identity(params: &Value, peer_pid: Option<u32>) -> crate::hub::Clien
     }
 }
 
-/// The `hello-ok` a local client gets: the gateway's own, with this client's
-/// `connId`, the current snapshot, a `maxPayload` no larger than either side
-/// accepts, and the broker's effective auth (never its device token).
-fn synthesize_hello(
+/// The `hello-ok` a local client gets, as its `res` frame: the gateway's
+/// own, with this client's `connId`, the current snapshot, a `maxPayload`
+/// no larger than either side accepts, and the broker's effective auth
+/// (never its device token). The snapshot is copied in as encoded once for
+/// every client. No hello is larger than the `maxPayload` it announces:
+/// when the whole snapshot would make it so, it carries the snapshot with
+/// `presence` and `health` emptied and their versions 0, and the client
+/// has them with the next `presence` and `health` events (or asks
+/// `system-presence` and `health`).
+fn encode_hello(
+    id: &str,
     up: &UpstreamHello,
-    snapshot: &Value,
+    snapshot: Option<&crate::hub::EncodedSnapshot>,
     conn_id: &str,
     max_frame: u64,
     scopes: &[String],
-) -> Value {
-    let mut hello = up.payload.clone();
-    if !hello.is_object() {
-        hello = json!({});
+) -> Bytes {
+    let max_payload = up.max_payload.map_or(max_frame, |m| m.min(max_frame));
+    let head = hello_head(up, conn_id, max_payload, scopes);
+    let Some(snapshot) = snapshot else {
+        return encode_res_ok(id, &head);
+    };
+    let frame = encode_res_ok_with(id, &head, "snapshot", &snapshot.whole);
+    if frame.len() as u64 <= max_payload {
+        return frame;
     }
+    let cut = encode_res_ok_with(id, &head, "snapshot", &snapshot.without_presence_and_health);
+    tracing::warn!(
+        hello_bytes = frame.len(),
+        max_payload,
+        sent_bytes = cut.len(),
+        "the gateway's snapshot makes hello-ok larger than maxPayload; the client gets it without presence and health (the next events of each bring them)"
+    );
+    cut
+}
+
+/// Every member of a local client's `hello-ok` but the snapshot (see
+/// [`encode_hello`]).
+fn hello_head(up: &UpstreamHello, conn_id: &str, max_payload: u64, scopes: &[String]) -> Value {
+    // Member by member: the gateway's own snapshot (which can be large) is
+    // not copied, the hub's current one takes its place.
+    let mut hello = match &up.payload {
+        Value::Object(members) => Value::Object(
+            members
+                .iter()
+                .filter(|(key, _)| key.as_str() != "snapshot")
+                .map(|(key, value)| (key.clone(), value.clone()))
+                .collect(),
+        ),
+        _ => json!({}),
+    };
     hello["type"] = json!("hello-ok");
     hello["protocol"] = json!(up.protocol);
     let mut server = hello
@@ -512,15 +549,11 @@ fn synthesize_hello(
     server["connId"] = json!(conn_id);
     server["version"] = json!(up.server_version);
     hello["server"] = server;
-    if !snapshot.is_null() {
-        hello["snapshot"] = snapshot.clone();
-    }
     let mut policy = hello
         .get("policy")
         .cloned()
         .filter(Value::is_object)
         .unwrap_or_else(|| json!({}));
-    let max_payload = up.max_payload.map_or(max_frame, |m| m.min(max_frame));
     policy["maxPayload"] = json!(max_payload);
     hello["policy"] = policy;
     // The gateway's own auth fields (`method`, `recoveryScope`, …) pass
