@@ -313,13 +313,14 @@ impl Hub {
         projected: Projected,
     ) {
         let head = EventHead::encode(name, payload, state_version);
+        let cut = replay::cut_for_the_log(name, payload, state_version, &head);
         let droppable = is_droppable(name, payload);
         let mut inner = self.lock();
         if matches!(name, "presence" | "health") {
             apply_to_snapshot(&mut inner.snapshot, name, payload, state_version);
             inner.encoded_snapshot = None;
         }
-        let head = inner.replay.append(head, audience);
+        let head = inner.replay.append_cut(head, cut, audience);
         let cursor = head.cursor();
         projected.apply(&mut inner.activity, name);
         let event = SharedEvent::new(head, &self.queue_budget);

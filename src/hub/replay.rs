@@ -25,6 +25,7 @@
 //! is information only.
 
 pub(crate) mod cursors;
+mod cut;
 pub(crate) mod store;
 
 use std::collections::VecDeque;
@@ -554,17 +555,31 @@ impl ReplayLog {
     /// whole even when the log keeps it cut: [`MAX_LOGGED_EVENT_BYTES`]).
     /// Queues it for the file without blocking (no disk I/O here).
     pub fn append(&mut self, head: EventHead, audience: &Audience) -> EventHead {
+        self.append_cut(head, None, audience)
+    }
+
+    /// [`ReplayLog::append`] of a gateway event, with the cut copy of it
+    /// the log keeps when it is larger than [`MAX_LOGGED_EVENT_BYTES`]
+    /// ([`cut_for_the_log`], made before the hub's lock is taken).
+    pub fn append_cut(
+        &mut self,
+        head: EventHead,
+        cut: Option<EventHead>,
+        audience: &Audience,
+    ) -> EventHead {
         if self.newest_seq >= MAX_CURSOR {
             self.new_epoch_at_the_limit();
         }
         self.check_reserved();
         let head = head.with_cursor(self.newest_seq + 1);
         let cap = MAX_LOGGED_EVENT_BYTES.min(self.limits.max_bytes);
-        let kept = if head.len() > cap {
-            fit_event(&head, cap)
-        } else {
-            head.clone()
-        };
+        let kept = match cut {
+            Some(cut) if cut.len() <= cap => cut,
+            Some(cut) => fit_event(&cut, cap),
+            None if head.len() > cap => fit_event(&head, cap),
+            None => head.clone(),
+        }
+        .with_cursor(head.cursor());
         let logged = Logged {
             head: kept,
             audience: audience.clone(),
@@ -709,9 +724,10 @@ struct FrameOf {
 fn fit_event(head: &EventHead, cap: usize) -> EventHead {
     #[derive(serde::Deserialize)]
     struct Frame<'a> {
-        event: String,
-        #[serde(default)]
-        payload: Value,
+        #[serde(borrow)]
+        event: std::borrow::Cow<'a, str>,
+        #[serde(borrow, default)]
+        payload: Option<&'a serde_json::value::RawValue>,
         #[serde(borrow, rename = "stateVersion")]
         state_version: Option<&'a serde_json::value::RawValue>,
     }
@@ -719,15 +735,20 @@ fn fit_event(head: &EventHead, cap: usize) -> EventHead {
     let Ok(f) = serde_json::from_slice::<Frame>(&frame) else {
         return head.clone();
     };
-    // Room for the frame around the payload, and the marker.
-    let around = 128 + f.event.len() + f.state_version.map_or(0, |v| v.get().len());
-    let room = cap.saturating_sub(around);
-    let (mut payload, _) = crate::activity::bound_to(&f.payload, room);
-    if let Value::Object(map) = &mut payload {
-        map.insert("clawmuxCut".into(), Value::Bool(true));
-    }
-    let raw = serde_json::value::to_raw_value(&payload).ok();
-    EventHead::encode(&f.event, raw.as_deref(), f.state_version).with_cursor(head.cursor())
+    cut::fit_parts(&f.event, f.payload, f.state_version, cap).with_cursor(head.cursor())
+}
+
+/// The copy of a gateway event the replay log keeps when the event is
+/// larger than [`MAX_LOGGED_EVENT_BYTES`] (`None`: it keeps the event
+/// itself), made from its raw parts.
+pub fn cut_for_the_log(
+    name: &str,
+    payload: Option<&serde_json::value::RawValue>,
+    state_version: Option<&serde_json::value::RawValue>,
+    head: &EventHead,
+) -> Option<EventHead> {
+    (head.len() > MAX_LOGGED_EVENT_BYTES)
+        .then(|| cut::fit_parts(name, payload, state_version, MAX_LOGGED_EVENT_BYTES))
 }
 
 /// Where a broker with these settings keeps its replay log: in the state
