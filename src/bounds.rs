@@ -71,6 +71,29 @@ pub fn positive<T: Copy + PartialEq + Default + std::fmt::Display>(
     Ok(value)
 }
 
+/// Blocks at least this large are mapped on their own and unmapped when
+/// freed ([`return_large_blocks_at_once`]).
+pub const MAPPED_BLOCK_BYTES: usize = 1 << 20;
+
+/// Makes every allocation of [`MAPPED_BLOCK_BYTES`] or more a mapping of
+/// its own, unmapped as soon as it is freed (glibc's `M_MMAP_THRESHOLD`,
+/// which also stops glibc raising that threshold by itself). Without it a
+/// large frame freed in one of the runtime's per-thread heaps stayed
+/// resident (`malloc_trim` gave back part of it): 10 clients that each got
+/// a 16 MiB answer, +37 to +41 MiB after, and +0.2 MiB with it. Only large
+/// frames pay a mapping each; the hot path's allocations are far smaller.
+/// Called first thing in `main`. Elsewhere than glibc, nothing.
+pub fn return_large_blocks_at_once() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` takes two plain integers and changes a setting of
+    // glibc's allocator under its own lock; it is documented as callable at
+    // any time, and it touches no live allocation (blocks already
+    // allocated keep where they are).
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MAPPED_BLOCK_BYTES as libc::c_int);
+    }
+}
+
 /// Hands the allocator's free memory back to the system (glibc's
 /// `malloc_trim`: the top of the heap and whole free pages inside it). The
 /// broker calls it after a burst of queued events was released, so its

@@ -38,6 +38,8 @@ fn main() -> ExitCode {
     // SAFETY: likewise first thing: the descriptors a SIGUSR2 upgrade's old
     // instance left open for this process, named in its environment.
     let handed = unsafe { clawmux::handover::Inherited::take_from_env() };
+    // Large frames go back to the system as soon as they are freed.
+    clawmux::bounds::return_large_blocks_at_once();
     let cli = Cli::parse();
     // Only `serve` keeps them held until its handlers are installed; every
     // other command gets the default actions back (a hang-up ends `tail`).

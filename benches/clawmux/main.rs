@@ -156,6 +156,8 @@ fn smoke_config() -> Config {
 }
 
 fn main() -> ExitCode {
+    // The in-process broker allocates as `clawmux serve` does.
+    clawmux::bounds::return_large_blocks_at_once();
     let full = std::env::args().any(|a| a == "--bench");
     let (cfg, scenarios, command) = if full {
         match Args::try_parse() {
