@@ -244,85 +244,96 @@ pub struct Peer {
 }
 
 /// Runs one local client to completion. `budget` is lifted once it is admitted.
-pub async fn run(
+///
+/// Not an `async fn`: the future it returns lives as long as the client,
+/// and an `async fn` keeps room for every argument for its whole life,
+/// even once moved (the socket's 520 bytes, twice). The connection is
+/// boxed here, before the future is made, and the rare steps (a handover,
+/// the last steps) are boxed where they start, so an idle client's task
+/// holds what serving it takes and little more.
+pub fn run(
     ws: Ws,
     budget: PreconnectBudget,
     restarts: Restarts,
     socket: Arc<SocketPolicy>,
     peer: Peer,
     ctx: Arc<Ctx>,
-) {
-    let peer_pid = peer.pid;
+) -> impl std::future::Future<Output = ()> {
     let pause = ws.get_ref().pause();
     let registration = ctx.dispatcher.register(ctx.hub.new_client());
     let client = Arc::clone(registration.client());
     client.count_written(budget.written());
     let mut conn = Conn::new(ws, Arc::clone(&client), pause);
-    let client_id = client.id;
-    tracing::debug!(client_id, "local client opened");
+    async move {
+        let peer_pid = peer.pid;
+        let client_id = client.id;
+        tracing::debug!(client_id, "local client opened");
 
-    let admitted = match ctx.handshakes.take(&socket.name).ok_or(()) {
-        Err(()) => {
-            tracing::warn!(
-                client_id,
-                socket = %socket.name,
-                limit = ctx.handshakes.share(&socket.name),
-                "too many clients in their handshake on this socket; refusing one"
-            );
-            client.close(1013, "too many connecting clients; try again later");
-            false
-        }
-        Ok(_permit) => {
-            // The gateway's own challenge fields (e.g. `capabilities`) as of
-            // the last session, with this client's own nonce and time.
-            let mut payload = ctx
-                .upstream()
-                .status()
-                .hello
-                .map(|h| h.challenge_extra.clone())
-                .unwrap_or_default();
-            payload.insert("nonce".into(), json!(uuid::Uuid::new_v4().to_string()));
-            payload.insert("ts".into(), json!(now_ms()));
-            let challenge = EventHead::from_value("connect.challenge", &Value::Object(payload));
-            client.push_frame(challenge.without_seq());
-            tokio::select! {
-                // Boxed, so what the handshake needs while it runs is
-                // freed once it is done (an idle client keeps only what
-                // serving it takes).
-                admitted = Box::pin(handshake(&mut conn, &socket, peer_pid, &ctx)) => admitted,
-                _ = ctx.cancel.cancelled() => {
-                    client.close(1001, "going away");
-                    false
+        let admitted = match ctx.handshakes.take(&socket.name).ok_or(()) {
+            Err(()) => {
+                tracing::warn!(
+                    client_id,
+                    socket = %socket.name,
+                    limit = ctx.handshakes.share(&socket.name),
+                    "too many clients in their handshake on this socket; refusing one"
+                );
+                client.close(1013, "too many connecting clients; try again later");
+                false
+            }
+            Ok(_permit) => {
+                // The gateway's own challenge fields (e.g. `capabilities`) as of
+                // the last session, with this client's own nonce and time.
+                let mut payload = ctx
+                    .upstream()
+                    .status()
+                    .hello
+                    .map(|h| h.challenge_extra.clone())
+                    .unwrap_or_default();
+                payload.insert("nonce".into(), json!(uuid::Uuid::new_v4().to_string()));
+                payload.insert("ts".into(), json!(now_ms()));
+                let challenge = EventHead::from_value("connect.challenge", &Value::Object(payload));
+                client.push_frame(challenge.without_seq());
+                tokio::select! {
+                    // Boxed, so what the handshake needs while it runs is
+                    // freed once it is done (an idle client keeps only what
+                    // serving it takes).
+                    admitted = Box::pin(handshake(&mut conn, &socket, peer_pid, &ctx)) => admitted,
+                    _ = ctx.cancel.cancelled() => {
+                        client.close(1001, "going away");
+                        false
+                    }
                 }
             }
-        }
-    };
-    if admitted {
-        budget.lift();
-        conn.ws
-            .get_mut()
-            .charge_messages_to(Arc::clone(client.budget()));
-        tracing::info!(client_id, conn_id = %client.conn_id, "local client connected");
-        // Counted until the client has left for the next instance (or is
-        // being closed): a handover waits for every one.
-        let serving = ctx.handover.serving();
-        let served = serve_requests(&mut conn, &registration, &ctx, restarts).await;
-        if served == Served::HandOver {
-            match peer.fd {
-                Some(fd) => match hand_over(conn, registration, fd.0, restarts, &ctx).await {
-                    Ok(()) => return,
-                    Err((conn, registration)) => {
-                        client.close(1012, "service restart");
-                        drop(serving);
-                        return finish(conn, registration).await;
+        };
+        if admitted {
+            budget.lift();
+            conn.ws
+                .get_mut()
+                .charge_messages_to(Arc::clone(client.budget()));
+            tracing::info!(client_id, conn_id = %client.conn_id, "local client connected");
+            // Counted until the client has left for the next instance (or is
+            // being closed): a handover waits for every one.
+            let serving = ctx.handover.serving();
+            let served = serve_requests(&mut conn, &registration, &ctx, restarts).await;
+            if served == Served::HandOver {
+                match peer.fd {
+                    Some(fd) => {
+                        match Box::pin(hand_over(conn, registration, fd.0, restarts, &ctx)).await {
+                            Ok(()) => return,
+                            Err((conn, registration)) => {
+                                client.close(1012, "service restart");
+                                drop(serving);
+                                return Box::pin(finish(conn, registration)).await;
+                            }
+                        }
                     }
-                },
-                _ => client.close(1012, "service restart"),
+                    _ => client.close(1012, "service restart"),
+                }
             }
+            drop(serving);
         }
-        drop(serving);
+        Box::pin(finish(conn, registration)).await
     }
-    finish(conn, registration).await
 }
 
 /// A client's last steps: answer a peer's close, release what it held,
