@@ -45,6 +45,34 @@ fn spawn_broker(dir: &Path, socket: &Path, gateway: &str, limits: &str) -> Child
     )
 }
 
+/// A gateway double and `clawmux serve` in front of it on a temporary
+/// socket, with these `[limits]` lines, once the socket exists.
+struct Rig {
+    gw: MockGateway,
+    socket: std::path::PathBuf,
+    pid: u32,
+    _broker: ChildGuard,
+    _dir: tempfile::TempDir,
+}
+
+impl Rig {
+    async fn start(config: clawmux_mock::MockConfig, limits: &str) -> Rig {
+        let gw = MockGateway::start(config).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("c.sock");
+        let broker = spawn_broker(dir.path(), &socket, &gw.url(), limits);
+        let pid = broker.0.id();
+        eventually("socket exists", || socket.exists()).await;
+        Rig {
+            gw,
+            socket,
+            pid,
+            _broker: broker,
+            _dir: dir,
+        }
+    }
+}
+
 /// A `/proc/<pid>/status` figure in KiB (`VmRSS`, `VmHWM`).
 fn status_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -171,25 +199,16 @@ async fn flow_of(
 async fn hud_streams_that_never_read_stay_within_the_queue_budget() {
     const STREAMS: usize = 150;
     let _heavy = HEAVY.lock().await;
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let broker = spawn_broker(
-        dir.path(),
-        &socket,
-        &gw.url(),
-        "replay_max_bytes = 1048576\nmax_frame_bytes = 4194304\nqueue_hard_bytes = 8388608\nqueue_total_bytes = 16777216\n",
-    );
-    let pid = broker.0.id();
-    eventually("socket exists", || socket.exists()).await;
-    let mut reader = WsClient::open(&socket, "/ws").await;
+    let rig = Rig::start(mock_config(), "replay_max_bytes = 1048576\nmax_frame_bytes = 4194304\nqueue_hard_bytes = 8388608\nqueue_total_bytes = 16777216\n").await;
+    let (gw, socket, pid) = (&rig.gw, rig.socket.as_path(), rig.pid);
+    let mut reader = WsClient::open(socket, "/ws").await;
     reader.handshake().await;
     let mut streams = Vec::new();
     for _ in 0..STREAMS {
-        streams.push(open_unread(&socket, "/v1/hud").await);
+        streams.push(open_unread(socket, "/v1/hud").await);
     }
     let idle_kib = status_kib(pid, "VmRSS");
-    flow_of(&gw, &mut reader, 4096, 4096, |n, pad| {
+    flow_of(gw, &mut reader, 4096, 4096, |n, pad| {
         let run = format!("run-{}", n / 64);
         let payload = match n % 64 {
             0 => json!({"n": n, "runId": run, "sessionKey": "agent:main:main", "stream": "lifecycle", "data": {"phase": "start"}}),
@@ -220,25 +239,16 @@ async fn hud_streams_that_never_read_stay_within_the_queue_budget() {
 async fn event_streams_that_never_read_stay_within_the_queue_budget() {
     const STREAMS: usize = 150;
     let _heavy = HEAVY.lock().await;
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let broker = spawn_broker(
-        dir.path(),
-        &socket,
-        &gw.url(),
-        "replay_max_bytes = 1048576\nmax_frame_bytes = 4194304\nqueue_hard_bytes = 8388608\nqueue_total_bytes = 16777216\n",
-    );
-    let pid = broker.0.id();
-    eventually("socket exists", || socket.exists()).await;
-    let mut reader = WsClient::open(&socket, "/ws").await;
+    let rig = Rig::start(mock_config(), "replay_max_bytes = 1048576\nmax_frame_bytes = 4194304\nqueue_hard_bytes = 8388608\nqueue_total_bytes = 16777216\n").await;
+    let (gw, socket, pid) = (&rig.gw, rig.socket.as_path(), rig.pid);
+    let mut reader = WsClient::open(socket, "/ws").await;
     reader.handshake().await;
     let mut streams = Vec::new();
     for _ in 0..STREAMS {
-        streams.push(open_unread(&socket, "/v1/events").await);
+        streams.push(open_unread(socket, "/v1/events").await);
     }
     let idle_kib = status_kib(pid, "VmRSS");
-    flow(&gw, &mut reader, 4096, 4096).await;
+    flow(gw, &mut reader, 4096, 4096).await;
     let peak_kib = status_kib(pid, "VmHWM");
     eprintln!(
         "{STREAMS} unread /v1/events streams, 16 MiB of events: broker RSS {idle_kib} KiB before, peak {peak_kib} KiB"
@@ -258,13 +268,9 @@ async fn event_streams_that_never_read_stay_within_the_queue_budget() {
 async fn a_large_request_does_not_pin_its_read_buffer() {
     const CLIENTS: usize = 10;
     let _heavy = HEAVY.lock().await;
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let broker = spawn_broker(dir.path(), &socket, &gw.url(), "");
-    let pid = broker.0.id();
-    eventually("socket exists", || socket.exists()).await;
-    let mut clients = greeted(&socket, CLIENTS).await;
+    let rig = Rig::start(mock_config(), "").await;
+    let (socket, pid) = (rig.socket.as_path(), rig.pid);
+    let mut clients = greeted(socket, CLIENTS).await;
     let idle_kib = status_kib(pid, "VmRSS");
     // A second `connect` is answered by the broker itself: the request's
     // bytes go nowhere else, so what stays is the read side's alone.
@@ -317,13 +323,9 @@ async fn a_large_answer_does_not_pin_a_write_buffer() {
     const CLIENTS: usize = 10;
     const MESSAGE_BYTES: usize = 16 << 20;
     let _heavy = HEAVY.lock().await;
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let broker = spawn_broker(dir.path(), &socket, &gw.url(), "");
-    let pid = broker.0.id();
-    eventually("socket exists", || socket.exists()).await;
-    let mut clients = greeted(&socket, CLIENTS).await;
+    let rig = Rig::start(mock_config(), "").await;
+    let (socket, pid) = (rig.socket.as_path(), rig.pid);
+    let mut clients = greeted(socket, CLIENTS).await;
     let key = "agent:main:big";
     let res = clients[0]
         .request(
@@ -377,22 +379,13 @@ async fn fragments_count_against_the_budget_from_the_first() {
     const FRAGMENT_BYTES: usize = 8 << 20;
     const BUDGET: usize = 32 << 20;
     let _heavy = HEAVY.lock().await;
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let broker = spawn_broker(
-        dir.path(),
-        &socket,
-        &gw.url(),
-        &format!(
+    let rig = Rig::start(mock_config(), &format!(
             "queue_total_bytes = {BUDGET}\nqueue_hard_bytes = {BUDGET}\nqueue_soft_bytes = {}\nmax_frame_bytes = {}\n",
             BUDGET / 2,
             BUDGET / 2
-        ),
-    );
-    let pid = broker.0.id();
-    eventually("socket exists", || socket.exists()).await;
-    let clients = greeted(&socket, CLIENTS).await;
+        )).await;
+    let (socket, pid) = (rig.socket.as_path(), rig.pid);
+    let clients = greeted(socket, CLIENTS).await;
     let idle_kib = status_kib(pid, "VmRSS");
     let first = Bytes::from(format!(
         r#"{{"type":"req","id":"big","method":"health","params":{{"pad":"{}"#,
@@ -568,22 +561,13 @@ async fn hud_streams_of_runs_that_never_end_stay_bounded() {
     const RUNS: u64 = 50;
     const CALLS: u64 = 128;
     let _heavy = HEAVY.lock().await;
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let broker = spawn_broker(
-        dir.path(),
-        &socket,
-        &gw.url(),
-        "replay_max_bytes = 1048576\n",
-    );
-    let pid = broker.0.id();
-    eventually("socket exists", || socket.exists()).await;
-    let mut reader = WsClient::open(&socket, "/ws").await;
+    let rig = Rig::start(mock_config(), "replay_max_bytes = 1048576\n").await;
+    let (gw, socket, pid) = (&rig.gw, rig.socket.as_path(), rig.pid);
+    let mut reader = WsClient::open(socket, "/ws").await;
     reader.handshake().await;
     let mut streams = Vec::new();
     for _ in 0..STREAMS {
-        let hud = crate::http_api::open_events(&socket, "/v1/hud", &[])
+        let hud = crate::http_api::open_events(socket, "/v1/hud", &[])
             .await
             .expect("a HUD stream");
         streams.push(tokio::spawn(async move {
@@ -600,7 +584,7 @@ async fn hud_streams_of_runs_that_never_end_stay_bounded() {
     let idle_kib = status_kib(pid, "VmRSS");
     // Calls go round the runs (each run stays busy), each followed by a
     // broadcast event the pacing reader sees.
-    flow_of(&gw, &mut reader, 2 * RUNS * CALLS, 2048, |n, pad| {
+    flow_of(gw, &mut reader, 2 * RUNS * CALLS, 2048, |n, pad| {
         if n % 2 == 1 {
             return ("test.event", json!({"n": n}));
         }
@@ -644,13 +628,9 @@ async fn large_event_to_readers(
     // The double closes a connection whose backlog passes this; the event
     // is one frame, sent whole.
     config.max_buffered_bytes = config.max_buffered_bytes.max(2 * event_bytes as u64);
-    let gw = MockGateway::start(config).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let broker = spawn_broker(dir.path(), &socket, &gw.url(), limits);
-    let pid = broker.0.id();
-    eventually("socket exists", || socket.exists()).await;
-    let mut readers = greeted(&socket, clients).await;
+    let rig = Rig::start(config, limits).await;
+    let (gw, socket, pid) = (&rig.gw, rig.socket.as_path(), rig.pid);
+    let mut readers = greeted(socket, clients).await;
     let idle_kib = status_kib(pid, "VmRSS");
     gw.broadcast("test.big", json!({"pad": "x".repeat(event_bytes)}));
     for c in &mut readers {
@@ -724,18 +704,13 @@ async fn a_snapshot_larger_than_max_payload_is_sent_without_presence_and_health(
     let _heavy = HEAVY.lock().await;
     let mut config = mock_config();
     config.max_buffered_bytes = config.max_buffered_bytes.max(2 * HEALTH_BYTES as u64);
-    let gw = MockGateway::start(config).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let broker = spawn_broker(
-        dir.path(),
-        &socket,
-        &gw.url(),
+    let rig = Rig::start(
+        config,
         "max_frame_bytes = 67108864\nqueue_hard_bytes = 134217728\n",
-    );
-    let pid = broker.0.id();
-    eventually("socket exists", || socket.exists()).await;
-    let mut first = greeted(&socket, 1).await;
+    )
+    .await;
+    let (gw, socket, pid) = (&rig.gw, rig.socket.as_path(), rig.pid);
+    let mut first = greeted(socket, 1).await;
     let idle_kib = status_kib(pid, "VmRSS");
     gw.broadcast_with_state_version(
         "health",
@@ -749,7 +724,7 @@ async fn a_snapshot_larger_than_max_payload_is_sent_without_presence_and_health(
     drop(event);
     let mut clients = Vec::with_capacity(CLIENTS);
     for _ in 0..CLIENTS {
-        let mut c = WsClient::open(&socket, "/ws").await;
+        let mut c = WsClient::open(socket, "/ws").await;
         let challenge = c.recv_json().await;
         assert_eq!(challenge["event"], "connect.challenge", "{challenge}");
         c.send_json(&connect_frame("connect-1")).await;
@@ -802,7 +777,7 @@ async fn a_snapshot_larger_than_max_payload_is_sent_without_presence_and_health(
         .await
         .expect("the small health event");
     let (_c, hello) = {
-        let mut c = WsClient::open(&socket, "/ws").await;
+        let mut c = WsClient::open(socket, "/ws").await;
         let hello = c.handshake().await;
         (c, hello)
     };
@@ -838,14 +813,10 @@ async fn large_events_to_clients_that_never_read_stay_within_the_budget() {
     // The gateway's own maxBufferedBytes (50 MiB): each client's hard
     // limit, which the broker never sets below it. The events are paced by
     // the reader, so the gateway's queue to the broker holds one.
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let broker = spawn_broker(dir.path(), &socket, &gw.url(), "");
-    let pid = broker.0.id();
-    eventually("socket exists", || socket.exists()).await;
-    let stalled = greeted(&socket, STALLED).await;
-    let mut reader = greeted(&socket, 1).await;
+    let rig = Rig::start(mock_config(), "").await;
+    let (gw, socket, pid) = (&rig.gw, rig.socket.as_path(), rig.pid);
+    let stalled = greeted(socket, STALLED).await;
+    let mut reader = greeted(socket, 1).await;
     let idle_kib = status_kib(pid, "VmRSS");
     let pad = "x".repeat(EVENT_BYTES);
     for n in 0..EVENTS {
