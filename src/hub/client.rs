@@ -299,18 +299,26 @@ pub struct ClientIdentity {
     pub peer_pid: Option<u32>,
 }
 
-/// What a client given only some event names wants, and what it passed over.
+/// What a client given only some events wants (some names, some
+/// sessions), and what it passed over.
 #[derive(Debug)]
 struct Wanted {
-    names: Box<[Box<str>]>,
+    /// `None`: every name.
+    names: Option<Box<[Box<str>]>>,
+    sessions: super::about::SessionFilter,
     passed: Mutex<Passed>,
 }
 
 impl Wanted {
-    /// A gap in the log is given whatever the names: it says what the
+    /// A gap in the log is given whatever the filters: it says what the
     /// reader did not get.
-    fn includes(&self, name: &str) -> bool {
-        name == super::replay::GAP_EVENT || self.names.iter().any(|n| **n == *name)
+    fn includes(&self, name: &str, about: &super::about::About<'_>) -> bool {
+        name == super::replay::GAP_EVENT
+            || (self
+                .names
+                .as_ref()
+                .is_none_or(|names| names.iter().any(|n| **n == *name))
+                && self.sessions.keeps(name, about))
     }
 }
 
@@ -410,21 +418,37 @@ impl Client {
     /// admitted; later calls are ignored). A gap in the log is given
     /// whatever the names: it says what the reader did not get.
     pub fn want_only<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        self.want(
+            Some(names.into_iter().map(Box::from).collect()),
+            super::about::SessionFilter::default(),
+        );
+    }
+
+    /// Gives the client only events with these names (`None`: any) about
+    /// these sessions (once, before it is admitted; later calls are
+    /// ignored; nothing to filter by sets nothing). Both are applied as
+    /// events are queued, so what the client never wanted takes none of
+    /// its queue.
+    pub fn want(&self, names: Option<Box<[Box<str>]>>, sessions: super::about::SessionFilter) {
+        if names.is_none() && sessions.is_empty() {
+            return;
+        }
         let _ = self.wanted.set(Wanted {
-            names: names.into_iter().map(Box::from).collect(),
+            names,
+            sessions,
             passed: Mutex::new(Passed::default()),
         });
     }
 
-    /// Whether the client is given an event named `name`, logged at
-    /// `cursor` (0: not logged). One it is not given, it has passed over:
-    /// where a gap lies is told by the events it could have seen around
-    /// it ([`Client::take_hole`]).
-    pub fn wants(&self, name: &str, cursor: u64) -> bool {
+    /// Whether the client is given an event named `name`, about `about`,
+    /// logged at `cursor` (0: not logged). One it is not given, it has
+    /// passed over: where a gap lies is told by the events it could have
+    /// seen around it ([`Client::take_hole`]).
+    pub fn wants(&self, name: &str, cursor: u64, about: &super::about::About<'_>) -> bool {
         let Some(wanted) = self.wanted.get() else {
             return true;
         };
-        if wanted.includes(name) {
+        if wanted.includes(name, about) {
             return true;
         }
         if cursor != 0 {
@@ -437,10 +461,16 @@ impl Client {
         false
     }
 
-    /// Whether events named `name` are for this client, whatever their
-    /// cursor (history is filtered by this as it is written).
-    pub fn is_given(&self, name: &str) -> bool {
-        self.wanted.get().is_none_or(|w| w.includes(name))
+    /// Whether an event named `name`, about `about`, is for this client,
+    /// whatever its cursor (history is filtered by this as it is written).
+    pub fn is_given(&self, name: &str, about: &super::about::About<'_>) -> bool {
+        self.wanted.get().is_none_or(|w| w.includes(name, about))
+    }
+
+    /// Whether the client filters by session (its history's events are
+    /// then read for the session they name).
+    pub fn filters_sessions(&self) -> bool {
+        self.wanted.get().is_some_and(|w| !w.sessions.is_empty())
     }
 
     /// A gap in what the client is sent ([`Client::skip_seq`]): a client

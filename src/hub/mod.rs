@@ -7,6 +7,7 @@
 //! (which may update the snapshot) happen under one lock, so a new client
 //! sees every event after its snapshot and none before it.
 
+pub mod about;
 pub mod client;
 pub mod replay;
 mod shed;
@@ -325,7 +326,10 @@ impl Hub {
         projected.apply(&mut inner.activity, name);
         let event = SharedEvent::new(head, &self.queue_budget);
         let visibility = Visibility::of(name, audience);
-        let visible = |c: &&Arc<Client>| visibility.admits(&c.reader()) && c.wants(name, cursor);
+        // Read for the session it names once, if a reader filters by one.
+        let about = about::About::new(payload);
+        let visible =
+            |c: &&Arc<Client>| visibility.admits(&c.reader()) && c.wants(name, cursor, &about);
         self.deliver(
             &inner,
             inner.clients.values().filter(visible),
@@ -343,13 +347,14 @@ impl Hub {
     /// logged again, scope guards applied.
     pub fn deliver_copy(&self, name: &str, payload: Option<&RawValue>, ids: &[u64]) {
         let head = EventHead::encode(name, payload, None);
+        let about = about::About::new(payload);
         let guard = crate::policy::events::guard(name);
         let inner = self.lock();
         let event = SharedEvent::new(head, &self.queue_budget);
         let clients = ids.iter().filter_map(|id| inner.clients.get(id));
         self.deliver(
             &inner,
-            clients.filter(|c| guard.allows(c.grant()) && c.wants(name, 0)),
+            clients.filter(|c| guard.allows(c.grant()) && c.wants(name, 0, &about)),
             &event,
             false,
         );
@@ -367,7 +372,9 @@ impl Hub {
         projected.apply(&mut inner.activity, name);
         let event = SharedEvent::new(head, &self.queue_budget);
         let visibility = Visibility::of(name, &Audience::All);
-        let visible = |c: &&Arc<Client>| visibility.admits(&c.reader()) && c.wants(name, cursor);
+        let about = about::About::new(event.payload());
+        let visible =
+            |c: &&Arc<Client>| visibility.admits(&c.reader()) && c.wants(name, cursor, &about);
         self.deliver(
             &inner,
             inner.clients.values().filter(visible),

@@ -476,6 +476,19 @@ impl EventHead {
         }
     }
 
+    /// The event's payload, as encoded (borrowed: nothing is copied or
+    /// parsed but the name before it); `None` for an event without one.
+    pub fn payload(&self) -> Option<&RawValue> {
+        let rest = self.bytes.get(EVENT_PREFIX.len()..)?;
+        let mut names = serde_json::Deserializer::from_slice(rest).into_iter::<Cow<'_, str>>();
+        names.next()?.ok()?;
+        let rest = rest
+            .get(names.byte_offset()..)?
+            .strip_prefix(br#","payload":"#)?;
+        let mut payloads = serde_json::Deserializer::from_slice(rest).into_iter::<&RawValue>();
+        payloads.next()?.ok()
+    }
+
     /// Encoded size in bytes (used for queue accounting).
     pub fn len(&self) -> usize {
         self.bytes.len() - SEQ_KEY.len() + 16
@@ -590,6 +603,20 @@ pub fn payload_status(payload: Option<&RawValue>) -> Option<String> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn an_event_head_gives_its_payload_as_encoded() {
+        let payload =
+            serde_json::value::to_raw_value(&json!({"sessionKey": "a", "n": [1]})).unwrap();
+        let sv = serde_json::value::to_raw_value(&json!({"health": 2})).unwrap();
+        for (name, sv) in [("chat", None), ("we\"ird", Some(&*sv))] {
+            let head = EventHead::encode(name, Some(&payload), sv);
+            assert_eq!(head.payload().map(RawValue::get), Some(payload.get()));
+        }
+        assert!(EventHead::encode("tick", None, Some(&sv))
+            .payload()
+            .is_none());
+    }
 
     #[test]
     fn a_res_with_an_encoded_member_is_the_object_with_that_member() {

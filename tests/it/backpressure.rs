@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::http_api::{open_events, Item};
 use crate::support::*;
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// 50 MiB of events while one client never reads: that client is closed as
 /// a slow consumer, the reading client gets every non-droppable event in
@@ -449,6 +449,41 @@ async fn one_large_event_is_not_a_slow_consumer() {
 /// and it then reads every event it wanted, in order, with no gap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_filtered_stream_that_does_not_read_is_queued_only_what_it_asked_for() {
+    filtered_stream_is_queued_only_what_it_asked_for(
+        "/v1/events?events=test.wanted",
+        |i, pad| ("test.wanted", json!({"i": i, "pad": pad})),
+        |i, pad| ("test.other", json!({"i": i, "pad": pad})),
+    )
+    .await;
+}
+
+/// The same for a stream filtered by session (`session=`): the hub reads
+/// which session each event is about once, as it queues it, and the
+/// events about other sessions take none of the stream's queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_filtered_by_session_that_does_not_read_is_queued_only_its_sessions() {
+    filtered_stream_is_queued_only_what_it_asked_for(
+        "/v1/events?session=agent:ops:main",
+        |i, pad| {
+            let payload = json!({"sessionKey": "agent:ops:main", "i": i, "pad": pad});
+            ("test.chat", payload)
+        },
+        |i, pad| {
+            let payload = json!({"sessionKey": "agent:main:main", "i": i, "pad": pad});
+            ("test.chat", payload)
+        },
+    )
+    .await;
+}
+
+/// A stream opened at `path` does not read while 384 events of 8 KiB it
+/// wants (`wanted(i, pad)`) are published, then 1,024 it does not want
+/// (`other`): it stays open and then reads every one it wanted, in order.
+async fn filtered_stream_is_queued_only_what_it_asked_for(
+    path: &str,
+    wanted: fn(i64, &str) -> (&'static str, Value),
+    other: fn(i64, &str) -> (&'static str, Value),
+) {
     // The gateway's buffer is the floor of the broker's hard limit: 4 MiB.
     let gateway = MockConfig {
         max_buffered_bytes: 4 << 20,
@@ -461,33 +496,33 @@ async fn a_filtered_stream_that_does_not_read_is_queued_only_what_it_asked_for()
         s.limits.send_buffer_bytes = 4096;
     })
     .await;
-    let mut sse = open_events(&h.socket(), "/v1/events?events=test.wanted", &[])
-        .await
-        .unwrap();
+    let mut sse = open_events(&h.socket(), path, &[]).await.unwrap();
     // Reads everything, a round at a time, so the flood is published in
     // step with a reader that keeps up (its queue has the same limit).
     let (mut sentinel, _) = h.connected().await;
     let pad = "w".repeat(8 * 1024);
-    let wanted = 384; // × 8 KiB: 3 MiB
+    let wanted_count = 384; // × 8 KiB: 3 MiB
     let others = 1024; // × 8 KiB: 8 MiB
     let mut round = 0;
-    let mut publish = |name: &'static str, from: i64, to: i64| {
+    let mut publish = |make: fn(i64, &str) -> (&'static str, Value), from: i64, to: i64| {
         for i in from..to {
-            h.gw.broadcast(name, json!({"i": i, "pad": pad}));
+            let (name, payload) = make(i, &pad);
+            h.gw.broadcast(name, payload);
         }
         round += 1;
         h.gw.broadcast("test.round", json!({"round": round}));
         round
     };
-    for from in (0..wanted).step_by(32) {
-        let r = publish("test.wanted", from, from + 32);
+    for from in (0..wanted_count).step_by(32) {
+        let r = publish(wanted, from, from + 32);
         until_round(&mut sentinel, r).await;
     }
     for from in (0..others).step_by(32) {
-        let r = publish("test.other", from, from + 32);
+        let r = publish(other, from, from + 32);
         until_round(&mut sentinel, r).await;
     }
-    h.gw.broadcast("test.wanted", json!({"i": wanted, "pad": ""}));
+    let (name, last) = wanted(wanted_count, "");
+    h.gw.broadcast(name, last);
     let stream = h
         .broker
         .ctx()
@@ -502,11 +537,16 @@ async fn a_filtered_stream_that_does_not_read_is_queued_only_what_it_asked_for()
     );
     assert_eq!(stream.dropped.load(Ordering::Relaxed), 0);
     let mut next = 0;
-    while next <= wanted {
+    while next <= wanted_count {
         match sse.next_item().await {
             Item::Event { name, data, .. } => {
-                assert_eq!(name, "test.wanted", "{data}");
+                let (want, payload) = wanted(next, "");
+                assert_eq!(name, want, "{data}");
                 assert_eq!(data["payload"]["i"], next, "every wanted event, in order");
+                assert_eq!(
+                    data["payload"]["sessionKey"], payload["sessionKey"],
+                    "{data}"
+                );
                 next += 1;
             }
             Item::Comment(_) => {}

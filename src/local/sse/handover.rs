@@ -407,10 +407,9 @@ pub(crate) fn take_over(
     client
         .observer
         .store(wanted.observe_tools, std::sync::atomic::Ordering::Relaxed);
-    // Names are filtered as events are queued (history, as it is written).
-    if let Some(names) = &wanted.filter {
-        client.want_only(names.iter().map(String::as_str));
-    }
+    // Names and sessions are filtered as events are queued (history, as
+    // it is written).
+    super::want_filters(&client, &wanted);
     let mut backlog = Vec::new().into_iter();
     let mut gap_after_backlog = false;
     if entry.from_log {
@@ -457,7 +456,6 @@ pub(crate) fn take_over(
         hole: None,
         gap_after_backlog,
         backlog,
-        sessions: wanted.sessions,
         tapped: wanted.tap,
         keepalive: ctx.settings.limits.sse_keepalive,
         last_write: std::time::Instant::now(),

@@ -90,67 +90,12 @@ struct EventsQuery {
     agent: Option<String>,
 }
 
-/// Which sessions a stream keeps (`session=`, `agent=`): events that name
-/// no session are left out, the broker's own `clawmux.*` records kept.
-#[derive(Debug, Default)]
-struct SessionFilter {
-    sessions: Option<HashSet<String>>,
-    agents: Option<HashSet<String>>,
-}
-
-impl SessionFilter {
-    fn is_empty(&self) -> bool {
-        self.sessions.is_none() && self.agents.is_none()
-    }
-
-    /// Whether an event named `name`, framed as `frame`, is kept.
-    fn keeps(&self, name: &str, frame: &[u8]) -> bool {
-        if self.is_empty() || name.starts_with("clawmux.") {
-            return true;
-        }
-        #[derive(Deserialize)]
-        struct Head {
-            #[serde(default)]
-            payload: Option<Payload>,
-        }
-        #[derive(Deserialize)]
-        struct Payload {
-            #[serde(rename = "sessionKey", default)]
-            session_key: Option<String>,
-            #[serde(rename = "agentId", default)]
-            agent_id: Option<String>,
-        }
-        let Some(p) = serde_json::from_slice::<Head>(frame)
-            .ok()
-            .and_then(|h| h.payload)
-        else {
-            return false;
-        };
-        let agent = p.agent_id.or_else(|| {
-            p.session_key
-                .as_deref()
-                .and_then(|k| k.strip_prefix("agent:"))
-                .and_then(|rest| rest.split(':').next())
-                .map(str::to_owned)
-        });
-        let session_ok = self
-            .sessions
-            .as_ref()
-            .is_none_or(|s| p.session_key.as_ref().is_some_and(|k| s.contains(k)));
-        let agent_ok = self
-            .agents
-            .as_ref()
-            .is_none_or(|a| agent.as_ref().is_some_and(|id| a.contains(id)));
-        session_ok && agent_ok
-    }
-}
-
 /// What a stream asked for, parsed (the hub checks the resume point).
 #[derive(Debug)]
 pub(crate) struct StreamRequest {
     pub(crate) from: ResumePoint,
     filter: Option<HashSet<String>>,
-    sessions: SessionFilter,
+    sessions: crate::hub::about::SessionFilter,
     tap: bool,
     /// The stream observes every targeted event (`tool_events=all`).
     observe_tools: bool,
@@ -198,7 +143,7 @@ pub(crate) fn parse_query(
         .filter(|set| !set.is_empty())
     };
     let filter = list(query.events);
-    let sessions = SessionFilter {
+    let sessions = crate::hub::about::SessionFilter {
         sessions: list(query.session).map(|keys| keys.iter().map(|k| canonical(k)).collect()),
         agents: list(query.agent),
     };
@@ -301,10 +246,9 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
     client
         .observer
         .store(wanted.observe_tools, std::sync::atomic::Ordering::Relaxed);
-    // Names are filtered as events are queued (history, as it is written).
-    if let Some(names) = &wanted.filter {
-        client.want_only(names.iter().map(String::as_str));
-    }
+    // Names and sessions are filtered as events are queued (history, as
+    // it is written).
+    want_filters(&client, &wanted);
     let (backlog, window) = match ctx.hub.admit_at_cursor(&client, &wanted.from) {
         Ok(admitted) => admitted,
         Err(SubscribeError::ReplayUnavailable(gone)) => {
@@ -347,7 +291,6 @@ pub(crate) fn open_from(opening: Opening, ctx: &Arc<Ctx>) -> Response<Body> {
         hole: None,
         gap_after_backlog: backlog.gap_after,
         backlog: backlog.events.into_iter(),
-        sessions: wanted.sessions,
         tapped: wanted.tap,
         keepalive: ctx.settings.limits.sse_keepalive,
         last_write: Instant::now(),
@@ -462,7 +405,6 @@ struct EventStream {
     gap_after_backlog: bool,
     /// History: events and whether a gap comes before each.
     backlog: std::vec::IntoIter<(EventHead, bool)>,
-    sessions: SessionFilter,
     /// Receives the request tap: its `Outgoing::Frame`s are tapped frames.
     tapped: bool,
     keepalive: Duration,
@@ -529,7 +471,7 @@ impl EventStream {
                 break;
             };
             self.gap_pending |= gap;
-            self.write_event(out, &head);
+            self.write_event(out, &head, Filtered::NotYet);
         }
     }
 
@@ -545,7 +487,7 @@ impl EventStream {
                         self.hole = self.hole.or_else(|| self.client.take_hole());
                     }
                     self.last_seq = seq;
-                    self.write_event(out, &head)
+                    self.write_event(out, &head, Filtered::ByTheHub)
                 }
                 Outgoing::Frame(frame) if self.tapped => {
                     crate::local::tap_stream::write_tapped(out, &frame)
@@ -569,13 +511,13 @@ impl EventStream {
     /// Writes one event the stream may see (live, the hub decided; in
     /// history, the log, by the same rule), after the gap before it if
     /// any, unless this stream's filters leave it out.
-    fn write_event(&mut self, out: &mut BytesMut, head: &EventHead) {
+    fn write_event(&mut self, out: &mut BytesMut, head: &EventHead, filtered: Filtered) {
         let cursor = head.cursor();
         let name = head.name();
         if cursor == 0 {
             // Not logged (a copy the broker made for WebSocket
             // subscribers): no cursor to resume from, so no `id:`.
-            if self.keeps(&name, head) {
+            if self.keeps(&name, head, filtered) {
                 write_unlogged(out, &name, &head.without_seq());
             }
             return;
@@ -599,18 +541,41 @@ impl EventStream {
             write_gap(out, after, next);
         }
         self.last_cursor = self.last_cursor.max(cursor);
-        if self.keeps(&name, head) {
+        if self.keeps(&name, head, filtered) {
             write_record(out, cursor, &name, &head.with_seq(cursor));
         }
     }
 
-    /// Whether this stream's filters (`events=`, `session=`, `agent=`) keep
-    /// it. `events=` is its client's ([`crate::hub::Client::want_only`]),
-    /// which the hub has applied already to live events, as it queued them.
-    fn keeps(&self, name: &str, head: &EventHead) -> bool {
-        self.client.is_given(name)
-            && (self.sessions.is_empty() || self.sessions.keeps(name, &head.without_seq()))
+    /// Whether this stream's filters (`events=`, `session=`, `agent=`, its
+    /// client's: [`crate::hub::Client::want`]) keep it: the hub applied
+    /// them to live events as it queued them; history is filtered here.
+    fn keeps(&self, name: &str, head: &EventHead, filtered: Filtered) -> bool {
+        filtered == Filtered::ByTheHub
+            || self
+                .client
+                .is_given(name, &crate::hub::about::About::new(head.payload()))
     }
+}
+
+/// Whether an event a stream writes has been through its filters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Filtered {
+    /// Queued live: the hub kept it for this stream.
+    ByTheHub,
+    /// From history.
+    NotYet,
+}
+
+/// Gives a stream's client the filters the stream asked for: applied
+/// from now on as events are queued for it.
+pub(crate) fn want_filters(client: &crate::hub::Client, wanted: &StreamRequest) {
+    client.want(
+        wanted
+            .filter
+            .as_ref()
+            .map(|names| names.iter().map(|n| Box::from(n.as_str())).collect()),
+        wanted.sessions.clone(),
+    );
 }
 
 /// One SSE record, `id: <cursor>`. `data` is a JSON frame whose `seq` is
