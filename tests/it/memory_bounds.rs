@@ -371,29 +371,61 @@ async fn a_large_answer_does_not_pin_a_write_buffer() {
 /// are then finished and answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fragments_count_against_the_budget_from_the_first() {
+    const BUDGET: usize = 32 << 20;
+    first_fragments_against_the_budget(
+        24,
+        8 << 20,
+        BUDGET,
+        &format!(
+            "queue_total_bytes = {BUDGET}\nqueue_hard_bytes = {BUDGET}\nqueue_soft_bytes = {}\nmax_frame_bytes = {}\n",
+            BUDGET / 2,
+            BUDGET / 2
+        ),
+    )
+    .await;
+}
+
+/// Eighty clients each send the first 24 MiB fragment of a message, with
+/// the default limits (a 256 MiB budget, 25 MiB frames): the broker should
+/// hold at most the budget of them, as for whole messages. It reads 10 and
+/// closes 70 `1009`, as it should, but holds +456 MiB: each fragment read
+/// is held twice (the parser's read buffer keeps the fragment's
+/// allocation beside the message being collected), and the read buffer
+/// keeps that size once the message is done. Ignored until a fragment's
+/// read buffer is given back as a whole frame's is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a fragment's read buffer is not given back yet: +456 MiB against a 256 MiB budget"]
+async fn eighty_first_fragments_of_24_mib_stay_within_the_default_budget() {
+    first_fragments_against_the_budget(80, 24 << 20, 256 << 20, "").await;
+}
+
+/// `clients` clients each send the first `fragment_bytes` fragment of a
+/// message against a `budget` of queued bytes (the `[limits]` lines say
+/// so), then finish it: at most the budget of them is read and answered,
+/// the others are closed `1009`, and the broker holds at most the budget
+/// (and 40 MiB) over idle meanwhile.
+async fn first_fragments_against_the_budget(
+    clients: usize,
+    fragment_bytes: usize,
+    budget: usize,
+    limits: &str,
+) {
     use futures_util::SinkExt;
     use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
     use tokio_tungstenite::tungstenite::protocol::frame::Frame;
     use tokio_tungstenite::tungstenite::Message;
-    const CLIENTS: usize = 24;
-    const FRAGMENT_BYTES: usize = 8 << 20;
-    const BUDGET: usize = 32 << 20;
     let _heavy = HEAVY.lock().await;
-    let rig = Rig::start(mock_config(), &format!(
-            "queue_total_bytes = {BUDGET}\nqueue_hard_bytes = {BUDGET}\nqueue_soft_bytes = {}\nmax_frame_bytes = {}\n",
-            BUDGET / 2,
-            BUDGET / 2
-        )).await;
+    let rig = Rig::start(mock_config(), limits).await;
     let (socket, pid) = (rig.socket.as_path(), rig.pid);
-    let clients = greeted(socket, CLIENTS).await;
+    let connected = greeted(socket, clients).await;
     let idle_kib = status_kib(pid, "VmRSS");
     let first = Bytes::from(format!(
         r#"{{"type":"req","id":"big","method":"health","params":{{"pad":"{}"#,
-        "x".repeat(FRAGMENT_BYTES)
+        "x".repeat(fragment_bytes)
     ));
     let (go, _) = tokio::sync::broadcast::channel::<()>(1);
-    let (sent_tx, mut sent_rx) = tokio::sync::mpsc::channel(CLIENTS);
-    let tasks: Vec<_> = clients
+    let (sent_tx, mut sent_rx) = tokio::sync::mpsc::channel(clients);
+    let tasks: Vec<_> = connected
         .into_iter()
         .map(|mut c| {
             let first = first.clone();
@@ -429,7 +461,7 @@ async fn fragments_count_against_the_budget_from_the_first() {
         })
         .collect();
     // Every first fragment written (taken, or refused with the socket).
-    for _ in 0..CLIENTS {
+    for _ in 0..clients {
         tokio::time::timeout(Duration::from_secs(30), sent_rx.recv())
             .await
             .expect("each client's first fragment is taken or refused");
@@ -454,14 +486,16 @@ async fn fragments_count_against_the_budget_from_the_first() {
         }
     }
     eprintln!(
-        "{CLIENTS} clients × an unfinished 8 MiB fragment, budget 32 MiB: broker RSS {idle_kib} KiB before, {held_kib} KiB holding them; {answered} answered, {refused} refused"
+        "{clients} clients × an unfinished {} MiB fragment, budget {} MiB: broker RSS {idle_kib} KiB before, {held_kib} KiB holding them; {answered} answered, {refused} refused",
+        fragment_bytes >> 20,
+        budget >> 20
     );
     assert!(answered >= 1, "a message within the budget is read");
     assert!(
-        answered * FRAGMENT_BYTES <= BUDGET,
-        "{answered} messages of 8 MiB held against a 32 MiB budget"
+        answered * fragment_bytes <= budget,
+        "{answered} messages of {fragment_bytes} bytes held against a budget of {budget}"
     );
-    let bound_kib = idle_kib + (BUDGET as u64 + (40 << 20)) / 1024;
+    let bound_kib = idle_kib + (budget as u64 + (40 << 20)) / 1024;
     assert!(
         held_kib < bound_kib,
         "{held_kib} KiB holding the fragments, {idle_kib} KiB before"
