@@ -519,7 +519,12 @@ fn encode_hello(
     let max_payload = up.max_payload.map_or(max_frame, |m| m.min(max_frame));
     let head = hello_head(up, conn_id, max_payload, scopes);
     let Some(snapshot) = snapshot else {
-        return encode_res_ok(id, &head);
+        // None kept (yet): the gateway's own, as it sent it.
+        let mut hello = head;
+        if let Some(own) = up.payload.get("snapshot") {
+            hello["snapshot"] = own.clone();
+        }
+        return encode_res_ok(id, &hello);
     };
     let frame = encode_res_ok_with(id, &head, "snapshot", &snapshot.whole);
     if frame.len() as u64 <= max_payload {
