@@ -10,6 +10,7 @@
 //! tungstenite, which reads ahead into its own buffer.
 
 use std::io;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -594,6 +595,97 @@ impl WriteSpool {
             _ => {}
         }
         std::pin::Pin::new(socket).poll_flush(cx)
+    }
+}
+
+// Why a large frame's header goes to the parser alone (see
+// `FrameCursor`): tungstenite reserves a whole frame's
+// payload in its read buffer as soon as it has the header, reads the
+// payload into it, and splits the payload off the front; the rest of that
+// allocation stays its read buffer, so one 25 MiB request kept 25 MiB for
+// the life of the connection (before: 80 clients pinned 2,003 MiB). It
+// offers no way to shrink the buffer (0.28, and 0.29 alike). But
+// `BytesMut`, when it must grow while the allocation is shared, moves to a
+// fresh one of its original (idle) size and lets go of the old one. So: a
+// large frame's header is handed over alone (the payload bytes read with it
+// are held back), the reservation is then exactly the payload and nothing
+// of the next frame lands in it; and the session keeps the payload
+// ([`ReleaseReadBuffer`]) until the parser's next read has moved to a fresh
+// buffer. Both steps are plain safe code; if a later tungstenite or bytes
+// changes either behaviour, the buffer is merely kept again, and
+// `a_large_request_does_not_pin_its_read_buffer` fails.
+
+/// Gives a large frame's read buffer back (see above): keeps the
+/// last large payload the parser returned until the parser has been polled
+/// again, which moves its buffer to a fresh, idle-sized allocation while
+/// the old one is still shared.
+#[derive(Debug, Default)]
+pub struct ReleaseReadBuffer {
+    payload: Option<bytes::Bytes>,
+}
+
+impl ReleaseReadBuffer {
+    /// Call after every poll of the parser, with the frame it returned, if any.
+    pub fn after_poll(&mut self, returned: Option<&bytes::Bytes>) {
+        if let Some(released) = self.payload.take() {
+            // A freed large buffer goes back to the system: a block that
+            // large is mostly a mapping of its own, unmapped as it is freed
+            // (`crate::bounds::return_large_blocks_at_once`), but glibc
+            // serves one from free heap space when it has some, and keeps
+            // that resident otherwise.
+            if released.len() >= crate::bounds::MAPPED_BLOCK_BYTES && released.is_unique() {
+                drop(released);
+                crate::bounds::return_free_memory();
+            }
+        }
+        self.payload = returned
+            .filter(|p| p.len() as u64 > LARGE_FRAME_BYTES)
+            .cloned();
+    }
+}
+
+/// A WebSocket's reading half that gives a large frame's read buffer back
+/// once the frame is handled ([`ReleaseReadBuffer`]): for sessions that
+/// read with `next()` (`/ws/dedicated`, the gateway connection).
+pub struct Releasing<R> {
+    inner: R,
+    release: ReleaseReadBuffer,
+}
+
+impl<R> Releasing<R> {
+    pub fn new(inner: R) -> Self {
+        Releasing {
+            inner,
+            release: ReleaseReadBuffer::default(),
+        }
+    }
+
+    pub fn into_inner(self) -> R {
+        self.inner
+    }
+}
+
+impl<R> futures_util::Stream for Releasing<R>
+where
+    R: futures_util::Stream<
+            Item = Result<
+                tokio_tungstenite::tungstenite::Message,
+                tokio_tungstenite::tungstenite::Error,
+            >,
+        > + Unpin,
+{
+    type Item = R::Item;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<R::Item>> {
+        use tokio_tungstenite::tungstenite::Message;
+        let polled = Pin::new(&mut self.inner).poll_next(cx);
+        let payload = match &polled {
+            Poll::Ready(Some(Ok(Message::Text(t)))) => Some(bytes::Bytes::from(t.clone())),
+            Poll::Ready(Some(Ok(Message::Binary(b)))) => Some(b.clone()),
+            _ => None,
+        };
+        self.release.after_poll(payload.as_ref());
+        polled
     }
 }
 

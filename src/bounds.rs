@@ -72,7 +72,8 @@ pub fn positive<T: Copy + PartialEq + Default + std::fmt::Display>(
 }
 
 /// Blocks at least this large are mapped on their own and unmapped when
-/// freed ([`return_large_blocks_at_once`]).
+/// freed ([`return_large_blocks_at_once`]), unless glibc has free heap
+/// space for one: freeing one is followed by [`return_free_memory`].
 pub const MAPPED_BLOCK_BYTES: usize = 1 << 20;
 
 /// Makes every allocation of [`MAPPED_BLOCK_BYTES`] or more a mapping of

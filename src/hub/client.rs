@@ -467,12 +467,6 @@ impl Client {
         self.wanted.get().is_none_or(|w| w.includes(name, about))
     }
 
-    /// Whether the client filters by session (its history's events are
-    /// then read for the session they name).
-    pub fn filters_sessions(&self) -> bool {
-        self.wanted.get().is_some_and(|w| !w.sessions.is_empty())
-    }
-
     /// A gap in what the client is sent ([`Client::skip_seq`]): a client
     /// given only some names remembers the newest cursor it passed over
     /// before it, and the first after it, for the gap's record.

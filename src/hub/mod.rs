@@ -48,7 +48,7 @@ struct HubInner {
     snapshot: Value,
     /// The snapshot encoded for the clients' hellos, once per change
     /// (`None`: not since it last changed).
-    encoded_snapshot: Option<Arc<EncodedSnapshot>>,
+    encoded_snapshot: Option<EncodedSnapshot>,
     /// Recent events with their broker-wide cursors, for `/v1/events`.
     replay: replay::ReplayLog,
     /// Queues that receive no events but count in the budget (a HUD
@@ -235,9 +235,9 @@ impl Hub {
             return Err(TooManyClients(self.max_clients));
         }
         if inner.encoded_snapshot.is_none() {
-            inner.encoded_snapshot = EncodedSnapshot::encode(&inner.snapshot).map(Arc::new);
+            inner.encoded_snapshot = EncodedSnapshot::encode(&inner.snapshot);
         }
-        client.push_frame(hello(inner.encoded_snapshot.as_deref()));
+        client.push_frame(hello(inner.encoded_snapshot.as_ref()));
         inner.clients.insert(client.id, Arc::clone(client));
         self.client_count.send_replace(inner.clients.len());
         Ok(())

@@ -75,8 +75,9 @@ use serde_json::Value;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
-use super::preconnect::{Limited, PreconnectBudget, Releasing};
+use super::preconnect::{Limited, PreconnectBudget};
 use super::ws_errors::{self, ReadFailure};
+use crate::boundary::Releasing;
 use crate::context::Ctx;
 pub use crate::dedicated_registry::{Dedicated, Outcomes};
 use crate::dedicated_registry::{Listing, Slot};

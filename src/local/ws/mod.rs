@@ -25,8 +25,9 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 
-use super::preconnect::{Limited, Pause, PreconnectBudget, ReleaseReadBuffer};
+use super::preconnect::{Limited, Pause, PreconnectBudget};
 use super::ws_errors::{self, ReadFailure};
+use crate::boundary::ReleaseReadBuffer;
 use crate::context::Ctx;
 use crate::dispatch::{Member, Registration};
 use crate::hub::Client;
@@ -526,18 +527,25 @@ fn encode_hello(
         }
         return encode_res_ok(id, &hello);
     };
-    let frame = encode_res_ok_with(id, &head, "snapshot", &snapshot.whole);
-    if frame.len() as u64 <= max_payload {
-        return frame;
+    // The small one first: the whole one's size follows from it, so a
+    // whole snapshot too large is never encoded only to be thrown away.
+    let (whole, cut) = (
+        snapshot.whole.get().len(),
+        snapshot.without_presence_and_health.get().len(),
+    );
+    let cut_frame =
+        encode_res_ok_with(id, &head, "snapshot", &snapshot.without_presence_and_health);
+    let whole_bytes = cut_frame.len() - cut + whole;
+    if whole_bytes as u64 <= max_payload {
+        return encode_res_ok_with(id, &head, "snapshot", &snapshot.whole);
     }
-    let cut = encode_res_ok_with(id, &head, "snapshot", &snapshot.without_presence_and_health);
     tracing::warn!(
-        hello_bytes = frame.len(),
+        hello_bytes = whole_bytes,
         max_payload,
-        sent_bytes = cut.len(),
+        sent_bytes = cut_frame.len(),
         "the gateway's snapshot makes hello-ok larger than maxPayload; the client gets it without presence and health (the next events of each bring them)"
     );
-    cut
+    cut_frame
 }
 
 /// Every member of a local client's `hello-ok` but the snapshot (see

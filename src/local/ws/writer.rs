@@ -72,10 +72,6 @@ pub(super) struct Writer {
 /// (copied from the batch).
 const COPY_WRITE_BYTES: usize = 64 * 1024;
 
-/// A batch at least this large is followed by giving freed memory back
-/// to the system ([`crate::bounds::return_free_memory`]).
-const RETURN_FREED_ABOVE_BYTES: usize = 1 << 20;
-
 /// A batch's scratch buffer (headers and digits) larger than this after a
 /// batch is not kept.
 const KEEP_SCRATCH_BYTES: usize = 16 * 1024;
@@ -100,9 +96,12 @@ impl Framed for Outgoing {
 fn last_large_holder(item: &Outgoing) -> bool {
     match item {
         Outgoing::Event(head, _) => {
-            head.len() >= RETURN_FREED_ABOVE_BYTES && std::sync::Arc::strong_count(head) == 1
+            head.len() >= crate::bounds::MAPPED_BLOCK_BYTES
+                && std::sync::Arc::strong_count(head) == 1
         }
-        Outgoing::Frame(bytes) => bytes.len() >= RETURN_FREED_ABOVE_BYTES && bytes.is_unique(),
+        Outgoing::Frame(bytes) => {
+            bytes.len() >= crate::bounds::MAPPED_BLOCK_BYTES && bytes.is_unique()
+        }
         Outgoing::Close(..) => false,
     }
 }
@@ -244,7 +243,8 @@ impl Writer {
                 let frees_large = self.frames.items().iter().any(last_large_holder);
                 self.frames.clear(KEEP_SCRATCH_BYTES);
                 if frees_large {
-                    // glibc keeps freed memory resident otherwise.
+                    // A large block served from free heap space (not
+                    // mapped on its own) stays resident otherwise.
                     crate::bounds::return_free_memory();
                 }
                 continue;

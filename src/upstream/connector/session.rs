@@ -96,7 +96,7 @@ impl Connector {
         let pause = ws.get_ref().pause();
         let (sink, stream) = ws.split();
         // A large event's read buffer is given back once it is handled.
-        let mut stream = crate::local::preconnect::Releasing::new(stream);
+        let mut stream = crate::boundary::Releasing::new(stream);
         let outlet = Arc::clone(&self.outlet);
         outlet.install(sink, generation);
         let mut last_rx = Instant::now();
