@@ -134,9 +134,21 @@ pub(crate) struct Advanced {
     pub taken: usize,
     /// A large frame's header ended here: hand it over alone.
     pub stop: bool,
-    /// A data frame's header ended in this step: its payload length, and
-    /// whether it begins a message (it is not a continuation).
-    pub data: Option<(u64, bool)>,
+    /// A data frame's header ended in this step.
+    pub data: Option<DataHead>,
+}
+
+/// A data frame's header, as [`FrameCursor::advance_one`] read it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DataHead {
+    pub payload: u64,
+    /// It begins a message (it is not a continuation).
+    pub begins: bool,
+    /// Its first byte: FIN, the reserved bits, the opcode.
+    pub first: u8,
+    /// The header's length in bytes.
+    pub len: usize,
+    pub mask: Option<[u8; 4]>,
 }
 
 impl FrameCursor {
@@ -145,7 +157,14 @@ impl FrameCursor {
     /// follows data messages across frames: set by a data frame without
     /// FIN, cleared by one with FIN (control frames, which may come between
     /// fragments, leave it).
-    pub(crate) fn advance_one(&mut self, bytes: &[u8], in_message: &mut bool) -> Advanced {
+    /// A frame with a payload over `split_above` ends the step at the end
+    /// of its header.
+    pub(crate) fn advance_one(
+        &mut self,
+        bytes: &[u8],
+        in_message: &mut bool,
+        split_above: u64,
+    ) -> Advanced {
         let mut i = 0;
         let mut data = None;
         while i < bytes.len() {
@@ -178,7 +197,17 @@ impl FrameCursor {
                     };
                     let (fin, control) = (head[0] & 0x80 != 0, head[0] & 0x08 != 0);
                     if !control {
-                        data = Some((payload, !*in_message));
+                        let mask = (head[1] & 0x80 != 0).then(|| {
+                            let at = *len - 4;
+                            [head[at], head[at + 1], head[at + 2], head[at + 3]]
+                        });
+                        data = Some(DataHead {
+                            payload,
+                            begins: !*in_message,
+                            first: head[0],
+                            len: *len,
+                            mask,
+                        });
                         *in_message = !fin;
                     }
                     *self = if payload == 0 {
@@ -186,7 +215,7 @@ impl FrameCursor {
                     } else {
                         FrameCursor::Payload(payload)
                     };
-                    let stop = payload > LARGE_FRAME_BYTES && i < bytes.len();
+                    let stop = payload > split_above && i < bytes.len();
                     if payload == 0 || stop {
                         return Advanced {
                             taken: i,
@@ -252,6 +281,70 @@ pub struct Follower {
     /// The bytes handed to the parser since the last message boundary, so
     /// that a message half read can move ([`Follower::carrying`]).
     partial: Partial,
+    /// Fragments with a payload in this range are handed over in pieces
+    /// ([`Follower::fragments_in_pieces`]).
+    in_pieces: Option<std::ops::RangeInclusive<u64>>,
+    /// The fragment being handed over in pieces.
+    pieces: Option<Pieces>,
+}
+
+/// A fragment with more payload than this is handed to the parser in
+/// pieces of this size at most (see [`Follower::fragments_in_pieces`]):
+/// the size of a local client's idle read buffer, which a piece then
+/// never outgrows. (At most 65,535: a piece's length takes two bytes.)
+pub const PIECE_BYTES: u64 = LARGE_FRAME_BYTES;
+
+/// A fragment being handed to the parser as frames of at most
+/// [`PIECE_BYTES`] (RFC 6455 §5.4: an intermediary may change how a
+/// message is fragmented when no extension is in use). Each piece is
+/// masked with the fragment's key turned by the piece's offset in the
+/// payload, so the payload bytes pass as they came, never unmasked here.
+#[derive(Debug)]
+struct Pieces {
+    /// Bytes of the fragment's own header still at the front of
+    /// `held_back` (it is never handed over).
+    skip: usize,
+    /// Payload bytes of the fragment not handed over yet.
+    frame_left: u64,
+    /// Payload bytes of the piece in progress not handed over yet.
+    piece_left: u64,
+    /// Payload bytes handed over so far.
+    offset: u64,
+    /// The fragment's first header byte: FIN, reserved bits (none), opcode.
+    first: u8,
+    mask: Option<[u8; 4]>,
+}
+
+impl Pieces {
+    /// The next piece's header (and its length in bytes); the piece is then
+    /// in progress.
+    fn next_header(&mut self) -> ([u8; 8], usize) {
+        let len = self.frame_left.min(PIECE_BYTES);
+        let (first_piece, last_piece) = (self.offset == 0, len == self.frame_left);
+        let mut head = [0u8; 8];
+        // The first piece has the fragment's opcode, the others continue it;
+        // the last has its FIN.
+        head[0] = if first_piece { self.first & 0x0f } else { 0 }
+            | if last_piece { self.first & 0x80 } else { 0 };
+        let masked = if self.mask.is_some() { 0x80 } else { 0 };
+        let mut n = 2;
+        if len <= 125 {
+            head[1] = masked | len as u8;
+        } else {
+            head[1] = masked | 126;
+            head[2..4].copy_from_slice(&(len as u16).to_be_bytes());
+            n = 4;
+        }
+        if let Some(key) = self.mask {
+            let turn = (self.offset % 4) as usize;
+            for (j, b) in head[n..n + 4].iter_mut().enumerate() {
+                *b = key[(turn + j) % 4];
+            }
+            n += 4;
+        }
+        self.piece_left = len;
+        (head, n)
+    }
 }
 
 /// A copy of the message in progress, as handed to the parser, kept up
@@ -316,7 +409,23 @@ impl Follower {
             message_bytes: 0,
             http_head: None,
             partial: Partial::default(),
+            in_pieces: None,
+            pieces: None,
         }
+    }
+
+    /// Hands a fragment (a data frame of a message sent in several) whose
+    /// payload is larger than `above` and at most `up_to` to the parser in
+    /// pieces of at most [`PIECE_BYTES`]. tungstenite reserves a frame's
+    /// whole payload in its read buffer, copies it into the message it
+    /// collects and keeps that buffer: a fragment whole is held twice while
+    /// collected, and its size stays afterwards. In pieces the message it
+    /// collects (which the budgets count) is the only copy. A larger
+    /// fragment is handed whole, for the parser to refuse at its header.
+    /// `above` should be at least the copy kept for carrying: a message
+    /// handed in pieces is never carried half read (it is read to its end).
+    pub fn fragments_in_pieces(&mut self, above: u64, up_to: u64) {
+        self.in_pieces = Some(above.saturating_add(1)..=up_to);
     }
 
     /// Keeps a copy of the message in progress, up to `limit` bytes, so
@@ -423,27 +532,68 @@ impl Follower {
         let stop_at_message_end = self.pause.requested();
         let mut boundary = self.at_message_boundary().then_some(0);
         let mut i = 0;
+        // A fragment handed over in pieces must end its step at its header.
+        let split_above = match &self.in_pieces {
+            Some(range) => LARGE_FRAME_BYTES.min(range.start().saturating_sub(1)),
+            None => LARGE_FRAME_BYTES,
+        };
+        // Where the frame of the last step began, if it began in `bytes`.
+        let mut header_start = None;
+        let mut in_pieces = false;
         while i < bytes.len() {
             if stop_at_message_end && self.at_message_boundary() {
                 break;
             }
-            let n = self.frames.advance_one(&bytes[i..], &mut self.in_message);
+            header_start = matches!(self.frames, FrameCursor::Header0).then_some(i);
+            let n = self
+                .frames
+                .advance_one(&bytes[i..], &mut self.in_message, split_above);
             i += n.taken;
             if self.at_message_boundary() {
                 boundary = Some(i);
             }
             match n.data {
-                Some((payload, true)) => self.message_bytes = payload,
+                Some(head) if head.begins => self.message_bytes = head.payload,
                 // A frame header may declare up to 2^63 bytes: the sum of a
                 // hostile message's fragments saturates (and is refused by
                 // any budget) rather than wrapping.
-                Some((payload, false)) => {
-                    self.message_bytes = self.message_bytes.saturating_add(payload)
-                }
+                Some(head) => self.message_bytes = self.message_bytes.saturating_add(head.payload),
                 None => {}
+            }
+            if let (Some(head), Some(start)) = (n.data, header_start) {
+                if self.goes_in_pieces(&head) {
+                    // Handed up to the fragment's header; the header itself
+                    // never is (see `Follower::poll_pieces`).
+                    self.pieces = Some(Pieces {
+                        skip: head.len,
+                        frame_left: head.payload,
+                        piece_left: 0,
+                        offset: 0,
+                        first: head.first,
+                        mask: head.mask,
+                    });
+                    i = start;
+                    in_pieces = true;
+                    break;
+                }
             }
             if n.stop && self.split_large {
                 break;
+            }
+        }
+        if let (true, false, FrameCursor::Header { .. }, Some(start)) = (
+            self.in_pieces.is_some(),
+            in_pieces,
+            &self.frames,
+            header_start,
+        ) {
+            // A header begun and not ended: held back whole until its end
+            // is read, so that a fragment to hand over in pieces is known
+            // before any byte of its header is handed over.
+            self.frames = FrameCursor::Header0;
+            i = start;
+            if self.at_message_boundary() {
+                boundary = Some(i);
             }
         }
         self.pause
@@ -451,8 +601,28 @@ impl Follower {
             .at_boundary
             .store(self.at_message_boundary(), Ordering::SeqCst);
         self.partial.keep(&bytes[..i], boundary);
+        if in_pieces {
+            // Larger than any copy kept: read to its end before a handover.
+            self.partial.overflowed = true;
+            self.partial.bytes = Vec::new();
+        }
         self.pause.0.carries.store(self.carries(), Ordering::SeqCst);
         i
+    }
+
+    /// Whether the data frame `head` begins is a fragment to hand over in
+    /// pieces ([`Follower::fragments_in_pieces`]).
+    fn goes_in_pieces(&self, head: &DataHead) -> bool {
+        let (fin, reserved, opcode) =
+            (head.first & 0x80 != 0, head.first & 0x70, head.first & 0x0f);
+        // Text, binary or continuation, without extension bits: a frame
+        // the parser refuses is handed as it came, for it to refuse.
+        let fragment = (!fin || opcode == 0) && reserved == 0 && opcode <= 2;
+        fragment
+            && self
+                .in_pieces
+                .as_ref()
+                .is_some_and(|range| range.contains(&head.payload))
     }
 
     /// A read for the parser: the held-back bytes first, else
@@ -468,27 +638,140 @@ impl Follower {
         if self.pause.stopped() || (self.pause.requested() && self.at_message_boundary()) {
             return Poll::Pending;
         }
-        if !self.held_back.is_empty() {
-            let n = buf.remaining().min(self.held_back.len());
-            let held = std::mem::take(&mut self.held_back);
-            let n = self.advance(&held[..n]);
-            buf.put_slice(&held[..n]);
-            if n < held.len() {
-                self.held_back = held[n..].to_vec();
-            }
-            return Poll::Ready(Ok(()));
+        if self.pieces.is_some() {
+            return self.poll_pieces(cx, buf, read_socket);
         }
         let start = buf.filled().len();
-        let polled = read_socket(cx, buf);
-        if let Poll::Ready(Ok(())) = &polled {
-            let read = &buf.filled()[start..];
-            let n = self.advance(read);
-            if n < read.len() {
-                self.held_back = read[n..].to_vec();
-                buf.set_filled(start + n);
+        if self.held_back.is_empty() {
+            let polled = read_socket(cx, buf);
+            if !matches!(polled, Poll::Ready(Ok(()))) {
+                return polled;
+            }
+        } else {
+            let held = std::mem::take(&mut self.held_back);
+            let n = buf.remaining().min(held.len());
+            let k = self.advance(&held[..n]);
+            if k > 0 || n == 0 {
+                buf.put_slice(&held[..k]);
+                if k < held.len() {
+                    self.held_back = held[k..].to_vec();
+                }
+                return Poll::Ready(Ok(()));
+            }
+            if self.pieces.is_some() {
+                self.held_back = held;
+                return self.poll_pieces(cx, buf, read_socket);
+            }
+            // Only the start of a frame header is held: the socket's next
+            // bytes go behind it, and the two are followed together.
+            if buf.remaining() <= held.len() {
+                // The parser makes room for a whole header before it reads one.
+                self.held_back = held;
+                return Poll::Ready(Err(io::Error::other(
+                    "a read buffer smaller than a frame header",
+                )));
+            }
+            buf.put_slice(&held);
+            match read_socket(cx, buf) {
+                Poll::Ready(Ok(())) if buf.filled().len() == start + held.len() => {
+                    // The stream ended inside a header: the parser says so.
+                    return Poll::Ready(Ok(()));
+                }
+                Poll::Ready(Ok(())) => {}
+                other => {
+                    buf.set_filled(start);
+                    self.held_back = held;
+                    return other;
+                }
             }
         }
-        polled
+        let read = buf.filled().len() - start;
+        if read == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        let k = self.advance(&buf.filled()[start..]);
+        if k < read {
+            self.held_back = buf.filled()[start + k..].to_vec();
+            buf.set_filled(start + k);
+        }
+        if k > 0 {
+            return Poll::Ready(Ok(()));
+        }
+        if self.pieces.is_some() {
+            // A fragment's header came first: its first piece's goes now.
+            return self.poll_pieces(cx, buf, |_, _| Poll::Ready(Ok(())));
+        }
+        // Nothing to hand over yet (the start of a header, which waits for
+        // its end): try again at once, the socket may hold the rest.
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+
+    /// A read for the parser inside a fragment handed over in pieces: the
+    /// next piece's header, or payload bytes of the piece in progress (from
+    /// the held-back bytes, else the socket), never past the piece's end.
+    fn poll_pieces(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+        read_socket: impl FnOnce(&mut Context<'_>, &mut ReadBuf<'_>) -> Poll<io::Result<()>>,
+    ) -> Poll<io::Result<()>> {
+        let Some(pieces) = self.pieces.as_mut() else {
+            return Poll::Ready(Ok(()));
+        };
+        if pieces.skip > 0 {
+            let skip = pieces.skip.min(self.held_back.len());
+            self.held_back.drain(..skip);
+            pieces.skip -= skip;
+        }
+        if pieces.piece_left == 0 {
+            let (head, n) = pieces.next_header();
+            if buf.remaining() < n {
+                // The parser makes room for a whole header before it reads one.
+                return Poll::Ready(Err(io::Error::other(
+                    "a read buffer smaller than a frame header",
+                )));
+            }
+            buf.put_slice(&head[..n]);
+            return Poll::Ready(Ok(()));
+        }
+        let want = usize::try_from(pieces.piece_left)
+            .unwrap_or(usize::MAX)
+            .min(buf.remaining());
+        let took = if self.held_back.is_empty() {
+            let start = buf.filled().len();
+            match read_socket(cx, buf) {
+                Poll::Ready(Ok(())) => {}
+                other => return other,
+            }
+            let read = buf.filled().len() - start;
+            let took = read.min(want);
+            if read > took {
+                self.held_back = buf.filled()[start + took..].to_vec();
+                buf.set_filled(start + took);
+            }
+            took
+        } else {
+            let took = want.min(self.held_back.len());
+            buf.put_slice(&self.held_back[..took]);
+            self.held_back.drain(..took);
+            took
+        };
+        // (Nothing taken: the stream ended inside the fragment, which the
+        // parser says, or the parser gave no room.)
+        pieces.piece_left -= took as u64;
+        pieces.frame_left -= took as u64;
+        pieces.offset += took as u64;
+        if pieces.frame_left == 0 {
+            self.pieces = None;
+            self.frames = FrameCursor::Header0;
+            self.pause
+                .0
+                .at_boundary
+                .store(self.at_message_boundary(), Ordering::SeqCst);
+            self.pause.0.carries.store(self.carries(), Ordering::SeqCst);
+        }
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -718,7 +1001,7 @@ mod tests {
             let mut in_message = false;
             let mut i = 0;
             while i < bytes.len() {
-                let n = self.advance_one(&bytes[i..], &mut in_message);
+                let n = self.advance_one(&bytes[i..], &mut in_message, LARGE_FRAME_BYTES);
                 i += n.taken;
                 if n.stop {
                     break;
@@ -957,6 +1240,211 @@ mod tests {
         let n = buf.filled().len();
         took.truncate(n);
         (took, spool.take())
+    }
+
+    /// A client's message (masked with `key`) in `fragments` frames.
+    fn masked_message(payload: &[u8], fragments: usize, key: [u8; 4], text: bool) -> Vec<u8> {
+        let mut out = Vec::new();
+        let per = payload.len().div_ceil(fragments.max(1)).max(1);
+        let parts: Vec<&[u8]> = if payload.is_empty() {
+            vec![&[][..]]
+        } else {
+            payload.chunks(per).collect()
+        };
+        for (i, part) in parts.iter().enumerate() {
+            let fin = if i + 1 == parts.len() { 0x80 } else { 0 };
+            let opcode = match (i, text) {
+                (0, true) => 1,
+                (0, false) => 2,
+                _ => 0,
+            };
+            let mut head = header(part.len() as u64);
+            head[0] = fin | opcode;
+            let at = head.len() - 4;
+            head[at..].copy_from_slice(&key);
+            out.extend(head);
+            out.extend(part.iter().enumerate().map(|(j, b)| b ^ key[j % 4]));
+        }
+        out
+    }
+
+    /// Reads `stream` through a follower that hands fragments larger than
+    /// `above` over in pieces, `chunk` bytes a socket read, into reads of
+    /// `room` bytes: what the parser is handed.
+    fn through_pieces(stream: &[u8], above: u64, chunk: usize, room: usize) -> Vec<u8> {
+        let mut follower = Follower::new(Vec::new(), true).carrying(above as usize);
+        follower.fragments_in_pieces(above, u64::MAX);
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let (mut handed, mut at) = (Vec::new(), 0);
+        let mut space = vec![0u8; room];
+        for _ in 0..stream.len() * 4 + 16 {
+            let mut buf = ReadBuf::new(&mut space);
+            let polled = follower.poll_read(&mut cx, &mut buf, |_, buf| {
+                let n = chunk.min(stream.len() - at).min(buf.remaining());
+                buf.put_slice(&stream[at..at + n]);
+                at += n;
+                Poll::Ready(Ok(()))
+            });
+            match polled {
+                Poll::Ready(Ok(())) if buf.filled().is_empty() => break,
+                Poll::Ready(Ok(())) => handed.extend_from_slice(buf.filled()),
+                Poll::Ready(Err(e)) => panic!("{e}"),
+                // The start of a header, waiting for its end.
+                Poll::Pending => {}
+            }
+        }
+        assert_eq!(at, stream.len(), "read to the end");
+        assert!(follower.between_messages(), "ends at a boundary");
+        handed
+    }
+
+    /// The messages a server's parser reads from `wire`.
+    fn parsed(wire: Vec<u8>) -> Vec<tungstenite::Message> {
+        use tokio_tungstenite::tungstenite;
+        struct Io(std::io::Cursor<Vec<u8>>);
+        impl std::io::Read for Io {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                self.0.read(buf)
+            }
+        }
+        impl std::io::Write for Io {
+            fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let config = tungstenite::protocol::WebSocketConfig::default().read_buffer_size(2048);
+        let mut ws = tungstenite::WebSocket::from_raw_socket(
+            Io(std::io::Cursor::new(wire)),
+            tungstenite::protocol::Role::Server,
+            Some(config),
+        );
+        let mut out = Vec::new();
+        while let Ok(m) = ws.read() {
+            out.push(m);
+        }
+        out
+    }
+
+    use tokio_tungstenite::tungstenite;
+
+    /// A fragment of 24 MiB is handed over as pieces of at most
+    /// [`PIECE_BYTES`], masked so that the parser reads the same message;
+    /// the fragments under the limit and a whole large frame pass as they
+    /// came.
+    #[test]
+    fn a_large_fragment_is_handed_over_in_pieces_that_make_the_same_message() {
+        let big = "é".repeat(12 << 20);
+        let mut stream = masked_message(big.as_bytes(), 2, [9, 8, 7, 6], true);
+        let small = masked_message(b"small", 1, [1, 2, 3, 4], true);
+        stream.extend(&small);
+        let whole = masked_message(&[7u8; 100_000], 1, [5, 5, 6, 6], false);
+        stream.extend(&whole);
+        let handed = through_pieces(&stream, 64 * 1024, 70_000, 2048);
+        let mut frames = 0;
+        let mut at = 0;
+        while at < handed.len() {
+            let len = (2..=14)
+                .find_map(|n| header_payload_len(&handed[at..at + n]).map(|p| (n, p)))
+                .unwrap();
+            frames += 1;
+            assert!(
+                len.1 <= PIECE_BYTES || len.1 == 100_000,
+                "no fragment over a piece"
+            );
+            at += len.0 + len.1 as usize;
+        }
+        assert!(
+            frames > (24 << 20) / PIECE_BYTES as usize,
+            "{frames} frames"
+        );
+        assert!(
+            handed.ends_with(&whole) && handed[..handed.len() - whole.len()].ends_with(&small),
+            "frames not cut pass as they came"
+        );
+        let messages = parsed(handed);
+        assert_eq!(messages.len(), 3);
+        assert_eq!(messages[0].to_text().unwrap(), big);
+        assert_eq!(messages[1].to_text().unwrap(), "small");
+        assert_eq!(messages[2].len(), 100_000);
+    }
+
+    /// Paused inside a fragment handed over in pieces, a follower cannot
+    /// carry it (it is larger than any copy kept), reads it to its end
+    /// and stops there.
+    #[test]
+    fn a_pause_inside_pieces_waits_for_the_message_end() {
+        let mut stream = masked_message(&[3u8; 300_000], 3, [1, 2, 3, 4], false);
+        let next = masked_message(b"next", 1, [4, 3, 2, 1], true);
+        stream.extend(&next);
+        let mut follower = Follower::new(Vec::new(), true).carrying(64 * 1024);
+        follower.fragments_in_pieces(64 * 1024, u64::MAX);
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let (mut handed, mut at) = (Vec::new(), 0);
+        let mut read = |follower: &mut Follower, handed: &mut Vec<u8>| {
+            let mut space = [0u8; 2048];
+            let mut buf = ReadBuf::new(&mut space);
+            let polled = follower.poll_read(&mut cx, &mut buf, |_, buf| {
+                let n = 4096.min(stream.len() - at).min(buf.remaining());
+                buf.put_slice(&stream[at..at + n]);
+                at += n;
+                Poll::Ready(Ok(()))
+            });
+            handed.extend_from_slice(buf.filled());
+            polled.is_ready()
+        };
+        for _ in 0..40 {
+            assert!(read(&mut follower, &mut handed));
+        }
+        assert!(!follower.carries(), "inside pieces: not carried");
+        follower.pause().request();
+        let mut reads = 0;
+        while read(&mut follower, &mut handed) {
+            reads += 1;
+            assert!(reads < 10_000, "stops at the message end");
+        }
+        assert!(follower.pause().at_boundary());
+        assert_eq!(
+            follower.take_carried().unwrap(),
+            next,
+            "the next message waits"
+        );
+        let messages = parsed(handed);
+        assert_eq!(messages.len(), 1);
+        assert_eq!(messages[0].len(), 300_000);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        /// However the socket splits them and whatever room the parser
+        /// gives, fragments in pieces make the messages the client sent.
+        #[test]
+        fn fragments_in_pieces_make_the_messages_sent(
+            messages in proptest::collection::vec((0usize..12_000, 1usize..5, proptest::prelude::any::<[u8; 4]>(), proptest::prelude::any::<bool>()), 1..6),
+            chunk in 1usize..6000,
+            room in 14usize..6000,
+            above in 0u64..3000,
+        ) {
+            let mut stream = Vec::new();
+            let mut sent = Vec::new();
+            for (i, (len, fragments, key, text)) in messages.iter().enumerate() {
+                // Two-byte characters, so pieces cut some in half.
+                let payload: Vec<u8> = if *text {
+                    "ü".repeat(len / 2).into_bytes()
+                } else {
+                    (0..*len).map(|j| (i + j) as u8).collect()
+                };
+                stream.extend(masked_message(&payload, *fragments, *key, *text));
+                sent.push(payload);
+            }
+            let handed = through_pieces(&stream, above, chunk, room);
+            let got: Vec<Vec<u8>> = parsed(handed).into_iter().map(|m| m.into_data().to_vec()).collect();
+            proptest::prop_assert_eq!(got, sent);
+        }
     }
 
     proptest::proptest! {

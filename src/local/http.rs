@@ -198,7 +198,8 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
                 match route {
                     Route::Shared => {
                         let io =
-                            super::preconnect::Limited::new(TokioIo::new(upgraded), budget.clone());
+                            super::preconnect::Limited::new(TokioIo::new(upgraded), budget.clone())
+                                .fragments_in_pieces(ctx.settings.limits.max_frame_bytes);
                         let ws =
                             WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
                         let peer = super::ws::Peer {
@@ -210,7 +211,8 @@ fn upgrade(mut req: Request<Incoming>, ctx: Arc<Ctx>, route: Route) -> Response<
                     Route::Dedicated => {
                         let io: Box<dyn super::dedicated::ClientIo> =
                             Box::new(TokioIo::new(upgraded));
-                        let io = super::preconnect::Limited::new(io, budget.clone());
+                        let io = super::preconnect::Limited::new(io, budget.clone())
+                            .fragments_in_pieces(ctx.settings.limits.max_frame_bytes);
                         let ws =
                             WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
                         let client = super::dedicated::Client {

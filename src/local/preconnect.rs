@@ -140,6 +140,17 @@ impl<T> Limited<T> {
         }
     }
 
+    /// Hands a fragment of a message (a data frame of several) larger than
+    /// the copy kept for a handover ([`CARRY_MESSAGE_BYTES`]), and at most
+    /// `max_frame_bytes`, to the parser in pieces: the message it collects
+    /// is then the only copy, the one the budgets count
+    /// (`crate::boundary::Follower::fragments_in_pieces`).
+    pub fn fragments_in_pieces(mut self, max_frame_bytes: usize) -> Self {
+        self.follow
+            .fragments_in_pieces(CARRY_MESSAGE_BYTES as u64, max_frame_bytes as u64);
+        self
+    }
+
     /// As [`Limited::with_unread`], on a socket to which the previous
     /// instance left `unwritten` bytes (the rest of a batch, from inside a
     /// frame): they are written first, before any frame of this instance.

@@ -245,7 +245,8 @@ pub async fn take_over(parcel: DedicatedParcel, ctx: Arc<Ctx>) {
     let budget = PreconnectBudget::new(0);
     budget.lift();
     let io: Box<dyn ClientIo> = Box::new(stream);
-    let io = Limited::with_unwritten(io, budget.clone(), client_unread, client_unwritten);
+    let io = Limited::with_unwritten(io, budget.clone(), client_unread, client_unwritten)
+        .fragments_in_pieces(ctx.settings.limits.max_frame_bytes);
     let client_pause = io.pause();
     let ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
         io,

@@ -61,7 +61,8 @@ pub(super) async fn websocket(
         .max_frame_size(Some(max_frame));
     let budget = PreconnectBudget::new(0);
     budget.lift();
-    let mut io = Limited::with_carried(io, budget, unread, unwritten);
+    let mut io =
+        Limited::with_carried(io, budget, unread, unwritten).fragments_in_pieces(max_frame);
     io.spool_writes();
     let pause = io.pause();
     (

@@ -127,7 +127,8 @@ pub async fn take_over(
     // The unread bytes go through the reader, which follows their frames;
     // the unwritten ones go before any frame of this instance.
     let continues = !carried.unwritten.is_empty();
-    let io = Limited::with_carried(stream, budget, carried.unread, carried.unwritten);
+    let io = Limited::with_carried(stream, budget, carried.unread, carried.unwritten)
+        .fragments_in_pieces(ctx.settings.limits.max_frame_bytes);
     let config = config(&ctx);
     let pause = io.pause();
     let ws = WebSocketStream::from_raw_socket(io, Role::Server, Some(config)).await;
