@@ -399,7 +399,8 @@ async fn eighty_first_fragments_of_24_mib_stay_within_the_default_budget() {
 /// message against a `budget` of queued bytes (the `[limits]` lines say
 /// so), then finish it: at most the budget of them is read and answered,
 /// the others are closed `1009`, and the broker holds at most the budget
-/// (and 40 MiB) over idle meanwhile.
+/// (and 40 MiB) over idle meanwhile, and less than 32 MiB once they are
+/// handled.
 async fn first_fragments_against_the_budget(
     clients: usize,
     fragment_bytes: usize,
@@ -495,6 +496,14 @@ async fn first_fragments_against_the_budget(
     assert!(
         held_kib < bound_kib,
         "{held_kib} KiB holding the fragments, {idle_kib} KiB before"
+    );
+    // Handled, the messages and every buffer they passed through are gone.
+    let after_bound_kib = idle_kib + 32 * 1024;
+    let after_kib = rss_once_under(pid, after_bound_kib).await;
+    eprintln!("{after_kib} KiB once the messages were handled");
+    assert!(
+        after_kib < after_bound_kib,
+        "{after_kib} KiB once the messages were handled, {idle_kib} KiB before"
     );
 }
 
