@@ -374,6 +374,7 @@ async fn fragments_count_against_the_budget_from_the_first() {
     first_fragments_against_the_budget(
         24,
         8 << 20,
+        0,
         BUDGET,
         &format!(
             "queue_total_bytes = {BUDGET}\nqueue_hard_bytes = {BUDGET}\nqueue_soft_bytes = {}\nmax_frame_bytes = {}\n",
@@ -392,18 +393,30 @@ async fn fragments_count_against_the_budget_from_the_first() {
 /// never holds it beside the message, and keeps its idle size).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eighty_first_fragments_of_24_mib_stay_within_the_default_budget() {
-    first_fragments_against_the_budget(80, 24 << 20, 256 << 20, "").await;
+    first_fragments_against_the_budget(80, 24 << 20, 0, 256 << 20, "").await;
+}
+
+/// Forty clients each send a 20 MiB request in two fragments of 10 MiB,
+/// with the default limits: a message counts against the budget with
+/// each fragment's header, so the broker holds at most the budget of them
+/// as they grow (the others are closed `1009`), answers those it read,
+/// and keeps nothing of them once they are handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forty_requests_of_20_mib_in_two_fragments_stay_within_the_default_budget() {
+    first_fragments_against_the_budget(40, 10 << 20, 10 << 20, 256 << 20, "").await;
 }
 
 /// `clients` clients each send the first `fragment_bytes` fragment of a
 /// message against a `budget` of queued bytes (the `[limits]` lines say
-/// so), then finish it: at most the budget of them is read and answered,
+/// so), then finish it with a fragment of `last_bytes`: at most the budget
+/// of them is read and answered,
 /// the others are closed `1009`, and the broker holds at most the budget
-/// (and 40 MiB) over idle meanwhile, and less than 32 MiB once they are
-/// handled.
+/// (and 40 MiB) over idle meanwhile, at most the budget and 64 MiB at its
+/// peak, and less than 32 MiB once they are handled.
 async fn first_fragments_against_the_budget(
     clients: usize,
     fragment_bytes: usize,
+    last_bytes: usize,
     budget: usize,
     limits: &str,
 ) {
@@ -420,12 +433,14 @@ async fn first_fragments_against_the_budget(
         r#"{{"type":"req","id":"big","method":"health","params":{{"pad":"{}"#,
         "x".repeat(fragment_bytes)
     ));
+    let last = Bytes::from(format!(r#"{}"}}}}"#, "y".repeat(last_bytes)));
     let (go, _) = tokio::sync::broadcast::channel::<()>(1);
     let (sent_tx, mut sent_rx) = tokio::sync::mpsc::channel(clients);
     let tasks: Vec<_> = connected
         .into_iter()
         .map(|mut c| {
             let first = first.clone();
+            let last = last.clone();
             let mut go = go.subscribe();
             let sent = sent_tx.clone();
             tokio::spawn(async move {
@@ -433,7 +448,7 @@ async fn first_fragments_against_the_budget(
                 let _ = c.ws_mut().send(Message::Frame(fragment)).await;
                 let _ = sent.send(()).await;
                 let _ = go.recv().await;
-                let last = Frame::message(&br#""}}"#[..], OpCode::Data(Data::Continue), true);
+                let last = Frame::message(last, OpCode::Data(Data::Continue), true);
                 let _ = c.ws_mut().send(Message::Frame(last)).await;
                 loop {
                     match tokio::time::timeout(PATIENCE, c.recv()).await {
@@ -500,7 +515,16 @@ async fn first_fragments_against_the_budget(
     // Handled, the messages and every buffer they passed through are gone.
     let after_bound_kib = idle_kib + 32 * 1024;
     let after_kib = rss_once_under(pid, after_bound_kib).await;
-    eprintln!("{after_kib} KiB once the messages were handled");
+    let peak_kib = status_kib(pid, "VmHWM");
+    eprintln!("{after_kib} KiB once the messages were handled, peak {peak_kib} KiB");
+    // Meanwhile, the messages read were forwarded and answered: the
+    // budget and what is being written (a message in flight to the
+    // gateway) at most.
+    let peak_bound_kib = idle_kib + (budget as u64 + (64 << 20)) / 1024;
+    assert!(
+        peak_kib < peak_bound_kib,
+        "peak {peak_kib} KiB, {idle_kib} KiB before"
+    );
     assert!(
         after_kib < after_bound_kib,
         "{after_kib} KiB once the messages were handled, {idle_kib} KiB before"
