@@ -809,6 +809,16 @@ impl WriteSpool {
         self.bytes.is_empty()
     }
 
+    /// Holds `frame` (whole frames) after the held bytes, to be written
+    /// next: taken over whole when nothing is held, not copied.
+    pub fn push(&mut self, frame: Vec<u8>) {
+        if self.bytes.is_empty() {
+            self.bytes = bytes::BytesMut::from(bytes::Bytes::from(frame));
+        } else {
+            self.bytes.extend_from_slice(&frame);
+        }
+    }
+
     /// The held bytes, for the next instance.
     pub fn take(&mut self) -> Vec<u8> {
         std::mem::take(&mut self.bytes).to_vec()
@@ -826,10 +836,7 @@ impl WriteSpool {
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
-            bytes::Buf::advance(&mut self.bytes, n);
-        }
-        if self.bytes.capacity() > KEEP_PARTIAL_BYTES {
-            self.bytes = bytes::BytesMut::new();
+            crate::bounds::written(&mut self.bytes, n);
         }
         Poll::Ready(Ok(()))
     }

@@ -95,6 +95,18 @@ pub fn return_large_blocks_at_once() {
     }
 }
 
+/// Marks `n` more bytes of `buf` written: a buffer written to its end lets
+/// go of its allocation at once. A `BytesMut` advanced to its end still
+/// holds all of it (its capacity then reads 0, so a check of the capacity
+/// cannot tell): the spools under the sockets kept the largest frame they
+/// ever held, 20 MiB after a 20 MiB request.
+pub fn written(buf: &mut bytes::BytesMut, n: usize) {
+    bytes::Buf::advance(buf, n);
+    if buf.is_empty() {
+        *buf = bytes::BytesMut::new();
+    }
+}
+
 /// Hands the allocator's free memory back to the system (glibc's
 /// `malloc_trim`: the top of the heap and whole free pages inside it). The
 /// broker calls it after a burst of queued events was released, so its

@@ -373,11 +373,8 @@ impl<T: AsyncWrite + Unpin> Limited<T> {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
             self.budget.1.fetch_add(n as u64, Ordering::Relaxed);
-            bytes::Buf::advance(&mut self.held.bytes, n);
+            crate::bounds::written(&mut self.held.bytes, n);
             self.held.carried = self.held.carried.saturating_sub(n);
-        }
-        if self.held.bytes.capacity() > 4096 {
-            self.held.bytes = bytes::BytesMut::new();
         }
         Poll::Ready(Ok(()))
     }

@@ -183,9 +183,6 @@ struct SpoolState {
     taken: bool,
 }
 
-/// A spool's buffer larger than this is not kept once written out.
-const KEEP_SPOOL_BYTES: usize = 64 * 1024;
-
 impl SpoolState {
     fn keep(&mut self, bytes: &[u8]) {
         if bytes.is_empty() {
@@ -200,7 +197,7 @@ impl SpoolState {
     }
 
     fn written(&mut self, n: usize) {
-        bytes::Buf::advance(&mut self.bytes, n);
+        crate::bounds::written(&mut self.bytes, n);
         if let Some((count, budget)) = &self.counted {
             use crate::hub::client::BudgetCount;
             count.spooled.fetch_sub(n, Ordering::AcqRel);
@@ -220,9 +217,6 @@ impl SpoolState {
                 return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
             }
             self.written(n);
-        }
-        if self.bytes.capacity() > KEEP_SPOOL_BYTES {
-            self.bytes = bytes::BytesMut::new();
         }
         Poll::Ready(Ok(()))
     }

@@ -12,6 +12,7 @@
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use serde::{Deserialize, Serialize};
@@ -54,8 +55,32 @@ pub struct Movable<T> {
     kind: SocketKind,
     follow: Follower,
     /// What was written and not taken yet: left by the previous instance,
-    /// or held since the connection began to move.
-    spool: WriteSpool,
+    /// held since the connection began to move, or a large request's frame
+    /// written beside the parser ([`RawWrites`]).
+    spool: Arc<Mutex<WriteSpool>>,
+}
+
+/// Whole frames written on a gateway socket beside its WebSocket writer,
+/// before anything the writer writes next: a large request, framed and
+/// masked by the outlet into a buffer of its own that goes once written.
+/// Through tungstenite, every frame is first copied into its write buffer,
+/// which keeps the size of the largest one for the life of the
+/// connection. The caller pushes only when the writer holds nothing
+/// unwritten (after a flush), so no frame is cut by another.
+#[derive(Debug, Clone)]
+pub struct RawWrites(Arc<Mutex<WriteSpool>>);
+
+impl RawWrites {
+    /// Queues `frame` (whole frames) to be written next; a flush of the
+    /// socket writes it.
+    pub fn push(&self, frame: Vec<u8>) {
+        lock(&self.0).push(frame);
+    }
+}
+
+fn lock(spool: &Mutex<WriteSpool>) -> std::sync::MutexGuard<'_, WriteSpool> {
+    // Nothing is left half done under this lock: a poisoned one is usable.
+    spool.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl<T> Movable<T> {
@@ -68,7 +93,7 @@ impl<T> Movable<T> {
             inner,
             kind,
             follow: Follower::after_http_response(true).carrying(CARRY_MESSAGE_BYTES),
-            spool: WriteSpool::default(),
+            spool: Arc::default(),
         }
     }
 
@@ -82,7 +107,7 @@ impl<T> Movable<T> {
             inner,
             kind,
             follow: Follower::new(unread, true).carrying(CARRY_MESSAGE_BYTES),
-            spool: WriteSpool::with(unwritten),
+            spool: Arc::new(Mutex::new(WriteSpool::with(unwritten))),
         }
     }
 }
@@ -102,7 +127,7 @@ impl<T: AsFd> Movable<T> {
             fd,
             kind: self.kind,
             unread,
-            unwritten: self.spool.take(),
+            unwritten: lock(&self.spool).take(),
         })
     }
 }
@@ -119,12 +144,15 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncRead for Movable<T> {
             spool,
             ..
         } = &mut *self;
-        if !spool.is_empty() && !follow.spooling() {
-            // Bytes the previous instance left unwritten are written as
-            // soon as the socket takes them, even when nothing else is
-            // written for a while (the peer waits for the rest of a
-            // frame); a failure shows at the next write.
-            let _ = spool.poll_drain(inner, cx);
+        if !follow.spooling() {
+            let mut spool = lock(spool);
+            if !spool.is_empty() {
+                // Bytes the previous instance left unwritten are written as
+                // soon as the socket takes them, even when nothing else is
+                // written for a while (the peer waits for the rest of a
+                // frame); a failure shows at the next write.
+                let _ = spool.poll_drain(inner, cx);
+            }
         }
         follow.poll_read(cx, buf, |cx, buf| Pin::new(inner).poll_read(cx, buf))
     }
@@ -142,7 +170,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
             spool,
             ..
         } = &mut *self;
-        spool.poll_write(inner, cx, buf, follow.spooling())
+        lock(spool).poll_write(inner, cx, buf, follow.spooling())
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -152,7 +180,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
             spool,
             ..
         } = &mut *self;
-        spool.poll_flush(inner, cx, follow.spooling())
+        lock(spool).poll_flush(inner, cx, follow.spooling())
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -164,7 +192,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        if self.spool.is_empty() && !self.follow.spooling() {
+        if !self.follow.spooling() && lock(&self.spool).is_empty() {
             return Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
         }
         // Through the spool, a slice at a time.
@@ -199,6 +227,12 @@ pub trait UpstreamIo: AsyncRead + AsyncWrite + Send + Unpin + 'static {
     fn carries(&self) -> bool {
         false
     }
+
+    /// Where frames can be written beside the WebSocket writer (`None`:
+    /// only through it).
+    fn raw_writes(&self) -> Option<RawWrites> {
+        None
+    }
 }
 
 impl<T: AsyncRead + AsyncWrite + AsFd + Send + Unpin + 'static> UpstreamIo for Movable<T> {
@@ -212,6 +246,10 @@ impl<T: AsyncRead + AsyncWrite + AsFd + Send + Unpin + 'static> UpstreamIo for M
 
     fn carries(&self) -> bool {
         self.follow.carries()
+    }
+
+    fn raw_writes(&self) -> Option<RawWrites> {
+        Some(RawWrites(Arc::clone(&self.spool)))
     }
 }
 

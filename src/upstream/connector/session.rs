@@ -94,11 +94,12 @@ impl Connector {
             self.owner.early_events_lost(generation);
         }
         let pause = ws.get_ref().pause();
+        let raw = ws.get_ref().raw_writes();
         let (sink, stream) = ws.split();
         // A large event's read buffer is given back once it is handled.
         let mut stream = crate::boundary::Releasing::new(stream);
         let outlet = Arc::clone(&self.outlet);
-        outlet.install(sink, generation);
+        outlet.install(super::super::outlet::UpSink::new(sink, raw), generation);
         let mut last_rx = Instant::now();
         let end_reason: String;
         let mut cancelled = false;
@@ -259,7 +260,8 @@ impl Connector {
         let mut unsent = outlet.close(generation);
         unsent.extend(withdrawn);
         let sink = outlet.uninstall(generation).await;
-        if let (Some(frame), Some(mut sink)) = (close, sink) {
+        if let (Some(frame), Some(sink)) = (close, sink) {
+            let mut sink = sink.into_inner();
             // Bounded: the socket may be the very thing that is stuck.
             let _ =
                 tokio::time::timeout(CLOSE_TIMEOUT, sink.send(Message::Close(Some(frame)))).await;
@@ -359,7 +361,7 @@ impl Connector {
             let _ = request.send(None);
             return Err(("its writing half did not come back".into(), unsent));
         };
-        let Ok(mut ws) = sink.reunite(stream) else {
+        let Ok(mut ws) = sink.into_inner().reunite(stream) else {
             unreachable!("the two halves of one socket");
         };
         let owner = Arc::clone(&self.owner);

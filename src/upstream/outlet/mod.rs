@@ -38,7 +38,74 @@ use super::handshake::Ws;
 use super::Outbound;
 
 /// The writing half of a gateway session's socket.
-pub(crate) type UpSink = SplitSink<Ws, Message>;
+pub(crate) struct UpSink {
+    sink: SplitSink<Ws, Message>,
+    /// Where a large request is written beside tungstenite, when the
+    /// socket offers it (see [`LARGE_REQUEST_BYTES`]).
+    raw: Option<super::movable::RawWrites>,
+}
+
+impl UpSink {
+    /// The writing half of `ws`'s socket: large requests go beside
+    /// tungstenite when `raw` is given (`UpstreamIo::raw_writes`).
+    pub fn new(sink: SplitSink<Ws, Message>, raw: Option<super::movable::RawWrites>) -> Self {
+        UpSink { sink, raw }
+    }
+
+    /// tungstenite's half again (for a close frame, or to reunite it).
+    pub fn into_inner(self) -> SplitSink<Ws, Message> {
+        self.sink
+    }
+
+    /// Where `out` goes beside tungstenite, if it does.
+    fn raw_for(&self, out: &Outbound) -> Option<&super::movable::RawWrites> {
+        self.raw
+            .as_ref()
+            .filter(|_| out.text.len() > LARGE_REQUEST_BYTES)
+    }
+}
+
+/// A request larger than this is framed by the outlet into a buffer of its
+/// own, written beside tungstenite and freed once written: tungstenite
+/// copies every frame into its write buffer first, which then keeps the
+/// largest frame's size for the life of the connection (a 24 MiB request
+/// kept 24 MiB). Smaller ones share tungstenite's buffer, whose normal
+/// size is about twice this.
+pub const LARGE_REQUEST_BYTES: usize = 64 * 1024;
+
+/// `text` as a client's WebSocket text frame (RFC 6455 §5.2), masked with
+/// a fresh random key as a client's frames must be (§5.3).
+fn masked_text_frame(text: &str) -> Vec<u8> {
+    let payload = text.as_bytes();
+    let len = payload.len();
+    let mut frame = Vec::with_capacity(len + 14);
+    frame.push(0x81);
+    match len {
+        0..=125 => frame.push(0x80 | len as u8),
+        126..=0xffff => {
+            frame.push(0x80 | 126);
+            frame.extend_from_slice(&(len as u16).to_be_bytes());
+        }
+        _ => {
+            frame.push(0x80 | 127);
+            frame.extend_from_slice(&(len as u64).to_be_bytes());
+        }
+    }
+    let key: [u8; 4] = rand::random();
+    frame.extend_from_slice(&key);
+    let start = frame.len();
+    frame.extend_from_slice(payload);
+    let mut words = frame[start..].chunks_exact_mut(4);
+    for word in &mut words {
+        for (b, k) in word.iter_mut().zip(key) {
+            *b ^= k;
+        }
+    }
+    for (b, k) in words.into_remainder().iter_mut().zip(key) {
+        *b ^= k;
+    }
+    frame
+}
 
 /// Requests written per flush at most by the connector's writer.
 const WRITE_BATCH: usize = 64;
@@ -107,8 +174,19 @@ impl TrySink for UpSink {
     /// its own.
     fn try_write(&mut self, batch: &mut VecDeque<Outbound>) -> bool {
         let mut cx = Context::from_waker(Waker::noop());
-        let mut sink = Pin::new(self);
-        while !batch.is_empty() {
+        while let Some(out) = batch.front() {
+            let raw = self.raw_for(out).cloned();
+            let mut sink = Pin::new(&mut self.sink);
+            if let Some(raw) = raw {
+                // Beside tungstenite once it holds nothing unwritten.
+                match sink.as_mut().poll_flush(&mut cx) {
+                    Poll::Ready(Ok(())) => {}
+                    Poll::Ready(Err(_)) | Poll::Pending => return false,
+                }
+                raw.push(masked_text_frame(&out.text));
+                batch.pop_front();
+                continue;
+            }
             match sink.as_mut().poll_ready(&mut cx) {
                 Poll::Ready(Ok(())) => {}
                 Poll::Ready(Err(_)) | Poll::Pending => return false,
@@ -120,7 +198,10 @@ impl TrySink for UpSink {
                 return false;
             }
         }
-        matches!(sink.as_mut().poll_flush(&mut cx), Poll::Ready(Ok(())))
+        matches!(
+            Pin::new(&mut self.sink).poll_flush(&mut cx),
+            Poll::Ready(Ok(()))
+        )
     }
 }
 
@@ -225,12 +306,18 @@ impl Outlet {
             loop {
                 // Taken for writing: from here these count as sent.
                 let batch = self.st().writer_batch(WRITE_BATCH);
-                let sink = held.sink.as_mut().expect("held until dropped");
+                let up = held.sink.as_mut().expect("held until dropped");
                 let write = async {
                     for out in batch {
-                        sink.feed(Message::text(out.text)).await?;
+                        if let Some(raw) = up.raw_for(&out).cloned() {
+                            // Beside tungstenite once it holds nothing unwritten.
+                            up.sink.flush().await?;
+                            raw.push(masked_text_frame(&out.text));
+                        } else {
+                            up.sink.feed(Message::text(out.text)).await?;
+                        }
                     }
-                    sink.flush().await
+                    up.sink.flush().await
                 };
                 match tokio::time::timeout(write_timeout, write).await {
                     Err(_) => return WriterEnd::Stalled(write_timeout),
@@ -264,13 +351,54 @@ mod tests {
 
     /// A session's socket: the broker's writing and reading halves, and the
     /// gateway's end.
+    /// (Through a movable socket, as a plaintext session's: large requests
+    /// are written beside tungstenite.)
     async fn session() -> (UpSink, SplitStream<Ws>, WebSocketStream<UnixStream>) {
+        session_on(true).await
+    }
+
+    /// `movable`: the socket offers writes beside tungstenite; otherwise
+    /// every request goes through it (a TLS session's socket).
+    async fn session_on(movable: bool) -> (UpSink, SplitStream<Ws>, WebSocketStream<UnixStream>) {
+        use super::super::movable::{Movable, SocketKind};
         let (a, b) = UnixStream::pair().unwrap();
-        let io: Box<dyn super::super::UpstreamIo> = Box::new(a);
+        let io: Box<dyn super::super::UpstreamIo> = if movable {
+            Box::new(Movable::moved(a, SocketKind::Unix, Vec::new(), Vec::new()))
+        } else {
+            Box::new(a)
+        };
+        let raw = io.raw_writes();
+        assert_eq!(raw.is_some(), movable);
         let ws = WebSocketStream::from_raw_socket(io, Role::Client, None).await;
         let gateway = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
         let (sink, stream) = ws.split();
-        (sink, stream, gateway)
+        (UpSink::new(sink, raw), stream, gateway)
+    }
+
+    /// Large requests written beside tungstenite and small ones through
+    /// it, by the caller and by the writer, reach the gateway whole and in
+    /// order, on either kind of socket.
+    #[tokio::test]
+    async fn large_and_small_requests_arrive_whole_and_in_order() {
+        for movable in [true, false] {
+            let (sink, _reader, mut gateway) = session_on(movable).await;
+            let outlet = Arc::new(Outlet::new(1024, 64 << 20));
+            outlet.install(sink, 7);
+            let writer = spawn_writer(&outlet);
+            let sizes = [3, LARGE_REQUEST_BYTES + 1, 10, 3 << 20, 70_000, 5, 1 << 20];
+            let texts: Vec<String> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, n)| format!("{i}:{}", "é".repeat(n / 2)))
+                .collect();
+            for t in &texts {
+                outlet.push(out(7, t.clone())).ok().unwrap();
+            }
+            for t in &texts {
+                assert!(next_text(&mut gateway).await == *t, "whole, in order");
+            }
+            writer.abort();
+        }
     }
 
     /// An outlet with session 7's socket installed, and the gateway's end
