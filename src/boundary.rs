@@ -256,6 +256,33 @@ pub(crate) fn header_payload_len(head: &[u8]) -> Option<u64> {
     }))
 }
 
+/// A frame header (RFC 6455 §5.2): `first` (FIN, reserved bits, opcode),
+/// the shortest length form for `len`, and the masking key if any; and
+/// its length in bytes. The one encoder of frame headers: the `/ws`
+/// writer's, a fragment's pieces and the gateway connection's own frames.
+pub fn frame_header(first: u8, len: u64, mask: Option<[u8; 4]>) -> ([u8; 14], usize) {
+    let mut head = [0u8; 14];
+    head[0] = first;
+    let masked = if mask.is_some() { 0x80 } else { 0 };
+    let mut n = if len < 126 {
+        head[1] = masked | len as u8;
+        2
+    } else if let Ok(short) = u16::try_from(len) {
+        head[1] = masked | 126;
+        head[2..4].copy_from_slice(&short.to_be_bytes());
+        4
+    } else {
+        head[1] = masked | 127;
+        head[2..10].copy_from_slice(&len.to_be_bytes());
+        10
+    };
+    if let Some(key) = mask {
+        head[n..n + 4].copy_from_slice(&key);
+        n += 4;
+    }
+    (head, n)
+}
+
 /// Follows what a reader hands its WebSocket parser: frame by frame, and
 /// when paused ([`Pause`]), nothing past the end of the current message.
 #[derive(Debug)]
@@ -318,32 +345,19 @@ struct Pieces {
 impl Pieces {
     /// The next piece's header (and its length in bytes); the piece is then
     /// in progress.
-    fn next_header(&mut self) -> ([u8; 8], usize) {
+    fn next_header(&mut self) -> ([u8; 14], usize) {
         let len = self.frame_left.min(PIECE_BYTES);
         let (first_piece, last_piece) = (self.offset == 0, len == self.frame_left);
-        let mut head = [0u8; 8];
         // The first piece has the fragment's opcode, the others continue it;
         // the last has its FIN.
-        head[0] = if first_piece { self.first & 0x0f } else { 0 }
+        let first = if first_piece { self.first & 0x0f } else { 0 }
             | if last_piece { self.first & 0x80 } else { 0 };
-        let masked = if self.mask.is_some() { 0x80 } else { 0 };
-        let mut n = 2;
-        if len <= 125 {
-            head[1] = masked | len as u8;
-        } else {
-            head[1] = masked | 126;
-            head[2..4].copy_from_slice(&(len as u16).to_be_bytes());
-            n = 4;
-        }
-        if let Some(key) = self.mask {
-            let turn = (self.offset % 4) as usize;
-            for (j, b) in head[n..n + 4].iter_mut().enumerate() {
-                *b = key[(turn + j) % 4];
-            }
-            n += 4;
-        }
+        let turn = (self.offset % 4) as usize;
+        let mask = self
+            .mask
+            .map(|key| std::array::from_fn(|j| key[(turn + j) % 4]));
         self.piece_left = len;
-        (head, n)
+        frame_header(first, len, mask)
     }
 }
 
@@ -985,20 +999,8 @@ mod tests {
 
     /// A masked client frame header with a payload of `len` bytes.
     fn header(len: u64) -> Vec<u8> {
-        let mut h = vec![0x81];
-        match len {
-            0..=125 => h.push(0x80 | len as u8),
-            126..=0xffff => {
-                h.push(0x80 | 126);
-                h.extend_from_slice(&(len as u16).to_be_bytes());
-            }
-            _ => {
-                h.push(0x80 | 127);
-                h.extend_from_slice(&len.to_be_bytes());
-            }
-        }
-        h.extend_from_slice(&[1, 2, 3, 4]);
-        h
+        let (head, n) = frame_header(0x81, len, Some([1, 2, 3, 4]));
+        head[..n].to_vec()
     }
 
     impl FrameCursor {

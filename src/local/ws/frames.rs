@@ -29,20 +29,9 @@ pub const MAX_SLICES: usize = 512;
 
 /// A final, unmasked frame header for a payload of `len` bytes.
 pub fn header(opcode: u8, len: usize) -> ([u8; MAX_HEADER_BYTES], usize) {
+    let (head, n) = crate::boundary::frame_header(0x80 | opcode, len as u64, None);
     let mut h = [0u8; MAX_HEADER_BYTES];
-    h[0] = 0x80 | opcode;
-    let n = if len < 126 {
-        h[1] = len as u8;
-        2
-    } else if let Ok(short) = u16::try_from(len) {
-        h[1] = 126;
-        h[2..4].copy_from_slice(&short.to_be_bytes());
-        4
-    } else {
-        h[1] = 127;
-        h[2..10].copy_from_slice(&(len as u64).to_be_bytes());
-        10
-    };
+    h.copy_from_slice(&head[..MAX_HEADER_BYTES]);
     (h, n)
 }
 

@@ -77,22 +77,10 @@ pub const LARGE_REQUEST_BYTES: usize = 64 * 1024;
 /// a fresh random key as a client's frames must be (§5.3).
 fn masked_text_frame(text: &str) -> Vec<u8> {
     let payload = text.as_bytes();
-    let len = payload.len();
-    let mut frame = Vec::with_capacity(len + 14);
-    frame.push(0x81);
-    match len {
-        0..=125 => frame.push(0x80 | len as u8),
-        126..=0xffff => {
-            frame.push(0x80 | 126);
-            frame.extend_from_slice(&(len as u16).to_be_bytes());
-        }
-        _ => {
-            frame.push(0x80 | 127);
-            frame.extend_from_slice(&(len as u64).to_be_bytes());
-        }
-    }
     let key: [u8; 4] = rand::random();
-    frame.extend_from_slice(&key);
+    let (head, n) = crate::boundary::frame_header(0x81, payload.len() as u64, Some(key));
+    let mut frame = Vec::with_capacity(n + payload.len());
+    frame.extend_from_slice(&head[..n]);
     let start = frame.len();
     frame.extend_from_slice(payload);
     let mut words = frame[start..].chunks_exact_mut(4);
