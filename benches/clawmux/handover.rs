@@ -49,6 +49,10 @@ pub struct Pauses {
     /// Per handover: from `SIGUSR2` to the old instance's exit (the new
     /// one serves).
     pub took: Vec<Duration>,
+    /// Per handover, as the old instance logged it (`paused_ms`): from
+    /// stopping its clients to the new instance's word that it serves, the
+    /// part of the gap that is the broker's own work.
+    pub paused: Vec<Duration>,
     /// Clients whose connection ended during the run (should be 0).
     pub lost: usize,
     /// Numbered events a client did not receive, after its first, summed
@@ -194,7 +198,12 @@ pub async fn run(cfg: &Config, binary: &Path, stall: bool) -> Result<Pauses, Str
         .stderr(log)
         .spawn()
         .map_err(|e| e.to_string())?;
-    let result = measure(n, rounds, stall, &socket, &mock).await;
+    let result = measure(n, rounds, stall, &socket, &mock)
+        .await
+        .map(|p| Pauses {
+            paused: logged_pauses(&log_path),
+            ..p
+        });
     // The last instance is not our child (after the first handover).
     if let Some(s) = state(&socket).await {
         if let Some(pid) = s["broker"]["pid"].as_u64() {
@@ -415,10 +424,24 @@ async fn measure(
         stalled,
         gaps,
         took,
+        paused: Vec::new(),
         lost: lost.load(Ordering::Relaxed),
         skipped: sum(|r| &r.skipped),
         repeated: sum(|r| &r.repeated),
     })
+}
+
+/// The `paused_ms` of every handover in the broker's log, in order.
+fn logged_pauses(log: &Path) -> Vec<Duration> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines()
+        .filter(|l| l.contains("the new instance serves; exiting"))
+        .filter_map(|l| {
+            let at = l.find("paused_ms=")? + "paused_ms=".len();
+            let digits: String = l[at..].chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok().map(Duration::from_millis)
+        })
+        .collect()
 }
 
 fn quantile(sorted: &[Duration], q: f64) -> Duration {
@@ -467,6 +490,14 @@ pub fn print(all_read: &Pauses, some_stall: &Pauses) {
             ms(quantile(&took, 0.5)),
             ms(quantile(&took, 0.99)),
             ms(*took.last().unwrap_or(&Duration::ZERO))
+        );
+        let paused = sorted(&p.paused);
+        println!(
+            "| the broker's own pause: clients stopped → the new instance serves (its log's `paused_ms`) | {} | {} | {} | {} |",
+            p.stalled,
+            ms(quantile(&paused, 0.5)),
+            ms(quantile(&paused, 0.99)),
+            ms(*paused.last().unwrap_or(&Duration::ZERO))
         );
     }
     let ratio = |a: Duration, b: Duration| b.as_secs_f64() / a.as_secs_f64().max(1e-9);

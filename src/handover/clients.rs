@@ -299,108 +299,23 @@ pub fn take_over(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], packed: Packed)
     // connection it was on: when that does not move, it is closed as a
     // direct gateway connection would be by the reconnect.
     let upstream_moves = clients.upstream.is_some() && upstream_fd.is_some();
-    let mut registered = HashMap::new();
+    let mut moving = Vec::with_capacity(clients.clients.len());
     for entry in clients.clients {
-        let Some(fd) = fds.remove(&entry.id) else {
-            tracing::warn!(
+        match fds.remove(&entry.id) {
+            Some(fd) => moving.push((entry, fd)),
+            None => tracing::warn!(
                 client_id = entry.id,
                 "handover: a client's socket was not passed"
-            );
-            continue;
-        };
-        let Some(policy) = policies.iter().find(|p| p.name == entry.socket) else {
-            tracing::warn!(client_id = entry.id, socket = %entry.socket, "handover: the client's socket is no longer configured; closing it");
-            continue;
-        };
-        let decode = |b: &str| base64::engine::general_purpose::STANDARD.decode(b);
-        let (Ok(unread), Ok(unwritten)) = (decode(&entry.unread), decode(&entry.unwritten)) else {
-            tracing::warn!(
-                client_id = entry.id,
-                "handover: a client's carried bytes are not base64; closing it"
-            );
-            continue;
-        };
-        // It holds one of its socket's connection slots, as when accepted.
-        let Some(slot) = ctx.slots.take(&policy.name) else {
-            tracing::warn!(client_id = entry.id, socket = %policy.name, "handover: the socket's max_connections is reached; closing a moved client");
-            continue;
-        };
-        let stream = std::os::unix::net::UnixStream::from(fd);
-        let stream = match stream
-            .set_nonblocking(true)
-            .and_then(|()| tokio::net::UnixStream::from_std(stream))
-        {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(
-                    client_id = entry.id,
-                    "handover: a client's socket is unusable ({e})"
-                );
-                continue;
-            }
-        };
-        let client = ctx.hub.restored_client(
-            entry.id,
-            entry.conn_id,
-            entry.connected_at_ms,
-            crate::hub::ClientKind::Ws,
-        );
-        let _ = client.identity.set(ClientIdentity {
-            client_id: entry.identity.client_id,
-            mode: entry.identity.mode,
-            version: entry.identity.version,
-            display_name: entry.identity.display_name,
-            peer_pid: entry.identity.peer_pid,
-        });
-        client
-            .tool_events
-            .store(entry.tool_events, std::sync::atomic::Ordering::Relaxed);
-        let asked = Grant::new(&entry.scopes);
-        client.set_access(Access {
-            grant: asked.within(&policy.ceiling(&asked)),
-            socket: Arc::clone(policy),
-        });
-        client.continue_seq(entry.next_seq);
-        let registration = ctx.dispatcher.register(Arc::clone(&client));
-        if ctx.hub.admit_restored(&client).is_err() {
-            continue;
+            ),
         }
-        {
-            let mut st = ctx.sharing.subscriptions.lock();
-            let mut book = registration.member().book();
-            for sub in entry.subscriptions {
-                let key = sub.key();
-                st.restore(key.clone(), client.id);
-                book.subs.insert(key);
-            }
-        }
-        for frame in entry.queued {
-            client.push_frame(Bytes::from(frame));
-        }
-        registered.insert(client.id, Arc::clone(registration.member()));
-        let restarts = if entry.mirror {
-            if !upstream_moves {
-                client.close(1012, "service restart");
-            }
-            crate::local::ws::Restarts::Mirror
-        } else {
-            crate::local::ws::Restarts::Continuity
-        };
-        // It waits at the gate itself, once set up.
-        let serve = crate::local::ws::take_over(
-            stream,
-            crate::local::ws::Carried { unread, unwritten },
-            registration,
-            restarts,
-            Arc::clone(ctx),
-        );
-        // Boxed here, once: the serving future is about 4 KiB, and the
-        // wrappers and the spawn then move a pointer instead of copying it
-        // three times, for every client, inside the pause.
-        ctx.tracker
-            .spawn(crate::context::holding(slot, Box::pin(serve)));
-        taken += 1;
     }
+    let mut registered = HashMap::new();
+    for (id, member) in in_two_halves(moving, |(entry, fd)| {
+        take_over_client(ctx, policies, entry, fd, upstream_moves)
+    }) {
+        registered.insert(id, member);
+    }
+    taken += registered.len();
     if taken > 0 {
         ctx.sessions.main_owner.clients_taken_over();
     }
@@ -431,9 +346,175 @@ pub fn take_over(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], packed: Packed)
     taken
 }
 
+/// Takes over one moved `/ws` client ([`take_over`]): its hub client, its
+/// grant, subscriptions and queue, and its task, which waits at the gate.
+/// `None` if it cannot be (its descriptor is closed: it reconnects and
+/// resumes by cursor).
+fn take_over_client(
+    ctx: &Arc<Ctx>,
+    policies: &[Arc<SocketPolicy>],
+    entry: ClientEntry,
+    fd: OwnedFd,
+    upstream_moves: bool,
+) -> Option<(u64, Arc<crate::dispatch::Member>)> {
+    let Some(policy) = policies.iter().find(|p| p.name == entry.socket) else {
+        tracing::warn!(client_id = entry.id, socket = %entry.socket, "handover: the client's socket is no longer configured; closing it");
+        return None;
+    };
+    let decode = |b: &str| base64::engine::general_purpose::STANDARD.decode(b);
+    let (Ok(unread), Ok(unwritten)) = (decode(&entry.unread), decode(&entry.unwritten)) else {
+        tracing::warn!(
+            client_id = entry.id,
+            "handover: a client's carried bytes are not base64; closing it"
+        );
+        return None;
+    };
+    // It holds one of its socket's connection slots, as when accepted.
+    let Some(slot) = ctx.slots.take(&policy.name) else {
+        tracing::warn!(client_id = entry.id, socket = %policy.name, "handover: the socket's max_connections is reached; closing a moved client");
+        return None;
+    };
+    let stream = std::os::unix::net::UnixStream::from(fd);
+    let stream = match stream
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::UnixStream::from_std(stream))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(
+                client_id = entry.id,
+                "handover: a client's socket is unusable ({e})"
+            );
+            return None;
+        }
+    };
+    let client = ctx.hub.restored_client(
+        entry.id,
+        entry.conn_id,
+        entry.connected_at_ms,
+        crate::hub::ClientKind::Ws,
+    );
+    let _ = client.identity.set(ClientIdentity {
+        client_id: entry.identity.client_id,
+        mode: entry.identity.mode,
+        version: entry.identity.version,
+        display_name: entry.identity.display_name,
+        peer_pid: entry.identity.peer_pid,
+    });
+    client
+        .tool_events
+        .store(entry.tool_events, std::sync::atomic::Ordering::Relaxed);
+    let asked = Grant::new(&entry.scopes);
+    client.set_access(Access {
+        grant: asked.within(&policy.ceiling(&asked)),
+        socket: Arc::clone(policy),
+    });
+    client.continue_seq(entry.next_seq);
+    let registration = ctx.dispatcher.register(Arc::clone(&client));
+    if ctx.hub.admit_restored(&client).is_err() {
+        return None;
+    }
+    {
+        let mut st = ctx.sharing.subscriptions.lock();
+        let mut book = registration.member().book();
+        for sub in entry.subscriptions {
+            let key = sub.key();
+            st.restore(key.clone(), client.id);
+            book.subs.insert(key);
+        }
+    }
+    for frame in entry.queued {
+        client.push_frame(Bytes::from(frame));
+    }
+    let member = Arc::clone(registration.member());
+    let restarts = if entry.mirror {
+        if !upstream_moves {
+            client.close(1012, "service restart");
+        }
+        crate::local::ws::Restarts::Mirror
+    } else {
+        crate::local::ws::Restarts::Continuity
+    };
+    // It waits at the gate itself, once set up.
+    let serve = crate::local::ws::take_over(
+        stream,
+        crate::local::ws::Carried { unread, unwritten },
+        registration,
+        restarts,
+        Arc::clone(ctx),
+    );
+    // Boxed here, once: the serving future is about 4 KiB, and the
+    // wrappers and the spawn then move a pointer instead of copying it
+    // three times, for every client, inside the pause.
+    ctx.tracker
+        .spawn(crate::context::holding(slot, Box::pin(serve)));
+    Some((client.id, member))
+}
+
+/// Below this many, [`in_two_halves`] does the work on the calling thread
+/// alone (a thread costs more than it saves).
+const SPLIT_ABOVE: usize = 64;
+
+/// `f` over `items` in their order, the second half on a thread of its own
+/// beside the calling one (both in the runtime's context): taking the
+/// clients over is the largest part of the pause every client sees at a
+/// handover, and the new instance has nothing else to run meanwhile.
+fn in_two_halves<T, R>(mut items: Vec<T>, f: impl Fn(T) -> Option<R> + Sync) -> Vec<R>
+where
+    T: Send,
+    R: Send,
+{
+    if items.len() <= SPLIT_ABOVE {
+        return items.into_iter().filter_map(f).collect();
+    }
+    let second = items.split_off(items.len() / 2);
+    let runtime = tokio::runtime::Handle::try_current().ok();
+    let f = &f;
+    std::thread::scope(|s| {
+        let other = s.spawn(move || {
+            let _entered = runtime.as_ref().map(|r| r.enter());
+            second.into_iter().filter_map(f).collect::<Vec<R>>()
+        });
+        let mut done: Vec<R> = items.into_iter().filter_map(f).collect();
+        match other.join() {
+            Ok(rest) => done.extend(rest),
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+        done
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The halves keep the items' order, drop what `f` refuses, and the
+    /// second half runs on another thread that can still reach the runtime
+    /// (taking a client over registers its socket and spawns its task).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_halves_keep_the_order_and_the_runtime() {
+        let caller = std::thread::current().id();
+        let items: Vec<u32> = (0..1000).collect();
+        let done = in_two_halves(items, |i| {
+            assert!(tokio::runtime::Handle::try_current().is_ok());
+            (i % 7 != 0).then(|| (i, std::thread::current().id()))
+        });
+        let expected: Vec<u32> = (0..1000).filter(|i| i % 7 != 0).collect();
+        assert_eq!(done.iter().map(|(i, _)| *i).collect::<Vec<_>>(), expected);
+        assert!(done
+            .iter()
+            .filter(|(i, _)| *i < 500)
+            .all(|(_, t)| *t == caller));
+        assert!(done
+            .iter()
+            .filter(|(i, _)| *i >= 500)
+            .all(|(_, t)| *t != caller));
+        // Few items: all on the calling thread.
+        let few = in_two_halves((0..SPLIT_ABOVE as u32).collect(), |i| {
+            Some(std::thread::current().id()).filter(|_| i < u32::MAX)
+        });
+        assert!(few.iter().all(|t| *t == caller));
+    }
 
     /// A document with the gateway connection's part (the fuzz seed) is
     /// read whole and written back unchanged; one from before that part

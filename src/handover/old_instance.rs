@@ -89,6 +89,7 @@ pub async fn upgrade<B: Broker>(
         next.abandon();
         return Outcome::StillServing(broker, why);
     }
+    let paused = std::time::Instant::now();
     let mut released = broker.release(shutdown_timeout).await;
     let packed = released.take_clients();
     let clients = packed.doc.clients.len();
@@ -120,6 +121,7 @@ pub async fn upgrade<B: Broker>(
             tracing::info!(
                 pid = next.pid(),
                 clients,
+                paused_ms = paused.elapsed().as_millis() as u64,
                 "upgrade: the new instance serves; exiting"
             );
             released.finish();
