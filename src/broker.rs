@@ -156,6 +156,8 @@ pub struct Released {
     parcels: Vec<Box<dyn crate::parcels::Parcel>>,
     /// The gateway sessions and the runs, moving with them.
     core: crate::handover::clients::CoreParcels,
+    /// When the clients were asked to stop: their pause began.
+    stopped_at: std::time::Instant,
 }
 
 impl crate::handover::old_instance::Released for Released {
@@ -173,6 +175,10 @@ impl crate::handover::old_instance::Released for Released {
             "handover: clients ready to move"
         );
         packed
+    }
+
+    fn stopped_at(&self) -> std::time::Instant {
+        self.stopped_at
     }
 
     fn finish(mut self) {
@@ -623,6 +629,7 @@ impl crate::handover::old_instance::Broker for RunningBroker {
         // 1. Every client stops at a message boundary and is left for the
         //    next instance (or closed `1012`, if it cannot move).
         self.ctx.handover.requested.cancel();
+        let stopped_at = std::time::Instant::now();
         let paused = tokio::time::Instant::now()
             + crate::local::ws::HANDOVER_PAUSE_TIMEOUT
             + Duration::from_millis(500);
@@ -654,6 +661,7 @@ impl crate::handover::old_instance::Broker for RunningBroker {
             held: self.held,
             parcels,
             core,
+            stopped_at,
         }
     }
 }

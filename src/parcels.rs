@@ -48,10 +48,16 @@ pub struct Serving<'a>(&'a Handover);
 
 impl Drop for Serving<'_> {
     fn drop(&mut self) {
-        self.0
+        // Only the last one to leave wakes [`Handover::all_left`]: at a
+        // handover a thousand clients leave at once, and waking the waiter
+        // for each would only have it count again.
+        let before = self
+            .0
             .serving
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-        self.0.left.notify_waiters();
+        if before == 1 {
+            self.0.left.notify_waiters();
+        }
     }
 }
 

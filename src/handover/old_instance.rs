@@ -40,6 +40,9 @@ pub trait Released: Sized {
     /// clients' queues are emptied into it).
     fn take_clients(&mut self) -> Packed;
 
+    /// When its clients were asked to stop: the pause they see began.
+    fn stopped_at(&self) -> std::time::Instant;
+
     /// The next instance serves: leave the socket files (now its) in place.
     fn finish(self);
 
@@ -89,7 +92,6 @@ pub async fn upgrade<B: Broker>(
         next.abandon();
         return Outcome::StillServing(broker, why);
     }
-    let paused = std::time::Instant::now();
     let mut released = broker.release(shutdown_timeout).await;
     let packed = released.take_clients();
     let clients = packed.doc.clients.len();
@@ -121,7 +123,7 @@ pub async fn upgrade<B: Broker>(
             tracing::info!(
                 pid = next.pid(),
                 clients,
-                paused_ms = paused.elapsed().as_millis() as u64,
+                paused_ms = released.stopped_at().elapsed().as_millis() as u64,
                 "upgrade: the new instance serves; exiting"
             );
             released.finish();
