@@ -164,6 +164,44 @@ async fn real_gateway_interop() {
         assert_eq!(res["ok"], true, "{method}: {res}");
     }
 
+    // 2b. A request over 64 KiB (the broker frames it beside tungstenite's
+    // write buffer, which would keep its size) reaches the gateway whole,
+    // and a small one sent right behind it is answered after it: a 5 MiB
+    // workspace file written and read back byte for byte.
+    let content: String = (0..5 * 1024 * 1024 / 62)
+        .map(|i| format!("{i:08} clawmux large request, ünïcødé and \"quotes\" ....\n"))
+        .collect();
+    let set = json!({"type": "req", "id": "big-set", "method": "agents.files.set",
+        "params": {"agentId": "main", "name": "AGENTS.md", "content": content}});
+    a.send_json(&set).await;
+    a.send_json(&json!({"type": "req", "id": "small-after", "method": "health", "params": {}}))
+        .await;
+    let set = a.response("big-set").await;
+    assert_eq!(
+        set["ok"], true,
+        "agents.files.set of 5 MiB: {}",
+        set["error"]
+    );
+    assert_eq!(a.response("small-after").await["ok"], true);
+    let got = a
+        .request(
+            "agents.files.get",
+            json!({"agentId": "main", "name": "AGENTS.md"}),
+        )
+        .await;
+    assert_eq!(got["ok"], true, "agents.files.get");
+    let read = got["payload"]["file"]["content"]
+        .as_str()
+        .unwrap_or_default();
+    assert_eq!(
+        read.len(),
+        content.len(),
+        "the file as read back: {} bytes",
+        read.len()
+    );
+    assert!(read == content, "the 5 MiB file came back changed");
+    eprintln!("interop: a 5 MiB request went through whole, a small one answered after it");
+
     // 3. Broadcast events reach both clients with contiguous seq.
     let t = Instant::now();
     for c in [&mut a, &mut b] {
