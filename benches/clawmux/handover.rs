@@ -475,30 +475,24 @@ pub fn print(all_read: &Pauses, some_stall: &Pauses) {
     println!("| figure | clients not reading | p50 | p99 | max |");
     println!("|---|---|---|---|---|");
     for p in [all_read, some_stall] {
-        let gaps = sorted(&p.gaps);
-        let took = sorted(&p.took);
-        println!(
-            "| largest delivery gap any reading client saw, per handover | {} | {} | {} | {} |",
-            p.stalled,
-            ms(quantile(&gaps, 0.5)),
-            ms(quantile(&gaps, 0.99)),
-            ms(*gaps.last().unwrap_or(&Duration::ZERO))
-        );
-        println!(
-            "| SIGUSR2 → the new instance serves (the old one exited) | {} | {} | {} | {} |",
-            p.stalled,
-            ms(quantile(&took, 0.5)),
-            ms(quantile(&took, 0.99)),
-            ms(*took.last().unwrap_or(&Duration::ZERO))
-        );
-        let paused = sorted(&p.paused);
-        println!(
-            "| the broker's own pause: clients stopped → the new instance serves (its log's `paused_ms`) | {} | {} | {} | {} |",
-            p.stalled,
-            ms(quantile(&paused, 0.5)),
-            ms(quantile(&paused, 0.99)),
-            ms(*paused.last().unwrap_or(&Duration::ZERO))
-        );
+        let rows: [(&str, &[Duration]); 3] = [
+            ("largest delivery gap any reading client saw, per handover", &p.gaps),
+            ("SIGUSR2 → the new instance serves (the old one exited)", &p.took),
+            (
+                "the broker's own pause: clients stopped → the new instance serves (its log's `paused_ms`)",
+                &p.paused,
+            ),
+        ];
+        for (figure, values) in rows {
+            let values = sorted(values);
+            println!(
+                "| {figure} | {} | {} | {} | {} |",
+                p.stalled,
+                ms(quantile(&values, 0.5)),
+                ms(quantile(&values, 0.99)),
+                ms(*values.last().unwrap_or(&Duration::ZERO))
+            );
+        }
     }
     let ratio = |a: Duration, b: Duration| b.as_secs_f64() / a.as_secs_f64().max(1e-9);
     println!(
