@@ -471,14 +471,28 @@ where
     let runtime = tokio::runtime::Handle::try_current().ok();
     let f = &f;
     std::thread::scope(|s| {
-        let other = s.spawn(move || {
-            let _entered = runtime.as_ref().map(|r| r.enter());
-            second.into_iter().filter_map(f).collect::<Vec<R>>()
-        });
-        let mut done: Vec<R> = items.into_iter().filter_map(f).collect();
-        match other.join() {
-            Ok(rest) => done.extend(rest),
-            Err(panic) => std::panic::resume_unwind(panic),
+        let (second_tx, second_rx) = std::sync::mpsc::sync_channel(1);
+        // A thread that cannot be started (the process's thread limit)
+        // leaves the second half to the calling thread too.
+        let other = std::thread::Builder::new()
+            .name("clawmux-take-over".into())
+            .spawn_scoped(s, move || {
+                let second: Vec<T> = second_rx.recv().unwrap_or_default();
+                let _entered = runtime.as_ref().map(|r| r.enter());
+                second.into_iter().filter_map(f).collect::<Vec<R>>()
+            });
+        let mut done: Vec<R> = match &other {
+            Ok(_) => {
+                let _ = second_tx.send(second);
+                items.into_iter().filter_map(f).collect()
+            }
+            Err(_) => items.into_iter().chain(second).filter_map(f).collect(),
+        };
+        if let Ok(other) = other {
+            match other.join() {
+                Ok(rest) => done.extend(rest),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
         }
         done
     })

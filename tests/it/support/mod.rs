@@ -323,6 +323,12 @@ impl WsClient {
     /// Reads until the `res` with `id`, keeping other frames aside (and
     /// looking among those first).
     pub async fn response(&mut self, id: &str) -> Value {
+        self.response_within(id, PATIENCE).await
+    }
+
+    /// [`response`](Self::response) with a chosen patience for each frame
+    /// (an answer a real gateway takes longer for: a file of megabytes).
+    pub async fn response_within(&mut self, id: &str, wait: Duration) -> Value {
         if let Some(i) = self
             .events
             .iter()
@@ -331,7 +337,10 @@ impl WsClient {
             return self.events.remove(i);
         }
         loop {
-            let v = self.recv_json().await;
+            let v = match self.recv_within(wait).await {
+                Some(Got::Json(v)) => v,
+                other => panic!("expected the answer {id} within {wait:?}, got {other:?}"),
+            };
             if v["type"] == "res" && v["id"] == id {
                 return v;
             }
