@@ -208,7 +208,7 @@ async fn real_gateway_interop() {
         read.len()
     );
     assert!(read == content, "the 5 MiB file came back changed");
-    eprintln!("interop: a 5 MiB request went through whole, a small one answered after it");
+    eprintln!("interop: a 5 MiB request went through whole, a small one behind it answered too");
 
     // 3. Broadcast events reach both clients with contiguous seq.
     let t = Instant::now();
