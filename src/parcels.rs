@@ -260,8 +260,20 @@ pub struct ClientEntry {
     /// The `seq` its next event gets.
     pub next_seq: u64,
     pub subscriptions: Vec<Subscription>,
-    /// Frames queued for it and not written yet, in order.
+    /// Frames queued for it and not written yet, in order, as text (the
+    /// documents of earlier versions; none now: see `queued_lengths`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub queued: Vec<String>,
+    /// The lengths of the frames queued for it and not written yet, in
+    /// order. Their bytes travel beside the document, not in it: in the
+    /// frames memfd, one client's after another in the document's order
+    /// (`handover::clients::Clients::frames_bytes`), so neither instance
+    /// escapes or parses them inside the pause.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub queued_lengths: Vec<usize>,
+    /// Those frames: packed here, or read back from the frames memfd.
+    #[serde(skip)]
+    pub frames: Vec<bytes::Bytes>,
     /// Bytes read from its socket and not parsed (base64): a message half
     /// read from its first byte, then what followed.
     pub unread: String,

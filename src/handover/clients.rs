@@ -1,8 +1,11 @@
 //! The connected WebSocket clients a handover moves (design §11): each
 //! client's socket travels as a descriptor; what it is (its id, `connId`,
-//! grant, declared identity, next `seq`, subscriptions), the frames queued
-//! for it and not yet written, and the bytes read from it and not parsed
-//! travel in this document (a sealed memfd, like [`super::State`]).
+//! grant, declared identity, next `seq`, subscriptions) and the bytes read
+//! from it and not parsed travel in this document (a sealed memfd, like
+//! [`super::State`]); the frames queued for it and not yet written travel
+//! beside it as raw bytes, in a sealed memfd of their own
+//! ([`Clients::frames_memfd`]), so that neither instance escapes or parses
+//! them inside the pause.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -66,7 +69,20 @@ pub struct Clients {
     /// ([`crate::hub::replay::ReplayLog::open`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay_newest: Option<u64>,
+    /// The length of the frames memfd that travels right after this
+    /// document (as [`FRAMES_FD_NAME`] in systemd's store): the bytes of
+    /// every client's queued frames ([`ClientEntry::queued_lengths`]), one
+    /// client's after another. 0: none travels.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub frames_bytes: u64,
 }
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// The descriptor name of the frames memfd (systemd's store).
+pub const FRAMES_FD_NAME: &str = "clawmux-frames";
 
 /// The descriptor name of the `i`th narrower session's socket (systemd's store).
 pub fn narrower_fd_name(i: usize) -> String {
@@ -135,6 +151,80 @@ impl Clients {
     pub fn from_fd(fd: impl std::os::fd::AsFd) -> Result<Clients, Unreadable> {
         Clients::parse(&super::state::read_memfd(fd, MAX_CLIENTS_BYTES)?)
     }
+
+    /// A sealed memfd with every client's queued frames, in the document's
+    /// order (`None` when no client has any).
+    pub fn frames_memfd(&self) -> std::io::Result<Option<OwnedFd>> {
+        if self.frames_bytes == 0 {
+            return Ok(None);
+        }
+        let mut bytes = Vec::with_capacity(self.frames_bytes as usize);
+        for frame in self.clients.iter().flat_map(|c| &c.frames) {
+            bytes.extend_from_slice(frame);
+        }
+        super::state::memfd_with(&bytes).map(Some)
+    }
+
+    /// Gives each client its queued frames back from the frames memfd
+    /// (`fd`, which this document says travels when `frames_bytes` is not
+    /// 0): every length must be there and the lengths must cover it
+    /// exactly. Each client's frames share one buffer of their own, so
+    /// what one slow client holds is only its own queue.
+    pub fn read_frames(&mut self, fd: Option<impl std::os::fd::AsFd>) -> Result<(), Unreadable> {
+        let bytes = match (self.frames_bytes, fd) {
+            (0, None) => Vec::new(),
+            (0, Some(_)) => {
+                return Err(Unreadable::Invalid(
+                    "a frames memfd the document does not name".into(),
+                ))
+            }
+            (_, None) => {
+                return Err(Unreadable::Invalid(
+                    "the frames memfd was not passed".into(),
+                ))
+            }
+            (n, Some(fd)) => {
+                let bytes = super::state::read_memfd(fd, MAX_CLIENTS_BYTES)?;
+                if bytes.len() as u64 != n {
+                    return Err(Unreadable::Invalid(format!(
+                        "the frames memfd holds {} bytes, not the {n} the document says",
+                        bytes.len()
+                    )));
+                }
+                bytes
+            }
+        };
+        let mut at = 0usize;
+        for client in &mut self.clients {
+            let len = client
+                .queued_lengths
+                .iter()
+                .try_fold(0usize, |sum, l| sum.checked_add(*l));
+            let end = len
+                .and_then(|len| at.checked_add(len))
+                .filter(|end| *end <= bytes.len());
+            let Some(end) = end else {
+                return Err(Unreadable::Invalid(format!(
+                    "client {}: its queued frames run past the frames memfd",
+                    client.id
+                )));
+            };
+            let mut own = Bytes::copy_from_slice(&bytes[at..end]);
+            client.frames = client
+                .queued_lengths
+                .iter()
+                .map(|l| own.split_to(*l))
+                .collect();
+            at = end;
+        }
+        if at != bytes.len() {
+            return Err(Unreadable::Invalid(format!(
+                "the frames memfd holds {} bytes no client's queue names",
+                bytes.len() - at
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Packs what the client tasks left, once the sessions have ended (every
@@ -151,11 +241,13 @@ pub fn pack(parcels: Vec<Box<dyn Parcel>>, core: CoreParcels) -> Packed {
         streams: Vec::new(),
         narrower: Vec::new(),
         replay_newest: core.replay_newest,
+        frames_bytes: 0,
     };
     let mut packed = Packed::default();
     for parcel in parcels {
         match parcel.pack() {
             Entry::Client(entry, fd) => {
+                doc.frames_bytes += entry.frames.iter().map(|f| f.len() as u64).sum::<u64>();
                 packed.clients.push((entry.id, fd));
                 doc.clients.push(entry);
             }
@@ -426,6 +518,9 @@ fn take_over_client(
     for frame in entry.queued {
         client.push_frame(Bytes::from(frame));
     }
+    for frame in entry.frames {
+        client.push_frame(frame);
+    }
     let member = Arc::clone(registration.member());
     let restarts = if entry.mirror {
         if !upstream_moves {
@@ -569,5 +664,82 @@ mod tests {
         let older = include_str!("../../fuzz/seeds/handover_state/clients.json");
         let older = Clients::parse(older.as_bytes()).unwrap();
         assert!(older.upstream.is_none() && older.runs.is_empty() && older.streams.is_empty());
+    }
+
+    /// Two clients with queued frames (and one without): their bytes
+    /// travel in the frames memfd, not the document, and each client gets
+    /// its own back, in order.
+    fn with_frames() -> Clients {
+        let seed = include_str!("../../fuzz/seeds/handover_state/clients.json");
+        let mut doc = Clients::parse(seed.as_bytes()).unwrap();
+        let one = doc.clients[0].clone();
+        let frames: [&[&str]; 3] = [&["{\"a\":1}", "{\"b\":\"two\"}"], &[], &["{\"c\":3}"]];
+        doc.clients = frames
+            .iter()
+            .enumerate()
+            .map(|(i, frames)| ClientEntry {
+                id: 10 + i as u64,
+                queued: Vec::new(),
+                queued_lengths: frames.iter().map(|f| f.len()).collect(),
+                frames: frames.iter().map(|f| Bytes::from(f.to_string())).collect(),
+                ..one.clone()
+            })
+            .collect();
+        doc.frames_bytes = frames
+            .iter()
+            .flat_map(|f| f.iter())
+            .map(|f| f.len() as u64)
+            .sum();
+        doc
+    }
+
+    #[test]
+    fn queued_frames_travel_beside_the_document_and_come_back_in_order() {
+        let doc = with_frames();
+        let text = String::from_utf8(serde_json::to_vec(&doc).unwrap()).unwrap();
+        assert!(!text.contains("two"), "no frame in the document: {text}");
+        assert!(!text.contains("\"queued\""), "{text}");
+        let frames = doc.frames_memfd().unwrap().expect("a frames memfd");
+        assert_eq!(
+            super::super::state::read_memfd(&frames, 1 << 20).unwrap(),
+            b"{\"a\":1}{\"b\":\"two\"}{\"c\":3}"
+        );
+        let mut read = Clients::from_fd(doc.to_memfd().unwrap()).unwrap();
+        assert!(read.clients.iter().all(|c| c.frames.is_empty()));
+        read.read_frames(Some(&frames)).unwrap();
+        assert_eq!(read, doc);
+        // No client with a queue: no memfd, and none is expected.
+        let mut empty = Clients::parse(b"{\"format\":1,\"clients\":[]}").unwrap();
+        assert!(empty.frames_memfd().unwrap().is_none());
+        empty.read_frames(None::<OwnedFd>).unwrap();
+    }
+
+    #[test]
+    fn frames_that_do_not_match_the_document_are_refused() {
+        let doc = with_frames();
+        let frames = doc.frames_memfd().unwrap().unwrap();
+        let refused = |mut doc: Clients, fd: Option<&OwnedFd>| {
+            doc.clients.iter_mut().for_each(|c| c.frames.clear());
+            match doc.read_frames(fd) {
+                Err(Unreadable::Invalid(why)) => why,
+                other => panic!("not refused: {other:?}"),
+            }
+        };
+        assert!(refused(doc.clone(), None).contains("not passed"));
+        let mut none = doc.clone();
+        none.frames_bytes = 0;
+        assert!(refused(none, Some(&frames)).contains("does not name"));
+        let mut longer = doc.clone();
+        longer.frames_bytes += 1;
+        assert!(refused(longer, Some(&frames)).contains("not the"));
+        let mut past = doc.clone();
+        past.clients[2].queued_lengths[0] += 1;
+        assert!(refused(past, Some(&frames)).contains("run past"));
+        let mut short = doc.clone();
+        short.clients[2].queued_lengths[0] -= 1;
+        assert!(refused(short, Some(&frames)).contains("no client's queue"));
+        let mut huge = doc;
+        huge.clients[0].queued_lengths[0] = usize::MAX;
+        assert!(refused(huge, Some(&frames)).contains("run past"));
     }
 }

@@ -218,7 +218,14 @@ impl Inherited {
         let clients = match self.take_fd(clients::CLIENTS_FD_NAME) {
             None => None,
             Some(doc) => {
-                let doc = clients::Clients::from_fd(&doc)?;
+                let mut doc = clients::Clients::from_fd(&doc)?;
+                let frames = match doc.frames_bytes {
+                    0 => None,
+                    _ => Some(self.take_fd(clients::FRAMES_FD_NAME).ok_or_else(|| {
+                        Unreadable::Invalid(format!("{} was not passed", clients::FRAMES_FD_NAME))
+                    })?),
+                };
+                doc.read_frames(frames)?;
                 let mut fds = Vec::new();
                 for c in &doc.clients {
                     let name = clients::client_fd_name(c.id);

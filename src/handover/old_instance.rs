@@ -172,6 +172,9 @@ pub async fn store_for_next_start<B: Broker>(
     let clients = packed.doc.clients.len();
     fds.push((state::STATE_FD_NAME.to_owned(), state.to_memfd()?));
     fds.push((clients::CLIENTS_FD_NAME.to_owned(), packed.doc.to_memfd()?));
+    if let Some(frames) = packed.doc.frames_memfd()? {
+        fds.push((clients::FRAMES_FD_NAME.to_owned(), frames));
+    }
     if let Some(fd) = packed.upstream {
         fds.push((clients::UPSTREAM_FD_NAME.to_owned(), fd));
     }

@@ -153,13 +153,16 @@ impl Successor {
         }
     }
 
-    /// Says `released`, with the clients document (and the gateway
-    /// connection's socket, when the document says it moves) and then
+    /// Says `released`, with the clients document (then the frames memfd
+    /// and the gateway connection's socket, each when the document says
+    /// it travels) and then
     /// every client's socket, in its order, as descriptors ([`wire`]).
     pub async fn send_released(&mut self, packed: &Packed) -> std::io::Result<()> {
         let doc = packed.doc.to_memfd()?;
         let sock = self.write.as_ref();
+        let frames = packed.doc.frames_memfd()?;
         let mut first = vec![doc.as_fd()];
+        first.extend(frames.as_ref().map(AsFd::as_fd));
         if packed.doc.upstream.is_some() {
             let upstream = packed.upstream.as_ref().ok_or_else(|| {
                 std::io::Error::other("the gateway connection's socket is missing")
@@ -301,7 +304,13 @@ impl Predecessor {
             ));
         }
         let doc = fds.remove(0);
-        let clients = Clients::from_fd(&doc).map_err(|e| e.to_string())?;
+        let mut clients = Clients::from_fd(&doc).map_err(|e| e.to_string())?;
+        let frames = match clients.frames_bytes {
+            0 => None,
+            _ if fds.is_empty() => return Err("the frames memfd was not passed".into()),
+            _ => Some(fds.remove(0)),
+        };
+        clients.read_frames(frames).map_err(|e| e.to_string())?;
         let upstream = match clients.upstream {
             Some(_) if fds.is_empty() => {
                 return Err("the gateway connection's socket was not passed".into())

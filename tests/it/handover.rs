@@ -1048,6 +1048,88 @@ async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_rem
     assert!(store.drain_until_exit(&mut next.0).await.success());
 }
 
+/// The frames queued for a client that is not reading travel beside the
+/// clients document, in a memfd of their own: through systemd's store too,
+/// where it is stored under its own name, and the next start gives each of
+/// them to the client once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_not_reading_across_systemds_store_gets_its_queued_frames_once_in_order() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, "[limits]\nsend_buffer_bytes = 8192\n").unwrap();
+    let command = || {
+        let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+        cmd.arg("--config").arg(&config);
+        cmd
+    };
+    let mut store = Store::bind(dir.path());
+    let mut first = ChildGuard(
+        command()
+            .env("NOTIFY_SOCKET", &store.path)
+            .env("FDSTORE", "64")
+            .env("PATH", fake_systemctl(dir.path(), "restart"))
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let mut stuck = WsClient::open(&socket, "/ws").await;
+    let stuck_id = stuck.handshake().await["server"]["connId"].clone();
+    let mut reader = WsClient::open(&socket, "/ws").await;
+    reader.handshake().await;
+    // More than the stuck client's socket holds: the rest waits in its queue.
+    const EVENTS: u64 = 40;
+    let pad = "x".repeat(16 * 1024);
+    for n in 0..EVENTS {
+        gw.broadcast("test.n", serde_json::json!({"n": n, "pad": pad}));
+        assert_eq!(reader.event("test.n").await["payload"]["n"], n);
+    }
+    crate::support::eventually_async("frames wait in the stuck client's queue", || async {
+        let clients = state(&socket).await["clients"].clone();
+        let queued = clients
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["conn_id"] == stuck_id)
+            .map(|c| c["queue_bytes"].as_u64().unwrap());
+        match queued {
+            Some(q) if q > 0 => Ok(()),
+            other => Err(format!("{other:?} bytes queued")),
+        }
+    })
+    .await;
+    sigterm(&first.0);
+    assert!(store.drain_until_exit(&mut first.0).await.success());
+    assert!(
+        store.fds.iter().any(|(n, _)| n == "clawmux-frames"),
+        "the queued frames are stored: {:?}",
+        store.lines
+    );
+    let fds = std::mem::take(&mut store.fds);
+    let mut next = ChildGuard(start_with_stored(command(), fds, &store.path, None));
+    crate::http_api::until_ready(&socket).await;
+    assert_eq!(broker_pid(&socket).await, next.0.id());
+    let mut seq = None;
+    for n in 0..EVENTS {
+        let event = stuck.event("test.n").await;
+        assert_eq!(event["payload"]["n"], n, "once each, in order");
+        let this = event["seq"].as_u64().unwrap();
+        if let Some(last) = seq {
+            assert_eq!(this, last + 1, "contiguous seq");
+        }
+        seq = Some(this);
+    }
+    gw.broadcast("test.n", serde_json::json!({"n": EVENTS}));
+    let after = stuck.event("test.n").await;
+    assert_eq!(after["payload"]["n"], EVENTS);
+    assert_eq!(after["seq"].as_u64(), seq.map(|s| s + 1));
+    sigterm(&next.0);
+    let _ = exits_with(&mut next.0).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stored_state_this_version_cannot_read_starts_fresh() {
     let gw = MockGateway::start(mock_config()).await.unwrap();

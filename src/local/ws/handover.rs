@@ -60,15 +60,14 @@ impl crate::parcels::Parcel for ClientParcel {
         let parcel = *self;
         let client = Arc::clone(parcel.registration.client());
         let (items, next_seq) = client.take_all();
-        let mut queued = Vec::with_capacity(items.len());
+        let mut frames = Vec::with_capacity(items.len());
         for item in items {
-            let frame = match item {
+            frames.push(match item {
                 Outgoing::Event(head, seq) => head.with_seq(seq),
                 Outgoing::Frame(bytes) => bytes,
                 // A client being closed is not moved.
                 Outgoing::Close(..) => break,
-            };
-            queued.push(String::from_utf8_lossy(&frame).into_owned());
+            });
         }
         let subscriptions = {
             let book = parcel.registration.member().book();
@@ -98,7 +97,9 @@ impl crate::parcels::Parcel for ClientParcel {
             socket: access.map_or_else(|| "default".into(), |a| a.socket.name.clone()),
             next_seq,
             subscriptions,
-            queued,
+            queued: Vec::new(),
+            queued_lengths: frames.iter().map(|f| f.len()).collect(),
+            frames,
             unread: base64::engine::general_purpose::STANDARD.encode(&parcel.unread),
             unwritten: base64::engine::general_purpose::STANDARD.encode(&parcel.unwritten),
             mirror: parcel.mirror,
