@@ -402,9 +402,12 @@ pub fn take_over(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], packed: Packed)
         }
     }
     let mut registered = HashMap::new();
-    for (id, member) in in_two_halves(moving, |(entry, fd)| {
-        take_over_client(ctx, policies, entry, fd, upstream_moves)
-    }) {
+    let take = {
+        let ctx = Arc::clone(ctx);
+        let policies = policies.to_vec();
+        Arc::new(move |(entry, fd)| take_over_client(&ctx, &policies, entry, fd, upstream_moves))
+    };
+    for (id, member) in in_two_halves(moving, take) {
         registered.insert(id, member);
     }
     taken += registered.len();
@@ -547,50 +550,50 @@ fn take_over_client(
 }
 
 /// Below this many, [`in_two_halves`] does the work on the calling thread
-/// alone (a thread costs more than it saves).
+/// alone (a task costs more than it saves).
 const SPLIT_ABOVE: usize = 64;
 
-/// `f` over `items` in their order, the second half on a thread of its own
-/// beside the calling one (both in the runtime's context): taking the
-/// clients over is the largest part of the pause every client sees at a
-/// handover, and the new instance has nothing else to run meanwhile.
-fn in_two_halves<T, R>(mut items: Vec<T>, f: impl Fn(T) -> Option<R> + Sync) -> Vec<R>
+/// `f` over `items` in their order, in two halves, each a task of the
+/// runtime's (on a multi-thread runtime; on the calling thread otherwise):
+/// taking the clients over is the largest part of the pause every client
+/// sees at a handover, and the new instance has nothing else to run
+/// meanwhile. On the runtime's workers, the tasks each half spawns wait in
+/// that worker's own queue until the half is done, instead of waking a
+/// parked worker for every client.
+fn in_two_halves<T, R>(mut items: Vec<T>, f: Arc<dyn Fn(T) -> Option<R> + Send + Sync>) -> Vec<R>
 where
-    T: Send,
-    R: Send,
+    T: Send + 'static,
+    R: Send + 'static,
 {
-    if items.len() <= SPLIT_ABOVE {
-        return items.into_iter().filter_map(f).collect();
-    }
+    let runtime = tokio::runtime::Handle::try_current()
+        .ok()
+        .filter(|r| r.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    let Some(runtime) = runtime.filter(|_| items.len() > SPLIT_ABOVE) else {
+        return items.into_iter().filter_map(|item| f(item)).collect();
+    };
     let second = items.split_off(items.len() / 2);
-    let runtime = tokio::runtime::Handle::try_current().ok();
-    let f = &f;
-    std::thread::scope(|s| {
-        let (second_tx, second_rx) = std::sync::mpsc::sync_channel(1);
-        // A thread that cannot be started (the process's thread limit)
-        // leaves the second half to the calling thread too.
-        let other = std::thread::Builder::new()
-            .name("clawmux-take-over".into())
-            .spawn_scoped(s, move || {
-                let second: Vec<T> = second_rx.recv().unwrap_or_default();
-                let _entered = runtime.as_ref().map(|r| r.enter());
-                second.into_iter().filter_map(f).collect::<Vec<R>>()
-            });
-        let mut done: Vec<R> = match &other {
-            Ok(_) => {
-                let _ = second_tx.send(second);
-                items.into_iter().filter_map(f).collect()
-            }
-            Err(_) => items.into_iter().chain(second).filter_map(f).collect(),
-        };
-        if let Ok(other) = other {
-            match other.join() {
-                Ok(rest) => done.extend(rest),
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    for (half, part) in [items, second].into_iter().enumerate() {
+        let f = Arc::clone(&f);
+        let done_tx = done_tx.clone();
+        runtime.spawn(async move {
+            let done: Vec<R> = part.into_iter().filter_map(|item| f(item)).collect();
+            let _ = done_tx.send((half, done));
+        });
+    }
+    drop(done_tx);
+    let mut halves: [Option<Vec<R>>; 2] = [None, None];
+    // The calling thread waits; on a worker, it hands its queue over first.
+    tokio::task::block_in_place(|| {
+        for (half, done) in done_rx.iter() {
+            halves[half] = Some(done);
         }
-        done
-    })
+    });
+    let [Some(mut first), Some(second)] = halves else {
+        panic!("a half of the take-over panicked");
+    };
+    first.extend(second);
+    first
 }
 
 #[cfg(test)]
@@ -604,25 +607,41 @@ mod tests {
     async fn two_halves_keep_the_order_and_the_runtime() {
         let caller = std::thread::current().id();
         let items: Vec<u32> = (0..1000).collect();
-        let done = in_two_halves(items, |i| {
-            assert!(tokio::runtime::Handle::try_current().is_ok());
-            (i % 7 != 0).then(|| (i, std::thread::current().id()))
-        });
+        let done = in_two_halves(
+            items,
+            Arc::new(|i| {
+                assert!(tokio::runtime::Handle::try_current().is_ok());
+                (i % 7 != 0).then(|| (i, std::thread::current().id()))
+            }),
+        );
         let expected: Vec<u32> = (0..1000).filter(|i| i % 7 != 0).collect();
         assert_eq!(done.iter().map(|(i, _)| *i).collect::<Vec<_>>(), expected);
-        assert!(done
-            .iter()
-            .filter(|(i, _)| *i < 500)
-            .all(|(_, t)| *t == caller));
-        assert!(done
-            .iter()
-            .filter(|(i, _)| *i >= 500)
-            .all(|(_, t)| *t != caller));
+        assert!(
+            done.iter().all(|(_, t)| *t != caller),
+            "both halves on the runtime's workers"
+        );
         // Few items: all on the calling thread.
-        let few = in_two_halves((0..SPLIT_ABOVE as u32).collect(), |i| {
-            Some(std::thread::current().id()).filter(|_| i < u32::MAX)
-        });
+        let few = in_two_halves(
+            (0..SPLIT_ABOVE as u32).collect(),
+            Arc::new(|i| Some(std::thread::current().id()).filter(|_| i < u32::MAX)),
+        );
         assert!(few.iter().all(|t| *t == caller));
+    }
+
+    /// On a current-thread runtime nothing else could run the halves:
+    /// the calling thread does it all.
+    #[tokio::test(flavor = "current_thread")]
+    async fn on_one_thread_the_caller_takes_every_client_over() {
+        let caller = std::thread::current().id();
+        let done = in_two_halves(
+            (0..1000u32).collect(),
+            Arc::new(|i| Some((i, std::thread::current().id()))),
+        );
+        assert_eq!(done.len(), 1000);
+        assert!(done
+            .iter()
+            .enumerate()
+            .all(|(n, (i, t))| *i == n as u32 && *t == caller));
     }
 
     /// A document with the gateway connection's part (the fuzz seed) is
