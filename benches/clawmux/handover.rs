@@ -163,10 +163,17 @@ fn signal(pid: u32, sig: rustix::process::Signal) {
 /// One run of handovers; with `stall`, a tenth of the WebSocket clients
 /// stop reading around each.
 pub async fn run(cfg: &Config, binary: &Path, stall: bool) -> Result<Pauses, String> {
+    // HANDOVER_BENCH_ROUNDS: more handovers per run, for a comparison of
+    // two binaries that machine noise would hide in ten.
+    let rounds = std::env::var("HANDOVER_BENCH_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .filter(|r| *r > 0)
+        .unwrap_or(10);
     let (n, rounds) = if cfg.smoke {
         (4, 2)
     } else {
-        (cfg.idle_clients, 10)
+        (cfg.idle_clients, rounds)
     };
     let mock = MockThread::start()?;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;

@@ -482,7 +482,8 @@ impl Connector {
         tokio::select! {
             biased;
             _ = self.cancel.cancelled() => return None,
-            _ = takeover.gate.passed() => {}
+            // Ahead of the moved clients, which wait for its session next.
+            _ = takeover.gate.passed_first() => {}
         }
         if takeover.url != redact_url(&self.url) {
             tracing::info!(
