@@ -1082,24 +1082,15 @@ async fn a_client_not_reading_across_systemds_store_gets_its_queued_frames_once_
     reader.handshake().await;
     // More than the stuck client's socket holds: the rest waits in its queue.
     const EVENTS: u64 = 40;
-    let pad = "x".repeat(16 * 1024);
-    for n in 0..EVENTS {
-        gw.broadcast("test.n", serde_json::json!({"n": n, "pad": pad}));
-        assert_eq!(reader.event("test.n").await["payload"]["n"], n);
-    }
-    crate::support::eventually_async("frames wait in the stuck client's queue", || async {
-        let clients = state(&socket).await["clients"].clone();
-        let queued = clients
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["conn_id"] == stuck_id)
-            .map(|c| c["queue_bytes"].as_u64().unwrap());
-        match queued {
-            Some(q) if q > 0 => Ok(()),
-            other => Err(format!("{other:?} bytes queued")),
-        }
-    })
+    flood_past(
+        &gw,
+        &mut reader,
+        EVENTS,
+        &socket,
+        &stuck_id,
+        "frames wait in its queue",
+        |q| q > 0,
+    )
     .await;
     sigterm(&first.0);
     assert!(store.drain_until_exit(&mut first.0).await.success());
@@ -1243,24 +1234,16 @@ async fn a_client_half_way_through_a_message_and_not_reading_moves_with_its_half
     // More events than the stuck client's socket holds: its writer takes a
     // batch and the socket takes only part of it.
     const EVENTS: u64 = 40;
-    let pad = "x".repeat(16 * 1024);
-    for n in 0..EVENTS {
-        gw.broadcast("test.n", serde_json::json!({"n": n, "pad": pad}));
-        assert_eq!(mover.event("test.n").await["payload"]["n"], n);
-    }
-    crate::support::eventually_async("the stuck client's writer took a batch", || async {
-        let clients = state(&socket).await["clients"].clone();
-        let queued = clients
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["conn_id"] == stuck_id)
-            .map(|c| c["queue_bytes"].as_u64().unwrap());
-        match queued {
-            Some(q) if q < EVENTS * 16 * 1024 => Ok(()),
-            other => Err(format!("{other:?} bytes queued")),
-        }
-    })
+    let took_a_batch = |q| q < EVENTS * 16 * 1024;
+    flood_past(
+        &gw,
+        &mut mover,
+        EVENTS,
+        &socket,
+        &stuck_id,
+        "its writer took a batch",
+        took_a_batch,
+    )
     .await;
     let _next = upgrade_once(&mut first, pid, &socket, &log).await;
     assert!(
@@ -1290,6 +1273,40 @@ async fn a_client_half_way_through_a_message_and_not_reading_moves_with_its_half
     assert_eq!(next["seq"].as_u64(), seq.map(|s| s + 1));
     let res = mover.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "{res}");
+}
+
+/// Sends `events` numbered events of 16 KiB, each read by `reader`: more
+/// than a client that is not reading (`stuck`, its send buffer set small)
+/// can take; then waits until that client's queued bytes pass `queued`.
+async fn flood_past(
+    gw: &MockGateway,
+    reader: &mut WsClient,
+    events: u64,
+    socket: &Path,
+    stuck: &serde_json::Value,
+    what: &str,
+    queued: impl Fn(u64) -> bool,
+) {
+    let pad = "x".repeat(16 * 1024);
+    for n in 0..events {
+        gw.broadcast("test.n", serde_json::json!({"n": n, "pad": pad}));
+        assert_eq!(reader.event("test.n").await["payload"]["n"], n);
+    }
+    let what = format!("the client that is not reading: {what}");
+    crate::support::eventually_async(&what, || async {
+        let clients = state(socket).await["clients"].clone();
+        let bytes = clients
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["conn_id"] == *stuck)
+            .map(|c| c["queue_bytes"].as_u64().unwrap());
+        match bytes {
+            Some(q) if queued(q) => Ok(()),
+            other => Err(format!("{other:?} bytes queued")),
+        }
+    })
+    .await;
 }
 
 /// A masked text frame holding the whole request `health` (`id` "half"):
