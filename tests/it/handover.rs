@@ -907,24 +907,36 @@ fn start_with_stored(
     child
 }
 
+/// `serve` under a stand-in for systemd with a file descriptor store
+/// (`store`), whose job on the service is a restart; once it serves.
+async fn serve_to_be_restarted(
+    mut serve: Command,
+    store: &Store,
+    dir: &Path,
+    socket: &Path,
+) -> ChildGuard {
+    let child = ChildGuard(
+        serve
+            .env("NOTIFY_SOCKET", &store.path)
+            .env("FDSTORE", "64")
+            .env("PATH", fake_systemctl(dir, "restart"))
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(socket).await;
+    child
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn systemds_store_keeps_the_socket_across_a_restart_and_the_next_start_removes_the_state() {
     let gw = MockGateway::start(mock_config()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("c.sock");
     let mut store = Store::bind(dir.path());
-    let mut first = ChildGuard(
-        serve_command(Path::new(BIN), dir.path(), &socket, &gw.url())
-            .env("NOTIFY_SOCKET", &store.path)
-            .env("FDSTORE", "64")
-            // systemd's job on the service: a restart.
-            .env("PATH", fake_systemctl(dir.path(), "restart"))
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
+    let serve = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+    let mut first = serve_to_be_restarted(serve, &store, dir.path(), &socket).await;
     // A client connected across the restart.
     let mut client = WsClient::open(&socket, "/ws").await;
     let hello = client.handshake().await;
@@ -1065,17 +1077,7 @@ async fn a_client_not_reading_across_systemds_store_gets_its_queued_frames_once_
         cmd
     };
     let mut store = Store::bind(dir.path());
-    let mut first = ChildGuard(
-        command()
-            .env("NOTIFY_SOCKET", &store.path)
-            .env("FDSTORE", "64")
-            .env("PATH", fake_systemctl(dir.path(), "restart"))
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
+    let mut first = serve_to_be_restarted(command(), &store, dir.path(), &socket).await;
     let mut stuck = WsClient::open(&socket, "/ws").await;
     let stuck_id = stuck.handshake().await["server"]["connId"].clone();
     let mut reader = WsClient::open(&socket, "/ws").await;
