@@ -7,7 +7,10 @@
 //! descriptor once, its main listener (if any) under the main name, and
 //! comes back unchanged after being written and parsed again. A moved HUD
 //! stream's projection that reads is driven on without a panic, and reads
-//! back the same once written.
+//! back the same once written. The bytes after a NUL (which no JSON holds)
+//! stand for the frames memfd beside a clients document: they are taken
+//! only when its clients' queued lengths cover them exactly, each client's
+//! frames then of those lengths and, end to end, those bytes.
 #![no_main]
 
 use clawmux::handover::clients::Clients;
@@ -24,6 +27,20 @@ fuzz_target!(|data: &[u8]| {
         }
         let again = State::parse(&serde_json::to_vec(&state).unwrap()).expect("round trip");
         assert_eq!(again, state);
+    }
+    if let Some(nul) = data.iter().position(|b| *b == 0) {
+        if let Ok(mut clients) = Clients::parse(&data[..nul]) {
+            let frames = &data[nul + 1..];
+            if clients.attach_frames(frames).is_ok() {
+                let mut joined = Vec::new();
+                for c in &clients.clients {
+                    let lengths: Vec<usize> = c.frames.iter().map(|f| f.len()).collect();
+                    assert_eq!(lengths, c.queued_lengths);
+                    c.frames.iter().for_each(|f| joined.extend_from_slice(f));
+                }
+                assert_eq!(joined, frames);
+            }
+        }
     }
     if let Ok(clients) = Clients::parse(data) {
         let again = Clients::parse(&serde_json::to_vec(&clients).unwrap()).expect("round trip");

@@ -167,9 +167,7 @@ impl Clients {
 
     /// Gives each client its queued frames back from the frames memfd
     /// (`fd`, which this document says travels when `frames_bytes` is not
-    /// 0): every length must be there and the lengths must cover it
-    /// exactly. Each client's frames share one buffer of their own, so
-    /// what one slow client holds is only its own queue.
+    /// 0), its length the one the document says ([`Clients::attach_frames`]).
     pub fn read_frames(&mut self, fd: Option<impl std::os::fd::AsFd>) -> Result<(), Unreadable> {
         let bytes = match (self.frames_bytes, fd) {
             (0, None) => Vec::new(),
@@ -194,6 +192,14 @@ impl Clients {
                 bytes
             }
         };
+        self.attach_frames(&bytes)
+    }
+
+    /// Gives each client its queued frames back from `bytes` (the frames
+    /// memfd's): every length must be there and the lengths must cover
+    /// them exactly. Each client's frames share one buffer of their own, so
+    /// what one slow client holds is only its own queue.
+    pub fn attach_frames(&mut self, bytes: &[u8]) -> Result<(), Unreadable> {
         let mut at = 0usize;
         for client in &mut self.clients {
             let len = client
@@ -731,6 +737,21 @@ mod tests {
         let mut empty = Clients::parse(b"{\"format\":1,\"clients\":[]}").unwrap();
         assert!(empty.frames_memfd().unwrap().is_none());
         empty.read_frames(None::<OwnedFd>).unwrap();
+    }
+
+    /// The fuzz seed of a document with its frames (the bytes after the
+    /// NUL) reads, and its one client gets its one frame.
+    #[test]
+    fn the_frames_seed_reads() {
+        let seed = include_bytes!("../../fuzz/seeds/handover_state/clients-frames.bin");
+        let nul = seed.iter().position(|b| *b == 0).unwrap();
+        let mut doc = Clients::parse(&seed[..nul]).unwrap();
+        assert_eq!(doc.frames_bytes, 16);
+        doc.attach_frames(&seed[nul + 1..]).unwrap();
+        assert_eq!(
+            doc.clients[0].frames,
+            [Bytes::from_static(b"{\"type\":\"event\"}")]
+        );
     }
 
     #[test]
