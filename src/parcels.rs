@@ -81,7 +81,9 @@ pub trait Parcel: Send + std::fmt::Debug {
 /// A parcel packed: its entry in the clients document and its sockets.
 #[derive(Debug)]
 pub enum Entry {
-    Client(ClientEntry, OwnedFd),
+    /// A `/ws` client, and what this instance held for it (let go once the
+    /// handover is over, not inside the pause: [`Leftover`]).
+    Client(ClientEntry, OwnedFd, Leftover),
     /// The client's socket, then the gateway's.
     Dedicated(DedicatedEntry, OwnedFd, OwnedFd),
     Stream(StreamEntry, OwnedFd),
@@ -89,6 +91,25 @@ pub enum Entry {
     Upstream(Box<UpstreamEntry>, OwnedFd),
     /// A narrower gateway session's connection.
     Narrower(Box<NarrowerEntry>, OwnedFd),
+}
+
+/// What this instance held for a moved thing and no longer needs (a `/ws`
+/// client's registration with the hub and the dispatcher): kept until the
+/// handover is over and dropped then, since letting a thousand of them go
+/// takes the hub's and the router's locks a thousand times, and the
+/// clients wait for nothing of it.
+pub struct Leftover(#[allow(dead_code)] Box<dyn Send>);
+
+impl Leftover {
+    pub fn new(held: impl Send + 'static) -> Leftover {
+        Leftover(Box::new(held))
+    }
+}
+
+impl std::fmt::Debug for Leftover {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Leftover")
+    }
 }
 
 impl Handover {

@@ -127,6 +127,10 @@ pub struct Packed {
     pub streams: Vec<OwnedFd>,
     /// Each narrower session's socket, in the order of `doc.narrower`.
     pub narrower: Vec<OwnedFd>,
+    /// What the old instance held for the clients packed, dropped with
+    /// this (once the new instance serves, or before this one serves them
+    /// again), never inside the pause.
+    pub leftovers: Vec<crate::parcels::Leftover>,
 }
 
 /// What moves of the core beside the parcels: the runs, and the event
@@ -252,7 +256,8 @@ pub fn pack(parcels: Vec<Box<dyn Parcel>>, core: CoreParcels) -> Packed {
     let mut packed = Packed::default();
     for parcel in parcels {
         match parcel.pack() {
-            Entry::Client(entry, fd) => {
+            Entry::Client(entry, fd, leftover) => {
+                packed.leftovers.push(leftover);
                 doc.frames_bytes += entry.frames.iter().map(|f| f.len() as u64).sum::<u64>();
                 packed.clients.push((entry.id, fd));
                 doc.clients.push(entry);
@@ -323,7 +328,11 @@ pub fn take_over(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], packed: Packed)
         dedicated,
         streams,
         narrower,
+        leftovers,
     } = packed;
+    // The previous core's hold on them goes first (an instance serving its
+    // clients again after a failed upgrade).
+    drop(leftovers);
     // Every moved client keeps its id: no client made here (a moved HUD
     // stream's feed, below) may take one of theirs first, nor the id that
     // owns a moved run (a `/v1/rpc` run's requester, gone already).

@@ -269,6 +269,7 @@ impl Inherited {
                     dedicated,
                     streams,
                     narrower,
+                    leftovers: Vec::new(),
                 })
             }
         };

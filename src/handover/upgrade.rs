@@ -351,6 +351,7 @@ impl Predecessor {
             dedicated,
             streams,
             narrower,
+            leftovers: Vec::new(),
         })
     }
 }

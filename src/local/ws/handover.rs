@@ -52,7 +52,7 @@ impl crate::parcels::Parcel for ClientParcel {
     }
 
     /// Its queue (whole now: the sessions have ended) and who it is; the
-    /// registration is dropped here.
+    /// registration is left over, dropped once the handover is over.
     fn pack(self: Box<Self>) -> crate::parcels::Entry {
         use crate::hub::Outgoing;
         use crate::parcels::{ClientEntry, Identity, Subscription};
@@ -104,7 +104,11 @@ impl crate::parcels::Parcel for ClientParcel {
             unwritten: base64::engine::general_purpose::STANDARD.encode(&parcel.unwritten),
             mirror: parcel.mirror,
         };
-        crate::parcels::Entry::Client(entry, parcel.fd)
+        crate::parcels::Entry::Client(
+            entry,
+            parcel.fd,
+            crate::parcels::Leftover::new(parcel.registration),
+        )
     }
 }
 
