@@ -98,11 +98,15 @@ pub enum Entry {
 /// handover is over and dropped then, since letting a thousand of them go
 /// takes the hub's and the router's locks a thousand times, and the
 /// clients wait for nothing of it.
-pub struct Leftover(#[allow(dead_code)] Box<dyn Send>);
+pub struct Leftover {
+    _held: Box<dyn Send>,
+}
 
 impl Leftover {
     pub fn new(held: impl Send + 'static) -> Leftover {
-        Leftover(Box::new(held))
+        Leftover {
+            _held: Box::new(held),
+        }
     }
 }
 
@@ -288,7 +292,7 @@ pub struct ClientEntry {
     /// The lengths of the frames queued for it and not written yet, in
     /// order. Their bytes travel beside the document, not in it: in the
     /// frames memfd, one client's after another in the document's order
-    /// (`handover::clients::Clients::frames_bytes`), so neither instance
+    /// (`handover::clients::Clients::frames_memfd`), so neither instance
     /// escapes or parses them inside the pause.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub queued_lengths: Vec<usize>,

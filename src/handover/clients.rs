@@ -69,19 +69,11 @@ pub struct Clients {
     /// ([`crate::hub::replay::ReplayLog::open`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay_newest: Option<u64>,
-    /// The length of the frames memfd that travels right after this
-    /// document (as [`FRAMES_FD_NAME`] in systemd's store): the bytes of
-    /// every client's queued frames ([`ClientEntry::queued_lengths`]), one
-    /// client's after another. 0: none travels.
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub frames_bytes: u64,
 }
 
-fn is_zero(n: &u64) -> bool {
-    *n == 0
-}
-
-/// The descriptor name of the frames memfd (systemd's store).
+/// The descriptor name of the frames memfd (systemd's store), which
+/// travels right after the clients document when any client has queued
+/// frames ([`Clients::has_frames`]).
 pub const FRAMES_FD_NAME: &str = "clawmux-frames";
 
 /// The descriptor name of the `i`th narrower session's socket (systemd's store).
@@ -156,45 +148,41 @@ impl Clients {
         Clients::parse(&super::state::read_memfd(fd, MAX_CLIENTS_BYTES)?)
     }
 
-    /// A sealed memfd with every client's queued frames, in the document's
-    /// order (`None` when no client has any).
+    /// Whether a frames memfd travels beside this document: some client
+    /// has queued frames ([`ClientEntry::queued_lengths`]).
+    pub fn has_frames(&self) -> bool {
+        self.clients.iter().any(|c| !c.queued_lengths.is_empty())
+    }
+
+    /// A sealed memfd with every client's queued frames, one client's after
+    /// another in the document's order (`None` when no client has any).
     pub fn frames_memfd(&self) -> std::io::Result<Option<OwnedFd>> {
-        if self.frames_bytes == 0 {
+        if !self.has_frames() {
             return Ok(None);
         }
-        let mut bytes = Vec::with_capacity(self.frames_bytes as usize);
-        for frame in self.clients.iter().flat_map(|c| &c.frames) {
-            bytes.extend_from_slice(frame);
-        }
+        let frames = || self.clients.iter().flat_map(|c| &c.frames);
+        let mut bytes = Vec::with_capacity(frames().map(|f| f.len()).sum());
+        frames().for_each(|f| bytes.extend_from_slice(f));
         super::state::memfd_with(&bytes).map(Some)
     }
 
     /// Gives each client its queued frames back from the frames memfd
-    /// (`fd`, which this document says travels when `frames_bytes` is not
-    /// 0), its length the one the document says ([`Clients::attach_frames`]).
+    /// (`fd`: passed exactly when the document has frames), as
+    /// [`Clients::attach_frames`].
     pub fn read_frames(&mut self, fd: Option<impl std::os::fd::AsFd>) -> Result<(), Unreadable> {
-        let bytes = match (self.frames_bytes, fd) {
-            (0, None) => Vec::new(),
-            (0, Some(_)) => {
+        let bytes = match (self.has_frames(), fd) {
+            (false, None) => Vec::new(),
+            (false, Some(_)) => {
                 return Err(Unreadable::Invalid(
                     "a frames memfd the document does not name".into(),
                 ))
             }
-            (_, None) => {
+            (true, None) => {
                 return Err(Unreadable::Invalid(
                     "the frames memfd was not passed".into(),
                 ))
             }
-            (n, Some(fd)) => {
-                let bytes = super::state::read_memfd(fd, MAX_CLIENTS_BYTES)?;
-                if bytes.len() as u64 != n {
-                    return Err(Unreadable::Invalid(format!(
-                        "the frames memfd holds {} bytes, not the {n} the document says",
-                        bytes.len()
-                    )));
-                }
-                bytes
-            }
+            (true, Some(fd)) => super::state::read_memfd(fd, MAX_CLIENTS_BYTES)?,
         };
         self.attach_frames(&bytes)
     }
@@ -251,14 +239,12 @@ pub fn pack(parcels: Vec<Box<dyn Parcel>>, core: CoreParcels) -> Packed {
         streams: Vec::new(),
         narrower: Vec::new(),
         replay_newest: core.replay_newest,
-        frames_bytes: 0,
     };
     let mut packed = Packed::default();
     for parcel in parcels {
         match parcel.pack() {
             Entry::Client(entry, fd, leftover) => {
                 packed.leftovers.push(leftover);
-                doc.frames_bytes += entry.frames.iter().map(|f| f.len() as u64).sum::<u64>();
                 packed.clients.push((entry.id, fd));
                 doc.clients.push(entry);
             }
@@ -719,11 +705,6 @@ mod tests {
                 ..one.clone()
             })
             .collect();
-        doc.frames_bytes = frames
-            .iter()
-            .flat_map(|f| f.iter())
-            .map(|f| f.len() as u64)
-            .sum();
         doc
     }
 
@@ -755,7 +736,7 @@ mod tests {
         let seed = include_bytes!("../../fuzz/seeds/handover_state/clients-frames.bin");
         let nul = seed.iter().position(|b| *b == 0).unwrap();
         let mut doc = Clients::parse(&seed[..nul]).unwrap();
-        assert_eq!(doc.frames_bytes, 16);
+        assert!(doc.has_frames());
         doc.attach_frames(&seed[nul + 1..]).unwrap();
         assert_eq!(
             doc.clients[0].frames,
@@ -776,11 +757,10 @@ mod tests {
         };
         assert!(refused(doc.clone(), None).contains("not passed"));
         let mut none = doc.clone();
-        none.frames_bytes = 0;
+        none.clients
+            .iter_mut()
+            .for_each(|c| c.queued_lengths.clear());
         assert!(refused(none, Some(&frames)).contains("does not name"));
-        let mut longer = doc.clone();
-        longer.frames_bytes += 1;
-        assert!(refused(longer, Some(&frames)).contains("not the"));
         let mut past = doc.clone();
         past.clients[2].queued_lengths[0] += 1;
         assert!(refused(past, Some(&frames)).contains("run past"));

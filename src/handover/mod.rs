@@ -219,9 +219,9 @@ impl Inherited {
             None => None,
             Some(doc) => {
                 let mut doc = clients::Clients::from_fd(&doc)?;
-                let frames = match doc.frames_bytes {
-                    0 => None,
-                    _ => Some(self.take_fd(clients::FRAMES_FD_NAME).ok_or_else(|| {
+                let frames = match doc.has_frames() {
+                    false => None,
+                    true => Some(self.take_fd(clients::FRAMES_FD_NAME).ok_or_else(|| {
                         Unreadable::Invalid(format!("{} was not passed", clients::FRAMES_FD_NAME))
                     })?),
                 };

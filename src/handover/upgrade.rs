@@ -305,10 +305,10 @@ impl Predecessor {
         }
         let doc = fds.remove(0);
         let mut clients = Clients::from_fd(&doc).map_err(|e| e.to_string())?;
-        let frames = match clients.frames_bytes {
-            0 => None,
-            _ if fds.is_empty() => return Err("the frames memfd was not passed".into()),
-            _ => Some(fds.remove(0)),
+        let frames = match clients.has_frames() {
+            false => None,
+            true if fds.is_empty() => return Err("the frames memfd was not passed".into()),
+            true => Some(fds.remove(0)),
         };
         clients.read_frames(frames).map_err(|e| e.to_string())?;
         let upstream = match clients.upstream {
