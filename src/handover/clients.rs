@@ -332,41 +332,9 @@ pub fn take_over(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], packed: Packed)
     {
         ctx.hub.reserve_ids_through(top);
     }
-    let mut fds: HashMap<u64, OwnedFd> = fds.into_iter().collect();
-    // A mirror client (`restarts=mirror`) stays only on the gateway
-    // connection it was on: when that does not move, it is closed as a
-    // direct gateway connection would be by the reconnect.
-    let upstream_moves = clients.upstream.is_some() && upstream_fd.is_some();
-    let mut moving = Vec::with_capacity(clients.clients.len());
-    for entry in clients.clients {
-        match fds.remove(&entry.id) {
-            Some(fd) => moving.push((entry, fd)),
-            None => tracing::warn!(
-                client_id = entry.id,
-                "handover: a client's socket was not passed"
-            ),
-        }
-    }
-    let mut registered = HashMap::new();
-    let take = {
-        let ctx = Arc::clone(ctx);
-        let policies = policies.to_vec();
-        Arc::new(move |(entry, fd)| take_over_client(&ctx, &policies, entry, fd, upstream_moves))
-    };
-    let start = {
-        let ctx = Arc::clone(ctx);
-        Arc::new(move |serving: Serving| {
-            ctx.tracker.spawn(serving);
-        })
-    };
-    for (id, member) in in_two_halves(moving, take, start) {
-        registered.insert(id, member);
-    }
-    let mut taken = registered.len();
     // Admitted before the gateway connection is taken over (below), as
-    // the clients are: no event reaches this instance before them. After
-    // the `/ws` clients: their tasks, spawned from this thread, would keep
-    // a worker from the second half (see in_two_halves).
+    // the clients are: no event reaches this instance before them.
+    let mut taken = 0;
     for (entry, fd) in std::mem::take(&mut clients.streams)
         .into_iter()
         .zip(streams)
@@ -419,6 +387,31 @@ pub fn take_over(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], packed: Packed)
         let serve = crate::local::dedicated::take_over(parcel, Arc::clone(ctx));
         ctx.spawn_moved(crate::context::holding(slot, serve));
     }
+    let mut fds: HashMap<u64, OwnedFd> = fds.into_iter().collect();
+    // A mirror client (`restarts=mirror`) stays only on the gateway
+    // connection it was on: when that does not move, it is closed as a
+    // direct gateway connection would be by the reconnect.
+    let upstream_moves = clients.upstream.is_some() && upstream_fd.is_some();
+    let mut moving = Vec::with_capacity(clients.clients.len());
+    for entry in clients.clients {
+        match fds.remove(&entry.id) {
+            Some(fd) => moving.push((entry, fd)),
+            None => tracing::warn!(
+                client_id = entry.id,
+                "handover: a client's socket was not passed"
+            ),
+        }
+    }
+    let mut registered = HashMap::new();
+    let take = {
+        let ctx = Arc::clone(ctx);
+        let policies = policies.to_vec();
+        Arc::new(move |(entry, fd)| take_over_client(&ctx, &policies, entry, fd, upstream_moves))
+    };
+    for (id, member) in in_two_halves(moving, take) {
+        registered.insert(id, member);
+    }
+    taken += registered.len();
     if taken > 0 {
         ctx.sessions.main_owner.clients_taken_over();
     }
@@ -449,10 +442,6 @@ pub fn take_over(ctx: &Arc<Ctx>, policies: &[Arc<SocketPolicy>], packed: Packed)
     taken
 }
 
-/// A moved client's serving task, made by [`take_over_client`] and spawned
-/// once the half of the take-over that made it is done.
-type Serving = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
-
 /// Takes over one moved `/ws` client ([`take_over`]): its hub client, its
 /// grant, subscriptions and queue, and its task, which waits at the gate.
 /// `None` if it cannot be (its descriptor is closed: it reconnects and
@@ -463,7 +452,7 @@ fn take_over_client(
     entry: ClientEntry,
     fd: OwnedFd,
     upstream_moves: bool,
-) -> Option<((u64, Arc<crate::dispatch::Member>), Serving)> {
+) -> Option<(u64, Arc<crate::dispatch::Member>)> {
     let Some(policy) = policies.iter().find(|p| p.name == entry.socket) else {
         tracing::warn!(client_id = entry.id, socket = %entry.socket, "handover: the client's socket is no longer configured; closing it");
         return None;
@@ -556,66 +545,56 @@ fn take_over_client(
     // Boxed here, once: the serving future is about 4 KiB, and the
     // wrappers and the spawn then move a pointer instead of copying it
     // three times, for every client, inside the pause.
-    let serving = Box::pin(crate::context::holding(slot, Box::pin(serve)));
-    Some(((client.id, member), serving))
+    ctx.tracker
+        .spawn(crate::context::holding(slot, Box::pin(serve)));
+    Some((client.id, member))
 }
 
 /// Below this many, [`in_two_halves`] does the work on the calling thread
 /// alone (a task costs more than it saves).
 const SPLIT_ABOVE: usize = 64;
 
-/// `f` over `items` in their order, in two halves, the first a task of the
-/// runtime's (on a multi-thread runtime; with few items, or on one thread,
-/// the calling thread does it all) and the second on the calling thread,
-/// and then `start` on what each item left to run, by the half that made
-/// it once all of its items are done: taking the clients over is the
-/// largest part of the pause every client sees at a handover, and the new
-/// instance has nothing else to run meanwhile. The calling thread starts on
-/// its half at once: a second task could wait for a worker for
-/// milliseconds (a worker looking for work takes what it can steal before
-/// it looks in the runtime's shared queue). Nothing is started before its
-/// half is done, so no half's tasks keep a worker from the other; started
-/// on the worker, they wait in its own queue instead of waking a parked
-/// worker each.
-fn in_two_halves<T, R, S>(
-    mut items: Vec<T>,
-    f: Arc<dyn Fn(T) -> Option<(R, S)> + Send + Sync>,
-    start: Arc<dyn Fn(S) + Send + Sync>,
-) -> Vec<R>
+/// `f` over `items` in their order, in two halves, each a task of the
+/// runtime's (on a multi-thread runtime; on the calling thread otherwise):
+/// taking the clients over is the largest part of the pause every client
+/// sees at a handover, and the new instance has nothing else to run
+/// meanwhile. On the runtime's workers, the tasks each half spawns wait in
+/// that worker's own queue until the half is done, instead of waking a
+/// parked worker for every client.
+fn in_two_halves<T, R>(mut items: Vec<T>, f: Arc<dyn Fn(T) -> Option<R> + Send + Sync>) -> Vec<R>
 where
     T: Send + 'static,
     R: Send + 'static,
-    S: Send + 'static,
 {
     let runtime = tokio::runtime::Handle::try_current()
         .ok()
         .filter(|r| r.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-    let one_half = move |part: Vec<T>, f: &dyn Fn(T) -> Option<(R, S)>, start: &dyn Fn(S)| {
-        let (done, started): (Vec<R>, Vec<S>) = part.into_iter().filter_map(f).unzip();
-        started.into_iter().for_each(start);
-        done
-    };
     let Some(runtime) = runtime.filter(|_| items.len() > SPLIT_ABOVE) else {
-        return one_half(items, &*f, &*start);
+        return items.into_iter().filter_map(|item| f(item)).collect();
     };
     let second = items.split_off(items.len() / 2);
     let (done_tx, done_rx) = std::sync::mpsc::channel();
-    {
-        let (f, start) = (Arc::clone(&f), Arc::clone(&start));
+    for (half, part) in [items, second].into_iter().enumerate() {
+        let f = Arc::clone(&f);
+        let done_tx = done_tx.clone();
         runtime.spawn(async move {
-            let _ = done_tx.send(one_half(items, &*f, &*start));
+            let done: Vec<R> = part.into_iter().filter_map(|item| f(item)).collect();
+            let _ = done_tx.send((half, done));
         });
     }
-    // On a worker, its queue (with the first half, if it went there) is
-    // handed to another thread first.
+    drop(done_tx);
+    let mut halves: [Option<Vec<R>>; 2] = [None, None];
+    // The calling thread waits; on a worker, it hands its queue over first.
     tokio::task::block_in_place(|| {
-        let second = one_half(second, &*f, &*start);
-        let Ok(mut first) = done_rx.recv() else {
-            panic!("the first half of the take-over panicked");
-        };
-        first.extend(second);
-        first
-    })
+        for (half, done) in done_rx.iter() {
+            halves[half] = Some(done);
+        }
+    });
+    let [Some(mut first), Some(second)] = halves else {
+        panic!("a half of the take-over panicked");
+    };
+    first.extend(second);
+    first
 }
 
 #[cfg(test)]
@@ -623,104 +602,43 @@ mod tests {
     use super::*;
 
     /// The halves keep the items' order, drop what `f` refuses, and the
-    /// first half runs on a worker, which can reach the runtime as the
-    /// calling thread can (taking a client over registers its socket).
-    /// What an item leaves to run is started by its half's thread once all
-    /// of that half's items are done, never in between.
+    /// second half runs on another thread that can still reach the runtime
+    /// (taking a client over registers its socket and spawns its task).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn two_halves_keep_the_order_and_the_runtime() {
-        use std::sync::Mutex;
         let caller = std::thread::current().id();
         let items: Vec<u32> = (0..1000).collect();
-        // What happened, in order: an item done, or one started, by thread.
-        let log = Arc::new(Mutex::new(Vec::new()));
         let done = in_two_halves(
             items,
-            {
-                let log = Arc::clone(&log);
-                Arc::new(move |i| {
-                    assert!(tokio::runtime::Handle::try_current().is_ok());
-                    let me = std::thread::current().id();
-                    log.lock().unwrap().push(("done", i, me));
-                    (i % 7 != 0).then_some(((i, me), i))
-                })
-            },
-            {
-                let log = Arc::clone(&log);
-                Arc::new(move |i| {
-                    let me = std::thread::current().id();
-                    log.lock().unwrap().push(("started", i, me));
-                })
-            },
+            Arc::new(|i| {
+                assert!(tokio::runtime::Handle::try_current().is_ok());
+                (i % 7 != 0).then(|| (i, std::thread::current().id()))
+            }),
         );
         let expected: Vec<u32> = (0..1000).filter(|i| i % 7 != 0).collect();
         assert_eq!(done.iter().map(|(i, _)| *i).collect::<Vec<_>>(), expected);
         assert!(
-            done.iter()
-                .take_while(|(i, _)| *i < 500)
-                .all(|(_, t)| *t != caller),
-            "the first half on one of the runtime's workers"
+            done.iter().all(|(_, t)| *t != caller),
+            "both halves on the runtime's workers"
         );
-        assert!(
-            done.iter()
-                .skip_while(|(i, _)| *i < 500)
-                .all(|(_, t)| *t == caller),
-            "the second half on the calling thread"
-        );
-        let log = log.lock().unwrap();
-        let half = |i: u32| usize::from(i >= 500);
-        for (n, &(what, i, thread)) in log.iter().enumerate() {
-            if what != "started" {
-                continue;
-            }
-            assert_ne!(i % 7, 0, "only what an item left is started");
-            // Started by the thread that did its half, after all of it.
-            assert_eq!(
-                Some(thread),
-                done.iter().find(|(j, _)| *j == i).map(|d| d.1)
-            );
-            let later = log[n..]
-                .iter()
-                .any(|&(w, j, _)| w == "done" && half(j) == half(i));
-            assert!(!later, "item {i} started before its half was done");
-        }
-        let started = log.iter().filter(|e| e.0 == "started").count();
-        assert_eq!(started, expected.len());
-        drop(log);
         // Few items: all on the calling thread.
         let few = in_two_halves(
             (0..SPLIT_ABOVE as u32).collect(),
-            Arc::new(|i| Some((std::thread::current().id(), ())).filter(|_| i < u32::MAX)),
-            Arc::new(|()| {}),
+            Arc::new(|i| Some(std::thread::current().id()).filter(|_| i < u32::MAX)),
         );
         assert!(few.iter().all(|t| *t == caller));
     }
 
     /// On a current-thread runtime nothing else could run the halves:
-    /// the calling thread does it all, and starts what they left after.
+    /// the calling thread does it all.
     #[tokio::test(flavor = "current_thread")]
     async fn on_one_thread_the_caller_takes_every_client_over() {
         let caller = std::thread::current().id();
-        let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let done = in_two_halves(
             (0..1000u32).collect(),
-            {
-                let started = Arc::clone(&started);
-                Arc::new(move |i| {
-                    assert_eq!(started.load(std::sync::atomic::Ordering::Relaxed), 0);
-                    Some(((i, std::thread::current().id()), ()))
-                })
-            },
-            {
-                let started = Arc::clone(&started);
-                Arc::new(move |()| {
-                    assert_eq!(std::thread::current().id(), caller);
-                    started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                })
-            },
+            Arc::new(|i| Some((i, std::thread::current().id()))),
         );
         assert_eq!(done.len(), 1000);
-        assert_eq!(started.load(std::sync::atomic::Ordering::Relaxed), 1000);
         assert!(done
             .iter()
             .enumerate()
