@@ -126,7 +126,6 @@ pub async fn upgrade<B: Broker>(
                 paused_ms = released.stopped_at().elapsed().as_millis() as u64,
                 "upgrade: the new instance serves; exiting"
             );
-            step_aside();
             released.finish();
             Outcome::Upgraded(next.into_child())
         }
@@ -142,34 +141,6 @@ pub async fn upgrade<B: Broker>(
                 Ok(broker) => Outcome::StillServing(broker, why),
                 Err(e) => Outcome::Lost(format!("{why}; serving again failed too: {e}")),
             }
-        }
-    }
-}
-
-/// The nice value of an instance whose successor serves: the lowest.
-const STEPPED_ASIDE_NICE: i32 = 19;
-
-/// Once the next instance serves, everything this one still does (letting
-/// go of what it packed, its runtime and its memory, its exit, or waiting
-/// for its terminal) runs at the lowest priority: on a machine without a
-/// spare core it would otherwise take the CPU the next instance needs to
-/// deliver what queued during the pause. Every thread of it: on Linux a
-/// nice value is a thread's (setpriority(2)), and a thread started later
-/// takes its starter's. The next instance was started before, at the
-/// normal priority. Best effort: a thread missed competes as before.
-fn step_aside() {
-    let Ok(threads) = std::fs::read_dir("/proc/self/task") else {
-        return;
-    };
-    let tids = threads
-        .flatten()
-        .filter_map(|t| t.file_name().to_str()?.parse::<i32>().ok());
-    for tid in tids.filter_map(rustix::process::Pid::from_raw) {
-        if let Err(e) = rustix::process::setpriority_process(Some(tid), STEPPED_ASIDE_NICE) {
-            tracing::debug!(
-                tid = tid.as_raw_nonzero().get(),
-                "cannot lower this thread's priority ({e})"
-            );
         }
     }
 }
