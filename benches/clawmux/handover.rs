@@ -53,6 +53,10 @@ pub struct Pauses {
     /// stopping its clients to the new instance's word that it serves, the
     /// part of the gap that is the broker's own work.
     pub paused: Vec<Duration>,
+    /// Per handover, with `HANDOVER_BENCH_AGAINST`: which build the old
+    /// and the new instance were (`'A'`: `HANDOVER_BENCH_BINARY`, `'B'`:
+    /// the other); empty otherwise.
+    pub builds: Vec<(char, char)>,
     /// Clients whose connection ended during the run (should be 0).
     pub lost: usize,
     /// Numbered events a client did not receive, after its first, summed
@@ -190,6 +194,14 @@ pub async fn run(cfg: &Config, binary: &Path, stall: bool) -> Result<Pauses, Str
         format!("[limits]\nsend_buffer_bytes = {SEND_BUFFER_BYTES}\n"),
     )
     .map_err(|e| e.to_string())?;
+    // HANDOVER_BENCH_AGAINST: a second build, compared with `binary` in
+    // the same run, handover by handover (the machine's drift between two
+    // runs is larger than a change to either instance's half).
+    let builds = match std::env::var_os("HANDOVER_BENCH_AGAINST") {
+        Some(other) => Some(Builds::install(dir.path(), binary, Path::new(&other))?),
+        None => None,
+    };
+    let binary = builds.as_ref().map_or(binary, |b| b.serving.as_path());
     let mut child = std::process::Command::new(binary)
         .arg("serve")
         .arg("--socket")
@@ -205,7 +217,7 @@ pub async fn run(cfg: &Config, binary: &Path, stall: bool) -> Result<Pauses, Str
         .stderr(log)
         .spawn()
         .map_err(|e| e.to_string())?;
-    let result = measure(n, rounds, stall, &socket, &mock)
+    let result = measure(n, rounds, stall, &socket, &mock, builds.as_ref())
         .await
         .map(|p| Pauses {
             paused: logged_pauses(&log_path),
@@ -228,6 +240,7 @@ async fn measure(
     stall: bool,
     socket: &Path,
     mock: &MockThread,
+    builds: Option<&Builds>,
 ) -> Result<Pauses, String> {
     until("the broker", Duration::from_secs(20), async || {
         state(socket)
@@ -333,7 +346,17 @@ async fn measure(
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut gaps = Vec::new();
     let mut took = Vec::new();
-    for _ in 0..rounds {
+    let mut pairs = Vec::new();
+    let mut serving = 'A';
+    for round in 0..rounds {
+        // Each of A→A, A→B, B→A and B→B, in turn: the new instance is the
+        // build installed at the program's path now.
+        if let Some(builds) = builds {
+            let next = if round % 4 < 2 { 'B' } else { 'A' };
+            builds.put(next)?;
+            pairs.push((serving, next));
+            serving = next;
+        }
         let pid = until("the broker's pid", Duration::from_secs(10), async || {
             state(socket).await?["broker"]["pid"].as_u64()
         })
@@ -432,10 +455,44 @@ async fn measure(
         gaps,
         took,
         paused: Vec::new(),
+        builds: pairs,
         lost: lost.load(Ordering::Relaxed),
         skipped: sum(|r| &r.skipped),
         repeated: sum(|r| &r.repeated),
     })
+}
+
+/// Two builds taking turns at one program path: an upgrade starts whatever
+/// is there (the path the broker was started from), as after a package
+/// upgrade.
+struct Builds {
+    /// The path the broker runs from.
+    serving: std::path::PathBuf,
+    a: std::path::PathBuf,
+    b: std::path::PathBuf,
+}
+
+impl Builds {
+    fn install(dir: &Path, a: &Path, b: &Path) -> Result<Builds, String> {
+        let builds = Builds {
+            serving: dir.join("clawmux"),
+            a: dir.join("clawmux-a"),
+            b: dir.join("clawmux-b"),
+        };
+        for (from, to) in [(a, &builds.a), (b, &builds.b), (a, &builds.serving)] {
+            std::fs::copy(from, to).map_err(|e| format!("{}: {e}", from.display()))?;
+        }
+        Ok(builds)
+    }
+
+    /// Puts build `which` at the program path (a rename: the running
+    /// instance keeps its own file).
+    fn put(&self, which: char) -> Result<(), String> {
+        let from = if which == 'A' { &self.a } else { &self.b };
+        let next = self.serving.with_extension("next");
+        std::fs::copy(from, &next).map_err(|e| e.to_string())?;
+        std::fs::rename(&next, &self.serving).map_err(|e| e.to_string())
+    }
 }
 
 /// The `paused_ms` of every handover in the broker's log, in order.
@@ -498,6 +555,39 @@ pub fn print(all_read: &Pauses, some_stall: &Pauses) {
                 ms(quantile(&values, 0.5)),
                 ms(quantile(&values, 0.99)),
                 ms(*values.last().unwrap_or(&Duration::ZERO))
+            );
+        }
+    }
+    for p in [all_read, some_stall] {
+        if p.builds.is_empty() {
+            continue;
+        }
+        println!(
+            "\n{} not reading, by build (A and B below), medians:\n",
+            p.stalled
+        );
+        let ms1 = |d: Duration| format!("{:.1} ms", d.as_secs_f64() * 1e3);
+        println!("| old → new instance | handovers | largest gap | the broker's own pause |");
+        println!("|---|---|---|---|");
+        for pair in [('A', 'A'), ('A', 'B'), ('B', 'A'), ('B', 'B')] {
+            let of = |values: &[Duration]| {
+                let picked: Vec<Duration> = p
+                    .builds
+                    .iter()
+                    .zip(values)
+                    .filter(|(b, _)| **b == pair)
+                    .map(|(_, v)| *v)
+                    .collect();
+                sorted(&picked)
+            };
+            let (gaps, paused) = (of(&p.gaps), of(&p.paused));
+            println!(
+                "| {} → {} | {} | {} | {} |",
+                pair.0,
+                pair.1,
+                gaps.len(),
+                ms1(quantile(&gaps, 0.5)),
+                ms1(quantile(&paused, 0.5))
             );
         }
     }

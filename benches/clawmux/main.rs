@@ -333,6 +333,15 @@ async fn run(
         if std::env::var_os("HANDOVER_BENCH_BINARY").is_some() {
             println!("- the broker measured: {}", binary.display());
         }
+        // HANDOVER_BENCH_AGAINST=/path/to/other/clawmux: the two take turns,
+        // handover by handover, in the same run (handover::Builds).
+        if let Some(other) = std::env::var_os("HANDOVER_BENCH_AGAINST") {
+            println!(
+                "- A: {}, B: {} (HANDOVER_BENCH_AGAINST)",
+                binary.display(),
+                std::path::Path::new(&other).display()
+            );
+        }
         for pauses in [&all_read, &some_stall] {
             if pauses.gaps.is_empty() || pauses.lost > 0 || pauses.skipped + pauses.repeated > 0 {
                 return Err(format!(
