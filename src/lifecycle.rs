@@ -72,12 +72,14 @@ pub async fn serve_until_stopped(
                 tracing::info!(program = %program.path.display(), "SIGUSR2: handing over to a new instance");
                 crate::upgrade_record::attempt();
                 match old_instance::upgrade(broker, program, shutdown_timeout).await {
-                    Outcome::Upgraded(next) => {
+                    Outcome::Upgraded(next, moved) => {
                         // The new instance is the service now: no STOPPING=1.
                         notifier.abandon();
                         if keeps_its_terminal() {
+                            moved.let_go();
                             return stand_in_for(next, term, usr2).await;
                         }
+                        moved.leave_to_exit();
                         return Ok(());
                     }
                     Outcome::StillServing(b, why) => {

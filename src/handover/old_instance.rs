@@ -58,12 +58,33 @@ pub trait Released: Sized {
 pub enum Outcome<B> {
     /// The new instance (this process) serves: this one exits, or stays
     /// for its terminal.
-    Upgraded(tokio::process::Child),
+    Upgraded(tokio::process::Child, Moved),
     /// This one serves (still, or again): why the upgrade did not happen.
     StillServing(B, String),
     /// The new one failed after this one stopped, and serving again failed
     /// too: the process ends with this error.
     Lost(String),
+}
+
+/// What an instance packed for the one that now serves, still held here:
+/// its copies of the moved sockets, the clients' entries and their
+/// registrations in this instance's core.
+#[derive(Debug)]
+pub struct Moved(Box<Packed>);
+
+impl Moved {
+    /// This process stays (for its terminal): its memory comes back.
+    pub fn let_go(self) {
+        drop(self.0);
+    }
+
+    /// This process is about to exit: the exit gives it all back at once.
+    /// Taken apart entry by entry (a lock or two and a free for each of a
+    /// thousand clients), it would take the CPU the next instance needs
+    /// just then, to deliver what queued during the pause.
+    pub fn leave_to_exit(self) {
+        std::mem::forget(self.0);
+    }
 }
 
 /// Hands the broker over to a new instance of `program`. Nothing is lost
@@ -127,7 +148,7 @@ pub async fn upgrade<B: Broker>(
                 "upgrade: the new instance serves; exiting"
             );
             released.finish();
-            Outcome::Upgraded(next.into_child())
+            Outcome::Upgraded(next.into_child(), Moved(Box::new(packed)))
         }
         Err(why) => {
             // It failed after it took everything: its clients lose their
