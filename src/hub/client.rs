@@ -388,15 +388,28 @@ impl Client {
         Self::with_budget(id, limits, Arc::new(QueueBudget::new()))
     }
 
-    pub fn with_budget(id: u64, mut limits: QueueLimits, budget: Arc<QueueBudget>) -> Self {
+    pub fn with_budget(id: u64, limits: QueueLimits, budget: Arc<QueueBudget>) -> Self {
+        let conn_id = uuid::Uuid::new_v4().to_string();
+        Self::with_connection(id, conn_id, crate::protocol::now_ms(), limits, budget)
+    }
+
+    /// A client whose connection already has its id and start time (one
+    /// taken over from the previous instance): no new id is drawn.
+    pub fn with_connection(
+        id: u64,
+        conn_id: String,
+        connected_at_ms: u64,
+        mut limits: QueueLimits,
+        budget: Arc<QueueBudget>,
+    ) -> Self {
         // Pushes compare with the soft limit first and the hard one only
         // past it, so the soft limit must not be above the hard one.
         limits.soft_bytes = limits.soft_bytes.min(limits.hard_bytes);
         Client {
             id,
             kind: ClientKind::Ws,
-            conn_id: uuid::Uuid::new_v4().to_string(),
-            connected_at_ms: crate::protocol::now_ms(),
+            conn_id,
+            connected_at_ms,
             identity: std::sync::OnceLock::new(),
             tool_events: AtomicBool::new(false),
             observer: AtomicBool::new(false),

@@ -177,10 +177,14 @@ impl Hub {
         kind: ClientKind,
     ) -> Arc<Client> {
         self.next_client_id.fetch_max(id + 1, Ordering::Relaxed);
-        let mut client = self.client_with_id(id).with_kind(kind);
-        client.conn_id = conn_id;
-        client.connected_at_ms = connected_at_ms;
-        Arc::new(client)
+        let client = Client::with_connection(
+            id,
+            conn_id,
+            connected_at_ms,
+            self.queue_limits,
+            Arc::clone(&self.queue_budget),
+        );
+        Arc::new(client.with_kind(kind))
     }
 
     /// Keeps the ids up to `top` for clients taken over from the previous
