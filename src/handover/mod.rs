@@ -219,13 +219,8 @@ impl Inherited {
             None => None,
             Some(doc) => {
                 let mut doc = clients::Clients::from_fd(&doc)?;
-                let frames = match doc.has_frames() {
-                    false => None,
-                    true => Some(self.take_fd(clients::FRAMES_FD_NAME).ok_or_else(|| {
-                        Unreadable::Invalid(format!("{} was not passed", clients::FRAMES_FD_NAME))
-                    })?),
-                };
-                doc.read_frames(frames)?;
+                // Refused there when it is missing, or there and not named.
+                doc.read_frames(self.take_fd(clients::FRAMES_FD_NAME))?;
                 let mut fds = Vec::new();
                 for c in &doc.clients {
                     let name = clients::client_fd_name(c.id);

@@ -305,11 +305,8 @@ impl Predecessor {
         }
         let doc = fds.remove(0);
         let mut clients = Clients::from_fd(&doc).map_err(|e| e.to_string())?;
-        let frames = match clients.has_frames() {
-            false => None,
-            true if fds.is_empty() => return Err("the frames memfd was not passed".into()),
-            true => Some(fds.remove(0)),
-        };
+        // Next when the document names it (read_frames refuses it missing).
+        let frames = (clients.has_frames() && !fds.is_empty()).then(|| fds.remove(0));
         clients.read_frames(frames).map_err(|e| e.to_string())?;
         let upstream = match clients.upstream {
             Some(_) if fds.is_empty() => {

@@ -908,25 +908,37 @@ fn start_with_stored(
 }
 
 /// `serve` under a stand-in for systemd with a file descriptor store
-/// (`store`), whose job on the service is a restart; once it serves.
-async fn serve_to_be_restarted(
+/// (`store`), whose job on the service is `job` (`restart`, `stop`); once
+/// it serves. Its stderr is the caller's to set.
+async fn serve_under_systemd(
     mut serve: Command,
     store: &Store,
     dir: &Path,
     socket: &Path,
+    job: &str,
 ) -> ChildGuard {
     let child = ChildGuard(
         serve
             .env("NOTIFY_SOCKET", &store.path)
             .env("FDSTORE", "64")
-            .env("PATH", fake_systemctl(dir, "restart"))
-            .stderr(Stdio::null())
+            .env("PATH", fake_systemctl(dir, job))
             .spawn()
             .unwrap(),
     );
     eventually("socket exists", || socket.exists()).await;
     crate::http_api::until_ready(socket).await;
     child
+}
+
+/// [`serve_under_systemd`] with a restart for the job, its log dropped.
+async fn serve_to_be_restarted(
+    mut serve: Command,
+    store: &Store,
+    dir: &Path,
+    socket: &Path,
+) -> ChildGuard {
+    serve.stderr(Stdio::null());
+    serve_under_systemd(serve, store, dir, socket, "restart").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1910,14 +1922,9 @@ async fn systemctl_stop_closes_the_clients_politely_and_stores_none_of_them() {
     let socket = dir.path().join("c.sock");
     let mut store = Store::bind(dir.path());
     let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
-    cmd.env("NOTIFY_SOCKET", &store.path)
-        .env("FDSTORE", "64")
-        // systemd's job on the service: a stop, not a restart.
-        .env("PATH", fake_systemctl(dir.path(), "stop"));
     let log = log_to(&mut cmd, dir.path());
-    let mut first = ChildGuard(cmd.spawn().unwrap());
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
+    // systemd's job on the service: a stop, not a restart.
+    let mut first = serve_under_systemd(cmd, &store, dir.path(), &socket, "stop").await;
     let mut client = WsClient::open(&socket, "/ws").await;
     client.handshake().await;
     sigterm(&first.0);
