@@ -504,10 +504,19 @@ fn write_json_str(buf: &mut Vec<u8>, s: &str) {
     let _ = serde_json::to_writer(&mut *buf, s);
 }
 
+/// The longest header of a client's WebSocket frame (RFC 6455 §5.2): two
+/// bytes, a 64-bit length, a masking key.
+pub const FRAME_HEADER_ROOM: usize = 2 + 8 + 4;
+
 /// `{"type":"req","id":…,"method":…,"params":…}` with the params spliced in raw.
+///
+/// Its buffer has room for a masked frame header beyond the text
+/// ([`FRAME_HEADER_ROOM`]), so a large request can be framed in place,
+/// without a second buffer of its size.
 pub fn encode_req(id: &str, method: &str, params: Option<&RawValue>) -> String {
-    let mut buf =
-        Vec::with_capacity(48 + id.len() + method.len() + params.map_or(0, |p| p.get().len()));
+    let mut buf = Vec::with_capacity(
+        48 + FRAME_HEADER_ROOM + id.len() + method.len() + params.map_or(0, |p| p.get().len()),
+    );
     buf.extend_from_slice(br#"{"type":"req","id":"#);
     write_json_str(&mut buf, id);
     buf.extend_from_slice(br#","method":"#);

@@ -74,16 +74,14 @@ impl UpSink {
 pub const LARGE_REQUEST_BYTES: usize = 64 * 1024;
 
 /// `text` as a client's WebSocket text frame (RFC 6455 §5.2), masked with
-/// a fresh random key as a client's frames must be (§5.3).
-fn masked_text_frame(text: &str) -> Vec<u8> {
-    let payload = text.as_bytes();
+/// a fresh random key as a client's frames must be (§5.3). Framed in place:
+/// the text is masked where it is and moved up by the header's length,
+/// within the room [`encode_req`](crate::protocol::frames::encode_req)
+/// leaves for it, so no second buffer of its size is made.
+fn masked_text_frame(text: String) -> Vec<u8> {
     let key: [u8; 4] = rand::random();
-    let (head, n) = crate::boundary::frame_header(0x81, payload.len() as u64, Some(key));
-    let mut frame = Vec::with_capacity(n + payload.len());
-    frame.extend_from_slice(&head[..n]);
-    let start = frame.len();
-    frame.extend_from_slice(payload);
-    let mut words = frame[start..].chunks_exact_mut(4);
+    let mut frame = text.into_bytes();
+    let mut words = frame.chunks_exact_mut(4);
     for word in &mut words {
         for (b, k) in word.iter_mut().zip(key) {
             *b ^= k;
@@ -92,6 +90,11 @@ fn masked_text_frame(text: &str) -> Vec<u8> {
     for (b, k) in words.into_remainder().iter_mut().zip(key) {
         *b ^= k;
     }
+    let len = frame.len();
+    let (head, n) = crate::boundary::frame_header(0x81, len as u64, Some(key));
+    frame.resize(len + n, 0);
+    frame.copy_within(..len, n);
+    frame[..n].copy_from_slice(&head[..n]);
     frame
 }
 
@@ -171,8 +174,8 @@ impl TrySink for UpSink {
                     Poll::Ready(Ok(())) => {}
                     Poll::Ready(Err(_)) | Poll::Pending => return false,
                 }
-                raw.push(masked_text_frame(&out.text));
-                batch.pop_front();
+                let Some(out) = batch.pop_front() else { break };
+                raw.push(masked_text_frame(out.text));
                 continue;
             }
             match sink.as_mut().poll_ready(&mut cx) {
@@ -300,7 +303,7 @@ impl Outlet {
                         if let Some(raw) = up.raw_for(&out).cloned() {
                             // Beside tungstenite once it holds nothing unwritten.
                             up.sink.flush().await?;
-                            raw.push(masked_text_frame(&out.text));
+                            raw.push(masked_text_frame(out.text));
                         } else {
                             up.sink.feed(Message::text(out.text)).await?;
                         }
@@ -387,6 +390,35 @@ mod tests {
             }
             writer.abort();
         }
+    }
+
+    /// A large request is framed in the buffer it was encoded in: no second
+    /// buffer of its size exists, even for a moment. The frame is the
+    /// request, masked, after a header that says so.
+    #[test]
+    fn a_large_request_is_framed_in_the_buffer_it_was_encoded_in() {
+        let pad = format!(r#"{{"pad":"{}"}}"#, "x".repeat(3 << 20));
+        let params = serde_json::value::RawValue::from_string(pad).unwrap();
+        let text = crate::protocol::frames::encode_req("up-\"1\"", "chat.send", Some(&params));
+        let (plain, at) = (text.clone(), text.as_ptr());
+        let frame = masked_text_frame(text);
+        assert_eq!(frame.as_ptr(), at, "framed where it was encoded");
+        assert_eq!(
+            &frame[..2],
+            &[0x81, 0x80 | 127],
+            "final text, masked, 64-bit length"
+        );
+        assert_eq!(
+            u64::from_be_bytes(frame[2..10].try_into().unwrap()),
+            plain.len() as u64
+        );
+        let key = &frame[10..14];
+        let unmasked: Vec<u8> = frame[14..]
+            .iter()
+            .enumerate()
+            .map(|(i, b)| b ^ key[i % 4])
+            .collect();
+        assert!(unmasked == plain.as_bytes(), "the request, unmasked");
     }
 
     /// An outlet with session 7's socket installed, and the gateway's end
