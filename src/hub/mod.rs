@@ -352,13 +352,13 @@ impl Hub {
     pub fn deliver_copy(&self, name: &str, payload: Option<&RawValue>, ids: &[u64]) {
         let head = EventHead::encode(name, payload, None);
         let about = about::About::new(payload);
-        let guard = crate::policy::events::guard(name);
+        let need = crate::policy::events::guard(name).need();
         let inner = self.lock();
         let event = SharedEvent::new(head, &self.queue_budget);
         let clients = ids.iter().filter_map(|id| inner.clients.get(id));
         self.deliver(
             &inner,
-            clients.filter(|c| guard.allows(c.grant()) && c.wants(name, 0, &about)),
+            clients.filter(|c| need.allows(c.grant()) && c.wants(name, 0, &about)),
             &event,
             false,
         );

@@ -3,7 +3,7 @@
 //! `src/gateway/server-broadcast-scopes.ts`); the broker's one connection
 //! passes them all, so the broker applies them per local client.
 
-use super::scopes::{self, Grant};
+use super::scopes::{self, Grant, ScopeSet};
 
 /// What an event needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,11 +19,27 @@ pub enum Guard {
 
 impl Guard {
     pub fn allows(self, grant: &Grant) -> bool {
-        match self {
-            Guard::Open => true,
-            Guard::Scope(s) => grant.satisfies(s),
-            Guard::Either(a, b) => grant.satisfies(a) || grant.satisfies(b),
-        }
+        self.need().allows(grant)
+    }
+
+    /// The guard as a set of scopes, to ask of many clients.
+    pub fn need(self) -> Need {
+        Need(match self {
+            Guard::Open => None,
+            Guard::Scope(s) => Some(ScopeSet::of(s)),
+            Guard::Either(a, b) => Some(ScopeSet::of(a).with(ScopeSet::of(b))),
+        })
+    }
+}
+
+/// A [`Guard`] worked out once for an event: any one of these scopes (or
+/// none at all) lets a client receive it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Need(Option<ScopeSet>);
+
+impl Need {
+    pub fn allows(self, grant: &Grant) -> bool {
+        self.0.is_none_or(|any| grant.covers().meets(any))
     }
 }
 

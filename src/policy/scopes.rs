@@ -49,11 +49,92 @@ pub fn satisfied(required: &str, granted: &[String]) -> bool {
         || (required == SESSIONS_READ && (has(READ) || has(SESSIONS_WRITE)))
 }
 
+/// Operator scopes as a set, one bit for each of [`ALL`]: a grant's is
+/// worked out once, with the gateway's implications, so that a fan-out
+/// checks a client's scopes for an event with one `&`, not a comparison of
+/// strings per client.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct ScopeSet(u16);
+
+impl ScopeSet {
+    /// `scope` alone (nothing, for a scope that is not one of [`ALL`]).
+    pub const fn of(scope: &str) -> ScopeSet {
+        let mut i = 0;
+        while i < ALL.len() {
+            if same(ALL[i], scope) {
+                return ScopeSet(1 << i);
+            }
+            i += 1;
+        }
+        ScopeSet(0)
+    }
+
+    pub const fn with(self, other: ScopeSet) -> ScopeSet {
+        ScopeSet(self.0 | other.0)
+    }
+
+    /// Whether the two share a scope.
+    pub fn meets(self, other: ScopeSet) -> bool {
+        self.0 & other.0 != 0
+    }
+
+    /// Every scope of [`ALL`] that `granted` satisfies: [`satisfied`]'s
+    /// implications applied to the set (a grant is made for every client
+    /// taken over inside a handover's pause, so each scope granted is
+    /// looked up once, not each implication searched for).
+    fn satisfied_by(granted: &[String]) -> ScopeSet {
+        const EVERY: ScopeSet = ScopeSet((1 << ALL.len()) - 1);
+        const BY_WRITE: ScopeSet = ScopeSet::of(READ)
+            .with(ScopeSet::of(TALK))
+            .with(ScopeSet::of(SESSIONS_READ))
+            .with(ScopeSet::of(SESSIONS_WRITE));
+        const BY_READ: ScopeSet = ScopeSet::of(READ).with(ScopeSet::of(SESSIONS_WRITE));
+        const BY_ADMIN: ScopeSet = ScopeSet::of(ADMIN);
+        const WRITES: ScopeSet = ScopeSet::of(WRITE);
+        const READS_SESSIONS: ScopeSet = ScopeSet::of(SESSIONS_READ);
+        let has = granted
+            .iter()
+            .fold(ScopeSet(0), |set, g| set.with(ScopeSet::of(g)));
+        if has.meets(BY_ADMIN) {
+            return EVERY;
+        }
+        let mut set = has;
+        if has.meets(WRITES) {
+            set = set.with(BY_WRITE);
+        }
+        if has.meets(BY_READ) {
+            set = set.with(READS_SESSIONS);
+        }
+        set
+    }
+}
+
+/// `a == b`, in a `const fn`.
+const fn same(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 /// The scopes a local client holds: what it asked for, narrowed by every
 /// ceiling above it (the broker's session, the socket's policy).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize)]
 #[serde(transparent)]
-pub struct Grant(Vec<String>);
+pub struct Grant {
+    scopes: Vec<String>,
+    /// What `scopes` satisfy (derived from them).
+    #[serde(skip)]
+    covers: ScopeSet,
+}
 
 impl Grant {
     /// Exactly these scopes (trimmed, sorted, without duplicates or blanks).
@@ -65,16 +146,24 @@ impl Grant {
             .collect();
         v.sort();
         v.dedup();
-        Grant(v)
+        Grant {
+            covers: ScopeSet::satisfied_by(&v),
+            scopes: v,
+        }
     }
 
     /// No scopes at all (only `health` and the open events).
     pub fn none() -> Grant {
-        Grant(Vec::new())
+        Grant::default()
     }
 
     pub fn scopes(&self) -> &[String] {
-        &self.0
+        &self.scopes
+    }
+
+    /// The operator scopes this grant satisfies.
+    pub fn covers(&self) -> ScopeSet {
+        self.covers
     }
 
     /// The granted scopes as the gateway lists them in `hello-ok.auth`: in
@@ -83,11 +172,11 @@ impl Grant {
     pub fn in_order_of(&self, requested: &[String]) -> Vec<String> {
         let mut out: Vec<String> = Vec::new();
         for s in requested.iter().map(|s| s.trim()) {
-            if self.0.iter().any(|g| g == s) && !out.iter().any(|o| o == s) {
+            if self.scopes.iter().any(|g| g == s) && !out.iter().any(|o| o == s) {
                 out.push(s.to_owned());
             }
         }
-        for g in &self.0 {
+        for g in &self.scopes {
             if !out.contains(g) {
                 out.push(g.clone());
             }
@@ -96,11 +185,11 @@ impl Grant {
     }
 
     pub fn satisfies(&self, required: &str) -> bool {
-        satisfied(required, &self.0)
+        satisfied(required, &self.scopes)
     }
 
     pub fn is_admin(&self) -> bool {
-        self.0.iter().any(|s| s == ADMIN)
+        self.scopes.iter().any(|s| s == ADMIN)
     }
 
     /// `intersectOperatorScopes`: the requested scopes the ceiling covers,
@@ -109,13 +198,13 @@ impl Grant {
     /// `operator.read`; a request for `operator.write` under a ceiling of
     /// `operator.sessions.write` keeps `operator.sessions.write`).
     pub fn within(&self, ceiling: &Grant) -> Grant {
-        if self.0.iter().all(|s| ceiling.satisfies(s)) {
+        if self.scopes.iter().all(|s| ceiling.satisfies(s)) {
             return self.clone();
         }
         let mut out: Vec<String> = self
-            .0
+            .scopes
             .iter()
-            .chain(ceiling.0.iter())
+            .chain(ceiling.scopes.iter())
             .filter(|s| self.satisfies(s) && ceiling.satisfies(s))
             .cloned()
             .collect();
@@ -151,6 +240,30 @@ mod tests {
             "operator scopes only"
         );
         assert!(!Grant::none().satisfies(READ));
+    }
+
+    /// A grant's set says what `satisfied` says, for every operator scope
+    /// and every combination of them granted.
+    #[test]
+    fn a_grants_set_is_what_it_satisfies() {
+        for combination in 0..1u32 << ALL.len() {
+            let granted: Vec<&str> = (0..ALL.len())
+                .filter(|i| combination & 1 << i != 0)
+                .map(|i| ALL[i])
+                .collect();
+            let grant = g(&granted);
+            for required in ALL {
+                assert_eq!(
+                    grant.covers().meets(ScopeSet::of(required)),
+                    grant.satisfies(required),
+                    "{granted:?} and {required}"
+                );
+            }
+        }
+        assert_eq!(ScopeSet::of("node.x"), ScopeSet::default());
+        assert!(!g(&["node.x", "operator.unknown"])
+            .covers()
+            .meets(ScopeSet(u16::MAX)));
     }
 
     #[test]

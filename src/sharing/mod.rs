@@ -77,21 +77,21 @@ pub fn may_see(reader: &Reader<'_>, name: &str, audience: &Audience) -> bool {
 /// looked up once (a fan-out asks every connected client).
 #[derive(Debug, Clone, Copy)]
 pub struct Visibility<'a> {
-    guard: crate::policy::events::Guard,
+    need: crate::policy::events::Need,
     audience: &'a Audience,
 }
 
 impl<'a> Visibility<'a> {
     pub fn of(name: &str, audience: &'a Audience) -> Self {
         Visibility {
-            guard: crate::policy::events::guard(name),
+            need: crate::policy::events::guard(name).need(),
             audience,
         }
     }
 
     /// Whether `reader` may see the event.
     pub fn admits(&self, reader: &Reader<'_>) -> bool {
-        if !self.guard.allows(reader.grant) {
+        if !self.need.allows(reader.grant) {
             return false;
         }
         match self.audience {
