@@ -253,7 +253,69 @@ impl<T: AsyncRead + AsyncWrite + AsFd + Send + Unpin + 'static> UpstreamIo for M
     }
 }
 
-impl UpstreamIo for tokio_rustls::client::TlsStream<tokio::net::TcpStream> {}
+/// A gateway stream that does not move (TLS) but still takes a large
+/// request's frame beside its WebSocket writer ([`RawWrites`]), so that
+/// tungstenite's write buffer never takes a large request's size over
+/// `wss://` either: the frame is written through the stream (encrypted as
+/// it goes, in records of the TLS layer's own size) and freed once written.
+#[derive(Debug)]
+pub struct Spooled<T> {
+    inner: T,
+    spool: Arc<Mutex<WriteSpool>>,
+}
+
+impl<T> Spooled<T> {
+    pub fn new(inner: T) -> Self {
+        Spooled {
+            inner,
+            spool: Arc::default(),
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Spooled<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Spooled<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let Spooled { inner, spool } = &mut *self;
+        lock(spool).poll_write(inner, cx, buf, false)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let Spooled { inner, spool } = &mut *self;
+        lock(spool).poll_flush(inner, cx, false)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+impl UpstreamIo for Spooled<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    fn raw_writes(&self) -> Option<RawWrites> {
+        Some(RawWrites(Arc::clone(&self.spool)))
+    }
+}
+
+/// A bare unix socket wrapped the same way (the outlet's unit tests).
+#[cfg(test)]
+impl UpstreamIo for Spooled<tokio::net::UnixStream> {
+    fn raw_writes(&self) -> Option<RawWrites> {
+        Some(RawWrites(Arc::clone(&self.spool)))
+    }
+}
 
 /// A bare unix socket (the transport's unit tests): it never moves.
 impl UpstreamIo for tokio::net::UnixStream {}

@@ -18,8 +18,14 @@ use crate::support::*;
 /// `clawmux serve` on `socket` with these `[limits]` lines. The binary is
 /// the one built with the tests, or `CLAWMUX_TEST_BIN` (a copy, when
 /// several worktrees share one target directory and another build may
-/// replace the binary under the test).
-fn spawn_broker(dir: &Path, socket: &Path, gateway: &str, limits: &str) -> ChildGuard {
+/// replace the binary under the test). `args`: more arguments to `serve`.
+fn spawn_broker(
+    dir: &Path,
+    socket: &Path,
+    gateway: &str,
+    limits: &str,
+    args: &[&str],
+) -> ChildGuard {
     let config = dir.join("clawmux.toml");
     std::fs::write(&config, format!("[limits]\n{limits}")).unwrap();
     let bin = std::env::var_os("CLAWMUX_TEST_BIN")
@@ -38,6 +44,7 @@ fn spawn_broker(dir: &Path, socket: &Path, gateway: &str, limits: &str) -> Child
             ])
             .arg("--config")
             .arg(&config)
+            .args(args)
             .env("HOME", dir)
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -57,10 +64,15 @@ struct Rig {
 
 impl Rig {
     async fn start(config: clawmux_mock::MockConfig, limits: &str) -> Rig {
+        Rig::start_with(config, limits, &[]).await
+    }
+
+    /// [`Rig::start`], with more arguments to `serve`.
+    async fn start_with(config: clawmux_mock::MockConfig, limits: &str, args: &[&str]) -> Rig {
         let gw = MockGateway::start(config).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("c.sock");
-        let broker = spawn_broker(dir.path(), &socket, &gw.url(), limits);
+        let broker = spawn_broker(dir.path(), &socket, &gw.url(), limits, args);
         let pid = broker.0.id();
         eventually("socket exists", || socket.exists()).await;
         Rig {
@@ -313,6 +325,47 @@ async fn a_large_request_does_not_pin_its_read_buffer() {
         "{after_kib} KiB after, {idle_kib} KiB before: read buffers kept their grown size"
     );
     // The clients still work.
+    all_still_answered(&mut clients).await;
+}
+
+/// Ten clients each send one 16 MiB request that the broker forwards to a
+/// `wss://` gateway, and go idle: the broker's resident size comes back
+/// near where it was. Each request's frame is written beside tungstenite,
+/// through the TLS stream, and freed once written; through tungstenite,
+/// its write buffer kept the largest request's size for the life of the
+/// gateway connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_request_over_wss_does_not_pin_a_write_buffer() {
+    const CLIENTS: usize = 10;
+    let _heavy = HEAVY.lock().await;
+    let leaf = crate::tls::leaf(&["localhost"], None, false);
+    let rig = Rig::start_with(
+        crate::tls::tls_config(&leaf),
+        "",
+        &["--tls-fingerprint", &leaf.fingerprint],
+    )
+    .await;
+    let (socket, pid) = (rig.socket.as_path(), rig.pid);
+    let mut clients = greeted(socket, CLIENTS).await;
+    let idle_kib = status_kib(pid, "VmRSS");
+    let pad = "x".repeat(16 << 20);
+    for (i, c) in clients.iter_mut().enumerate() {
+        let id = format!("big-{i}");
+        c.send_json(&json!({"type": "req", "id": id, "method": "health", "params": {"pad": pad}}))
+            .await;
+        let res = c.response(&id).await;
+        assert_eq!(res["ok"], true, "forwarded and answered: {res}");
+    }
+    let bound_kib = idle_kib + 8 * 1024;
+    let after_kib = rss_once_under(pid, bound_kib).await;
+    let peak_kib = status_kib(pid, "VmHWM");
+    eprintln!(
+        "{CLIENTS} clients × one 16 MiB request over wss://: broker RSS {idle_kib} KiB before, {after_kib} KiB after (peak {peak_kib} KiB)"
+    );
+    assert!(
+        after_kib < bound_kib,
+        "{after_kib} KiB after, {idle_kib} KiB before: the gateway connection kept a large request's size"
+    );
     all_still_answered(&mut clients).await;
 }
 

@@ -16,7 +16,7 @@ use rcgen::{date_time_ymd, BasicConstraints, CertificateParams, DnType, IsCa, Is
 use serde_json::Value;
 
 /// A test CA: its PEM and the issuer that signs leaves.
-struct Ca {
+pub(crate) struct Ca {
     pem: String,
     issuer: Issuer<'static, KeyPair>,
 }
@@ -36,15 +36,15 @@ fn ca() -> Ca {
 }
 
 /// A server certificate: PEM, key PEM, and its `sha256:` fingerprint.
-struct Leaf {
+pub(crate) struct Leaf {
     pem: String,
     key_pem: String,
-    fingerprint: String,
+    pub(crate) fingerprint: String,
 }
 
 /// A leaf for `names` (an IP literal becomes an IP SAN), signed by `ca` or
 /// self-signed; `expired` puts its validity in 2019.
-fn leaf(names: &[&str], ca: Option<&Ca>, expired: bool) -> Leaf {
+pub(crate) fn leaf(names: &[&str], ca: Option<&Ca>, expired: bool) -> Leaf {
     let key = KeyPair::generate().unwrap();
     let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
     let mut params = CertificateParams::new(names).unwrap();
@@ -67,7 +67,7 @@ fn leaf(names: &[&str], ca: Option<&Ca>, expired: bool) -> Leaf {
 }
 
 /// The gateway double serving `wss://` with `leaf`.
-fn tls_config(leaf: &Leaf) -> MockConfig {
+pub(crate) fn tls_config(leaf: &Leaf) -> MockConfig {
     MockConfig {
         tls: Some(clawmux_mock::tls_server_config(&leaf.pem, &leaf.key_pem).unwrap()),
         ..mock_config()

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 
 use super::super::handshake::{AttemptError, Ws};
-use super::super::movable::{Movable, SocketKind};
+use super::super::movable::{Movable, SocketKind, Spooled};
 use super::super::tls::TlsClient;
 use super::super::PeerCertificate;
 use crate::config::{redact_url, TlsSettings, UpstreamOptions};
@@ -145,7 +145,7 @@ async fn open_stream(
     let client = load_tls_client(tls_client, tls).await?;
     let (stream, seen) = client.connect(url, &host, tcp).await;
     *peer_certificate.lock().unwrap_or_else(|p| p.into_inner()) = seen;
-    Ok(Box::new(stream?))
+    Ok(Box::new(Spooled::new(stream?)))
 }
 
 /// The TLS client for `settings`, loading the trust store off the

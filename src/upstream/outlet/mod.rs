@@ -345,21 +345,30 @@ mod tests {
     /// (Through a movable socket, as a plaintext session's: large requests
     /// are written beside tungstenite.)
     async fn session() -> (UpSink, SplitStream<Ws>, WebSocketStream<UnixStream>) {
-        session_on(true).await
+        session_on(Under::Movable).await
     }
 
-    /// `movable`: the socket offers writes beside tungstenite; otherwise
-    /// every request goes through it (a TLS session's socket).
-    async fn session_on(movable: bool) -> (UpSink, SplitStream<Ws>, WebSocketStream<UnixStream>) {
-        use super::super::movable::{Movable, SocketKind};
+    /// What the session's socket is under its WebSocket.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Under {
+        /// A plaintext session's socket (writes beside tungstenite).
+        Movable,
+        /// A TLS session's wrapper (writes beside tungstenite, through it).
+        Spooled,
+        /// Nothing: every request goes through tungstenite.
+        Bare,
+    }
+
+    async fn session_on(under: Under) -> (UpSink, SplitStream<Ws>, WebSocketStream<UnixStream>) {
+        use super::super::movable::{Movable, SocketKind, Spooled};
         let (a, b) = UnixStream::pair().unwrap();
-        let io: Box<dyn super::super::UpstreamIo> = if movable {
-            Box::new(Movable::moved(a, SocketKind::Unix, Vec::new(), Vec::new()))
-        } else {
-            Box::new(a)
+        let io: Box<dyn super::super::UpstreamIo> = match under {
+            Under::Movable => Box::new(Movable::moved(a, SocketKind::Unix, Vec::new(), Vec::new())),
+            Under::Spooled => Box::new(Spooled::new(a)),
+            Under::Bare => Box::new(a),
         };
         let raw = io.raw_writes();
-        assert_eq!(raw.is_some(), movable);
+        assert_eq!(raw.is_some(), under != Under::Bare);
         let ws = WebSocketStream::from_raw_socket(io, Role::Client, None).await;
         let gateway = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
         let (sink, stream) = ws.split();
@@ -368,11 +377,11 @@ mod tests {
 
     /// Large requests written beside tungstenite and small ones through
     /// it, by the caller and by the writer, reach the gateway whole and in
-    /// order, on either kind of socket.
+    /// order, on every kind of socket.
     #[tokio::test]
     async fn large_and_small_requests_arrive_whole_and_in_order() {
-        for movable in [true, false] {
-            let (sink, _reader, mut gateway) = session_on(movable).await;
+        for under in [Under::Movable, Under::Spooled, Under::Bare] {
+            let (sink, _reader, mut gateway) = session_on(under).await;
             let outlet = Arc::new(Outlet::new(1024, 64 << 20));
             outlet.install(sink, 7);
             let writer = spawn_writer(&outlet);
