@@ -253,21 +253,28 @@ impl<T: AsyncRead + AsyncWrite + AsFd + Send + Unpin + 'static> UpstreamIo for M
     }
 }
 
-/// A gateway stream that does not move (TLS) but still takes a large
-/// request's frame beside its WebSocket writer ([`RawWrites`]), so that
-/// tungstenite's write buffer never takes a large request's size over
-/// `wss://` either: the frame is written through the stream (encrypted as
-/// it goes, in records of the TLS layer's own size) and freed once written.
+/// A gateway stream that does not move (TLS) but whose buffers come back
+/// as a plain socket's do. It takes a large request's frame beside its
+/// WebSocket writer ([`RawWrites`]), so that tungstenite's write buffer
+/// never takes a large request's size over `wss://` either: the frame is
+/// written through the stream (encrypted as it goes, in records of the TLS
+/// layer's own size) and freed once written. Its reads follow the frames
+/// as [`Movable`]'s do, with a large frame's header handed to the parser
+/// alone, so the parser's read buffer holds exactly the payload and is
+/// given back once the event is handled (never paused: it does not move).
 #[derive(Debug)]
 pub struct Spooled<T> {
     inner: T,
+    follow: Follower,
     spool: Arc<Mutex<WriteSpool>>,
 }
 
 impl<T> Spooled<T> {
+    /// A stream just opened: the HTTP response to the upgrade comes first.
     pub fn new(inner: T) -> Self {
         Spooled {
             inner,
+            follow: Follower::after_http_response(true),
             spool: Arc::default(),
         }
     }
@@ -279,7 +286,8 @@ impl<T: AsyncRead + Unpin> AsyncRead for Spooled<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        let Spooled { inner, follow, .. } = &mut *self;
+        follow.poll_read(cx, buf, |cx, buf| Pin::new(inner).poll_read(cx, buf))
     }
 }
 
@@ -289,12 +297,12 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Spooled<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let Spooled { inner, spool } = &mut *self;
+        let Spooled { inner, spool, .. } = &mut *self;
         lock(spool).poll_write(inner, cx, buf, false)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let Spooled { inner, spool } = &mut *self;
+        let Spooled { inner, spool, .. } = &mut *self;
         lock(spool).poll_flush(inner, cx, false)
     }
 

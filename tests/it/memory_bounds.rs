@@ -369,6 +369,56 @@ async fn a_large_request_over_wss_does_not_pin_a_write_buffer() {
     all_still_answered(&mut clients).await;
 }
 
+/// One 20 MiB event from a `wss://` gateway to four readers: once they
+/// have it, the broker's resident size comes back near where it was. The
+/// event's frame header reaches the parser alone, as over a plain socket,
+/// so the parser's read buffer holds exactly the payload and nothing of it
+/// stays; read as it came, the parser's buffer went on pointing into the
+/// event's allocation, and kept it, for as long as the connection lived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_event_over_wss_does_not_pin_the_read_buffer() {
+    const READERS: usize = 4;
+    const EVENT_BYTES: usize = 20 << 20;
+    let _heavy = HEAVY.lock().await;
+    let leaf = crate::tls::leaf(&["localhost"], None, false);
+    let mut config = crate::tls::tls_config(&leaf);
+    config.max_buffered_bytes = config.max_buffered_bytes.max(2 * EVENT_BYTES as u64);
+    let rig = Rig::start_with(config, "", &["--tls-fingerprint", &leaf.fingerprint]).await;
+    let (gw, socket, pid) = (&rig.gw, rig.socket.as_path(), rig.pid);
+    let mut readers = greeted(socket, READERS).await;
+    let idle_kib = status_kib(pid, "VmRSS");
+    gw.broadcast("test.big", json!({"pad": "x".repeat(EVENT_BYTES)}));
+    for c in &mut readers {
+        let frame = c
+            .recv_text_within(PATIENCE)
+            .await
+            .expect("every reader gets the event");
+        assert!(
+            frame.len() > EVENT_BYTES,
+            "the whole event: {} bytes",
+            frame.len()
+        );
+    }
+    let bound_kib = idle_kib + 8 * 1024;
+    let after_kib = rss_once_under(pid, bound_kib).await;
+    let peak_kib = status_kib(pid, "VmHWM");
+    eprintln!(
+        "{READERS} readers × one 20 MiB event over wss://: broker RSS {idle_kib} KiB before, {after_kib} KiB after (peak {peak_kib} KiB)"
+    );
+    assert!(
+        after_kib < bound_kib,
+        "{after_kib} KiB after, {idle_kib} KiB before: the gateway connection kept a large event's size"
+    );
+    // Two copies at the peak, as over a plain socket: the frame as read
+    // and the encoded event every reader shares.
+    let event_kib = (EVENT_BYTES / 1024) as u64;
+    assert!(
+        peak_kib < idle_kib + 3 * event_kib,
+        "peak {peak_kib} KiB over {idle_kib} KiB idle: more than a few copies of the event"
+    );
+    all_still_answered(&mut readers).await;
+}
+
 /// Ten clients each get one 16 MiB answer from the gateway (a transcript
 /// holding one 16 MiB message) and go idle: the broker's resident size
 /// comes back near where it was, instead of each client's WebSocket
