@@ -333,6 +333,9 @@ async fn run(
         if std::env::var_os("HANDOVER_BENCH_BINARY").is_some() {
             println!("- the broker measured: {}", binary.display());
         }
+        // Each new instance is the old one's child, and outlives it: it is
+        // no child this bench waits for, so its CPU is not the bench's own.
+        report.others_include("the broker's instances after the first handover");
         // HANDOVER_BENCH_AGAINST=/path/to/other/clawmux: the two take turns,
         // handover by handover, in the same run (handover::Builds).
         if let Some(other) = std::env::var_os("HANDOVER_BENCH_AGAINST") {

@@ -20,6 +20,9 @@ pub struct Report {
     /// (target, budget, measured, met)
     targets: Vec<(String, String, String, bool)>,
     started: procfs::MachineCpu,
+    /// What the "other processes" of the last line include besides other
+    /// programs (CPU of this run that the bench could not count as its own).
+    others_include: Vec<&'static str>,
 }
 
 fn micros(ns: u64) -> String {
@@ -72,7 +75,13 @@ impl Report {
             command,
             targets: Vec::new(),
             started: procfs::MachineCpu::take(),
+            others_include: Vec::new(),
         }
+    }
+
+    /// Says, in the last line, that the "other processes" include `what`.
+    pub fn others_include(&mut self, what: &'static str) {
+        self.others_include.push(what);
     }
 
     pub fn print_header(&self) {
@@ -591,8 +600,13 @@ impl Report {
             }
         }
         println!("\n- load average at the end: {}", procfs::load_average());
+        let including = if self.others_include.is_empty() {
+            String::new()
+        } else {
+            format!(" (including {})", self.others_include.join(", "))
+        };
         println!(
-            "- other processes on the machine used {:.2} cores on average during the run",
+            "- other processes on the machine{including} used {:.2} cores on average during the run",
             procfs::MachineCpu::take().others_since(&self.started)
         );
     }
