@@ -801,10 +801,13 @@ pub fn poll_now<T>(poll: impl FnOnce(&mut Context<'_>) -> Poll<T>) -> Poll<T> {
 
 /// Bytes written on a socket and not taken by it yet, held in order and
 /// written before anything else: those a previous instance left unwritten
-/// (the rest of a frame), and, once the connection is moving
-/// ([`Pause::spool_writes`]), whatever the socket does not take at once.
-/// (By hand: the held bytes must be taken out for a handover, which no
-/// buffered writer offers.)
+/// (the rest of a frame), the rest of a write the socket took only part
+/// of, and, once the connection is moving ([`Pause::spool_writes`]),
+/// whatever the socket does not take at once. A write is thus taken whole
+/// or not at all: the writer above never holds the rest of a frame, so
+/// a whole frame pushed here ([`WriteSpool::push`]) always lands between
+/// two of its frames, never inside one. (By hand: the held bytes must be
+/// taken out for a handover, which no buffered writer offers.)
 #[derive(Debug, Default)]
 pub struct WriteSpool {
     /// (Written from its front: `advance` is O(1), however large.)
@@ -833,6 +836,12 @@ impl WriteSpool {
         }
     }
 
+    /// Holds what is left of `buf` after the socket took `took` of it
+    /// (held bytes come first, so it is only called with none held).
+    pub fn hold_rest(&mut self, buf: &[u8], took: usize) {
+        self.bytes.extend_from_slice(&buf[took.min(buf.len())..]);
+    }
+
     /// The held bytes, for the next instance.
     pub fn take(&mut self) -> Vec<u8> {
         std::mem::take(&mut self.bytes).to_vec()
@@ -857,7 +866,8 @@ impl WriteSpool {
 
     /// A write of `buf` on `socket`, after the held bytes. `spooling`: it
     /// is taken whole, however little the socket takes; otherwise it waits
-    /// for the held bytes to be written, then writes as the socket does.
+    /// for the held bytes to be written, then is taken whole if the socket
+    /// takes any of it (the rest held), and waits if it takes none.
     pub fn poll_write<W: tokio::io::AsyncWrite + Unpin>(
         &mut self,
         socket: &mut W,
@@ -867,7 +877,12 @@ impl WriteSpool {
     ) -> Poll<io::Result<usize>> {
         if !spooling {
             std::task::ready!(self.poll_drain(socket, cx))?;
-            return std::pin::Pin::new(socket).poll_write(cx, buf);
+            let n = std::task::ready!(std::pin::Pin::new(socket).poll_write(cx, buf))?;
+            if n > 0 {
+                self.hold_rest(buf, n);
+                return Poll::Ready(Ok(buf.len()));
+            }
+            return Poll::Ready(Ok(n));
         }
         if let Poll::Ready(Err(e)) = self.poll_drain(socket, cx) {
             return Poll::Ready(Err(e));
@@ -1207,6 +1222,50 @@ mod tests {
             c.extend_from_slice(&stream[at..]);
         }
         (handed, carried)
+    }
+
+    /// A writer that holds what the socket did not take and writes it
+    /// later (tungstenite: a pong written from inside a read, the socket
+    /// nearly full), and a whole frame pushed in between: the frame comes
+    /// after the whole write, never inside it. Held, the rest of the write
+    /// went on the socket after the frame.
+    #[test]
+    fn a_frame_pushed_after_a_write_the_socket_took_part_of_comes_after_all_of_it() {
+        let (mut ours, mut theirs) = tokio::io::duplex(8);
+        let mut spool = WriteSpool::with(Vec::new());
+        let pong = b"PONG-FRAME-WHOLE";
+        let mut at = 0;
+        let mut pushed = false;
+        let mut wire = Vec::new();
+        let read = |theirs: &mut tokio::io::DuplexStream, wire: &mut Vec<u8>| {
+            let mut room = [0u8; 64];
+            let mut buf = ReadBuf::new(&mut room);
+            let _ = poll_now(|cx| {
+                tokio::io::AsyncRead::poll_read(std::pin::Pin::new(&mut *theirs), cx, &mut buf)
+            });
+            wire.extend_from_slice(buf.filled());
+        };
+        for _ in 0..64 {
+            if at < pong.len() {
+                if let Poll::Ready(Ok(n)) =
+                    poll_now(|cx| spool.poll_write(&mut ours, cx, &pong[at..], false))
+                {
+                    at += n;
+                }
+            }
+            if !pushed {
+                spool.push(b"<RAW>".to_vec());
+                pushed = true;
+            }
+            let _ = poll_now(|cx| spool.poll_drain(&mut ours, cx));
+            read(&mut theirs, &mut wire);
+        }
+        assert!(spool.is_empty(), "everything written");
+        assert_eq!(
+            String::from_utf8_lossy(&wire),
+            "PONG-FRAME-WHOLE<RAW>",
+            "the frame pushed lands after the write, whole"
+        );
     }
 
     /// Writes `chunks` through a spool onto a socket that takes at most

@@ -26,8 +26,8 @@ impl Guard {
     pub fn need(self) -> Need {
         Need(match self {
             Guard::Open => None,
-            Guard::Scope(s) => Some(ScopeSet::of(s)),
-            Guard::Either(a, b) => Some(ScopeSet::of(a).with(ScopeSet::of(b))),
+            Guard::Scope(s) => Some(ScopeSet::needed(s)),
+            Guard::Either(a, b) => Some(ScopeSet::needed(a).with(ScopeSet::needed(b))),
         })
     }
 }
@@ -179,5 +179,46 @@ mod tests {
         assert!(guard("talk.mode").allows(&Grant::new([scopes::WRITE])));
         assert!(guard("plugin.anything").allows(&Grant::new([scopes::WRITE])));
         assert_eq!(guard("test.unknown"), Guard::Scope(scopes::ADMIN));
+    }
+
+    /// A guard's set says what the gateway's rule says, for every event of
+    /// the tables and for a scope this table does not know: admin meets
+    /// every operator scope, and a grant of exactly the scope meets it.
+    #[test]
+    fn every_guard_is_met_as_the_gateway_says() {
+        let admin = Grant::new([scopes::ADMIN]);
+        let tables = [
+            &OPEN[..],
+            &READ,
+            &APPROVALS,
+            &QUESTIONS,
+            &PAIRING,
+            &TALK,
+            &ADMIN,
+        ];
+        for event in tables
+            .concat()
+            .into_iter()
+            .chain(["plugin.x", "test.unknown"])
+        {
+            let g = guard(event);
+            assert!(g.allows(&admin), "{event}: admin gets every event");
+            if let Guard::Scope(s) = g {
+                assert!(
+                    g.allows(&Grant::new([s])),
+                    "{event}: its own scope meets it"
+                );
+            }
+        }
+        let newer = Guard::Scope("operator.newer");
+        assert!(
+            newer.allows(&admin),
+            "admin covers an operator scope newer than the table"
+        );
+        assert!(!newer.allows(&Grant::new([scopes::WRITE])));
+        assert!(
+            !Guard::Scope("node.thing").allows(&admin),
+            "not an operator scope"
+        );
     }
 }

@@ -514,16 +514,20 @@ pub const FRAME_HEADER_ROOM: usize = 2 + 8 + 4;
 /// ([`FRAME_HEADER_ROOM`]), so a large request can be framed in place,
 /// without a second buffer of its size.
 pub fn encode_req(id: &str, method: &str, params: Option<&RawValue>) -> String {
-    let mut buf = Vec::with_capacity(
-        48 + FRAME_HEADER_ROOM + id.len() + method.len() + params.map_or(0, |p| p.get().len()),
-    );
+    const PARAMS_KEY: &[u8] = br#","params":"#;
+    let params = params.map(|p| p.get().as_bytes());
+    let mut buf = Vec::with_capacity(48 + id.len() + method.len());
     buf.extend_from_slice(br#"{"type":"req","id":"#);
     write_json_str(&mut buf, id);
     buf.extend_from_slice(br#","method":"#);
     write_json_str(&mut buf, method);
+    // Exactly the rest and the room, once `id` and `method` are written
+    // however they escaped: a large request's buffer is never grown by
+    // doubling, and always has the room.
+    buf.reserve_exact(params.map_or(0, |p| PARAMS_KEY.len() + p.len()) + 1 + FRAME_HEADER_ROOM);
     if let Some(p) = params {
-        buf.extend_from_slice(br#","params":"#);
-        buf.extend_from_slice(p.get().as_bytes());
+        buf.extend_from_slice(PARAMS_KEY);
+        buf.extend_from_slice(p);
     }
     buf.push(b'}');
     // Built only from valid UTF-8 pieces.

@@ -192,8 +192,31 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        if !self.follow.spooling() && lock(&self.spool).is_empty() {
-            return Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        {
+            let Movable {
+                inner,
+                follow,
+                spool,
+                ..
+            } = &mut *self;
+            // Under the spool's lock throughout, so that no frame is pushed
+            // between this write and the rest it may hold.
+            let mut spool = lock(spool);
+            if !follow.spooling() && spool.is_empty() {
+                let n = std::task::ready!(Pin::new(inner).poll_write_vectored(cx, bufs))?;
+                // Taken whole if the socket took any of it, as every write
+                // here is ([`WriteSpool`]): what it did not take is held.
+                let total: usize = bufs.iter().map(|b| b.len()).sum();
+                if n > 0 && n < total {
+                    let mut skip = n;
+                    for b in bufs {
+                        spool.hold_rest(b, skip);
+                        skip = skip.saturating_sub(b.len());
+                    }
+                    return Poll::Ready(Ok(total));
+                }
+                return Poll::Ready(Ok(n));
+            }
         }
         // Through the spool, a slice at a time.
         let first = bufs

@@ -408,7 +408,22 @@ mod tests {
     fn a_large_request_is_framed_in_the_buffer_it_was_encoded_in() {
         let pad = format!(r#"{{"pad":"{}"}}"#, "x".repeat(3 << 20));
         let params = serde_json::value::RawValue::from_string(pad).unwrap();
-        let text = crate::protocol::frames::encode_req("up-\"1\"", "chat.send", Some(&params));
+        // A method whose escaping takes more than the spare bytes the
+        // encoder counts for its fixed parts.
+        let method = "x\u{1}\u{1}\"\"";
+        let text = crate::protocol::frames::encode_req("up-\"1\"", method, Some(&params));
+        assert!(
+            text.capacity() >= text.len() + crate::protocol::frames::FRAME_HEADER_ROOM,
+            "room for the header: {} of {}",
+            text.capacity() - text.len(),
+            crate::protocol::frames::FRAME_HEADER_ROOM
+        );
+        assert!(
+            text.capacity() < text.len() + 4096,
+            "a buffer the request's size, not one grown by doubling: {} for {}",
+            text.capacity(),
+            text.len()
+        );
         let (plain, at) = (text.clone(), text.as_ptr());
         let frame = masked_text_frame(text);
         assert_eq!(frame.as_ptr(), at, "framed where it was encoded");
