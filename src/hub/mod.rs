@@ -45,7 +45,10 @@ struct HubInner {
     clients: HashMap<u64, Arc<Client>>,
     /// The current gateway snapshot (`hello-ok.snapshot`, kept fresh from
     /// `presence` and `health` events); `Null` until the first upstream hello.
-    snapshot: Value,
+    /// Shared: a reader takes it under the lock as a pointer and copies it,
+    /// if at all, after (a snapshot can be megabytes, and this lock is the
+    /// fan-out's).
+    snapshot: Arc<Value>,
     /// The snapshot encoded for the clients' hellos, once per change
     /// (`None`: not since it last changed).
     encoded_snapshot: Option<EncodedSnapshot>,
@@ -280,14 +283,16 @@ impl Hub {
 
     /// Replaces the snapshot after a new upstream `hello-ok`.
     pub fn reset_snapshot(&self, snapshot: Value) {
+        let snapshot = Arc::new(snapshot);
         let mut inner = self.lock();
         inner.snapshot = snapshot;
         inner.encoded_snapshot = None;
     }
 
-    /// The current gateway snapshot.
+    /// The current gateway snapshot (copied after the lock is let go).
     pub fn snapshot(&self) -> Value {
-        self.lock().snapshot.clone()
+        let shared = Arc::clone(&self.lock().snapshot);
+        Value::clone(&shared)
     }
 
     /// Publishes a gateway event: logs it with its audience (every event
@@ -320,9 +325,11 @@ impl Hub {
         let head = EventHead::encode(name, payload, state_version);
         let cut = replay::cut_for_the_log(name, payload, state_version, &head);
         let droppable = is_droppable(name, payload);
+        let change = SnapshotChange::parse(name, payload, state_version);
         let mut inner = self.lock();
-        if matches!(name, "presence" | "health") {
-            apply_to_snapshot(&mut inner.snapshot, name, payload, state_version);
+        if let Some(change) = change {
+            // Copied first only while a reader still holds the one before.
+            change.apply(Arc::make_mut(&mut inner.snapshot));
             inner.encoded_snapshot = None;
         }
         let head = inner.replay.append_cut(head, cut, audience);
@@ -511,54 +518,79 @@ impl Projected {
     }
 }
 
-/// Applies a `presence` or `health` event to the snapshot, only if its
-/// `stateVersion` is newer than the one held (gateway-protocol.md §3.4).
-fn apply_to_snapshot(
-    snapshot: &mut Value,
-    name: &str,
-    payload: Option<&RawValue>,
-    state_version: Option<&RawValue>,
-) {
-    let Value::Object(snap) = snapshot else {
-        return;
-    };
-    let Some(payload) = payload.and_then(|p| serde_json::from_str::<Value>(p.get()).ok()) else {
-        return;
-    };
-    let new_sv = state_version.and_then(|s| serde_json::from_str::<Value>(s.get()).ok());
-    let held = |key: &str| {
-        snap.get("stateVersion")
-            .and_then(|sv| sv.get(key))
-            .and_then(Value::as_u64)
-    };
-    if let (Some(new), Some(old)) = (
-        new_sv
-            .as_ref()
-            .and_then(|sv| sv.get(name))
-            .and_then(Value::as_u64),
-        held(name),
-    ) {
-        if new <= old {
-            return;
-        }
+/// A `presence` or `health` event's change to the gateway snapshot, parsed
+/// before the hub's lock is taken (a `health` payload can be large).
+struct SnapshotChange {
+    name: &'static str,
+    payload: Value,
+    state_version: Option<Value>,
+}
+
+impl SnapshotChange {
+    fn parse(
+        name: &str,
+        payload: Option<&RawValue>,
+        state_version: Option<&RawValue>,
+    ) -> Option<SnapshotChange> {
+        let name = match name {
+            "presence" => "presence",
+            "health" => "health",
+            _ => return None,
+        };
+        let payload = serde_json::from_str::<Value>(payload?.get()).ok()?;
+        let state_version = state_version.and_then(|s| serde_json::from_str::<Value>(s.get()).ok());
+        Some(SnapshotChange {
+            name,
+            payload,
+            state_version,
+        })
     }
-    match name {
-        "presence" => {
-            if let Some(list) = payload.get("presence") {
-                snap.insert("presence".into(), list.clone());
+
+    /// Applies it, only if its `stateVersion` is newer than the one held
+    /// (gateway-protocol.md §3.4).
+    fn apply(self, snapshot: &mut Value) {
+        let SnapshotChange {
+            name,
+            payload,
+            state_version: new_sv,
+        } = self;
+        let Value::Object(snap) = snapshot else {
+            return;
+        };
+        let held = |key: &str| {
+            snap.get("stateVersion")
+                .and_then(|sv| sv.get(key))
+                .and_then(Value::as_u64)
+        };
+        if let (Some(new), Some(old)) = (
+            new_sv
+                .as_ref()
+                .and_then(|sv| sv.get(name))
+                .and_then(Value::as_u64),
+            held(name),
+        ) {
+            if new <= old {
+                return;
             }
         }
-        _ => {
-            snap.insert("health".into(), payload);
+        match name {
+            "presence" => {
+                if let Some(list) = payload.get("presence") {
+                    snap.insert("presence".into(), list.clone());
+                }
+            }
+            _ => {
+                snap.insert("health".into(), payload);
+            }
         }
-    }
-    if let Some(Value::Object(new_sv)) = new_sv {
-        let entry = snap
-            .entry("stateVersion")
-            .or_insert_with(|| Value::Object(Default::default()));
-        if let Value::Object(sv) = entry {
-            if let Some(v) = new_sv.get(name) {
-                sv.insert(name.into(), v.clone());
+        if let Some(Value::Object(new_sv)) = new_sv {
+            let entry = snap
+                .entry("stateVersion")
+                .or_insert_with(|| Value::Object(Default::default()));
+            if let Value::Object(sv) = entry {
+                if let Some(v) = new_sv.get(name) {
+                    sv.insert(name.into(), v.clone());
+                }
             }
         }
     }
@@ -597,6 +629,17 @@ mod tests {
         assert!(!is_droppable("agent", None));
     }
 
+    fn apply_to_snapshot(
+        snapshot: &mut Value,
+        name: &str,
+        payload: Option<&RawValue>,
+        state_version: Option<&RawValue>,
+    ) {
+        if let Some(change) = SnapshotChange::parse(name, payload, state_version) {
+            change.apply(snapshot);
+        }
+    }
+
     #[test]
     fn snapshot_applies_only_newer_versions() {
         let mut snap = json!({"presence":[],"health":{},"stateVersion":{"presence":5,"health":3}});
@@ -623,6 +666,27 @@ mod tests {
         );
         assert_eq!(snap["health"]["ok"], true);
         assert_eq!(snap["stateVersion"], json!({"presence":6,"health":4}));
+    }
+
+    /// A reader of the snapshot takes the hub's one copy, not a copy of
+    /// its own under the lock; an event that changes it meanwhile leaves
+    /// the reader's as it was and the hub's with the change.
+    #[test]
+    fn a_snapshot_read_is_shared_and_a_change_after_leaves_it_as_read() {
+        let hub = hub();
+        hub.reset_snapshot(json!({"presence": [], "stateVersion": {"presence": 1}}));
+        let (read, _, _) = hub.snapshot_with_runs();
+        let (again, _, _) = hub.snapshot_with_runs();
+        assert!(Arc::ptr_eq(&read, &again), "shared, not copied");
+        hub.publish(
+            "presence",
+            Some(&raw(json!({"presence": [{"host": "b"}]}))),
+            Some(&raw(json!({"presence": 2}))),
+            &Audience::All,
+        );
+        assert_eq!(read["presence"], json!([]), "the reader's, as it read it");
+        assert_eq!(hub.snapshot()["presence"], json!([{"host": "b"}]));
+        assert_eq!(hub.snapshot()["stateVersion"]["presence"], 2);
     }
 
     #[test]

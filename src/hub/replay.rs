@@ -802,10 +802,11 @@ impl Hub {
     /// The gateway snapshot, the replay window and the runs in flight,
     /// taken together: streaming after `newest_seq` continues exactly
     /// where they stop.
-    pub fn snapshot_with_runs(&self) -> (Value, ReplayWindow, Value) {
+    /// (The snapshot shared: a pointer taken under the lock, not a copy.)
+    pub fn snapshot_with_runs(&self) -> (Arc<Value>, ReplayWindow, Value) {
         let inner = self.lock();
         (
-            inner.snapshot.clone(),
+            Arc::clone(&inner.snapshot),
             inner.replay.window(),
             crate::activity::runs_in_flight(&inner.activity),
         )
@@ -842,13 +843,6 @@ impl Hub {
             .next_client_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Arc::new(self.client_with_id(id).with_kind(kind))
-    }
-
-    /// The gateway snapshot and the replay window, taken together: streaming
-    /// after `newest_seq` continues exactly where the snapshot stops.
-    pub fn snapshot_with_window(&self) -> (Value, ReplayWindow) {
-        let inner = self.lock();
-        (inner.snapshot.clone(), inner.replay.window())
     }
 
     pub fn replay_window(&self) -> ReplayWindow {

@@ -156,7 +156,7 @@ pub fn document_on(ctx: &Ctx, socket: &SocketPolicy) -> Value {
                 full || mine.iter().any(|c| c.grant() == grant)
             }),
         },
-        "snapshot": snapshot,
+        "snapshot": &*snapshot,
         "clients": clients,
         // On a further socket: how many clients there are in all, not who.
         "clients_total": all.len(),
