@@ -1468,6 +1468,67 @@ async fn a_gateway_stalled_inside_a_message_moves_with_the_part_read_so_far() {
     assert_listed(&socket, &conn_id, "the client moved").await;
 }
 
+/// A gateway that stops reading while a client has sent far more than the
+/// sockets between them hold: the broker has requests written in part,
+/// held by its writer and queued. At a handover each of them is either
+/// moved written (the next instance gets its answer once the gateway reads
+/// again) or answered "not sent" at once; none waits for its timeout.
+/// (The writer stopped inside a batch, which this cannot bring about on
+/// purpose, is `a_writer_dropped_mid_batch_leaves_each_request_written_or_withdrawn`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_not_yet_written_to_a_gateway_that_stopped_reading_are_each_answered_across_a_handover(
+) {
+    const REQUESTS: usize = 200;
+    let gw = MockGateway::start(clawmux_mock::MockConfig {
+        recv_buffer_bytes: Some(4096),
+        ..mock_config()
+    })
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // A lost request would be answered `request_timeout` after 8 s.
+    let config = "[limits]\nrequest_timeout_ms = 8000\n[upstream]\nwrite_timeout_ms = 60000\n";
+    let (mut first, socket, log, _config) = serve_configured(dir.path(), &gw, config, &[]).await;
+    let pid = broker_pid(&socket).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    gw.set_faults(clawmux_mock::Faults {
+        stop_reading: true,
+        ..clawmux_mock::Faults::default()
+    });
+    // Each under the size that goes beside tungstenite: through it, so its
+    // write buffer fills and the writer waits inside its batch.
+    let pad = "x".repeat(60 * 1024);
+    for i in 0..REQUESTS {
+        client
+            .send_json(&serde_json::json!({"type": "req", "id": format!("r{i}"), "method": "health", "params": {"pad": pad}}))
+            .await;
+    }
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    wait_log(&log, "upstream session handed over").await;
+    gw.set_faults(clawmux_mock::Faults::default());
+    let (mut answered, mut not_sent) = (0, 0);
+    for i in 0..REQUESTS {
+        let res = client
+            .response_within(&format!("r{i}"), Duration::from_secs(20))
+            .await;
+        if res["ok"] == true {
+            answered += 1;
+            continue;
+        }
+        let message = res["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("the request was not sent to the gateway"),
+            "r{i}: answered neither by the gateway nor as not sent: {res}"
+        );
+        not_sent += 1;
+    }
+    eprintln!("{REQUESTS} requests: {answered} answered by the gateway, {not_sent} not sent");
+    assert!(answered > 0, "some were written before the handover");
+    let res = client.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "the client goes on: {res}");
+}
+
 /// A run started through `/v1/rpc` (`clawmux call chat.send`) runs on
 /// after its answer, owned by a requester that is gone: it stays owned
 /// across a handover, so another client still cannot stop it there.

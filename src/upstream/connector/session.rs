@@ -361,7 +361,15 @@ impl Connector {
             let _ = request.send(None);
             return Err(("its writing half did not come back".into(), unsent));
         };
-        let Ok(mut ws) = sink.into_inner().reunite(stream) else {
+        // A request the writing half took and had not passed on yet (its
+        // one-message slot, which reuniting would drop) goes on first: with
+        // every write taken whole, this waits for nothing.
+        let mut sink = sink.into_inner();
+        if let Err(e) = futures_util::SinkExt::flush(&mut sink).await {
+            let _ = request.send(None);
+            return Err((format!("the last write failed ({e})"), unsent));
+        }
+        let Ok(mut ws) = sink.reunite(stream) else {
             unreachable!("the two halves of one socket");
         };
         let owner = Arc::clone(&self.owner);

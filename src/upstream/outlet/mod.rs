@@ -124,6 +124,26 @@ impl Drop for Held<'_> {
     }
 }
 
+/// The writer's batch: a request leaves it only as the socket takes it,
+/// and what it still holds goes back to the front of the queue if the
+/// writer is dropped mid-write (a handover, another end of the session),
+/// where it is written or withdrawn unwritten like any queued request,
+/// never lost as if sent.
+struct Batch<'a> {
+    outlet: &'a Outlet,
+    left: VecDeque<Outbound>,
+}
+
+impl Drop for Batch<'_> {
+    fn drop(&mut self) {
+        if !self.left.is_empty() {
+            self.outlet
+                .st()
+                .writer_unfinished(std::mem::take(&mut self.left));
+        }
+    }
+}
+
 /// Why the connector's writer stopped.
 pub(crate) enum WriterEnd {
     /// A write did not complete within the write timeout.
@@ -295,17 +315,25 @@ impl Outlet {
                 generation,
             };
             loop {
-                // Taken for writing: from here these count as sent.
-                let batch = self.st().writer_batch(WRITE_BATCH);
+                // Taken for writing: each counts as sent once the socket
+                // takes it (see [`Batch`]).
+                let mut batch = Batch {
+                    outlet: self,
+                    left: self.st().writer_batch(WRITE_BATCH),
+                };
                 let up = held.sink.as_mut().expect("held until dropped");
                 let write = async {
-                    for out in batch {
-                        if let Some(raw) = up.raw_for(&out).cloned() {
+                    while let Some(out) = batch.left.front() {
+                        if let Some(raw) = up.raw_for(out).cloned() {
                             // Beside tungstenite once it holds nothing unwritten.
                             up.sink.flush().await?;
+                            let out = batch.left.pop_front().expect("looked at");
                             raw.push(masked_text_frame(out.text));
                         } else {
-                            up.sink.feed(Message::text(out.text)).await?;
+                            std::future::poll_fn(|cx| Pin::new(&mut up.sink).poll_ready(cx))
+                                .await?;
+                            let out = batch.left.pop_front().expect("looked at");
+                            Pin::new(&mut up.sink).start_send(Message::text(out.text))?;
                         }
                     }
                     up.sink.flush().await
@@ -584,6 +612,70 @@ mod tests {
             .await
             .expect("at once");
         assert!(sink.is_some(), "the socket is back for the close");
+    }
+
+    /// The writer dropped mid-batch (a handover ends the session while the
+    /// gateway reads nothing): each request of its batch is either written
+    /// or withdrawn by the close, never neither. (Before: the rest of the
+    /// batch was dropped as if sent, and at a handover its client waited
+    /// for an answer that could not come.)
+    #[tokio::test]
+    async fn a_writer_dropped_mid_batch_leaves_each_request_written_or_withdrawn() {
+        let (outlet, mut gateway, reader) = pair().await;
+        let mut sent = fill(&outlet);
+        // More than tungstenite buffers before it must write: the writer
+        // stops inside its batch.
+        let big = "x".repeat(64 * 1024);
+        for _ in 0..5 {
+            outlet.push(out(7, format!("{sent}:{big}"))).ok().unwrap();
+            sent += 1;
+        }
+        let stuck = tokio::time::timeout(
+            Duration::from_millis(50),
+            outlet.writer(Duration::from_secs(60)),
+        )
+        .await;
+        assert!(stuck.is_err(), "the gateway reads nothing: the write waits");
+        let withdrawn = outlet.close(7);
+        let sink = tokio::time::timeout(Duration::from_secs(5), outlet.uninstall(7))
+            .await
+            .expect("at once")
+            .expect("the socket is back");
+        // The gateway reads again; what the writing half took goes on (as
+        // a handover's flush sends it), then the socket closes.
+        let read = tokio::spawn(async move {
+            let mut got = Vec::new();
+            while let Some(Ok(msg)) = gateway.next().await {
+                if let Message::Text(t) = msg {
+                    got.push(format!("cm-{}", t.split(':').next().unwrap_or_default()));
+                }
+            }
+            got
+        });
+        let mut sink = sink.into_inner();
+        tokio::time::timeout(Duration::from_secs(5), sink.close())
+            .await
+            .expect("written in time")
+            .unwrap();
+        drop((sink, reader));
+        let got = tokio::time::timeout(Duration::from_secs(5), read)
+            .await
+            .expect("read in time")
+            .unwrap();
+        for i in 0..sent {
+            let id = format!("cm-{i}");
+            let (written, back) = (got.contains(&id), withdrawn.contains(&id));
+            assert!(
+                written != back,
+                "{id}: written {written}, withdrawn {back} ({} written, {} withdrawn)",
+                got.len(),
+                withdrawn.len()
+            );
+        }
+        assert!(
+            !withdrawn.is_empty(),
+            "the case this is about: the writer stopped inside its batch"
+        );
     }
 
     /// The queue is bounded in requests.

@@ -268,6 +268,12 @@ impl<S> State<S> {
         true
     }
 
+    /// The writer was dropped with these still in its batch (never handed
+    /// to the socket): back at the front of the queue, in order.
+    pub fn writer_unfinished(&mut self, left: VecDeque<Outbound>) {
+        self.put_back(left);
+    }
+
     /// The writer let go of the socket mid-write (it was dropped): back in
     /// the slot if its session is still the installed one.
     pub fn writer_dropped(&mut self, sink: S, generation: u64) -> Tell {
