@@ -812,6 +812,9 @@ pub fn poll_now<T>(poll: impl FnOnce(&mut Context<'_>) -> Poll<T>) -> Poll<T> {
 pub struct WriteSpool {
     /// (Written from its front: `advance` is O(1), however large.)
     bytes: bytes::BytesMut,
+    /// Bytes the socket has taken through this spool, held or not: how a
+    /// writer tells a slow peer (it goes on) from one that takes nothing.
+    taken: u64,
 }
 
 impl WriteSpool {
@@ -819,7 +822,18 @@ impl WriteSpool {
     pub fn with(unwritten: Vec<u8>) -> Self {
         WriteSpool {
             bytes: bytes::BytesMut::from(&unwritten[..]),
+            taken: 0,
         }
+    }
+
+    /// Bytes the socket has taken through this spool so far.
+    pub fn taken(&self) -> u64 {
+        self.taken
+    }
+
+    /// The socket took `n` bytes written past the spool (a vectored write).
+    pub fn took(&mut self, n: usize) {
+        self.taken += n as u64;
     }
 
     pub fn is_empty(&self) -> bool {
@@ -859,6 +873,7 @@ impl WriteSpool {
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
+            self.took(n);
             crate::bounds::written(&mut self.bytes, n);
         }
         Poll::Ready(Ok(()))
@@ -878,6 +893,7 @@ impl WriteSpool {
         if !spooling {
             std::task::ready!(self.poll_drain(socket, cx))?;
             let n = std::task::ready!(std::pin::Pin::new(socket).poll_write(cx, buf))?;
+            self.took(n);
             if n > 0 {
                 self.hold_rest(buf, n);
                 return Poll::Ready(Ok(buf.len()));
@@ -893,7 +909,10 @@ impl WriteSpool {
         }
         match std::pin::Pin::new(socket).poll_write(cx, buf) {
             Poll::Pending => self.bytes.extend_from_slice(buf),
-            Poll::Ready(Ok(n)) => self.bytes.extend_from_slice(&buf[n.min(buf.len())..]),
+            Poll::Ready(Ok(n)) => {
+                self.took(n);
+                self.bytes.extend_from_slice(&buf[n.min(buf.len())..]);
+            }
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
         }
         Poll::Ready(Ok(buf.len()))

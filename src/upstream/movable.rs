@@ -76,6 +76,12 @@ impl RawWrites {
     pub fn push(&self, frame: Vec<u8>) {
         lock(&self.0).push(frame);
     }
+
+    /// Bytes the socket has taken so far, through tungstenite or beside
+    /// it: a write that waits while this grows is making progress.
+    pub fn taken(&self) -> u64 {
+        lock(&self.0).taken()
+    }
 }
 
 fn lock(spool: &Mutex<WriteSpool>) -> std::sync::MutexGuard<'_, WriteSpool> {
@@ -204,6 +210,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
             let mut spool = lock(spool);
             if !follow.spooling() && spool.is_empty() {
                 let n = std::task::ready!(Pin::new(inner).poll_write_vectored(cx, bufs))?;
+                spool.took(n);
                 // Taken whole if the socket took any of it, as every write
                 // here is ([`WriteSpool`]): what it did not take is held.
                 let total: usize = bufs.iter().map(|b| b.len()).sum();

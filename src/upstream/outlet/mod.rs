@@ -124,6 +124,33 @@ impl Drop for Held<'_> {
     }
 }
 
+/// `write`, unless the socket takes nothing of it for `timeout` (`None`):
+/// a slow gateway that goes on reading is waited for, however long the
+/// batch takes (up to 16 MiB of requests and a large one). Without a
+/// count of what the socket took (`progress`), the whole write is bounded
+/// by `timeout`.
+async fn written_unless_stalled<T>(
+    write: impl std::future::Future<Output = T>,
+    progress: Option<&super::movable::RawWrites>,
+    timeout: Duration,
+) -> Option<T> {
+    let mut write = std::pin::pin!(write);
+    let taken = || progress.map(super::movable::RawWrites::taken);
+    let look = (timeout / 4).max(Duration::from_millis(1));
+    let (mut seen, mut since) = (taken(), tokio::time::Instant::now());
+    loop {
+        if let Ok(done) = tokio::time::timeout(look, write.as_mut()).await {
+            return Some(done);
+        }
+        let now = taken();
+        if now != seen {
+            (seen, since) = (now, tokio::time::Instant::now());
+        } else if since.elapsed() >= timeout {
+            return None;
+        }
+    }
+}
+
 /// The writer's batch: a request leaves it only as the socket takes it,
 /// and what it still holds goes back to the front of the queue if the
 /// writer is dropped mid-write (a handover, another end of the session),
@@ -322,6 +349,7 @@ impl Outlet {
                     left: self.st().writer_batch(WRITE_BATCH),
                 };
                 let up = held.sink.as_mut().expect("held until dropped");
+                let progress = up.raw.clone();
                 let write = async {
                     while let Some(out) = batch.left.front() {
                         if let Some(raw) = up.raw_for(out).cloned() {
@@ -338,10 +366,10 @@ impl Outlet {
                     }
                     up.sink.flush().await
                 };
-                match tokio::time::timeout(write_timeout, write).await {
-                    Err(_) => return WriterEnd::Stalled(write_timeout),
-                    Ok(Err(e)) => return WriterEnd::Failed(e),
-                    Ok(Ok(())) => {}
+                match written_unless_stalled(write, progress.as_ref(), write_timeout).await {
+                    None => return WriterEnd::Stalled(write_timeout),
+                    Some(Err(e)) => return WriterEnd::Failed(e),
+                    Some(Ok(())) => {}
                 }
                 if self.st().writer_done(&mut held.sink, generation) {
                     break;
@@ -573,6 +601,34 @@ mod tests {
             outlet.uninstall(7).await.is_some(),
             "the socket is back for the close"
         );
+    }
+
+    /// A gateway that reads slowly but steadily is waited for, however
+    /// long the writer's batch takes in all: only a write the socket takes
+    /// nothing of for the write timeout is a stall. (Before: the timeout
+    /// bounded the whole batch, and this session was ended mid-write.)
+    #[tokio::test]
+    async fn a_slow_gateway_that_goes_on_reading_is_not_a_stall() {
+        const REQUESTS: usize = 120;
+        let (outlet, mut gateway, _reader) = pair().await;
+        let big = "x".repeat(60 * 1024);
+        for i in 0..REQUESTS {
+            outlet.push(out(7, format!("{i}:{big}"))).ok().unwrap();
+        }
+        assert!(outlet.st().is_waiting(), "more than the socket holds");
+        let writer = {
+            let outlet = Arc::clone(&outlet);
+            tokio::spawn(async move { outlet.writer(Duration::from_millis(300)).await })
+        };
+        // About 8 ms a request: each batch of 64 takes longer than the
+        // write timeout, and the socket takes something every few ms.
+        for i in 0..REQUESTS {
+            tokio::time::sleep(Duration::from_millis(8)).await;
+            let text = next_text(&mut gateway).await;
+            assert!(text.starts_with(&format!("{i}:")), "request {i} in order");
+            assert!(!writer.is_finished(), "the writer gave up at request {i}");
+        }
+        writer.abort();
     }
 
     /// A session that ended: its requests are refused from then on;
