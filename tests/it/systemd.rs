@@ -288,7 +288,9 @@ async fn systemd_socket_activate_starts_the_broker_on_first_connection() {
         .arg("--setenv=CLAWMUX_GATEWAY_TOKEN=test-token")
         .args([BIN, "serve", "--gateway-url", &gw.url()]);
     let mut broker = ChildGuard(cmd.spawn().unwrap());
-    eventually("systemd-socket-activate listens", || socket.exists()).await;
+    // Listening, not only bound: the file exists from `bind`, and a
+    // connect before `listen` is refused.
+    eventually("systemd-socket-activate listens", || listening(&socket)).await;
     // The first connection makes the tool exec clawmux with the socket.
     let mut c = WsClient::open(&socket, "/ws").await;
     assert_eq!(c.handshake().await["type"], "hello-ok");
@@ -296,6 +298,21 @@ async fn systemd_socket_activate_starts_the_broker_on_first_connection() {
     assert_eq!(c.expect_close().await.0, 1001);
     assert!(wait_exit(&mut broker.0).await.success());
     assert!(socket.exists(), "clawmux did not unlink the tool's socket");
+}
+
+/// Whether a unix socket is bound at `path` and listening (the kernel's
+/// table, `/proc/net/unix`: its `Flags` field has `__SO_ACCEPTCON`), seen
+/// without connecting to it.
+fn listening(path: &Path) -> bool {
+    const ACCEPTING: u32 = 0x0001_0000;
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap_or_default();
+    let path = path.to_string_lossy();
+    table.lines().skip(1).any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        fields.len() >= 8
+            && fields[7] == path
+            && u32::from_str_radix(fields[3], 16).is_ok_and(|flags| flags & ACCEPTING != 0)
+    })
 }
 
 fn which(program: &str) -> Result<PathBuf, ()> {
