@@ -831,8 +831,7 @@ impl WriteSpool {
         self.taken
     }
 
-    /// The socket took `n` bytes written past the spool (a vectored write).
-    pub fn took(&mut self, n: usize) {
+    fn took(&mut self, n: usize) {
         self.taken += n as u64;
     }
 
@@ -852,7 +851,7 @@ impl WriteSpool {
 
     /// Holds what is left of `buf` after the socket took `took` of it
     /// (held bytes come first, so it is only called with none held).
-    pub fn hold_rest(&mut self, buf: &[u8], took: usize) {
+    fn hold_rest(&mut self, buf: &[u8], took: usize) {
         self.bytes.extend_from_slice(&buf[took.min(buf.len())..]);
     }
 

@@ -516,15 +516,17 @@ pub const FRAME_HEADER_ROOM: usize = 2 + 8 + 4;
 pub fn encode_req(id: &str, method: &str, params: Option<&RawValue>) -> String {
     const PARAMS_KEY: &[u8] = br#","params":"#;
     let params = params.map(|p| p.get().as_bytes());
-    let mut buf = Vec::with_capacity(48 + id.len() + method.len());
+    let rest = params.map_or(0, |p| PARAMS_KEY.len() + p.len()) + 1 + FRAME_HEADER_ROOM;
+    // One allocation for the whole request when `id` and `method` need no
+    // escaping, as they seldom do.
+    let mut buf = Vec::with_capacity(38 + id.len() + method.len() + rest);
     buf.extend_from_slice(br#"{"type":"req","id":"#);
     write_json_str(&mut buf, id);
     buf.extend_from_slice(br#","method":"#);
     write_json_str(&mut buf, method);
-    // Exactly the rest and the room, once `id` and `method` are written
-    // however they escaped: a large request's buffer is never grown by
-    // doubling, and always has the room.
-    buf.reserve_exact(params.map_or(0, |p| PARAMS_KEY.len() + p.len()) + 1 + FRAME_HEADER_ROOM);
+    // Nothing when they did not: else exactly the rest and the room, so a
+    // large request's buffer is never grown by doubling and always has it.
+    buf.reserve_exact(rest);
     if let Some(p) = params {
         buf.extend_from_slice(PARAMS_KEY);
         buf.extend_from_slice(p);

@@ -192,50 +192,6 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        {
-            let Movable {
-                inner,
-                follow,
-                spool,
-                ..
-            } = &mut *self;
-            // Under the spool's lock throughout, so that no frame is pushed
-            // between this write and the rest it may hold.
-            let mut spool = lock(spool);
-            if !follow.spooling() && spool.is_empty() {
-                let n = std::task::ready!(Pin::new(inner).poll_write_vectored(cx, bufs))?;
-                spool.took(n);
-                // Taken whole if the socket took any of it, as every write
-                // here is ([`WriteSpool`]): what it did not take is held.
-                let total: usize = bufs.iter().map(|b| b.len()).sum();
-                if n > 0 && n < total {
-                    let mut skip = n;
-                    for b in bufs {
-                        spool.hold_rest(b, skip);
-                        skip = skip.saturating_sub(b.len());
-                    }
-                    return Poll::Ready(Ok(total));
-                }
-                return Poll::Ready(Ok(n));
-            }
-        }
-        // Through the spool, a slice at a time.
-        let first = bufs
-            .iter()
-            .find(|b| !b.is_empty())
-            .map_or(&[][..], |b| &**b);
-        self.poll_write(cx, first)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
 }
 
 /// The byte stream under the upstream WebSocket: TCP, TLS, or a unix
