@@ -653,9 +653,13 @@ impl crate::handover::old_instance::Broker for RunningBroker {
         let parcels = self.ctx.handover.take();
         let mut core = core;
         core.replay_newest = Some(self.ctx.hub.replay_window().newest_seq);
+        // Serving again (the next instance failed) goes on with the
+        // settings a `SIGHUP` reload brought, not the start's.
+        let mut settings = self.ctx.settings.clone();
+        self.ctx.upstream().target().apply_to(&mut settings);
 
         Released {
-            settings: self.ctx.settings.clone(),
+            settings,
             guard: self.guard,
             policy_guards: self._policy_guards,
             held: self.held,

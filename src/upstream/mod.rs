@@ -151,6 +151,28 @@ impl Target {
             discovery: settings.discovery.clone(),
         }
     }
+
+    /// Puts this target into `settings`: what a broker serving again
+    /// starts from is what it last served (a reload included), not what it
+    /// was started with.
+    pub fn apply_to(self, settings: &mut Settings) {
+        let Target {
+            url,
+            token,
+            password,
+            tls,
+            allow_insecure_private_ws,
+            load_error,
+            discovery,
+        } = self;
+        settings.gateway_url = url;
+        settings.token = token;
+        settings.password = password;
+        settings.tls = tls;
+        settings.allow_insecure_private_ws = allow_insecure_private_ws;
+        settings.load_error = load_error;
+        settings.discovery = discovery;
+    }
 }
 
 /// A local client's own `auth`, offered when the host has no credential.

@@ -50,13 +50,20 @@ fn alive(pid: u32) -> bool {
 }
 
 fn serve_command(program: &Path, dir: &Path, socket: &Path, gateway: &str) -> Command {
+    let mut cmd = serve_unconfigured(program, dir, socket);
+    cmd.args(["--gateway-url", gateway, "--token", "test-token"]);
+    cmd
+}
+
+/// `clawmux serve` from `program` with no gateway settings of its own on
+/// the command line (a config file or the environment gives them).
+fn serve_unconfigured(program: &Path, dir: &Path, socket: &Path) -> Command {
     let mut cmd = Command::new(program);
     cmd.arg("serve")
         .arg("--socket")
         .arg(socket)
         // With the device identity (the default): its state dir also
         // keeps the replay log's file, which a handover continues.
-        .args(["--gateway-url", gateway, "--token", "test-token"])
         .args(["--shutdown-timeout", "2"])
         .env("HOME", dir)
         .env("XDG_STATE_HOME", dir.join("state"))
@@ -529,6 +536,88 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
         "{}",
         log_text(&log)
     );
+}
+
+/// A reload by `SIGHUP` pointed the broker at another gateway; an upgrade
+/// then failed after the old instance had stopped: serving again, it goes
+/// on with the reloaded settings (`/v1/state` and its next reconnect name
+/// the new gateway), not the ones it was started with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_upgrade_serves_again_with_the_settings_a_reload_brought() {
+    let gw_a = MockGateway::start(mock_config()).await.unwrap();
+    let gw_b = MockGateway::start(MockConfig {
+        token: Some("token-b".into()),
+        ..mock_config()
+    })
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let program = copied_binary(dir.path());
+    let config = dir.path().join("config.toml");
+    let write = |url: &str, token: &str| {
+        std::fs::write(
+            &config,
+            format!("[gateway]\nurl = \"{url}\"\ntoken = \"{token}\"\n"),
+        )
+        .unwrap();
+        std::fs::set_permissions(&config, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+    };
+    write(&gw_a.url(), "test-token");
+    let socket = dir.path().join("c.sock");
+    let mut cmd = serve_unconfigured(&program, dir.path(), &socket);
+    cmd.arg("--config").arg(&config);
+    let log = log_to(&mut cmd, dir.path());
+    let old = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+
+    // The reload: the session moves to gateway B, the client stays.
+    write(&gw_b.url(), "token-b");
+    signal(&old.0, rustix::process::Signal::HUP);
+    assert!(
+        gw_b.wait_ready_connections(1, PATIENCE).await,
+        "{}",
+        log_text(&log)
+    );
+    assert!(gw_a.wait_no_connections(PATIENCE).await);
+
+    // A new binary that says valid, lets the old one stop, then dies.
+    replace_with_script(
+        &program,
+        "#!/bin/bash\n\
+         for kv in ${CLAWMUX_HANDOVER_FDS//,/ }; do case $kv in clawmux-control=*) fd=${kv#*=};; esac; done\n\
+         echo valid >&$fd\n\
+         read -r line <&$fd\n\
+         exit 1\n",
+    );
+    signal(&old.0, rustix::process::Signal::USR2);
+    wait_log(&log, "upgrade failed, still serving").await;
+    assert_eq!(broker_pid(&socket).await, old.0.id());
+    assert_eq!(
+        state(&socket).await["upstream"]["url"],
+        gw_b.url(),
+        "{}",
+        log_text(&log)
+    );
+    assert_eq!(
+        client.request("health", serde_json::json!({})).await["ok"],
+        true
+    );
+
+    // Gateway B restarts: the broker reconnects to B, never to A.
+    gw_b.close_all(1012, "service restart").await;
+    assert!(
+        gw_b.wait_ready_connections(1, PATIENCE).await,
+        "{}",
+        log_text(&log)
+    );
+    assert_eq!(gw_b.total_connections(), 2, "{}", log_text(&log));
+    assert_eq!(gw_a.total_connections(), 1, "{}", log_text(&log));
+    let last = gw_b.connects().last().cloned().unwrap();
+    assert_eq!(last["auth"]["token"], "token-b");
 }
 
 /// `clawmux serve` from the binary under test against the double `gw`,
