@@ -588,7 +588,10 @@ impl RunningBroker {
             );
             clean = false;
         }
-        if tokio::time::timeout_at(until, self.ctx.hub.close_replay_log())
+        // Closing the log writes its last records: local work, which waits
+        // on no peer, so however short the deadline it gets its own bound.
+        let log_until = until.max(tokio::time::Instant::now() + REPLAY_LOG_CLOSE_WAIT);
+        if tokio::time::timeout_at(log_until, self.ctx.hub.close_replay_log())
             .await
             .is_err()
         {
@@ -626,14 +629,17 @@ impl crate::handover::old_instance::Broker for RunningBroker {
             // Finished: `stop_serving` must not poll it again.
             self.accept_task = tokio::spawn(async {});
         }
-        // 1. Every client stops at a message boundary and is left for the
-        //    next instance (or closed `1012`, if it cannot move).
+        // 1. Every client stops where it is and is left for the next
+        //    instance (or closed `1012`, if it cannot move). Stopping waits
+        //    on no peer, so it has its own bound, not the shutdown
+        //    timeout's (which may be 0): what has not stopped when the
+        //    parcels are packed cannot move.
         self.ctx.handover.requested.cancel();
         let stopped_at = std::time::Instant::now();
         let paused = tokio::time::Instant::now()
             + crate::local::ws::HANDOVER_PAUSE_TIMEOUT
             + Duration::from_millis(500);
-        if !self.ctx.handover.all_left(paused.min(until)).await {
+        if !self.ctx.handover.all_left(paused).await {
             tracing::warn!("handover: some clients did not stop in time");
         }
         // 2. The gateway session stops at a message boundary and moves
@@ -645,7 +651,10 @@ impl crate::handover::old_instance::Broker for RunningBroker {
         //    answered (failed, with whether it was sent) into its client's
         //    queue.
         if !self
-            .stop_serving(until - tokio::time::Instant::now(), None)
+            .stop_serving(
+                until.saturating_duration_since(tokio::time::Instant::now()),
+                None,
+            )
             .await
         {
             tracing::warn!("handover: the stop did not finish within its deadline");
@@ -669,6 +678,10 @@ impl crate::handover::old_instance::Broker for RunningBroker {
         }
     }
 }
+
+/// The least a stop waits for the replay log to close (its last records
+/// written), whatever `--shutdown-timeout` says.
+const REPLAY_LOG_CLOSE_WAIT: Duration = Duration::from_secs(2);
 
 /// Queued bytes whose release, since the last time memory was handed
 /// back, makes the sweep hand free memory back to the system.

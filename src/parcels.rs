@@ -35,8 +35,9 @@ pub struct Handover {
     /// moved sockets again; every task on a moved socket (and the accept
     /// loops) waits at it. Open from the start otherwise.
     pub gate: Gate,
-    /// What the client tasks left for the next instance.
-    parcels: std::sync::Mutex<Vec<Box<dyn Parcel>>>,
+    /// What the client tasks left for the next instance; `None` once
+    /// taken (packed: nothing left later can move).
+    parcels: std::sync::Mutex<Option<Vec<Box<dyn Parcel>>>>,
     /// Client tasks serving requests now (each leaves at a handover).
     serving: std::sync::atomic::AtomicUsize,
     left: tokio::sync::Notify,
@@ -122,7 +123,7 @@ impl Handover {
         Handover {
             requested: CancellationToken::new(),
             gate,
-            parcels: Default::default(),
+            parcels: std::sync::Mutex::new(Some(Vec::new())),
             serving: Default::default(),
             left: Default::default(),
         }
@@ -151,22 +152,39 @@ impl Handover {
         }
     }
 
-    /// Leaves `parcel` for the next instance.
+    /// Leaves `parcel` for the next instance. One left after the parcels
+    /// were taken cannot move: it is dropped, so its connection ends here
+    /// (its client reconnects, and resumes by cursor).
     pub fn leave(&self, parcel: Box<dyn Parcel>) {
-        self.lock().push(parcel);
+        let late = match &mut *self.lock() {
+            Some(parcels) => {
+                parcels.push(parcel);
+                None
+            }
+            None => Some(parcel),
+        };
+        if late.is_some() {
+            tracing::warn!(
+                "handover: a client stopped after the clients were packed; its connection ends"
+            );
+        }
     }
 
     /// The ids of the hub clients left for the next instance so far.
     pub fn client_ids(&self) -> std::collections::HashSet<u64> {
-        self.lock().iter().filter_map(|p| p.client_id()).collect()
+        self.lock()
+            .iter()
+            .flatten()
+            .filter_map(|p| p.client_id())
+            .collect()
     }
 
-    /// Everything left so far.
+    /// Everything left, once: what is left after this cannot move.
     pub fn take(&self) -> Vec<Box<dyn Parcel>> {
-        std::mem::take(&mut *self.lock())
+        self.lock().take().unwrap_or_default()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Box<dyn Parcel>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Vec<Box<dyn Parcel>>>> {
         self.parcels.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -379,4 +397,42 @@ pub struct UpstreamEntry {
     pub next_request_id: u64,
     /// Requests written on the connection and not answered yet.
     pub pending: Vec<crate::router::MovedRequest>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// A parcel that counts its drops (its socket closing, for a real one).
+    #[derive(Debug)]
+    struct Counted(Arc<AtomicUsize>);
+
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    impl Parcel for Counted {
+        fn pack(self: Box<Self>) -> Entry {
+            unreachable!("not packed here")
+        }
+    }
+
+    #[test]
+    fn a_parcel_left_after_the_parcels_were_taken_is_dropped_not_kept() {
+        let handover = Handover::new(Gate::opened());
+        let dropped = Arc::new(AtomicUsize::new(0));
+        handover.leave(Box::new(Counted(Arc::clone(&dropped))));
+        let taken = handover.take();
+        assert_eq!(taken.len(), 1);
+        assert_eq!(dropped.load(Ordering::SeqCst), 0);
+        handover.leave(Box::new(Counted(Arc::clone(&dropped))));
+        assert_eq!(dropped.load(Ordering::SeqCst), 1, "its connection ends now");
+        assert!(handover.take().is_empty(), "taken once");
+        drop(taken);
+        assert_eq!(dropped.load(Ordering::SeqCst), 2);
+    }
 }

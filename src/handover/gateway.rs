@@ -41,13 +41,13 @@ impl Parcel for GatewayParcel {
 /// with the broker). Its requests in flight for the clients that `moves`
 /// move with it; every other one is answered here.
 pub async fn leave(ctx: &Ctx, moves: &impl Fn(u64) -> bool) {
+    // Every session stops at once: the pause lasts until the last one has.
+    let (narrower, main) = tokio::join!(
+        ctx.sessions.narrower.hand_over(UPSTREAM_HANDOVER_WAIT),
+        ctx.upstream().hand_over(UPSTREAM_HANDOVER_WAIT)
+    );
     // The narrower sessions move the same way, each on its own.
-    for (grant, handed) in ctx
-        .sessions
-        .narrower
-        .hand_over(UPSTREAM_HANDOVER_WAIT)
-        .await
-    {
+    for (grant, handed) in narrower {
         use base64::Engine as _;
         let pending = ctx
             .router
@@ -70,7 +70,7 @@ pub async fn leave(ctx: &Ctx, moves: &impl Fn(u64) -> bool) {
         ctx.handover
             .leave(Box::new(GatewayParcel::Narrower(entry, handed.socket.fd)));
     }
-    let Some(handed) = ctx.upstream().hand_over(UPSTREAM_HANDOVER_WAIT).await else {
+    let Some(handed) = main else {
         return;
     };
     let pending = ctx

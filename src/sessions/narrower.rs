@@ -302,13 +302,16 @@ impl Narrower {
             .iter()
             .map(|(grant, e)| (grant.clone(), e.session.upstream.clone()))
             .collect();
-        let mut handed = Vec::new();
-        for (grant, upstream) in sessions {
-            if let Some(h) = upstream.hand_over(within).await {
-                handed.push((grant, h));
-            }
-        }
-        handed
+        // All at once: each waits on its own connector (up to `within`),
+        // and the clients' pause lasts until the last one stopped.
+        let stops = sessions.into_iter().map(|(grant, upstream)| async move {
+            upstream.hand_over(within).await.map(|h| (grant, h))
+        });
+        futures_util::future::join_all(stops)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// Goes on with `grant`'s session the previous instance handed over

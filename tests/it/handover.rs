@@ -58,13 +58,18 @@ fn serve_command(program: &Path, dir: &Path, socket: &Path, gateway: &str) -> Co
 /// `clawmux serve` from `program` with no gateway settings of its own on
 /// the command line (a config file or the environment gives them).
 fn serve_unconfigured(program: &Path, dir: &Path, socket: &Path) -> Command {
+    serve_stopping_within(program, dir, socket, "2")
+}
+
+/// As [`serve_unconfigured`], with `--shutdown-timeout` `secs`.
+fn serve_stopping_within(program: &Path, dir: &Path, socket: &Path, secs: &str) -> Command {
     let mut cmd = Command::new(program);
     cmd.arg("serve")
         .arg("--socket")
         .arg(socket)
         // With the device identity (the default): its state dir also
         // keeps the replay log's file, which a handover continues.
-        .args(["--shutdown-timeout", "2"])
+        .args(["--shutdown-timeout", secs])
         .env("HOME", dir)
         .env("XDG_STATE_HOME", dir.join("state"))
         .env_remove("CLAWMUX_CONFIG")
@@ -1709,6 +1714,112 @@ async fn a_client_on_a_narrower_session_moves_with_it_and_keeps_its_grant() {
         .await;
     assert_eq!(write["ok"], false, "{write}");
     assert_listed(&socket, &conn_id, "the client moved").await;
+}
+
+/// `--shutdown-timeout 0` bounds how long a stop waits for peers, not how
+/// long a handover's clients take to stop (none of them waits for one):
+/// every client, a narrower session's and an event stream move all the
+/// same, with their gateway connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handover_with_a_zero_shutdown_timeout_still_moves_every_client() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let mut cmd = serve_stopping_within(Path::new(BIN), dir.path(), &socket, "0");
+    cmd.args(["--gateway-url", &gw.url(), "--token", "test-token"]);
+    let log = log_to(&mut cmd, dir.path());
+    let mut first = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let pid = broker_pid(&socket).await;
+    let mut clients = Vec::new();
+    // Enough that they cannot all stop within the timer's millisecond.
+    for _ in 0..200 {
+        let mut c = WsClient::open(&socket, "/ws").await;
+        let hello = c.handshake().await;
+        clients.push((hello["server"]["connId"].clone(), c));
+    }
+    let mut reader = WsClient::open(&socket, "/ws").await;
+    reader.recv_json().await;
+    let mut connect = connect_frame("connect-1");
+    connect["params"]["scopes"] = serde_json::json!(["operator.read"]);
+    reader.send_json(&connect).await;
+    let hello = reader.response("connect-1").await;
+    assert_eq!(hello["ok"], true, "{hello}");
+    let reader_id = hello["payload"]["server"]["connId"].clone();
+    assert_eq!(
+        reader.request("status", serde_json::json!({})).await["ok"],
+        true
+    );
+    let mut events = crate::http_api::open_events(&socket, "/v1/events?events=test.n", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        gw.total_connections(),
+        2,
+        "the main session and the narrower one"
+    );
+    // A burst the event log is still writing when the stop begins.
+    let before = state(&socket).await["newest_seq"].as_u64().unwrap();
+    let pad = "x".repeat(2048);
+    for i in 0..200 {
+        gw.broadcast("test.log", serde_json::json!({ "i": i, "pad": pad }));
+    }
+    crate::http_api::wait_newest_seq(&socket, before + 200).await;
+
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    // The log was closed for the next instance, with every event of the
+    // burst and no gap.
+    let mut history = crate::http_api::open_events(
+        &socket,
+        &format!("/v1/events?events=test.log,clawmux.gap&after_seq={before}"),
+        &[],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("history: {e:?}\n{}", log_text(&log)));
+    for i in 0..200 {
+        let (_, name, data) = history.next_event().await;
+        assert_eq!(
+            (name.as_str(), &data["payload"]["i"]),
+            ("test.log", &serde_json::json!(i))
+        );
+    }
+    assert!(
+        !log_text(&log).contains("did not close"),
+        "{}",
+        log_text(&log)
+    );
+    let listed = state(&socket).await["clients"].clone();
+    let listed: std::collections::HashSet<_> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["conn_id"].clone())
+        .collect();
+    for (conn_id, c) in &mut clients {
+        assert!(
+            listed.contains(conn_id),
+            "a client moved\n{}",
+            log_text(&log)
+        );
+        let res = c.request("health", serde_json::json!({})).await;
+        assert_eq!(res["ok"], true, "{res}\n{}", log_text(&log));
+    }
+    assert_listed(&socket, &reader_id, "the narrower session's client moved").await;
+    let res = reader.request("status", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "{res}\n{}", log_text(&log));
+    gw.broadcast("test.n", serde_json::json!({"n": 1}));
+    let (_, name, data) = events.next_event().await;
+    assert_eq!(
+        (name.as_str(), &data["payload"]["n"]),
+        ("test.n", &serde_json::json!(1)),
+        "{}",
+        log_text(&log)
+    );
+    for (_, c) in &mut clients {
+        assert_eq!(c.event("test.n").await["payload"]["n"], 1);
+    }
+    assert_eq!(gw.total_connections(), 2, "{}", log_text(&log));
 }
 
 /// A `/ws/dedicated` connection moves whole: the client's socket and its
