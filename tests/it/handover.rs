@@ -1761,7 +1761,7 @@ async fn a_handover_with_a_zero_shutdown_timeout_still_moves_every_client() {
     );
     // A burst the event log is still writing when the stop begins.
     let before = state(&socket).await["newest_seq"].as_u64().unwrap();
-    let pad = "x".repeat(2048);
+    let pad = "x".repeat(256);
     for i in 0..200 {
         gw.broadcast("test.log", serde_json::json!({ "i": i, "pad": pad }));
     }
