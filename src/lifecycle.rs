@@ -79,6 +79,9 @@ pub async fn serve_until_stopped(
                             moved.let_go();
                             return stand_in_for(next, term, usr2).await;
                         }
+                        // A stop or another upgrade asked of this process
+                        // while it handed over is the new instance's now.
+                        pass_on_pending(&next, &mut term, &mut int, &mut usr2);
                         moved.leave_to_exit();
                         return Ok(());
                     }
@@ -135,6 +138,39 @@ pub async fn serve_until_stopped(
         }
         _ = term.recv() => force_exit("a second SIGTERM"),
         _ = int.recv() => force_exit("a second SIGINT"),
+    }
+}
+
+/// Passes the signals that arrived during a handover that succeeded on to
+/// the instance that took over (`SIGTERM` for a `SIGTERM` or `SIGINT`,
+/// `SIGUSR2` for a `SIGUSR2`): this process exits without acting on them.
+fn pass_on_pending(
+    next: &tokio::process::Child,
+    term: &mut tokio::signal::unix::Signal,
+    int: &mut tokio::signal::unix::Signal,
+    usr2: &mut tokio::signal::unix::Signal,
+) {
+    use futures_util::FutureExt as _;
+    let Some(pid) = next
+        .id()
+        .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+    else {
+        return;
+    };
+    let arrived = |s: &mut tokio::signal::unix::Signal| s.recv().now_or_never().is_some();
+    let stop = arrived(term) | arrived(int);
+    let upgrade = arrived(usr2);
+    for (asked, sig, name) in [
+        (stop, rustix::process::Signal::TERM, "a stop"),
+        (upgrade, rustix::process::Signal::USR2, "an upgrade"),
+    ] {
+        if asked {
+            tracing::info!(
+                pid = pid.as_raw_nonzero().get(),
+                "{name} was asked during the handover: passed on to the new instance"
+            );
+            let _ = rustix::process::kill_process(pid, sig);
+        }
     }
 }
 

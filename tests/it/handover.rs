@@ -543,6 +543,45 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
     );
 }
 
+/// A `SIGTERM` that reaches the old instance while it hands over (here:
+/// while the new binary is held at its start, until the test lets it go)
+/// is not lost when the handover succeeds: the new instance gets it, and
+/// stops as a stop does (its clients are closed `1001`), so no broker is
+/// left serving that was asked to stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_asked_during_an_upgrade_that_succeeds_stops_the_new_instance() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let program = copied_binary(dir.path());
+    let (mut old, socket, log) = serve_ready(&program, dir.path(), &gw.url()).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    let go = dir.path().join("go");
+    // The real binary, once `go` exists (at most 10 s: no orphan is left).
+    replace_with_script(
+        &program,
+        &format!(
+            "#!/bin/sh\n\
+             i=0; while [ ! -e '{go}' ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done\n\
+             exec '{bin}' \"$@\"\n",
+            go = go.display(),
+            bin = BIN,
+        ),
+    );
+    signal(&old.0, rustix::process::Signal::USR2);
+    wait_log(&log, "upgrade: new instance started").await;
+    signal(&old.0, rustix::process::Signal::TERM);
+    std::fs::write(&go, "").unwrap();
+    assert!(exits_with(&mut old.0).await.success(), "{}", log_text(&log));
+    let (code, _) = client.expect_close().await;
+    assert_eq!(code, 1001, "the new instance stopped\n{}", log_text(&log));
+    wait_log(&log, "passed on to the new instance").await;
+    eventually("no broker serves the socket", || {
+        serve_processes(&socket).is_empty()
+    })
+    .await;
+}
+
 /// A reload by `SIGHUP` pointed the broker at another gateway; an upgrade
 /// then failed after the old instance had stopped: serving again, it goes
 /// on with the reloaded settings (`/v1/state` and its next reconnect name
