@@ -77,6 +77,9 @@ pub async fn serve_until_stopped(
                         notifier.abandon();
                         if keeps_its_terminal() {
                             moved.let_go();
+                            // No broker serves in this process any more: a
+                            // `SIGHUP` here is the new instance's (passed on).
+                            drop(current);
                             return stand_in_for(next, term, usr2).await;
                         }
                         // A stop or another upgrade asked of this process
@@ -211,8 +214,9 @@ fn keeps_its_terminal() -> bool {
 /// for) stays until the instance that took over ends, and exits with its
 /// status. Ctrl-C reaches that instance from the terminal itself (the same
 /// process group), so `SIGINT` is not passed on (twice would force its
-/// stop); `SIGTERM` and `SIGUSR2` sent to this pid are, so `kill` and
-/// `clawmux upgrade` work on the pid the shell shows as on the broker.
+/// stop); `SIGTERM`, `SIGUSR2` and `SIGHUP` sent to this pid are, so
+/// `kill`, `kill -HUP` and `clawmux upgrade` work on the pid the shell
+/// shows as on the broker.
 async fn stand_in_for(
     mut next: tokio::process::Child,
     mut term: tokio::signal::unix::Signal,
@@ -222,6 +226,7 @@ async fn stand_in_for(
         pid = next.id(),
         "upgrade: the new instance serves; this process stays for the terminal until it ends"
     );
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let pass_on = |next: &tokio::process::Child, sig| {
         if let Some(pid) = next
             .id()
@@ -238,6 +243,10 @@ async fn stand_in_for(
             }
             _ = term.recv() => pass_on(&next, rustix::process::Signal::TERM),
             _ = usr2.recv() => pass_on(&next, rustix::process::Signal::USR2),
+            _ = hup.recv() => {
+                tracing::info!("SIGHUP passed on to the new instance");
+                pass_on(&next, rustix::process::Signal::HUP);
+            }
         }
     }
 }

@@ -2966,6 +2966,15 @@ async fn a_broker_started_in_a_terminal_stops_on_ctrl_c_after_two_upgrades() {
         client.request("health", serde_json::json!({})).await["ok"],
         true
     );
+    // `kill -HUP` on the pid the shell shows reloads the serving instance
+    // (the process the shell started only passes it on).
+    signal(&first.0, rustix::process::Signal::HUP);
+    eventually("the reload passed on and done", || {
+        let seen = seen();
+        seen.contains("SIGHUP passed on to the new instance")
+            && seen.matches("settings reloaded").count() == 1
+    })
+    .await;
     // Ctrl-C, typed at the terminal.
     std::io::Write::write_all(
         &mut std::fs::File::from(master.try_clone().unwrap()),
