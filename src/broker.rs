@@ -681,7 +681,7 @@ impl crate::handover::old_instance::Broker for RunningBroker {
 
 /// The least a stop waits for the replay log to close (its last records
 /// written), whatever `--shutdown-timeout` says.
-const REPLAY_LOG_CLOSE_WAIT: Duration = Duration::from_secs(2);
+const REPLAY_LOG_CLOSE_WAIT: Duration = Duration::from_secs(1);
 
 /// Queued bytes whose release, since the last time memory was handed
 /// back, makes the sweep hand free memory back to the system.
