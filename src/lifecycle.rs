@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use crate::context::Ctx;
 use crate::handover::old_instance::{self, Outcome};
-use crate::handover::upgrade::Program;
+use crate::handover::upgrade::{Next, Predecessor, Program};
 use crate::systemd::Notifier;
 use crate::RunningBroker;
 
@@ -43,12 +43,15 @@ pub const BACKSTOP_GRACE: Duration = Duration::from_secs(1);
 /// serving (a new core, if it had stopped) and `current` is told of it.
 /// Under a service manager that keeps a file descriptor store, a stop
 /// first stores the sockets clawmux bound itself for the next start.
+/// `previous`: the control socket of the instance this one took over
+/// from, which says `stop` when a stop was asked of it during the handover.
 pub async fn serve_until_stopped(
     mut broker: RunningBroker,
     shutdown_timeout: Duration,
     upgrades: Option<Program>,
     current: Option<tokio::sync::watch::Sender<Arc<Ctx>>>,
     signals: Signals,
+    mut previous: Option<Predecessor>,
 ) -> std::io::Result<()> {
     // The handlers were installed before the broker started (and the
     // signals held before that: crate::signals), so none is lost.
@@ -60,9 +63,24 @@ pub async fn serve_until_stopped(
     let mut notifier = Notifier::start(broker.ctx());
     crate::upgrade_record::set_can_upgrade(upgrades.is_some());
     let signal_name = loop {
+        let stop_passed_on = async {
+            match &mut previous {
+                Some(p) => p.stop_asked().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
+            // A stop signal first: one that reached this process too wins
+            // over the same stop passed on by the previous instance.
+            biased;
             _ = term.recv() => break "SIGTERM",
             _ = int.recv() => break "SIGINT",
+            asked = stop_passed_on => {
+                if asked {
+                    break "a stop passed on by the previous instance";
+                }
+                previous = None;
+            }
             _ = usr2.recv() => {
                 let Some(program) = &upgrades else {
                     tracing::info!("SIGUSR2 ignored: this broker cannot hand over (demo mode)");
@@ -80,11 +98,11 @@ pub async fn serve_until_stopped(
                             // No broker serves in this process any more: a
                             // `SIGHUP` here is the new instance's (passed on).
                             drop(current);
-                            return stand_in_for(next, term, usr2).await;
+                            return stand_in_for(next.child, term, usr2).await;
                         }
                         // A stop or another upgrade asked of this process
                         // while it handed over is the new instance's now.
-                        pass_on_pending(&next, &mut term, &mut int, &mut usr2);
+                        pass_on_pending(next, &mut term, &mut int, &mut usr2).await;
                         moved.leave_to_exit();
                         return Ok(());
                     }
@@ -144,35 +162,42 @@ pub async fn serve_until_stopped(
     }
 }
 
-/// Passes the signals that arrived during a handover that succeeded on to
-/// the instance that took over (`SIGTERM` for a `SIGTERM` or `SIGINT`,
-/// `SIGUSR2` for a `SIGUSR2`): this process exits without acting on them.
-fn pass_on_pending(
-    next: &tokio::process::Child,
+/// Passes what was asked of this process during a handover that succeeded
+/// on to the instance that took over: a stop (`SIGTERM`, `SIGINT`) as the
+/// word `stop` on the control socket, which that instance takes as the
+/// same stop as a signal of its own (a stop signalled to the whole group
+/// reaches both, and a second signal would force its stop); else another
+/// upgrade (`SIGUSR2`) as that signal. This process exits without acting
+/// on either.
+async fn pass_on_pending(
+    mut next: Next,
     term: &mut tokio::signal::unix::Signal,
     int: &mut tokio::signal::unix::Signal,
     usr2: &mut tokio::signal::unix::Signal,
 ) {
     use futures_util::FutureExt as _;
-    let Some(pid) = next
-        .id()
-        .and_then(|p| rustix::process::Pid::from_raw(p as i32))
-    else {
-        return;
-    };
     let arrived = |s: &mut tokio::signal::unix::Signal| s.recv().now_or_never().is_some();
     let stop = arrived(term) | arrived(int);
     let upgrade = arrived(usr2);
-    for (asked, sig, name) in [
-        (stop, rustix::process::Signal::TERM, "a stop"),
-        (upgrade, rustix::process::Signal::USR2, "an upgrade"),
-    ] {
-        if asked {
+    let pid = next.child.id();
+    if stop {
+        match next.ask_to_stop().await {
+            Ok(()) => tracing::info!(
+                pid,
+                "a stop was asked during the handover: passed on to the new instance"
+            ),
+            Err(e) => tracing::warn!(
+                pid,
+                "a stop was asked during the handover and cannot be passed on ({e})"
+            ),
+        }
+    } else if upgrade {
+        if let Some(p) = pid.and_then(|p| rustix::process::Pid::from_raw(p as i32)) {
             tracing::info!(
-                pid = pid.as_raw_nonzero().get(),
-                "{name} was asked during the handover: passed on to the new instance"
+                pid,
+                "an upgrade was asked during the handover: passed on to the new instance"
             );
-            let _ = rustix::process::kill_process(pid, sig);
+            let _ = rustix::process::kill_process(p, rustix::process::Signal::USR2);
         }
     }
 }
@@ -256,17 +281,22 @@ async fn stand_in_for(
 /// on the socket systemd passed, else binds its own; then, after a
 /// `SIGUSR2` upgrade, waits for the old instance's commit
 /// ([`crate::handover::new_instance::commit`]).
+///
+/// After an upgrade, also the old instance's control socket: it may still
+/// pass on a stop asked of it meanwhile ([`serve_until_stopped`]'s
+/// `previous`).
 pub async fn start_serving(
     settings: crate::config::Settings,
     inherited: Option<crate::handover::Inherited>,
     activated: Option<crate::systemd::ActivatedSocket>,
     shutdown_timeout: Duration,
-) -> anyhow::Result<RunningBroker> {
+) -> anyhow::Result<(RunningBroker, Option<Predecessor>)> {
     use crate::handover::new_instance;
     let start = new_instance::take(inherited, shutdown_timeout).await?;
     let broker = RunningBroker::start_from(settings, start.taken, activated, start.gate)?;
-    if let Some(mut old) = start.old {
-        new_instance::commit(&mut old, &broker.ctx().handover.gate).await;
+    let mut previous = start.old;
+    if let Some(old) = &mut previous {
+        new_instance::commit(old, &broker.ctx().handover.gate).await;
     }
-    Ok(broker)
+    Ok((broker, previous))
 }

@@ -43,7 +43,7 @@ pub(crate) async fn serve(
     // instance commits, not even the socket files, however this start
     // fails; systemd's store has no old instance left to serve.
     let inherited = inherited.filter(|_| !args.demo);
-    let broker =
+    let (broker, previous) =
         clawmux::lifecycle::start_serving(settings, inherited, activated, shutdown_timeout).await?;
     match &mut demo {
         Some(demo) => demo.narrate(&broker),
@@ -71,7 +71,7 @@ pub(crate) async fn serve(
         usr2: signals.usr2,
     };
     tokio::select! {
-        r = clawmux::lifecycle::serve_until_stopped(broker, shutdown_timeout, upgrades, Some(current), stop) => r?,
+        r = clawmux::lifecycle::serve_until_stopped(broker, shutdown_timeout, upgrades, Some(current), stop, previous) => r?,
         r = reload_on_sighup(ctx, reload_args, signals.hup) => r?,
     }
     Ok(())

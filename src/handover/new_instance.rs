@@ -118,6 +118,19 @@ pub async fn commit(old: &mut Predecessor, gate: &Gate) {
     if fault.as_deref() == Some("before-ready") {
         crash_at("before-ready").await;
     }
+    if let Some(file) = fault
+        .as_deref()
+        .and_then(|f| f.strip_prefix("hold-before-ready:"))
+    {
+        // Everything is taken over; the old instance waits for `ready`.
+        let file = std::path::Path::new(file);
+        for _ in 0..1000 {
+            if file.exists() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
     let commit = match old.say("ready").await {
         Ok(()) => old.committed(SERVE_TIMEOUT).await,
         Err(e) => Err(format!("the control socket failed ({e})")),
@@ -143,7 +156,8 @@ pub async fn commit(old: &mut Predecessor, gate: &Gate) {
 
 /// Test hook (tests/it/handover.rs): where the new instance of an upgrade
 /// fails: `after-valid` (an error returned), `before-ready` or
-/// `after-commit` (it exits).
+/// `after-commit` (it exits); or `hold-before-ready:<file>`, where it
+/// waits (at most 10 s) until that file exists before saying `ready`.
 const UPGRADE_FAULT: &str = "CLAWMUX_TEST_UPGRADE_FAULT";
 
 /// [`UPGRADE_FAULT`], read only by a build with debug assertions (the test

@@ -58,7 +58,7 @@ pub trait Released: Sized {
 pub enum Outcome<B> {
     /// The new instance (this process) serves: this one exits, or stays
     /// for its terminal.
-    Upgraded(tokio::process::Child, Moved),
+    Upgraded(super::upgrade::Next, Moved),
     /// This one serves (still, or again): why the upgrade did not happen.
     StillServing(B, String),
     /// The new one failed after this one stopped, and serving again failed
@@ -160,7 +160,7 @@ pub async fn upgrade<B: Broker>(
                 "upgrade: the new instance serves; exiting"
             );
             released.finish();
-            Outcome::Upgraded(next.into_child(), Moved(Box::new(packed)))
+            Outcome::Upgraded(next.into_next(), Moved(Box::new(packed)))
         }
         Err(why) => {
             // It failed after it took everything: its clients lose their

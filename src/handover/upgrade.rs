@@ -12,7 +12,10 @@
 //! 4. `commit` (old → new): the old one will never serve the moved sockets
 //!    again; from here the new one owns them, and opens its gate;
 //! 5. `serving` (new → old): systemd knows the new main process; the old
-//!    one exits.
+//!    one exits;
+//! 6. `stop` (old → new), only when a stop was asked of the old instance
+//!    during the upgrade: the new one stops as on a stop signal of its own
+//!    ([`Next::ask_to_stop`]).
 //!
 //! So a moved socket is served by exactly one instance at a time: before
 //! `commit` only the old one may touch it (and does again if the upgrade
@@ -212,8 +215,13 @@ impl Successor {
 
     /// The new instance's process, once it serves: a broker that keeps its
     /// terminal waits for it ([`crate::lifecycle`]).
-    pub fn into_child(self) -> tokio::process::Child {
-        self.child
+    /// The new instance serves: its process, and the control socket's
+    /// writing half, on which this one may still pass it a stop.
+    pub fn into_next(self) -> Next {
+        Next {
+            child: self.child,
+            control: self.write,
+        }
     }
 
     /// Ends a new instance that will not serve (it may be stuck), and reaps
@@ -223,6 +231,27 @@ impl Successor {
         tokio::spawn(async move {
             let _ = self.child.wait().await;
         });
+    }
+}
+
+/// The instance that took over, seen from the old one once it serves.
+#[derive(Debug)]
+pub struct Next {
+    pub child: tokio::process::Child,
+    control: OwnedWriteHalf,
+}
+
+impl Next {
+    /// Says `stop`: a stop was asked of this instance during the handover
+    /// (the new one stops as on `SIGTERM`). Over the control socket, not as
+    /// a signal: a stop signalled to the whole group (systemd, a terminal)
+    /// has reached the new instance too, and a second signal would force it.
+    pub async fn ask_to_stop(&mut self) -> std::io::Result<()> {
+        tokio::time::timeout(Duration::from_secs(1), self.control.write_all(b"stop\n"))
+            .await
+            .map_err(|_| {
+                std::io::Error::other("the new instance does not read its control socket")
+            })?
     }
 }
 
@@ -243,6 +272,14 @@ impl Predecessor {
 
     pub async fn say(&mut self, word: &str) -> std::io::Result<()> {
         self.control.write_all(format!("{word}\n").as_bytes()).await
+    }
+
+    /// Once serving: waits for the old instance to say `stop` (a stop was
+    /// asked of it during the handover). False when it ends without (it
+    /// exited, the usual end) or says anything else.
+    pub async fn stop_asked(&mut self) -> bool {
+        let mut line = [0u8; 5];
+        self.control.read_exact(&mut line).await.is_ok() && &line == b"stop\n"
     }
 
     /// After `ready`: waits for the old instance's `commit`. Anything else

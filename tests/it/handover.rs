@@ -582,6 +582,56 @@ async fn a_stop_asked_during_an_upgrade_that_succeeds_stops_the_new_instance() {
     .await;
 }
 
+/// A stop signalled to the whole group during an upgrade (systemd's
+/// `KillMode=control-group`, a terminal's Ctrl-C) reaches the old and the
+/// new instance both: the new one stops once, politely (exit 0, its clients
+/// closed `1001`); the old one's word that a stop was asked of it too is
+/// not a second signal, which would force the new one's stop (exit 3).
+/// The new instance is held (a test hook) with everything taken over and
+/// the old one waiting for its `ready` while both get the signal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_signalled_to_both_instances_during_an_upgrade_is_one_polite_stop() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let hold = format!("hold-before-ready:{}", go.display());
+    let (mut old, socket, log, _) = serve_configured(
+        dir.path(),
+        &gw,
+        "",
+        &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
+    )
+    .await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    signal(&old.0, rustix::process::Signal::USR2);
+    wait_log(&log, "took the clients over").await;
+    let new: u32 = log_text(&log)
+        .lines()
+        .find(|l| l.contains("upgrade: new instance started"))
+        .and_then(|l| l.split("pid=").nth(1))
+        .and_then(|p| p.split_whitespace().next())
+        .and_then(|p| p.parse().ok())
+        .expect("the new instance's pid in the log");
+    let _new = Pid(new);
+    // The group's stop: both get it.
+    signal(&old.0, rustix::process::Signal::TERM);
+    signal_pid(new, rustix::process::Signal::TERM);
+    std::fs::write(&go, "").unwrap();
+    assert!(exits_with(&mut old.0).await.success(), "{}", log_text(&log));
+    let (code, _) = client.expect_close().await;
+    assert_eq!(code, 1001, "a polite stop\n{}", log_text(&log));
+    eventually("the new instance ends", || !alive(new)).await;
+    let text = log_text(&log);
+    assert!(text.contains("upgrade: the new instance serves"), "{text}");
+    assert!(
+        text.contains("a stop was asked during the handover: passed on"),
+        "{text}"
+    );
+    assert!(!text.contains("a second SIGTERM"), "{text}");
+    assert!(text.contains("clawmux stopped"), "{text}");
+}
+
 /// A reload by `SIGHUP` pointed the broker at another gateway; an upgrade
 /// then failed after the old instance had stopped: serving again, it goes
 /// on with the reloaded settings (`/v1/state` and its next reconnect name
