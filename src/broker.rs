@@ -535,7 +535,8 @@ impl RunningBroker {
         self.guard.is_activated()
     }
 
-    /// Stops in order, never taking longer than `deadline`:
+    /// Stops in order, never taking longer than `deadline` (and the event
+    /// log's close, [`REPLAY_LOG_CLOSE_WAIT`] at least):
     /// 1. stop accepting (a socket-activated listener keeps queueing new
     ///    connections in systemd for the next start);
     /// 2. queue the gateway's own `shutdown` event (`{reason}`, with each
@@ -543,7 +544,8 @@ impl RunningBroker {
     /// 3. close every client `1001 going away` after what is queued, and the
     ///    upstream sessions (main and narrower) with a normal close;
     /// 4. wait for all of it until the deadline; a client that does not read
-    ///    is cut off (its writer is abandoned), so it cannot hold the exit.
+    ///    is cut off (its writer is abandoned), so it cannot hold the exit;
+    /// 5. close the event log (its last records written).
     ///
     /// Returns false when the deadline cut something off.
     pub async fn shutdown(mut self, deadline: Duration) -> bool {
@@ -636,9 +638,7 @@ impl crate::handover::old_instance::Broker for RunningBroker {
         //    parcels are packed cannot move.
         self.ctx.handover.requested.cancel();
         let stopped_at = std::time::Instant::now();
-        let paused = tokio::time::Instant::now()
-            + crate::local::ws::HANDOVER_PAUSE_TIMEOUT
-            + Duration::from_millis(500);
+        let paused = tokio::time::Instant::now() + CLIENTS_STOP_WAIT;
         if !self.ctx.handover.all_left(paused).await {
             tracing::warn!("handover: some clients did not stop in time");
         }
@@ -680,8 +680,30 @@ impl crate::handover::old_instance::Broker for RunningBroker {
 }
 
 /// The least a stop waits for the replay log to close (its last records
-/// written), whatever `--shutdown-timeout` says.
-const REPLAY_LOG_CLOSE_WAIT: Duration = Duration::from_secs(1);
+/// written), whatever `--shutdown-timeout` says: a stop takes at most its
+/// deadline and this.
+pub const REPLAY_LOG_CLOSE_WAIT: Duration = Duration::from_secs(1);
+
+/// How long a handover's clients have to stop ([`RunningBroker`]'s
+/// `release`): stopping waits on no peer, so the shutdown timeout does not
+/// shorten it.
+const CLIENTS_STOP_WAIT: Duration =
+    Duration::from_millis(crate::local::ws::HANDOVER_PAUSE_TIMEOUT.as_millis() as u64 + 500);
+
+/// The most a handover's release takes beyond its deadline: the bounds of
+/// its steps that wait on no peer, which the shutdown timeout does not
+/// shorten (the clients' stop, the gateway sessions', all at once, and
+/// the event log's close).
+pub const RELEASE_OWN_BOUNDS: Duration = Duration::from_millis(
+    (CLIENTS_STOP_WAIT.as_millis()
+        + crate::handover::gateway::UPSTREAM_HANDOVER_WAIT.as_millis()
+        + REPLAY_LOG_CLOSE_WAIT.as_millis()) as u64,
+);
+
+// The new instance of an upgrade waits for the release for the shutdown
+// timeout and its margin: the release's own bounds fit in that margin.
+const _: () =
+    assert!(RELEASE_OWN_BOUNDS.as_millis() < crate::handover::upgrade::RELEASE_MARGIN.as_millis());
 
 /// Queued bytes whose release, since the last time memory was handed
 /// back, makes the sweep hand free memory back to the system.

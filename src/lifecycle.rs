@@ -29,9 +29,10 @@ pub struct Signals {
 /// shutdown, or the shutdown overran its deadline by [`BACKSTOP_GRACE`].
 pub const EXIT_FORCED: i32 = 3;
 
-/// How long after the shutdown deadline the process is ended regardless of
-/// what its tasks are doing (for a runtime that is itself stuck; the broker's
-/// own shutdown never waits past the deadline).
+/// How long after the stop's own bound (the shutdown deadline and the event
+/// log's close; for a stop that stores the clients, the release's own
+/// bounds too) the process is ended regardless of what its tasks are doing
+/// (for a runtime that is itself stuck; the stop never waits past its bound).
 pub const BACKSTOP_GRACE: Duration = Duration::from_secs(1);
 
 /// Runs until SIGTERM or SIGINT, then stops the broker within
@@ -110,6 +111,11 @@ pub async fn serve_until_stopped(
                         tracing::error!("upgrade failed, still serving: {why}");
                         crate::upgrade_record::failed(&why);
                         if !Arc::ptr_eq(b.ctx(), notifier.ctx()) {
+                            // A reload since the release reached the core
+                            // that stopped: the one serving again takes it.
+                            b.ctx()
+                                .upstream()
+                                .retarget(notifier.ctx().upstream().target());
                             notifier.abandon();
                             notifier = Notifier::start(b.ctx());
                             if let Some(current) = &current {
@@ -128,10 +134,20 @@ pub async fn serve_until_stopped(
     };
     tracing::info!(signal = signal_name, "stop requested");
     notifier.stopping();
-    arm_backstop(shutdown_timeout + BACKSTOP_GRACE);
+    // The stop's own bound, and the process ends at most a grace after it.
+    let may_store = crate::systemd::keeps_a_store();
+    arm_backstop(
+        shutdown_timeout
+            + if may_store {
+                crate::systemd::STOPPING_QUERY_TIMEOUT + crate::broker::RELEASE_OWN_BOUNDS
+            } else {
+                crate::broker::REPLAY_LOG_CLOSE_WAIT
+            }
+            + BACKSTOP_GRACE,
+    );
     // A stop for good (not a restart) is the polite one: nothing would take
     // what is stored, and systemd would close it without a word.
-    let restarting = crate::systemd::keeps_a_store()
+    let restarting = may_store
         && match crate::systemd::stopping().await {
             crate::systemd::Stopping::ForGood => {
                 tracing::info!("systemd stops the service (not a restart): closing the clients");

@@ -18,7 +18,7 @@ use crate::policy::Grant;
 
 /// How long a handover waits for a gateway session to stop (inside a
 /// message too large to carry, its own bound is 1 s; the rest is margin).
-const UPSTREAM_HANDOVER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+pub const UPSTREAM_HANDOVER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A gateway connection stopped for the next instance, with its socket.
 #[derive(Debug)]

@@ -714,6 +714,80 @@ async fn a_failed_upgrade_serves_again_with_the_settings_a_reload_brought() {
     assert_eq!(last["auth"]["token"], "token-b");
 }
 
+/// The same, with the reload arriving during the upgrade: after the old
+/// instance released (it waits for the new one's `ready`), a `SIGHUP`
+/// points it at gateway B; the new instance then dies. The old instance
+/// serving again follows the reload: its session moves to B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_during_an_upgrade_that_fails_is_kept_by_the_instance_serving_again() {
+    let gw_a = MockGateway::start(mock_config()).await.unwrap();
+    let gw_b = MockGateway::start(MockConfig {
+        token: Some("token-b".into()),
+        ..mock_config()
+    })
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let program = copied_binary(dir.path());
+    let config = dir.path().join("config.toml");
+    let write = |url: &str, token: &str| {
+        std::fs::write(
+            &config,
+            format!("[gateway]\nurl = \"{url}\"\ntoken = \"{token}\"\n"),
+        )
+        .unwrap();
+        std::fs::set_permissions(&config, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+    };
+    write(&gw_a.url(), "test-token");
+    let socket = dir.path().join("c.sock");
+    let mut cmd = serve_unconfigured(&program, dir.path(), &socket);
+    cmd.arg("--config").arg(&config);
+    let log = log_to(&mut cmd, dir.path());
+    let old = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    let go = dir.path().join("go");
+    // Says valid, takes the release, dies once `go` exists.
+    replace_with_script(
+        &program,
+        &format!(
+            "#!/bin/bash\n\
+             for kv in ${{CLAWMUX_HANDOVER_FDS//,/ }}; do case $kv in clawmux-control=*) fd=${{kv#*=}};; esac; done\n\
+             echo valid >&$fd\n\
+             read -r line <&$fd\n\
+             i=0; while [ ! -e '{go}' ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done\n\
+             exit 1\n",
+            go = go.display()
+        ),
+    );
+    signal(&old.0, rustix::process::Signal::USR2);
+    wait_log(&log, "handover: clients ready to move").await;
+    write(&gw_b.url(), "token-b");
+    signal(&old.0, rustix::process::Signal::HUP);
+    wait_log(&log, "settings reloaded").await;
+    std::fs::write(&go, "").unwrap();
+    wait_log(&log, "upgrade failed, still serving").await;
+    assert_eq!(broker_pid(&socket).await, old.0.id());
+    assert!(
+        gw_b.wait_ready_connections(1, PATIENCE).await,
+        "{}",
+        log_text(&log)
+    );
+    assert!(
+        gw_a.wait_no_connections(PATIENCE).await,
+        "{}",
+        log_text(&log)
+    );
+    assert_eq!(state(&socket).await["upstream"]["url"], gw_b.url());
+    assert_eq!(
+        client.request("health", serde_json::json!({})).await["ok"],
+        true
+    );
+}
+
 /// `clawmux serve` from the binary under test against the double `gw`,
 /// with `config.toml` in `dir` holding `config` and the environment `env`
 /// added, once its gateway session is ready: (the child, its socket, its
