@@ -1389,7 +1389,8 @@ async fn a_client_not_reading_across_systemds_store_gets_its_queued_frames_once_
     assert_eq!(after["payload"]["n"], EVENTS);
     assert_eq!(after["seq"].as_u64(), seq.map(|s| s + 1));
     sigterm(&next.0);
-    let _ = exits_with(&mut next.0).await;
+    // It stores its clients for its own next start: the store is read.
+    assert!(store.drain_until_exit(&mut next.0).await.success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
