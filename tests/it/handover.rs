@@ -632,85 +632,156 @@ async fn a_stop_signalled_to_both_instances_during_an_upgrade_is_one_polite_stop
     assert!(text.contains("clawmux stopped"), "{text}");
 }
 
+/// A broker run from a copy of the binary (replaceable, as an upgrade
+/// replaces it) that reads its gateway from `config.toml`: gateway A at
+/// first; gateway B wants its own token. With one client connected.
+struct TwoGateways {
+    gw_a: MockGateway,
+    gw_b: MockGateway,
+    _dir: tempfile::TempDir,
+    program: PathBuf,
+    config: PathBuf,
+    socket: PathBuf,
+    log: PathBuf,
+    old: ChildGuard,
+    client: WsClient,
+}
+
+impl TwoGateways {
+    async fn start() -> TwoGateways {
+        let gw_a = MockGateway::start(mock_config()).await.unwrap();
+        let gw_b = MockGateway::start(MockConfig {
+            token: Some("token-b".into()),
+            ..mock_config()
+        })
+        .await
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let program = copied_binary(dir.path());
+        let config = dir.path().join("config.toml");
+        Self::write_config(&config, &gw_a.url(), "test-token");
+        let socket = dir.path().join("c.sock");
+        let mut cmd = serve_unconfigured(&program, dir.path(), &socket);
+        cmd.arg("--config").arg(&config);
+        let log = log_to(&mut cmd, dir.path());
+        let old = ChildGuard(cmd.spawn().unwrap());
+        eventually("socket exists", || socket.exists()).await;
+        crate::http_api::until_ready(&socket).await;
+        let mut client = WsClient::open(&socket, "/ws").await;
+        client.handshake().await;
+        TwoGateways {
+            gw_a,
+            gw_b,
+            _dir: dir,
+            program,
+            config,
+            socket,
+            log,
+            old,
+            client,
+        }
+    }
+
+    fn write_config(config: &Path, url: &str, token: &str) {
+        std::fs::write(
+            config,
+            format!("[gateway]\nurl = \"{url}\"\ntoken = \"{token}\"\n"),
+        )
+        .unwrap();
+        std::fs::set_permissions(config, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+    }
+
+    /// Points the settings at gateway B and sends `SIGHUP`.
+    fn reload_to_b(&self) {
+        Self::write_config(&self.config, &self.gw_b.url(), "token-b");
+        signal(&self.old.0, rustix::process::Signal::HUP);
+    }
+
+    /// After an upgrade failed: the instance serving again is the old one,
+    /// on gateway B, and gateway A has no connection left.
+    async fn assert_serving_again_on_b(&mut self) {
+        wait_log(&self.log, "upgrade failed, still serving").await;
+        assert_eq!(broker_pid(&self.socket).await, self.old.0.id());
+        assert!(
+            self.gw_b.wait_ready_connections(1, PATIENCE).await,
+            "{}",
+            log_text(&self.log)
+        );
+        assert!(
+            self.gw_a.wait_no_connections(PATIENCE).await,
+            "{}",
+            log_text(&self.log)
+        );
+        assert_eq!(
+            state(&self.socket).await["upstream"]["url"],
+            self.gw_b.url()
+        );
+        eventually_async("the broker's session is ready", || async {
+            let phase = state(&self.socket).await["upstream"]["phase"].clone();
+            if phase == "ready" {
+                Ok(())
+            } else {
+                Err(phase)
+            }
+        })
+        .await;
+        assert_eq!(
+            self.client.request("health", serde_json::json!({})).await["ok"],
+            true
+        );
+    }
+}
+
+/// A new binary that says valid, takes the release, and dies once `go`
+/// exists (at once without one).
+fn dying_after_the_release(go: Option<&Path>) -> String {
+    let wait = go.map_or(String::new(), |go| {
+        format!(
+            "i=0; while [ ! -e '{}' ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done\n",
+            go.display()
+        )
+    });
+    format!(
+        "#!/bin/bash\n\
+         for kv in ${{CLAWMUX_HANDOVER_FDS//,/ }}; do case $kv in clawmux-control=*) fd=${{kv#*=}};; esac; done\n\
+         echo valid >&$fd\n\
+         read -r line <&$fd\n\
+         {wait}exit 1\n"
+    )
+}
+
 /// A reload by `SIGHUP` pointed the broker at another gateway; an upgrade
 /// then failed after the old instance had stopped: serving again, it goes
 /// on with the reloaded settings (`/v1/state` and its next reconnect name
 /// the new gateway), not the ones it was started with.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_upgrade_serves_again_with_the_settings_a_reload_brought() {
-    let gw_a = MockGateway::start(mock_config()).await.unwrap();
-    let gw_b = MockGateway::start(MockConfig {
-        token: Some("token-b".into()),
-        ..mock_config()
-    })
-    .await
-    .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let program = copied_binary(dir.path());
-    let config = dir.path().join("config.toml");
-    let write = |url: &str, token: &str| {
-        std::fs::write(
-            &config,
-            format!("[gateway]\nurl = \"{url}\"\ntoken = \"{token}\"\n"),
-        )
-        .unwrap();
-        std::fs::set_permissions(&config, std::os::unix::fs::PermissionsExt::from_mode(0o600))
-            .unwrap();
-    };
-    write(&gw_a.url(), "test-token");
-    let socket = dir.path().join("c.sock");
-    let mut cmd = serve_unconfigured(&program, dir.path(), &socket);
-    cmd.arg("--config").arg(&config);
-    let log = log_to(&mut cmd, dir.path());
-    let old = ChildGuard(cmd.spawn().unwrap());
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
-    let mut client = WsClient::open(&socket, "/ws").await;
-    client.handshake().await;
-
+    let mut h = TwoGateways::start().await;
     // The reload: the session moves to gateway B, the client stays.
-    write(&gw_b.url(), "token-b");
-    signal(&old.0, rustix::process::Signal::HUP);
+    h.reload_to_b();
+    loop {
+        let e = h.client.event("clawmux.upstream").await;
+        if e["payload"]["phase"] == "ready" {
+            break;
+        }
+    }
+    assert_eq!(h.gw_b.total_connections(), 1, "{}", log_text(&h.log));
+    replace_with_script(&h.program, &dying_after_the_release(None));
+    signal(&h.old.0, rustix::process::Signal::USR2);
+    h.assert_serving_again_on_b().await;
+    // The same connection to B went on; when B restarts, the broker
+    // reconnects to B, never to A.
+    assert_eq!(h.gw_b.total_connections(), 1, "{}", log_text(&h.log));
+    h.gw_b.close_all(1012, "service restart").await;
     assert!(
-        gw_b.wait_ready_connections(1, PATIENCE).await,
+        h.gw_b.wait_ready_connections(1, PATIENCE).await,
         "{}",
-        log_text(&log)
+        log_text(&h.log)
     );
-    assert!(gw_a.wait_no_connections(PATIENCE).await);
-
-    // A new binary that says valid, lets the old one stop, then dies.
-    replace_with_script(
-        &program,
-        "#!/bin/bash\n\
-         for kv in ${CLAWMUX_HANDOVER_FDS//,/ }; do case $kv in clawmux-control=*) fd=${kv#*=};; esac; done\n\
-         echo valid >&$fd\n\
-         read -r line <&$fd\n\
-         exit 1\n",
-    );
-    signal(&old.0, rustix::process::Signal::USR2);
-    wait_log(&log, "upgrade failed, still serving").await;
-    assert_eq!(broker_pid(&socket).await, old.0.id());
-    assert_eq!(
-        state(&socket).await["upstream"]["url"],
-        gw_b.url(),
-        "{}",
-        log_text(&log)
-    );
-    assert_eq!(
-        client.request("health", serde_json::json!({})).await["ok"],
-        true
-    );
-
-    // Gateway B restarts: the broker reconnects to B, never to A.
-    gw_b.close_all(1012, "service restart").await;
-    assert!(
-        gw_b.wait_ready_connections(1, PATIENCE).await,
-        "{}",
-        log_text(&log)
-    );
-    assert_eq!(gw_b.total_connections(), 2, "{}", log_text(&log));
-    assert_eq!(gw_a.total_connections(), 1, "{}", log_text(&log));
-    let last = gw_b.connects().last().cloned().unwrap();
+    assert_eq!(h.gw_b.total_connections(), 2, "{}", log_text(&h.log));
+    assert_eq!(h.gw_a.total_connections(), 1, "{}", log_text(&h.log));
+    let last = h.gw_b.connects().last().cloned().unwrap();
     assert_eq!(last["auth"]["token"], "token-b");
 }
 
@@ -720,72 +791,15 @@ async fn a_failed_upgrade_serves_again_with_the_settings_a_reload_brought() {
 /// serving again follows the reload: its session moves to B.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_during_an_upgrade_that_fails_is_kept_by_the_instance_serving_again() {
-    let gw_a = MockGateway::start(mock_config()).await.unwrap();
-    let gw_b = MockGateway::start(MockConfig {
-        token: Some("token-b".into()),
-        ..mock_config()
-    })
-    .await
-    .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let program = copied_binary(dir.path());
-    let config = dir.path().join("config.toml");
-    let write = |url: &str, token: &str| {
-        std::fs::write(
-            &config,
-            format!("[gateway]\nurl = \"{url}\"\ntoken = \"{token}\"\n"),
-        )
-        .unwrap();
-        std::fs::set_permissions(&config, std::os::unix::fs::PermissionsExt::from_mode(0o600))
-            .unwrap();
-    };
-    write(&gw_a.url(), "test-token");
-    let socket = dir.path().join("c.sock");
-    let mut cmd = serve_unconfigured(&program, dir.path(), &socket);
-    cmd.arg("--config").arg(&config);
-    let log = log_to(&mut cmd, dir.path());
-    let old = ChildGuard(cmd.spawn().unwrap());
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
-    let mut client = WsClient::open(&socket, "/ws").await;
-    client.handshake().await;
-    let go = dir.path().join("go");
-    // Says valid, takes the release, dies once `go` exists.
-    replace_with_script(
-        &program,
-        &format!(
-            "#!/bin/bash\n\
-             for kv in ${{CLAWMUX_HANDOVER_FDS//,/ }}; do case $kv in clawmux-control=*) fd=${{kv#*=}};; esac; done\n\
-             echo valid >&$fd\n\
-             read -r line <&$fd\n\
-             i=0; while [ ! -e '{go}' ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done\n\
-             exit 1\n",
-            go = go.display()
-        ),
-    );
-    signal(&old.0, rustix::process::Signal::USR2);
-    wait_log(&log, "handover: clients ready to move").await;
-    write(&gw_b.url(), "token-b");
-    signal(&old.0, rustix::process::Signal::HUP);
-    wait_log(&log, "settings reloaded").await;
+    let mut h = TwoGateways::start().await;
+    let go = h._dir.path().join("go");
+    replace_with_script(&h.program, &dying_after_the_release(Some(&go)));
+    signal(&h.old.0, rustix::process::Signal::USR2);
+    wait_log(&h.log, "handover: clients ready to move").await;
+    h.reload_to_b();
+    wait_log(&h.log, "settings reloaded").await;
     std::fs::write(&go, "").unwrap();
-    wait_log(&log, "upgrade failed, still serving").await;
-    assert_eq!(broker_pid(&socket).await, old.0.id());
-    assert!(
-        gw_b.wait_ready_connections(1, PATIENCE).await,
-        "{}",
-        log_text(&log)
-    );
-    assert!(
-        gw_a.wait_no_connections(PATIENCE).await,
-        "{}",
-        log_text(&log)
-    );
-    assert_eq!(state(&socket).await["upstream"]["url"], gw_b.url());
-    assert_eq!(
-        client.request("health", serde_json::json!({})).await["ok"],
-        true
-    );
+    h.assert_serving_again_on_b().await;
 }
 
 /// `clawmux serve` from the binary under test against the double `gw`,
