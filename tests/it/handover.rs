@@ -479,14 +479,7 @@ async fn a_new_binary_that_fails_leaves_the_old_one_serving_and_a_good_one_then_
     // 2. A binary that says valid, lets the old one stop, then dies: the old
     //    one serves again on the same socket, and takes its clients and its
     //    gateway session back.
-    replace_with_script(
-        &program,
-        "#!/bin/bash\n\
-         for kv in ${CLAWMUX_HANDOVER_FDS//,/ }; do case $kv in clawmux-control=*) fd=${kv#*=};; esac; done\n\
-         echo valid >&$fd\n\
-         read -r line <&$fd\n\
-         exit 1\n",
-    );
+    replace_with_script(&program, &dying_after_the_release(None));
     signal(&old.0, rustix::process::Signal::USR2);
     // (The second failure: the first is step 1's.)
     wait_log_times(&log, "upgrade failed, still serving", 2).await;
