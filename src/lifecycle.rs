@@ -90,8 +90,15 @@ pub async fn serve_until_stopped(
                 };
                 tracing::info!(program = %program.path.display(), "SIGUSR2: handing over to a new instance");
                 crate::upgrade_record::attempt();
+                let target = broker.ctx().upstream().target();
                 match old_instance::upgrade(broker, program, shutdown_timeout).await {
                     Outcome::Upgraded(next, moved) => {
+                        // A reload during the handover changed what this
+                        // instance connects to; the new one may have read
+                        // the settings before it: it reads them again.
+                        if notifier.ctx().upstream().target().differs(&target) {
+                            signal_next(&next.child, rustix::process::Signal::HUP, "a reload");
+                        }
                         // The new instance is the service now: no STOPPING=1.
                         notifier.abandon();
                         if keeps_its_terminal() {
@@ -208,13 +215,20 @@ async fn pass_on_pending(
             ),
         }
     } else if upgrade {
-        if let Some(p) = pid.and_then(|p| rustix::process::Pid::from_raw(p as i32)) {
-            tracing::info!(
-                pid,
-                "an upgrade was asked during the handover: passed on to the new instance"
-            );
-            let _ = rustix::process::kill_process(p, rustix::process::Signal::USR2);
-        }
+        signal_next(&next.child, rustix::process::Signal::USR2, "an upgrade");
+    }
+}
+
+/// Passes `what`, asked of this process during a handover that succeeded,
+/// on to the new instance as `sig`.
+fn signal_next(next: &tokio::process::Child, sig: rustix::process::Signal, what: &str) {
+    let pid = next.id();
+    if let Some(p) = pid.and_then(|p| rustix::process::Pid::from_raw(p as i32)) {
+        tracing::info!(
+            pid,
+            "{what} was asked during the handover: passed on to the new instance"
+        );
+        let _ = rustix::process::kill_process(p, sig);
     }
 }
 

@@ -176,12 +176,7 @@ impl Upstream {
     /// anything changed; if so, the session is re-opened with them.
     pub fn retarget(&self, target: Target) -> bool {
         self.target.send_if_modified(|current| {
-            let changed = current.url != target.url
-                || current.token != target.token
-                || current.password != target.password
-                || current.tls != target.tls
-                || current.allow_insecure_private_ws != target.allow_insecure_private_ws
-                || current.load_error != target.load_error;
+            let changed = current.differs(&target);
             if changed {
                 *current = target;
             } else {

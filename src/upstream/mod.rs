@@ -152,6 +152,18 @@ impl Target {
         }
     }
 
+    /// Whether connecting to `other` is not connecting to this (what a
+    /// reload compares; the settings files discovery passed over are only
+    /// shown).
+    pub fn differs(&self, other: &Target) -> bool {
+        self.url != other.url
+            || self.token != other.token
+            || self.password != other.password
+            || self.tls != other.tls
+            || self.allow_insecure_private_ws != other.allow_insecure_private_ws
+            || self.load_error != other.load_error
+    }
+
     /// Puts this target into `settings`: what a broker serving again
     /// starts from is what it last served (a reload included), not what it
     /// was started with.

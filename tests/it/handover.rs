@@ -642,6 +642,12 @@ struct TwoGateways {
 
 impl TwoGateways {
     async fn start() -> TwoGateways {
+        Self::start_with(false).await
+    }
+
+    /// `hold`: an upgrade's new instance waits before its `ready` (the
+    /// test hook) until `go` exists in the harness's directory.
+    async fn start_with(hold: bool) -> TwoGateways {
         let gw_a = MockGateway::start(mock_config()).await.unwrap();
         let gw_b = MockGateway::start(MockConfig {
             token: Some("token-b".into()),
@@ -656,6 +662,13 @@ impl TwoGateways {
         let socket = dir.path().join("c.sock");
         let mut cmd = serve_unconfigured(&program, dir.path(), &socket);
         cmd.arg("--config").arg(&config);
+        if hold {
+            let go = dir.path().join("go");
+            cmd.env(
+                "CLAWMUX_TEST_UPGRADE_FAULT",
+                format!("hold-before-ready:{}", go.display()),
+            );
+        }
         let log = log_to(&mut cmd, dir.path());
         let old = ChildGuard(cmd.spawn().unwrap());
         eventually("socket exists", || socket.exists()).await;
@@ -793,6 +806,37 @@ async fn a_reload_during_an_upgrade_that_fails_is_kept_by_the_instance_serving_a
     wait_log(&h.log, "settings reloaded").await;
     std::fs::write(&go, "").unwrap();
     h.assert_serving_again_on_b().await;
+}
+
+/// A reload during an upgrade that succeeds: the new instance read the
+/// settings at its start, before the edit and the `SIGHUP` (it is held with
+/// everything taken over); the old one passes the reload on, and the new
+/// one's session moves to gateway B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_during_an_upgrade_that_succeeds_reaches_the_new_instance() {
+    let mut h = TwoGateways::start_with(true).await;
+    signal(&h.old.0, rustix::process::Signal::USR2);
+    wait_log(&h.log, "took the clients over").await;
+    h.reload_to_b();
+    wait_log(&h.log, "settings reloaded").await;
+    std::fs::write(h._dir.path().join("go"), "").unwrap();
+    assert!(
+        exits_with(&mut h.old.0).await.success(),
+        "{}",
+        log_text(&h.log)
+    );
+    let _new = Pid(broker_pid(&h.socket).await);
+    assert!(
+        h.gw_b.wait_ready_connections(1, PATIENCE).await,
+        "{}",
+        log_text(&h.log)
+    );
+    assert!(
+        h.gw_a.wait_no_connections(PATIENCE).await,
+        "{}",
+        log_text(&h.log)
+    );
+    assert_eq!(state(&h.socket).await["upstream"]["url"], h.gw_b.url());
 }
 
 /// `clawmux serve` from the binary under test against the double `gw`,
