@@ -148,7 +148,11 @@ impl HeldListener {
 /// sockets ([`crate::handover::old_instance::Released`]).
 #[derive(Debug)]
 pub struct Released {
+    /// The settings it started with; what it connects to is `upstream`'s.
     settings: Settings,
+    /// The stopped core's gateway session handle: a `SIGHUP` reload reaches
+    /// its target until the core serving again (if any) takes over.
+    upstream: crate::upstream::Upstream,
     guard: SocketGuard,
     policy_guards: Vec<SocketGuard>,
     held: Vec<HeldListener>,
@@ -195,7 +199,8 @@ impl crate::handover::old_instance::Released for Released {
     ) -> Result<RunningBroker, SocketError> {
         let packed = packed.unwrap_or_else(|| self.take_clients());
         let Released {
-            settings,
+            mut settings,
+            upstream,
             guard,
             policy_guards,
             held,
@@ -205,6 +210,9 @@ impl crate::handover::old_instance::Released for Released {
             let path = path.to_owned();
             move |cause| SocketError::Io { path, cause }
         };
+        // What it last served (a reload's, also one during the upgrade),
+        // not what it started with.
+        upstream.target().apply_to(&mut settings);
         let main = held[0].listener().map_err(io(guard.path()))?;
         let mut policies = Vec::new();
         for (h, g) in held[1..].iter().zip(policy_guards) {
@@ -662,13 +670,10 @@ impl crate::handover::old_instance::Broker for RunningBroker {
         let parcels = self.ctx.handover.take();
         let mut core = core;
         core.replay_newest = Some(self.ctx.hub.replay_window().newest_seq);
-        // Serving again (the next instance failed) goes on with the
-        // settings a `SIGHUP` reload brought, not the start's.
-        let mut settings = self.ctx.settings.clone();
-        self.ctx.upstream().target().apply_to(&mut settings);
 
         Released {
-            settings,
+            settings: self.ctx.settings.clone(),
+            upstream: self.ctx.upstream().clone(),
             guard: self.guard,
             policy_guards: self._policy_guards,
             held: self.held,

@@ -118,11 +118,6 @@ pub async fn serve_until_stopped(
                         tracing::error!("upgrade failed, still serving: {why}");
                         crate::upgrade_record::failed(&why);
                         if !Arc::ptr_eq(b.ctx(), notifier.ctx()) {
-                            // A reload since the release reached the core
-                            // that stopped: the one serving again takes it.
-                            b.ctx()
-                                .upstream()
-                                .retarget(notifier.ctx().upstream().target());
                             notifier.abandon();
                             notifier = Notifier::start(b.ctx());
                             if let Some(current) = &current {
@@ -222,13 +217,20 @@ async fn pass_on_pending(
 /// Passes `what`, asked of this process during a handover that succeeded,
 /// on to the new instance as `sig`.
 fn signal_next(next: &tokio::process::Child, sig: rustix::process::Signal, what: &str) {
-    let pid = next.id();
-    if let Some(p) = pid.and_then(|p| rustix::process::Pid::from_raw(p as i32)) {
-        tracing::info!(
-            pid,
-            "{what} was asked during the handover: passed on to the new instance"
-        );
-        let _ = rustix::process::kill_process(p, sig);
+    tracing::info!(
+        pid = next.id(),
+        "{what} was asked during the handover: passed on to the new instance"
+    );
+    signal_child(next, sig);
+}
+
+/// Sends `sig` to `child`, unless it has been reaped.
+fn signal_child(child: &tokio::process::Child, sig: rustix::process::Signal) {
+    if let Some(pid) = child
+        .id()
+        .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+    {
+        let _ = rustix::process::kill_process(pid, sig);
     }
 }
 
@@ -282,25 +284,17 @@ async fn stand_in_for(
         "upgrade: the new instance serves; this process stays for the terminal until it ends"
     );
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
-    let pass_on = |next: &tokio::process::Child, sig| {
-        if let Some(pid) = next
-            .id()
-            .and_then(|p| rustix::process::Pid::from_raw(p as i32))
-        {
-            let _ = rustix::process::kill_process(pid, sig);
-        }
-    };
     loop {
         tokio::select! {
             status = next.wait() => {
                 let code = status?.code().unwrap_or(EXIT_FORCED);
                 std::process::exit(code);
             }
-            _ = term.recv() => pass_on(&next, rustix::process::Signal::TERM),
-            _ = usr2.recv() => pass_on(&next, rustix::process::Signal::USR2),
+            _ = term.recv() => signal_child(&next, rustix::process::Signal::TERM),
+            _ = usr2.recv() => signal_child(&next, rustix::process::Signal::USR2),
             _ = hup.recv() => {
                 tracing::info!("SIGHUP passed on to the new instance");
-                pass_on(&next, rustix::process::Signal::HUP);
+                signal_child(&next, rustix::process::Signal::HUP);
             }
         }
     }

@@ -156,18 +156,15 @@ impl Handover {
     /// were taken cannot move: it is dropped, so its connection ends here
     /// (its client reconnects, and resumes by cursor).
     pub fn leave(&self, parcel: Box<dyn Parcel>) {
-        let late = match &mut *self.lock() {
-            Some(parcels) => {
-                parcels.push(parcel);
-                None
-            }
-            None => Some(parcel),
-        };
-        if late.is_some() {
+        let mut parcels = self.lock();
+        let Some(parcels) = parcels.as_mut() else {
+            // Dropped at the return, after the lock: its socket closes.
             tracing::warn!(
                 "handover: a client stopped after the clients were packed; its connection ends"
             );
-        }
+            return;
+        };
+        parcels.push(parcel);
     }
 
     /// The ids of the hub clients left for the next instance so far.

@@ -213,10 +213,9 @@ impl Successor {
         }
     }
 
-    /// The new instance's process, once it serves: a broker that keeps its
-    /// terminal waits for it ([`crate::lifecycle`]).
-    /// The new instance serves: its process, and the control socket's
-    /// writing half, on which this one may still pass it a stop.
+    /// The new instance serves: its process (a broker that keeps its
+    /// terminal waits for it, [`crate::lifecycle`]) and the control
+    /// socket's writing half, on which this one may still pass it a stop.
     pub fn into_next(self) -> Next {
         Next {
             child: self.child,

@@ -705,10 +705,16 @@ impl TwoGateways {
     }
 
     /// After an upgrade failed: the instance serving again is the old one,
-    /// on gateway B, and gateway A has no connection left.
+    /// on gateway B.
     async fn assert_serving_again_on_b(&mut self) {
         wait_log(&self.log, "upgrade failed, still serving").await;
         assert_eq!(broker_pid(&self.socket).await, self.old.0.id());
+        self.assert_on_b().await;
+    }
+
+    /// The serving broker is on gateway B, ready, and its client is served;
+    /// gateway A has no connection left.
+    async fn assert_on_b(&mut self) {
         assert!(
             self.gw_b.wait_ready_connections(1, PATIENCE).await,
             "{}",
@@ -826,17 +832,7 @@ async fn a_reload_during_an_upgrade_that_succeeds_reaches_the_new_instance() {
         log_text(&h.log)
     );
     let _new = Pid(broker_pid(&h.socket).await);
-    assert!(
-        h.gw_b.wait_ready_connections(1, PATIENCE).await,
-        "{}",
-        log_text(&h.log)
-    );
-    assert!(
-        h.gw_a.wait_no_connections(PATIENCE).await,
-        "{}",
-        log_text(&h.log)
-    );
-    assert_eq!(state(&h.socket).await["upstream"]["url"], h.gw_b.url());
+    h.assert_on_b().await;
 }
 
 /// `clawmux serve` from the binary under test against the double `gw`,
