@@ -37,9 +37,10 @@ impl Parcel for GatewayParcel {
 }
 
 /// Once the clients have left their parcels: each gateway session that
-/// can move stops and leaves its parcel (a `wss://` one cannot; it ends
-/// with the broker). Its requests in flight for the clients that `moves`
-/// move with it; every other one is answered here.
+/// can move stops and leaves its parcel. Its requests in flight for the
+/// clients that `moves` move with it; every other one is answered here.
+/// One that cannot move (`wss://`) ends now, each of its requests in
+/// flight answered into its client's queue before this returns.
 pub async fn leave(ctx: &Ctx, moves: &impl Fn(u64) -> bool) {
     // Every session stops at once: the pause lasts until the last one has.
     let (narrower, main) = tokio::join!(

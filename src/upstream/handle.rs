@@ -158,9 +158,11 @@ impl Upstream {
     /// §11): its reader stops at a message boundary, what was queued and
     /// can be written now is written, the rest withdrawn ([`HandedOver`]'s
     /// `unsent`), and the socket is left as it is for the next instance;
-    /// the connector then stops. `None`: no session is ready, its socket
-    /// cannot move (`wss://`), or it did not stop within `within`; the
-    /// session then goes on, and ends as at any stop.
+    /// the connector then stops. `None`: no session is ready, or it did
+    /// not stop within `within` (the session goes on, and ends as at any
+    /// stop), or its socket cannot move (`wss://`, a message too large to
+    /// carry): the session has then ended, every request in flight on it
+    /// answered, before `None` comes.
     ///
     /// [`HandedOver`]: super::HandedOver
     pub async fn hand_over(&self, within: std::time::Duration) -> Option<super::HandedOver> {

@@ -1834,6 +1834,84 @@ async fn requests_not_yet_written_to_a_gateway_that_stopped_reading_are_each_ans
     assert_eq!(res["ok"], true, "the client goes on: {res}");
 }
 
+/// A gateway connection that cannot move (`wss://`) ends with the old
+/// instance, which answers each of its requests in flight (the gateway
+/// stopped reading: some written, some still queued) into its client's
+/// queue, with whether it was sent; the answers move with the client, once
+/// each, with a zero shutdown timeout too. The new instance opens its own
+/// connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_on_a_gateway_connection_that_cannot_move_are_answered_across_a_zero_timeout_handover(
+) {
+    const REQUESTS: usize = 40;
+    let leaf = crate::tls::leaf(&["openclaw-gateway"], None, false);
+    let gw = MockGateway::start(clawmux_mock::MockConfig {
+        recv_buffer_bytes: Some(4096),
+        ..crate::tls::tls_config(&leaf)
+    })
+    .await
+    .unwrap();
+    assert!(gw.url().starts_with("wss://"), "{}", gw.url());
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("c.sock");
+    let mut cmd = serve_stopping_within(Path::new(BIN), dir.path(), &socket, "0");
+    cmd.args(["--gateway-url", &gw.url(), "--token", "test-token"])
+        .args(["--tls-fingerprint", &leaf.fingerprint]);
+    let log = log_to(&mut cmd, dir.path());
+    let mut first = ChildGuard(cmd.spawn().unwrap());
+    eventually("socket exists", || socket.exists()).await;
+    crate::http_api::until_ready(&socket).await;
+    let pid = broker_pid(&socket).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    gw.set_faults(clawmux_mock::Faults {
+        stop_reading: true,
+        ..clawmux_mock::Faults::default()
+    });
+    // Far more than the sockets hold: some written, some queued.
+    let pad = "x".repeat(60 * 1024);
+    for i in 0..REQUESTS {
+        client
+            .send_json(&serde_json::json!({"type": "req", "id": format!("q{i}"), "method": "health", "params": {"pad": pad}}))
+            .await;
+    }
+    let _next = upgrade_once(&mut first, pid, &socket, &log).await;
+    assert!(
+        !log_text(&log).contains("upstream session handed over"),
+        "a wss:// connection cannot move\n{}",
+        log_text(&log)
+    );
+    gw.set_faults(clawmux_mock::Faults::default());
+    let mut failed = 0;
+    for i in 0..REQUESTS {
+        let id = format!("q{i}");
+        let res = client.response_within(&id, PATIENCE).await;
+        if res["ok"] == true {
+            continue;
+        }
+        assert!(
+            res["error"]["details"]["sent"].is_boolean(),
+            "{id}: answered with whether it was sent: {res}"
+        );
+        failed += 1;
+    }
+    assert!(failed > 0, "the session ended with requests in flight");
+    let res = client.request("health", serde_json::json!({})).await;
+    assert_eq!(
+        res["ok"],
+        true,
+        "the client goes on: {res}\n{}",
+        log_text(&log)
+    );
+    assert_eq!(gw.total_connections(), 2, "{}", log_text(&log));
+    let answers = client
+        .events
+        .iter()
+        .filter(|v| v["type"] == "res" && v["id"].as_str().is_some_and(|id| id.starts_with('q')))
+        .count();
+    assert_eq!(answers, 0, "each answered once");
+}
+
 /// A run started through `/v1/rpc` (`clawmux call chat.send`) runs on
 /// after its answer, owned by a requester that is gone: it stays owned
 /// across a handover, so another client still cannot stop it there.

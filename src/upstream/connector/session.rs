@@ -179,11 +179,6 @@ impl Connector {
                     }
                     request = self.handover.recv() => {
                         let Some(request) = request else { continue };
-                        if pause.is_none() {
-                            // A TLS session stays in this process.
-                            let _ = request.send(None);
-                            continue;
-                        }
                         handover = Some(request);
                         end_reason = "handed over to the next instance".into();
                         break;
@@ -199,11 +194,29 @@ impl Connector {
         }
         let mut end_reason = end_reason;
         let mut unsent_before = Vec::new();
-        if let (Some(request), Some(pause)) = (handover, pause) {
-            match self
-                .hand_over(generation, &pause, stream.into_inner(), &hello, request)
-                .await
-            {
+        // A session that cannot move ends here, and the handover hears so
+        // only once its requests in flight are answered: their answers are
+        // in their clients' queues before those are packed.
+        let mut not_moved = None;
+        if let Some(request) = handover {
+            let tried = match pause {
+                Some(pause) => {
+                    let tried = self
+                        .hand_over(generation, &pause, stream.into_inner(), &hello, request)
+                        .await;
+                    if let Err((why, _, _)) = &tried {
+                        tracing::warn!(session = %self.spec.label, "handover: the gateway connection cannot move ({why}); closing it");
+                    }
+                    tried
+                }
+                // A TLS session's keys and record counters stay in this
+                // process.
+                None => {
+                    tracing::info!(session = %self.spec.label, "handover: a TLS gateway connection does not move; closing it (the next instance connects again)");
+                    Err(("it is a TLS session".into(), Vec::new(), request))
+                }
+            };
+            match tried {
                 Ok(()) => {
                     return SessionEnd {
                         handed_over: true,
@@ -212,9 +225,9 @@ impl Connector {
                         retargeted: false,
                     };
                 }
-                Err((why, withdrawn)) => {
+                Err((why, withdrawn, request)) => {
                     unsent_before = withdrawn;
-                    tracing::warn!(session = %self.spec.label, "handover: the gateway connection cannot move ({why}); closing it");
+                    not_moved = Some(request);
                     end_reason =
                         format!("broker stopping (the gateway connection could not move: {why})");
                     cancelled = true;
@@ -236,15 +249,23 @@ impl Connector {
                 gateway_close,
                 withdrawn: unsent_before,
             },
+            not_moved,
         )
         .await
     }
 
     /// Ends session `generation`: its requests still queued are withdrawn
     /// and failed "not sent" (with `withdrawn`, those a handover that
-    /// could not finish withdrew), the gateway gets `close` (bounded), and
-    /// the owner and the status are told.
-    async fn end_session(&mut self, generation: u64, ending: Ending) -> SessionEnd {
+    /// could not finish withdrew), the status and the owner are told (every
+    /// request in flight is answered), a handover that asked (`not_moved`)
+    /// hears that the connection does not move, and only then the gateway
+    /// gets `close` (bounded): no answer waits for the gateway to read.
+    async fn end_session(
+        &mut self,
+        generation: u64,
+        ending: Ending,
+        not_moved: Option<crate::upstream::HandoverRequest>,
+    ) -> SessionEnd {
         let Ending {
             reason: end_reason,
             close,
@@ -259,13 +280,6 @@ impl Connector {
         // (answered "not sent"), and those still queued are withdrawn.
         let mut unsent = outlet.close(generation);
         unsent.extend(withdrawn);
-        let sink = outlet.uninstall(generation).await;
-        if let (Some(frame), Some(sink)) = (close, sink) {
-            let mut sink = sink.into_inner();
-            // Bounded: the socket may be the very thing that is stuck.
-            let _ =
-                tokio::time::timeout(CLOSE_TIMEOUT, sink.send(Message::Close(Some(frame)))).await;
-        }
         if cancelled {
             tracing::info!(session = %self.spec.label, generation, "upstream session closed: {end_reason}");
         } else {
@@ -317,12 +331,25 @@ impl Connector {
                 unsent,
             },
         );
-        SessionEnd {
+        // Answered: a handover that asked may pack their clients' queues.
+        if let Some(request) = not_moved {
+            let _ = request.send(None);
+        }
+        let end = SessionEnd {
             handed_over: false,
             restart_expected,
             cancelled,
             retargeted,
+        };
+        // Last, bounded: the socket may be the very thing that is stuck,
+        // and nothing above waits for it.
+        let sink = outlet.uninstall(generation).await;
+        if let (Some(frame), Some(sink)) = (close, sink) {
+            let mut sink = sink.into_inner();
+            let _ =
+                tokio::time::timeout(CLOSE_TIMEOUT, sink.send(Message::Close(Some(frame)))).await;
         }
+        end
     }
 
     /// Stops the session for the next instance (design §11): the reader
@@ -342,7 +369,7 @@ impl Connector {
         stream: futures_util::stream::SplitStream<Ws>,
         hello: &Arc<UpstreamHello>,
         request: crate::upstream::HandoverRequest,
-    ) -> Result<(), (String, Vec<String>)> {
+    ) -> Result<(), (String, Vec<String>, crate::upstream::HandoverRequest)> {
         // Nothing more is handed to the parser: the message in progress, if
         // any, moves as the bytes read of it so far; and every write from
         // here on is taken whole, so what the gateway has not taken moves
@@ -358,16 +385,14 @@ impl Connector {
         self.outlet.flush();
         let unsent = self.outlet.close(generation);
         let Some(sink) = self.outlet.uninstall(generation).await else {
-            let _ = request.send(None);
-            return Err(("its writing half did not come back".into(), unsent));
+            return Err(("its writing half did not come back".into(), unsent, request));
         };
         // A request the writing half took and had not passed on yet (its
         // one-message slot, which reuniting would drop) goes on first: with
         // every write taken whole, this waits for nothing.
         let mut sink = sink.into_inner();
         if let Err(e) = futures_util::SinkExt::flush(&mut sink).await {
-            let _ = request.send(None);
-            return Err((format!("the last write failed ({e})"), unsent));
+            return Err((format!("the last write failed ({e})"), unsent, request));
         }
         let Ok(mut ws) = sink.reunite(stream) else {
             unreachable!("the two halves of one socket");
@@ -451,10 +476,7 @@ impl Connector {
                 tracing::info!(session = %self.spec.label, generation, "upstream session handed over to the next instance");
                 Ok(())
             }
-            Err((why, unsent)) => {
-                let _ = request.send(None);
-                Err((why, unsent))
-            }
+            Err((why, unsent)) => Err((why, unsent, request)),
         }
     }
 }
