@@ -96,7 +96,15 @@ fn main() -> ExitCode {
         }
         _ => {}
     }
-    let runtime = match tokio::runtime::Runtime::new() {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    runtime.enable_all();
+    if matches!(cli.command, Command::Serve(_)) {
+        // A new instance's take-over allocates for every client at once.
+        runtime.on_thread_start(|| {
+            clawmux::bounds::reserve_thread_heap(clawmux::bounds::THREAD_HEAP_RESERVE_BYTES)
+        });
+    }
+    let runtime = match runtime.build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("clawmux: cannot start the async runtime: {e}");
