@@ -46,6 +46,10 @@ pub struct Pauses {
     pub stalled: usize,
     /// Per handover: the largest gap between two events any client saw.
     pub gaps: Vec<Duration>,
+    /// Per handover, the baseline: the largest gap any reading client saw
+    /// in as long a window just before, with no handover (the machine's
+    /// own delivery spread, which every gap above includes).
+    pub quiet: Vec<Duration>,
     /// Per handover: from `SIGUSR2` to the old instance's exit (the new
     /// one serves).
     pub took: Vec<Duration>,
@@ -345,6 +349,10 @@ async fn measure(
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut gaps = Vec::new();
+    let mut quiet = Vec::new();
+    // As long as a handover's window (from the reset of the gaps to their
+    // reading): the last round's, and 100 ms before the first.
+    let mut window = Duration::from_millis(100);
     let mut took = Vec::new();
     let mut pairs = Vec::new();
     let mut serving = 'A';
@@ -361,6 +369,11 @@ async fn measure(
             state(socket).await?["broker"]["pid"].as_u64()
         })
         .await?;
+        for r in readers.iter() {
+            r.max_gap_ns.store(0, Ordering::Relaxed);
+        }
+        tokio::time::sleep(window).await;
+        quiet.push(Duration::from_nanos(largest_gap(&readers)));
         let _ = read_tx.send(false);
         tokio::time::sleep(STALL_BEFORE).await;
         for r in readers.iter() {
@@ -407,13 +420,8 @@ async fn measure(
                 lost.load(Ordering::Relaxed)
             ));
         }
-        let gap = readers
-            .iter()
-            .filter(|r| !r.stalls)
-            .map(|r| r.max_gap_ns.load(Ordering::Relaxed))
-            .max()
-            .unwrap_or(0);
-        gaps.push(Duration::from_nanos(gap));
+        gaps.push(Duration::from_nanos(largest_gap(&readers)));
+        window = signalled.elapsed();
         // Asked only now: a `/v1/state` of 1,000 clients is milliseconds of
         // the new instance's CPU, which would land in the pause measured.
         until("the new instance", Duration::from_secs(30), async || {
@@ -453,6 +461,7 @@ async fn measure(
         streams,
         stalled,
         gaps,
+        quiet,
         took,
         paused: Vec::new(),
         builds: pairs,
@@ -460,6 +469,16 @@ async fn measure(
         skipped: sum(|r| &r.skipped),
         repeated: sum(|r| &r.repeated),
     })
+}
+
+/// The largest gap any reading client saw since the gaps were reset.
+fn largest_gap(readers: &[Reader]) -> u64 {
+    readers
+        .iter()
+        .filter(|r| !r.stalls)
+        .map(|r| r.max_gap_ns.load(Ordering::Relaxed))
+        .max()
+        .unwrap_or(0)
 }
 
 /// Two builds taking turns at one program path: an upgrade starts whatever
@@ -539,8 +558,12 @@ pub fn print(all_read: &Pauses, some_stall: &Pauses) {
     println!("| figure | clients not reading | p50 | p99 | max |");
     println!("|---|---|---|---|---|");
     for p in [all_read, some_stall] {
-        let rows: [(&str, &[Duration]); 3] = [
+        let rows: [(&str, &[Duration]); 4] = [
             ("largest delivery gap any reading client saw, per handover", &p.gaps),
+            (
+                "baseline: the same in as long a window just before, with no handover",
+                &p.quiet,
+            ),
             ("SIGUSR2 → the new instance serves (the old one exited)", &p.took),
             (
                 "the broker's own pause: clients stopped → the new instance serves (its log's `paused_ms`)",
@@ -599,6 +622,18 @@ pub fn print(all_read: &Pauses, some_stall: &Pauses) {
             quantile(&sorted(&some_stall.gaps), 0.5)
         )
     );
+    for p in [all_read, some_stall] {
+        println!(
+            "\n{} not reading: median gap over the baseline: {:.2} ({} ms more)",
+            p.stalled,
+            ratio(
+                quantile(&sorted(&p.quiet), 0.5),
+                quantile(&sorted(&p.gaps), 0.5)
+            ),
+            ms(quantile(&sorted(&p.gaps), 0.5).saturating_sub(quantile(&sorted(&p.quiet), 0.5)))
+                .trim_end_matches(" ms")
+        );
+    }
     for p in [all_read, some_stall] {
         println!(
             "\n{} not reading: clients whose connection ended: {}; numbered events a client missed: {}; received twice or out of order: {}",
