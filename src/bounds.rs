@@ -108,7 +108,9 @@ pub const THREAD_HEAP_RESERVE_BYTES: usize = 16 << 20;
 /// its pause. A heap that shrinks keeps its pages writable (they are only
 /// given back, `MADV_DONTNEED`), so growing it once in large blocks and
 /// freeing them leaves the room: nothing becomes resident (the blocks
-/// are never written), only address space is set aside. Called as each
+/// are never written), only address space is set aside. (Under a strict
+/// overcommit limit glibc unmaps what a heap gives back: the room goes
+/// with it, and growth costs what it did.) Called as each
 /// thread of the serve runtime starts. Elsewhere than glibc, nothing.
 pub fn reserve_thread_heap(bytes: usize) {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -165,15 +167,53 @@ mod tests {
     use super::*;
 
     /// The thread's heap is writable over the whole reserve once the
-    /// blocks are freed: its growth there needs no `mprotect`.
+    /// blocks are freed: its growth there needs no `mprotect`. Checked in
+    /// a process of its own ([`reserve_probe`]): there the reserving thread
+    /// surely has a heap of its own (in this one, with many threads alive,
+    /// glibc may give it the main heap, which is grown and trimmed
+    /// otherwise).
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     #[test]
     fn a_reserved_thread_heap_stays_writable_after_the_blocks_are_freed() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "bounds::tests::reserve_probe", "--ignored"])
+            .args(["--nocapture", "--test-threads", "1"])
+            .env(PROBE_ENV, "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout
+            .lines()
+            .find_map(|l| l.split_once("reserve-probe ").map(|(_, answer)| answer))
+            .unwrap_or_else(|| panic!("the probe's answer in {stdout:?}"));
+        let (writable, perms) = line.split_once(' ').unwrap();
+        let writable: usize = writable.parse().unwrap();
+        assert!(perms.starts_with("rw"), "{line}");
+        assert!(
+            writable >= THREAD_HEAP_RESERVE_BYTES,
+            "the thread's heap is writable over {} KiB only",
+            writable >> 10
+        );
+    }
+
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    const PROBE_ENV: &str = "CLAWMUX_TEST_RESERVE_PROBE";
+
+    /// Run by the test above in a process of its own: reserves a thread's
+    /// heap as the serve runtime does, frees a large block from its top and
+    /// prints the size and permissions of the mapping it lay in.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    #[ignore = "run by a_reserved_thread_heap_stays_writable_after_the_blocks_are_freed"]
+    fn reserve_probe() {
+        if std::env::var_os(PROBE_ENV).is_none() {
+            return;
+        }
         return_large_blocks_at_once();
-        let writable = std::thread::spawn(|| {
+        let (size, perms) = std::thread::spawn(|| {
             reserve_thread_heap(THREAD_HEAP_RESERVE_BYTES);
-            // A block as large as the reserve's comes from the top of this
-            // thread's heap; freed, it is given back as theirs were.
+            // A large block comes from the top of this thread's heap, where
+            // the reserve's blocks were; freed, it is given back as they were.
             let probe = std::hint::black_box(Vec::<u8>::with_capacity(MAPPED_BLOCK_BYTES / 2));
             let at = probe.as_ptr() as usize;
             drop(probe);
@@ -184,18 +224,14 @@ mod tests {
                     let (start, end) = range.split_once('-')?;
                     let start = usize::from_str_radix(start, 16).ok()?;
                     let end = usize::from_str_radix(end, 16).ok()?;
-                    (start <= at && at < end).then(|| (end - start, rest.to_owned()))
+                    let perms = rest.split_whitespace().next()?.to_owned();
+                    (start <= at && at < end).then_some((end - start, perms))
                 })
                 .expect("the mapping of a heap allocation")
         })
         .join()
         .unwrap();
-        assert!(writable.1.starts_with("rw"), "{writable:?}");
-        assert!(
-            writable.0 >= THREAD_HEAP_RESERVE_BYTES,
-            "the thread's heap is writable over {} KiB only",
-            writable.0 >> 10
-        );
+        println!("reserve-probe {size} {perms}");
     }
 
     #[test]
