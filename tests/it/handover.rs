@@ -1797,38 +1797,22 @@ async fn requests_not_yet_written_to_a_gateway_that_stopped_reading_are_each_ans
     let pid = broker_pid(&socket).await;
     let mut client = WsClient::open(&socket, "/ws").await;
     client.handshake().await;
-    gw.set_faults(clawmux_mock::Faults {
-        stop_reading: true,
-        ..clawmux_mock::Faults::default()
-    });
-    // Each under the size that goes beside tungstenite: through it, so its
-    // write buffer fills and the writer waits inside its batch.
-    let pad = "x".repeat(60 * 1024);
-    for i in 0..REQUESTS {
-        client
-            .send_json(&serde_json::json!({"type": "req", "id": format!("r{i}"), "method": "health", "params": {"pad": pad}}))
-            .await;
-    }
+    send_to_a_gateway_not_reading(&gw, &mut client, "r", REQUESTS).await;
     let _next = upgrade_once(&mut first, pid, &socket, &log).await;
     wait_log(&log, "upstream session handed over").await;
     gw.set_faults(clawmux_mock::Faults::default());
-    let (mut answered, mut not_sent) = (0, 0);
-    for i in 0..REQUESTS {
-        let res = client
-            .response_within(&format!("r{i}"), Duration::from_secs(20))
-            .await;
-        if res["ok"] == true {
-            answered += 1;
-            continue;
-        }
+    let (answered, failed) = answers(&mut client, "r", REQUESTS, Duration::from_secs(20)).await;
+    for (id, res) in &failed {
         let message = res["error"]["message"].as_str().unwrap_or_default();
         assert!(
             message.contains("the request was not sent to the gateway"),
-            "r{i}: answered neither by the gateway nor as not sent: {res}"
+            "{id}: answered neither by the gateway nor as not sent: {res}"
         );
-        not_sent += 1;
     }
-    eprintln!("{REQUESTS} requests: {answered} answered by the gateway, {not_sent} not sent");
+    eprintln!(
+        "{REQUESTS} requests: {answered} answered by the gateway, {} not sent",
+        failed.len()
+    );
     assert!(answered > 0, "some were written before the handover");
     let res = client.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "the client goes on: {res}");
@@ -1864,17 +1848,7 @@ async fn requests_on_a_gateway_connection_that_cannot_move_are_answered_across_a
     let pid = broker_pid(&socket).await;
     let mut client = WsClient::open(&socket, "/ws").await;
     client.handshake().await;
-    gw.set_faults(clawmux_mock::Faults {
-        stop_reading: true,
-        ..clawmux_mock::Faults::default()
-    });
-    // Far more than the sockets hold: some written, some queued.
-    let pad = "x".repeat(60 * 1024);
-    for i in 0..REQUESTS {
-        client
-            .send_json(&serde_json::json!({"type": "req", "id": format!("q{i}"), "method": "health", "params": {"pad": pad}}))
-            .await;
-    }
+    send_to_a_gateway_not_reading(&gw, &mut client, "q", REQUESTS).await;
     let _next = upgrade_once(&mut first, pid, &socket, &log).await;
     assert!(
         !log_text(&log).contains("upstream session handed over"),
@@ -1882,20 +1856,17 @@ async fn requests_on_a_gateway_connection_that_cannot_move_are_answered_across_a
         log_text(&log)
     );
     gw.set_faults(clawmux_mock::Faults::default());
-    let mut failed = 0;
-    for i in 0..REQUESTS {
-        let id = format!("q{i}");
-        let res = client.response_within(&id, PATIENCE).await;
-        if res["ok"] == true {
-            continue;
-        }
+    let (_, failed) = answers(&mut client, "q", REQUESTS, PATIENCE).await;
+    for (id, res) in &failed {
         assert!(
             res["error"]["details"]["sent"].is_boolean(),
             "{id}: answered with whether it was sent: {res}"
         );
-        failed += 1;
     }
-    assert!(failed > 0, "the session ended with requests in flight");
+    assert!(
+        !failed.is_empty(),
+        "the session ended with requests in flight"
+    );
     let res = client.request("health", serde_json::json!({})).await;
     assert_eq!(
         res["ok"],
@@ -1910,6 +1881,50 @@ async fn requests_on_a_gateway_connection_that_cannot_move_are_answered_across_a
         .filter(|v| v["type"] == "res" && v["id"].as_str().is_some_and(|id| id.starts_with('q')))
         .count();
     assert_eq!(answers, 0, "each answered once");
+}
+
+/// Stops `gw` reading, then sends `n` `health` requests of 60 KiB each
+/// (ids `{prefix}0`, `{prefix}1`, …): far more than the sockets hold, so
+/// some are written and some wait in the broker. Each is under the size
+/// that goes beside tungstenite: through it, so its write buffer fills and
+/// the writer waits inside its batch.
+async fn send_to_a_gateway_not_reading(
+    gw: &MockGateway,
+    client: &mut WsClient,
+    prefix: &str,
+    n: usize,
+) {
+    gw.set_faults(clawmux_mock::Faults {
+        stop_reading: true,
+        ..clawmux_mock::Faults::default()
+    });
+    let pad = "x".repeat(60 * 1024);
+    for i in 0..n {
+        client
+            .send_json(&serde_json::json!({"type": "req", "id": format!("{prefix}{i}"), "method": "health", "params": {"pad": pad}}))
+            .await;
+    }
+}
+
+/// The answers to requests `{prefix}0` … `{prefix}{n-1}`, each awaited
+/// within `within`: how many succeeded, and the others with their ids.
+async fn answers(
+    client: &mut WsClient,
+    prefix: &str,
+    n: usize,
+    within: Duration,
+) -> (usize, Vec<(String, serde_json::Value)>) {
+    let (mut ok, mut failed) = (0, Vec::new());
+    for i in 0..n {
+        let id = format!("{prefix}{i}");
+        let res = client.response_within(&id, within).await;
+        if res["ok"] == true {
+            ok += 1;
+        } else {
+            failed.push((id, res));
+        }
+    }
+    (ok, failed)
 }
 
 /// A run started through `/v1/rpc` (`clawmux call chat.send`) runs on
