@@ -435,6 +435,46 @@ async fn sigusr2_moves_connected_clients_to_the_new_binary_and_no_connection_is_
     assert_eq!(log.matches("streams=2").count(), 3, "{log}");
 }
 
+/// A process's nice value (`/proc/<pid>/stat`, field 19), a zombie's too.
+fn nice_of(pid: u32) -> i64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // After the command's closing parenthesis: the state is field 3.
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    fields[19 - 3].parse().unwrap()
+}
+
+/// The old instance lets go of the moved clients and exits at the lowest
+/// priority, so the new one has the CPU to catch its clients up; the new
+/// one serves at the priority it was started with. The old one is this
+/// test's child and is not reaped until the end: its priority can still be
+/// read once it has exited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_old_instance_exits_at_the_lowest_priority_and_the_new_one_serves_at_its_own() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, socket, log) = serve_ready(Path::new(BIN), dir.path(), &gw.url()).await;
+    let pid = broker_pid(&socket).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    assert_eq!(nice_of(pid), 0, "the first instance starts at nice 0");
+    signal_pid(pid, rustix::process::Signal::USR2);
+    eventually("the old instance has exited", || !alive(pid)).await;
+    assert_eq!(nice_of(pid), 19, "{}", log_text(&log));
+    let next = Pid(broker_pid(&socket).await);
+    assert_ne!(next.0, pid);
+    assert_eq!(nice_of(next.0), 0, "the new instance serves at nice 0");
+    assert_eq!(
+        client.request("health", serde_json::json!({})).await["ok"],
+        true
+    );
+    assert!(exits_with(&mut first.0).await.success());
+}
+
 fn signal_pid(pid: u32, sig: rustix::process::Signal) {
     let p = rustix::process::Pid::from_raw(pid as i32).unwrap();
     rustix::process::kill_process(p, sig).unwrap();

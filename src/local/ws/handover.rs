@@ -35,6 +35,11 @@ pub struct Carried {
 pub struct ClientParcel {
     pub registration: crate::dispatch::Registration,
     pub fd: std::os::fd::OwnedFd,
+    /// This instance's connection on the socket, as it stopped: let go
+    /// with the registration once the handover is over, not inside the
+    /// pause (closing it is a deregistration, a `close` and its buffers'
+    /// frees, for each of a thousand clients).
+    pub connection: crate::parcels::Leftover,
     /// Read from the socket and not parsed: the message in progress from
     /// its first byte, then what followed.
     pub unread: Vec<u8>,
@@ -52,7 +57,8 @@ impl crate::parcels::Parcel for ClientParcel {
     }
 
     /// Its queue (whole now: the sessions have ended) and who it is; the
-    /// registration is left over, dropped once the handover is over.
+    /// registration and the connection are left over, dropped once the
+    /// handover is over.
     fn pack(self: Box<Self>) -> crate::parcels::Entry {
         use crate::hub::Outgoing;
         use crate::parcels::{ClientEntry, Identity, Subscription};
@@ -107,7 +113,7 @@ impl crate::parcels::Parcel for ClientParcel {
         crate::parcels::Entry::Client(
             entry,
             parcel.fd,
-            crate::parcels::Leftover::new(parcel.registration),
+            crate::parcels::Leftover::new((parcel.registration, parcel.connection)),
         )
     }
 }
@@ -203,7 +209,7 @@ pub(super) async fn hand_over<T>(
     ctx: &Arc<Ctx>,
 ) -> Result<(), (Conn<T>, Registration)>
 where
-    T: AsyncRead + AsyncWrite + Unpin,
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let pause = conn.pause.clone();
     let member = Arc::clone(registration.member());
@@ -240,16 +246,16 @@ where
         return Err((conn, registration));
     };
     let Conn { ws, .. } = conn;
+    // The socket stays open through the copy for the next instance, and
+    // through `ws`, this instance's descriptor, until the handover is over.
     ctx.handover.leave(Box::new(ClientParcel {
         registration,
         fd: copy,
+        connection: crate::parcels::Leftover::new(ws),
         unread: carried.unread,
         unwritten: carried.unwritten,
         mirror: restarts == Restarts::Mirror,
     }));
-    // Dropping `ws` closes this instance's descriptor only: the socket
-    // stays open, through the copy, for the next instance.
-    drop(ws);
     Ok(())
 }
 
