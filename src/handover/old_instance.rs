@@ -73,9 +73,22 @@ pub enum Outcome<B> {
 pub struct Moved(Box<Packed>);
 
 impl Moved {
-    /// This process stays (for its terminal): its memory comes back.
+    /// This process stays (for its terminal): its memory comes back, let
+    /// go of on a thread of its own at the lowest priority (as
+    /// [`Moved::leave_to_exit`] says why), while this one goes on standing
+    /// in for the new instance.
     pub fn let_go(self) {
-        drop(self.0);
+        let packed = self.0;
+        let spawned = std::thread::Builder::new()
+            .name("clawmux-let-go".into())
+            .spawn(move || {
+                // This thread's own priority (on Linux, pid 0 is the caller).
+                let _ = rustix::process::setpriority_process(None, LOWEST_PRIORITY);
+                drop(packed);
+            });
+        if let Err(e) = spawned {
+            tracing::debug!("cannot start a thread to let the moved clients go ({e})");
+        }
     }
 
     /// This process is about to exit: it lets go of everything at the
@@ -92,12 +105,14 @@ impl Moved {
     }
 }
 
+/// The lowest scheduling priority (nice value) a thread can have.
+const LOWEST_PRIORITY: i32 = 19;
+
 /// Every thread of this process at the lowest scheduling priority (nice
 /// 19; a thread started later inherits it). On Linux a priority is a
 /// thread's own, so each is set; one that cannot be (gone meanwhile) is
 /// left as it is. Lowering a priority needs no privilege.
 fn lowest_priority() {
-    const LOWEST: i32 = 19;
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return;
     };
@@ -107,7 +122,7 @@ fn lowest_priority() {
             .to_str()
             .and_then(|t| t.parse::<i32>().ok());
         if let Some(tid) = tid.and_then(rustix::process::Pid::from_raw) {
-            let _ = rustix::process::setpriority_process(Some(tid), LOWEST);
+            let _ = rustix::process::setpriority_process(Some(tid), LOWEST_PRIORITY);
         }
     }
 }
