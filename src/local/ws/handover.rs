@@ -211,6 +211,16 @@ pub(super) async fn hand_over<T>(
 where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    // What is queued goes out first, as far as the socket takes it now
+    // (one poll of the writer, which waits for nothing): the events a
+    // reading client was about to get reach it before the pause, not after.
+    std::future::poll_fn(|cx| {
+        // A writer that ends here ends as it would have at its next turn:
+        // the client then cannot move (below).
+        let _ = conn.writer.poll_drive(cx, &mut conn.ws, &conn.client);
+        Poll::Ready(())
+    })
+    .await;
     let pause = conn.pause.clone();
     let member = Arc::clone(registration.member());
     pause.stop();
