@@ -79,9 +79,13 @@ impl Moved {
     /// in for the new instance.
     pub fn let_go(self) {
         let packed = self.0;
+        // Inside the runtime, as where it was packed: letting a client go
+        // may talk to what runs there.
+        let runtime = tokio::runtime::Handle::try_current().ok();
         let spawned = std::thread::Builder::new()
             .name("clawmux-let-go".into())
             .spawn(move || {
+                let _inside = runtime.as_ref().map(tokio::runtime::Handle::enter);
                 // This thread's own priority (on Linux, pid 0 is the caller).
                 let _ = rustix::process::setpriority_process(None, LOWEST_PRIORITY);
                 drop(packed);
