@@ -78,7 +78,7 @@ impl crate::parcels::Parcel for ClientParcel {
         let subscriptions = {
             let book = parcel.registration.member().book();
             let mut subs: Vec<Subscription> = book.subs.iter().map(Subscription::of).collect();
-            subs.sort_by_key(|s| format!("{s:?}"));
+            subs.sort_by_cached_key(|s| format!("{s:?}"));
             subs
         };
         let identity = client.identity.get().cloned().unwrap_or_default();
