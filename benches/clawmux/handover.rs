@@ -369,16 +369,12 @@ async fn measure(
             state(socket).await?["broker"]["pid"].as_u64()
         })
         .await?;
-        for r in readers.iter() {
-            r.max_gap_ns.store(0, Ordering::Relaxed);
-        }
+        reset_gaps(&readers);
         tokio::time::sleep(window).await;
         quiet.push(Duration::from_nanos(largest_gap(&readers)));
         let _ = read_tx.send(false);
         tokio::time::sleep(STALL_BEFORE).await;
-        for r in readers.iter() {
-            r.max_gap_ns.store(0, Ordering::Relaxed);
-        }
+        reset_gaps(&readers);
         let signalled = Instant::now();
         signal(pid as u32, rustix::process::Signal::USR2);
         // The old instance exits once the new one says it serves. Watched
@@ -469,6 +465,13 @@ async fn measure(
         skipped: sum(|r| &r.skipped),
         repeated: sum(|r| &r.repeated),
     })
+}
+
+/// Starts every reader's largest gap afresh.
+fn reset_gaps(readers: &[Reader]) {
+    for r in readers {
+        r.max_gap_ns.store(0, Ordering::Relaxed);
+    }
 }
 
 /// The largest gap any reading client saw since the gaps were reset.
@@ -624,14 +627,13 @@ pub fn print(all_read: &Pauses, some_stall: &Pauses) {
     );
     for p in [all_read, some_stall] {
         println!(
-            "\n{} not reading: median gap over the baseline: {:.2} ({} ms more)",
+            "\n{} not reading: median gap over the baseline: {:.2} ({} more)",
             p.stalled,
             ratio(
                 quantile(&sorted(&p.quiet), 0.5),
                 quantile(&sorted(&p.gaps), 0.5)
             ),
             ms(quantile(&sorted(&p.gaps), 0.5).saturating_sub(quantile(&sorted(&p.quiet), 0.5)))
-                .trim_end_matches(" ms")
         );
     }
     for p in [all_read, some_stall] {
