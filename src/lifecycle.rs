@@ -109,9 +109,20 @@ pub async fn serve_until_stopped(
                             return stand_in_for(next.child, term, usr2).await;
                         }
                         // A stop or another upgrade asked of this process
-                        // while it handed over is the new instance's now.
-                        pass_on_pending(next, &mut term, &mut int, &mut usr2).await;
-                        moved.leave_to_exit();
+                        // while it handed over, or until it exits, is the
+                        // new instance's now.
+                        // (`SIGHUP` heard here from now on, not by the
+                        // settings' own task, which had no broker to reload.)
+                        let hup = tokio::signal::unix::signal(
+                            tokio::signal::unix::SignalKind::hangup(),
+                        )
+                        .ok();
+                        drop(current);
+                        let mut next = next;
+                        let stopped =
+                            pass_on_pending(&mut next, &mut term, &mut int, &mut usr2).await;
+                        let signals = Signals { term, int, usr2 };
+                        pass_on_until(moved.leave_to_exit(), next, signals, hup, stopped).await;
                         return Ok(());
                     }
                     Outcome::StillServing(b, why) => {
@@ -186,40 +197,84 @@ pub async fn serve_until_stopped(
 /// same stop as a signal of its own (a stop signalled to the whole group
 /// reaches both, and a second signal would force its stop); else another
 /// upgrade (`SIGUSR2`) as that signal. This process exits without acting
-/// on either.
+/// on either. Returns whether a stop was passed on.
 async fn pass_on_pending(
-    mut next: Next,
+    next: &mut Next,
     term: &mut tokio::signal::unix::Signal,
     int: &mut tokio::signal::unix::Signal,
     usr2: &mut tokio::signal::unix::Signal,
-) {
+) -> bool {
     use futures_util::FutureExt as _;
     let arrived = |s: &mut tokio::signal::unix::Signal| s.recv().now_or_never().is_some();
     let stop = arrived(term) | arrived(int);
     let upgrade = arrived(usr2);
-    let pid = next.child.id();
     if stop {
-        match next.ask_to_stop().await {
-            Ok(()) => tracing::info!(
-                pid,
-                "a stop was asked during the handover: passed on to the new instance"
-            ),
-            Err(e) => tracing::warn!(
-                pid,
-                "a stop was asked during the handover and cannot be passed on ({e})"
-            ),
-        }
+        pass_on_stop(next, "during the handover").await;
     } else if upgrade {
         signal_next(&next.child, rustix::process::Signal::USR2, "an upgrade");
     }
+    stop
 }
 
-/// Passes `what`, asked of this process during a handover that succeeded,
-/// on to the new instance as `sig`.
+/// Until `exit` (this process letting go of what it moved) is done: what
+/// is asked of this process by signal is passed on to the instance that
+/// took over, as [`pass_on_pending`] does (a stop once: `stopped`, it was
+/// already), and a `SIGHUP` as that signal. Letting go at the lowest
+/// priority can take a while on a busy machine, and this pid may be the
+/// one a script or a user knows the broker by.
+async fn pass_on_until(
+    exit: impl std::future::Future<Output = ()>,
+    mut next: Next,
+    signals: Signals,
+    mut hup: Option<tokio::signal::unix::Signal>,
+    mut stopped: bool,
+) {
+    let Signals {
+        mut term,
+        mut int,
+        mut usr2,
+    } = signals;
+    let hangup = async |hup: &mut Option<tokio::signal::unix::Signal>| match hup {
+        Some(hup) => hup.recv().await,
+        None => std::future::pending().await,
+    };
+    let mut exit = std::pin::pin!(exit);
+    loop {
+        tokio::select! {
+            () = &mut exit => return,
+            _ = term.recv(), if !stopped => {
+                stopped = true;
+                pass_on_stop(&mut next, "as this process exits").await;
+            }
+            _ = int.recv(), if !stopped => {
+                stopped = true;
+                pass_on_stop(&mut next, "as this process exits").await;
+            }
+            _ = usr2.recv() => signal_next(&next.child, rustix::process::Signal::USR2, "an upgrade"),
+            _ = hangup(&mut hup) => signal_next(&next.child, rustix::process::Signal::HUP, "a reload"),
+        }
+    }
+}
+
+/// Passes a stop asked of this process `when` on to the instance that
+/// took over, as the word `stop` on the control socket.
+async fn pass_on_stop(next: &mut Next, when: &str) {
+    let pid = next.child.id();
+    match next.ask_to_stop().await {
+        Ok(()) => tracing::info!(
+            pid,
+            "a stop was asked {when}: passed on to the new instance"
+        ),
+        Err(e) => tracing::warn!(pid, "a stop was asked {when} and cannot be passed on ({e})"),
+    }
+}
+
+/// Passes `what`, asked of this process during a handover that succeeded
+/// or after it, on to the new instance as `sig`.
 fn signal_next(next: &tokio::process::Child, sig: rustix::process::Signal, what: &str) {
     tracing::info!(
         pid = next.id(),
-        "{what} was asked during the handover: passed on to the new instance"
+        "{what} was asked of this instance: passed on to the new instance"
     );
     signal_child(next, sig);
 }

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use super::upgrade::{Predecessor, RELEASE_MARGIN, SERVE_TIMEOUT};
-use super::{Inherited, Source, Taken};
+use super::{held_until, upgrade_fault, Inherited, Source, Taken, UPGRADE_FAULT};
 use crate::gate::Gate;
 
 /// What a start takes over, and how it goes on.
@@ -118,12 +118,8 @@ pub async fn commit(old: &mut Predecessor, gate: &Gate) {
     if fault.as_deref() == Some("before-ready") {
         crash_at("before-ready").await;
     }
-    if let Some(file) = fault
-        .as_deref()
-        .and_then(|f| f.strip_prefix("hold-before-ready:"))
-    {
+    if let Some(file) = held_until("hold-before-ready") {
         // Everything is taken over; the old instance waits for `ready`.
-        let file = std::path::Path::new(file);
         for _ in 0..1000 {
             if file.exists() {
                 break;
@@ -151,22 +147,5 @@ pub async fn commit(old: &mut Predecessor, gate: &Gate) {
     if let Err(e) = old.say("serving").await {
         // Committed: the clients are this instance's; it serves on.
         tracing::warn!("upgrade: cannot tell the old instance it serves ({e})");
-    }
-}
-
-/// Test hook (tests/it/handover.rs): where the new instance of an upgrade
-/// fails: `after-valid` (an error returned), `before-ready` or
-/// `after-commit` (it exits); or `hold-before-ready:<file>`, where it
-/// waits (at most 10 s) until that file exists before saying `ready`.
-const UPGRADE_FAULT: &str = "CLAWMUX_TEST_UPGRADE_FAULT";
-
-/// [`UPGRADE_FAULT`], read only by a build with debug assertions (the test
-/// suite's): a release build, the one users install and run as a service,
-/// never looks at it, so no environment can make a broker fail on purpose.
-fn upgrade_fault() -> Option<String> {
-    if cfg!(debug_assertions) {
-        std::env::var(UPGRADE_FAULT).ok()
-    } else {
-        None
     }
 }

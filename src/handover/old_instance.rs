@@ -78,34 +78,64 @@ impl Moved {
     /// [`Moved::leave_to_exit`] says why), while this one goes on standing
     /// in for the new instance.
     pub fn let_go(self) {
+        self.let_go_then(|| {}, false);
+    }
+
+    /// This process is about to exit: it lets go of everything at the
+    /// lowest priority first, and returns once it has. Taking a thousand
+    /// clients apart (a lock or two, a deregistration, a `close` and a few
+    /// frees for each) and the exit itself would otherwise take the CPU
+    /// the next instance needs just then, to deliver what queued during
+    /// the pause; at the lowest priority they run only on a core nothing
+    /// else wants, which on a busy machine can take a while. Meanwhile the
+    /// caller still hears signals: what is asked of this process until it
+    /// exits is the new instance's. Its copies of the moved sockets close
+    /// here, as they would have: a connection the next instance ends must
+    /// not stay open in this process.
+    pub async fn leave_to_exit(self) {
+        lowest_priority();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        self.let_go_then(
+            move || {
+                let _ = done_tx.send(());
+            },
+            true,
+        );
+        // An error: the thread could not start, and it was let go of here.
+        let _ = done_rx.await;
+    }
+
+    /// Lets go of what was packed on a thread of its own, inside the
+    /// runtime, as where it was packed (letting a client go may talk to
+    /// what runs there), at the lowest priority, then calls `then`. Where
+    /// no thread can be started, on this one. `exiting`: the whole process
+    /// is at the lowest priority already, and is about to exit.
+    fn let_go_then(self, then: impl FnOnce() + Send + 'static, exiting: bool) {
         let packed = self.0;
-        // Inside the runtime, as where it was packed: letting a client go
-        // may talk to what runs there.
         let runtime = tokio::runtime::Handle::try_current().ok();
         let spawned = std::thread::Builder::new()
             .name("clawmux-let-go".into())
             .spawn(move || {
                 let _inside = runtime.as_ref().map(tokio::runtime::Handle::enter);
-                // This thread's own priority (on Linux, pid 0 is the caller).
-                let _ = rustix::process::setpriority_process(None, LOWEST_PRIORITY);
+                if !exiting {
+                    // This thread's own priority (on Linux, pid 0 is the caller).
+                    let _ = rustix::process::setpriority_process(None, LOWEST_PRIORITY);
+                }
+                let hold = exiting.then(|| super::held_until("hold-before-exit"));
+                if let Some(file) = hold.flatten() {
+                    for _ in 0..1000 {
+                        if file.exists() {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
                 drop(packed);
+                then();
             });
         if let Err(e) = spawned {
             tracing::debug!("cannot start a thread to let the moved clients go ({e})");
         }
-    }
-
-    /// This process is about to exit: it lets go of everything at the
-    /// lowest priority first. Taking a thousand clients apart (a lock or
-    /// two, a deregistration, a `close` and a few frees for each) and the
-    /// exit itself would otherwise take the CPU the next instance needs
-    /// just then, to deliver what queued during the pause; at the lowest
-    /// priority they run only on a core nothing else wants. Its copies of
-    /// the moved sockets close here, as they would have: a connection the
-    /// next instance ends must not stay open in this process.
-    pub fn leave_to_exit(self) {
-        lowest_priority();
-        drop(self.0);
     }
 }
 

@@ -615,6 +615,87 @@ async fn a_stop_asked_during_an_upgrade_that_succeeds_stops_the_new_instance() {
     .await;
 }
 
+/// After an upgrade the old instance lets go of what it moved at the
+/// lowest priority before it exits, which on a busy machine can take most
+/// of a second (the test hook holds it there). A `SIGTERM` sent to its pid
+/// meanwhile is the new instance's: passed on as the word `stop`, so the
+/// new instance stops politely (its clients closed `1001`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_asked_of_the_old_instance_while_it_exits_stops_the_new_one() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let hold = format!("hold-before-exit:{}", go.display());
+    let (mut old, socket, log, _) = serve_configured(
+        dir.path(),
+        &gw,
+        "",
+        &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
+    )
+    .await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    signal(&old.0, rustix::process::Signal::USR2);
+    wait_log(&log, "upgrade: the new instance serves; exiting").await;
+    let new = broker_pid(&socket).await;
+    assert_ne!(new, old.0.id(), "the new instance serves");
+    signal(&old.0, rustix::process::Signal::TERM);
+    let (code, _) = client.expect_close().await;
+    assert_eq!(code, 1001, "the new instance stopped\n{}", log_text(&log));
+    wait_log(&log, "a stop was asked as this process exits: passed on").await;
+    std::fs::write(&go, "").unwrap();
+    assert!(exits_with(&mut old.0).await.success(), "{}", log_text(&log));
+    eventually("no broker serves the socket", || {
+        serve_processes(&socket).is_empty()
+    })
+    .await;
+}
+
+/// As above, a reload (`SIGHUP`) and an upgrade (`SIGUSR2`) sent to the
+/// old instance's pid while it lets go are passed on: the new instance
+/// re-reads its settings, then hands over to a third, and every client
+/// stays connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_and_an_upgrade_asked_of_the_old_instance_while_it_exits_reach_the_new_one() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let hold = format!("hold-before-exit:{}", go.display());
+    let (mut old, socket, log, _) = serve_configured(
+        dir.path(),
+        &gw,
+        "",
+        &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
+    )
+    .await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    signal(&old.0, rustix::process::Signal::USR2);
+    wait_log(&log, "upgrade: the new instance serves; exiting").await;
+    let second = broker_pid(&socket).await;
+    assert!(
+        !log_text(&log).contains("settings reloaded"),
+        "{}",
+        log_text(&log)
+    );
+    signal(&old.0, rustix::process::Signal::HUP);
+    wait_log(&log, "settings reloaded").await;
+    signal(&old.0, rustix::process::Signal::USR2);
+    // The second instance hands over to a third, then holds as the first.
+    wait_log_times(&log, "upgrade: the new instance serves; exiting", 2).await;
+    let third = Pid(broker_pid(&socket).await);
+    assert!(
+        third.0 != second && third.0 != old.0.id(),
+        "a third instance serves\n{}",
+        log_text(&log)
+    );
+    std::fs::write(&go, "").unwrap();
+    assert!(exits_with(&mut old.0).await.success(), "{}", log_text(&log));
+    eventually("the second instance exited", || !alive(second)).await;
+    let res = client.request("health", serde_json::json!({})).await;
+    assert_eq!(res["ok"], true, "the client stays connected: {res}");
+}
+
 /// A stop signalled to the whole group during an upgrade (systemd's
 /// `KillMode=control-group`, a terminal's Ctrl-C) reaches the old and the
 /// new instance both: the new one stops once, politely (exit 0, its clients
