@@ -615,6 +615,48 @@ async fn a_stop_asked_during_an_upgrade_that_succeeds_stops_the_new_instance() {
     .await;
 }
 
+/// A broker with a WebSocket client, upgraded once: the new instance
+/// serves, and the old one is held (the test hook) before it lets go of
+/// what it moved and exits, until `go` exists.
+struct HeldBeforeExit {
+    _gw: MockGateway,
+    dir: tempfile::TempDir,
+    go: PathBuf,
+    old: ChildGuard,
+    socket: PathBuf,
+    log: PathBuf,
+    client: WsClient,
+}
+
+impl HeldBeforeExit {
+    async fn start() -> HeldBeforeExit {
+        let gw = MockGateway::start(mock_config()).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let go = dir.path().join("go");
+        let hold = format!("hold-before-exit:{}", go.display());
+        let (old, socket, log, _) = serve_configured(
+            dir.path(),
+            &gw,
+            "",
+            &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
+        )
+        .await;
+        let mut client = WsClient::open(&socket, "/ws").await;
+        client.handshake().await;
+        signal(&old.0, rustix::process::Signal::USR2);
+        wait_log(&log, "upgrade: the new instance serves; exiting").await;
+        HeldBeforeExit {
+            _gw: gw,
+            dir,
+            go,
+            old,
+            socket,
+            log,
+            client,
+        }
+    }
+}
+
 /// After an upgrade the old instance lets go of what it moved at the
 /// lowest priority before it exits, which on a busy machine can take most
 /// of a second (the test hook holds it there). A `SIGTERM` sent to its pid
@@ -622,21 +664,15 @@ async fn a_stop_asked_during_an_upgrade_that_succeeds_stops_the_new_instance() {
 /// new instance stops politely (its clients closed `1001`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_asked_of_the_old_instance_while_it_exits_stops_the_new_one() {
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let go = dir.path().join("go");
-    let hold = format!("hold-before-exit:{}", go.display());
-    let (mut old, socket, log, _) = serve_configured(
-        dir.path(),
-        &gw,
-        "",
-        &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
-    )
-    .await;
-    let mut client = WsClient::open(&socket, "/ws").await;
-    client.handshake().await;
-    signal(&old.0, rustix::process::Signal::USR2);
-    wait_log(&log, "upgrade: the new instance serves; exiting").await;
+    let HeldBeforeExit {
+        _gw,
+        dir: _dir,
+        go,
+        mut old,
+        socket,
+        log,
+        mut client,
+    } = HeldBeforeExit::start().await;
     let new = broker_pid(&socket).await;
     assert_ne!(new, old.0.id(), "the new instance serves");
     signal(&old.0, rustix::process::Signal::TERM);
@@ -657,21 +693,15 @@ async fn a_stop_asked_of_the_old_instance_while_it_exits_stops_the_new_one() {
 /// stays connected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_and_an_upgrade_asked_of_the_old_instance_while_it_exits_reach_the_new_one() {
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let go = dir.path().join("go");
-    let hold = format!("hold-before-exit:{}", go.display());
-    let (mut old, socket, log, _) = serve_configured(
-        dir.path(),
-        &gw,
-        "",
-        &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
-    )
-    .await;
-    let mut client = WsClient::open(&socket, "/ws").await;
-    client.handshake().await;
-    signal(&old.0, rustix::process::Signal::USR2);
-    wait_log(&log, "upgrade: the new instance serves; exiting").await;
+    let HeldBeforeExit {
+        _gw,
+        dir: _dir,
+        go,
+        mut old,
+        socket,
+        log,
+        mut client,
+    } = HeldBeforeExit::start().await;
     let second = broker_pid(&socket).await;
     assert!(
         !log_text(&log).contains("settings reloaded"),
