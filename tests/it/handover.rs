@@ -620,7 +620,7 @@ async fn a_stop_asked_during_an_upgrade_that_succeeds_stops_the_new_instance() {
 /// what it moved and exits, until `go` exists.
 struct HeldBeforeExit {
     _gw: MockGateway,
-    dir: tempfile::TempDir,
+    _dir: tempfile::TempDir,
     go: PathBuf,
     old: ChildGuard,
     socket: PathBuf,
@@ -647,7 +647,7 @@ impl HeldBeforeExit {
         wait_log(&log, "upgrade: the new instance serves; exiting").await;
         HeldBeforeExit {
             _gw: gw,
-            dir,
+            _dir: dir,
             go,
             old,
             socket,
@@ -664,25 +664,21 @@ impl HeldBeforeExit {
 /// new instance stops politely (its clients closed `1001`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_asked_of_the_old_instance_while_it_exits_stops_the_new_one() {
-    let HeldBeforeExit {
-        _gw,
-        dir: _dir,
-        go,
-        mut old,
-        socket,
-        log,
-        mut client,
-    } = HeldBeforeExit::start().await;
-    let new = broker_pid(&socket).await;
-    assert_ne!(new, old.0.id(), "the new instance serves");
-    signal(&old.0, rustix::process::Signal::TERM);
-    let (code, _) = client.expect_close().await;
-    assert_eq!(code, 1001, "the new instance stopped\n{}", log_text(&log));
-    wait_log(&log, "a stop was asked as this process exits: passed on").await;
-    std::fs::write(&go, "").unwrap();
-    assert!(exits_with(&mut old.0).await.success(), "{}", log_text(&log));
+    let mut h = HeldBeforeExit::start().await;
+    let new = broker_pid(&h.socket).await;
+    assert_ne!(new, h.old.0.id(), "the new instance serves");
+    signal(&h.old.0, rustix::process::Signal::TERM);
+    let (code, _) = h.client.expect_close().await;
+    assert_eq!(code, 1001, "the new instance stopped\n{}", log_text(&h.log));
+    wait_log(&h.log, "a stop was asked as this process exits: passed on").await;
+    std::fs::write(&h.go, "").unwrap();
+    assert!(
+        exits_with(&mut h.old.0).await.success(),
+        "{}",
+        log_text(&h.log)
+    );
     eventually("no broker serves the socket", || {
-        serve_processes(&socket).is_empty()
+        serve_processes(&h.socket).is_empty()
     })
     .await;
 }
@@ -693,36 +689,32 @@ async fn a_stop_asked_of_the_old_instance_while_it_exits_stops_the_new_one() {
 /// stays connected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_and_an_upgrade_asked_of_the_old_instance_while_it_exits_reach_the_new_one() {
-    let HeldBeforeExit {
-        _gw,
-        dir: _dir,
-        go,
-        mut old,
-        socket,
-        log,
-        mut client,
-    } = HeldBeforeExit::start().await;
-    let second = broker_pid(&socket).await;
+    let mut h = HeldBeforeExit::start().await;
+    let second = broker_pid(&h.socket).await;
     assert!(
-        !log_text(&log).contains("settings reloaded"),
+        !log_text(&h.log).contains("settings reloaded"),
         "{}",
-        log_text(&log)
+        log_text(&h.log)
     );
-    signal(&old.0, rustix::process::Signal::HUP);
-    wait_log(&log, "settings reloaded").await;
-    signal(&old.0, rustix::process::Signal::USR2);
+    signal(&h.old.0, rustix::process::Signal::HUP);
+    wait_log(&h.log, "settings reloaded").await;
+    signal(&h.old.0, rustix::process::Signal::USR2);
     // The second instance hands over to a third, then holds as the first.
-    wait_log_times(&log, "upgrade: the new instance serves; exiting", 2).await;
-    let third = Pid(broker_pid(&socket).await);
+    wait_log_times(&h.log, "upgrade: the new instance serves; exiting", 2).await;
+    let third = Pid(broker_pid(&h.socket).await);
     assert!(
-        third.0 != second && third.0 != old.0.id(),
+        third.0 != second && third.0 != h.old.0.id(),
         "a third instance serves\n{}",
-        log_text(&log)
+        log_text(&h.log)
     );
-    std::fs::write(&go, "").unwrap();
-    assert!(exits_with(&mut old.0).await.success(), "{}", log_text(&log));
+    std::fs::write(&h.go, "").unwrap();
+    assert!(
+        exits_with(&mut h.old.0).await.success(),
+        "{}",
+        log_text(&h.log)
+    );
     eventually("the second instance exited", || !alive(second)).await;
-    let res = client.request("health", serde_json::json!({})).await;
+    let res = h.client.request("health", serde_json::json!({})).await;
     assert_eq!(res["ok"], true, "the client stays connected: {res}");
 }
 
