@@ -760,8 +760,11 @@ async fn a_stop_signalled_to_both_instances_during_an_upgrade_is_one_polite_stop
     eventually("the new instance ends", || !alive(new)).await;
     let text = log_text(&log);
     assert!(text.contains("upgrade: the new instance serves"), "{text}");
+    // During the handover, or (its signal handled a moment later, on a
+    // busy machine) as the old instance exits: passed on either way.
     assert!(
-        text.contains("a stop was asked during the handover: passed on"),
+        text.contains("a stop was asked during the handover: passed on")
+            || text.contains("a stop was asked as this process exits: passed on"),
         "{text}"
     );
     assert!(!text.contains("a second SIGTERM"), "{text}");
