@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use super::upgrade::{Predecessor, RELEASE_MARGIN, SERVE_TIMEOUT};
-use super::{held_until, upgrade_fault, Inherited, Source, Taken, UPGRADE_FAULT};
+use super::{hold_at, upgrade_fault, Inherited, Source, Taken, UPGRADE_FAULT};
 use crate::gate::Gate;
 
 /// What a start takes over, and how it goes on.
@@ -118,15 +118,8 @@ pub async fn commit(old: &mut Predecessor, gate: &Gate) {
     if fault.as_deref() == Some("before-ready") {
         crash_at("before-ready").await;
     }
-    if let Some(file) = held_until("hold-before-ready") {
-        // Everything is taken over; the old instance waits for `ready`.
-        for _ in 0..1000 {
-            if file.exists() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
+    // Everything is taken over; the old instance waits for `ready`.
+    hold_at("hold-before-ready").await;
     let commit = match old.say("ready").await {
         Ok(()) => old.committed(SERVE_TIMEOUT).await,
         Err(e) => Err(format!("the control socket failed ({e})")),

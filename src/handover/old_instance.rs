@@ -78,7 +78,7 @@ impl Moved {
     /// [`Moved::leave_to_exit`] says why), while this one goes on standing
     /// in for the new instance.
     pub fn let_go(self) {
-        self.let_go_then(|| {}, false);
+        self.let_go_then(|| {});
     }
 
     /// This process is about to exit: it lets go of everything at the
@@ -94,13 +94,11 @@ impl Moved {
     /// not stay open in this process.
     pub async fn leave_to_exit(self) {
         lowest_priority();
+        super::hold_at("hold-before-exit").await;
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-        self.let_go_then(
-            move || {
-                let _ = done_tx.send(());
-            },
-            true,
-        );
+        self.let_go_then(move || {
+            let _ = done_tx.send(());
+        });
         // An error: the thread could not start, and it was let go of here.
         let _ = done_rx.await;
     }
@@ -108,28 +106,16 @@ impl Moved {
     /// Lets go of what was packed on a thread of its own, inside the
     /// runtime, as where it was packed (letting a client go may talk to
     /// what runs there), at the lowest priority, then calls `then`. Where
-    /// no thread can be started, on this one. `exiting`: the whole process
-    /// is at the lowest priority already, and is about to exit.
-    fn let_go_then(self, then: impl FnOnce() + Send + 'static, exiting: bool) {
+    /// no thread can be started, on this one.
+    fn let_go_then(self, then: impl FnOnce() + Send + 'static) {
         let packed = self.0;
         let runtime = tokio::runtime::Handle::try_current().ok();
         let spawned = std::thread::Builder::new()
             .name("clawmux-let-go".into())
             .spawn(move || {
                 let _inside = runtime.as_ref().map(tokio::runtime::Handle::enter);
-                if !exiting {
-                    // This thread's own priority (on Linux, pid 0 is the caller).
-                    let _ = rustix::process::setpriority_process(None, LOWEST_PRIORITY);
-                }
-                let hold = exiting.then(|| super::held_until("hold-before-exit"));
-                if let Some(file) = hold.flatten() {
-                    for _ in 0..1000 {
-                        if file.exists() {
-                            break;
-                        }
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                }
+                // This thread's own priority (on Linux, pid 0 is the caller).
+                let _ = rustix::process::setpriority_process(None, LOWEST_PRIORITY);
                 drop(packed);
                 then();
             });

@@ -615,10 +615,11 @@ async fn a_stop_asked_during_an_upgrade_that_succeeds_stops_the_new_instance() {
     .await;
 }
 
-/// A broker with a WebSocket client, upgraded once: the new instance
-/// serves, and the old one is held (the test hook) before it lets go of
-/// what it moved and exits, until `go` exists.
-struct HeldBeforeExit {
+/// A broker with a WebSocket client whose upgrades hold (the test hook) at
+/// `point` until `go` exists: `hold-before-ready`, the new instance with
+/// everything taken over; `hold-before-exit`, the old one once the new one
+/// serves, before it lets go and exits.
+struct Held {
     _gw: MockGateway,
     _dir: tempfile::TempDir,
     go: PathBuf,
@@ -628,12 +629,12 @@ struct HeldBeforeExit {
     client: WsClient,
 }
 
-impl HeldBeforeExit {
-    async fn start() -> HeldBeforeExit {
+impl Held {
+    async fn start(point: &str) -> Held {
         let gw = MockGateway::start(mock_config()).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
         let go = dir.path().join("go");
-        let hold = format!("hold-before-exit:{}", go.display());
+        let hold = format!("{point}:{}", go.display());
         let (old, socket, log, _) = serve_configured(
             dir.path(),
             &gw,
@@ -643,9 +644,7 @@ impl HeldBeforeExit {
         .await;
         let mut client = WsClient::open(&socket, "/ws").await;
         client.handshake().await;
-        signal(&old.0, rustix::process::Signal::USR2);
-        wait_log(&log, "upgrade: the new instance serves; exiting").await;
-        HeldBeforeExit {
+        Held {
             _gw: gw,
             _dir: dir,
             go,
@@ -654,6 +653,15 @@ impl HeldBeforeExit {
             log,
             client,
         }
+    }
+
+    /// Upgraded once: the new instance serves, the old one holds before
+    /// it exits.
+    async fn before_exit() -> Held {
+        let h = Held::start("hold-before-exit").await;
+        signal(&h.old.0, rustix::process::Signal::USR2);
+        wait_log(&h.log, "upgrade: the new instance serves; exiting").await;
+        h
     }
 }
 
@@ -664,7 +672,7 @@ impl HeldBeforeExit {
 /// new instance stops politely (its clients closed `1001`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_asked_of_the_old_instance_while_it_exits_stops_the_new_one() {
-    let mut h = HeldBeforeExit::start().await;
+    let mut h = Held::before_exit().await;
     let new = broker_pid(&h.socket).await;
     assert_ne!(new, h.old.0.id(), "the new instance serves");
     signal(&h.old.0, rustix::process::Signal::TERM);
@@ -689,7 +697,7 @@ async fn a_stop_asked_of_the_old_instance_while_it_exits_stops_the_new_one() {
 /// stays connected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_and_an_upgrade_asked_of_the_old_instance_while_it_exits_reach_the_new_one() {
-    let mut h = HeldBeforeExit::start().await;
+    let mut h = Held::before_exit().await;
     let second = broker_pid(&h.socket).await;
     assert!(
         !log_text(&h.log).contains("settings reloaded"),
@@ -727,22 +735,10 @@ async fn a_reload_and_an_upgrade_asked_of_the_old_instance_while_it_exits_reach_
 /// the old one waiting for its `ready` while both get the signal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_signalled_to_both_instances_during_an_upgrade_is_one_polite_stop() {
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let go = dir.path().join("go");
-    let hold = format!("hold-before-ready:{}", go.display());
-    let (mut old, socket, log, _) = serve_configured(
-        dir.path(),
-        &gw,
-        "",
-        &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
-    )
-    .await;
-    let mut client = WsClient::open(&socket, "/ws").await;
-    client.handshake().await;
-    signal(&old.0, rustix::process::Signal::USR2);
-    wait_log(&log, "took the clients over").await;
-    let new: u32 = log_text(&log)
+    let mut h = Held::start("hold-before-ready").await;
+    signal(&h.old.0, rustix::process::Signal::USR2);
+    wait_log(&h.log, "took the clients over").await;
+    let new: u32 = log_text(&h.log)
         .lines()
         .find(|l| l.contains("upgrade: new instance started"))
         .and_then(|l| l.split("pid=").nth(1))
@@ -751,14 +747,18 @@ async fn a_stop_signalled_to_both_instances_during_an_upgrade_is_one_polite_stop
         .expect("the new instance's pid in the log");
     let _new = Pid(new);
     // The group's stop: both get it.
-    signal(&old.0, rustix::process::Signal::TERM);
+    signal(&h.old.0, rustix::process::Signal::TERM);
     signal_pid(new, rustix::process::Signal::TERM);
-    std::fs::write(&go, "").unwrap();
-    assert!(exits_with(&mut old.0).await.success(), "{}", log_text(&log));
-    let (code, _) = client.expect_close().await;
-    assert_eq!(code, 1001, "a polite stop\n{}", log_text(&log));
+    std::fs::write(&h.go, "").unwrap();
+    assert!(
+        exits_with(&mut h.old.0).await.success(),
+        "{}",
+        log_text(&h.log)
+    );
+    let (code, _) = h.client.expect_close().await;
+    assert_eq!(code, 1001, "a polite stop\n{}", log_text(&h.log));
     eventually("the new instance ends", || !alive(new)).await;
-    let text = log_text(&log);
+    let text = log_text(&h.log);
     assert!(text.contains("upgrade: the new instance serves"), "{text}");
     // During the handover, or (its signal handled a moment later, on a
     // busy machine) as the old instance exits: passed on either way.
