@@ -109,6 +109,7 @@ pub mod signals;
 pub mod slots;
 pub mod systemd;
 pub mod tap;
+pub mod test_hook;
 pub mod upgrade_record;
 pub mod upstream;
 

@@ -37,7 +37,9 @@ pub const BACKSTOP_GRACE: Duration = Duration::from_secs(1);
 
 /// Runs until SIGTERM or SIGINT, then stops the broker within
 /// `shutdown_timeout`. Sends `READY=1` first and `STOPPING=1` on the signal.
-/// A second signal during the shutdown exits at once with [`EXIT_FORCED`].
+/// A second signal during the shutdown exits at once with [`EXIT_FORCED`]
+/// (a stop the previous instance passed on and this process's own signal,
+/// one stop signalled to both, in either order, count as one).
 ///
 /// `SIGUSR2` hands the broker over to a new instance of `upgrades`
 /// ([`crate::handover::upgrade`]); when that fails, this one goes on
@@ -78,7 +80,7 @@ pub async fn serve_until_stopped(
             _ = int.recv() => break "SIGINT",
             asked = stop_passed_on => {
                 if asked {
-                    break "a stop passed on by the previous instance";
+                    break PASSED_ON;
                 }
                 previous = None;
             }
@@ -147,6 +149,11 @@ pub async fn serve_until_stopped(
     };
     tracing::info!(signal = signal_name, "stop requested");
     notifier.stopping();
+    let mut stops = Stops {
+        term,
+        int,
+        same_stop_once: signal_name == PASSED_ON,
+    };
     // The stop's own bound, and the process ends at most a grace after it.
     let may_store = crate::systemd::keeps_a_store();
     arm_backstop(
@@ -171,12 +178,15 @@ pub async fn serve_until_stopped(
     if restarting {
         tokio::select! {
             r = old_instance::store_for_next_start(broker, shutdown_timeout) => return r,
-            _ = term.recv() => force_exit("a second SIGTERM"),
-            _ = int.recv() => force_exit("a second SIGINT"),
+            signal = stops.second() => force_exit(signal),
         }
     }
+    let shutdown = async {
+        crate::test_hook::hold_at("hold-in-stop").await;
+        broker.shutdown(shutdown_timeout).await
+    };
     tokio::select! {
-        clean = broker.shutdown(shutdown_timeout) => {
+        clean = shutdown => {
             if !clean {
                 tracing::warn!(
                     deadline_ms = shutdown_timeout.as_millis() as u64,
@@ -186,8 +196,43 @@ pub async fn serve_until_stopped(
             tracing::info!("clawmux stopped");
             Ok(())
         }
-        _ = term.recv() => force_exit("a second SIGTERM"),
-        _ = int.recv() => force_exit("a second SIGINT"),
+        signal = stops.second() => force_exit(signal),
+    }
+}
+
+/// What [`serve_until_stopped`] calls a stop the previous instance passed
+/// on.
+const PASSED_ON: &str = "a stop passed on by the previous instance";
+
+/// The stop signals heard while the broker stops: a second stop forces it.
+struct Stops {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    /// The stop began as one the previous instance passed on: a stop
+    /// signalled to the whole group reaches both instances, and this
+    /// process's own signal may come after the word. The first signal is
+    /// then that same stop, not a second one.
+    same_stop_once: bool,
+}
+
+impl Stops {
+    /// The signal that forces the stop: the next `SIGTERM` or `SIGINT`
+    /// that is not the same stop.
+    async fn second(&mut self) -> &'static str {
+        loop {
+            let signal = tokio::select! {
+                _ = self.term.recv() => "SIGTERM",
+                _ = self.int.recv() => "SIGINT",
+            };
+            if std::mem::take(&mut self.same_stop_once) {
+                tracing::info!(
+                    signal,
+                    "the stop the previous instance passed on reached this process too: one stop"
+                );
+                continue;
+            }
+            return signal;
+        }
     }
 }
 
@@ -289,8 +334,8 @@ fn signal_child(child: &tokio::process::Child, sig: rustix::process::Signal) {
     }
 }
 
-fn force_exit(why: &str) -> ! {
-    tracing::warn!("{why} during shutdown: exiting now");
+fn force_exit(signal: &str) -> ! {
+    tracing::warn!("a second {signal} during shutdown: exiting now");
     std::process::exit(EXIT_FORCED)
 }
 

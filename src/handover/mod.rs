@@ -58,45 +58,6 @@ pub const FDS_ENV: &str = "CLAWMUX_HANDOVER_FDS";
 /// The descriptor name of the control socket of a `SIGUSR2` upgrade.
 pub const CONTROL_FD_NAME: &str = "clawmux-control";
 
-/// Test hook (tests/it/handover.rs), read by both instances of an upgrade
-/// (the new one inherits it): where the new instance fails,
-/// `after-valid` (an error returned), `before-ready` or `after-commit` (it
-/// exits); or where an instance waits (at most 10 s) until a file exists:
-/// `hold-before-ready:<file>`, the new one before it says `ready`;
-/// `hold-before-exit:<file>`, the old one, once the new one serves,
-/// before it lets go of what it packed and exits.
-const UPGRADE_FAULT: &str = "CLAWMUX_TEST_UPGRADE_FAULT";
-
-/// [`UPGRADE_FAULT`], read only by a build with debug assertions (the test
-/// suite's): a release build, the one users install and run as a service,
-/// never looks at it, so no environment can make a broker fail on purpose.
-fn upgrade_fault() -> Option<String> {
-    if cfg!(debug_assertions) {
-        std::env::var(UPGRADE_FAULT).ok()
-    } else {
-        None
-    }
-}
-
-/// At a `hold-…:<file>` [`UPGRADE_FAULT`] named `point`: waits until that
-/// file exists, at most 10 s. Anywhere else (and in a release build) returns
-/// at once.
-async fn hold_at(point: &str) {
-    let Some(fault) = upgrade_fault() else {
-        return;
-    };
-    let Some(file) = fault.strip_prefix(point).and_then(|f| f.strip_prefix(':')) else {
-        return;
-    };
-    let file = std::path::Path::new(file);
-    for _ in 0..1000 {
-        if file.exists() {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-}
-
 /// Where the inherited descriptors came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {

@@ -8,8 +8,9 @@
 use std::time::Duration;
 
 use super::upgrade::{Predecessor, RELEASE_MARGIN, SERVE_TIMEOUT};
-use super::{hold_at, upgrade_fault, Inherited, Source, Taken, UPGRADE_FAULT};
+use super::{Inherited, Source, Taken};
 use crate::gate::Gate;
+use crate::test_hook::{hold_at, upgrade_fault, UPGRADE_FAULT};
 
 /// What a start takes over, and how it goes on.
 #[derive(Debug)]

@@ -94,7 +94,7 @@ impl Moved {
     /// not stay open in this process.
     pub async fn leave_to_exit(self) {
         lowest_priority();
-        super::hold_at("hold-before-exit").await;
+        crate::test_hook::hold_at("hold-before-exit").await;
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         self.let_go_then(move || {
             let _ = done_tx.send(());

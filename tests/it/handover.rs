@@ -631,10 +631,19 @@ struct Held {
 
 impl Held {
     async fn start(point: &str) -> Held {
+        Held::start_holding(&[point]).await
+    }
+
+    /// Each instance holds at each of `points` until `go` exists.
+    async fn start_holding(points: &[&str]) -> Held {
         let gw = MockGateway::start(mock_config()).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
         let go = dir.path().join("go");
-        let hold = format!("{point}:{}", go.display());
+        let hold = points
+            .iter()
+            .map(|point| format!("{point}:{}", go.display()))
+            .collect::<Vec<_>>()
+            .join(",");
         let (old, socket, log, _) = serve_configured(
             dir.path(),
             &gw,
@@ -658,10 +667,28 @@ impl Held {
     /// Upgraded once: the new instance serves, the old one holds before
     /// it exits.
     async fn before_exit() -> Held {
-        let h = Held::start("hold-before-exit").await;
+        Held::upgraded(Held::start("hold-before-exit").await).await
+    }
+
+    async fn upgraded(h: Held) -> Held {
         signal(&h.old.0, rustix::process::Signal::USR2);
         wait_log(&h.log, "upgrade: the new instance serves; exiting").await;
         h
+    }
+
+    /// The code of the client's close frame (the broker's log if the
+    /// connection ends without one).
+    async fn closed_with(&mut self) -> u16 {
+        loop {
+            match self.client.recv().await {
+                Got::Json(_) => continue,
+                Got::Close(code, _) => return code,
+                Got::Eof => panic!(
+                    "the connection ended without a close frame\n{}",
+                    log_text(&self.log)
+                ),
+            }
+        }
     }
 }
 
@@ -755,7 +782,7 @@ async fn a_stop_signalled_to_both_instances_during_an_upgrade_is_one_polite_stop
         "{}",
         log_text(&h.log)
     );
-    let (code, _) = h.client.expect_close().await;
+    let code = h.closed_with().await;
     assert_eq!(code, 1001, "a polite stop\n{}", log_text(&h.log));
     eventually("the new instance ends", || !alive(new)).await;
     let text = log_text(&h.log);
@@ -767,6 +794,40 @@ async fn a_stop_signalled_to_both_instances_during_an_upgrade_is_one_polite_stop
             || text.contains("a stop was asked as this process exits: passed on"),
         "{text}"
     );
+    assert!(!text.contains("a second SIGTERM"), "{text}");
+    assert!(text.contains("clawmux stopped"), "{text}");
+}
+
+/// The same group stop, its two signals in the other order: the old
+/// instance's first, passed on as the word `stop`, which the new instance
+/// acts on; its own `SIGTERM` comes while it stops (the test hook holds it
+/// there). That is the same stop, not a second one, which would force the
+/// stop (exit 3, the clients cut off without a close frame).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_stop_whose_signal_reaches_the_new_instance_after_the_word_is_one_polite_stop() {
+    let mut h =
+        Held::upgraded(Held::start_holding(&["hold-before-exit", "hold-in-stop"]).await).await;
+    let new = broker_pid(&h.socket).await;
+    assert_ne!(new, h.old.0.id(), "the new instance serves");
+    let _new = Pid(new);
+    signal(&h.old.0, rustix::process::Signal::TERM);
+    wait_log(&h.log, "a stop passed on by the previous instance").await;
+    signal_pid(new, rustix::process::Signal::TERM);
+    eventually("the new instance heard its own SIGTERM", || {
+        let text = log_text(&h.log);
+        text.contains("reached this process too: one stop") || text.contains("a second SIGTERM")
+    })
+    .await;
+    std::fs::write(&h.go, "").unwrap();
+    let code = h.closed_with().await;
+    assert_eq!(code, 1001, "a polite stop\n{}", log_text(&h.log));
+    assert!(
+        exits_with(&mut h.old.0).await.success(),
+        "{}",
+        log_text(&h.log)
+    );
+    eventually("the new instance ends", || !alive(new)).await;
+    let text = log_text(&h.log);
     assert!(!text.contains("a second SIGTERM"), "{text}");
     assert!(text.contains("clawmux stopped"), "{text}");
 }
@@ -1968,8 +2029,10 @@ async fn requests_not_yet_written_to_a_gateway_that_stopped_reading_are_each_ans
 /// instance, which answers each of its requests in flight (the gateway
 /// stopped reading: some written, some still queued) into its client's
 /// queue, with whether it was sent; the answers move with the client, once
-/// each, with a zero shutdown timeout too. The new instance opens its own
-/// connection.
+/// each, with a zero shutdown timeout too, and with the session taking
+/// 300 ms to answer them (the test hook): a handover that did not wait
+/// for its answers would pack their clients without them. The new
+/// instance opens its own connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_on_a_gateway_connection_that_cannot_move_are_answered_across_a_zero_timeout_handover(
 ) {
@@ -1986,7 +2049,8 @@ async fn requests_on_a_gateway_connection_that_cannot_move_are_answered_across_a
     let socket = dir.path().join("c.sock");
     let mut cmd = serve_stopping_within(Path::new(BIN), dir.path(), &socket, "0");
     cmd.args(["--gateway-url", &gw.url(), "--token", "test-token"])
-        .args(["--tls-fingerprint", &leaf.fingerprint]);
+        .args(["--tls-fingerprint", &leaf.fingerprint])
+        .env("CLAWMUX_TEST_UPGRADE_FAULT", "pause-before-answers:300");
     let log = log_to(&mut cmd, dir.path());
     let mut first = ChildGuard(cmd.spawn().unwrap());
     eventually("socket exists", || socket.exists()).await;

@@ -320,6 +320,11 @@ impl Connector {
                 end_reason.clone(),
             ));
         });
+        // A debug build's test hook: the answers below come late, so a
+        // handover that did not wait for them would pack without them.
+        if not_moved.is_some() {
+            crate::test_hook::pause_at("pause-before-answers").await;
+        }
         self.owner.ended(
             generation,
             &SessionEnded {
