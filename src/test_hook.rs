@@ -25,12 +25,18 @@ pub const UPGRADE_FAULT: &str = "CLAWMUX_TEST_UPGRADE_FAULT";
 
 /// [`UPGRADE_FAULT`]'s value, in a build with debug assertions (the test
 /// suite's) only.
-pub fn upgrade_fault() -> Option<String> {
+fn upgrade_fault() -> Option<String> {
     if cfg!(debug_assertions) {
         std::env::var(UPGRADE_FAULT).ok()
     } else {
         None
     }
+}
+
+/// Whether [`UPGRADE_FAULT`] names `point`, a point where the new instance
+/// fails.
+pub fn fails_at(point: &str) -> bool {
+    upgrade_fault().is_some_and(|fault| fault.split(',').any(|one| one == point))
 }
 
 /// What follows `point:` in [`UPGRADE_FAULT`], if it names `point`.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use super::upgrade::{Predecessor, RELEASE_MARGIN, SERVE_TIMEOUT};
 use super::{Inherited, Source, Taken};
 use crate::gate::Gate;
-use crate::test_hook::{hold_at, upgrade_fault, UPGRADE_FAULT};
+use crate::test_hook::{fails_at, hold_at, UPGRADE_FAULT};
 
 /// What a start takes over, and how it goes on.
 #[derive(Debug)]
@@ -53,7 +53,7 @@ pub async fn take(
             match result {
                 Ok(mut taken) => {
                     old.say("valid").await?;
-                    if upgrade_fault().as_deref() == Some("after-valid") {
+                    if fails_at("after-valid") {
                         // A start that fails as an error returned (its
                         // destructors run), once the state was valid.
                         // Said before the control socket closes: the old
@@ -110,13 +110,12 @@ pub async fn take(
 pub async fn commit(old: &mut Predecessor, gate: &Gate) {
     // Crash stand-ins for the tests: the new instance holds what it took
     // over 300 ms, then exits, before `ready` or after the commit.
-    let fault = upgrade_fault();
     let crash_at = |point: &'static str| async move {
         tokio::time::sleep(Duration::from_millis(300)).await;
         eprintln!("clawmux: {UPGRADE_FAULT}={point}: exiting");
         std::process::exit(1);
     };
-    if fault.as_deref() == Some("before-ready") {
+    if fails_at("before-ready") {
         crash_at("before-ready").await;
     }
     // Everything is taken over; the old instance waits for `ready`.
@@ -131,7 +130,7 @@ pub async fn commit(old: &mut Predecessor, gate: &Gate) {
         std::process::exit(1);
     }
     gate.open();
-    if fault.as_deref() == Some("after-commit") {
+    if fails_at("after-commit") {
         crash_at("after-commit").await;
     }
     // The main process first, then the word that lets the old one exit:
