@@ -66,19 +66,13 @@ pub async fn serve_until_stopped(
     let mut notifier = Notifier::start(broker.ctx());
     crate::upgrade_record::set_can_upgrade(upgrades.is_some());
     let signal_name = loop {
-        let stop_passed_on = async {
-            match &mut previous {
-                Some(p) => p.stop_asked().await,
-                None => std::future::pending().await,
-            }
-        };
         tokio::select! {
             // A stop signal first: one that reached this process too wins
             // over the same stop passed on by the previous instance.
             biased;
             _ = term.recv() => break "SIGTERM",
             _ = int.recv() => break "SIGINT",
-            asked = stop_passed_on => {
+            asked = stop_word(&mut previous) => {
                 if asked {
                     break PASSED_ON;
                 }
@@ -93,38 +87,37 @@ pub async fn serve_until_stopped(
                 tracing::info!(program = %program.path.display(), "SIGUSR2: handing over to a new instance");
                 crate::upgrade_record::attempt();
                 let target = broker.ctx().upstream().target();
+                // Heard from before the handover: a reload asked during it
+                // (the settings' own task reloads this instance, which is
+                // about to stop serving) is the new instance's too.
+                let mut hup =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
                 match old_instance::upgrade(broker, program, shutdown_timeout).await {
                     Outcome::Upgraded(next, moved) => {
-                        // A reload during the handover changed what this
-                        // instance connects to; the new one may have read
-                        // the settings before it: it reads them again.
-                        if notifier.ctx().upstream().target().differs(&target) {
+                        // A reload during the handover, or one that changed
+                        // what this instance connects to while the new one
+                        // may have read the settings before it: the new one
+                        // reads them again.
+                        let reloaded = hup.as_mut().is_some_and(arrived);
+                        if reloaded || notifier.ctx().upstream().target().differs(&target) {
                             signal_next(&next.child, rustix::process::Signal::HUP, "a reload");
                         }
                         // The new instance is the service now: no STOPPING=1.
                         notifier.abandon();
+                        // No broker serves in this process any more: a
+                        // `SIGHUP` here is the new instance's (passed on).
+                        drop(current);
+                        let mut relay = Relay::new(next, previous.take());
                         if keeps_its_terminal() {
                             moved.let_go();
-                            // No broker serves in this process any more: a
-                            // `SIGHUP` here is the new instance's (passed on).
-                            drop(current);
-                            return stand_in_for(next.child, term, usr2).await;
+                            return stand_in_for(relay, term, usr2, hup).await;
                         }
                         // A stop or another upgrade asked of this process
                         // while it handed over, or until it exits, is the
                         // new instance's now.
-                        // (`SIGHUP` heard here from now on, not by the
-                        // settings' own task, which had no broker to reload.)
-                        let hup = tokio::signal::unix::signal(
-                            tokio::signal::unix::SignalKind::hangup(),
-                        )
-                        .ok();
-                        drop(current);
-                        let mut next = next;
-                        let stopped =
-                            pass_on_pending(&mut next, &mut term, &mut int, &mut usr2).await;
+                        relay.pass_on_pending(&mut term, &mut int, &mut usr2).await;
                         let signals = Signals { term, int, usr2 };
-                        pass_on_until(moved.leave_to_exit(), next, signals, hup, stopped).await;
+                        relay.pass_on_until(moved.leave_to_exit(), signals, hup).await;
                         return Ok(());
                     }
                     Outcome::StillServing(b, why) => {
@@ -236,68 +229,160 @@ impl Stops {
     }
 }
 
-/// Passes what was asked of this process during a handover that succeeded
-/// on to the instance that took over: a stop (`SIGTERM`, `SIGINT`) as the
-/// word `stop` on the control socket, which that instance takes as the
-/// same stop as a signal of its own (a stop signalled to the whole group
-/// reaches both, and a second signal would force its stop); else another
-/// upgrade (`SIGUSR2`) as that signal. This process exits without acting
-/// on either. Returns whether a stop was passed on.
-async fn pass_on_pending(
-    next: &mut Next,
-    term: &mut tokio::signal::unix::Signal,
-    int: &mut tokio::signal::unix::Signal,
-    usr2: &mut tokio::signal::unix::Signal,
-) -> bool {
+/// Whether `signal` was received since it was last asked (without waiting).
+fn arrived(signal: &mut tokio::signal::unix::Signal) -> bool {
     use futures_util::FutureExt as _;
-    let arrived = |s: &mut tokio::signal::unix::Signal| s.recv().now_or_never().is_some();
-    let stop = arrived(term) | arrived(int);
-    let upgrade = arrived(usr2);
-    if stop {
-        pass_on_stop(next, "during the handover").await;
-    } else if upgrade {
-        signal_next(&next.child, rustix::process::Signal::USR2, "an upgrade");
-    }
-    stop
+    signal.recv().now_or_never().is_some()
 }
 
-/// Until `exit` (this process letting go of what it moved) is done: what
-/// is asked of this process by signal is passed on to the instance that
-/// took over, as [`pass_on_pending`] does (a stop once: `stopped`, it was
-/// already), and a `SIGHUP` as that signal. Letting go at the lowest
-/// priority can take a while on a busy machine, and this pid may be the
-/// one a script or a user knows the broker by.
-async fn pass_on_until(
-    exit: impl std::future::Future<Output = ()>,
-    mut next: Next,
-    signals: Signals,
-    mut hup: Option<tokio::signal::unix::Signal>,
-    mut stopped: bool,
-) {
-    let Signals {
-        mut term,
-        mut int,
-        mut usr2,
-    } = signals;
-    let hangup = async |hup: &mut Option<tokio::signal::unix::Signal>| match hup {
-        Some(hup) => hup.recv().await,
-        None => std::future::pending().await,
-    };
-    let mut exit = std::pin::pin!(exit);
-    loop {
-        tokio::select! {
-            () = &mut exit => return,
-            _ = term.recv(), if !stopped => {
-                stopped = true;
-                pass_on_stop(&mut next, "as this process exits").await;
-            }
-            _ = int.recv(), if !stopped => {
-                stopped = true;
-                pass_on_stop(&mut next, "as this process exits").await;
-            }
-            _ = usr2.recv() => signal_next(&next.child, rustix::process::Signal::USR2, "an upgrade"),
-            _ = hangup(&mut hup) => signal_next(&next.child, rustix::process::Signal::HUP, "a reload"),
+/// What this process, no longer serving after a handover that succeeded,
+/// passes on to the instance that took over ([`Next`]): what is asked of
+/// it by signal, and a stop its own predecessor passes on to it (it may
+/// still be there: it stands in for this one in a terminal, or it has not
+/// exited yet).
+///
+/// The first stop goes on as the word `stop` on the control socket, which
+/// the next instance takes as the same stop as a signal of its own: a stop
+/// signalled to the whole group (systemd, `kill %1` in a shell, `pkill`)
+/// reaches every instance, and a second signal would force its stop. This
+/// process's own signal and its predecessor's word, which come from one
+/// such stop in either order, are likewise one stop. A stop after that is
+/// a second one: it goes on as `SIGTERM`, which forces the next instance's
+/// stop.
+struct Relay {
+    next: Next,
+    previous: Option<Predecessor>,
+    /// A stop was passed on.
+    stopped: bool,
+    /// The stop passed on came from the predecessor's word: this process's
+    /// own first stop signal is that same stop.
+    same_stop_once: bool,
+}
+
+impl Relay {
+    fn new(next: Next, previous: Option<Predecessor>) -> Relay {
+        Relay {
+            next,
+            previous,
+            stopped: false,
+            same_stop_once: false,
         }
+    }
+
+    /// A `SIGTERM` (or, out of a terminal, a `SIGINT`) reached this process.
+    async fn stop_signalled(&mut self, when: &str) {
+        if !self.stopped {
+            self.stopped = true;
+            pass_on_stop(&mut self.next, when).await;
+        } else if std::mem::take(&mut self.same_stop_once) {
+            tracing::info!(
+                "the stop the previous instance passed on reached this process too: one stop"
+            );
+        } else {
+            signal_next(
+                &self.next.child,
+                rustix::process::Signal::TERM,
+                "a second stop",
+            );
+        }
+    }
+
+    /// The predecessor said `stop` (`asked`), or ended without.
+    async fn word(&mut self, asked: bool, when: &str) {
+        self.previous = None;
+        if asked && !self.stopped {
+            self.stopped = true;
+            self.same_stop_once = true;
+            pass_on_stop(&mut self.next, when).await;
+        }
+    }
+
+    /// Passes on what was asked of this process during the handover: a
+    /// stop; else another upgrade (`SIGUSR2`) as that signal. This process
+    /// exits without acting on either.
+    async fn pass_on_pending(
+        &mut self,
+        term: &mut tokio::signal::unix::Signal,
+        int: &mut tokio::signal::unix::Signal,
+        usr2: &mut tokio::signal::unix::Signal,
+    ) {
+        use futures_util::FutureExt as _;
+        let when = "during the handover";
+        if let Some(asked) = self
+            .previous
+            .as_mut()
+            .and_then(|p| p.stop_asked().now_or_never())
+        {
+            self.word(asked, when).await;
+        }
+        let stop = arrived(term) | arrived(int);
+        let upgrade = arrived(usr2);
+        if stop {
+            self.stop_signalled(when).await;
+        } else if upgrade {
+            signal_next(
+                &self.next.child,
+                rustix::process::Signal::USR2,
+                "an upgrade",
+            );
+        }
+    }
+
+    /// Until `exit` (this process letting go of what it moved) is done:
+    /// what is asked of this process is passed on, as
+    /// [`Relay::pass_on_pending`] does, and a `SIGHUP` as that signal.
+    /// Letting go at the lowest priority can take a while on a busy
+    /// machine, and this pid may be the one a script or a user knows the
+    /// broker by. A signal that arrives as the let-go ends is passed on
+    /// too.
+    async fn pass_on_until(
+        mut self,
+        exit: impl std::future::Future<Output = ()>,
+        signals: Signals,
+        mut hup: Option<tokio::signal::unix::Signal>,
+    ) {
+        let Signals {
+            mut term,
+            mut int,
+            mut usr2,
+        } = signals;
+        let when = "as this process exits";
+        let mut exit = std::pin::pin!(exit);
+        loop {
+            tokio::select! {
+                // What was asked first: a let-go that ends in the same poll
+                // does not drop it.
+                biased;
+                _ = term.recv() => self.stop_signalled(when).await,
+                _ = int.recv() => self.stop_signalled(when).await,
+                asked = stop_word(&mut self.previous) => self.word(asked, when).await,
+                _ = usr2.recv() => signal_next(&self.next.child, rustix::process::Signal::USR2, "an upgrade"),
+                _ = hangup(&mut hup) => signal_next(&self.next.child, rustix::process::Signal::HUP, "a reload"),
+                () = &mut exit => break,
+            }
+        }
+        self.pass_on_pending(&mut term, &mut int, &mut usr2).await;
+        if hup.as_mut().is_some_and(arrived) {
+            signal_next(&self.next.child, rustix::process::Signal::HUP, "a reload");
+        }
+    }
+}
+
+/// The predecessor's word ([`Predecessor::stop_asked`]); never, without one.
+async fn stop_word(previous: &mut Option<Predecessor>) -> bool {
+    match previous {
+        Some(p) => p.stop_asked().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The next `SIGHUP`; never, without its handler.
+async fn hangup(hup: &mut Option<tokio::signal::unix::Signal>) {
+    match hup {
+        Some(hup) => {
+            hup.recv().await;
+        }
+        None => std::future::pending().await,
     }
 }
 
@@ -370,31 +455,39 @@ fn keeps_its_terminal() -> bool {
 /// After an upgrade in a terminal: this process (the one the shell waits
 /// for) stays until the instance that took over ends, and exits with its
 /// status. Ctrl-C reaches that instance from the terminal itself (the same
-/// process group), so `SIGINT` is not passed on (twice would force its
-/// stop); `SIGTERM`, `SIGUSR2` and `SIGHUP` sent to this pid are, so
-/// `kill`, `kill -HUP` and `clawmux upgrade` work on the pid the shell
-/// shows as on the broker.
+/// process group), so `SIGINT` is not passed on. A stop (`SIGTERM`, or
+/// the word of the instance this one stands in for in turn) goes on as
+/// [`Relay`] says, and `SIGUSR2` and `SIGHUP` as those signals: `kill`,
+/// `kill %1`, `kill -HUP` and `clawmux upgrade` work on the pid the shell
+/// shows, however many upgrades the broker had.
 async fn stand_in_for(
-    mut next: tokio::process::Child,
+    mut relay: Relay,
     mut term: tokio::signal::unix::Signal,
     mut usr2: tokio::signal::unix::Signal,
+    hup: Option<tokio::signal::unix::Signal>,
 ) -> std::io::Result<()> {
     tracing::info!(
-        pid = next.id(),
+        pid = relay.next.child.id(),
         "upgrade: the new instance serves; this process stays for the terminal until it ends"
     );
-    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let mut hup = match hup {
+        Some(hup) => hup,
+        None => tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?,
+    };
+    let when = "of the process the terminal started";
     loop {
         tokio::select! {
-            status = next.wait() => {
-                let code = status?.code().unwrap_or(EXIT_FORCED);
-                std::process::exit(code);
-            }
-            _ = term.recv() => signal_child(&next, rustix::process::Signal::TERM),
-            _ = usr2.recv() => signal_child(&next, rustix::process::Signal::USR2),
+            biased;
+            _ = term.recv() => relay.stop_signalled(when).await,
+            asked = stop_word(&mut relay.previous) => relay.word(asked, when).await,
+            _ = usr2.recv() => signal_child(&relay.next.child, rustix::process::Signal::USR2),
             _ = hup.recv() => {
                 tracing::info!("SIGHUP passed on to the new instance");
-                signal_child(&next, rustix::process::Signal::HUP);
+                signal_child(&relay.next.child, rustix::process::Signal::HUP);
+            }
+            status = relay.next.child.wait() => {
+                let code = status?.code().unwrap_or(EXIT_FORCED);
+                std::process::exit(code);
             }
         }
     }

@@ -606,7 +606,7 @@ async fn a_stop_asked_during_an_upgrade_that_succeeds_stops_the_new_instance() {
     signal(&old.0, rustix::process::Signal::TERM);
     std::fs::write(&go, "").unwrap();
     assert!(exits_with(&mut old.0).await.success(), "{}", log_text(&log));
-    let (code, _) = client.expect_close().await;
+    let code = close_code(&mut client, &log).await;
     assert_eq!(code, 1001, "the new instance stopped\n{}", log_text(&log));
     wait_log(&log, "passed on to the new instance").await;
     eventually("no broker serves the socket", || {
@@ -679,15 +679,21 @@ impl Held {
     /// The code of the client's close frame (the broker's log if the
     /// connection ends without one).
     async fn closed_with(&mut self) -> u16 {
-        loop {
-            match self.client.recv().await {
-                Got::Json(_) => continue,
-                Got::Close(code, _) => return code,
-                Got::Eof => panic!(
-                    "the connection ended without a close frame\n{}",
-                    log_text(&self.log)
-                ),
-            }
+        close_code(&mut self.client, &self.log).await
+    }
+}
+
+/// The close code `client` gets, after any events; a connection that ends
+/// without a close frame (a forced stop) fails with the broker's `log`.
+async fn close_code(client: &mut WsClient, log: &Path) -> u16 {
+    loop {
+        match client.recv().await {
+            Got::Json(_) => continue,
+            Got::Close(code, _) => return code,
+            Got::Eof => panic!(
+                "the connection ended without a close frame\n{}",
+                log_text(log)
+            ),
         }
     }
 }
@@ -716,6 +722,86 @@ async fn a_stop_asked_of_the_old_instance_while_it_exits_stops_the_new_one() {
         serve_processes(&h.socket).is_empty()
     })
     .await;
+}
+
+/// Two upgrades in a row, the first instance still letting go (held) when
+/// the second hands over to a third: a stop sent to the first one's pid
+/// is passed on as the word `stop` to the second, which is no longer
+/// serving and relays it to the third, whether the word comes while the
+/// second hands over (`during`, the third held before it says `ready`) or
+/// after, as the second exits. The third stops politely (its client closed
+/// `1001`). Before, the second instance read its predecessor's word only
+/// while it served, and the stop was lost: the third served on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_asked_of_the_first_instance_reaches_the_third_when_the_second_upgrades_before_the_first_exits(
+) {
+    for during in [true, false] {
+        let gw = MockGateway::start(mock_config()).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let exit = dir.path().join("exit");
+        let ready = dir.path().join("ready");
+        let hold = format!(
+            "hold-before-exit:{},hold-before-ready:{}",
+            exit.display(),
+            ready.display()
+        );
+        // The first upgrade passes `ready` at once.
+        std::fs::write(&ready, "").unwrap();
+        let (mut first, socket, log, _) = serve_configured(
+            dir.path(),
+            &gw,
+            "",
+            &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
+        )
+        .await;
+        let mut client = WsClient::open(&socket, "/ws").await;
+        client.handshake().await;
+        signal(&first.0, rustix::process::Signal::USR2);
+        wait_log(&log, "upgrade: the new instance serves; exiting").await;
+        let second = broker_pid(&socket).await;
+        let _second = Pid(second);
+        if during {
+            std::fs::remove_file(&ready).unwrap();
+        }
+        signal_pid(second, rustix::process::Signal::USR2);
+        if during {
+            wait_log_times(&log, "took the clients over", 2).await;
+        } else {
+            wait_log_times(&log, "upgrade: the new instance serves; exiting", 2).await;
+        }
+        signal(&first.0, rustix::process::Signal::TERM);
+        wait_log(&log, "a stop was asked as this process exits: passed on").await;
+        if during {
+            std::fs::write(&ready, "").unwrap();
+        }
+        let code = close_code(&mut client, &log).await;
+        assert_eq!(code, 1001, "the third instance stopped\n{}", log_text(&log));
+        // The second one logs its pass-on once it has written it.
+        wait_log_times(&log, "passed on to the new instance", 2).await;
+        let text = log_text(&log);
+        assert_eq!(
+            text.matches("passed on to the new instance").count(),
+            2,
+            "each of the first two passed the stop on once\n{text}"
+        );
+        // The second relays the word during its handover, or as it exits.
+        let (relayed, times) = if during {
+            ("a stop was asked during the handover: passed on", 1)
+        } else {
+            ("a stop was asked as this process exits: passed on", 2)
+        };
+        assert_eq!(text.matches(relayed).count(), times, "{text}");
+        std::fs::write(&exit, "").unwrap();
+        assert!(
+            exits_with(&mut first.0).await.success(),
+            "{}",
+            log_text(&log)
+        );
+        eventually("no broker serves the socket", || {
+            serve_processes(&socket).is_empty()
+        })
+        .await;
+    }
 }
 
 /// As above, a reload (`SIGHUP`) and an upgrade (`SIGUSR2`) sent to the
@@ -3361,107 +3447,220 @@ async fn the_upgrade_command_reports_the_outcome_and_exits_by_it() {
     assert!(text.contains(&nowhere.display().to_string()), "{text}");
 }
 
+/// A broker started in a terminal, as a shell runs a foreground job: under
+/// a real pty, the controlling terminal of a new session whose leader (and
+/// process group) is the process the shell started. Upgraded `upgrades`
+/// times, with one client connected.
+struct InTerminal {
+    _gw: MockGateway,
+    _dir: tempfile::TempDir,
+    first: ChildGuard,
+    /// Every instance's pid, the first one's first.
+    pids: Vec<u32>,
+    _guards: Vec<Pid>,
+    master: OwnedFd,
+    screen: Arc<std::sync::Mutex<Vec<u8>>>,
+    reader: std::thread::JoinHandle<()>,
+    client: WsClient,
+}
+
+impl InTerminal {
+    async fn upgraded(upgrades: usize) -> InTerminal {
+        use std::os::fd::FromRawFd;
+        let gw = MockGateway::start(mock_config()).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("c.sock");
+        let (mut master, mut slave) = (0, 0);
+        // SAFETY: openpty writes two new descriptors into the integers it is
+        // given (the name, termios and size are not asked for); both are owned
+        // below exactly once.
+        let opened = unsafe {
+            libc::openpty(
+                &mut master,
+                &mut slave,
+                std::ptr::null_mut(),
+                std::ptr::null(),
+                std::ptr::null(),
+            )
+        };
+        assert_eq!(opened, 0, "openpty: {}", std::io::Error::last_os_error());
+        // SAFETY: fresh descriptors from openpty, owned by nothing else.
+        let (master, slave) =
+            unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+        let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+        cmd.stdin(slave.try_clone().unwrap())
+            .stdout(slave.try_clone().unwrap())
+            .stderr(slave.try_clone().unwrap());
+        // SAFETY: setsid and ioctl are async-signal-safe; the hook allocates
+        // nothing. The child leads a new session whose controlling terminal is
+        // the pty on its stdin, so the terminal's Ctrl-C reaches its group.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut first = ChildGuard(cmd.spawn().unwrap());
+        // The terminal's other end stays open only in the brokers, so reading
+        // it ends when the last of them has gone.
+        drop(cmd);
+        drop(slave);
+        // What the brokers write to the terminal, read so they never block on it.
+        let screen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let reader = {
+            let mut master = std::fs::File::from(master.try_clone().unwrap());
+            let screen = Arc::clone(&screen);
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n @ 1..) = std::io::Read::read(&mut master, &mut buf) {
+                    screen.lock().unwrap().extend_from_slice(&buf[..n]);
+                }
+            })
+        };
+        let seen = || String::from_utf8_lossy(&screen.lock().unwrap()).into_owned();
+        eventually("socket exists", || socket.exists()).await;
+        crate::http_api::until_ready(&socket).await;
+        let mut client = WsClient::open(&socket, "/ws").await;
+        client.handshake().await;
+        let mut pids = vec![first.0.id()];
+        for round in 1..=upgrades {
+            let (code, text) = upgrade_command(&socket, dir.path()).await;
+            assert_eq!(code, Some(0), "upgrade {round}: {text}\n{}", seen());
+            pids.push(broker_pid(&socket).await);
+            assert!(
+                first.0.try_wait().unwrap().is_none(),
+                "after upgrade {round} the process the shell started is still there\n{}",
+                seen()
+            );
+        }
+        let _guards = pids[1..].iter().map(|&p| Pid(p)).collect();
+        assert_eq!(
+            client.request("health", serde_json::json!({})).await["ok"],
+            true
+        );
+        InTerminal {
+            _gw: gw,
+            _dir: dir,
+            first,
+            pids,
+            _guards,
+            master,
+            screen,
+            reader,
+            client,
+        }
+    }
+
+    /// What the brokers wrote to the terminal so far.
+    fn seen(&self) -> String {
+        String::from_utf8_lossy(&self.screen.lock().unwrap()).into_owned()
+    }
+
+    /// `kill -TERM %1` in the shell: the job's whole process group.
+    fn kill_the_job(&self) {
+        let group = rustix::process::Pid::from_raw(self.first.0.id() as i32).unwrap();
+        rustix::process::kill_process_group(group, rustix::process::Signal::TERM).unwrap();
+    }
+
+    /// The broker stopped politely: the client was closed `1001` (a forced
+    /// stop closes nothing), the process the shell started exited 0 (3 when
+    /// forced), every instance ended, and the terminal is let go.
+    async fn stopped_politely(mut self) {
+        let code = loop {
+            match self.client.recv().await {
+                Got::Json(_) => continue,
+                Got::Close(code, _) => break code,
+                Got::Eof => panic!(
+                    "the connection ended without a close frame\n{}",
+                    self.seen()
+                ),
+            }
+        };
+        assert_eq!(code, 1001, "{}", self.seen());
+        let status = exits_with(&mut self.first.0).await;
+        assert!(status.success(), "{status:?}\n{}", self.seen());
+        for p in &self.pids[1..] {
+            eventually("every instance ends", || !alive(*p)).await;
+        }
+        let seen = self.seen();
+        assert!(seen.contains("stop requested"), "{seen}");
+        assert!(!seen.contains("during shutdown: exiting now"), "{seen}");
+        drop(self.master);
+        let _ = self.reader.join();
+    }
+}
+
 /// A broker started in a terminal keeps it across upgrades: the process the
 /// shell started stays (so the prompt does not come back while a broker
-/// still writes to the terminal) and Ctrl-C stops the broker, however many
-/// upgrades it had. Run under a real pty as the controlling terminal of a
-/// new session, as a shell runs a foreground job.
+/// still writes to the terminal), `kill -HUP` on its pid reloads the
+/// serving instance, and Ctrl-C stops the broker, however many upgrades it
+/// had.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_started_in_a_terminal_stops_on_ctrl_c_after_two_upgrades() {
-    use std::os::fd::FromRawFd;
-    let gw = MockGateway::start(mock_config()).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("c.sock");
-    let (mut master, mut slave) = (0, 0);
-    // SAFETY: openpty writes two new descriptors into the integers it is
-    // given (the name, termios and size are not asked for); both are owned
-    // below exactly once.
-    let opened = unsafe {
-        libc::openpty(
-            &mut master,
-            &mut slave,
-            std::ptr::null_mut(),
-            std::ptr::null(),
-            std::ptr::null(),
-        )
-    };
-    assert_eq!(opened, 0, "openpty: {}", std::io::Error::last_os_error());
-    // SAFETY: fresh descriptors from openpty, owned by nothing else.
-    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
-    let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
-    cmd.stdin(slave.try_clone().unwrap())
-        .stdout(slave.try_clone().unwrap())
-        .stderr(slave.try_clone().unwrap());
-    // SAFETY: setsid and ioctl are async-signal-safe; the hook allocates
-    // nothing. The child leads a new session whose controlling terminal is
-    // the pty on its stdin, so the terminal's Ctrl-C reaches its group.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let mut first = ChildGuard(cmd.spawn().unwrap());
-    // The terminal's other end stays open only in the brokers, so reading
-    // it ends when the last of them has gone.
-    drop(cmd);
-    drop(slave);
-    // What the brokers write to the terminal, read so they never block on it.
-    let screen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let reader = {
-        let mut master = std::fs::File::from(master.try_clone().unwrap());
-        let screen = Arc::clone(&screen);
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while let Ok(n @ 1..) = std::io::Read::read(&mut master, &mut buf) {
-                screen.lock().unwrap().extend_from_slice(&buf[..n]);
-            }
-        })
-    };
-    let seen = || String::from_utf8_lossy(&screen.lock().unwrap()).into_owned();
-    eventually("socket exists", || socket.exists()).await;
-    crate::http_api::until_ready(&socket).await;
-    let mut client = WsClient::open(&socket, "/ws").await;
-    client.handshake().await;
-    let mut pids = vec![first.0.id()];
-    for round in 1..=2 {
-        let (code, text) = upgrade_command(&socket, dir.path()).await;
-        assert_eq!(code, Some(0), "upgrade {round}: {text}\n{}", seen());
-        pids.push(broker_pid(&socket).await);
-        assert!(
-            first.0.try_wait().unwrap().is_none(),
-            "after upgrade {round} the process the shell started is still there\n{}",
-            seen()
-        );
-    }
-    let _guards: Vec<Pid> = pids[1..].iter().map(|&p| Pid(p)).collect();
-    assert_eq!(
-        client.request("health", serde_json::json!({})).await["ok"],
-        true
-    );
+    let t = InTerminal::upgraded(2).await;
     // `kill -HUP` on the pid the shell shows reloads the serving instance
     // (the process the shell started only passes it on).
-    signal(&first.0, rustix::process::Signal::HUP);
+    signal(&t.first.0, rustix::process::Signal::HUP);
     eventually("the reload passed on and done", || {
-        let seen = seen();
+        let seen = t.seen();
         seen.contains("SIGHUP passed on to the new instance")
             && seen.matches("settings reloaded").count() == 1
     })
     .await;
     // Ctrl-C, typed at the terminal.
     std::io::Write::write_all(
-        &mut std::fs::File::from(master.try_clone().unwrap()),
+        &mut std::fs::File::from(t.master.try_clone().unwrap()),
         b"\x03",
     )
     .unwrap();
-    let status = exits_with(&mut first.0).await;
-    assert!(status.success(), "{status:?}\n{}", seen());
-    for p in &pids[1..] {
-        eventually("every instance ends", || !alive(*p)).await;
+    t.stopped_politely().await;
+}
+
+/// `kill %1` in the shell signals the job's whole process group: every
+/// instance of an upgraded broker gets its own `SIGTERM`, and each process
+/// that stands in for the next passes the stop on too. That is one stop,
+/// polite, whichever process acts on it first (before, the serving
+/// instance took the stop passed on after its own for a second stop, and
+/// cut its clients off with exit 3). Each order is made by signalling the
+/// processes one at a time, the first one's stop awaited; then the group at
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_started_in_a_terminal_stops_politely_on_kill_of_its_job_after_one_and_two_upgrades(
+) {
+    for upgrades in [1, 2] {
+        for serving_first in [true, false] {
+            let t = InTerminal::upgraded(upgrades).await;
+            let mut order = t.pids.clone();
+            if serving_first {
+                order.reverse();
+            }
+            signal_pid(order[0], rustix::process::Signal::TERM);
+            eventually("the first stop acted on", || {
+                t.seen().contains("stop requested")
+            })
+            .await;
+            for &pid in &order[1..] {
+                // One that is gone already (a forced stop) fails below.
+                let pid = rustix::process::Pid::from_raw(pid as i32).unwrap();
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+            }
+            t.stopped_politely().await;
+        }
+        let t = InTerminal::upgraded(upgrades).await;
+        t.kill_the_job();
+        t.stopped_politely().await;
     }
-    assert!(seen().contains("stop requested"), "{}", seen());
-    drop(master);
-    let _ = reader.join();
+}
+
+/// `kill <pid>` with the pid the shell shows, after two upgrades: the stop
+/// reaches only that process, which passes it on to the next, which passes
+/// it on to the serving instance: a polite stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_started_in_a_terminal_stops_politely_on_kill_of_the_pid_the_shell_shows_after_two_upgrades(
+) {
+    let t = InTerminal::upgraded(2).await;
+    signal(&t.first.0, rustix::process::Signal::TERM);
+    t.stopped_politely().await;
 }
