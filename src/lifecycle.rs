@@ -37,9 +37,10 @@ pub const BACKSTOP_GRACE: Duration = Duration::from_secs(1);
 
 /// Runs until SIGTERM or SIGINT, then stops the broker within
 /// `shutdown_timeout`. Sends `READY=1` first and `STOPPING=1` on the signal.
-/// A second signal during the shutdown exits at once with [`EXIT_FORCED`]
-/// (a stop the previous instance passed on and this process's own signal,
-/// one stop signalled to both, in either order, count as one).
+/// A second stop during the shutdown exits at once with [`EXIT_FORCED`]
+/// (stops counted as [`StopCount`] says: a stop the previous instance
+/// passed on and this process's own signal, one stop signalled to both,
+/// in either order, are one).
 ///
 /// `SIGUSR2` hands the broker over to a new instance of `upgrades`
 /// ([`crate::handover::upgrade`]); when that fails, this one goes on
@@ -107,15 +108,18 @@ pub async fn serve_until_stopped(
                         // No broker serves in this process any more: a
                         // `SIGHUP` here is the new instance's (passed on).
                         drop(current);
+                        // A stop or another upgrade asked of this process
+                        // while it handed over (a Ctrl-C too: the new
+                        // instance may have started after it), or until it
+                        // exits, is the new instance's now.
                         let mut relay = Relay::new(next, previous.take());
+                        relay
+                            .pass_on_pending("during the handover", &mut term, &mut int, &mut usr2)
+                            .await;
                         if keeps_its_terminal() {
                             moved.let_go();
                             return stand_in_for(relay, term, usr2, hup).await;
                         }
-                        // A stop or another upgrade asked of this process
-                        // while it handed over, or until it exits, is the
-                        // new instance's now.
-                        relay.pass_on_pending(&mut term, &mut int, &mut usr2).await;
                         let signals = Signals { term, int, usr2 };
                         relay.pass_on_until(moved.leave_to_exit(), signals, hup).await;
                         return Ok(());
@@ -142,10 +146,17 @@ pub async fn serve_until_stopped(
     };
     tracing::info!(signal = signal_name, "stop requested");
     notifier.stopping();
+    let mut count = StopCount::default();
+    if signal_name == PASSED_ON {
+        count.word();
+    } else {
+        count.signal();
+    }
     let mut stops = Stops {
         term,
         int,
-        same_stop_once: signal_name == PASSED_ON,
+        previous,
+        count,
     };
     // The stop's own bound, and the process ends at most a grace after it.
     let may_store = crate::systemd::keeps_a_store();
@@ -197,36 +208,77 @@ pub async fn serve_until_stopped(
 /// on.
 const PASSED_ON: &str = "a stop passed on by the previous instance";
 
-/// The stop signals heard while the broker stops: a second stop forces it.
+/// How many stops were asked of this process. A stop reaches it as a
+/// signal of its own, as the word `stop` from the instance it took over
+/// from (which passes on the stops asked of it), or both: a stop sent to
+/// the whole group (systemd, `kill %1` in a shell, `pkill`) reaches every
+/// instance. So the count is the larger of the two, and a stop that comes
+/// both ways is one.
+#[derive(Default)]
+struct StopCount {
+    signals: u32,
+    words: u32,
+}
+
+impl StopCount {
+    fn stops(&self) -> u32 {
+        self.signals.max(self.words)
+    }
+
+    /// Counts a stop signal; whether it is a further stop.
+    fn signal(&mut self) -> bool {
+        let before = self.stops();
+        self.signals += 1;
+        self.stops() > before
+    }
+
+    /// Counts the predecessor's word; whether it is a further stop.
+    fn word(&mut self) -> bool {
+        let before = self.stops();
+        self.words += 1;
+        self.stops() > before
+    }
+}
+
+/// The stops heard while the broker stops, counted as [`StopCount`] says:
+/// a second stop forces it.
 struct Stops {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
-    /// The stop began as one the previous instance passed on: a stop
-    /// signalled to the whole group reaches both instances, and this
-    /// process's own signal may come after the word. The first signal is
-    /// then that same stop, not a second one.
-    same_stop_once: bool,
+    previous: Option<Predecessor>,
+    count: StopCount,
 }
 
 impl Stops {
-    /// The signal that forces the stop: the next `SIGTERM` or `SIGINT`
-    /// that is not the same stop.
+    /// What forces the stop: the next `SIGTERM`, `SIGINT` or word `stop`
+    /// that is not the same stop as one before.
     async fn second(&mut self) -> &'static str {
         loop {
-            let signal = tokio::select! {
-                _ = self.term.recv() => "SIGTERM",
-                _ = self.int.recv() => "SIGINT",
+            let (what, further) = tokio::select! {
+                _ = self.term.recv() => ("SIGTERM", self.count.signal()),
+                _ = self.int.recv() => ("SIGINT", self.count.signal()),
+                asked = stop_word(&mut self.previous) => {
+                    if !asked {
+                        self.previous = None;
+                        continue;
+                    }
+                    ("stop passed on by the previous instance", self.count.word())
+                }
             };
-            if std::mem::take(&mut self.same_stop_once) {
-                tracing::info!(
-                    signal,
-                    "the stop the previous instance passed on reached this process too: one stop"
-                );
-                continue;
+            if further {
+                return what;
             }
-            return signal;
+            one_stop(what);
         }
     }
+}
+
+/// Logs that `what` was the same stop as one already heard.
+fn one_stop(what: &str) {
+    tracing::info!(
+        what,
+        "the stop reached this process both as a signal and from the previous instance: one stop"
+    );
 }
 
 /// Whether `signal` was received since it was last asked (without waiting).
@@ -237,26 +289,18 @@ fn arrived(signal: &mut tokio::signal::unix::Signal) -> bool {
 
 /// What this process, no longer serving after a handover that succeeded,
 /// passes on to the instance that took over ([`Next`]): what is asked of
-/// it by signal, and a stop its own predecessor passes on to it (it may
+/// it by signal, and the stops its own predecessor passes on to it (it may
 /// still be there: it stands in for this one in a terminal, or it has not
 /// exited yet).
 ///
-/// The first stop goes on as the word `stop` on the control socket, which
-/// the next instance takes as the same stop as a signal of its own: a stop
-/// signalled to the whole group (systemd, `kill %1` in a shell, `pkill`)
-/// reaches every instance, and a second signal would force its stop. This
-/// process's own signal and its predecessor's word, which come from one
-/// such stop in either order, are likewise one stop. A stop after that is
-/// a second one: it goes on as `SIGTERM`, which forces the next instance's
-/// stop.
+/// Each stop, counted as [`StopCount`] says, goes on as the word `stop` on
+/// the control socket, which the next instance counts the same way: a stop
+/// sent to the whole group is one stop in every instance, and a second
+/// stop, however it reaches them, forces the serving instance's stop.
 struct Relay {
     next: Next,
     previous: Option<Predecessor>,
-    /// A stop was passed on.
-    stopped: bool,
-    /// The stop passed on came from the predecessor's word: this process's
-    /// own first stop signal is that same stop.
-    same_stop_once: bool,
+    count: StopCount,
 }
 
 impl Relay {
@@ -264,50 +308,41 @@ impl Relay {
         Relay {
             next,
             previous,
-            stopped: false,
-            same_stop_once: false,
+            count: StopCount::default(),
         }
     }
 
     /// A `SIGTERM` (or, out of a terminal, a `SIGINT`) reached this process.
     async fn stop_signalled(&mut self, when: &str) {
-        if !self.stopped {
-            self.stopped = true;
+        if self.count.signal() {
             pass_on_stop(&mut self.next, when).await;
-        } else if std::mem::take(&mut self.same_stop_once) {
-            tracing::info!(
-                "the stop the previous instance passed on reached this process too: one stop"
-            );
         } else {
-            signal_next(
-                &self.next.child,
-                rustix::process::Signal::TERM,
-                "a second stop",
-            );
+            one_stop("a stop signal");
         }
     }
 
     /// The predecessor said `stop` (`asked`), or ended without.
     async fn word(&mut self, asked: bool, when: &str) {
-        self.previous = None;
-        if asked && !self.stopped {
-            self.stopped = true;
-            self.same_stop_once = true;
+        if !asked {
+            self.previous = None;
+        } else if self.count.word() {
             pass_on_stop(&mut self.next, when).await;
+        } else {
+            one_stop("the previous instance's word");
         }
     }
 
-    /// Passes on what was asked of this process during the handover: a
-    /// stop; else another upgrade (`SIGUSR2`) as that signal. This process
-    /// exits without acting on either.
+    /// Passes on what was asked of this process and not heard yet (`when`,
+    /// for the log): a stop; else another upgrade (`SIGUSR2`) as that
+    /// signal. This process exits without acting on either.
     async fn pass_on_pending(
         &mut self,
+        when: &str,
         term: &mut tokio::signal::unix::Signal,
         int: &mut tokio::signal::unix::Signal,
         usr2: &mut tokio::signal::unix::Signal,
     ) {
         use futures_util::FutureExt as _;
-        let when = "during the handover";
         if let Some(asked) = self
             .previous
             .as_mut()
@@ -361,7 +396,8 @@ impl Relay {
                 () = &mut exit => break,
             }
         }
-        self.pass_on_pending(&mut term, &mut int, &mut usr2).await;
+        self.pass_on_pending(when, &mut term, &mut int, &mut usr2)
+            .await;
         if hup.as_mut().is_some_and(arrived) {
             signal_next(&self.next.child, rustix::process::Signal::HUP, "a reload");
         }
@@ -419,8 +455,11 @@ fn signal_child(child: &tokio::process::Child, sig: rustix::process::Signal) {
     }
 }
 
-fn force_exit(signal: &str) -> ! {
-    tracing::warn!("a second {signal} during shutdown: exiting now");
+/// Ends the process at once, after a second stop (`what`). Said on stderr
+/// directly, as the backstop does: the log's writer is a thread of its own,
+/// and the exit would not wait for it to write the line.
+fn force_exit(what: &str) -> ! {
+    eprintln!("clawmux: a second {what} during shutdown: exiting now");
     std::process::exit(EXIT_FORCED)
 }
 
@@ -516,4 +555,45 @@ pub async fn start_serving(
         new_instance::commit(old, &broker.ctx().handover.gate).await;
     }
     Ok((broker, previous))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopCount;
+
+    /// Counts `heard` in order ('s' a signal, 'w' a word); the stops.
+    fn stops(heard: &str) -> u32 {
+        let mut count = StopCount::default();
+        for h in heard.chars() {
+            match h {
+                's' => count.signal(),
+                _ => count.word(),
+            };
+        }
+        count.stops()
+    }
+
+    #[test]
+    fn a_stop_that_comes_both_as_a_signal_and_as_the_word_is_one_stop_in_either_order() {
+        assert_eq!(stops("sw"), 1);
+        assert_eq!(stops("ws"), 1);
+        assert_eq!(stops("swsw"), 2);
+        assert_eq!(stops("wssw"), 2);
+    }
+
+    #[test]
+    fn two_stops_that_come_one_way_are_two() {
+        assert_eq!(stops("ss"), 2);
+        assert_eq!(stops("ww"), 2);
+        assert_eq!(stops("wsw"), 2);
+    }
+
+    #[test]
+    fn whether_a_stop_is_a_further_one() {
+        let mut count = StopCount::default();
+        assert!(count.word());
+        assert!(!count.signal(), "the same stop");
+        assert!(count.signal(), "a second one");
+        assert!(!count.word(), "the second, passed on as well");
+    }
 }

@@ -13,8 +13,10 @@
 //!    again; from here the new one owns them, and opens its gate;
 //! 5. `serving` (new → old): systemd knows the new main process; the old
 //!    one exits;
-//! 6. `stop` (old → new), only when a stop was asked of the old instance
-//!    during the upgrade: the new one stops as on a stop signal of its own
+//! 6. `stop` (old → new), once for each stop asked of the old instance
+//!    during the upgrade or after it, while it is still there (it lets go
+//!    and exits, or it stays for its terminal): the new one counts it with
+//!    its own stop signals, a stop sent to both being one
 //!    ([`Next::ask_to_stop`]).
 //!
 //! So a moved socket is served by exactly one instance at a time: before
@@ -241,10 +243,11 @@ pub struct Next {
 }
 
 impl Next {
-    /// Says `stop`: a stop was asked of this instance during the handover
-    /// (the new one stops as on `SIGTERM`). Over the control socket, not as
-    /// a signal: a stop signalled to the whole group (systemd, a terminal)
-    /// has reached the new instance too, and a second signal would force it.
+    /// Says `stop`: a stop was asked of this instance (the new one counts
+    /// it as a stop). Over the control socket, not as a signal: a stop
+    /// signalled to the whole group (systemd, a terminal's job) has reached
+    /// the new instance too, which counts word and signal as one stop; two
+    /// signals would force its stop.
     pub async fn ask_to_stop(&mut self) -> std::io::Result<()> {
         tokio::time::timeout(Duration::from_secs(1), self.control.write_all(b"stop\n"))
             .await
@@ -274,8 +277,10 @@ impl Predecessor {
     }
 
     /// Once serving: waits for the old instance to say `stop` (a stop was
-    /// asked of it during the handover). False when it ends without (it
-    /// exited, the usual end) or says anything else.
+    /// asked of it), once per call. False when it ends without (it exited,
+    /// the usual end) or says anything else. Each word is written whole
+    /// (five bytes, one write), so a wait cancelled between words loses
+    /// none.
     pub async fn stop_asked(&mut self) -> bool {
         let mut line = [0u8; 5];
         self.control.read_exact(&mut line).await.is_ok() && &line == b"stop\n"

@@ -901,7 +901,7 @@ async fn a_group_stop_whose_signal_reaches_the_new_instance_after_the_word_is_on
     signal_pid(new, rustix::process::Signal::TERM);
     eventually("the new instance heard its own SIGTERM", || {
         let text = log_text(&h.log);
-        text.contains("reached this process too: one stop") || text.contains("a second SIGTERM")
+        text.contains("from the previous instance: one stop") || text.contains("a second SIGTERM")
     })
     .await;
     std::fs::write(&h.go, "").unwrap();
@@ -916,6 +916,41 @@ async fn a_group_stop_whose_signal_reaches_the_new_instance_after_the_word_is_on
     let text = log_text(&h.log);
     assert!(!text.contains("a second SIGTERM"), "{text}");
     assert!(text.contains("clawmux stopped"), "{text}");
+}
+
+/// Two stops sent to the old instance's pid while it exits are two stops:
+/// both go on as the word `stop`, and the second forces the new instance's
+/// stop (held inside its polite one by the test hook), as a second
+/// `SIGTERM` to a broker that did not upgrade does. Before, the new
+/// instance took the second for the same stop as the first and went on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_stop_sent_to_the_old_instance_while_it_exits_forces_the_new_instances_stop() {
+    let mut h =
+        Held::upgraded(Held::start_holding(&["hold-before-exit", "hold-in-stop"]).await).await;
+    let new = broker_pid(&h.socket).await;
+    assert_ne!(new, h.old.0.id(), "the new instance serves");
+    let _new = Pid(new);
+    signal(&h.old.0, rustix::process::Signal::TERM);
+    wait_log(&h.log, "stop requested").await;
+    signal(&h.old.0, rustix::process::Signal::TERM);
+    wait_log(
+        &h.log,
+        "a second stop passed on by the previous instance during shutdown: exiting now",
+    )
+    .await;
+    eventually("the new instance ends", || !alive(new)).await;
+    // The old instance still holds the moved sockets until it lets go.
+    std::fs::write(&h.go, "").unwrap();
+    assert!(
+        exits_with(&mut h.old.0).await.success(),
+        "{}",
+        log_text(&h.log)
+    );
+    assert!(
+        matches!(h.client.recv().await, Got::Eof),
+        "a forced stop closes nothing\n{}",
+        log_text(&h.log)
+    );
 }
 
 /// A broker run from a copy of the binary (replaceable, as an upgrade
@@ -3454,6 +3489,9 @@ async fn the_upgrade_command_reports_the_outcome_and_exits_by_it() {
 struct InTerminal {
     _gw: MockGateway,
     _dir: tempfile::TempDir,
+    socket: PathBuf,
+    /// Where the test hook's held points (if any) wait for a file.
+    go: PathBuf,
     first: ChildGuard,
     /// Every instance's pid, the first one's first.
     pids: Vec<u32>,
@@ -3466,6 +3504,29 @@ struct InTerminal {
 
 impl InTerminal {
     async fn upgraded(upgrades: usize) -> InTerminal {
+        let mut t = InTerminal::started(&[]).await;
+        for round in 1..=upgrades {
+            let (code, text) = upgrade_command(&t.socket, t._dir.path()).await;
+            assert_eq!(code, Some(0), "upgrade {round}: {text}\n{}", t.seen());
+            let pid = broker_pid(&t.socket).await;
+            t.pids.push(pid);
+            t._guards.push(Pid(pid));
+            assert!(
+                t.first.0.try_wait().unwrap().is_none(),
+                "after upgrade {round} the process the shell started is still there\n{}",
+                t.seen()
+            );
+        }
+        assert_eq!(
+            t.client.request("health", serde_json::json!({})).await["ok"],
+            true
+        );
+        t
+    }
+
+    /// Started, each instance holding at each of `points` until `go`
+    /// exists.
+    async fn started(points: &[&str]) -> InTerminal {
         use std::os::fd::FromRawFd;
         let gw = MockGateway::start(mock_config()).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
@@ -3488,6 +3549,13 @@ impl InTerminal {
         let (master, slave) =
             unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
         let mut cmd = serve_command(Path::new(BIN), dir.path(), &socket, &gw.url());
+        let go = dir.path().join("go");
+        let hold = points
+            .iter()
+            .map(|point| format!("{point}:{}", go.display()))
+            .collect::<Vec<_>>()
+            .join(",");
+        cmd.env("CLAWMUX_TEST_UPGRADE_FAULT", hold);
         cmd.stdin(slave.try_clone().unwrap())
             .stdout(slave.try_clone().unwrap())
             .stderr(slave.try_clone().unwrap());
@@ -3519,33 +3587,19 @@ impl InTerminal {
                 }
             })
         };
-        let seen = || String::from_utf8_lossy(&screen.lock().unwrap()).into_owned();
         eventually("socket exists", || socket.exists()).await;
         crate::http_api::until_ready(&socket).await;
         let mut client = WsClient::open(&socket, "/ws").await;
         client.handshake().await;
-        let mut pids = vec![first.0.id()];
-        for round in 1..=upgrades {
-            let (code, text) = upgrade_command(&socket, dir.path()).await;
-            assert_eq!(code, Some(0), "upgrade {round}: {text}\n{}", seen());
-            pids.push(broker_pid(&socket).await);
-            assert!(
-                first.0.try_wait().unwrap().is_none(),
-                "after upgrade {round} the process the shell started is still there\n{}",
-                seen()
-            );
-        }
-        let _guards = pids[1..].iter().map(|&p| Pid(p)).collect();
-        assert_eq!(
-            client.request("health", serde_json::json!({})).await["ok"],
-            true
-        );
+        let pids = vec![first.0.id()];
         InTerminal {
             _gw: gw,
             _dir: dir,
+            socket,
+            go,
             first,
             pids,
-            _guards,
+            _guards: Vec::new(),
             master,
             screen,
             reader,
@@ -3615,6 +3669,29 @@ async fn a_broker_started_in_a_terminal_stops_on_ctrl_c_after_two_upgrades() {
         b"\x03",
     )
     .unwrap();
+    t.stopped_politely().await;
+}
+
+/// A stop signalled to the process the shell started while it hands over
+/// (`kill -INT <pid>`: it reaches that process only; the new one is held
+/// with everything taken over) is passed on once the new instance serves:
+/// it stops politely. Before, the process that stays for the terminal
+/// dropped a `SIGINT` heard during the handover, and the new one served on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_signalled_to_the_terminals_process_during_an_upgrade_reaches_the_new_instance() {
+    let t = InTerminal::started(&["hold-before-ready"]).await;
+    signal(&t.first.0, rustix::process::Signal::USR2);
+    eventually("the new instance took the clients over", || {
+        t.seen().contains("took the clients over")
+    })
+    .await;
+    signal(&t.first.0, rustix::process::Signal::INT);
+    std::fs::write(&t.go, "").unwrap();
+    eventually("the stop passed on", || {
+        t.seen()
+            .contains("a stop was asked during the handover: passed on")
+    })
+    .await;
     t.stopped_politely().await;
 }
 
