@@ -3570,7 +3570,7 @@ impl InTerminal {
                 Ok(())
             });
         }
-        let mut first = ChildGuard(cmd.spawn().unwrap());
+        let first = ChildGuard(cmd.spawn().unwrap());
         // The terminal's other end stays open only in the brokers, so reading
         // it ends when the last of them has gone.
         drop(cmd);
