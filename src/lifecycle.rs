@@ -25,8 +25,10 @@ pub struct Signals {
     pub usr2: tokio::signal::unix::Signal,
 }
 
-/// Exit status when the stop was forced: a second SIGTERM/SIGINT during the
-/// shutdown, or the shutdown overran its deadline by [`BACKSTOP_GRACE`].
+/// Exit status when the stop was forced: a second stop during the shutdown
+/// (a `SIGTERM`/`SIGINT`, or after an upgrade a second stop the previous
+/// instance passed on), or the shutdown overran its deadline by
+/// [`BACKSTOP_GRACE`].
 pub const EXIT_FORCED: i32 = 3;
 
 /// How long after the stop's own bound (the shutdown deadline and the event
@@ -48,7 +50,8 @@ pub const BACKSTOP_GRACE: Duration = Duration::from_secs(1);
 /// Under a service manager that keeps a file descriptor store, a stop
 /// first stores the sockets clawmux bound itself for the next start.
 /// `previous`: the control socket of the instance this one took over
-/// from, which says `stop` when a stop was asked of it during the handover.
+/// from, which says `stop` for each stop asked of it while it is still
+/// there.
 pub async fn serve_until_stopped(
     mut broker: RunningBroker,
     shutdown_timeout: Duration,
@@ -68,8 +71,8 @@ pub async fn serve_until_stopped(
     crate::upgrade_record::set_can_upgrade(upgrades.is_some());
     let signal_name = loop {
         tokio::select! {
-            // A stop signal first: one that reached this process too wins
-            // over the same stop passed on by the previous instance.
+            // A stop signal first, so that the log names it when the same
+            // stop also came from the previous instance.
             biased;
             _ = term.recv() => break "SIGTERM",
             _ = int.recv() => break "SIGINT",
@@ -109,16 +112,15 @@ pub async fn serve_until_stopped(
                         // `SIGHUP` here is the new instance's (passed on).
                         drop(current);
                         // A stop or another upgrade asked of this process
-                        // while it handed over (a Ctrl-C too: the new
-                        // instance may have started after it), or until it
-                        // exits, is the new instance's now.
+                        // while it handed over, or until it exits, is the
+                        // new instance's now.
                         let mut relay = Relay::new(next, previous.take());
                         relay
                             .pass_on_pending("during the handover", &mut term, &mut int, &mut usr2)
                             .await;
                         if keeps_its_terminal() {
                             moved.let_go();
-                            return stand_in_for(relay, term, usr2, hup).await;
+                            return stand_in_for(relay, term, int, usr2, hup).await;
                         }
                         let signals = Signals { term, int, usr2 };
                         relay.pass_on_until(moved.leave_to_exit(), signals, hup).await;
@@ -312,7 +314,7 @@ impl Relay {
         }
     }
 
-    /// A `SIGTERM` (or, out of a terminal, a `SIGINT`) reached this process.
+    /// A `SIGTERM` or `SIGINT` reached this process.
     async fn stop_signalled(&mut self, when: &str) {
         if self.count.signal() {
             pass_on_stop(&mut self.next, when).await;
@@ -383,6 +385,11 @@ impl Relay {
         } = signals;
         let when = "as this process exits";
         let mut exit = std::pin::pin!(exit);
+        let mut let_go = false;
+        // Once let go: until the predecessor has ended too (its stops are
+        // relayed through here), at most RELAY_WAIT.
+        let linger = tokio::time::sleep(std::time::Duration::MAX);
+        let mut linger = std::pin::pin!(linger);
         loop {
             tokio::select! {
                 // What was asked first: a let-go that ends in the same poll
@@ -393,7 +400,19 @@ impl Relay {
                 asked = stop_word(&mut self.previous) => self.word(asked, when).await,
                 _ = usr2.recv() => signal_next(&self.next.child, rustix::process::Signal::USR2, "an upgrade"),
                 _ = hangup(&mut hup) => signal_next(&self.next.child, rustix::process::Signal::HUP, "a reload"),
-                () = &mut exit => break,
+                () = &mut exit, if !let_go => {
+                    let_go = true;
+                    if self.previous.is_some() {
+                        tracing::info!(
+                            "let go; relaying for the previous instance until it exits too"
+                        );
+                        linger.as_mut().reset(tokio::time::Instant::now() + RELAY_WAIT);
+                    }
+                }
+                () = &mut linger => break,
+            }
+            if let_go && self.previous.is_none() {
+                break;
             }
         }
         self.pass_on_pending(when, &mut term, &mut int, &mut usr2)
@@ -403,6 +422,11 @@ impl Relay {
         }
     }
 }
+
+/// How long an old instance that has let go stays for its own predecessor,
+/// which may still be letting go, so that a stop sent to that one's pid
+/// still reaches the serving instance through this one.
+const RELAY_WAIT: Duration = Duration::from_secs(5);
 
 /// The predecessor's word ([`Predecessor::stop_asked`]); never, without one.
 async fn stop_word(previous: &mut Option<Predecessor>) -> bool {
@@ -459,8 +483,15 @@ fn signal_child(child: &tokio::process::Child, sig: rustix::process::Signal) {
 /// directly, as the backstop does: the log's writer is a thread of its own,
 /// and the exit would not wait for it to write the line.
 fn force_exit(what: &str) -> ! {
-    eprintln!("clawmux: a second {what} during shutdown: exiting now");
+    say(&format!("a second {what} during shutdown: exiting now"));
     std::process::exit(EXIT_FORCED)
+}
+
+/// Writes `what` to stderr at once, as `clawmux: <what>`; a stderr that is
+/// gone (a closed pipe, a hung-up terminal) is not an error here.
+fn say(what: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "clawmux: {what}");
 }
 
 /// Ends the process after `after`, from a plain thread, so not even a stuck
@@ -470,10 +501,10 @@ fn arm_backstop(after: Duration) {
         .name("shutdown-backstop".into())
         .spawn(move || {
             std::thread::sleep(after);
-            eprintln!(
-                "clawmux: shutdown did not finish within {} ms; exiting",
+            say(&format!(
+                "shutdown did not finish within {} ms; exiting",
                 after.as_millis()
-            );
+            ));
             std::process::exit(EXIT_FORCED);
         });
     if let Err(e) = spawned {
@@ -493,15 +524,16 @@ fn keeps_its_terminal() -> bool {
 
 /// After an upgrade in a terminal: this process (the one the shell waits
 /// for) stays until the instance that took over ends, and exits with its
-/// status. Ctrl-C reaches that instance from the terminal itself (the same
-/// process group), so `SIGINT` is not passed on. A stop (`SIGTERM`, or
-/// the word of the instance this one stands in for in turn) goes on as
-/// [`Relay`] says, and `SIGUSR2` and `SIGHUP` as those signals: `kill`,
-/// `kill %1`, `kill -HUP` and `clawmux upgrade` work on the pid the shell
-/// shows, however many upgrades the broker had.
+/// status. A stop (`SIGTERM`, `SIGINT`, or the word of the instance this
+/// one stands in for in turn) goes on as [`Relay`] says, and `SIGUSR2` and
+/// `SIGHUP` as those signals: Ctrl-C (which the terminal sends to every
+/// process of the job), `kill`, `kill %1`, `kill -HUP` and
+/// `clawmux upgrade` work on the pid the shell shows, however many
+/// upgrades the broker had.
 async fn stand_in_for(
     mut relay: Relay,
     mut term: tokio::signal::unix::Signal,
+    mut int: tokio::signal::unix::Signal,
     mut usr2: tokio::signal::unix::Signal,
     hup: Option<tokio::signal::unix::Signal>,
 ) -> std::io::Result<()> {
@@ -518,6 +550,7 @@ async fn stand_in_for(
         tokio::select! {
             biased;
             _ = term.recv() => relay.stop_signalled(when).await,
+            _ = int.recv() => relay.stop_signalled(when).await,
             asked = stop_word(&mut relay.previous) => relay.word(asked, when).await,
             _ = usr2.recv() => signal_child(&relay.next.child, rustix::process::Signal::USR2),
             _ = hup.recv() => {

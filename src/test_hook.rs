@@ -16,7 +16,9 @@
 //! - where an instance takes its time: `pause-before-answers:<ms>`, a
 //!   gateway session that ends, before it answers its requests in flight.
 //!
-//! Several points go in one value, separated by commas.
+//! Several points go in one value, separated by commas. In a `<file>`,
+//! `%p` stands for the waiting process's pid, so a test can let one
+//! instance go on and hold the others.
 
 use std::time::Duration;
 
@@ -54,6 +56,7 @@ pub async fn hold_at(point: &str) {
     let Some(file) = argument(point) else {
         return;
     };
+    let file = file.replace("%p", &std::process::id().to_string());
     let file = std::path::Path::new(&file);
     for _ in 0..1000 {
         if file.exists() {

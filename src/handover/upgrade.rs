@@ -261,6 +261,8 @@ impl Next {
 #[derive(Debug)]
 pub struct Predecessor {
     control: tokio::net::UnixStream,
+    /// What was read of the old instance's next word, once serving.
+    partial: Vec<u8>,
 }
 
 impl Predecessor {
@@ -269,6 +271,7 @@ impl Predecessor {
         control.set_nonblocking(true)?;
         Ok(Predecessor {
             control: tokio::net::UnixStream::from_std(control)?,
+            partial: Vec::new(),
         })
     }
 
@@ -278,12 +281,23 @@ impl Predecessor {
 
     /// Once serving: waits for the old instance to say `stop` (a stop was
     /// asked of it), once per call. False when it ends without (it exited,
-    /// the usual end) or says anything else. Each word is written whole
-    /// (five bytes, one write), so a wait cancelled between words loses
-    /// none.
+    /// the usual end) or says anything else. Cancel-safe: what was read of
+    /// a word stays here for the next call.
     pub async fn stop_asked(&mut self) -> bool {
-        let mut line = [0u8; 5];
-        self.control.read_exact(&mut line).await.is_ok() && &line == b"stop\n"
+        loop {
+            if let Some(end) = self.partial.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.partial.drain(..=end).collect();
+                return line == b"stop\n";
+            }
+            if self.partial.len() > 64 {
+                return false;
+            }
+            let mut buf = [0u8; 64];
+            match self.control.read(&mut buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => self.partial.extend_from_slice(&buf[..n]),
+            }
+        }
     }
 
     /// After `ready`: waits for the old instance's `commit`. Anything else
@@ -393,5 +407,42 @@ impl Predecessor {
             narrower,
             leftovers: Vec::new(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write as _;
+    use std::time::Duration;
+
+    use super::Predecessor;
+
+    /// A wait for the old instance's word that is cancelled (a `select!`
+    /// that took another branch) after part of the word was read keeps that
+    /// part: the next wait reads the rest and sees the whole word.
+    #[tokio::test]
+    async fn a_word_read_across_a_cancelled_wait_is_still_the_word() {
+        let (mut old, new) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut previous = Predecessor::new(new).unwrap();
+        old.write_all(b"st").unwrap();
+        let cut = tokio::time::timeout(Duration::from_millis(100), previous.stop_asked()).await;
+        assert!(cut.is_err(), "half a word is no word yet");
+        old.write_all(b"op\nstop\n").unwrap();
+        for _ in 0..2 {
+            let asked = tokio::time::timeout(Duration::from_secs(5), previous.stop_asked())
+                .await
+                .expect("the word, read whole");
+            assert!(asked);
+        }
+        drop(old);
+        assert!(!previous.stop_asked().await, "the old instance ended");
+    }
+
+    #[tokio::test]
+    async fn anything_but_stop_is_not_a_stop() {
+        let (mut old, new) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut previous = Predecessor::new(new).unwrap();
+        old.write_all(b"stopp\n").unwrap();
+        assert!(!previous.stop_asked().await);
     }
 }

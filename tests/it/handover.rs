@@ -730,8 +730,7 @@ async fn a_stop_asked_of_the_old_instance_while_it_exits_stops_the_new_one() {
 /// serving and relays it to the third, whether the word comes while the
 /// second hands over (`during`, the third held before it says `ready`) or
 /// after, as the second exits. The third stops politely (its client closed
-/// `1001`). Before, the second instance read its predecessor's word only
-/// while it served, and the stop was lost: the third served on.
+/// `1001`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_asked_of_the_first_instance_reaches_the_third_when_the_second_upgrades_before_the_first_exits(
 ) {
@@ -802,6 +801,54 @@ async fn a_stop_asked_of_the_first_instance_reaches_the_third_when_the_second_up
         })
         .await;
     }
+}
+
+/// As above, the second instance done letting go before the stop reaches
+/// the first (each instance holds before it lets go until a file named
+/// with its own pid exists): the second stays, relaying, until the first
+/// has exited, so the stop still reaches the third.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_instance_that_has_let_go_relays_for_its_predecessor_until_that_one_exits() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let exit = |pid: u32| dir.path().join(format!("exit-{pid}"));
+    let hold = format!("hold-before-exit:{}", dir.path().join("exit-%p").display());
+    let (mut first, socket, log, _) = serve_configured(
+        dir.path(),
+        &gw,
+        "",
+        &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
+    )
+    .await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    signal(&first.0, rustix::process::Signal::USR2);
+    wait_log(&log, "upgrade: the new instance serves; exiting").await;
+    let second = broker_pid(&socket).await;
+    let _second = Pid(second);
+    signal_pid(second, rustix::process::Signal::USR2);
+    wait_log_times(&log, "upgrade: the new instance serves; exiting", 2).await;
+    let _third = Pid(broker_pid(&socket).await);
+    std::fs::write(exit(second), "").unwrap();
+    wait_log(
+        &log,
+        "relaying for the previous instance until it exits too",
+    )
+    .await;
+    signal(&first.0, rustix::process::Signal::TERM);
+    let code = close_code(&mut client, &log).await;
+    assert_eq!(code, 1001, "the third instance stopped\n{}", log_text(&log));
+    std::fs::write(exit(first.0.id()), "").unwrap();
+    assert!(
+        exits_with(&mut first.0).await.success(),
+        "{}",
+        log_text(&log)
+    );
+    eventually("the second instance ends with the first", || !alive(second)).await;
+    eventually("no broker serves the socket", || {
+        serve_processes(&socket).is_empty()
+    })
+    .await;
 }
 
 /// As above, a reload (`SIGHUP`) and an upgrade (`SIGUSR2`) sent to the
@@ -921,8 +968,7 @@ async fn a_group_stop_whose_signal_reaches_the_new_instance_after_the_word_is_on
 /// Two stops sent to the old instance's pid while it exits are two stops:
 /// both go on as the word `stop`, and the second forces the new instance's
 /// stop (held inside its polite one by the test hook), as a second
-/// `SIGTERM` to a broker that did not upgrade does. Before, the new
-/// instance took the second for the same stop as the first and went on.
+/// `SIGTERM` to a broker that did not upgrade does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_stop_sent_to_the_old_instance_while_it_exits_forces_the_new_instances_stop() {
     let mut h =
@@ -3504,7 +3550,13 @@ struct InTerminal {
 
 impl InTerminal {
     async fn upgraded(upgrades: usize) -> InTerminal {
-        let mut t = InTerminal::started(&[]).await;
+        InTerminal::upgraded_holding(upgrades, &[]).await
+    }
+
+    /// Upgraded `upgrades` times, each instance holding at each of
+    /// `points` until `go` exists.
+    async fn upgraded_holding(upgrades: usize, points: &[&str]) -> InTerminal {
+        let mut t = InTerminal::started(points).await;
         for round in 1..=upgrades {
             let (code, text) = upgrade_command(&t.socket, t._dir.path()).await;
             assert_eq!(code, Some(0), "upgrade {round}: {text}\n{}", t.seen());
@@ -3612,6 +3664,15 @@ impl InTerminal {
         String::from_utf8_lossy(&self.screen.lock().unwrap()).into_owned()
     }
 
+    /// Ctrl-C, typed at the terminal.
+    fn ctrl_c(&self) {
+        std::io::Write::write_all(
+            &mut std::fs::File::from(self.master.try_clone().unwrap()),
+            b"\x03",
+        )
+        .unwrap();
+    }
+
     /// `kill -TERM %1` in the shell: the job's whole process group.
     fn kill_the_job(&self) {
         let group = rustix::process::Pid::from_raw(self.first.0.id() as i32).unwrap();
@@ -3663,20 +3724,14 @@ async fn a_broker_started_in_a_terminal_stops_on_ctrl_c_after_two_upgrades() {
             && seen.matches("settings reloaded").count() == 1
     })
     .await;
-    // Ctrl-C, typed at the terminal.
-    std::io::Write::write_all(
-        &mut std::fs::File::from(t.master.try_clone().unwrap()),
-        b"\x03",
-    )
-    .unwrap();
+    t.ctrl_c();
     t.stopped_politely().await;
 }
 
 /// A stop signalled to the process the shell started while it hands over
 /// (`kill -INT <pid>`: it reaches that process only; the new one is held
 /// with everything taken over) is passed on once the new instance serves:
-/// it stops politely. Before, the process that stays for the terminal
-/// dropped a `SIGINT` heard during the handover, and the new one served on.
+/// it stops politely.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_signalled_to_the_terminals_process_during_an_upgrade_reaches_the_new_instance() {
     let t = InTerminal::started(&["hold-before-ready"]).await;
@@ -3695,12 +3750,35 @@ async fn a_stop_signalled_to_the_terminals_process_during_an_upgrade_reaches_the
     t.stopped_politely().await;
 }
 
+/// After `kill <pid>` on the pid the shell shows, a Ctrl-C is a second
+/// stop: it forces the stop (exit 3), as it does for a broker that did not
+/// upgrade. The serving instance is held inside its polite stop (the test
+/// hook), and the processes the terminal kept pass the Ctrl-C on as a
+/// second word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ctrl_c_after_a_kill_of_the_pid_the_shell_shows_forces_the_stop_after_two_upgrades() {
+    let mut t = InTerminal::upgraded_holding(2, &["hold-in-stop"]).await;
+    signal(&t.first.0, rustix::process::Signal::TERM);
+    eventually("the stop passed on", || t.seen().contains("stop requested")).await;
+    t.ctrl_c();
+    eventually("the stop forced", || {
+        t.seen().contains("during shutdown: exiting now")
+    })
+    .await;
+    let status = exits_with(&mut t.first.0).await;
+    assert_eq!(status.code(), Some(3), "{}", t.seen());
+    assert!(
+        !t.seen().contains("shutdown did not finish"),
+        "{}",
+        t.seen()
+    );
+}
+
 /// `kill %1` in the shell signals the job's whole process group: every
 /// instance of an upgraded broker gets its own `SIGTERM`, and each process
 /// that stands in for the next passes the stop on too. That is one stop,
-/// polite, whichever process acts on it first (before, the serving
-/// instance took the stop passed on after its own for a second stop, and
-/// cut its clients off with exit 3). Each order is made by signalling the
+/// polite (not a forced stop, exit 3), whichever process acts on it
+/// first. Each order is made by signalling the
 /// processes one at a time, the first one's stop awaited; then the group at
 /// once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
