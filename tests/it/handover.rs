@@ -1209,6 +1209,32 @@ async fn a_reload_during_an_upgrade_that_succeeds_reaches_the_new_instance() {
     h.assert_on_b().await;
 }
 
+/// A reload asked of the old instance during an upgrade that succeeds,
+/// whatever it changed, is passed on: the new instance, which read the
+/// settings at its start, reads them again (the log says `settings
+/// reloaded` twice, once for each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_reload_during_an_upgrade_that_succeeds_is_passed_on_to_the_new_instance() {
+    let mut h = TwoGateways::start_with(true).await;
+    signal(&h.old.0, rustix::process::Signal::USR2);
+    wait_log(&h.log, "took the clients over").await;
+    signal(&h.old.0, rustix::process::Signal::HUP);
+    wait_log(&h.log, "settings reloaded").await;
+    std::fs::write(h._dir.path().join("go"), "").unwrap();
+    assert!(
+        exits_with(&mut h.old.0).await.success(),
+        "{}",
+        log_text(&h.log)
+    );
+    let _new = Pid(broker_pid(&h.socket).await);
+    wait_log_times(&h.log, "settings reloaded", 2).await;
+    let text = log_text(&h.log);
+    assert!(
+        text.contains("a reload was asked of this instance: passed on"),
+        "{text}"
+    );
+}
+
 /// `clawmux serve` from the binary under test against the double `gw`,
 /// with `config.toml` in `dir` holding `config` and the environment `env`
 /// added, once its gateway session is ready: (the child, its socket, its
