@@ -68,7 +68,10 @@ impl Rig {
     }
 
     /// [`Rig::start`], with more arguments to `serve`.
-    async fn start_with(config: clawmux_mock::MockConfig, limits: &str, args: &[&str]) -> Rig {
+    async fn start_with(mut config: clawmux_mock::MockConfig, limits: &str, args: &[&str]) -> Rig {
+        // These tests read the frames a client gets one by one: no `tick`
+        // (every 30 s by default) among them, however slow the run.
+        config.tick_interval_ms = config.tick_interval_ms.max(3_600_000);
         let gw = MockGateway::start(config).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("c.sock");
