@@ -724,6 +724,24 @@ async fn a_stop_asked_of_the_old_instance_while_it_exits_stops_the_new_one() {
     .await;
 }
 
+/// A broker in `dir` against `gw`, the test hook set to `hold`, with one
+/// client connected, upgraded once: (the first instance, the socket, the
+/// log, the client, the second instance's pid).
+async fn upgraded_holding(
+    dir: &Path,
+    gw: &MockGateway,
+    hold: &str,
+) -> (ChildGuard, PathBuf, PathBuf, WsClient, u32) {
+    let (first, socket, log, _) =
+        serve_configured(dir, gw, "", &[("CLAWMUX_TEST_UPGRADE_FAULT", hold)]).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    signal(&first.0, rustix::process::Signal::USR2);
+    wait_log(&log, "upgrade: the new instance serves; exiting").await;
+    let second = broker_pid(&socket).await;
+    (first, socket, log, client, second)
+}
+
 /// Two upgrades in a row, the first instance still letting go (held) when
 /// the second hands over to a third: a stop sent to the first one's pid
 /// is passed on as the word `stop` to the second, which is no longer
@@ -746,18 +764,8 @@ async fn a_stop_asked_of_the_first_instance_reaches_the_third_when_the_second_up
         );
         // The first upgrade passes `ready` at once.
         std::fs::write(&ready, "").unwrap();
-        let (mut first, socket, log, _) = serve_configured(
-            dir.path(),
-            &gw,
-            "",
-            &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
-        )
-        .await;
-        let mut client = WsClient::open(&socket, "/ws").await;
-        client.handshake().await;
-        signal(&first.0, rustix::process::Signal::USR2);
-        wait_log(&log, "upgrade: the new instance serves; exiting").await;
-        let second = broker_pid(&socket).await;
+        let (mut first, socket, log, mut client, second) =
+            upgraded_holding(dir.path(), &gw, &hold).await;
         let _second = Pid(second);
         if during {
             std::fs::remove_file(&ready).unwrap();
@@ -813,18 +821,8 @@ async fn an_old_instance_that_has_let_go_relays_for_its_predecessor_until_that_o
     let dir = tempfile::tempdir().unwrap();
     let exit = |pid: u32| dir.path().join(format!("exit-{pid}"));
     let hold = format!("hold-before-exit:{}", dir.path().join("exit-%p").display());
-    let (mut first, socket, log, _) = serve_configured(
-        dir.path(),
-        &gw,
-        "",
-        &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
-    )
-    .await;
-    let mut client = WsClient::open(&socket, "/ws").await;
-    client.handshake().await;
-    signal(&first.0, rustix::process::Signal::USR2);
-    wait_log(&log, "upgrade: the new instance serves; exiting").await;
-    let second = broker_pid(&socket).await;
+    let (mut first, socket, log, mut client, second) =
+        upgraded_holding(dir.path(), &gw, &hold).await;
     let _second = Pid(second);
     signal_pid(second, rustix::process::Signal::USR2);
     wait_log_times(&log, "upgrade: the new instance serves; exiting", 2).await;
