@@ -68,7 +68,6 @@ pub async fn serve_until_stopped(
         mut usr2,
     } = signals;
     let mut notifier = Notifier::start(broker.ctx());
-    crate::upgrade_record::set_can_upgrade(upgrades.is_some());
     let signal_name = loop {
         tokio::select! {
             // A stop signal first, so that the log names it when the same

@@ -43,6 +43,13 @@ pub(crate) async fn serve(
     // instance commits, not even the socket files, however this start
     // fails; systemd's store has no old instance left to serve.
     let inherited = inherited.filter(|_| !args.demo);
+    let upgrades = if args.demo {
+        None
+    } else {
+        Some(clawmux::handover::upgrade::Program::current()?)
+    };
+    // Known before the broker answers: `clawmux upgrade` may ask at once.
+    clawmux::upgrade_record::set_can_upgrade(upgrades.is_some());
     let (broker, previous) =
         clawmux::lifecycle::start_serving(settings, inherited, activated, shutdown_timeout).await?;
     match &mut demo {
@@ -60,16 +67,12 @@ pub(crate) async fn serve(
     }
     let reload_args = (!args.demo).then(|| (args.settings.clone(), args.limits.clone()));
     let (current, ctx) = tokio::sync::watch::channel(std::sync::Arc::clone(broker.ctx()));
-    let upgrades = if args.demo {
-        None
-    } else {
-        Some(clawmux::handover::upgrade::Program::current()?)
-    };
     let stop = clawmux::lifecycle::Signals {
         term: signals.term,
         int: signals.int,
         usr2: signals.usr2,
     };
+    clawmux::test_hook::hold_at("hold-before-serving").await;
     tokio::select! {
         r = clawmux::lifecycle::serve_until_stopped(broker, shutdown_timeout, upgrades, Some(current), stop, previous) => r?,
         r = reload_on_sighup(ctx, reload_args, signals.hup) => r?,

@@ -13,6 +13,8 @@
 //!   `hold-before-exit:<file>`, the old one, once the new one serves,
 //!   before it lets go of what it packed and exits; `hold-in-stop:<file>`,
 //!   an instance that stops, before it closes its clients;
+//!   `hold-before-serving:<file>`, an instance that answers on its socket,
+//!   before it acts on its signals;
 //! - where an instance takes its time: `pause-before-answers:<ms>`, a
 //!   gateway session that ends, before it answers its requests in flight.
 //!

@@ -3491,6 +3491,36 @@ async fn upgrade_command(socket: &Path, dir: &Path) -> (Option<i32>, String) {
     (out.status.code(), text)
 }
 
+/// `clawmux upgrade` may ask as soon as the broker answers on its socket:
+/// `/v1/state` says it can hand over from its first answer (here the
+/// broker is held, by the test hook, between that and acting on its
+/// signals), and the upgrade asked then is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_says_it_can_hand_over_from_its_first_answer() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let hold = format!("hold-before-serving:{}", go.display());
+    let (mut first, socket, log, _) = serve_configured(
+        dir.path(),
+        &gw,
+        "",
+        &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
+    )
+    .await;
+    let st = state(&socket).await;
+    assert_eq!(st["broker"]["upgrade"]["can_upgrade"], true, "{st}");
+    std::fs::write(&go, "").unwrap();
+    let (code, text) = upgrade_command(&socket, dir.path()).await;
+    assert_eq!(code, Some(0), "{text}\n{}", log_text(&log));
+    let _new = Pid(broker_pid(&socket).await);
+    assert!(
+        exits_with(&mut first.0).await.success(),
+        "{}",
+        log_text(&log)
+    );
+}
+
 /// `clawmux upgrade` finds the broker behind the socket (not a process by
 /// name), hands it over and says what happened in one line, with an exit
 /// status a script can use: 0 and old pid → new pid with what moved; 1 and
