@@ -32,6 +32,31 @@ impl Drop for Pid {
     }
 }
 
+/// The pid of the `n`th new instance an upgrade started (from 1), from
+/// the broker's log.
+fn started_pid(log: &Path, n: usize) -> u32 {
+    log_text(log)
+        .lines()
+        .filter(|l| l.contains("upgrade: new instance started"))
+        .nth(n - 1)
+        .and_then(|l| l.split("pid=").nth(1))
+        .and_then(|p| p.split_whitespace().next())
+        .and_then(|p| p.parse().ok())
+        .expect("the new instance's pid in the log")
+}
+
+/// Every process of a process group, killed when dropped (a test that
+/// fails leaves none behind).
+struct Group(u32);
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        if let Some(pid) = rustix::process::Pid::from_raw(self.0 as i32) {
+            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
 fn alive(pid: u32) -> bool {
     let Some(p) = rustix::process::Pid::from_raw(pid as i32) else {
         return false;
@@ -776,6 +801,7 @@ async fn a_stop_asked_of_the_first_instance_reaches_the_third_when_the_second_up
         } else {
             wait_log_times(&log, "upgrade: the new instance serves; exiting", 2).await;
         }
+        let _third = Pid(started_pid(&log, 2));
         signal(&first.0, rustix::process::Signal::TERM);
         wait_log(&log, "a stop was asked as this process exits: passed on").await;
         if during {
@@ -826,7 +852,7 @@ async fn an_old_instance_that_has_let_go_relays_for_its_predecessor_until_that_o
     let _second = Pid(second);
     signal_pid(second, rustix::process::Signal::USR2);
     wait_log_times(&log, "upgrade: the new instance serves; exiting", 2).await;
-    let _third = Pid(broker_pid(&socket).await);
+    let _third = Pid(started_pid(&log, 2));
     std::fs::write(exit(second), "").unwrap();
     wait_log(
         &log,
@@ -896,13 +922,7 @@ async fn a_stop_signalled_to_both_instances_during_an_upgrade_is_one_polite_stop
     let mut h = Held::start("hold-before-ready").await;
     signal(&h.old.0, rustix::process::Signal::USR2);
     wait_log(&h.log, "took the clients over").await;
-    let new: u32 = log_text(&h.log)
-        .lines()
-        .find(|l| l.contains("upgrade: new instance started"))
-        .and_then(|l| l.split("pid=").nth(1))
-        .and_then(|p| p.split_whitespace().next())
-        .and_then(|p| p.parse().ok())
-        .expect("the new instance's pid in the log");
+    let new = started_pid(&h.log, 1);
     let _new = Pid(new);
     // The group's stop: both get it.
     signal(&h.old.0, rustix::process::Signal::TERM);
@@ -3596,6 +3616,8 @@ struct InTerminal {
     /// Every instance's pid, the first one's first.
     pids: Vec<u32>,
     _guards: Vec<Pid>,
+    /// The job: every instance, however many upgrades started.
+    _job: Group,
     master: OwnedFd,
     screen: Arc<std::sync::Mutex<Vec<u8>>>,
     reader: std::thread::JoinHandle<()>,
@@ -3698,6 +3720,7 @@ impl InTerminal {
         let mut client = WsClient::open(&socket, "/ws").await;
         client.handshake().await;
         let pids = vec![first.0.id()];
+        let _job = Group(first.0.id());
         InTerminal {
             _gw: gw,
             _dir: dir,
@@ -3706,6 +3729,7 @@ impl InTerminal {
             first,
             pids,
             _guards: Vec::new(),
+            _job,
             master,
             screen,
             reader,
