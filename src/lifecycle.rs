@@ -351,11 +351,14 @@ impl Relay {
         {
             self.word(asked, when).await;
         }
-        let stop = arrived(term) | arrived(int);
+        // Each of the two is a stop (two of one signal are one: the kernel
+        // keeps one pending).
+        let stops = usize::from(arrived(term)) + usize::from(arrived(int));
         let upgrade = arrived(usr2);
-        if stop {
+        for _ in 0..stops {
             self.stop_signalled(when).await;
-        } else if upgrade {
+        }
+        if stops == 0 && upgrade {
             signal_next(
                 &self.next.child,
                 rustix::process::Signal::USR2,
@@ -387,7 +390,7 @@ impl Relay {
         let mut let_go = false;
         // Once let go: until the predecessor has ended too (its stops are
         // relayed through here), at most RELAY_WAIT.
-        let linger = tokio::time::sleep(std::time::Duration::MAX);
+        let linger = tokio::time::sleep(RELAY_WAIT);
         let mut linger = std::pin::pin!(linger);
         loop {
             tokio::select! {
@@ -408,7 +411,7 @@ impl Relay {
                         linger.as_mut().reset(tokio::time::Instant::now() + RELAY_WAIT);
                     }
                 }
-                () = &mut linger => break,
+                () = &mut linger, if let_go => break,
             }
             if let_go && self.previous.is_none() {
                 break;
@@ -526,9 +529,8 @@ fn keeps_its_terminal() -> bool {
 /// status. A stop (`SIGTERM`, `SIGINT`, or the word of the instance this
 /// one stands in for in turn) goes on as [`Relay`] says, and `SIGUSR2` and
 /// `SIGHUP` as those signals: Ctrl-C (which the terminal sends to every
-/// process of the job), `kill`, `kill %1`, `kill -HUP` and
-/// `clawmux upgrade` work on the pid the shell shows, however many
-/// upgrades the broker had.
+/// process of the job), and `kill`, `kill %1` and `kill -HUP` with the pid
+/// or the job the shell shows, work however many upgrades the broker had.
 async fn stand_in_for(
     mut relay: Relay,
     mut term: tokio::signal::unix::Signal,

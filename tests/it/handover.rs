@@ -46,12 +46,23 @@ fn started_pid(log: &Path, n: usize) -> u32 {
 }
 
 /// Every process of a process group, killed when dropped (a test that
-/// fails leaves none behind).
-struct Group(u32);
+/// fails leaves none behind); dropped before its leader is reaped, so the
+/// group's id is still that group's.
+struct Group(Option<u32>);
+
+impl Group {
+    /// Kills nothing when dropped.
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
 
 impl Drop for Group {
     fn drop(&mut self) {
-        if let Some(pid) = rustix::process::Pid::from_raw(self.0 as i32) {
+        if let Some(pid) = self
+            .0
+            .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+        {
             let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
         }
     }
@@ -981,6 +992,50 @@ async fn a_group_stop_whose_signal_reaches_the_new_instance_after_the_word_is_on
     let text = log_text(&h.log);
     assert!(!text.contains("a second SIGTERM"), "{text}");
     assert!(text.contains("clawmux stopped"), "{text}");
+}
+
+/// A `SIGTERM` and a `SIGINT` sent to the old instance's pid while it hands
+/// over are two stops: both go on as the word `stop` once the new instance
+/// serves, and the second forces its stop (held inside its polite one by
+/// the test hook: a file named with its pid that never comes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_stops_sent_to_the_old_instance_during_the_handover_force_the_new_instances_stop() {
+    let gw = MockGateway::start(mock_config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let hold = format!(
+        "hold-before-ready:{},hold-in-stop:{}",
+        go.display(),
+        dir.path().join("never-%p").display()
+    );
+    let (mut old, socket, log, _) = serve_configured(
+        dir.path(),
+        &gw,
+        "",
+        &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
+    )
+    .await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    signal(&old.0, rustix::process::Signal::USR2);
+    wait_log(&log, "took the clients over").await;
+    let new = started_pid(&log, 1);
+    let _new = Pid(new);
+    signal(&old.0, rustix::process::Signal::TERM);
+    signal(&old.0, rustix::process::Signal::INT);
+    std::fs::write(&go, "").unwrap();
+    wait_log(
+        &log,
+        "a second stop passed on by the previous instance during shutdown: exiting now",
+    )
+    .await;
+    assert!(exits_with(&mut old.0).await.success(), "{}", log_text(&log));
+    eventually("the new instance ends", || !alive(new)).await;
+    assert!(
+        matches!(client.recv().await, Got::Eof),
+        "a forced stop closes nothing\n{}",
+        log_text(&log)
+    );
 }
 
 /// Two stops sent to the old instance's pid while it exits are two stops:
@@ -3607,6 +3662,9 @@ async fn the_upgrade_command_reports_the_outcome_and_exits_by_it() {
 /// process group) is the process the shell started. Upgraded `upgrades`
 /// times, with one client connected.
 struct InTerminal {
+    /// The job: every instance, however many upgrades started (dropped
+    /// before `first`, its leader, is reaped).
+    _job: Group,
     _gw: MockGateway,
     _dir: tempfile::TempDir,
     socket: PathBuf,
@@ -3616,8 +3674,6 @@ struct InTerminal {
     /// Every instance's pid, the first one's first.
     pids: Vec<u32>,
     _guards: Vec<Pid>,
-    /// The job: every instance, however many upgrades started.
-    _job: Group,
     master: OwnedFd,
     screen: Arc<std::sync::Mutex<Vec<u8>>>,
     reader: std::thread::JoinHandle<()>,
@@ -3720,8 +3776,9 @@ impl InTerminal {
         let mut client = WsClient::open(&socket, "/ws").await;
         client.handshake().await;
         let pids = vec![first.0.id()];
-        let _job = Group(first.0.id());
+        let _job = Group(Some(first.0.id()));
         InTerminal {
+            _job,
             _gw: gw,
             _dir: dir,
             socket,
@@ -3729,7 +3786,6 @@ impl InTerminal {
             first,
             pids,
             _guards: Vec::new(),
-            _job,
             master,
             screen,
             reader,
@@ -3773,6 +3829,9 @@ impl InTerminal {
         };
         assert_eq!(code, 1001, "{}", self.seen());
         let status = exits_with(&mut self.first.0).await;
+        // The job's leader waits for the rest: none is left, and its pid
+        // is reaped (it may be another group's now).
+        self._job.disarm();
         assert!(status.success(), "{status:?}\n{}", self.seen());
         for p in &self.pids[1..] {
             eventually("every instance ends", || !alive(*p)).await;
@@ -3844,6 +3903,7 @@ async fn a_ctrl_c_after_a_kill_of_the_pid_the_shell_shows_forces_the_stop_after_
     })
     .await;
     let status = exits_with(&mut t.first.0).await;
+    t._job.disarm();
     assert_eq!(status.code(), Some(3), "{}", t.seen());
     assert!(
         !t.seen().contains("shutdown did not finish"),
