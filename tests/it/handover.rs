@@ -680,15 +680,7 @@ impl Held {
             .map(|point| format!("{point}:{}", go.display()))
             .collect::<Vec<_>>()
             .join(",");
-        let (old, socket, log, _) = serve_configured(
-            dir.path(),
-            &gw,
-            "",
-            &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
-        )
-        .await;
-        let mut client = WsClient::open(&socket, "/ws").await;
-        client.handshake().await;
+        let (old, socket, log, client) = serve_hooked(dir.path(), &gw, &hold).await;
         Held {
             _gw: gw,
             _dir: dir,
@@ -704,6 +696,16 @@ impl Held {
     /// it exits.
     async fn before_exit() -> Held {
         Held::upgraded(Held::start("hold-before-exit").await).await
+    }
+
+    /// Upgraded once, the old instance holding before it exits and the new
+    /// one (its pid returned) holding inside its stop, when it stops.
+    async fn held_in_stop() -> (Held, u32) {
+        let h =
+            Held::upgraded(Held::start_holding(&["hold-before-exit", "hold-in-stop"]).await).await;
+        let new = broker_pid(&h.socket).await;
+        assert_ne!(new, h.old.0.id(), "the new instance serves");
+        (h, new)
     }
 
     async fn upgraded(h: Held) -> Held {
@@ -760,6 +762,20 @@ async fn a_stop_asked_of_the_old_instance_while_it_exits_stops_the_new_one() {
     .await;
 }
 
+/// A broker in `dir` against `gw`, the test hook set to `hook`, with one
+/// client connected: (the broker, its socket, its log, the client).
+async fn serve_hooked(
+    dir: &Path,
+    gw: &MockGateway,
+    hook: &str,
+) -> (ChildGuard, PathBuf, PathBuf, WsClient) {
+    let (broker, socket, log, _) =
+        serve_configured(dir, gw, "", &[("CLAWMUX_TEST_UPGRADE_FAULT", hook)]).await;
+    let mut client = WsClient::open(&socket, "/ws").await;
+    client.handshake().await;
+    (broker, socket, log, client)
+}
+
 /// A broker in `dir` against `gw`, the test hook set to `hold`, with one
 /// client connected, upgraded once: (the first instance, the socket, the
 /// log, the client, the second instance's pid).
@@ -768,10 +784,7 @@ async fn upgraded_holding(
     gw: &MockGateway,
     hold: &str,
 ) -> (ChildGuard, PathBuf, PathBuf, WsClient, u32) {
-    let (first, socket, log, _) =
-        serve_configured(dir, gw, "", &[("CLAWMUX_TEST_UPGRADE_FAULT", hold)]).await;
-    let mut client = WsClient::open(&socket, "/ws").await;
-    client.handshake().await;
+    let (first, socket, log, client) = serve_hooked(dir, gw, hold).await;
     signal(&first.0, rustix::process::Signal::USR2);
     wait_log(&log, "upgrade: the new instance serves; exiting").await;
     let second = broker_pid(&socket).await;
@@ -967,10 +980,7 @@ async fn a_stop_signalled_to_both_instances_during_an_upgrade_is_one_polite_stop
 /// stop (exit 3, the clients cut off without a close frame).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_stop_whose_signal_reaches_the_new_instance_after_the_word_is_one_polite_stop() {
-    let mut h =
-        Held::upgraded(Held::start_holding(&["hold-before-exit", "hold-in-stop"]).await).await;
-    let new = broker_pid(&h.socket).await;
-    assert_ne!(new, h.old.0.id(), "the new instance serves");
+    let (mut h, new) = Held::held_in_stop().await;
     let _new = Pid(new);
     signal(&h.old.0, rustix::process::Signal::TERM);
     wait_log(&h.log, "a stop passed on by the previous instance").await;
@@ -1008,15 +1018,7 @@ async fn two_stops_sent_to_the_old_instance_during_the_handover_force_the_new_in
         go.display(),
         dir.path().join("never-%p").display()
     );
-    let (mut old, socket, log, _) = serve_configured(
-        dir.path(),
-        &gw,
-        "",
-        &[("CLAWMUX_TEST_UPGRADE_FAULT", hold.as_str())],
-    )
-    .await;
-    let mut client = WsClient::open(&socket, "/ws").await;
-    client.handshake().await;
+    let (mut old, _socket, log, mut client) = serve_hooked(dir.path(), &gw, &hold).await;
     signal(&old.0, rustix::process::Signal::USR2);
     wait_log(&log, "took the clients over").await;
     let new = started_pid(&log, 1);
@@ -1044,10 +1046,7 @@ async fn two_stops_sent_to_the_old_instance_during_the_handover_force_the_new_in
 /// `SIGTERM` to a broker that did not upgrade does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_stop_sent_to_the_old_instance_while_it_exits_forces_the_new_instances_stop() {
-    let mut h =
-        Held::upgraded(Held::start_holding(&["hold-before-exit", "hold-in-stop"]).await).await;
-    let new = broker_pid(&h.socket).await;
-    assert_ne!(new, h.old.0.id(), "the new instance serves");
+    let (mut h, new) = Held::held_in_stop().await;
     let _new = Pid(new);
     signal(&h.old.0, rustix::process::Signal::TERM);
     wait_log(&h.log, "stop requested").await;
@@ -1149,6 +1148,22 @@ impl TwoGateways {
     fn reload_to_b(&self) {
         Self::write_config(&self.config, &self.gw_b.url(), "token-b");
         signal(&self.old.0, rustix::process::Signal::HUP);
+    }
+
+    /// Upgraded (started holding), with `reload` done while the new
+    /// instance is held with everything taken over; the new instance.
+    async fn upgraded_with_a_reload(&mut self, reload: impl FnOnce(&TwoGateways)) -> Pid {
+        signal(&self.old.0, rustix::process::Signal::USR2);
+        wait_log(&self.log, "took the clients over").await;
+        reload(self);
+        wait_log(&self.log, "settings reloaded").await;
+        std::fs::write(self._dir.path().join("go"), "").unwrap();
+        assert!(
+            exits_with(&mut self.old.0).await.success(),
+            "{}",
+            log_text(&self.log)
+        );
+        Pid(broker_pid(&self.socket).await)
     }
 
     /// After an upgrade failed: the instance serving again is the old one,
@@ -1268,17 +1283,7 @@ async fn a_reload_during_an_upgrade_that_fails_is_kept_by_the_instance_serving_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_during_an_upgrade_that_succeeds_reaches_the_new_instance() {
     let mut h = TwoGateways::start_with(true).await;
-    signal(&h.old.0, rustix::process::Signal::USR2);
-    wait_log(&h.log, "took the clients over").await;
-    h.reload_to_b();
-    wait_log(&h.log, "settings reloaded").await;
-    std::fs::write(h._dir.path().join("go"), "").unwrap();
-    assert!(
-        exits_with(&mut h.old.0).await.success(),
-        "{}",
-        log_text(&h.log)
-    );
-    let _new = Pid(broker_pid(&h.socket).await);
+    let _new = h.upgraded_with_a_reload(TwoGateways::reload_to_b).await;
     h.assert_on_b().await;
 }
 
@@ -1289,17 +1294,9 @@ async fn a_reload_during_an_upgrade_that_succeeds_reaches_the_new_instance() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn any_reload_during_an_upgrade_that_succeeds_is_passed_on_to_the_new_instance() {
     let mut h = TwoGateways::start_with(true).await;
-    signal(&h.old.0, rustix::process::Signal::USR2);
-    wait_log(&h.log, "took the clients over").await;
-    signal(&h.old.0, rustix::process::Signal::HUP);
-    wait_log(&h.log, "settings reloaded").await;
-    std::fs::write(h._dir.path().join("go"), "").unwrap();
-    assert!(
-        exits_with(&mut h.old.0).await.success(),
-        "{}",
-        log_text(&h.log)
-    );
-    let _new = Pid(broker_pid(&h.socket).await);
+    let _new = h
+        .upgraded_with_a_reload(|h| signal(&h.old.0, rustix::process::Signal::HUP))
+        .await;
     wait_log_times(&h.log, "settings reloaded", 2).await;
     let text = log_text(&h.log);
     assert!(
