@@ -147,17 +147,11 @@ pub async fn serve_until_stopped(
     };
     tracing::info!(signal = signal_name, "stop requested");
     notifier.stopping();
-    let mut count = StopCount::default();
-    if signal_name == PASSED_ON {
-        count.word();
-    } else {
-        count.signal();
-    }
     let mut stops = Stops {
         term,
         int,
         previous,
-        count,
+        count: StopCount::first(signal_name),
     };
     // The stop's own bound, and the process ends at most a grace after it.
     let may_store = crate::systemd::keeps_a_store();
@@ -222,22 +216,43 @@ struct StopCount {
 }
 
 impl StopCount {
+    /// Begun with the first stop: `PASSED_ON`, else a signal.
+    fn first(what: &str) -> StopCount {
+        let mut count = StopCount::default();
+        if what == PASSED_ON {
+            count.word();
+        } else {
+            count.signal();
+        }
+        count
+    }
+
     fn stops(&self) -> u32 {
         self.signals.max(self.words)
     }
 
     /// Counts a stop signal; whether it is a further stop.
     fn signal(&mut self) -> bool {
-        let before = self.stops();
-        self.signals += 1;
-        self.stops() > before
+        self.count(|c| c.signals += 1, "a stop signal")
     }
 
     /// Counts the predecessor's word; whether it is a further stop.
     fn word(&mut self) -> bool {
+        self.count(|c| c.words += 1, "the previous instance's word")
+    }
+
+    /// Counts one with `add`; logs when `what` was a stop already heard.
+    fn count(&mut self, add: impl FnOnce(&mut StopCount), what: &str) -> bool {
         let before = self.stops();
-        self.words += 1;
-        self.stops() > before
+        add(self);
+        let further = self.stops() > before;
+        if !further {
+            tracing::info!(
+                what,
+                "the stop reached this process both as a signal and from the previous instance: one stop"
+            );
+        }
+        further
     }
 }
 
@@ -269,17 +284,8 @@ impl Stops {
             if further {
                 return what;
             }
-            one_stop(what);
         }
     }
-}
-
-/// Logs that `what` was the same stop as one already heard.
-fn one_stop(what: &str) {
-    tracing::info!(
-        what,
-        "the stop reached this process both as a signal and from the previous instance: one stop"
-    );
 }
 
 /// Whether `signal` was received since it was last asked (without waiting).
@@ -317,8 +323,6 @@ impl Relay {
     async fn stop_signalled(&mut self, when: &str) {
         if self.count.signal() {
             pass_on_stop(&mut self.next, when).await;
-        } else {
-            one_stop("a stop signal");
         }
     }
 
@@ -328,8 +332,6 @@ impl Relay {
             self.previous = None;
         } else if self.count.word() {
             pass_on_stop(&mut self.next, when).await;
-        } else {
-            one_stop("the previous instance's word");
         }
     }
 
@@ -536,16 +538,12 @@ async fn stand_in_for(
     mut term: tokio::signal::unix::Signal,
     mut int: tokio::signal::unix::Signal,
     mut usr2: tokio::signal::unix::Signal,
-    hup: Option<tokio::signal::unix::Signal>,
+    mut hup: Option<tokio::signal::unix::Signal>,
 ) -> std::io::Result<()> {
     tracing::info!(
         pid = relay.next.child.id(),
         "upgrade: the new instance serves; this process stays for the terminal until it ends"
     );
-    let mut hup = match hup {
-        Some(hup) => hup,
-        None => tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?,
-    };
     let when = "of the process the terminal started";
     loop {
         tokio::select! {
@@ -554,7 +552,7 @@ async fn stand_in_for(
             _ = int.recv() => relay.stop_signalled(when).await,
             asked = stop_word(&mut relay.previous) => relay.word(asked, when).await,
             _ = usr2.recv() => signal_child(&relay.next.child, rustix::process::Signal::USR2),
-            _ = hup.recv() => {
+            _ = hangup(&mut hup) => {
                 tracing::info!("SIGHUP passed on to the new instance");
                 signal_child(&relay.next.child, rustix::process::Signal::HUP);
             }
